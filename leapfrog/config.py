@@ -1,0 +1,44 @@
+"""Engine configuration (frozen dataclasses, validated; env vars would be read here only)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from leapfrog.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None       # default: min(model's max_position_embeddings, 4096)
+    max_num_seqs: int = 16                 # KV rows: concurrent sequences
+    max_num_batched_tokens: int = 2048     # prompt tokens computed per step (chunked prefill)
+    allow_pickle: bool = False
+    skip_tokenizer_init: bool = False
+    speculative_config: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name}={v!r}: must be a positive integer")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ConfigError(f"max_model_len={self.max_model_len!r}: must be an integer >= 2")
+        if self.device not in ("auto", "cpu") and not str(self.device).startswith("cuda"):
+            raise ConfigError(f"device={self.device!r}: use 'auto', 'cpu' or 'cuda[:N]'")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ConfigError(f"seed={self.seed!r}: must be an integer")
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if str(self.device).startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError(f"device={self.device!r} but CUDA is not available on this machine")
+        return torch.device(self.device)

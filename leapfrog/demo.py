@@ -1,0 +1,95 @@
+"""Small real checkpoints made on the spot: a BPE tokenizer trained with ``tokenizers`` and a
+Llama-family model saved with ``transformers`` (safetensors + config.json + tokenizer files).
+
+``default_model()`` is what ``LLM()`` and ``leapfrog generate`` use when no model is given.
+Until the trained demo pair ships inside the package, it is a tiny *random-init* Llama with
+a tokenizer trained on a few files of the Python standard library, created once under
+``~/.cache/leapfrog`` (or ``$LEAPFROG_CACHE``): the engine runs end to end offline, but the
+text it prints is not meaningful.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]
+_STDLIB_FILES = ["textwrap.py", "string.py", "bisect.py", "heapq.py", "fnmatch.py", "colorsys.py",
+                 "keyword.py", "this.py", "queue.py", "shlex.py"]
+
+
+def stdlib_sample_text(max_chars: int = 400_000) -> str:
+    """A few standard-library source files (PSF license), the same on every Python 3.11+."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    parts = []
+    for name in _STDLIB_FILES:
+        f = root / name
+        if f.is_file():
+            parts.append(f.read_text(encoding="utf-8", errors="replace"))
+    text = "\n".join(parts) or "def f(x):\n    return x + 1\n" * 100
+    return text[:max_chars]
+
+
+def build_tokenizer(text: str, vocab_size: int):
+    """Byte-level BPE (GPT-2 style) -> transformers PreTrainedTokenizerFast with a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([text], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def save_random_llama(path: str | os.PathLike, tokenizer, *, arch: str = "llama", seed: int = 0,
+                      dtype: str = "float32", max_shard_size: str | None = None, **config: Any) -> Path:
+    """A random-init checkpoint of ``arch`` (llama | mistral | qwen2) with ``tokenizer`` saved beside it."""
+    import torch
+    import transformers as tf
+
+    classes = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+               "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+               "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM)}
+    cfg_cls, model_cls = classes[arch]
+    defaults = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                    bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    cfg = cfg_cls(**{**defaults, **config})
+    torch.manual_seed(seed)
+    model = model_cls(cfg).to(getattr(torch, dtype)).eval()
+    path = Path(path)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, safe_serialization=True, **kwargs)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("LEAPFROG_CACHE", Path.home() / ".cache" / "leapfrog"))
+
+
+def default_model() -> tuple[str, dict[str, Any] | None]:
+    """(model path, default speculative_config) of the built-in default model, created on first use."""
+    path = cache_dir() / "tiny-random-llama-v1"
+    if not (path / "config.json").is_file():
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        tok = build_tokenizer(stdlib_sample_text(), vocab_size=1024)
+        save_random_llama(tmp, tok, seed=0, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            tmp.rename(path)
+        except OSError:  # another process won the race
+            pass
+    return str(path), {"method": "ngram", "num_speculative_tokens": 4}

@@ -1,0 +1,75 @@
+"""A request as the engine tracks it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from leapfrog.engine.detokenizer import Detokenizer
+from leapfrog.outputs import CompletionOutput, RequestMetrics
+from leapfrog.sampling.sampler import RowSpec
+from leapfrog.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    detok: Detokenizer | None
+    eos_ids: tuple[int, ...]
+    max_tokens: int                        # resolved against max_model_len
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    row: int | None = None                 # KV cache row while running
+    num_computed: int = 0                  # tokens whose KV is in the cache (mirrors the KV manager)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_speculative_tokens: int | None = None  # per-request cap (None = engine's)
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.monotonic()))
+    index: int = 0                         # completion index when n > 1
+    _sent_text: int = 0
+    _sent_tokens: int = 0
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        """No token generated yet: the prompt (or the rest of it) still has to be computed."""
+        return not self.output_ids
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        eos = () if self.params.ignore_eos else self.eos_ids
+        return eos + tuple(self.params.stop_token_ids or ())
+
+    def row_spec(self, extra: list[int] = ()) -> RowSpec:  # type: ignore[assignment]
+        """Sampling context of the row after output_ids + extra (drafts)."""
+        out = self.output_ids + list(extra) if extra else self.output_ids
+        return RowSpec(self.params, self.prompt_ids, out, self.stop_ids)
+
+    def completion(self, delta: bool = False) -> CompletionOutput:
+        text = self.detok.text if self.detok is not None else ""
+        ids = self.output_ids
+        if delta:
+            text, ids = text[self._sent_text:], ids[self._sent_tokens:]
+            self._sent_text += len(text)
+            self._sent_tokens += len(ids)
+        return CompletionOutput(self.index, text, list(ids), self.finish_reason, self.stop_reason)

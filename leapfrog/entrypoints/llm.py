@@ -1,0 +1,153 @@
+"""The offline API, shaped like vLLM's: ``LLM(model=...).generate(prompts, sampling_params)``."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from leapfrog.config import EngineConfig
+from leapfrog.engine.engine import LLMEngine
+from leapfrog.errors import ConfigError, RequestError
+from leapfrog.outputs import RequestOutput
+from leapfrog.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]
+
+
+class LLM:
+    """An offline engine.
+
+    Args:
+        model: a local Hugging Face directory or a hub id; None = the built-in demo model.
+        tokenizer: tokenizer directory or hub id (default: the model's).
+        dtype: "auto" (the checkpoint's), "float32", "bfloat16" or "float16".
+        seed: seeds requests that carry no seed of their own.
+        speculative_config: vLLM-style dict, e.g. {"method": "ngram", "num_speculative_tokens": 4}.
+        max_model_len, max_num_seqs, max_num_batched_tokens, device, allow_pickle,
+        skip_tokenizer_init: see EngineConfig.
+    """
+
+    def __init__(self, model: str | None = None, tokenizer: str | None = None, dtype: str = "auto",
+                 seed: int = 0, speculative_config: dict[str, Any] | None = None, *,
+                 max_model_len: int | None = None, max_num_seqs: int = 16,
+                 max_num_batched_tokens: int = 2048, device: str = "auto", allow_pickle: bool = False,
+                 skip_tokenizer_init: bool = False) -> None:
+        if model is None:
+            from leapfrog.demo import default_model
+            model, default_spec = default_model()
+            speculative_config = speculative_config if speculative_config is not None else default_spec
+        if speculative_config is not None and not isinstance(speculative_config, dict):
+            raise ConfigError(f"speculative_config must be a dict, got {type(speculative_config).__name__}")
+        self.config = EngineConfig(
+            model=str(model), tokenizer=tokenizer, dtype=dtype, device=device, seed=seed,
+            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, allow_pickle=allow_pickle,
+            skip_tokenizer_init=skip_tokenizer_init, speculative_config=speculative_config)
+        self.engine = LLMEngine(self.config)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_metrics(self) -> dict:
+        """Speculation counters over the engine's lifetime (vLLM definitions)."""
+        return self.engine.get_metrics()
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate completions for each prompt, in order. A prompt is a string or a dict with
+        "prompt_token_ids" (and optionally "prompt")."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ConfigError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        groups: list[list[str]] = []
+        added: list[str] = []
+        try:
+            for prompt, sp in zip(prompts, params):
+                text, ids = _split_prompt(prompt)
+                rid = str(next(self._ids))
+                group = []
+                for i in range(sp.n):
+                    sub = f"{rid}-{i}" if sp.n > 1 else rid
+                    self.engine.add_request(sub, text, ids, sp, index=i)
+                    added.append(sub)
+                    group.append(sub)
+                groups.append(group)
+        except Exception:
+            for sub in added:
+                self.engine.abort(sub)
+            raise
+        return self._run(groups, use_tqdm and len(prompts) > 1)
+
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
+             chat_template: str | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation or a list of them, then generate."""
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise RequestError("chat() needs a tokenizer")
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conv in convs:
+            if not isinstance(conv, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                                     for m in conv):
+                raise RequestError("each message must be a dict with 'role' and 'content'")
+            if chat_template is None and not getattr(tok, "chat_template", None):
+                raise RequestError("this tokenizer has no chat template; pass chat_template=...")
+            ids = tok.apply_chat_template(conv, chat_template=chat_template, tokenize=True,
+                                          add_generation_prompt=add_generation_prompt)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            prompts.append({"prompt_token_ids": list(ids),
+                            "prompt": tok.decode(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, groups: list[list[str]], show: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        total = sum(len(g) for g in groups)
+        bar = tqdm(total=len(groups), desc="Processed prompts", disable=not show)
+        done_groups = 0
+        while len(finished) < total:
+            for out in self.engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+            now = sum(all(s in finished for s in g) for g in groups)
+            bar.update(now - done_groups)
+            done_groups = now
+        bar.close()
+        results = []
+        for g in groups:
+            first = finished[g[0]]
+            outs = [finished[s].outputs[0] for s in g]
+            rid = g[0].rsplit("-", 1)[0] if len(g) > 1 else g[0]
+            results.append(RequestOutput(rid, first.prompt, first.prompt_token_ids, outs, True, first.metrics))
+            if len(g) > 1:
+                for s in g[1:]:
+                    first.metrics.spec.merge(finished[s].metrics.spec)
+        return results
+
+
+def _split_prompt(prompt: PromptType) -> tuple[str | None, list[int] | None]:
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, dict):
+        ids = prompt.get("prompt_token_ids")
+        text = prompt.get("prompt")
+        if ids is None and not isinstance(text, str):
+            raise RequestError("a prompt dict needs 'prompt_token_ids' (list of ints) or 'prompt' (str)")
+        if ids is not None and (not isinstance(ids, (list, tuple)) or
+                                not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
+            raise RequestError("'prompt_token_ids' must be a list of integers")
+        return text, None if ids is None else list(ids)
+    raise RequestError(f"a prompt must be a string or a dict, got {type(prompt).__name__}")

@@ -1,0 +1,51 @@
+"""Preallocated KV cache addressed by (row, column).
+
+Each running sequence owns one *row* of ``max_model_len`` columns; column c holds the
+key/value of the token at cache position c. A sequence's valid length lives in
+``kv/manager.py`` (one integer per request), so rollback after a rejected draft is length
+arithmetic: later writes overwrite the stale columns, and the attention mask never lets a
+query see a column it has not (re)written. Row ``num_rows`` is a scratch row that padding
+tokens write into, so ragged batches need no realignment copies.
+
+Memory is bounded up front: ``num_rows * max_model_len`` tokens (the token budget).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from leapfrog.attention.metadata import AttnMeta
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_rows: int, max_model_len: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        self.num_rows = num_rows
+        self.max_model_len = max_model_len
+        shape = (num_rows + 1, num_kv_heads, max_model_len, head_dim)  # +1: scratch row
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @property
+    def scratch_row(self) -> int:
+        return self.num_rows
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def write_and_read(self, layer: int, meta: AttnMeta, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write new k/v [B, S, Hkv, D] at meta's (row, column) slots; return the rows' K, V
+        [B, Hkv, kv_len, D] for attention (a view when the batch's rows are contiguous)."""
+        kc, vc = self.k[layer], self.v[layer]
+        if meta.write_span is not None:  # one sequence, contiguous columns: slice assignment
+            row, c0, c1 = meta.write_span
+            kc[row, :, c0:c1] = k[0].transpose(0, 1)
+            vc[row, :, c0:c1] = v[0].transpose(0, 1)
+        else:
+            kc[meta.write_rows, :, meta.write_cols] = k.flatten(0, 1)
+            vc[meta.write_rows, :, meta.write_cols] = v.flatten(0, 1)
+        if meta.row_range is not None:
+            r0, r1 = meta.row_range
+            return kc[r0:r1, :, : meta.kv_len], vc[r0:r1, :, : meta.kv_len]
+        return kc[meta.rows, :, : meta.kv_len], vc[meta.rows, :, : meta.kv_len]

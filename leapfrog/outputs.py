@@ -1,0 +1,118 @@
+"""What generate() returns: vLLM-shaped RequestOutput / CompletionOutput, plus speculation metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecMetrics:
+    """Speculation counters with vLLM's definitions.
+
+    acceptance_rate = num_accepted_tokens / num_draft_tokens
+    mean_acceptance_length = 1 + num_accepted_tokens / num_drafts   (the bonus token counts)
+    """
+    num_drafts: int = 0                  # verification steps that carried >= 1 draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    num_draft_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, num_draft: int, num_accepted: int) -> None:
+        if num_draft == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        for counts, n in ((self.num_draft_tokens_per_pos, num_draft),
+                          (self.num_accepted_tokens_per_pos, num_accepted)):
+            if len(counts) < num_draft:
+                counts.extend([0] * (num_draft - len(counts)))
+            for i in range(n):
+                counts[i] += 1
+
+    def merge(self, other: "SpecMetrics") -> None:
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        for mine, theirs in ((self.num_accepted_tokens_per_pos, other.num_accepted_tokens_per_pos),
+                             (self.num_draft_tokens_per_pos, other.num_draft_tokens_per_pos)):
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for i, v in enumerate(theirs):
+                mine[i] += v
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+
+    def to_dict(self) -> dict:
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
+        }
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_target_forwards: int = 0          # target passes that produced tokens for this request
+    spec: SpecMetrics = field(default_factory=SpecMetrics)
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def latency(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+    # flat views, as in vLLM's per-request spec metrics
+    @property
+    def num_draft_tokens(self) -> int:
+        return self.spec.num_draft_tokens
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        return self.spec.num_accepted_tokens
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.spec.acceptance_rate
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        return self.spec.mean_acceptance_length
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None     # "stop" | "length" | "abort" | None (still running)
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None

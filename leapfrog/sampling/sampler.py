@@ -1,0 +1,133 @@
+"""The one sampler: logits -> processed probabilities -> tokens.
+
+Three callers share it (never re-implement a transform elsewhere): the target's normal
+decode, the draft model's proposals (its q), and the verifier (the target's p, the bonus
+and recovered tokens). Rows are independent; every row carries its request's
+SamplingParams and the token history that penalties and min_tokens read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from leapfrog.sampling import processors as P
+from leapfrog.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    """What processing one logits row needs."""
+    params: SamplingParams
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]        # generated tokens before this row (drafts included)
+    stop_ids: tuple[int, ...] = ()   # EOS + stop_token_ids, suppressed while < min_tokens
+
+
+@dataclass
+class RowBatch:
+    """Tensors for N rows (see RowSpec)."""
+    greedy: Tensor        # [N] bool
+    temperature: Tensor   # [N]
+    top_k: Tensor         # [N] long (0 = off)
+    top_p: Tensor         # [N]
+    min_p: Tensor         # [N]
+    penalties: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None  # seen, counts, rep, pres, freq
+    suppress: list[tuple[int, tuple[int, ...]]]   # (row, token ids) masked by min_tokens
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+
+
+def build_rows(specs: Sequence[RowSpec], vocab_size: int, device: torch.device | str = "cpu") -> RowBatch:
+    ps = [s.params for s in specs]
+    f = lambda xs: torch.tensor(xs, dtype=torch.float32, device=device)  # noqa: E731
+    penalties = None
+    if any(p.has_penalties for p in ps):
+        N = len(specs)
+        seen = torch.zeros(N, vocab_size, dtype=torch.bool, device=device)
+        counts = torch.zeros(N, vocab_size, dtype=torch.float32, device=device)
+        for i, s in enumerate(specs):
+            if not s.params.has_penalties:
+                continue
+            out = torch.tensor(list(s.output_ids), dtype=torch.long, device=device)
+            if len(out):
+                counts[i] = torch.bincount(out, minlength=vocab_size)[:vocab_size].float()
+            if len(s.prompt_ids):
+                seen[i, torch.tensor(list(s.prompt_ids), dtype=torch.long, device=device)] = True
+        seen |= counts > 0
+        penalties = (seen, counts, f([p.repetition_penalty for p in ps]),
+                     f([p.presence_penalty for p in ps]), f([p.frequency_penalty for p in ps]))
+    suppress = [(i, s.stop_ids) for i, s in enumerate(specs)
+                if s.stop_ids and len(s.output_ids) < s.params.min_tokens]
+    return RowBatch(
+        greedy=torch.tensor([p.greedy for p in ps], device=device),
+        temperature=f([1.0 if p.greedy else p.temperature for p in ps]),
+        top_k=torch.tensor([max(p.top_k, 0) for p in ps], dtype=torch.long, device=device),
+        top_p=f([p.top_p for p in ps]),
+        min_p=f([p.min_p for p in ps]),
+        penalties=penalties,
+        suppress=suppress,
+        all_greedy=all(p.greedy for p in ps),
+        any_top_k=any(p.top_k > 0 for p in ps),
+        any_top_p=any(p.top_p < 1 for p in ps),
+        any_min_p=any(p.min_p > 0 for p in ps),
+    )
+
+
+def penalised_logits(logits: Tensor, rows: RowBatch) -> Tensor:
+    """Penalties and min_tokens suppression: what greedy decoding takes the argmax of."""
+    if rows.penalties is not None:
+        logits = P.apply_penalties(logits, *rows.penalties)
+    if rows.suppress:
+        logits = logits.clone()
+        for i, ids in rows.suppress:
+            logits[i, list(ids)] = float("-inf")
+    return logits
+
+
+def processed_logits(logits: Tensor, rows: RowBatch) -> Tensor:
+    """logits [N, V] float32 -> the logits the sampler draws from (masked tokens -inf)."""
+    logits = penalised_logits(logits, rows) / rows.temperature[:, None]
+    if rows.any_min_p:
+        logits = P.apply_min_p(logits, rows.min_p)
+    if rows.any_top_k:
+        logits = P.apply_top_k(logits, rows.top_k)
+    if rows.any_top_p:
+        logits = P.apply_top_p(logits, rows.top_p)
+    return logits
+
+
+def probs(logits: Tensor, rows: RowBatch) -> Tensor:
+    """[N, V] processed distribution; greedy rows are a point mass on the argmax."""
+    if rows.all_greedy:
+        return torch.nn.functional.one_hot(greedy_tokens(logits, rows), logits.shape[-1]).float()
+    p = torch.softmax(processed_logits(logits, rows), dim=-1)
+    if rows.greedy.any():
+        g = torch.nn.functional.one_hot(penalised_logits(logits, rows).argmax(-1), logits.shape[-1]).float()
+        p = torch.where(rows.greedy[:, None], g, p)
+    return p
+
+
+def greedy_tokens(logits: Tensor, rows: RowBatch | None = None) -> Tensor:
+    """[N] argmax of the penalised logits."""
+    if rows is not None and (rows.penalties is not None or rows.suppress):
+        logits = penalised_logits(logits, rows)
+    return logits.argmax(dim=-1)
+
+
+def sample(p: Tensor, generators: Sequence[torch.Generator]) -> Tensor:
+    """Draw one token per row of p [N, V] with that row's generator -> [N] long."""
+    out = torch.empty(p.shape[0], dtype=torch.long, device=p.device)
+    for i, g in enumerate(generators):
+        out[i] = torch.multinomial(p[i], 1, generator=g)[0]
+    return out
+
+
+def uniforms(n: int, generator: torch.Generator, device: torch.device | str = "cpu") -> Tensor:
+    """[n] U(0, 1) draws from one request's generator (rejection sampling)."""
+    return torch.rand(n, generator=generator, device=device)

@@ -1,0 +1,125 @@
+"""How many tokens to draft this step.
+
+Fixed policy: K for every request (capped by the request's own limit and by what is left
+of max_tokens and of the context), 0 when the batch is larger than disable_by_batch_size.
+
+Adaptive policy (``adaptive: true``). With per-token acceptance rate alpha (an exponential
+moving average of accepted / drafted), drafting k tokens yields, per sequence and step,
+
+    E[tokens](k) = (1 - alpha^(k+1)) / (1 - alpha)            (Leviathan et al., eq. 1)
+
+and costs  cost(k) = k * c_draft(B) + t_verify(B, k + 1), where c_draft is the measured draft
+time per drafted token and t_verify(B, s) the measured time of one target forward over s
+tokens per sequence at batch size B (both moving averages, keyed by batch-size bucket). The
+controller picks
+
+    k* = argmax_{k in 0..K} E[tokens](k) / cost(k)            (goodput, tokens per second)
+
+k = 0 (no speculation) has E = 1 and cost t_verify(B, 1). Unmeasured verify costs are
+interpolated linearly between measured ones (optimistically flat beyond them), and every
+``adaptive_explore_interval`` steps the controller tries a neighbour of k* so its cost and
+acceptance stay measured.
+"""
+
+from __future__ import annotations
+
+from leapfrog.engine.request import Request
+from leapfrog.spec.config import SpeculativeConfig
+from leapfrog.spec.draft import DraftBatch
+from leapfrog.spec.verify.result import AcceptanceResult
+
+_EMA = 0.2
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def _bucket(batch_size: int) -> int:
+    b = 1
+    while b < batch_size:
+        b *= 2
+    return b
+
+
+class SpecController:
+    def __init__(self, cfg: SpeculativeConfig, max_model_len: int) -> None:
+        self.cfg = cfg
+        self.K = cfg.num_speculative_tokens
+        self.max_model_len = max_model_len
+        self.alpha = 0.7          # prior; replaced by measurements within a few steps
+        self.verify_cost: dict[int, dict[int, float]] = {}   # bucket -> s -> seconds
+        self.draft_cost: dict[int, float] = {}               # bucket -> seconds per draft token
+        self.steps = 0
+        self.last_k = self.K
+
+    def cap(self, req: Request, k: int) -> int:
+        """No drafts past max_tokens or past the cache row's end."""
+        if req.num_speculative_tokens is not None:
+            k = min(k, req.num_speculative_tokens)
+        left = req.max_tokens - len(req.output_ids) - 1
+        room = self.max_model_len - req.num_computed - 1
+        return max(0, min(k, left, room))
+
+    def choose(self, reqs: list[Request]) -> list[int]:
+        B = len(reqs)
+        if self.cfg.disable_by_batch_size is not None and B > self.cfg.disable_by_batch_size:
+            k = 0
+        elif self.cfg.adaptive:
+            k = self._adaptive_k(B)
+        else:
+            k = self.K
+        self.steps += 1
+        self.last_k = k
+        return [self.cap(r, k) for r in reqs]
+
+    def _verify_time(self, bucket: int, s: int) -> float | None:
+        table = self.verify_cost.get(bucket, {})
+        if s in table:
+            return table[s]
+        lower = [x for x in table if x < s]
+        upper = [x for x in table if x > s]
+        if lower and upper:
+            a, b = max(lower), min(upper)
+            return table[a] + (table[b] - table[a]) * (s - a) / (b - a)
+        if lower:
+            return table[max(lower)]
+        if upper:
+            return table[min(upper)]
+        return None
+
+    def _adaptive_k(self, B: int) -> int:
+        bucket = _bucket(B)
+        t1 = self._verify_time(bucket, 1)
+        if t1 is None:
+            return self.K  # nothing measured yet: measure the full draft first
+        c_d = self.draft_cost.get(bucket, 0.0)
+        best_k, best = 0, 1.0 / t1
+        for k in range(1, self.K + 1):
+            t = self._verify_time(bucket, k + 1) or t1
+            g = expected_tokens(self.alpha, k) / (k * c_d + t)
+            if g > best:
+                best_k, best = k, g
+        if self.steps % self.cfg.adaptive_explore_interval == 0:
+            best_k = min(self.K, best_k + 1) if (self.steps // self.cfg.adaptive_explore_interval) % 2 \
+                else max(0, best_k - 1)
+            if best_k == 0 and self.cfg.adaptive_explore_interval and self.steps % (
+                    4 * self.cfg.adaptive_explore_interval) == 0:
+                best_k = 1  # keep acceptance measured even while speculation is off
+        return best_k
+
+    def observe(self, reqs: list[Request], drafts: DraftBatch, result: AcceptanceResult,
+                t_draft: float, t_verify: float) -> None:
+        bucket = _bucket(len(reqs))
+        s = max(drafts.num_draft, default=0) + 1
+        table = self.verify_cost.setdefault(bucket, {})
+        table[s] = t_verify if s not in table else (1 - _EMA) * table[s] + _EMA * t_verify
+        n_draft = drafts.total
+        if n_draft:
+            per = t_draft / max(drafts.num_draft)  # sequential draft steps dominate
+            old = self.draft_cost.get(bucket)
+            self.draft_cost[bucket] = per if old is None else (1 - _EMA) * old + _EMA * per
+            rate = sum(result.num_accepted) / n_draft
+            self.alpha = (1 - _EMA) * self.alpha + _EMA * rate

@@ -1,0 +1,66 @@
+"""The proposer protocol and registry.
+
+Lifecycle (called explicitly by the engine):
+    start(req)                      a request was added
+    propose(reqs, ks) -> DraftBatch up to ks[b] drafts for reqs[b] (fewer, even 0, is legal)
+    on_verified(reqs, drafts, res)  after verification, before the tokens are appended:
+                                    roll the proposer's own state back to what was accepted
+    finish(req)                     the request ended (finished or aborted)
+
+Constructors take only what they need: their SpeculativeConfig and a TargetInfo.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import torch
+
+from leapfrog.engine.request import Request
+from leapfrog.spec.draft import DraftBatch
+from leapfrog.spec.verify.result import AcceptanceResult
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """What a proposer may know about the target."""
+    vocab_size: int
+    tokenizer: Any
+    eos_ids: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    num_rows: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    model: Any = None  # the target LlamaModel (self-speculation, tests' oracle proposers)
+
+
+class Proposer(Protocol):
+    def start(self, req: Request) -> None: ...
+    def propose(self, reqs: list[Request], ks: list[int]) -> DraftBatch: ...
+    def on_verified(self, reqs: list[Request], drafts: DraftBatch, result: AcceptanceResult) -> None: ...
+    def finish(self, req: Request) -> None: ...
+
+
+PROPOSERS: dict[str, Callable[..., Proposer]] = {}
+
+
+def register_proposer(name: str):
+    def deco(cls):
+        PROPOSERS[name] = cls
+        return cls
+    return deco
+
+
+class StatelessProposer:
+    """Base for proposers with no per-request state to roll back."""
+
+    def start(self, req: Request) -> None:
+        pass
+
+    def on_verified(self, reqs: list[Request], drafts: DraftBatch, result: AcceptanceResult) -> None:
+        pass
+
+    def finish(self, req: Request) -> None:
+        pass

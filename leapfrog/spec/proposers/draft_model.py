@@ -1,0 +1,117 @@
+"""Draft-model proposer: a smaller model of the same tokenizer, run by our own runtime with its
+own KV cache (same row as the request's target row).
+
+State per request: ``computed`` = tokens whose draft KV is valid. Each ``propose``
+  1. catches up on ``all_ids[computed:]`` (the bonus token, and after a full accept also the
+     last draft, which the draft never processed: the "draft-KV gap", STYLE pitfall 15),
+  2. drafts k tokens autoregressively, q from the one sampler with the request's params and
+     history (drafts included), each token drawn with the request's generator.
+``on_verified`` rolls the draft back to the accepted prefix: computed = min(computed,
+old_len + accepted). Nothing is copied; later writes overwrite the rejected columns.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from leapfrog.engine.request import Request
+from leapfrog.errors import ConfigError
+from leapfrog.model.loader import load_model, load_tokenizer, read_checkpoint, resolve_dtype
+from leapfrog.model.runner import ModelRunner, SeqChunk
+from leapfrog.sampling import sampler
+from leapfrog.spec.config import SpeculativeConfig
+from leapfrog.spec.draft import DraftBatch
+from leapfrog.spec.proposers.base import TargetInfo, register_proposer
+from leapfrog.spec.verify.result import AcceptanceResult
+
+
+def check_compatible(target_tok, draft_tok, target_vocab: int, draft_vocab: int, draft_path: str) -> None:
+    """Draft and target must speak the same tokens (llama.cpp's vocabulary check)."""
+    if draft_vocab != target_vocab:
+        raise ConfigError(f"draft model {draft_path}: vocab_size {draft_vocab} != target's {target_vocab}")
+    if target_tok is None or draft_tok is None:
+        return
+    for attr in ("bos_token_id", "eos_token_id", "unk_token_id", "pad_token_id"):
+        a, b = getattr(target_tok, attr, None), getattr(draft_tok, attr, None)
+        if a != b:
+            raise ConfigError(f"draft model {draft_path}: tokenizer {attr} {b!r} != target's {a!r}")
+    tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
+    if tv != dv:
+        diff = sorted(set(tv.items()) ^ set(dv.items()), key=lambda kv: kv[1])[:3]
+        raise ConfigError(f"draft model {draft_path}: tokenizer vocabulary differs from the target's "
+                          f"({len(dv)} vs {len(tv)} tokens; first differences {diff})")
+
+
+@register_proposer("draft_model")
+class DraftModelProposer:
+    def __init__(self, cfg: SpeculativeConfig, target: TargetInfo) -> None:
+        ckpt = read_checkpoint(cfg.model)
+        dtype = resolve_dtype(cfg.draft_dtype or target.dtype, ckpt, target.device)
+        check_compatible(target.tokenizer, load_tokenizer(ckpt.path) if target.tokenizer is not None else None,
+                         target.vocab_size, ckpt.args.vocab_size, str(cfg.model))
+        self.model = load_model(ckpt, dtype, target.device, target.max_model_len)
+        self.runner = ModelRunner(self.model, target.num_rows, target.max_model_len)
+        self.vocab_size = target.vocab_size
+        self.chunk = target.max_num_batched_tokens
+        self.computed: dict[str, int] = {}
+
+    def start(self, req: Request) -> None:
+        self.computed[req.request_id] = 0
+
+    def finish(self, req: Request) -> None:
+        self.computed.pop(req.request_id, None)
+
+    def propose(self, reqs: list[Request], ks: list[int]) -> DraftBatch:
+        active = [b for b, k in enumerate(ks) if k > 0]
+        drafts: list[list[int]] = [[] for _ in reqs]
+        qs: list[list[torch.Tensor]] = [[] for _ in reqs]
+        self._catch_up([reqs[b] for b in active])
+        chunks = []
+        for b in active:
+            r = reqs[b]
+            c = self.computed[r.request_id]
+            chunks.append(SeqChunk(r.row, c, r.all_ids[c:], 1))
+        step = 0
+        while active:
+            logits = self.runner.run(chunks)  # [len(active), V]
+            specs = [reqs[b].row_spec(drafts[b]) for b in active]
+            rows = sampler.build_rows(specs, self.vocab_size)
+            if rows.all_greedy:
+                tokens = sampler.greedy_tokens(logits, rows)
+                q = None
+            else:
+                q = sampler.probs(logits, rows)
+                tokens = sampler.sample(q, [reqs[b].generator for b in active])
+            for i, b in enumerate(active):
+                drafts[b].append(int(tokens[i]))
+                qs[b].append(q[i] if q is not None else
+                             torch.nn.functional.one_hot(tokens[i], self.vocab_size).float())
+                r = reqs[b]
+                self.computed[r.request_id] = r.num_tokens + step  # tokens fed so far
+            step += 1
+            active = [b for b in active if len(drafts[b]) < ks[b]]
+            chunks = [SeqChunk(reqs[b].row, reqs[b].num_tokens + step - 1, [drafts[b][-1]], 1) for b in active]
+        flat_q = [q for b in range(len(reqs)) for q in qs[b]]
+        all_greedy = all(reqs[b].params.greedy for b in range(len(reqs)) if drafts[b])
+        probs = None if all_greedy or not flat_q else torch.stack(flat_q)  # greedy drafts are point masses
+        return DraftBatch.from_lists(drafts, probs)
+
+    def _catch_up(self, reqs: list[Request]) -> None:
+        """Compute all but the last pending token of each request (long prompts in chunks)."""
+        while True:
+            chunks = []
+            for r in reqs:
+                c = self.computed[r.request_id]
+                pending = r.num_tokens - 1 - c
+                if pending > 0:
+                    n = min(pending, self.chunk)
+                    chunks.append(SeqChunk(r.row, c, r.all_ids[c:c + n], 0))
+                    self.computed[r.request_id] = c + n
+            if not chunks:
+                return
+            self.runner.run(chunks)
+
+    def on_verified(self, reqs: list[Request], drafts: DraftBatch, result: AcceptanceResult) -> None:
+        for r, n_acc in zip(reqs, result.num_accepted):
+            if r.request_id in self.computed:
+                self.computed[r.request_id] = min(self.computed[r.request_id], r.num_tokens + n_acc)

@@ -1,0 +1,67 @@
+"""Prompt-lookup (n-gram) proposer.
+
+Pure core: find the longest suffix of the context (length n in [min_n, max_n], longest
+first) that occurred earlier, take the most recent earlier occurrence, and propose the k
+tokens that followed it. Example, context [1 2 3 4 1 2 3 5 1 2], n = 2: the suffix
+[1 2] occurred at 0 and 4; the most recent is 4, followed by [3 5 1 2] -> k = 3 gives [3 5 1].
+
+Matching is vectorised over numpy arrays, so an 8k-token context costs microseconds.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from leapfrog.engine.request import Request
+from leapfrog.spec.config import SpeculativeConfig
+from leapfrog.spec.draft import DraftBatch
+from leapfrog.spec.proposers.base import StatelessProposer, TargetInfo, register_proposer
+
+
+def ngram_propose(context: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
+    """context [L] int -> up to k proposed tokens (possibly none)."""
+    L = len(context)
+    if k <= 0:
+        return context[:0]
+    for n in range(min(max_n, L - 1), min_n - 1, -1):
+        suffix = context[L - n:]
+        # candidate starts i with context[i:i+n] == suffix and i + n <= L - 1 (a follower exists)
+        starts = np.flatnonzero(context[: L - n] == suffix[0])
+        for j in range(1, n):
+            if not len(starts):
+                break
+            starts = starts[context[starts + j] == suffix[j]]
+        if len(starts):
+            i = int(starts[-1]) + n  # most recent match
+            return context[i:i + k]
+    return context[:0]
+
+
+@register_proposer("ngram")
+class NgramProposer(StatelessProposer):
+    def __init__(self, cfg: SpeculativeConfig, target: TargetInfo) -> None:
+        self.min_n, self.max_n = cfg.prompt_lookup_min, cfg.prompt_lookup_max
+        self._buf: dict[str, tuple[np.ndarray, int]] = {}  # req id -> (buffer, filled)
+
+    def _context(self, req: Request) -> np.ndarray:
+        """The request's tokens as a numpy array, grown in place (amortised O(new tokens))."""
+        n, P = req.num_tokens, len(req.prompt_ids)
+        buf, filled = self._buf.get(req.request_id, (None, 0))
+        if buf is None or len(buf) < n:
+            new = np.empty(max(2 * n, 64), dtype=np.int64)
+            new[:filled] = buf[:filled] if buf is not None else []
+            buf = new
+        if filled < P:
+            buf[filled:P] = req.prompt_ids[filled:]
+            filled = P
+        buf[filled:n] = req.output_ids[filled - P:]
+        self._buf[req.request_id] = (buf, n)
+        return buf[:n]
+
+    def propose(self, reqs: list[Request], ks: list[int]) -> DraftBatch:
+        return DraftBatch.from_lists(
+            [ngram_propose(self._context(r), self.min_n, self.max_n, k).tolist() if k else []
+             for r, k in zip(reqs, ks)])
+
+    def finish(self, req: Request) -> None:
+        self._buf.pop(req.request_id, None)

@@ -1,0 +1,59 @@
+"""Tiny real checkpoints (safetensors + config.json + tokenizer files) made with transformers'
+config classes; transformers' own model classes are the oracle for our model math."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from leapfrog.demo import build_tokenizer, save_random_llama, stdlib_sample_text
+
+torch.set_num_threads(2)
+
+# initializer_range 0.2 makes random models' distributions peaked, so argmax near-ties are rare.
+BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2)
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+
+CONFIGS = {
+    "llama_gqa_llama3": dict(arch="llama", rope_scaling=LLAMA3_ROPE, tie_word_embeddings=True),
+    "llama_untied": dict(arch="llama", tie_word_embeddings=False, num_key_value_heads=4),
+    "mistral": dict(arch="mistral", sliding_window=None),
+    "qwen2": dict(arch="qwen2", tie_word_embeddings=False),
+}
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return build_tokenizer(stdlib_sample_text(60_000), vocab_size=320)
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory, tokenizer):
+    out = {}
+    for name, cfg in CONFIGS.items():
+        cfg = dict(cfg)
+        arch = cfg.pop("arch")
+        out[name] = save_random_llama(tmp_path_factory.mktemp(name), tokenizer, arch=arch, seed=1,
+                                      **{**BASE, **cfg})
+    return out
+
+
+@pytest.fixture(scope="session")
+def llama_dir(model_dirs):
+    return model_dirs["llama_gqa_llama3"]
+
+
+@pytest.fixture(scope="session")
+def draft_dir(tmp_path_factory, tokenizer):
+    """An unrelated smaller random model with the same tokenizer."""
+    return save_random_llama(tmp_path_factory.mktemp("draft"), tokenizer, seed=7, hidden_size=32,
+                             intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                             num_key_value_heads=1, max_position_embeddings=512, initializer_range=0.2)
+
+
+def prompts_of(tokenizer, n: int = 4) -> list[list[int]]:
+    texts = ["def foo(x):\n    return", "import os", "class A:\n    def __init__(self):\n        self.x = 1\n",
+             "for i in range(10):", "# comment", "x = [1, 2, 3]\ny = x[::-1]\nprint(y)", "while True:", "a"]
+    return [tokenizer.encode(t) for t in texts[:n]]
