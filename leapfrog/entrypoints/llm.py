@@ -62,6 +62,8 @@ class LLM:
         "prompt_token_ids" (and optionally "prompt")."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise RequestError(f"prompts must be a string, a dict or a list of them, got {type(prompts).__name__}")
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()

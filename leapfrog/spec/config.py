@@ -55,8 +55,10 @@ class SpeculativeConfig:
                 rng = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
                 raise ConfigError(f"speculative_config.{name}={v!r}: must be an integer {rng}")
 
-        if self.method not in METHODS:
-            raise ConfigError(f"speculative_config.method={self.method!r}: must be one of {list(METHODS)}")
+        from leapfrog.spec.proposers.base import PROPOSERS
+        if self.method not in METHODS and self.method not in PROPOSERS:
+            raise ConfigError(f"speculative_config.method={self.method!r}: must be one of "
+                              f"{sorted(set(METHODS) | set(PROPOSERS))}")
         check_int("num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS)
         check_int("prompt_lookup_min", 1)
         check_int("prompt_lookup_max", 1)
