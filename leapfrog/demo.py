@@ -62,16 +62,19 @@ def save_random_llama(path: str | os.PathLike, tokenizer, *, arch: str = "llama"
                "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
                "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM)}
     cfg_cls, model_cls = classes[arch]
-    defaults = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                    bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    defaults = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    if tokenizer is not None:
+        defaults.update(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                        eos_token_id=tokenizer.eos_token_id)
     cfg = cfg_cls(**{**defaults, **config})
     torch.manual_seed(seed)
     model = model_cls(cfg).to(getattr(torch, dtype)).eval()
     path = Path(path)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, safe_serialization=True, **kwargs)
-    tokenizer.save_pretrained(path)
+    if tokenizer is not None:  # tokenizer=None: a token-ids-only checkpoint (skip_tokenizer_init)
+        tokenizer.save_pretrained(path)
     return path
 
 

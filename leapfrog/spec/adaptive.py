@@ -102,11 +102,10 @@ class SpecController:
             g = expected_tokens(self.alpha, k) / (k * c_d + t)
             if g > best:
                 best_k, best = k, g
-        if self.steps % self.cfg.adaptive_explore_interval == 0:
+        if self.steps and self.steps % self.cfg.adaptive_explore_interval == 0:
             best_k = min(self.K, best_k + 1) if (self.steps // self.cfg.adaptive_explore_interval) % 2 \
                 else max(0, best_k - 1)
-            if best_k == 0 and self.cfg.adaptive_explore_interval and self.steps % (
-                    4 * self.cfg.adaptive_explore_interval) == 0:
+            if best_k == 0 and self.steps % (4 * self.cfg.adaptive_explore_interval) == 0:
                 best_k = 1  # keep acceptance measured even while speculation is off
         return best_k
 

@@ -1,0 +1,129 @@
+"""``leapfrog`` command line: ``leapfrog generate`` (flags named as vLLM's)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from leapfrog.errors import LeapfrogError
+
+
+def _generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate text for a prompt or a file of prompts")
+    p.add_argument("prompt", nargs="?", help="prompt text (default: a Python snippet)")
+    p.add_argument("--model", default=None, help="HF directory or hub id (default: the built-in demo model)")
+    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--prompts-file", default=None, help="a text file, one prompt per line (or JSONL with 'prompt')")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--speculative-config", default=None,
+                   help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; "none" turns it off')
+    p.add_argument("--compare", action="store_true", help="also run without speculation and print the speedup")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--min-tokens", type=int, default=0)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--stop-token-ids", type=int, nargs="*", default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--n", type=int, default=1)
+
+
+def _read_prompts(args) -> list[str]:
+    if args.prompts_file:
+        lines = [ln for ln in open(args.prompts_file, encoding="utf-8").read().splitlines() if ln.strip()]
+        out = []
+        for ln in lines:
+            if ln.lstrip().startswith("{"):
+                out.append(json.loads(ln)["prompt"])
+            else:
+                out.append(ln.replace("\\n", "\n"))
+        return out
+    return [args.prompt if args.prompt is not None else "def quicksort(arr):"]
+
+
+def _spec_arg(text: str | None):
+    if text is None:
+        return None, False
+    if text.strip().lower() == "none":
+        return None, True
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise LeapfrogError(f"--speculative-config is not valid JSON: {e}") from None
+    return spec, True
+
+
+def cmd_generate(args) -> int:
+    from leapfrog import LLM, SamplingParams
+
+    spec, given = _spec_arg(args.speculative_config)
+    prompts = _read_prompts(args)
+    sp = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                        min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
+                        stop=args.stop, stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos,
+                        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                        frequency_penalty=args.frequency_penalty)
+    common = dict(tokenizer=args.tokenizer, dtype=args.dtype, seed=args.seed, device=args.device,
+                  max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs)
+    model = args.model
+    if model is None:
+        from leapfrog.demo import default_model
+        model, default_spec = default_model()
+        if not given:
+            spec = default_spec
+        print(f"[leapfrog] no --model given: using the built-in default model at {model}", file=sys.stderr)
+    llm = LLM(model=model, speculative_config=spec, **common)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp)
+    dt = time.perf_counter() - t0
+    n_tok = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    for o in outs:
+        for c in o.outputs:
+            print(f"{o.prompt}{c.text}")
+            print(f"--- [{len(c.token_ids)} tokens, finish_reason={c.finish_reason}]")
+    line = f"[leapfrog] {n_tok} tokens in {dt:.2f}s = {n_tok / dt:.1f} tokens/s"
+    m = llm.get_metrics()
+    if spec is not None and m["num_draft_tokens"]:
+        line += (f" | speculation {spec.get('method')}: acceptance rate {m['acceptance_rate']:.2f}, "
+                 f"mean acceptance length {m['mean_acceptance_length']:.2f}")
+    print(line)
+    if args.compare and spec is not None:
+        base = LLM(model=model, speculative_config=None, **common)
+        base.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+        t1 = time.perf_counter()
+        base_outs = base.generate(prompts, sp, use_tqdm=False)
+        bt = time.perf_counter() - t1
+        bn = sum(len(c.token_ids) for o in base_outs for c in o.outputs)
+        same = all(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(outs, base_outs))
+        print(f"[leapfrog] without speculation: {bn / bt:.1f} tokens/s; speedup {(n_tok / dt) / (bn / bt):.2f}x"
+              + (f"; identical output: {same}" if sp.temperature == 0 else ""))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="leapfrog", description="speculative-decoding LLM inference")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _generate_parser(sub)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "generate":
+            return cmd_generate(args)
+    except (LeapfrogError, OSError) as e:
+        print(f"leapfrog: error: {e}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""Pure pieces of speculation: n-gram matching, the verifiers, the K controller."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from leapfrog.engine.request import Request
+from leapfrog.sampling_params import SamplingParams
+from leapfrog.spec.adaptive import SpecController, expected_tokens
+from leapfrog.spec.config import SpeculativeConfig
+from leapfrog.spec.draft import DraftBatch
+from leapfrog.spec.proposers.ngram import ngram_propose
+from leapfrog.spec.verify.greedy import greedy_accept
+from leapfrog.spec.verify.rejection import rejection_accept
+
+
+def test_ngram_longest_then_most_recent():
+    ctx = np.array([1, 2, 3, 4, 1, 2, 3, 5, 1, 2])
+    assert ngram_propose(ctx, 2, 2, 3).tolist() == [3, 5, 1]
+    # a longer match wins over a more recent shorter one: [2 3] at 1 (followed by 4) vs n=3 [1 2 3]
+    ctx = np.array([9, 1, 2, 3, 7, 8, 2, 3, 6, 1, 2, 3])
+    assert ngram_propose(ctx, 2, 3, 2).tolist() == [7, 8]
+    assert ngram_propose(np.array([1, 2, 3, 4]), 1, 3, 2).tolist() == []
+    assert ngram_propose(np.array([5, 5]), 1, 1, 4).tolist() == [5]
+    assert ngram_propose(ctx, 2, 3, 0).tolist() == []
+
+
+def test_ngram_on_8k_context_is_cheap():
+    import time
+    rng = np.random.default_rng(0)
+    ctx = rng.integers(0, 32000, 8192)
+    ctx[-3:] = ctx[100:103]
+    t = time.perf_counter()
+    for _ in range(100):
+        out = ngram_propose(ctx, 1, 4, 5)
+    per_call = (time.perf_counter() - t) / 100
+    assert out.tolist() == ctx[103:108].tolist()
+    assert per_call < 5e-3  # generous bound; typically ~0.1 ms
+
+
+def test_greedy_accept_cases():
+    # perfect match + bonus; early mismatch; empty drafts
+    r = greedy_accept([5, 7, 9, 4, 1, 3, 8], [5, 7, 9, 2], [3, 0, 1])
+    assert r.num_accepted == [3, 0, 0]
+    assert r.output_ids == [[5, 7, 9, 4], [1], [3]]
+    assert r.padded(4) == [[5, 7, 9, 4], [1, -1, -1, -1], [3, -1, -1, -1]]
+
+
+def onehot(i, V=6):
+    return torch.nn.functional.one_hot(torch.tensor(i), V).float()
+
+
+def test_rejection_point_mass_rules():
+    V = 6
+    p = torch.stack([torch.tensor([0.5, 0.5, 0, 0, 0, 0.]), onehot(3), onehot(4)])  # rows: d0, d1, bonus
+    drafts = torch.tensor([1, 3])
+    out = rejection_accept(p, None, drafts, [2], torch.tensor([0.49, 0.99]))
+    assert out.num_accepted == [2]
+    torch.testing.assert_close(out.final_probs[0], onehot(4))
+    out = rejection_accept(p, None, drafts, [2], torch.tensor([0.51, 0.0]))
+    assert out.num_accepted == [0]
+    torch.testing.assert_close(out.final_probs[0], onehot(0))  # p with the rejected token removed
+
+
+def test_rejection_residual_with_q():
+    p = torch.tensor([[0.6, 0.3, 0.1], [0.2, 0.2, 0.6]])
+    q = torch.tensor([[0.1, 0.8, 0.1]])
+    out = rejection_accept(p, q, torch.tensor([1]), [1], torch.tensor([0.5]))  # 0.5 > 0.3 / 0.8
+    assert out.num_accepted == [0]
+    torch.testing.assert_close(out.final_probs[0], torch.tensor([1.0, 0.0, 0.0]))
+    out = rejection_accept(p, q, torch.tensor([1]), [1], torch.tensor([0.3]))
+    assert out.num_accepted == [1]
+    torch.testing.assert_close(out.final_probs[0], p[1])
+
+
+def test_rejection_empty_batch_rows():
+    p = torch.softmax(torch.randn(3, 5), -1)
+    out = rejection_accept(p, None, torch.empty(0, dtype=torch.long), [0, 0, 0], torch.empty(0))
+    assert out.num_accepted == [0, 0, 0]
+    torch.testing.assert_close(out.final_probs, p)
+
+
+def _req(max_tokens=100):
+    return Request("r", None, [1, 2], SamplingParams(max_tokens=max_tokens), torch.Generator(), None, (), max_tokens)
+
+
+def test_controller_formula_and_caps():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert abs(expected_tokens(0.5, 2) - 1.75) < 1e-12
+    c = SpecController(SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=True,
+                                         adaptive_explore_interval=1000), max_model_len=64)
+    reqs = [_req()]
+    # verification nearly free, high acceptance -> full K
+    c.alpha, c.verify_cost, c.draft_cost = 0.9, {1: {1: 1.0, 5: 1.05}}, {1: 0.0}
+    assert c.choose(reqs) == [4]
+    # verification cost grows with every token and acceptance is low -> off
+    c.alpha, c.verify_cost = 0.1, {1: {1: 1.0, 2: 2.0, 5: 5.0}}
+    assert c.choose(reqs) == [0]
+    # caps: max_tokens left, and the per-request limit
+    fixed = SpecController(SpeculativeConfig(method="ngram", num_speculative_tokens=8), max_model_len=64)
+    r = _req(max_tokens=5)
+    r.output_ids = [1, 2]
+    assert fixed.choose([r]) == [2]
+    r.num_speculative_tokens = 1
+    assert fixed.choose([r]) == [1]
+    off = SpecController(SpeculativeConfig(method="ngram", num_speculative_tokens=3, disable_by_batch_size=2), 64)
+    assert off.choose([_req(), _req(), _req()]) == [0, 0, 0]
+    assert off.choose([_req(), _req()]) == [3, 3]
+
+
+def test_draft_batch_layout():
+    d = DraftBatch.from_lists([[1, 2], [], [3]])
+    assert d.num_draft == [2, 0, 1] and d.offsets() == [0, 2, 2, 3]
+    assert d.lists() == [[1, 2], [], [3]] and d.total == 3
