@@ -43,7 +43,8 @@ class LLMEngine:
         self.checkpoint = ckpt
         self.dtype = resolve_dtype(config.dtype, ckpt, self.device)
         self.max_model_len = config.max_model_len or min(ckpt.args.max_position_embeddings, 4096)
-        self.model = load_model(ckpt, self.dtype, self.device, self.max_model_len, config.allow_pickle)
+        self.model = load_model(ckpt, self.dtype, self.device, self.max_model_len, config.allow_pickle,
+                                pack=True)
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or ckpt.path)
         self.eos_ids = ckpt.eos_token_ids or (
             (self.tokenizer.eos_token_id,) if self.tokenizer is not None and self.tokenizer.eos_token_id is not None

@@ -83,6 +83,7 @@ class LlamaModel(nn.Module):
                               max_positions or args.max_position_embeddings)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.head: nn.Module | None = None  # packed LM head for inference (see pack_for_inference)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -108,8 +109,22 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden [N, D] -> logits [N, V] (float32)."""
+        if self.head is not None:
+            return self.head(hidden).float()
         w = self.embed.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, w).float()
+
+    def pack_for_inference(self) -> bool:
+        """Swap linear layers (and the LM head) for oneDNN-packed ones when the CPU supports the
+        dtype; the model can no longer be trained afterwards. -> whether it packed."""
+        from leapfrog.model.packed import PackedLinear, can_pack, pack_linears
+        if not can_pack(self.dtype, self.device):
+            return False
+        pack_linears(self.layers)
+        w = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        self.head = PackedLinear(w, None)
+        self.lm_head = None  # the packed head replaces it (embed stays for the token lookup)
+        return True
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

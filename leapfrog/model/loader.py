@@ -157,7 +157,7 @@ class _TensorSource:
 
 
 def load_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, max_positions: int,
-               allow_pickle: bool = False) -> LlamaModel:
+               allow_pickle: bool = False, pack: bool = False) -> LlamaModel:
     """Build the model on ``meta``, then fill every parameter from the checkpoint, checking shapes."""
     with torch.device("meta"):
         model = LlamaModel(ckpt.args, max_positions=1)
@@ -185,7 +185,10 @@ def load_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, max_p
             params[ours].copy_(got.to(dtype))
     cos, sin = rope_table(ckpt.args.rope, ckpt.args.head_dim, ckpt.args.max_position_embeddings, max_positions)
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    if pack:
+        model.pack_for_inference()
+    return model
 
 
 def load_tokenizer(path: str | os.PathLike):

@@ -49,7 +49,7 @@ class DraftModelProposer:
         dtype = resolve_dtype(cfg.draft_dtype or target.dtype, ckpt, target.device)
         check_compatible(target.tokenizer, load_tokenizer(ckpt.path) if target.tokenizer is not None else None,
                          target.vocab_size, ckpt.args.vocab_size, str(cfg.model))
-        self.model = load_model(ckpt, dtype, target.device, target.max_model_len)
+        self.model = load_model(ckpt, dtype, target.device, target.max_model_len, pack=True)
         self.runner = ModelRunner(self.model, target.num_rows, target.max_model_len)
         self.vocab_size = target.vocab_size
         self.chunk = target.max_num_batched_tokens
