@@ -111,14 +111,59 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    p.add_argument("model", nargs="?", default=None, help="HF directory or hub id (default: the built-in demo model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-waiting", type=int, default=256, help="queued requests beyond this get 503")
+    p.add_argument("--speculative-config", default=None)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set LEAPFROG_API_KEY)")
+    p.add_argument("--served-model-name", default=None)
+
+
+def cmd_serve(args) -> int:
+    import os
+
+    import uvicorn
+
+    from leapfrog.config import EngineConfig
+    from leapfrog.engine.engine import LLMEngine
+    from leapfrog.entrypoints.openai.api_server import build_app
+
+    spec, given = _spec_arg(args.speculative_config)
+    model = args.model
+    if model is None:
+        from leapfrog.demo import default_model
+        model, default_spec = default_model()
+        spec = spec if given else default_spec
+    engine = LLMEngine(EngineConfig(model=str(model), tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
+                                    seed=args.seed, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                                    speculative_config=spec))
+    name = args.served_model_name or (args.model or "leapfrog-default")
+    api_key = args.api_key or os.environ.get("LEAPFROG_API_KEY") or None
+    app = build_app(engine, name, api_key=api_key, max_waiting=args.max_waiting)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=10)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="leapfrog", description="speculative-decoding LLM inference")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
+    _serve_parser(sub)
     args = parser.parse_args(argv)
     try:
         if args.command == "generate":
             return cmd_generate(args)
+        if args.command == "serve":
+            return cmd_serve(args)
     except (LeapfrogError, OSError) as e:
         print(f"leapfrog: error: {e}", file=sys.stderr)
         return 2

@@ -82,8 +82,13 @@ def resolve_dtype(dtype: str | torch.dtype, ckpt: Checkpoint, device: torch.devi
         return dtype
     if dtype == "auto":
         dt = ckpt.config_dtype or torch.float32
-        # fp16 matmuls have no fast path on CPUs; bf16 keeps the range and is fast on AVX-512.
-        return torch.bfloat16 if dt == torch.float16 and device.type == "cpu" else dt
+        if device.type == "cpu" and dt in (torch.float16, torch.bfloat16):
+            # Half precision is only fast on CPUs with native bf16 (oneDNN can pack it: AVX-512 or
+            # AVX-NE-CONVERT). Elsewhere bf16 is emulated: measured slower to verify than fp32 (its
+            # cost grows linearly with the tokens verified), so run such checkpoints in fp32.
+            from leapfrog.model.packed import can_pack
+            return torch.bfloat16 if can_pack(torch.bfloat16, device) else torch.float32
+        return dt
     if dtype not in DTYPES:
         raise CheckpointError(f"dtype {dtype!r} not supported; use auto, float32, bfloat16 or float16")
     return DTYPES[dtype]

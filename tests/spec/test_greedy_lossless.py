@@ -132,3 +132,18 @@ def test_incompatible_draft_tokenizer(tmp_path, llama_dir):
     with pytest.raises(ConfigError, match="vocab_size"):
         LLM(model=str(llama_dir), speculative_config={"method": "draft_model", "model": str(d2),
                                                      "num_speculative_tokens": 2})
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_penalties_and_min_tokens_with_speculation(llama_dir, draft_dir, tokenizer, method):
+    """Penalties read the draft-extended history at every verified position."""
+    prompts = prompts_of(tokenizer, 3)
+    sp = SamplingParams(temperature=0, max_tokens=30, repetition_penalty=1.3, frequency_penalty=0.4,
+                        presence_penalty=0.2, min_tokens=10)
+    base = LLM(model=str(llama_dir), dtype="float32", max_model_len=256).generate(
+        [{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    spec = ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1} if method == "ngram" else
+            {"method": "draft_model", "model": str(llama_dir), "num_speculative_tokens": 4})
+    llm, outs = run(llama_dir, spec, prompts, sp)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in base]
+    assert llm.get_metrics()["num_accepted_tokens"] > 0

@@ -1,0 +1,177 @@
+"""AsyncEngine: the engine loop in one background thread, per-request output queues for asyncio.
+
+Requests join and leave between steps (continuous batching). Only the engine thread touches
+the LLMEngine: callers send commands (add, abort) through a queue, and outputs come back on
+each request's asyncio.Queue through ``loop.call_soon_threadsafe``. The waiting queue is
+bounded (``max_waiting``): beyond it new requests are refused with ``EngineOverloaded``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from leapfrog.engine.engine import LLMEngine
+from leapfrog.errors import LeapfrogError
+from leapfrog.outputs import RequestOutput
+from leapfrog.sampling_params import SamplingParams
+
+log = logging.getLogger("leapfrog.engine")
+
+
+class EngineOverloaded(LeapfrogError):
+    """More requests are waiting than the queue bound allows."""
+
+
+class EngineStopped(LeapfrogError):
+    """The engine is shutting down."""
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int] | None
+    params: SamplingParams
+    num_speculative_tokens: int | None
+    loop: asyncio.AbstractEventLoop
+    out: asyncio.Queue
+    accepted: asyncio.Future
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_waiting: int = 256) -> None:
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self._cmds: queue.Queue = queue.Queue()
+        self._streams: dict[str, _Add] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._pending = 0  # adds sent but not yet drained (guarded by _lock)
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="leapfrog-engine", daemon=True)
+        self.on_finished: Callable[[RequestOutput], None] | None = None
+
+    # ------------------------------------------------------------------ caller side (asyncio)
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop; in-flight requests end with finish_reason "abort"."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.engine.scheduler.waiting) + self._pending
+
+    async def generate(self, request_id: str, prompt: str | None, prompt_ids: list[int] | None,
+                       params: SamplingParams, num_speculative_tokens: int | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        """Yield cumulative RequestOutputs until finished; leaving early aborts the request."""
+        if self._stop.is_set():
+            raise EngineStopped("the server is shutting down")
+        if self.num_waiting >= self.max_waiting:
+            raise EngineOverloaded(f"{self.num_waiting} requests are already waiting (limit {self.max_waiting})")
+        loop = asyncio.get_running_loop()
+        cmd = _Add(request_id, prompt, prompt_ids, params, num_speculative_tokens, loop, asyncio.Queue(),
+                   loop.create_future())
+        with self._lock:
+            self._pending += 1
+        self._cmds.put(cmd)
+        self._wake.set()
+        await cmd.accepted  # raises the engine's RequestError for bad requests
+        finished = False
+        try:
+            while True:
+                out = await cmd.out.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._cmds.put(("abort", request_id))
+        self._wake.set()
+
+    # ------------------------------------------------------------------ engine thread
+    def _resolve(self, cmd: _Add, exc: BaseException | None) -> None:
+        def set_() -> None:
+            if cmd.accepted.done():
+                return
+            if exc is None:
+                cmd.accepted.set_result(True)
+            else:
+                cmd.accepted.set_exception(exc)
+        cmd.loop.call_soon_threadsafe(set_)
+
+    def _deliver(self, out: RequestOutput | BaseException, cmd: _Add) -> None:
+        cmd.loop.call_soon_threadsafe(cmd.out.put_nowait, out)
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Add):
+                with self._lock:
+                    self._pending -= 1
+                try:
+                    self.engine.add_request(cmd.request_id, cmd.prompt, cmd.prompt_ids, cmd.params,
+                                            num_speculative_tokens=cmd.num_speculative_tokens)
+                except Exception as e:  # noqa: BLE001 - reported to the caller
+                    self._resolve(cmd, e)
+                else:
+                    self._streams[cmd.request_id] = cmd
+                    self._resolve(cmd, None)
+            else:
+                _, rid = cmd
+                out = self.engine.abort(rid)
+                stream = self._streams.pop(rid, None)
+                if out is not None and self.on_finished is not None:
+                    self.on_finished(out)
+                if out is not None and stream is not None:
+                    self._deliver(out, stream)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._drain()
+            if not self.engine.has_unfinished():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # noqa: BLE001 - a bug: fail the running requests, keep serving
+                log.exception("engine step failed")
+                for rid, stream in list(self._streams.items()):
+                    self.engine.abort(rid)
+                    self._deliver(e, stream)
+                self._streams.clear()
+                continue
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if out.finished:
+                    self._streams.pop(out.request_id, None)
+                    if self.on_finished is not None:
+                        self.on_finished(out)
+                if stream is not None:
+                    self._deliver(out, stream)
+        # shutting down: abort what is left, tell every caller
+        self._drain()
+        for rid, stream in list(self._streams.items()):
+            out = self.engine.abort(rid)
+            self._deliver(out if out is not None else EngineStopped("shutdown"), stream)
+        self._streams.clear()

@@ -1,0 +1,61 @@
+"""Prometheus metrics with vLLM-compatible names (prefix ``leapfrog:``), in the app's own registry."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from leapfrog.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        lbl = ["model_name"]
+        r = self.registry
+        self.num_drafts = Counter("leapfrog:spec_decode_num_drafts", "Verification steps that carried drafts", lbl, registry=r)
+        self.num_draft_tokens = Counter("leapfrog:spec_decode_num_draft_tokens", "Draft tokens proposed", lbl, registry=r)
+        self.num_accepted_tokens = Counter("leapfrog:spec_decode_num_accepted_tokens", "Draft tokens accepted", lbl, registry=r)
+        self.accepted_per_pos = Counter("leapfrog:spec_decode_num_accepted_tokens_per_pos",
+                                        "Accepted draft tokens by draft position", lbl + ["position"], registry=r)
+        self.prompt_tokens = Counter("leapfrog:prompt_tokens", "Prompt tokens processed", lbl, registry=r)
+        self.generation_tokens = Counter("leapfrog:generation_tokens", "Tokens generated", lbl, registry=r)
+        self.requests = Counter("leapfrog:request_success", "Finished requests", lbl + ["finished_reason"], registry=r)
+        self.e2e = Histogram("leapfrog:e2e_request_latency_seconds", "Request latency", lbl, buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("leapfrog:time_to_first_token_seconds", "Time to first token", lbl,
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("leapfrog:inter_token_latency_seconds", "Time between output tokens", lbl,
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.running = Gauge("leapfrog:num_requests_running", "Requests in the running batch", lbl, registry=r)
+        self.waiting = Gauge("leapfrog:num_requests_waiting", "Requests waiting for a KV row", lbl, registry=r)
+        self.kv_usage = Gauge("leapfrog:kv_cache_usage_perc", "Fraction of the KV token budget in use", lbl, registry=r)
+        self.model_name = model_name
+
+    def request_finished(self, out: RequestOutput) -> None:
+        m, name = out.metrics, self.model_name
+        if m is None:
+            return
+        s = m.spec
+        self.num_drafts.labels(name).inc(s.num_drafts)
+        self.num_draft_tokens.labels(name).inc(s.num_draft_tokens)
+        self.num_accepted_tokens.labels(name).inc(s.num_accepted_tokens)
+        for pos, n in enumerate(s.num_accepted_tokens_per_pos):
+            self.accepted_per_pos.labels(name, str(pos)).inc(n)
+        self.prompt_tokens.labels(name).inc(m.num_prompt_tokens)
+        self.generation_tokens.labels(name).inc(m.num_generated_tokens)
+        self.requests.labels(name, out.outputs[0].finish_reason or "abort").inc()
+        if m.latency is not None:
+            self.e2e.labels(name).observe(m.latency)
+        if m.time_to_first_token is not None:
+            self.ttft.labels(name).observe(m.time_to_first_token)
+
+    def observe_itl(self, seconds: float, num_tokens: int) -> None:
+        for _ in range(num_tokens):
+            self.itl.labels(self.model_name).observe(seconds / num_tokens)
+
+    def set_engine_state(self, running: int, waiting: int, kv_usage: float) -> None:
+        self.running.labels(self.model_name).set(running)
+        self.waiting.labels(self.model_name).set(waiting)
+        self.kv_usage.labels(self.model_name).set(kv_usage)

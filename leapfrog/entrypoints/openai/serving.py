@@ -1,0 +1,215 @@
+"""Protocol <-> AsyncEngine: sampling params, prompts, responses, SSE streaming, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from leapfrog.engine.async_engine import AsyncEngine, EngineOverloaded, EngineStopped
+from leapfrog.entrypoints.openai.metrics import ServerMetrics
+from leapfrog.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+from leapfrog.errors import ConfigError, RequestError
+from leapfrog.outputs import RequestOutput, SpecMetrics
+from leapfrog.sampling_params import SamplingParams
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code or str(self.status)}}
+
+
+@dataclass
+class Prompt:
+    text: str | None
+    ids: list[int] | None
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, served_model_name: str, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.model_name = served_model_name
+        self.metrics = metrics
+        inner = engine.engine
+        self.tokenizer = inner.tokenizer
+        self.max_model_len = inner.max_model_len
+        spec = inner.config.speculative_config
+        self.max_spec_tokens = spec["num_speculative_tokens"] if spec else 0
+
+    # ------------------------------------------------------------------ request -> engine inputs
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(400, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+                           param="model", code="model_not_found")
+
+    def sampling_params(self, req: _Sampling, max_tokens: int | None) -> SamplingParams:
+        if req.logprobs:
+            raise APIError(400, "logprobs are not supported yet", param="logprobs")
+        if max_tokens is not None and max_tokens > self.max_model_len:
+            raise APIError(400, f"max_tokens={max_tokens} is larger than the context ({self.max_model_len})",
+                           param="max_tokens")
+        kw: dict[str, Any] = dict(
+            n=req.n, max_tokens=max_tokens, stop=req.stop, seed=req.seed, presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
+            stop_token_ids=req.stop_token_ids, skip_special_tokens=req.skip_special_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output)
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+            v = getattr(req, name)
+            if v is not None:
+                kw[name] = v
+        try:
+            return SamplingParams(**kw)
+        except ConfigError as e:
+            param = str(e).split("=")[0].removeprefix("SamplingParams.")
+            raise APIError(400, str(e), param=param) from None
+
+    def spec_tokens(self, req: _Sampling) -> int | None:
+        if req.speculative is None:
+            return None
+        k = req.speculative.num_speculative_tokens
+        if k > self.max_spec_tokens:
+            raise APIError(400, f"speculative.num_speculative_tokens={k} exceeds the server's "
+                                f"{self.max_spec_tokens} (a request may only narrow speculation)",
+                           param="speculative.num_speculative_tokens")
+        return k
+
+    def completion_prompts(self, req: CompletionRequest) -> list[Prompt]:
+        p = req.prompt
+        if isinstance(p, str):
+            return [Prompt(p, None)]
+        if not p:
+            raise APIError(400, "prompt is empty", param="prompt")
+        if all(isinstance(x, int) for x in p):
+            return [Prompt(None, list(p))]  # type: ignore[arg-type]
+        if all(isinstance(x, str) for x in p):
+            return [Prompt(x, None) for x in p]  # type: ignore[union-attr]
+        return [Prompt(None, list(x)) for x in p]  # type: ignore[arg-type]
+
+    def chat_prompt(self, req: ChatCompletionRequest) -> Prompt:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise APIError(400, "this model's tokenizer has no chat template", param="messages")
+        msgs = []
+        for m in req.messages:
+            content = m.content
+            if isinstance(content, list):
+                content = "".join(part.get("text", "") for part in content if part.get("type") == "text")
+            msgs.append({"role": m.role, "content": content or ""})
+        try:
+            ids = self.tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=req.add_generation_prompt)
+        except Exception as e:  # noqa: BLE001 - template errors are the request's fault
+            raise APIError(400, f"could not apply the chat template: {e}", param="messages") from None
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return Prompt(None, list(ids))
+
+    # ------------------------------------------------------------------ running
+    async def _stream(self, rid: str, prompt: Prompt, sp: SamplingParams, k: int | None
+                      ) -> AsyncIterator[RequestOutput]:
+        try:
+            async for out in self.engine.generate(rid, prompt.text, prompt.ids, sp, k):
+                yield out
+        except RequestError as e:
+            raise APIError(400, str(e), param="prompt") from None
+        except EngineOverloaded as e:
+            raise APIError(503, str(e), type_="server_overloaded", code="overloaded") from None
+        except EngineStopped as e:
+            raise APIError(503, str(e), type_="server_unavailable", code="shutting_down") from None
+
+    def _jobs(self, prompts: list[Prompt], sp: SamplingParams) -> list[tuple[int, Prompt, SamplingParams]]:
+        """One engine request per (prompt, n) choice; seeds differ per choice."""
+        jobs = []
+        for p in prompts:
+            for i in range(sp.n):
+                one = SamplingParams(**{**_fields(sp), "n": 1,
+                                        "seed": None if sp.seed is None else sp.seed + i})
+                jobs.append((len(jobs), p, one))
+        return jobs
+
+    async def run_all(self, prompts: list[Prompt], sp: SamplingParams, k: int | None) -> list[RequestOutput]:
+        base = uuid.uuid4().hex
+
+        async def one(idx: int, p: Prompt, s: SamplingParams) -> RequestOutput:
+            last = None
+            async for out in self._stream(f"{base}-{idx}", p, s, k):
+                last = out
+            assert last is not None
+            return last
+
+        tasks = [asyncio.ensure_future(one(*j)) for j in self._jobs(prompts, sp)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def stream_all(self, prompts: list[Prompt], sp: SamplingParams, k: int | None
+                         ) -> AsyncIterator[tuple[int, RequestOutput, str, int]]:
+        """Yield (choice index, output, new text, new tokens) as any choice advances. Text that
+        could still become part of a stop string is held back until it cannot."""
+        base = uuid.uuid4().hex
+        hold = max((len(s) for s in sp.stop_strings), default=1) - 1
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def pump(idx: int, p: Prompt, s: SamplingParams) -> None:
+            try:
+                async for out in self._stream(f"{base}-{idx}", p, s, k):
+                    await q.put((idx, out))
+            except Exception as e:  # noqa: BLE001 - forwarded to the consumer
+                await q.put((idx, e))
+
+        jobs = self._jobs(prompts, sp)
+        tasks = [asyncio.ensure_future(pump(*j)) for j in jobs]
+        sent_text = [0] * len(jobs)
+        sent_tok = [0] * len(jobs)
+        last_t = [time.monotonic()] * len(jobs)
+        done = 0
+        try:
+            while done < len(jobs):
+                idx, out = await q.get()
+                if isinstance(out, BaseException):
+                    raise out
+                c = out.outputs[0]
+                end = len(c.text) if out.finished else max(sent_text[idx], len(c.text) - hold)
+                text = c.text[sent_text[idx]:end]
+                new_tok = len(c.token_ids) - sent_tok[idx]
+                now = time.monotonic()
+                if sent_tok[idx] and new_tok:
+                    self.metrics.observe_itl(now - last_t[idx], new_tok)
+                last_t[idx] = now
+                sent_text[idx], sent_tok[idx] = end, len(c.token_ids)
+                done += out.finished
+                yield idx, out, text, new_tok
+        finally:
+            for t in tasks:
+                t.cancel()
+
+
+def _fields(sp: SamplingParams) -> dict:
+    from dataclasses import fields
+    return {f.name: getattr(sp, f.name) for f in fields(sp) if f.init}
+
+
+def usage(outs: list[RequestOutput], n: int = 1) -> dict:
+    """OpenAI usage plus a ``speculative`` block for this request (all its choices). ``outs`` are
+    in job order (prompt-major, n choices each), so each prompt's tokens count once."""
+    spec = SpecMetrics()
+    for o in outs:
+        if o.metrics is not None:
+            spec.merge(o.metrics.spec)
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outs[::n])
+    completion = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion, "speculative": spec.to_dict()}
+
+
+def sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
