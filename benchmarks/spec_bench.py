@@ -105,14 +105,20 @@ def verify_costs(llm: LLM, max_s: int, repeats: int = 15) -> list[float]:
 
 
 def make_llm(path, dtype, spec=None, **kw):
-    return LLM(model=str(path), dtype=dtype, speculative_config=spec, max_model_len=512, **kw)
+    return LLM(model=str(path), dtype=dtype, speculative_config=spec, **{"max_model_len": 512, **kw})
 
 
-def part1(paths, dtype, args) -> list[dict]:
+def part1_script(paths, dtype, args) -> tuple[LLM, list[list[int]]]:
+    """The oracle's knowledge: the target's greedy continuations of the single-stream prompts."""
     prompts = [[random.Random(i).randrange(VOCAB) for _ in range(24 + 8 * i)] for i in range(args.prompts)]
     base = make_llm(paths["110M"], dtype, max_num_seqs=1)
     for p in prompts:
         SCRIPT[tuple(p)] = timed_generate(base, [p], args.max_tokens)[1][0].outputs[0].token_ids
+    return base, prompts
+
+
+def part1(paths, dtype, args) -> list[dict]:
+    base, prompts = part1_script(paths, dtype, args)
     t = verify_costs(base, 9)
     configs = [(a, k) for a in args.alphas for k in args.ks]
     llms = {(a, k): make_llm(paths["110M"], dtype, {"method": "oracle_bench", "num_speculative_tokens": k},
@@ -140,7 +146,7 @@ def part1(paths, dtype, args) -> list[dict]:
 
 
 def part2(paths, dtype, args) -> dict:
-    prompts = [p for p in map(list, SCRIPT)]
+    prompts = [list(p) for p in SCRIPT][:args.prompts]
     base = make_llm(paths["110M"], dtype, max_num_seqs=1)
     spec = {"method": "oracle_draft_model_bench", "model": str(paths["15M"]), "num_speculative_tokens": 4}
     llm = make_llm(paths["110M"], dtype, spec, max_num_seqs=1)
@@ -246,6 +252,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--data", default="../shared/data", help="workload folder (cnn_dm, humaneval)")
     ap.add_argument("--workload-prompts", type=int, default=4)
+    ap.add_argument("--parts", nargs="+", default=["efficiency", "draft_model", "ngram", "batch"])
     args = ap.parse_args()
     if args.quick:
         args.alphas, args.ks, args.batch_sizes, args.max_tokens, args.batch_tokens = [0.7], [2], [1, 4], 24, 12
@@ -256,25 +263,35 @@ def main() -> None:
     result = {"meta": {"torch": torch.__version__, "threads": args.threads, "rounds": args.rounds,
                        "max_tokens": args.max_tokens}, "efficiency": [], "verify_curve": {},
               "draft_model": [], "batch": []}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     for dtype in args.dtypes:
-        rows, curve = part1(paths, dtype, args)
-        result["efficiency"] += rows
-        result["verify_curve"][dtype] = curve
-        print(f"\n## 1. Engine efficiency, 110M shape, {dtype}\n")
-        print(table(rows, ["alpha", "K", "acceptance_rate", "tau", "t_ratio", "measured_speedup",
-                           "expected_speedup", "efficiency"]), flush=True)
-        result["draft_model"].append(part2(paths, dtype, args))
-    print("\n## 2. draft_model 15M -> 110M (oracle acceptance 0.7, K=4)\n")
-    print(table(result["draft_model"], ["dtype", "acceptance_rate", "draft_model_speedup", "free_oracle_speedup"]))
-    if Path(args.data).is_dir():
+        if "efficiency" in args.parts:
+            rows, curve = part1(paths, dtype, args)
+            result["efficiency"] += rows
+            result["verify_curve"][dtype] = curve
+            print(f"\n## 1. Engine efficiency, 110M shape, {dtype}\n")
+            print(table(rows, ["alpha", "K", "acceptance_rate", "tau", "t_ratio", "measured_speedup",
+                               "expected_speedup", "efficiency"]), flush=True)
+        if "draft_model" in args.parts:
+            if not SCRIPT:
+                part1_script(paths, dtype, args)
+            result["draft_model"].append(part2(paths, dtype, args))
+        out.write_text(json.dumps(result, indent=1))
+    if result["draft_model"]:
+        print("\n## 2. draft_model 15M -> 110M (oracle acceptance 0.7, K=4)\n")
+        print(table(result["draft_model"], ["dtype", "acceptance_rate", "draft_model_speedup",
+                                            "free_oracle_speedup"]))
+    if "ngram" in args.parts and Path(args.data).is_dir():
         result["ngram"] = part_ngram(paths, args.batch_dtype, args)
         print(f"\n## 2b. ngram (K 4) on real prompts, 110M {args.batch_dtype}, random weights\n")
         print(table(result["ngram"], ["workload", "prompts", "acceptance_rate", "mean_acceptance_length", "speedup"]))
-    result["batch"] = part3(paths, args.batch_dtype, args)
-    print(f"\n## 3. Batch throughput, 110M {args.batch_dtype}, oracle alpha 0.7, K 4\n")
-    print(table(result["batch"], ["batch", "base_tok_s", "adaptive_tok_s", "adaptive_ratio", "fixed_k4_ratio"]))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+        out.write_text(json.dumps(result, indent=1))
+    if "batch" in args.parts:
+        result["batch"] = part3(paths, args.batch_dtype, args)
+        print(f"\n## 3. Batch throughput, 110M {args.batch_dtype}, oracle alpha 0.7, K 4\n")
+        print(table(result["batch"], ["batch", "base_tok_s", "adaptive_tok_s", "adaptive_ratio", "fixed_k4_ratio"]))
+    out.write_text(json.dumps(result, indent=1))
     print(f"\nwrote {args.out}")
 
 

@@ -15,8 +15,9 @@ controller picks
 
     k* = argmax_{k in 0..K} E[tokens](k) / cost(k)            (goodput, tokens per second)
 
-k = 0 (no speculation) has E = 1 and cost t_verify(B, 1). Unmeasured verify costs are
-interpolated linearly between measured ones (optimistically flat beyond them), and every
+k = 0 (no speculation) has E = 1 and cost t_verify(B, 1), which is measured first at every
+batch-size bucket. Unmeasured verify costs are interpolated linearly between measured ones
+(optimistically flat beyond them, so an unmeasured K gets tried once), and every
 ``adaptive_explore_interval`` steps the controller tries a neighbour of k* so its cost and
 acceptance stay measured.
 """
@@ -92,9 +93,9 @@ class SpecController:
 
     def _adaptive_k(self, B: int) -> int:
         bucket = _bucket(B)
-        t1 = self._verify_time(bucket, 1)
+        t1 = self.verify_cost.get(bucket, {}).get(1)
         if t1 is None:
-            return self.K  # nothing measured yet: measure the full draft first
+            return 0  # measure plain decode at this batch size first
         c_d = self.draft_cost.get(bucket, 0.0)
         best_k, best = 0, 1.0 / t1
         for k in range(1, self.K + 1):

@@ -87,6 +87,10 @@ def _req(max_tokens=100):
 
 def test_controller_formula_and_caps():
     assert expected_tokens(0.0, 4) == 1.0
+    fresh = SpecController(SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=True), 64)
+    assert fresh.choose([_req()]) == [0]  # plain decode is measured first
+    fresh.verify_cost = {1: {1: 1.0}}
+    assert fresh.choose([_req()]) == [4]  # unmeasured K looks free: try it once
     assert abs(expected_tokens(0.5, 2) - 1.75) < 1e-12
     c = SpecController(SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=True,
                                          adaptive_explore_interval=1000), max_model_len=64)
