@@ -17,9 +17,10 @@ controller picks
 
 k = 0 (no speculation) has E = 1 and cost t_verify(B, 1), which is measured first at every
 batch-size bucket. Unmeasured verify costs are interpolated linearly between measured ones
-(optimistically flat beyond them, so an unmeasured K gets tried once), and every
-``adaptive_explore_interval`` steps the controller tries a neighbour of k* so its cost and
-acceptance stay measured.
+(optimistically flat beyond them, so an unmeasured K gets tried once). Every
+``adaptive_explore_interval`` steps the controller tries a neighbour of k* if its estimated
+goodput is within 15 % of k*'s, so close calls stay measured without paying for hopeless
+ones; while speculation is off it drafts one token every 8 intervals to keep alpha current.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from leapfrog.spec.draft import DraftBatch
 from leapfrog.spec.verify.result import AcceptanceResult
 
 _EMA = 0.2
+_EXPLORE_MARGIN = 0.85  # explore a neighbouring K only if it is estimated within 15 % of the best
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -97,17 +99,22 @@ class SpecController:
         if t1 is None:
             return 0  # measure plain decode at this batch size first
         c_d = self.draft_cost.get(bucket, 0.0)
-        best_k, best = 0, 1.0 / t1
-        for k in range(1, self.K + 1):
+
+        def goodput(k: int) -> float:
+            if k == 0:
+                return 1.0 / t1
             t = self._verify_time(bucket, k + 1) or t1
-            g = expected_tokens(self.alpha, k) / (k * c_d + t)
-            if g > best:
-                best_k, best = k, g
-        if self.steps and self.steps % self.cfg.adaptive_explore_interval == 0:
-            best_k = min(self.K, best_k + 1) if (self.steps // self.cfg.adaptive_explore_interval) % 2 \
-                else max(0, best_k - 1)
-            if best_k == 0 and self.steps % (4 * self.cfg.adaptive_explore_interval) == 0:
-                best_k = 1  # keep acceptance measured even while speculation is off
+            return expected_tokens(self.alpha, k) / (k * c_d + t)
+
+        best_k = max(range(self.K + 1), key=goodput)
+        interval = self.cfg.adaptive_explore_interval
+        if self.steps and self.steps % interval == 0:
+            up = (self.steps // interval) % 2 == 1
+            cand = min(self.K, best_k + 1) if up else max(0, best_k - 1)
+            if goodput(cand) >= _EXPLORE_MARGIN * goodput(best_k):
+                return cand  # a plausible neighbour: refresh its measurements
+            if best_k == 0 and self.steps % (8 * interval) == 0:
+                return 1  # keep acceptance measured even while speculation is off
         return best_k
 
     def observe(self, reqs: list[Request], drafts: DraftBatch, result: AcceptanceResult,
