@@ -1,11 +1,14 @@
 """Load generator for the OpenAI server: speculation on vs off, side by side, one process.
 
-Two leapfrog servers on 127.0.0.1 share one random-init checkpoint (stories110M shape by
-default); one runs adaptive speculation, the other none. For each concurrency level, the same
+Two leapfrog servers on 127.0.0.1 share one random-init checkpoint (the stories110M layer shape
+by default, with the vocabulary of a 1024-token BPE tokenizer, so that every generated token
+decodes to text and streamed chunks time real tokens); one runs adaptive speculation, the other none. For each concurrency level, the same
 prompts (Spec-Bench questions from ../shared/data, or synthetic ones) are replayed through
 streaming /v1/completions by N concurrent clients, first against one server, then the other
 (alternating which goes first). Reported per level and contender: throughput (tokens/s),
-TTFT p50/p99, inter-token latency p50/p99 (per streamed token), acceptance; ratios on vs off.
+TTFT p50/p99, inter-token latency p50/p99, acceptance; ratios on vs off. Inter-token latency is
+per request (latency - TTFT) / (tokens - 1), vLLM's TPOT (a speculative step streams several
+tokens in one chunk, so chunk gaps would not be per token).
 Plots (PNG) of throughput and ITL against concurrency.
 
 Random weights make a real drafter's acceptance meaningless, so by default the drafter is an
@@ -31,7 +34,7 @@ import httpx
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from decode_bench import make_checkpoints  # noqa: E402
+from decode_bench import SHAPES  # noqa: E402
 from spec_bench import SCRIPT, OracleProposer  # noqa: E402  (registers "oracle_bench")
 
 from leapfrog import LLM, SamplingParams  # noqa: E402
@@ -60,26 +63,23 @@ async def client_run(url: str, prompts: list[list[int]], concurrency: int, max_t
             p = queue.pop()
             body = {"model": "m", "prompt": p, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
                     "stream": True, "stream_options": {"include_usage": True}}
-            t0 = last = time.perf_counter()
-            first = True
+            t0 = time.perf_counter()
+            first_at = None
             async with h.stream("POST", url + "/v1/completions", json=body) as r:
                 async for line in r.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     chunk = json.loads(line[6:])
-                    now = time.perf_counter()
+                    if first_at is None:
+                        first_at = time.perf_counter()
+                        ttft.append(first_at - t0)
                     if chunk.get("usage"):
                         u = chunk["usage"]
                         tokens += u["completion_tokens"]
                         for k in spec:
                             spec[k] += u["speculative"][k]
-                        continue
-                    if first:
-                        ttft.append(now - t0)
-                        first = False
-                    else:
-                        itl.append(now - last)
-                    last = now
+                        if u["completion_tokens"] > 1:
+                            itl.append((time.perf_counter() - first_at) / (u["completion_tokens"] - 1))
 
     t = time.perf_counter()
     async with httpx.AsyncClient(timeout=600) as h:
@@ -109,7 +109,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from leapfrog.entrypoints.openai.server_thread import ServerThread
 
-    path = make_checkpoints(Path(args.workdir or tempfile.mkdtemp(prefix="lf-serve-")), [args.shape])[args.shape]
+    from leapfrog.demo import build_tokenizer, save_random_llama, stdlib_sample_text
+    path = Path(args.workdir or tempfile.mkdtemp(prefix="lf-serve-")) / f"serve{args.shape}"
+    if not (path / "config.json").is_file():
+        dim, layers, heads, inter = SHAPES[args.shape]
+        save_random_llama(path, build_tokenizer(stdlib_sample_text(), 1024), seed=0, hidden_size=dim,
+                          intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+                          num_key_value_heads=heads, max_position_embeddings=1024)
     ref = LLM(model=str(path), dtype=args.dtype, speculative_config=None, max_model_len=512)
     prompts_all = load_prompts(Path(args.data), max(args.concurrency) * 2, ref.get_tokenizer())
     outs = ref.generate([{"prompt_token_ids": p} for p in prompts_all],

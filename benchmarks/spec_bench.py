@@ -48,10 +48,10 @@ VOCAB = 32000
 SCRIPT: dict[tuple[int, ...], list[int]] = {}   # prompt -> greedy continuation (the oracle's knowledge)
 
 
-def oracle_tokens(req, k: int, alpha: float, rng: random.Random) -> list[int]:
+def oracle_tokens(req, k: int, alpha: float, rng: random.Random, vocab: int = VOCAB) -> list[int]:
     cont = SCRIPT[tuple(req.prompt_ids)]
     n = len(req.output_ids)
-    return [t if rng.random() < alpha else (t + 1 + rng.randrange(VOCAB - 1)) % VOCAB for t in cont[n:n + k]]
+    return [t if rng.random() < alpha else (t + 1 + rng.randrange(vocab - 1)) % vocab for t in cont[n:n + k]]
 
 
 class OracleProposer(StatelessProposer):
@@ -59,9 +59,11 @@ class OracleProposer(StatelessProposer):
 
     def __init__(self, cfg, target):
         self.rng = random.Random(0)
+        self.vocab = target.vocab_size
 
     def propose(self, reqs, ks):
-        return DraftBatch.from_lists([oracle_tokens(r, k, self.alpha, self.rng) for r, k in zip(reqs, ks)])
+        return DraftBatch.from_lists([oracle_tokens(r, k, self.alpha, self.rng, self.vocab)
+                                      for r, k in zip(reqs, ks)])
 
 
 class OracleDraftModel(DraftModelProposer):
