@@ -64,7 +64,7 @@ class DraftModelProposer:
     def propose(self, reqs: list[Request], ks: list[int]) -> DraftBatch:
         active = [b for b, k in enumerate(ks) if k > 0]
         drafts: list[list[int]] = [[] for _ in reqs]
-        qs: list[list[torch.Tensor]] = [[] for _ in reqs]
+        qs: list[list[torch.Tensor | None]] = [[] for _ in reqs]
         self._catch_up([reqs[b] for b in active])
         chunks = []
         for b in active:
@@ -84,17 +84,18 @@ class DraftModelProposer:
                 tokens = sampler.sample(q, [reqs[b].generator for b in active])
             for i, b in enumerate(active):
                 drafts[b].append(int(tokens[i]))
-                qs[b].append(q[i] if q is not None else
-                             torch.nn.functional.one_hot(tokens[i], self.vocab_size).float())
+                qs[b].append(q[i] if q is not None else None)  # None: greedy, a point mass
                 r = reqs[b]
                 self.computed[r.request_id] = r.num_tokens + step  # tokens fed so far
             step += 1
             active = [b for b in active if len(drafts[b]) < ks[b]]
             chunks = [SeqChunk(reqs[b].row, reqs[b].num_tokens + step - 1, [drafts[b][-1]], 1) for b in active]
-        flat_q = [q for b in range(len(reqs)) for q in qs[b]]
-        all_greedy = all(reqs[b].params.greedy for b in range(len(reqs)) if drafts[b])
-        probs = None if all_greedy or not flat_q else torch.stack(flat_q)  # greedy drafts are point masses
-        return DraftBatch.from_lists(drafts, probs)
+        if all(q is None for b in range(len(reqs)) for q in qs[b]):
+            return DraftBatch.from_lists(drafts)  # greedy drafts are point masses: q = None
+        one_hot = torch.nn.functional.one_hot
+        flat_q = [q if q is not None else one_hot(torch.tensor(t), self.vocab_size).float()
+                  for b in range(len(reqs)) for q, t in zip(qs[b], drafts[b])]
+        return DraftBatch.from_lists(drafts, torch.stack(flat_q))
 
     def _catch_up(self, reqs: list[Request]) -> None:
         """Compute all but the last pending token of each request (long prompts in chunks)."""
