@@ -1,0 +1,55 @@
+"""`leapfrog serve` as users run it: a subprocess, real port, SIGTERM shutdown."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_subprocess_answers_and_exits_on_sigterm(llama_dir):
+    port = free_port()
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
+    proc = subprocess.Popen([sys.executable, "-m", "leapfrog.entrypoints.cli", "serve", str(llama_dir),
+                             "--port", str(port), "--dtype", "float32", "--served-model-name", "tiny",
+                             "--speculative-config", spec, "--api-key", "k"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 90
+        while True:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.time() < deadline, "server did not come up"
+            time.sleep(0.2)
+        r = httpx.post(url + "/v1/completions", headers={"Authorization": "Bearer k"}, timeout=60,
+                       json={"model": "tiny", "prompt": "def f(x):", "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+        assert httpx.get(url + "/v1/models").status_code == 401
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    # uvicorn shuts down gracefully, then re-raises the signal: exit 0 or "terminated by SIGTERM"
+    assert proc.returncode in (0, -signal.SIGTERM), out
+    assert "Application shutdown complete" in out
+
+
+def test_serve_bad_config_exits_2(llama_dir):
+    r = subprocess.run([sys.executable, "-m", "leapfrog.entrypoints.cli", "serve", str(llama_dir),
+                        "--speculative-config", '{"method": "ngram"}'], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "num_speculative_tokens" in r.stderr
