@@ -153,17 +153,31 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def _check_parser(sub) -> None:
+    from leapfrog.entrypoints.check import add_arguments
+    p = sub.add_parser("check", help="prove that speculation does not change the output (greedy + sampling)")
+    add_arguments(p)
+
+
+def cmd_check(args) -> int:
+    from leapfrog.entrypoints.check import cmd_check as run
+    return run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="leapfrog", description="speculative-decoding LLM inference")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _serve_parser(sub)
+    _check_parser(sub)
     args = parser.parse_args(argv)
     try:
         if args.command == "generate":
             return cmd_generate(args)
         if args.command == "serve":
             return cmd_serve(args)
+        if args.command == "check":
+            return cmd_check(args)
     except (LeapfrogError, OSError) as e:
         print(f"leapfrog: error: {e}", file=sys.stderr)
         return 2

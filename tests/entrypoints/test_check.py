@@ -1,0 +1,203 @@
+"""`leapfrog check`: passes on correct speculative configs, fails on deliberately broken verifiers.
+
+Broken verifiers are made test-only by monkeypatching the names the engine imported
+(``leapfrog.engine.engine.greedy_accept`` / ``rejection_accept``):
+- greedy: the first draft token is accepted even when it is not the target's argmax;
+- sampling: after a rejection the final token is drawn from p instead of norm(max(p - q, 0))
+  (the residual is skipped), or the bonus token is drawn from the last draft's q instead of p.
+Sampling uses a tiny-vocabulary target (V = 12, as tests/spec/test_sampling_lossless.py) so that
+2000 samples give the chi-square tests power.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import leapfrog.engine.engine as engine_mod
+from leapfrog.demo import save_random_llama
+from leapfrog.entrypoints.check import (DEFAULT_PROMPTS, CheckReport, Mismatch, build_llms, check_greedy,
+                                        check_sampling, chi2_two_sample, classify_margin)
+from leapfrog.entrypoints.cli import main
+from leapfrog.spec.verify.greedy import greedy_accept
+from leapfrog.spec.verify.rejection import rejection_accept
+from leapfrog.spec.verify.result import AcceptanceResult
+
+V = 12
+SMALL = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+             num_key_value_heads=1, max_position_embeddings=64, initializer_range=0.6, bos_token_id=0,
+             eos_token_id=None)
+TINY_PROMPTS = [[3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8]]
+ALPHA = 1e-3
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    t = save_random_llama(tmp_path_factory.mktemp("chk_t"), None, seed=3, **SMALL)
+    # The draft: the target's architecture and seed with larger initial weights, so q ranks tokens
+    # much like p but is more peaked. Acceptance is high (~0.7), so both the residual (after a
+    # rejection) and the bonus (after acceptance) paths run often and their bugs show. (An unrelated
+    # draft is accepted ~2% of the time: skipping the residual then barely changes the output.)
+    d = save_random_llama(tmp_path_factory.mktemp("chk_d"), None, seed=3, **{**SMALL, "initializer_range": 0.9})
+    return t, d
+
+
+def _spec(kind, draft, k):
+    if kind == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1}
+    return {"method": "draft_model", "model": str(draft), "num_speculative_tokens": k}
+
+
+# ------------------------------------------------------------------ broken verifiers (test-only)
+def accept_first_draft(target_argmax, draft_ids, num_draft):
+    """Greedy bug: the first draft is accepted even when it differs from the argmax."""
+    res = greedy_accept(target_argmax, draft_ids, num_draft)
+    r = t = 0
+    for b, k in enumerate(num_draft):
+        if k and res.num_accepted[b] == 0:
+            res.num_accepted[b] = 1
+            res.output_ids[b] = [draft_ids[t], target_argmax[r + 1]]
+        r += k + 1
+        t += k
+    return AcceptanceResult(res.num_accepted, res.output_ids, res.num_draft)
+
+
+def skip_residual(p, q, draft_ids, num_draft, u):
+    """Sampling bug: after a rejection the final token comes from p, not norm(max(p - q, 0))."""
+    out = rejection_accept(p, q, draft_ids, num_draft, u)
+    s = 0
+    for b, k in enumerate(num_draft):
+        if out.num_accepted[b] < k:
+            out.final_probs[b] = p[s + out.num_accepted[b]]
+        s += k + 1
+    return out
+
+
+def bonus_from_q(p, q, draft_ids, num_draft, u):
+    """Sampling bug: the bonus token is drawn from the last draft's q instead of the target's p."""
+    out = rejection_accept(p, q, draft_ids, num_draft, u)
+    t = 0
+    for b, k in enumerate(num_draft):
+        if k and out.num_accepted[b] == k and q is not None:
+            out.final_probs[b] = q[t + k - 1]
+        t += k
+    return out
+
+
+# ------------------------------------------------------------------ pure parts
+def test_chi2_two_sample_and_margin_classes():
+    rng = np.random.default_rng(0)
+    p = rng.dirichlet(np.ones(20))
+    a, b = rng.multinomial(3000, p), rng.multinomial(3000, p)
+    assert chi2_two_sample(a, b)[2] > 1e-3
+    c = rng.multinomial(3000, np.roll(p, 1))
+    assert chi2_two_sample(a, c)[2] < 1e-10
+    assert chi2_two_sample(np.array([50, 0]), np.array([50, 0]))[2] == 1.0   # one bin: nothing to test
+    assert classify_margin(2e-6, 10.0, 1e-3)[1] == "near-tie"
+    assert classify_margin(0.5, 10.0, 1e-3)[1] == "MISMATCH"
+    tie = Mismatch(0, 3, 5, 6, 1.0, 1.0 - 1e-7, 1e-7, 1e-7, "near-tie")
+    rep = CheckReport("m", {}, "float32", greedy_mismatches=[tie])
+    assert rep.passed                                                          # near-ties do not fail
+    rep.greedy_mismatches.append(Mismatch(1, 0, 5, 6, 3.0, 1.0, 2.0, 0.2, "MISMATCH"))
+    assert not rep.passed
+
+
+# ------------------------------------------------------------------ greedy
+@pytest.mark.parametrize("kind", ["ngram", "draft_model"])
+def test_greedy_passes_on_correct_config(llama_dir, draft_dir, kind):
+    base, spec = build_llms(str(llama_dir), _spec(kind, draft_dir, 3), max_num_seqs=8, max_model_len=96)
+    assert check_greedy(base, spec, DEFAULT_PROMPTS, max_tokens=24) == []
+    assert spec.get_metrics()["num_draft_tokens"] > 0
+
+
+def test_greedy_detects_broken_accept(llama_dir, draft_dir, monkeypatch):
+    base, spec = build_llms(str(llama_dir), _spec("ngram", draft_dir, 3), max_num_seqs=8, max_model_len=96)
+    monkeypatch.setattr(engine_mod, "greedy_accept", accept_first_draft)
+    found = check_greedy(base, spec, DEFAULT_PROMPTS, max_tokens=24)
+    assert found and all(m.kind == "MISMATCH" for m in found)
+    m = found[0]
+    assert m.base_token != m.spec_token and m.margin > 0 and m.relative_margin > 1e-3  # base is the argmax
+
+
+# ------------------------------------------------------------------ sampling
+def _min_p(results):
+    tested = [r for r in results if r.dof > 0]
+    assert tested
+    return min(r.p_value for r in tested), len(tested)
+
+
+@pytest.mark.parametrize("kind", ["ngram", "draft_model"])
+def test_sampling_passes_on_correct_config(tiny, kind):
+    target, draft = tiny
+    base, spec = build_llms(str(target), _spec(kind, draft, 2), skip_tokenizer_init=True, max_model_len=16)
+    res = check_sampling(base, spec, TINY_PROMPTS[:1], "temperature=1.0", samples=2000, num_tokens=3)
+    assert spec.get_metrics()["num_draft_tokens"] > 0
+    p, n = _min_p(res)
+    assert p >= ALPHA / n
+
+
+@pytest.mark.parametrize("bug", [skip_residual, bonus_from_q], ids=["skip_residual", "bonus_from_q"])
+def test_sampling_detects_broken_verifier(tiny, monkeypatch, bug):
+    target, draft = tiny
+    base, spec = build_llms(str(target), _spec("draft_model", draft, 1), skip_tokenizer_init=True,
+                            max_model_len=16)
+    monkeypatch.setattr(engine_mod, "rejection_accept", bug)
+    res = check_sampling(base, spec, TINY_PROMPTS, "temperature=1.0", samples=2000, num_tokens=3)
+    p, n = _min_p(res)
+    assert p < ALPHA / n * 1e-3                          # far below the Bonferroni threshold
+    assert res[0].p_value > 1e-6                         # token 1 (prefill) is untouched by the bug
+
+
+# ------------------------------------------------------------------ command line
+def _prompts_file(tmp_path):
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in TINY_PROMPTS))
+    return f
+
+
+def _cli(target, draft, tmp_path, *extra):
+    spec = json.dumps(_spec("draft_model", draft, 2))
+    return main(["check", "--model", str(target), "--speculative-config", spec, "--skip-tokenizer-init",
+                 "--prompts-file", str(_prompts_file(tmp_path)), "--max-tokens", "16", "--samples", "1000",
+                 "--positions", "2", "--setting", "temperature=1.0", *extra])
+
+
+def test_cli_passes_and_writes_json(tiny, tmp_path, capsys):
+    target, draft = tiny
+    out_json = tmp_path / "report.json"
+    rc = _cli(target, draft, tmp_path, "--json", str(out_json))
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "2/2 prompts token-for-token identical" in out and "RESULT: PASS" in out
+    assert "Bonferroni" in out and "8 two-sample chi-square tests" in out
+    rep = json.loads(out_json.read_text())
+    assert rep["passed"] and len(rep["sampling_tests"]) == 8 and rep["greedy_mismatches"] == []
+
+
+def test_cli_fails_on_broken_verifiers(tiny, tmp_path, capsys, monkeypatch):
+    target, draft = tiny
+    monkeypatch.setattr(engine_mod, "greedy_accept", accept_first_draft)
+    monkeypatch.setattr(engine_mod, "rejection_accept", skip_residual)
+    rc = _cli(target, draft, tmp_path)
+    out = capsys.readouterr().out
+    assert rc == 1, out
+    assert "-> MISMATCH" in out and "greedy: FAIL" in out and "sampling: FAIL" in out
+    assert "RESULT: FAIL" in out
+
+
+def test_cli_bad_input_exit_2(tiny, tmp_path, capsys):
+    target, _ = tiny
+    base = ["check", "--model", str(target), "--skip-tokenizer-init", "--prompts-file", str(_prompts_file(tmp_path))]
+    assert main(base + ["--speculative-config", '{"method": "nope", "num_speculative_tokens": 2}']) == 2
+    assert "speculative_config.method" in capsys.readouterr().err
+    assert main(base + ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}']) == 2
+    assert "num_speculative_tokens" in capsys.readouterr().err
+    assert main(base + ["--speculative-config", "{oops"]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
+    assert main(base + ["--speculative-config", "none"]) == 2
+    assert "needs --speculative-config" in capsys.readouterr().err
+    assert main(base + ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
+                        "--setting", "temperature=hot"]) == 2
+    assert "temperature" in capsys.readouterr().err
