@@ -164,12 +164,75 @@ def cmd_check(args) -> int:
     return run(args)
 
 
+def _bench_parser(sub) -> None:
+    p = sub.add_parser("bench", help="measure speculation (speedup, acceptance, latency) on your own workload")
+    p.add_argument("--model", default=None, help="HF directory or hub id (default: the built-in demo model)")
+    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--speculative-config", action="append", default=None,
+                   help='JSON (repeatable), e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; '
+                        '"none" (no speculation) is always a contender')
+    p.add_argument("--workload", action="append", default=None,
+                   help="JSONL workload (repeatable): Spec-Bench/MT-bench/EAGLE question.jsonl, HumanEval, GSM8K, "
+                        "EditEval, or your own with 'prompt' or 'messages' (+ optional 'category')")
+    p.add_argument("--limit", type=int, default=None, help="at most N items per category of each workload")
+    p.add_argument("--temperature", type=float, nargs="+", default=[0.0])
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--batch-size", type=int, nargs="+", default=[1])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench_out", help="folder for bench.json, bench.csv and the plots")
+    p.add_argument("--no-plots", action="store_true")
+
+
+def cmd_bench(args) -> int:
+    from leapfrog.bench.runner import format_recommendation, format_table, run_bench
+    from leapfrog.bench.workloads import WorkloadItem, load_workload
+
+    specs = []
+    for text in args.speculative_config or []:
+        spec, _ = _spec_arg(text)
+        if spec is not None and not isinstance(spec, dict):
+            raise LeapfrogError(f"--speculative-config must be a JSON object or none, got {text!r}")
+        specs.append(spec)
+    if args.limit is not None and args.limit < 1:
+        raise LeapfrogError("--limit must be >= 1")
+    items = []
+    for path in args.workload or []:
+        items += load_workload(path, args.limit)
+    model = args.model
+    if model is None:
+        from leapfrog.demo import default_model
+        model, default_spec = default_model()
+        if not specs:
+            specs = [default_spec]
+        print(f"[leapfrog] no --model given: using the built-in default model at {model}", file=sys.stderr)
+    if not args.workload:
+        from leapfrog.entrypoints.check import DEFAULT_PROMPTS
+        items = [WorkloadItem("default", p, None, str(i)) for i, p in enumerate(DEFAULT_PROMPTS[:args.limit])]
+    if not any(s is not None for s in specs):
+        raise LeapfrogError("leapfrog bench needs at least one --speculative-config to compare with none")
+    res = run_bench(str(model), specs, items, temperatures=args.temperature, max_tokens=args.max_tokens,
+                    batch_sizes=args.batch_size, repeats=args.repeats, warmup=args.warmup, out_dir=args.out,
+                    dtype=args.dtype, threads=args.threads, tokenizer=args.tokenizer, seed=args.seed,
+                    max_model_len=args.max_model_len, plots=not args.no_plots)
+    print(format_table(res))
+    print()
+    print(format_recommendation(res))
+    print(f"\n[leapfrog bench] wrote {', '.join(res.files.values())}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="leapfrog", description="speculative-decoding LLM inference")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _serve_parser(sub)
     _check_parser(sub)
+    _bench_parser(sub)
     args = parser.parse_args(argv)
     try:
         if args.command == "generate":
@@ -178,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_serve(args)
         if args.command == "check":
             return cmd_check(args)
+        if args.command == "bench":
+            return cmd_bench(args)
     except (LeapfrogError, OSError) as e:
         print(f"leapfrog: error: {e}", file=sys.stderr)
         return 2

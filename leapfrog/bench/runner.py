@@ -1,0 +1,442 @@
+"""``leapfrog bench`` runner: speculative configs vs no speculation on a workload, interleaved.
+
+One ``LLM`` per contender ("none" = no speculation, always present) is built once. For each
+temperature and batch size, after ``warmup`` untimed batches per contender, every repeat walks the
+workload category by category in batches of ``batch_size``; each batch is run by every contender
+in turn (A B A B ..., the order rotated by one each repeat), so slow drift of the machine hits all
+contenders alike. Speedups are per-repeat ratios of tokens/s against "none" of the same repeat:
+the median is reported with a 95% t-interval over the repeats (on log ratios, so it stays > 0).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from leapfrog.bench.workloads import WorkloadItem
+from leapfrog.errors import ConfigError
+from leapfrog.outputs import SpecMetrics
+
+ALL = "all"
+MIN_ACCEPTANCE = 0.5   # below this acceptance rate speculation should be off
+
+CSV_FIELDS = ["contender", "category", "temperature", "batch_size", "num_items", "repeats", "tokens_per_s",
+              "speedup", "speedup_ci_low", "speedup_ci_high", "acceptance_rate", "mean_acceptance_length",
+              "acceptance_by_position", "ttft_mean_s", "latency_p50_s", "latency_p99_s", "equal_rate",
+              "speculative_config"]
+
+
+@dataclass
+class BenchResult:
+    model: str
+    contenders: dict[str, dict | None]          # name -> speculative config (None = "none")
+    rows: list[dict[str, Any]]                  # one per contender x category x temperature x batch size
+    run_counts: dict[str, int]                  # timed generate() calls per contender (interleaving proof)
+    recommendations: list[dict[str, Any]]       # best config per temperature x batch size x category
+    settings: dict[str, Any] = field(default_factory=dict)
+    skipped_items: list[str] = field(default_factory=list)
+    files: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def row(self, contender: str, category: str = ALL, temperature: float | None = None,
+            batch_size: int | None = None) -> dict[str, Any]:
+        for r in self.rows:
+            if (r["contender"] == contender and r["category"] == category
+                    and (temperature is None or r["temperature"] == temperature)
+                    and (batch_size is None or r["batch_size"] == batch_size)):
+                return r
+        raise KeyError((contender, category, temperature, batch_size))
+
+
+# ---------------------------------------------------------------------------------- helpers
+def contender_name(spec: dict | None, taken: set[str]) -> str:
+    if spec is None:
+        base = "none"
+    else:
+        base = f"{spec.get('method', '?')}-k{spec.get('num_speculative_tokens', '?')}"
+        extra = {k: v for k, v in spec.items() if k not in ("method", "num_speculative_tokens")}
+        if base in taken and extra:   # the short name is taken: spell out the other keys
+            base += "-" + ",".join(f"{k}={v}" for k, v in sorted(extra.items()))
+    name, i = base, 2
+    while name in taken:
+        name, i = f"{base}#{i}", i + 1
+    return name
+
+
+def t_interval(ratios: Sequence[float], level: float = 0.95) -> tuple[float | None, float | None]:
+    """Two-sided t-interval of the (geometric) mean ratio, computed on log ratios so that it stays
+    positive; (None, None) with fewer than 2 values."""
+    vals = [math.log(v) for v in ratios if v is not None and math.isfinite(v) and v > 0]
+    if len(vals) < 2:
+        return None, None
+    from scipy import stats
+    m = statistics.fmean(vals)
+    se = statistics.stdev(vals) / math.sqrt(len(vals))
+    h = float(stats.t.ppf(0.5 + level / 2, len(vals) - 1)) * se
+    return math.exp(m - h), math.exp(m + h)
+
+
+def render(items: Sequence[WorkloadItem], tok) -> list[list[int]]:
+    """Token ids of each item: chat items through the tokenizer's chat template when it has one,
+    else their contents joined as plain text."""
+    out = []
+    has_template = bool(getattr(tok, "chat_template", None))
+    for it in items:
+        if it.messages is not None:
+            if has_template:
+                ids = tok.apply_chat_template(it.messages, tokenize=True, add_generation_prompt=True)
+                if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                    ids = ids["input_ids"]
+                out.append([int(t) for t in ids])
+            else:
+                out.append(list(tok.encode("\n\n".join(m["content"] for m in it.messages))))
+        else:
+            out.append(list(tok.encode(it.prompt or "")))
+    return out
+
+
+def _fmt(v, spec: str = ".2f", none: str = "-") -> str:
+    return none if v is None else format(v, spec)
+
+
+# ---------------------------------------------------------------------------------- main entry
+def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[WorkloadItem], *,
+              temperatures: Sequence[float] = (0.0,), max_tokens: int = 64, batch_sizes: Sequence[int] = (1,),
+              repeats: int = 3, warmup: int = 1, out_dir: str | Path | None = "bench_out", dtype: str = "auto",
+              threads: int | None = None, tokenizer: str | None = None, seed: int = 0,
+              max_model_len: int | None = None, plots: bool = True, progress: bool = True,
+              log: Callable[[str], None] | None = None) -> BenchResult:
+    """Benchmark each speculative config in ``specs`` against no speculation on ``items``; see the module doc."""
+    from tqdm.auto import tqdm
+
+    from leapfrog import LLM, SamplingParams
+
+    say = log or (lambda s: print(f"[leapfrog bench] {s}", file=sys.stderr))
+    if not items:
+        raise ConfigError("the workload is empty")
+    if repeats < 1 or warmup < 0 or max_tokens < 1:
+        raise ConfigError("need repeats >= 1, warmup >= 0 and max_tokens >= 1")
+    if not batch_sizes or any(b < 1 for b in batch_sizes):
+        raise ConfigError("batch sizes must be >= 1")
+    if not temperatures or any(t < 0 for t in temperatures):
+        raise ConfigError("temperatures must be >= 0")
+    for s in specs:
+        if s is not None and not isinstance(s, dict):
+            raise ConfigError(f"a speculative config must be a JSON object, got {type(s).__name__}")
+    if threads:
+        import torch
+        torch.set_num_threads(int(threads))
+
+    contenders: dict[str, dict | None] = {"none": None}
+    for s in specs:
+        if s is None:
+            continue
+        contenders[contender_name(s, set(contenders))] = s
+    names = list(contenders)
+
+    llms = {}
+    for name, spec in contenders.items():
+        say(f"loading {name} ...")
+        llms[name] = LLM(model=str(model), tokenizer=tokenizer, dtype=dtype, seed=seed, speculative_config=spec,
+                         max_num_seqs=max(batch_sizes), max_model_len=max_model_len)
+    base = llms["none"]
+    tok = base.get_tokenizer()
+    if tok is None:
+        raise ConfigError("leapfrog bench needs the model's tokenizer")
+    limit_len = base.engine.max_model_len
+    ids_all = render(items, tok)
+    kept: list[tuple[WorkloadItem, list[int]]] = []
+    skipped = []
+    for it, ids in zip(items, ids_all):
+        if len(ids) + max_tokens > limit_len or not ids:
+            skipped.append(it.id)
+        else:
+            kept.append((it, ids))
+    if skipped:
+        say(f"skipped {len(skipped)} items longer than max_model_len {limit_len} - max_tokens {max_tokens}")
+    if not kept:
+        raise ConfigError(f"no workload item fits max_model_len {limit_len} with max_tokens {max_tokens}")
+    categories = sorted({it.category for it, _ in kept})
+    by_cat = {c: [(i, ids) for i, (it, ids) in enumerate(kept) if it.category == c] for c in categories}
+
+    run_counts = {n: 0 for n in names}
+    rows: list[dict[str, Any]] = []
+    n_batches = {bs: sum(math.ceil(len(v) / bs) for v in by_cat.values()) for bs in batch_sizes}
+    total = sum(len(temperatures) * repeats * n_batches[bs] * len(names) for bs in batch_sizes)
+    bar = tqdm(total=total, desc="leapfrog bench", disable=not progress, file=sys.stderr)
+    for temp in temperatures:
+        sp = SamplingParams(temperature=float(temp), max_tokens=max_tokens, seed=None)
+        for bs in batch_sizes:
+            for _ in range(warmup):
+                first = [{"prompt_token_ids": ids} for _, ids in kept[:bs]]
+                for n in names:
+                    llms[n].generate(first, sp, use_tqdm=False)
+            # per repeat, contender, category: tokens and seconds; per item: outputs
+            toks = {(r, n, c): 0 for r in range(repeats) for n in names for c in categories}
+            secs = {(r, n, c): 0.0 for r in range(repeats) for n in names for c in categories}
+            outs: dict[tuple[int, str], dict[int, Any]] = {(r, n): {} for r in range(repeats) for n in names}
+            for r in range(repeats):
+                order = names[r % len(names):] + names[:r % len(names)]
+                for c in categories:
+                    group = by_cat[c]
+                    for j in range(0, len(group), bs):
+                        chunk = group[j:j + bs]
+                        prompts = [{"prompt_token_ids": ids} for _, ids in chunk]
+                        for n in order:
+                            t0 = time.perf_counter()
+                            res = llms[n].generate(prompts, sp, use_tqdm=False)
+                            dt = time.perf_counter() - t0
+                            run_counts[n] += 1
+                            secs[(r, n, c)] += dt
+                            for (idx, _), o in zip(chunk, res):
+                                toks[(r, n, c)] += len(o.outputs[0].token_ids)
+                                outs[(r, n)][idx] = o
+                            bar.update(1)
+            for n in names:
+                for c in [*categories, ALL]:
+                    cats = categories if c == ALL else [c]
+                    idxs = [i for cc in cats for i, _ in by_cat[cc]]
+                    rows.append(_row(n, contenders[n], c, temp, bs, idxs, cats, repeats, toks, secs, outs))
+    bar.close()
+
+    recs = recommend(rows)
+    result = BenchResult(model=str(model), contenders=contenders, rows=rows, run_counts=run_counts,
+                         recommendations=recs, skipped_items=skipped,
+                         settings=dict(temperatures=list(temperatures), max_tokens=max_tokens,
+                                       batch_sizes=list(batch_sizes), repeats=repeats, warmup=warmup, dtype=dtype,
+                                       threads=threads, num_items=len(kept), categories=categories))
+    if out_dir is not None:
+        write_outputs(result, Path(out_dir), plots=plots)
+    return result
+
+
+def _row(name, spec, cat, temp, bs, idxs, cats, repeats, toks, secs, outs) -> dict[str, Any]:
+    tps, ratios = [], []
+    for r in range(repeats):
+        t = sum(toks[(r, name, c)] for c in cats)
+        s = sum(secs[(r, name, c)] for c in cats)
+        bt = sum(toks[(r, "none", c)] for c in cats)
+        bsec = sum(secs[(r, "none", c)] for c in cats)
+        v = t / s if s > 0 else None
+        b = bt / bsec if bsec > 0 else None
+        tps.append(v)
+        ratios.append(v / b if v and b else None)
+    ratios_ok = [x for x in ratios if x is not None]
+    lo, hi = t_interval(ratios_ok)
+    spec_m = SpecMetrics()
+    ttft, lat = [], []
+    same = total = 0
+    for r in range(repeats):
+        for i in idxs:
+            o = outs[(r, name)][i]
+            spec_m.merge(o.metrics.spec)
+            if o.metrics.time_to_first_token is not None:
+                ttft.append(o.metrics.time_to_first_token)
+            if o.metrics.latency is not None:
+                lat.append(o.metrics.latency)
+            if temp == 0:
+                total += 1
+                same += o.outputs[0].token_ids == outs[(r, "none")][i].outputs[0].token_ids
+    per_pos = [a / d if d else None for a, d in zip(spec_m.num_accepted_tokens_per_pos,
+                                                   spec_m.num_draft_tokens_per_pos)]
+    return {
+        "contender": name, "category": cat, "temperature": float(temp), "batch_size": int(bs),
+        "num_items": len(idxs), "repeats": repeats,
+        "tokens_per_s": statistics.median([x for x in tps if x is not None]) if any(tps) else None,
+        "tokens_per_s_repeats": tps,
+        "speedup": statistics.median(ratios_ok) if ratios_ok else None,
+        "speedup_ci_low": lo, "speedup_ci_high": hi, "speedup_repeats": ratios,
+        "acceptance_rate": spec_m.acceptance_rate, "mean_acceptance_length": spec_m.mean_acceptance_length,
+        "acceptance_by_position": per_pos,
+        "num_draft_tokens": spec_m.num_draft_tokens, "num_accepted_tokens": spec_m.num_accepted_tokens,
+        "ttft_mean_s": statistics.fmean(ttft) if ttft else None,
+        "latency_p50_s": float(np.percentile(lat, 50)) if lat else None,
+        "latency_p99_s": float(np.percentile(lat, 99)) if lat else None,
+        "equal_rate": same / total if total else None,
+        "speculative_config": spec,
+    }
+
+
+def recommend(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Best contender per (temperature, batch size, category); speculation off ("none") where no config
+    has speedup >= 1 and acceptance >= 0.5."""
+    keys = sorted({(r["temperature"], r["batch_size"], r["category"]) for r in rows},
+                  key=lambda k: (k[0], k[1], k[2] == ALL, k[2]))
+    recs = []
+    for temp, bs, cat in keys:
+        cand = [r for r in rows if (r["temperature"], r["batch_size"], r["category"]) == (temp, bs, cat)
+                and r["contender"] != "none"]
+        good = [r for r in cand if r["speedup"] is not None and r["speedup"] >= 1
+                and r["acceptance_rate"] is not None and r["acceptance_rate"] >= MIN_ACCEPTANCE]
+        off = [r["contender"] for r in cand if r not in good]
+        if good:
+            best = max(good, key=lambda r: r["speedup"])
+            recs.append(dict(temperature=temp, batch_size=bs, category=cat, best=best["contender"],
+                             speedup=best["speedup"], acceptance_rate=best["acceptance_rate"],
+                             speculation="on", off_configs=off))
+        else:
+            why = "no config reaches speedup >= 1 with acceptance >= 0.5"
+            recs.append(dict(temperature=temp, batch_size=bs, category=cat, best="none", speedup=1.0,
+                             acceptance_rate=None, speculation="off", reason=why, off_configs=off))
+    return recs
+
+
+# ---------------------------------------------------------------------------------- reporting
+def format_table(result: BenchResult) -> str:
+    head = (f"{'contender':<14} {'category':<14} {'temp':>4} {'bs':>3} {'tok/s':>8} {'speedup':>7} "
+            f"{'95% CI':>13} {'accept':>6} {'mean len':>8} {'TTFT ms':>8} {'p50 ms':>8} {'p99 ms':>8} {'equal':>5}")
+    L = [head, "-" * len(head)]
+    for r in result.rows:
+        ci = (f"[{r['speedup_ci_low']:.2f}, {r['speedup_ci_high']:.2f}]"
+              if r["speedup_ci_low"] is not None else "-")
+        ms = (lambda v: _fmt(None if v is None else v * 1000, ".1f"))
+        L.append(f"{r['contender'][:14]:<14} {r['category'][:14]:<14} {r['temperature']:>4g} {r['batch_size']:>3} "
+                 f"{_fmt(r['tokens_per_s'], '.1f'):>8} {_fmt(r['speedup']):>7} {ci:>13} "
+                 f"{_fmt(r['acceptance_rate']):>6} {_fmt(r['mean_acceptance_length']):>8} "
+                 f"{ms(r['ttft_mean_s']):>8} {ms(r['latency_p50_s']):>8} {ms(r['latency_p99_s']):>8} "
+                 f"{_fmt(r['equal_rate']):>5}")
+    return "\n".join(L)
+
+
+def format_recommendation(result: BenchResult) -> str:
+    L = ["Recommendation (best config per temperature, batch size and category; "
+         f"speculation off where speedup < 1 or acceptance < {MIN_ACCEPTANCE}):"]
+    for rec in result.recommendations:
+        where = f"  temp {rec['temperature']:g}, batch {rec['batch_size']}, {rec['category']}: "
+        if rec["speculation"] == "on":
+            line = where + (f"use {rec['best']} (speedup {rec['speedup']:.2f}x, "
+                            f"acceptance {rec['acceptance_rate']:.2f})")
+        else:
+            line = where + "turn speculation OFF (" + rec["reason"] + ")"
+        if rec["off_configs"] and rec["speculation"] == "on":
+            line += f"; not worth it: {', '.join(rec['off_configs'])}"
+        L.append(line)
+    counts = ", ".join(f"{k} {v}" for k, v in result.run_counts.items())
+    L.append(f"Interleaved runs per contender: {counts}")
+    return "\n".join(L)
+
+
+def write_outputs(result: BenchResult, out: Path, plots: bool = True) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    result.files["json"] = str(out / "bench.json")
+    result.files["csv"] = str(out / "bench.csv")
+    if plots:
+        result.files.update(write_plots(result, out))
+    with open(out / "bench.json", "w", encoding="utf-8") as f:
+        json.dump(result.to_dict(), f, indent=2)
+    with open(out / "bench.csv", "w", encoding="utf-8", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        w.writeheader()
+        for r in result.rows:
+            row = dict(r)
+            row["acceptance_by_position"] = ";".join(_fmt(x, ".4f", "") for x in r["acceptance_by_position"])
+            row["speculative_config"] = json.dumps(r["speculative_config"]) if r["speculative_config"] else "none"
+            w.writerow(row)
+
+
+def _k_groups(contenders: dict[str, dict | None]) -> list[list[tuple[int, str]]]:
+    """Sets of >= 2 configs that differ only in num_speculative_tokens: [(K, name), ...] sorted by K."""
+    groups: dict[str, list[tuple[int, str]]] = {}
+    for name, spec in contenders.items():
+        if spec is None or "num_speculative_tokens" not in spec:
+            continue
+        key = json.dumps({k: v for k, v in spec.items() if k != "num_speculative_tokens"}, sort_keys=True)
+        groups.setdefault(key, []).append((int(spec["num_speculative_tokens"]), name))
+    return [sorted(g) for g in groups.values() if len({k for k, _ in g}) >= 2]
+
+
+def write_plots(result: BenchResult, out: Path) -> dict[str, str]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = {}
+    rows = result.rows
+    spec_names = [n for n in result.contenders if n != "none"]
+    t0 = result.settings["temperatures"][0]
+    bs0 = result.settings["batch_sizes"][0]
+    cats = result.settings["categories"] + [ALL]
+
+    def get(n, c=ALL, t=t0, b=bs0):
+        return result.row(n, c, t, b)
+
+    # speedup by category
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(cats) * max(1, len(spec_names)) / 2), 4))
+    width = 0.8 / max(1, len(spec_names))
+    for i, n in enumerate(spec_names):
+        ys = [get(n, c)["speedup"] or 0 for c in cats]
+        err = [[max(0.0, (y - (get(n, c)["speedup_ci_low"] or y))) for y, c in zip(ys, cats)],
+               [max(0.0, ((get(n, c)["speedup_ci_high"] or y) - y)) for y, c in zip(ys, cats)]]
+        ax.bar([x + i * width for x in range(len(cats))], ys, width, yerr=err, label=n, capsize=2)
+    ax.axhline(1.0, color="k", lw=0.8, ls="--")
+    ax.set_xticks([x + width * (len(spec_names) - 1) / 2 for x in range(len(cats))], cats, rotation=30)
+    ax.set_ylabel("speedup vs none")
+    ax.set_title(f"speedup by category (temp {t0:g}, batch {bs0})")
+    if spec_names:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    files["plot_speedup_by_category"] = str(out / "speedup_by_category.png")
+    fig.savefig(files["plot_speedup_by_category"], dpi=100)
+    plt.close(fig)
+
+    # speedup vs K
+    groups = _k_groups(result.contenders)
+    if groups:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for g in groups:
+            for b in result.settings["batch_sizes"]:
+                ax.plot([k for k, _ in g], [get(n, b=b)["speedup"] for _, n in g], marker="o",
+                        label=f"{g[0][1].split('-k')[0]} batch {b}")
+        ax.axhline(1.0, color="k", lw=0.8, ls="--")
+        ax.set_xlabel("num_speculative_tokens (K)")
+        ax.set_ylabel("speedup vs none")
+        ax.set_title(f"speedup vs K (all categories, temp {t0:g})")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        files["plot_speedup_vs_k"] = str(out / "speedup_vs_k.png")
+        fig.savefig(files["plot_speedup_vs_k"], dpi=100)
+        plt.close(fig)
+
+    # speedup vs batch size
+    fig, ax = plt.subplots(figsize=(6, 4))
+    bss = result.settings["batch_sizes"]
+    for n in spec_names:
+        ax.plot(bss, [get(n, b=b)["speedup"] for b in bss], marker="o", label=n)
+    ax.axhline(1.0, color="k", lw=0.8, ls="--")
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("speedup vs none")
+    ax.set_title(f"speedup vs batch size (all categories, temp {t0:g})")
+    if spec_names:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    files["plot_speedup_vs_batch"] = str(out / "speedup_vs_batch.png")
+    fig.savefig(files["plot_speedup_vs_batch"], dpi=100)
+    plt.close(fig)
+
+    # acceptance by position
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for n in spec_names:
+        pp = get(n)["acceptance_by_position"]
+        ax.plot(range(1, len(pp) + 1), [np.nan if v is None else v for v in pp], marker="o", label=n)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate")
+    ax.set_ylim(0, 1.05)
+    ax.set_title(f"acceptance by position (all categories, temp {t0:g}, batch {bs0})")
+    if spec_names:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    files["plot_acceptance_by_position"] = str(out / "acceptance_by_position.png")
+    fig.savefig(files["plot_acceptance_by_position"], dpi=100)
+    plt.close(fig)
+    return files

@@ -1,0 +1,101 @@
+"""leapfrog bench on the tiny model: ngram K=2 and K=4 vs none, 2 categories, batch sizes 1 and 2."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from leapfrog.bench.runner import CSV_FIELDS, format_recommendation, format_table, run_bench
+from leapfrog.bench.workloads import WorkloadItem
+from leapfrog.entrypoints.cli import main
+
+NG2 = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}
+NG4 = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+
+ITEMS = [
+    WorkloadItem("code", "for i in range(10):\n    print(i)\nfor j in range(10):\n    print(", None, "c0"),
+    WorkloadItem("code", "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a", None, "c1"),
+    WorkloadItem("chat", None, [{"role": "user", "content": "import os\nimport sys\nimport os\n"}], "m0"),
+    WorkloadItem("chat", None, [{"role": "user", "content": "x = [1, 2]\ny = [1, 2]\n"}], "m1"),
+]
+
+
+@pytest.fixture(scope="module")
+def bench(llama_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    res = run_bench(str(llama_dir), [NG2, NG4], ITEMS, temperatures=[0.0], max_tokens=8, batch_sizes=[1, 2],
+                    repeats=2, warmup=1, out_dir=out, dtype="float32", threads=None, progress=False)
+    return res, out
+
+
+def test_outputs_and_fields(bench):
+    res, out = bench
+    assert list(res.contenders) == ["none", "ngram-k2", "ngram-k4"]
+    for f in ["bench.json", "bench.csv", "speedup_by_category.png", "speedup_vs_k.png", "speedup_vs_batch.png",
+              "acceptance_by_position.png"]:
+        assert (out / f).stat().st_size > 0, f
+    data = json.loads((out / "bench.json").read_text())
+    assert set(data) >= {"rows", "run_counts", "recommendations", "contenders", "settings", "files"}
+    rows = list(csv.DictReader(open(out / "bench.csv")))
+    assert list(rows[0]) == CSV_FIELDS
+    # 3 contenders x (2 categories + all) x 1 temperature x 2 batch sizes
+    assert len(rows) == len(data["rows"]) == 3 * 3 * 2
+    assert {r["category"] for r in rows} == {"code", "chat", "all"}
+    assert {r["batch_size"] for r in rows} == {"1", "2"}
+    for r in data["rows"]:
+        assert r["tokens_per_s"] > 0 and r["speedup"] > 0
+        assert r["latency_p50_s"] <= r["latency_p99_s"] and r["ttft_mean_s"] > 0
+        assert len(r["speedup_repeats"]) == 2 and r["speedup_ci_low"] <= r["speedup_ci_high"]
+        if r["contender"] == "none":
+            assert r["speedup"] == 1.0 and r["acceptance_rate"] is None
+    spec_all = res.row("ngram-k4", "all", 0.0, 1)
+    assert spec_all["num_draft_tokens"] > 0, "the repetitive prompts should give the n-gram drafter matches"
+    assert 0 <= spec_all["acceptance_rate"] <= 1 and spec_all["mean_acceptance_length"] >= 1
+    assert 1 <= len(spec_all["acceptance_by_position"]) <= 4
+    recs = {(r["batch_size"], r["category"]) for r in res.recommendations}
+    assert recs == {(b, c) for b in (1, 2) for c in ("code", "chat", "all")}
+    assert all(r["best"] in res.contenders for r in res.recommendations)
+
+
+def test_interleaving_counts(bench):
+    res, _ = bench
+    # per batch size: repeats x batches (bs 1: 4, bs 2: 2) for every contender, the same count each
+    assert res.run_counts == {"none": 12, "ngram-k2": 12, "ngram-k4": 12}
+
+
+def test_greedy_equality(bench):
+    res, _ = bench
+    for r in res.rows:
+        assert r["equal_rate"] == 1.0, r
+
+
+def test_table_and_recommendation_text(bench):
+    res, _ = bench
+    table = format_table(res)
+    assert "ngram-k4" in table and "speedup" in table
+    rec = format_recommendation(res)
+    assert rec.startswith("Recommendation") and "none 12, ngram-k2 12, ngram-k4 12" in rec
+
+
+def test_cli_bench(llama_dir, tmp_path, capsys):
+    wl = tmp_path / "mine.jsonl"
+    wl.write_text("".join(json.dumps({"prompt": it.prompt, "category": "code"}) + "\n" for it in ITEMS[:2]))
+    rc = main(["bench", "--model", str(llama_dir), "--speculative-config", json.dumps(NG2), "--workload", str(wl),
+               "--max-tokens", "4", "--repeats", "1", "--warmup", "0", "--dtype", "float32",
+               "--out", str(tmp_path / "out"), "--no-plots"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "Recommendation" in text and "ngram-k2" in text
+    assert (tmp_path / "out" / "bench.csv").exists()
+
+
+def test_cli_bad_input(llama_dir, tmp_path, capsys):
+    rc = main(["bench", "--model", str(llama_dir), "--speculative-config", json.dumps(NG2),
+               "--workload", str(tmp_path / "missing.jsonl")])
+    assert rc == 2
+    assert "workload file not found" in capsys.readouterr().err
+    rc = main(["bench", "--model", str(llama_dir), "--speculative-config", "{bad", "--workload", "x"])
+    assert rc == 2
+    assert "not valid JSON" in capsys.readouterr().err
