@@ -171,7 +171,7 @@ def _bench_parser(sub) -> None:
     p.add_argument("--speculative-config", action="append", default=None,
                    help='JSON (repeatable), e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; '
                         '"none" (no speculation) is always a contender')
-    p.add_argument("--workload", action="append", default=None,
+    p.add_argument("--workload", action="extend", nargs="+", default=None,
                    help="JSONL workload (repeatable): Spec-Bench/MT-bench/EAGLE question.jsonl, HumanEval, GSM8K, "
                         "EditEval, or your own with 'prompt' or 'messages' (+ optional 'category')")
     p.add_argument("--limit", type=int, default=None, help="at most N items per category of each workload")
