@@ -362,7 +362,6 @@ def write_plots(result: BenchResult, out: Path) -> dict[str, str]:
     import matplotlib.pyplot as plt
 
     files = {}
-    rows = result.rows
     spec_names = [n for n in result.contenders if n != "none"]
     t0 = result.settings["temperatures"][0]
     bs0 = result.settings["batch_sizes"][0]

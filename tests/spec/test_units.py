@@ -52,7 +52,6 @@ def onehot(i, V=6):
 
 
 def test_rejection_point_mass_rules():
-    V = 6
     p = torch.stack([torch.tensor([0.5, 0.5, 0, 0, 0, 0.]), onehot(3), onehot(4)])  # rows: d0, d1, bonus
     drafts = torch.tensor([1, 3])
     out = rejection_accept(p, None, drafts, [2], torch.tensor([0.49, 0.99]))

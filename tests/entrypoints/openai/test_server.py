@@ -11,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from leapfrog import LLM, SamplingParams
-from tests.entrypoints.openai.conftest import SPEC, make_server
+from tests.entrypoints.openai.conftest import make_server
 
 PROMPTS = ["def foo(x):\n    return", "import os\nimport", "class A:\n    def", "for i in range(",
            "x = [1, 2, 3]\n", "while True:\n    ", "# comment\n", "print("]
