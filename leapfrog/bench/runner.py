@@ -362,6 +362,20 @@ def write_plots(result: BenchResult, out: Path) -> dict[str, str]:
     import matplotlib.pyplot as plt
 
     files = {}
+
+    def save(fig, ax, name: str, title: str, ylabel: str = "speedup vs none") -> None:
+        """The finish every plot shares: labels, the 1.0x line for speedups, legend, PNG."""
+        if ylabel.startswith("speedup"):
+            ax.axhline(1.0, color="k", lw=0.8, ls="--")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        files[f"plot_{name}"] = str(out / f"{name}.png")
+        fig.savefig(files[f"plot_{name}"], dpi=100)
+        plt.close(fig)
+
     spec_names = [n for n in result.contenders if n != "none"]
     t0 = result.settings["temperatures"][0]
     bs0 = result.settings["batch_sizes"][0]
@@ -378,16 +392,8 @@ def write_plots(result: BenchResult, out: Path) -> dict[str, str]:
         err = [[max(0.0, (y - (get(n, c)["speedup_ci_low"] or y))) for y, c in zip(ys, cats)],
                [max(0.0, ((get(n, c)["speedup_ci_high"] or y) - y)) for y, c in zip(ys, cats)]]
         ax.bar([x + i * width for x in range(len(cats))], ys, width, yerr=err, label=n, capsize=2)
-    ax.axhline(1.0, color="k", lw=0.8, ls="--")
     ax.set_xticks([x + width * (len(spec_names) - 1) / 2 for x in range(len(cats))], cats, rotation=30)
-    ax.set_ylabel("speedup vs none")
-    ax.set_title(f"speedup by category (temp {t0:g}, batch {bs0})")
-    if spec_names:
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    files["plot_speedup_by_category"] = str(out / "speedup_by_category.png")
-    fig.savefig(files["plot_speedup_by_category"], dpi=100)
-    plt.close(fig)
+    save(fig, ax, "speedup_by_category", f"speedup by category (temp {t0:g}, batch {bs0})")
 
     # speedup vs K
     groups = _k_groups(result.contenders)
@@ -397,31 +403,16 @@ def write_plots(result: BenchResult, out: Path) -> dict[str, str]:
             for b in result.settings["batch_sizes"]:
                 ax.plot([k for k, _ in g], [get(n, b=b)["speedup"] for _, n in g], marker="o",
                         label=f"{g[0][1].split('-k')[0]} batch {b}")
-        ax.axhline(1.0, color="k", lw=0.8, ls="--")
         ax.set_xlabel("num_speculative_tokens (K)")
-        ax.set_ylabel("speedup vs none")
-        ax.set_title(f"speedup vs K (all categories, temp {t0:g})")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        files["plot_speedup_vs_k"] = str(out / "speedup_vs_k.png")
-        fig.savefig(files["plot_speedup_vs_k"], dpi=100)
-        plt.close(fig)
+        save(fig, ax, "speedup_vs_k", f"speedup vs K (all categories, temp {t0:g})")
 
     # speedup vs batch size
     fig, ax = plt.subplots(figsize=(6, 4))
     bss = result.settings["batch_sizes"]
     for n in spec_names:
         ax.plot(bss, [get(n, b=b)["speedup"] for b in bss], marker="o", label=n)
-    ax.axhline(1.0, color="k", lw=0.8, ls="--")
     ax.set_xlabel("batch size")
-    ax.set_ylabel("speedup vs none")
-    ax.set_title(f"speedup vs batch size (all categories, temp {t0:g})")
-    if spec_names:
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    files["plot_speedup_vs_batch"] = str(out / "speedup_vs_batch.png")
-    fig.savefig(files["plot_speedup_vs_batch"], dpi=100)
-    plt.close(fig)
+    save(fig, ax, "speedup_vs_batch", f"speedup vs batch size (all categories, temp {t0:g})")
 
     # acceptance by position
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -429,13 +420,7 @@ def write_plots(result: BenchResult, out: Path) -> dict[str, str]:
         pp = get(n)["acceptance_by_position"]
         ax.plot(range(1, len(pp) + 1), [np.nan if v is None else v for v in pp], marker="o", label=n)
     ax.set_xlabel("draft position")
-    ax.set_ylabel("acceptance rate")
     ax.set_ylim(0, 1.05)
-    ax.set_title(f"acceptance by position (all categories, temp {t0:g}, batch {bs0})")
-    if spec_names:
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    files["plot_acceptance_by_position"] = str(out / "acceptance_by_position.png")
-    fig.savefig(files["plot_acceptance_by_position"], dpi=100)
-    plt.close(fig)
+    save(fig, ax, "acceptance_by_position", f"acceptance by position (all categories, temp {t0:g}, batch {bs0})",
+         ylabel="acceptance rate")
     return files

@@ -156,12 +156,11 @@ class LLMEngine:
         logits = self.runner.run(chunks)
         result = self.accept(reqs, logits, drafts)
         t_verify = time.perf_counter() - t1
-        for req, n_acc, ids in zip(reqs, result.num_accepted, result.output_ids):
+        for req, n_draft, n_acc in zip(reqs, drafts.num_draft, result.num_accepted):
             self._commit(req, req.num_computed + 1 + n_acc)   # rollback of rejected = not advancing
             req.metrics.num_target_forwards += 1
-        for b, req in enumerate(reqs):
-            req.metrics.spec.record(drafts.num_draft[b], result.num_accepted[b])
-            self.spec_metrics.record(drafts.num_draft[b], result.num_accepted[b])
+            req.metrics.spec.record(n_draft, n_acc)
+            self.spec_metrics.record(n_draft, n_acc)
         if self.proposer is not None:
             self.proposer.on_verified(reqs, drafts, result)
             self.spec_controller.observe(reqs, drafts, result, t_draft, t_verify)

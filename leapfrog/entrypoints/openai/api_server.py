@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from leapfrog.engine.async_engine import AsyncEngine
 from leapfrog.engine.engine import LLMEngine
 from leapfrog.entrypoints.openai.metrics import ServerMetrics
-from leapfrog.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from leapfrog.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, StreamOptions
 from leapfrog.entrypoints.openai.serving import APIError, OpenAIServing, sse, usage
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -97,17 +97,19 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
                                  kv.used_tokens() / kv.token_budget)
         return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    def head(prefix: str, obj: str) -> dict:
+        return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": obj, "created": int(time.time()),
+                "model": served_model_name}
+
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
         serving.check_model(req.model)
         sp = serving.sampling_params(req, req.max_tokens if req.max_tokens is not None else 16)
         k = serving.spec_tokens(req)
         prompts = serving.completion_prompts(req)
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        head = {"id": rid, "object": "text_completion", "created": created, "model": served_model_name}
+        top = head("cmpl", "text_completion")
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return await _streaming(serving.stream_all(prompts, sp, k), head, sp.n, include_usage,
+            return await _streaming(serving.stream_all(prompts, sp, k), top, sp.n, req.stream_options,
                                     lambda text, out: {"index": 0, "text": text, "logprobs": None,
                                                        "finish_reason": out.outputs[0].finish_reason
                                                        if out.finished else None})
@@ -115,7 +117,7 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
         choices = [{"index": i, "text": (o.prompt or "") + o.outputs[0].text if req.echo else o.outputs[0].text,
                     "logprobs": None, "finish_reason": o.outputs[0].finish_reason,
                     "stop_reason": o.outputs[0].stop_reason} for i, o in enumerate(outs)]
-        return {**head, "choices": choices, "usage": usage(outs, sp.n)}
+        return {**top, "choices": choices, "usage": usage(outs, sp.n)}
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest):
@@ -124,12 +126,10 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
         sp = serving.sampling_params(req, max_tokens)
         k = serving.spec_tokens(req)
         prompt = serving.chat_prompt(req)
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        head = {"id": rid, "object": "chat.completion", "created": created, "model": served_model_name}
+        top = head("chatcmpl", "chat.completion")
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return await _streaming(serving.stream_all([prompt], sp, k), {**head, "object": "chat.completion.chunk"},
-                                    sp.n, include_usage,
+            return await _streaming(serving.stream_all([prompt], sp, k), {**top, "object": "chat.completion.chunk"},
+                                    sp.n, req.stream_options,
                                     lambda text, out: {"index": 0, "delta": {"content": text} if text else {},
                                                        "logprobs": None,
                                                        "finish_reason": out.outputs[0].finish_reason
@@ -139,13 +139,15 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
         choices = [{"index": i, "message": {"role": "assistant", "content": o.outputs[0].text},
                     "logprobs": None, "finish_reason": o.outputs[0].finish_reason,
                     "stop_reason": o.outputs[0].stop_reason} for i, o in enumerate(outs)]
-        return {**head, "choices": choices, "usage": usage(outs, sp.n)}
+        return {**top, "choices": choices, "usage": usage(outs, sp.n)}
 
     return app
 
 
-async def _streaming(events, head: dict, n: int, include_usage: bool, make_choice, first_delta: dict | None = None):
+async def _streaming(events, head: dict, n: int, stream_options: StreamOptions | None, make_choice,
+                     first_delta: dict | None = None):
     """Start the stream (so request errors still become JSON errors), then serve SSE chunks."""
+    include_usage = bool(stream_options and stream_options.include_usage)
     it = events.__aiter__()
     try:
         first = await it.__anext__()
