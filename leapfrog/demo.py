@@ -1,11 +1,12 @@
 """Small real checkpoints made on the spot: a BPE tokenizer trained with ``tokenizers`` and a
 Llama-family model saved with ``transformers`` (safetensors + config.json + tokenizer files).
 
-``default_model()`` is what ``LLM()`` and ``leapfrog generate`` use when no model is given.
-Until the trained demo pair ships inside the package, it is a tiny *random-init* Llama with
-a tokenizer trained on a few files of the Python standard library, created once under
-``~/.cache/leapfrog`` (or ``$LEAPFROG_CACHE``): the engine runs end to end offline, but the
-text it prints is not meaningful.
+``default_model()`` is what ``LLM()`` and ``leapfrog generate`` use when no model is given: the
+demo pair shipped in the package (``leapfrog/assets/stdlib-demo``: a target and a draft trained
+on the Python standard library's source by ``scripts/train_demo.py``), with draft_model
+speculation at K = 4. Should the assets be missing (a build without package data), it falls back
+to a tiny *random-init* Llama created once under ``~/.cache/leapfrog`` (or ``$LEAPFROG_CACHE``):
+the engine then runs end to end offline, but its text is not meaningful.
 """
 
 from __future__ import annotations
@@ -82,8 +83,22 @@ def cache_dir() -> Path:
     return Path(os.environ.get("LEAPFROG_CACHE", Path.home() / ".cache" / "leapfrog"))
 
 
+DEMO_DIR = Path(__file__).resolve().parent / "assets" / "stdlib-demo"
+
+
+def demo_pair() -> tuple[Path, Path] | None:
+    """(target, draft) directories of the shipped demo family, or None when not installed."""
+    target, draft = DEMO_DIR / "target", DEMO_DIR / "draft"
+    if (target / "config.json").is_file() and (draft / "config.json").is_file():
+        return target, draft
+    return None
+
+
 def default_model() -> tuple[str, dict[str, Any] | None]:
-    """(model path, default speculative_config) of the built-in default model, created on first use."""
+    """(model path, default speculative_config) of the built-in default model."""
+    pair = demo_pair()
+    if pair is not None:
+        return str(pair[0]), {"method": "draft_model", "model": str(pair[1]), "num_speculative_tokens": 4}
     path = cache_dir() / "tiny-random-llama-v1"
     if not (path / "config.json").is_file():
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")

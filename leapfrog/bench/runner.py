@@ -44,6 +44,7 @@ class BenchResult:
     recommendations: list[dict[str, Any]]       # best config per temperature x batch size x category
     settings: dict[str, Any] = field(default_factory=dict)
     skipped_items: list[str] = field(default_factory=list)
+    peer_ratios: list[dict[str, Any]] = field(default_factory=list)   # leapfrog vs transformers (--backend)
     files: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -116,8 +117,11 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
               repeats: int = 3, warmup: int = 1, out_dir: str | Path | None = "bench_out", dtype: str = "auto",
               threads: int | None = None, tokenizer: str | None = None, seed: int = 0,
               max_model_len: int | None = None, plots: bool = True, progress: bool = True,
-              log: Callable[[str], None] | None = None) -> BenchResult:
-    """Benchmark each speculative config in ``specs`` against no speculation on ``items``; see the module doc."""
+              log: Callable[[str], None] | None = None, backends: Sequence[str] = ("leapfrog",)) -> BenchResult:
+    """Benchmark each speculative config in ``specs`` against no speculation on ``items``; see the module doc.
+
+    ``backends`` containing "transformers" adds, per leapfrog contender, its transformers counterpart
+    (``leapfrog.bench.hf_backend``) to the same interleaved rounds."""
     from tqdm.auto import tqdm
 
     from leapfrog import LLM, SamplingParams
@@ -134,6 +138,9 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
     for s in specs:
         if s is not None and not isinstance(s, dict):
             raise ConfigError(f"a speculative config must be a JSON object, got {type(s).__name__}")
+    unknown = set(backends) - {"leapfrog", "transformers"}
+    if unknown:
+        raise ConfigError(f"unknown backend(s) {sorted(unknown)}; choose from leapfrog, transformers")
     if threads:
         import torch
         torch.set_num_threads(int(threads))
@@ -151,6 +158,20 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
         llms[name] = LLM(model=str(model), tokenizer=tokenizer, dtype=dtype, seed=seed, speculative_config=spec,
                          max_num_seqs=max(batch_sizes), max_model_len=max_model_len)
     base = llms["none"]
+    peers: dict[str, str] = {}     # transformers contender -> the leapfrog contender it mirrors
+    if "transformers" in backends:
+        from leapfrog.bench.hf_backend import HFGenerator, hf_mode_for, hf_name
+        for name, spec in list(contenders.items()):
+            mode = hf_mode_for(spec)
+            if mode is None:
+                say(f"transformers has no counterpart of {name}; skipped")
+                continue
+            hn = hf_name(name, mode)
+            say(f"loading {hn} (transformers) ...")
+            llms[hn] = HFGenerator(str(model), mode, base.engine.dtype, base.engine.device, base.engine.eos_ids)
+            contenders[hn] = spec
+            peers[hn] = name
+        names = list(contenders)
     tok = base.get_tokenizer()
     if tok is None:
         raise ConfigError("leapfrog bench needs the model's tokenizer")
@@ -172,6 +193,7 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
 
     run_counts = {n: 0 for n in names}
     rows: list[dict[str, Any]] = []
+    peer_rows: list[dict[str, Any]] = []
     n_batches = {bs: sum(math.ceil(len(v) / bs) for v in by_cat.values()) for bs in batch_sizes}
     total = sum(len(temperatures) * repeats * n_batches[bs] * len(names) for bs in batch_sizes)
     bar = tqdm(total=total, desc="leapfrog bench", disable=not progress, file=sys.stderr)
@@ -208,30 +230,52 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
                     cats = categories if c == ALL else [c]
                     idxs = [i for cc in cats for i, _ in by_cat[cc]]
                     rows.append(_row(n, contenders[n], c, temp, bs, idxs, cats, repeats, toks, secs, outs))
+            for hn, n in peers.items():
+                for c in [*categories, ALL]:
+                    cats = categories if c == ALL else [c]
+                    for a, b in ([(n, hn)] + ([(n, "hf-none")] if n != "none" and "hf-none" in peers else [])):
+                        peer_rows.append(_peer_row(a, b, c, temp, bs, cats, repeats, toks, secs))
     bar.close()
 
-    recs = recommend(rows)
+    recs = recommend([r for r in rows if r["contender"] not in peers])
     result = BenchResult(model=str(model), contenders=contenders, rows=rows, run_counts=run_counts,
-                         recommendations=recs, skipped_items=skipped,
+                         recommendations=recs, skipped_items=skipped, peer_ratios=peer_rows,
                          settings=dict(temperatures=list(temperatures), max_tokens=max_tokens,
                                        batch_sizes=list(batch_sizes), repeats=repeats, warmup=warmup, dtype=dtype,
-                                       threads=threads, num_items=len(kept), categories=categories))
+                                       resolved_dtype=str(base.engine.dtype).replace("torch.", ""),
+                                       backends=list(backends), threads=threads, num_items=len(kept), categories=categories))
     if out_dir is not None:
         write_outputs(result, Path(out_dir), plots=plots)
     return result
 
 
-def _row(name, spec, cat, temp, bs, idxs, cats, repeats, toks, secs, outs) -> dict[str, Any]:
+def _rates(name, ref, cats, repeats, toks, secs) -> tuple[list[float | None], list[float | None]]:
+    """Per repeat: tokens/s of ``name``, and its ratio to ``ref``'s tokens/s in the same repeat."""
     tps, ratios = [], []
     for r in range(repeats):
         t = sum(toks[(r, name, c)] for c in cats)
         s = sum(secs[(r, name, c)] for c in cats)
-        bt = sum(toks[(r, "none", c)] for c in cats)
-        bsec = sum(secs[(r, "none", c)] for c in cats)
+        bt = sum(toks[(r, ref, c)] for c in cats)
+        bsec = sum(secs[(r, ref, c)] for c in cats)
         v = t / s if s > 0 else None
         b = bt / bsec if bsec > 0 else None
         tps.append(v)
         ratios.append(v / b if v and b else None)
+    return tps, ratios
+
+
+def _peer_row(a, b, cat, temp, bs, cats, repeats, toks, secs) -> dict[str, Any]:
+    """leapfrog contender ``a`` against transformers contender ``b``: tokens/s ratio per repeat."""
+    _, ratios = _rates(a, b, cats, repeats, toks, secs)
+    ok = [x for x in ratios if x is not None]
+    lo, hi = t_interval(ok)
+    return {"leapfrog": a, "transformers": b, "category": cat, "temperature": float(temp), "batch_size": int(bs),
+            "ratio": statistics.median(ok) if ok else None, "ratio_ci_low": lo, "ratio_ci_high": hi,
+            "ratio_repeats": ratios}
+
+
+def _row(name, spec, cat, temp, bs, idxs, cats, repeats, toks, secs, outs) -> dict[str, Any]:
+    tps, ratios = _rates(name, "none", cats, repeats, toks, secs)
     ratios_ok = [x for x in ratios if x is not None]
     lo, hi = t_interval(ratios_ok)
     spec_m = SpecMetrics()
@@ -309,6 +353,19 @@ def format_table(result: BenchResult) -> str:
     return "\n".join(L)
 
 
+def format_peers(result: BenchResult) -> str:
+    """leapfrog vs transformers on the same checkpoint (tokens/s ratio, median of repeats, 95% CI)."""
+    if not result.peer_ratios:
+        return ""
+    L = [f"{'leapfrog':<18} {'transformers':<22} {'category':<14} {'temp':>4} {'bs':>3} {'ratio':>6} {'95% CI':>13}"]
+    L.append("-" * len(L[0]))
+    for r in result.peer_ratios:
+        ci = f"[{r['ratio_ci_low']:.2f}, {r['ratio_ci_high']:.2f}]" if r["ratio_ci_low"] is not None else "-"
+        L.append(f"{r['leapfrog'][:18]:<18} {r['transformers'][:22]:<22} {r['category'][:14]:<14} "
+                 f"{r['temperature']:>4g} {r['batch_size']:>3} {_fmt(r['ratio']):>6} {ci:>13}")
+    return "leapfrog vs transformers (tokens/s ratio):\n" + "\n".join(L)
+
+
 def format_recommendation(result: BenchResult) -> str:
     L = ["Recommendation (best config per temperature, batch size and category; "
          f"speculation off where speedup < 1 or acceptance < {MIN_ACCEPTANCE}):"]
@@ -349,7 +406,7 @@ def _k_groups(contenders: dict[str, dict | None]) -> list[list[tuple[int, str]]]
     """Sets of >= 2 configs that differ only in num_speculative_tokens: [(K, name), ...] sorted by K."""
     groups: dict[str, list[tuple[int, str]]] = {}
     for name, spec in contenders.items():
-        if spec is None or "num_speculative_tokens" not in spec:
+        if spec is None or "num_speculative_tokens" not in spec or name.startswith("hf-"):
             continue
         key = json.dumps({k: v for k, v in spec.items() if k != "num_speculative_tokens"}, sort_keys=True)
         groups.setdefault(key, []).append((int(spec["num_speculative_tokens"]), name))

@@ -33,7 +33,8 @@ class WorkloadItem:
     id: str
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The objects of a JSONL file (optionally .gz); a clear ConfigError for anything else."""
     try:
         if path.name.endswith(".gz"):
             with gzip.open(path, "rt", encoding="utf-8") as f:
@@ -154,7 +155,7 @@ def load_workload(path: str | Path, limit: int | None = None) -> list[WorkloadIt
         raise ConfigError(f"workload {path} is a directory; give a .jsonl (or .jsonl.gz) file")
     if limit is not None and limit < 1:
         raise ConfigError(f"limit must be >= 1, got {limit}")
-    rows = _read_jsonl(path)
+    rows = read_jsonl(path)
     items = _LOADERS[detect_format(path, rows[0])](rows, path)
     return limit_per_category(items, limit)
 

@@ -23,7 +23,8 @@ def _generate_parser(sub) -> None:
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--speculative-config", default=None,
                    help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; "none" turns it off')
-    p.add_argument("--compare", action="store_true", help="also run without speculation and print the speedup")
+    p.add_argument("--compare", action=argparse.BooleanOptionalAction, default=None,
+                   help="also run without speculation and print the speedup (default: on for the built-in demo model)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -82,8 +83,12 @@ def cmd_generate(args) -> int:
         model, default_spec = default_model()
         if not given:
             spec = default_spec
+        if args.compare is None:
+            args.compare = True
         print(f"[leapfrog] no --model given: using the built-in default model at {model}", file=sys.stderr)
     llm = LLM(model=model, speculative_config=spec, **common)
+    if args.compare:   # time both runs warm
+        llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, sp)
     dt = time.perf_counter() - t0
@@ -93,7 +98,11 @@ def cmd_generate(args) -> int:
             print(f"{o.prompt}{c.text}")
             print(f"--- [{len(c.token_ids)} tokens, finish_reason={c.finish_reason}]")
     line = f"[leapfrog] {n_tok} tokens in {dt:.2f}s = {n_tok / dt:.1f} tokens/s"
-    m = llm.get_metrics()
+    from leapfrog.outputs import SpecMetrics
+    spec_m = SpecMetrics()
+    for o in outs:
+        spec_m.merge(o.metrics.spec)
+    m = spec_m.to_dict()
     if spec is not None and m["num_draft_tokens"]:
         line += (f" | speculation {spec.get('method')}: acceptance rate {m['acceptance_rate']:.2f}, "
                  f"mean acceptance length {m['mean_acceptance_length']:.2f}")
@@ -186,10 +195,13 @@ def _bench_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_out", help="folder for bench.json, bench.csv and the plots")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--backend", action="append", default=None, choices=["leapfrog", "transformers"],
+                   help="transformers: also run each config's transformers counterpart (generate, assisted "
+                        "generation with the same draft, prompt lookup) in the same interleaved rounds")
 
 
 def cmd_bench(args) -> int:
-    from leapfrog.bench.runner import format_recommendation, format_table, run_bench
+    from leapfrog.bench.runner import format_peers, format_recommendation, format_table, run_bench
     from leapfrog.bench.workloads import WorkloadItem, load_workload
 
     specs = []
@@ -218,11 +230,82 @@ def cmd_bench(args) -> int:
     res = run_bench(str(model), specs, items, temperatures=args.temperature, max_tokens=args.max_tokens,
                     batch_sizes=args.batch_size, repeats=args.repeats, warmup=args.warmup, out_dir=args.out,
                     dtype=args.dtype, threads=args.threads, tokenizer=args.tokenizer, seed=args.seed,
-                    max_model_len=args.max_model_len, plots=not args.no_plots)
+                    max_model_len=args.max_model_len, plots=not args.no_plots,
+                    backends=["leapfrog", *(args.backend or [])])
     print(format_table(res))
+    if res.peer_ratios:
+        print()
+        print(format_peers(res))
     print()
     print(format_recommendation(res))
     print(f"\n[leapfrog bench] wrote {', '.join(res.files.values())}")
+    return 0
+
+
+def _train_draft_parser(sub) -> None:
+    p = sub.add_parser("train-draft", help="distil a target model into a small draft model (same tokenizer)")
+    p.add_argument("target", help="target checkpoint: HF directory or hub id")
+    p.add_argument("--corpus", required=True,
+                   help="training text: a file, a directory of text files, or JSONL ('text', 'prompt' or 'messages')")
+    p.add_argument("--out", required=True, help="output directory (an HF checkpoint that draft_model loads)")
+    p.add_argument("--data-mode", default="corpus", choices=["corpus", "generate"],
+                   help="corpus: the target's distributions on your text; generate: on the target's own "
+                        "continuations of your texts used as prompts (self-distillation)")
+    p.add_argument("--init-draft", default=None, help="start from this draft checkpoint (fine-tune) instead of scratch")
+    p.add_argument("--hidden-size", type=int, default=256)
+    p.add_argument("--intermediate-size", type=int, default=512)
+    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--num-heads", type=int, default=4)
+    p.add_argument("--num-kv-heads", type=int, default=None, help="default: --num-heads")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup-steps", type=int, default=20)
+    p.add_argument("--ce-weight", type=float, default=0.0, help="add this x cross-entropy on the data's tokens")
+    p.add_argument("--heldout-fraction", type=float, default=0.05, help="files held out for evaluation")
+    p.add_argument("--gen-tokens", type=int, default=128, help="generate mode: tokens per continuation")
+    p.add_argument("--gen-temperature", type=float, default=1.0)
+    p.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts for the acceptance test (0: skip)")
+    p.add_argument("--eval-k", type=int, default=4)
+    p.add_argument("--save-dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--bf16", default="auto", choices=["auto", "on", "off"],
+                   help="bf16 autocast: auto = on for CUDA and CPUs with native bf16")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint-dir", default=None, help="default: OUT.ckpt; a run resumes from it")
+    p.add_argument("--checkpoint-every", type=int, default=50)
+    p.add_argument("--json", default=None, help="also write the summary to this file")
+
+
+def cmd_train_draft(args) -> int:
+    from leapfrog.train.distill import DraftShape, train_draft
+    from leapfrog.train.loop import TrainConfig
+
+    shape = DraftShape(hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
+                       num_hidden_layers=args.num_layers, num_attention_heads=args.num_heads,
+                       num_key_value_heads=args.num_kv_heads or args.num_heads)
+    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+                      warmup_steps=args.warmup_steps, seed=args.seed, device=args.device,
+                      checkpoint_every=args.checkpoint_every, eval_every=max(1, min(50, args.steps // 4)))
+    res = train_draft(args.target, args.corpus, args.out, shape=shape, init_draft=args.init_draft,
+                      train_config=cfg, data_mode=args.data_mode, ce_weight=args.ce_weight,
+                      heldout_fraction=args.heldout_fraction, gen_tokens=args.gen_tokens,
+                      gen_temperature=args.gen_temperature, eval_prompts=args.eval_prompts, eval_k=args.eval_k,
+                      save_dtype=args.save_dtype, bf16=args.bf16, checkpoint_dir=args.checkpoint_dir)
+    s = res.summary()
+    print(f"[leapfrog train-draft] draft {s['draft_parameters']:,} parameters "
+          f"({s['draft_parameters'] / s['target_parameters']:.3f} of the target), {s['steps']} steps, "
+          f"{s['train_tokens']:,} tokens; held-out KL {s['heldout_kl_before']:.3f} -> {s['heldout_kl_after']:.3f}")
+    if res.acceptance:
+        a = res.acceptance
+        print(f"[leapfrog train-draft] acceptance at K={a['k']}, temperature 0, {a['prompts']} held-out prompts: "
+              f"{a['acceptance_rate']:.3f}, mean acceptance length {a['mean_acceptance_length']:.2f}")
+    print(f"[leapfrog train-draft] saved {res.path} (loss curve: {res.path / 'training_loss.png'}); use it with "
+          f"--speculative-config '{{\"method\": \"draft_model\", \"model\": \"{res.path}\"}}'")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(s, f, indent=1, default=str)
     return 0
 
 
@@ -233,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     _serve_parser(sub)
     _check_parser(sub)
     _bench_parser(sub)
+    _train_draft_parser(sub)
     args = parser.parse_args(argv)
     try:
         if args.command == "generate":
@@ -243,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_check(args)
         if args.command == "bench":
             return cmd_bench(args)
+        if args.command == "train-draft":
+            return cmd_train_draft(args)
     except (LeapfrogError, OSError) as e:
         print(f"leapfrog: error: {e}", file=sys.stderr)
         return 2

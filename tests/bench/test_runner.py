@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from leapfrog.bench.runner import CSV_FIELDS, format_recommendation, format_table, run_bench
+from leapfrog.bench.runner import CSV_FIELDS, format_peers, format_recommendation, format_table, run_bench
 from leapfrog.bench.workloads import WorkloadItem
 from leapfrog.entrypoints.cli import main
 
@@ -99,3 +99,30 @@ def test_cli_bad_input(llama_dir, tmp_path, capsys):
     rc = main(["bench", "--model", str(llama_dir), "--speculative-config", "{bad", "--workload", "x"])
     assert rc == 2
     assert "not valid JSON" in capsys.readouterr().err
+
+
+def test_transformers_backend_side_by_side(llama_dir, draft_dir, tmp_path):
+    dm = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 2}
+    res = run_bench(str(llama_dir), [NG2, dm], ITEMS[:2], temperatures=[0.0], max_tokens=8, batch_sizes=[1],
+                    repeats=2, warmup=1, out_dir=tmp_path, dtype="float32", progress=False,
+                    backends=["leapfrog", "transformers"])
+    assert list(res.contenders) == ["none", "ngram-k2", "draft_model-k2", "hf-none", "hf-prompt_lookup-k2",
+                                    "hf-assisted-k2"]
+    assert len(set(res.run_counts.values())) == 1          # every contender ran the same number of times
+    # transformers' greedy output is ours token for token (fp32, same checkpoint)
+    for n in ("hf-none", "hf-prompt_lookup-k2", "hf-assisted-k2"):
+        assert res.row(n, "all", 0.0, 1)["equal_rate"] == 1.0, n
+        assert res.row(n, "all", 0.0, 1)["tokens_per_s"] > 0
+    pairs = {(r["leapfrog"], r["transformers"]) for r in res.peer_ratios if r["category"] == "all"}
+    assert pairs == {("none", "hf-none"), ("ngram-k2", "hf-prompt_lookup-k2"), ("ngram-k2", "hf-none"),
+                     ("draft_model-k2", "hf-assisted-k2"), ("draft_model-k2", "hf-none")}
+    assert all(r["ratio"] > 0 for r in res.peer_ratios)
+    assert not any(r["best"].startswith("hf-") for r in res.recommendations)
+    assert "leapfrog vs transformers" in format_peers(res)
+    assert json.loads((tmp_path / "bench.json").read_text())["peer_ratios"]
+
+
+def test_unknown_backend_is_an_error(llama_dir):
+    from leapfrog.errors import ConfigError
+    with pytest.raises(ConfigError, match="unknown backend"):
+        run_bench(str(llama_dir), [NG2], ITEMS[:1], backends=["vllm"], out_dir=None, progress=False)

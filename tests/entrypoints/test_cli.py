@@ -39,7 +39,9 @@ def test_bad_input_clear_errors(llama_dir, capsys):
     assert "temperature" in capsys.readouterr().err
 
 
-def test_default_model_offline(tmp_path, monkeypatch, capsys):
+def test_default_model_fallback_without_the_demo_assets(tmp_path, monkeypatch, capsys):
+    from leapfrog import demo
+    monkeypatch.setattr(demo, "DEMO_DIR", tmp_path / "not-installed")
     monkeypatch.setenv("LEAPFROG_CACHE", str(tmp_path))
     rc = main(["generate", "def quicksort(arr):", "--max-tokens", "12"])
     out = capsys.readouterr()

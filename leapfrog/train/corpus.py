@@ -1,0 +1,105 @@
+"""Text corpora for training: the Python standard library's own source, or the user's files.
+
+A corpus is a list of ``Document`` (a name and its text). The held-out split is by document
+(file), decided by a hash of its name and a seed, so no file is in both halves and the split
+does not depend on the order files are listed in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from leapfrog.errors import ConfigError
+
+TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".json", ".c", ".h", ".js", ".ts", ".rs", ".go", ".java"}
+
+
+@dataclass(frozen=True)
+class Document:
+    name: str   # a path relative to the corpus root, or "<file>:<line>" for JSONL
+    text: str
+
+
+def stdlib_documents(root: str | os.PathLike | None = None) -> list[Document]:
+    """Every ``*.py`` file of the standard library (PSF license), sorted by relative path;
+    third-party packages (site-packages) are left out."""
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    docs = []
+    for p in sorted(root.rglob("*.py")):
+        rel = p.relative_to(root)
+        if "site-packages" in rel.parts or "dist-packages" in rel.parts:
+            continue
+        text = p.read_text(encoding="utf-8", errors="replace")
+        if text.strip():
+            docs.append(Document(rel.as_posix(), text))
+    return docs
+
+
+def _jsonl_text(obj: dict, where: str) -> str:
+    if isinstance(obj.get("text"), str):
+        return obj["text"]
+    if isinstance(obj.get("prompt"), str):
+        return obj["prompt"] + (obj.get("completion") or "")
+    if isinstance(obj.get("messages"), list):
+        return "\n".join(str(m.get("content", "")) for m in obj["messages"] if isinstance(m, dict))
+    raise ConfigError(f"{where}: a JSONL line needs a 'text', 'prompt' or 'messages' field")
+
+
+def read_documents(path: str | os.PathLike) -> list[Document]:
+    """A text file (one document), a JSONL file (one document per line: ``text``, ``prompt``
+    [+ ``completion``] or chat ``messages``) or a directory (every text file under it)."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES)
+        docs = [Document(f.relative_to(p).as_posix(), f.read_text(encoding="utf-8", errors="replace"))
+                for f in files]
+    elif p.is_file() and p.name.endswith((".jsonl", ".jsonl.gz")):
+        from leapfrog.bench.workloads import read_jsonl
+        docs = [Document(f"{p.name}:{i}", _jsonl_text(obj, f"{p}:{i}")) for i, obj in enumerate(read_jsonl(p), 1)]
+    elif p.is_file():
+        docs = [Document(p.name, p.read_text(encoding="utf-8", errors="replace"))]
+    else:
+        raise ConfigError(f"corpus {str(path)!r}: no such file or directory")
+    docs = [d for d in docs if d.text.strip()]
+    if not docs:
+        raise ConfigError(f"corpus {str(path)!r} holds no text")
+    return docs
+
+
+def _in_heldout(name: str, fraction: float, seed: int) -> bool:
+    h = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(h[:8], "big") / 2**64 < fraction
+
+
+def split_by_file(docs: list[Document], heldout_fraction: float, seed: int = 0
+                  ) -> tuple[list[Document], list[Document]]:
+    """(train, held-out): each document lands wholly in one half. At least one document is held
+    out when there are two or more."""
+    if not 0.0 <= heldout_fraction < 1.0:
+        raise ConfigError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
+    held = [d for d in docs if _in_heldout(d.name, heldout_fraction, seed)]
+    if heldout_fraction > 0 and not held and len(docs) > 1:
+        held = [min(docs, key=lambda d: hashlib.sha256(f"{seed}:{d.name}".encode()).digest())]
+    names = {d.name for d in held}
+    return [d for d in docs if d.name not in names], held
+
+
+def pack_stream(tokenizer, docs: list[Document]) -> Tensor:
+    """All documents tokenized and joined, each followed by EOS -> [T] int64 token stream."""
+    eos = tokenizer.eos_token_id
+    ids: list[int] = []
+    batch = 256
+    for i in range(0, len(docs), batch):
+        enc = tokenizer([d.text for d in docs[i:i + batch]], add_special_tokens=False)["input_ids"]
+        for seq in enc:
+            ids.extend(seq)
+            if eos is not None:
+                ids.append(eos)
+    return torch.tensor(ids, dtype=torch.long)

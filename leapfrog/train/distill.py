@@ -1,0 +1,216 @@
+"""Draft distillation (``leapfrog train-draft``): a small Llama trained to match the target.
+
+Loss per token: KL(p || q) over the whole vocabulary, p = the target's next-token
+distribution, q = the draft's (the quantity speculative sampling's acceptance depends on:
+acceptance = 1 - TV(p, q) and TV is bounded by sqrt(KL / 2)), optionally plus
+``ce_weight`` x cross-entropy on the data's own next tokens.
+
+Training data, ``data_mode``:
+  * ``"corpus"``: windows of the user's text; the target labels every position with p.
+  * ``"generate"``: each document is a prompt; the target's own continuations (sampled with
+    the engine at ``gen_temperature``) are the text, so the draft learns what the target says,
+    not what the corpus says (self-distillation).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from leapfrog.errors import ConfigError
+from leapfrog.train.corpus import Document, pack_stream, read_documents, split_by_file
+from leapfrog.train.loop import TrainConfig, TrainState, plot_losses, train
+
+
+@dataclass(frozen=True)
+class DraftShape:
+    hidden_size: int = 256
+    intermediate_size: int = 512
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 4
+
+    def __post_init__(self) -> None:
+        if min(asdict(self).values()) < 1:
+            raise ConfigError(f"draft shape values must be >= 1: {asdict(self)}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(f"hidden_size {self.hidden_size} is not divisible by "
+                              f"num_attention_heads {self.num_attention_heads}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
+
+
+@dataclass
+class DraftResult:
+    path: Path
+    draft_parameters: int
+    target_parameters: int
+    train_tokens: int
+    state: TrainState
+    heldout_kl_before: float
+    heldout_kl_after: float
+    acceptance: dict | None = None     # draft_acceptance() at temperature 0
+    extra: dict = field(default_factory=dict)
+
+    def summary(self) -> dict:
+        d = {k: v for k, v in asdict(self).items() if k != "state"}
+        d["path"] = str(self.path)
+        d["steps"] = self.state.step
+        d["final_train_loss"] = self.state.losses[-1][1] if self.state.losses else None
+        return d
+
+
+def kl_per_token(q_logits: Tensor, p_logits: Tensor) -> Tensor:
+    """KL(p || q) for each position: [..., V] logits -> [...] (nats)."""
+    logp = F.log_softmax(p_logits.float(), dim=-1)
+    logq = F.log_softmax(q_logits.float(), dim=-1)
+    return (logp.exp() * (logp - logq)).sum(-1)
+
+
+def distill_loss(teacher, ce_weight: float):
+    def loss_fn(student, batch: Tensor) -> Tensor:
+        with torch.no_grad():
+            p_logits = teacher(input_ids=batch).logits          # [B, S, V]
+        q_logits = student(input_ids=batch).logits              # [B, S, V]
+        loss = kl_per_token(q_logits, p_logits).mean()
+        if ce_weight:
+            loss = loss + ce_weight * F.cross_entropy(q_logits[:, :-1].flatten(0, 1).float(),
+                                                      batch[:, 1:].flatten())
+        return loss
+    return loss_fn
+
+
+def heldout_windows(stream: Tensor, n: int, seq_len: int) -> Tensor:
+    """Up to ``n`` evenly spaced windows of ``stream`` ([T]) -> [n', seq_len]."""
+    if stream.numel() <= seq_len:
+        return stream[None, :]
+    step = max(seq_len, (stream.numel() - seq_len) // n)
+    return torch.stack([stream[i:i + seq_len] for i in range(0, stream.numel() - seq_len + 1, step)][:n])
+
+
+def heldout_prompts(tokenizer, docs: list[Document], n: int, prompt_tokens: int = 32) -> list[str]:
+    """Prompts from held-out documents: ``prompt_tokens`` tokens at the start of a line, spread over files."""
+    prompts = []
+    for i in range(n):
+        d = docs[i % len(docs)]
+        lines = d.text.splitlines(keepends=True)
+        start = (len(lines) * (1 + 2 * (i // len(docs)))) // (2 * (1 + n // len(docs)) + 1)
+        text = "".join(lines[start:start + 40]) or d.text
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"][:prompt_tokens]
+        if ids:
+            prompts.append(tokenizer.decode(ids))
+    return prompts
+
+
+def resolve_autocast(flag: str, device: torch.device) -> bool:
+    if flag in ("on", "off"):
+        return flag == "on"
+    if device.type == "cuda":
+        return True
+    from leapfrog.model.packed import can_pack   # native bf16 on this CPU
+    return can_pack(torch.bfloat16, device)
+
+
+def _generate_stream(target_path: str, tokenizer, docs: list[Document], gen_tokens: int,
+                     gen_temperature: float, seed: int, prompt_tokens: int) -> Tensor:
+    from leapfrog import LLM, SamplingParams
+    prompts = [{"prompt_token_ids": tokenizer(d.text, add_special_tokens=False)["input_ids"][:prompt_tokens]}
+               for d in docs]
+    prompts = [p for p in prompts if p["prompt_token_ids"]]
+    llm = LLM(model=target_path, dtype="float32", seed=seed, max_model_len=prompt_tokens + gen_tokens + 8)
+    outs = llm.generate(prompts, SamplingParams(temperature=gen_temperature, max_tokens=gen_tokens, seed=seed))
+    ids: list[int] = []
+    for p, o in zip(prompts, outs):
+        ids += p["prompt_token_ids"] + list(o.outputs[0].token_ids) + [tokenizer.eos_token_id]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def train_draft(target: str | os.PathLike, corpus: str | os.PathLike | list[Document], out: str | os.PathLike,
+                *, shape: DraftShape | None = None, init_draft: str | os.PathLike | None = None,
+                train_config: TrainConfig | None = None, data_mode: str = "corpus", ce_weight: float = 0.0,
+                heldout_fraction: float = 0.05, gen_tokens: int = 128, gen_temperature: float = 1.0,
+                gen_prompt_tokens: int = 32, eval_prompts: int = 16, eval_k: int = 4, eval_max_tokens: int = 64,
+                save_dtype: str = "float32", bf16: str = "auto", checkpoint_dir: str | os.PathLike | None = None,
+                stop_at: int | None = None, split_seed: int = 0, max_shard_size: str | None = None) -> DraftResult:
+    """Distil ``target`` (an HF checkpoint dir or hub id) into a draft saved at ``out`` as an HF
+    directory that ``speculative_config={"method": "draft_model", "model": out}`` loads."""
+    import transformers as tf
+
+    from leapfrog.model.loader import load_tokenizer, resolve_model_path
+    from leapfrog.train.evaluate import draft_acceptance, mean_kl
+
+    cfg = train_config or TrainConfig()
+    if data_mode not in ("corpus", "generate"):
+        raise ConfigError(f"data_mode must be 'corpus' or 'generate', got {data_mode!r}")
+    if save_dtype not in ("float32", "bfloat16"):
+        raise ConfigError(f"save_dtype must be float32 or bfloat16, got {save_dtype!r}")
+    target_path = str(resolve_model_path(target))
+    out = Path(out)
+    device = torch.device(cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    cfg.device = device.type
+    cfg.autocast_bf16 = resolve_autocast(bf16, device)
+    tokenizer = load_tokenizer(target_path)
+    teacher = tf.AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).to(device).eval()
+    teacher.requires_grad_(False)
+    tcfg = teacher.config
+
+    docs = read_documents(corpus) if not isinstance(corpus, list) else corpus
+    train_docs, held = split_by_file(docs, heldout_fraction, split_seed)
+    if not held:
+        held = train_docs[-1:]
+    if data_mode == "generate":
+        stream = _generate_stream(target_path, tokenizer, train_docs, gen_tokens, gen_temperature,
+                                  cfg.seed, gen_prompt_tokens)
+    else:
+        stream = pack_stream(tokenizer, train_docs)
+    held_stream = pack_stream(tokenizer, held)
+    if stream.numel() <= cfg.seq_len:
+        raise ConfigError(f"the corpus gives {stream.numel()} training tokens; need more than "
+                          f"seq_len={cfg.seq_len} (pass more text or a smaller --seq-len)")
+
+    if init_draft is not None:
+        draft = tf.AutoModelForCausalLM.from_pretrained(str(resolve_model_path(init_draft)), dtype=torch.float32)
+        if draft.config.vocab_size != tcfg.vocab_size:
+            raise ConfigError(f"--init-draft has vocab_size {draft.config.vocab_size}, the target "
+                              f"{tcfg.vocab_size}: a draft must share the target's tokenizer")
+    else:
+        shape = shape or DraftShape()
+        torch.manual_seed(cfg.seed)
+        dcfg = tf.LlamaConfig(
+            vocab_size=tcfg.vocab_size, bos_token_id=tcfg.bos_token_id, eos_token_id=tcfg.eos_token_id,
+            max_position_embeddings=tcfg.max_position_embeddings,
+            rope_theta=getattr(tcfg, "rope_theta", None) or 10000.0, tie_word_embeddings=True, **asdict(shape))
+        draft = tf.LlamaForCausalLM(dcfg)
+    draft.to(device)
+    val = heldout_windows(held_stream, 8, min(cfg.seq_len, 256)).to(device)
+    kl_before = mean_kl(draft, teacher, val)
+    ckdir = Path(checkpoint_dir) if checkpoint_dir is not None else out.with_name(out.name + ".ckpt")
+    state = train(draft, stream, distill_loss(teacher, ce_weight), cfg, checkpoint_dir=ckdir,
+                  eval_fn=lambda m: mean_kl(m, teacher, val), desc="train-draft", stop_at=stop_at)
+    kl_after = mean_kl(draft, teacher, val)
+
+    out.mkdir(parents=True, exist_ok=True)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    draft.to(getattr(torch, save_dtype)).save_pretrained(out, safe_serialization=True, **kwargs)
+    draft.to(torch.float32)
+    tokenizer.save_pretrained(out)
+    plot_losses(state, out / "training_loss.png", "train-draft: KL(p_target || q_draft) (nats/token)",
+                eval_label="held-out KL")
+    result = DraftResult(path=out, draft_parameters=sum(p.numel() for p in draft.parameters()),
+                         target_parameters=sum(p.numel() for p in teacher.parameters()),
+                         train_tokens=state.tokens_seen, state=state,
+                         heldout_kl_before=kl_before, heldout_kl_after=kl_after)
+    if eval_prompts > 0:
+        prompts = heldout_prompts(tokenizer, held, eval_prompts)
+        result.acceptance = draft_acceptance(target_path, str(out), prompts, k=eval_k, max_tokens=eval_max_tokens)
+    (out / "train_draft.json").write_text(json.dumps(
+        {**result.summary(), "train_config": asdict(cfg), "data_mode": data_mode, "ce_weight": ce_weight,
+         "target": str(target), "heldout_files": [d.name for d in held],
+         "loss_history": state.losses, "eval_history": state.evals}, indent=1, default=str))
+    return result

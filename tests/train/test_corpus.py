@@ -1,0 +1,52 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from leapfrog.errors import ConfigError
+from leapfrog.train.corpus import Document, pack_stream, read_documents, split_by_file, stdlib_documents
+
+
+def test_split_by_file_has_no_file_in_both_halves():
+    docs = [Document(f"pkg/m{i}.py", f"x = {i}\n") for i in range(500)]
+    train, held = split_by_file(docs, 0.1, seed=3)
+    names_t, names_h = {d.name for d in train}, {d.name for d in held}
+    assert not names_t & names_h
+    assert names_t | names_h == {d.name for d in docs}
+    assert 20 < len(held) < 90                           # about 10 %
+    # the split depends on names and seed only, not on the order of the list
+    train2, held2 = split_by_file(list(reversed(docs)), 0.1, seed=3)
+    assert {d.name for d in held2} == names_h
+    assert {d.name for d in split_by_file(docs, 0.1, seed=4)[1]} != names_h
+
+
+def test_split_holds_out_at_least_one_file():
+    docs = [Document("a.py", "a"), Document("b.py", "b")]
+    train, held = split_by_file(docs, 0.01)
+    assert len(held) == 1 and len(train) == 1
+
+
+def test_stdlib_documents_are_the_standard_library():
+    docs = stdlib_documents()
+    names = {d.name for d in docs}
+    assert "textwrap.py" in names and "json/__init__.py" in names
+    assert not any("site-packages" in n for n in names)
+
+
+def test_read_documents_formats(tmp_path, tokenizer):
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": "def f(): pass"}) + "\n\n"
+                                      + json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    docs = read_documents(tmp_path / "a.jsonl")
+    assert [d.text for d in docs] == ["def f(): pass", "hi"]
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "x.py").write_text("import os\n")
+    (tmp_path / "d" / "y.bin").write_bytes(b"\0\1")
+    assert [d.name for d in read_documents(tmp_path / "d")] == ["x.py"]
+    stream = pack_stream(tokenizer, docs)
+    assert stream.tolist().count(tokenizer.eos_token_id) == 2
+    with pytest.raises(ConfigError, match="no such file"):
+        read_documents(tmp_path / "missing")
+    (tmp_path / "bad.jsonl").write_text('{"x": 1}\n')
+    with pytest.raises(ConfigError, match="'text', 'prompt' or 'messages'"):
+        read_documents(tmp_path / "bad.jsonl")
