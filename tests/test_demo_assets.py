@@ -1,0 +1,49 @@
+"""The demo pair shipped in the package: sizes, format, and that it is what `leapfrog generate` uses."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from safetensors import safe_open
+
+from leapfrog import demo
+from leapfrog.entrypoints.cli import main
+
+
+def _params(d) -> int:
+    n = 0
+    for f in d.glob("*.safetensors"):
+        with safe_open(f, "pt") as st:
+            for k in st.keys():
+                sl = st.get_slice(k)
+                assert sl.get_dtype() == "BF16", (f, k)
+                n += math.prod(sl.get_shape())
+    return n
+
+
+def test_demo_pair_is_shipped_and_within_limits():
+    pair = demo.demo_pair()
+    assert pair is not None, "leapfrog/assets/stdlib-demo is missing"
+    target, draft = pair
+    files = [f for f in demo.DEMO_DIR.rglob("*") if f.is_file()]
+    assert sum(f.stat().st_size for f in files) <= 64 * 2**20
+    assert all(f.stat().st_size <= 16 * 2**20 for f in files if f.suffix == ".safetensors")
+    nt, nd = _params(target), _params(draft)
+    assert 25e6 <= nt <= 40e6
+    assert nd <= nt / 8
+    assert (target / "tokenizer.json").read_text() == (draft / "tokenizer.json").read_text()
+    card = (demo.DEMO_DIR / "README.md").read_text()
+    assert "Python Software Foundation License" in card and "bits/byte" in card
+    record = json.loads((demo.DEMO_DIR / "training_record.json").read_text())
+    assert not set(record["split"]["train"]) & set(record["split"]["heldout"])
+
+
+def test_generate_uses_the_demo_pair_offline(capsys):
+    rc = main(["generate", "def quicksort(arr):", "--max-tokens", "24"])
+    out = capsys.readouterr()
+    assert rc == 0
+    assert out.out.startswith("def quicksort(arr):")
+    assert "built-in default model" in out.err and "stdlib-demo" in out.err
+    assert "speculation draft_model: acceptance rate" in out.out
+    assert "speedup" in out.out and "identical output: True" in out.out
