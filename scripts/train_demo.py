@@ -47,6 +47,11 @@ DRAFT = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_at
 DRAFT_TRAIN = TrainConfig(steps=300, batch_size=16, seq_len=256, lr=2e-3, warmup_steps=20,
                           min_lr_ratio=0.1, weight_decay=0.0, grad_clip=1.0, seed=SEED + 1,
                           checkpoint_every=10, eval_every=50)
+# phase 2: self-distillation on the target's own greedy continuations (the states speculation meets)
+DRAFT_SELF = dict(gen_tokens=96, gen_temperature=0.0, gen_prompt_tokens=32, gen_prompts_per_doc=2)
+DRAFT_SELF_TRAIN = TrainConfig(steps=300, batch_size=16, seq_len=128, lr=1e-3, warmup_steps=10,
+                               min_lr_ratio=0.1, weight_decay=0.0, grad_clip=1.0, seed=SEED + 2,
+                               checkpoint_every=10, eval_every=50)
 
 
 def log(msg: str) -> None:
@@ -111,10 +116,16 @@ def stage_draft(work: Path, target: Path, docs):
     out = work / "draft"
     if (out / "train_draft.json").is_file():
         return out
-    res = train_draft(target, docs, out, shape=DraftShape(**DRAFT), train_config=DRAFT_TRAIN, data_mode="corpus",
+    phase1 = work / "draft_corpus"
+    if not (phase1 / "train_draft.json").is_file():
+        res = train_draft(target, docs, phase1, shape=DraftShape(**DRAFT), train_config=DRAFT_TRAIN,
+                          data_mode="corpus", heldout_fraction=HELDOUT_FRACTION, split_seed=SEED, eval_prompts=24,
+                          eval_k=4, eval_max_tokens=64, checkpoint_dir=work / "draft_ckpt", bf16="off")
+        log(f"draft phase 1 (corpus): {res.summary()}")
+    res = train_draft(target, docs, out, init_draft=phase1, train_config=DRAFT_SELF_TRAIN, data_mode="generate",
                       heldout_fraction=HELDOUT_FRACTION, split_seed=SEED, eval_prompts=24, eval_k=4,
-                      eval_max_tokens=64, checkpoint_dir=work / "draft_ckpt", bf16="off")
-    log(f"draft: {res.summary()}")
+                      eval_max_tokens=64, checkpoint_dir=work / "draft_self_ckpt", bf16="off", **DRAFT_SELF)
+    log(f"draft phase 2 (self-distillation): {res.summary()}")
     return out
 
 
@@ -140,14 +151,19 @@ def stage_export(work: Path, tok, held) -> None:
         tok.save_pretrained(dest)
     state = json.loads((work / "target_state.json").read_text())
     draft_log = json.loads((work / "draft" / "train_draft.json").read_text())
+    phase1_log = json.loads((work / "draft_corpus" / "train_draft.json").read_text())
     import shutil
     shutil.copy(work / "target_loss.png", ASSETS / "target_loss.png")
+    shutil.copy(work / "draft_corpus" / "training_loss.png", ASSETS / "draft_loss_phase1.png")
     shutil.copy(work / "draft" / "training_loss.png", ASSETS / "draft_loss.png")
     record = {
         "python": platform.python_version(), "torch": torch.__version__, "seed": SEED,
         "heldout_fraction": HELDOUT_FRACTION, "vocab_size": VOCAB_SIZE, "target_shape": TARGET,
         "target_train": asdict(TARGET_TRAIN), "draft_shape": DRAFT, "draft_train": asdict(DRAFT_TRAIN),
         "split": json.loads((work / "split.json").read_text()),
+        "draft_self_distillation": DRAFT_SELF, "draft_self_train": asdict(DRAFT_SELF_TRAIN),
+        "draft_phase1": {k: phase1_log[k] for k in ("steps", "train_tokens", "heldout_kl_before",
+                                                     "heldout_kl_after", "acceptance")},
         "target_steps": state["step"], "target_tokens": state["tokens_seen"],
         "target_final_train_loss": state["losses"][-1][1], "target_heldout_loss_history": state["evals"],
         "draft_steps": draft_log["steps"], "draft_tokens": draft_log["train_tokens"],
@@ -212,11 +228,20 @@ def stage_card(bench_summary: Path | None) -> None:
         f"{r['target_train']['min_lr_ratio']}x, weight decay {r['target_train']['weight_decay']}), fp32 on "
         f"CPU. Final training loss {r['target_final_train_loss']:.3f} nats/token; held-out loss by step: "
         + ", ".join(f"{s}: {v:.3f}" for s, v in r["target_heldout_loss_history"]) + ".",
-        f"* Draft: `leapfrog train-draft` (KL(p_target || q_draft) on the training files' text), "
-        f"{r['draft_steps']} steps = {r['draft_tokens']:,} tokens, lr {r['draft_train']['lr']}; held-out KL "
-        f"{r['draft_heldout_kl'][0]:.3f} -> {r['draft_heldout_kl'][1]:.3f} nats/token.",
+        f"* Draft, phase 1: `leapfrog train-draft` from scratch, KL(p_target || q_draft) on the training "
+        f"files' text, {r['draft_phase1']['steps']} steps = {r['draft_phase1']['train_tokens']:,} tokens, lr "
+        f"{r['draft_train']['lr']}; held-out KL {r['draft_phase1']['heldout_kl_before']:.3f} -> "
+        f"{r['draft_phase1']['heldout_kl_after']:.3f} nats/token; acceptance at K=4, temperature 0: "
+        f"{r['draft_phase1']['acceptance']['acceptance_rate']:.3f}.",
+        f"* Draft, phase 2: `train-draft --init-draft <phase 1> --data-mode generate`: the target's own greedy "
+        f"continuations ({r['draft_self_distillation']['gen_tokens']} tokens after "
+        f"{r['draft_self_distillation']['gen_prompts_per_doc']} prompts of "
+        f"{r['draft_self_distillation']['gen_prompt_tokens']} tokens per training file), {r['draft_steps']} "
+        f"steps = {r['draft_tokens']:,} tokens, lr {r['draft_self_train']['lr']}; held-out KL (on file text) "
+        f"{r['draft_heldout_kl'][0]:.3f} -> {r['draft_heldout_kl'][1]:.3f} nats/token; acceptance "
+        f"{r['draft_acceptance_train_draft']['acceptance_rate']:.3f}.",
         f"* Seed {r['seed']}, torch {r['torch']}; the full configuration is in `training_record.json`;",
-        "  loss curves: `target_loss.png`, `draft_loss.png`.",
+        "  loss curves: `target_loss.png`, `draft_loss_phase1.png`, `draft_loss.png`.",
         "",
     ]
     if b:
@@ -236,6 +261,12 @@ def stage_card(bench_summary: Path | None) -> None:
                          f"({fmt(x['speedup_ci_low'], '.2f')}-{fmt(x['speedup_ci_high'], '.2f')}) | "
                          f"{fmt(x['acceptance_rate'])} | {fmt(x['mean_acceptance_length'], '.2f')} | "
                          f"{fmt(x['equal_rate'], '.2f')} |")
+        hf = b.get("transformers_tokens_per_s") or {}
+        if hf:
+            lines += ["", "transformers on the same checkpoints, dtype and threads (same run): "
+                      + ", ".join(f"{k} {v:.1f} tokens/s" for k, v in hf.items()) + "; leapfrog / transformers: "
+                      + ", ".join(f"{k.split(' vs ')[1]} / {k.split(' vs ')[0]} {v:.2f}x"
+                                  for k, v in b["transformers"].items()) + "."]
         lines += ["", "Measured on a 2-vCPU AMD EPYC VM (AVX2, no native bf16); absolute rates drift on such",
                   "machines, the ratios come from interleaved runs.", ""]
     (ASSETS / "README.md").write_text("\n".join(lines))

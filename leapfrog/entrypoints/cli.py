@@ -265,7 +265,8 @@ def _train_draft_parser(sub) -> None:
     p.add_argument("--ce-weight", type=float, default=0.0, help="add this x cross-entropy on the data's tokens")
     p.add_argument("--heldout-fraction", type=float, default=0.05, help="files held out for evaluation")
     p.add_argument("--gen-tokens", type=int, default=128, help="generate mode: tokens per continuation")
-    p.add_argument("--gen-temperature", type=float, default=1.0)
+    p.add_argument("--gen-temperature", type=float, default=1.0, help="generate mode: 0 = greedy continuations")
+    p.add_argument("--gen-prompts-per-doc", type=int, default=1, help="generate mode: prompts cut from each document")
     p.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts for the acceptance test (0: skip)")
     p.add_argument("--eval-k", type=int, default=4)
     p.add_argument("--save-dtype", default="float32", choices=["float32", "bfloat16"])
@@ -291,7 +292,8 @@ def cmd_train_draft(args) -> int:
     res = train_draft(args.target, args.corpus, args.out, shape=shape, init_draft=args.init_draft,
                       train_config=cfg, data_mode=args.data_mode, ce_weight=args.ce_weight,
                       heldout_fraction=args.heldout_fraction, gen_tokens=args.gen_tokens,
-                      gen_temperature=args.gen_temperature, eval_prompts=args.eval_prompts, eval_k=args.eval_k,
+                      gen_temperature=args.gen_temperature, gen_prompts_per_doc=args.gen_prompts_per_doc,
+                      eval_prompts=args.eval_prompts, eval_k=args.eval_k,
                       save_dtype=args.save_dtype, bf16=args.bf16, checkpoint_dir=args.checkpoint_dir)
     s = res.summary()
     print(f"[leapfrog train-draft] draft {s['draft_parameters']:,} parameters "

@@ -7,9 +7,10 @@ acceptance = 1 - TV(p, q) and TV is bounded by sqrt(KL / 2)), optionally plus
 
 Training data, ``data_mode``:
   * ``"corpus"``: windows of the user's text; the target labels every position with p.
-  * ``"generate"``: each document is a prompt; the target's own continuations (sampled with
-    the engine at ``gen_temperature``) are the text, so the draft learns what the target says,
-    not what the corpus says (self-distillation).
+  * ``"generate"``: prompts cut from each document (``gen_prompts_per_doc`` of them, at evenly
+    spaced lines); the target's own continuations (from the engine at ``gen_temperature``; 0 =
+    greedy) are the text, so the draft learns what the target says, not what the corpus says
+    (self-distillation), on the states it will meet at inference.
 """
 
 from __future__ import annotations
@@ -94,6 +95,18 @@ def heldout_windows(stream: Tensor, n: int, seq_len: int) -> Tensor:
     return torch.stack([stream[i:i + seq_len] for i in range(0, stream.numel() - seq_len + 1, step)][:n])
 
 
+def line_windows(doc: Document, n: int, lines_per_window: int = 40) -> list[str]:
+    """``n`` pieces of ``doc`` starting at evenly spaced line starts (a prompt from each)."""
+    lines = doc.text.splitlines(keepends=True)
+    out = []
+    for j in range(n):
+        start = len(lines) * j // n
+        text = "".join(lines[start:start + lines_per_window])
+        if text.strip():
+            out.append(text)
+    return out
+
+
 def heldout_prompts(tokenizer, docs: list[Document], n: int, prompt_tokens: int = 32) -> list[str]:
     """Prompts from held-out documents: ``prompt_tokens`` tokens at the start of a line, spread over files."""
     prompts = []
@@ -118,10 +131,10 @@ def resolve_autocast(flag: str, device: torch.device) -> bool:
 
 
 def _generate_stream(target_path: str, tokenizer, docs: list[Document], gen_tokens: int,
-                     gen_temperature: float, seed: int, prompt_tokens: int) -> Tensor:
+                     gen_temperature: float, seed: int, prompt_tokens: int, prompts_per_doc: int) -> Tensor:
     from leapfrog import LLM, SamplingParams
-    prompts = [{"prompt_token_ids": tokenizer(d.text, add_special_tokens=False)["input_ids"][:prompt_tokens]}
-               for d in docs]
+    prompts = [{"prompt_token_ids": tokenizer(w, add_special_tokens=False)["input_ids"][:prompt_tokens]}
+               for d in docs for w in line_windows(d, prompts_per_doc)]
     prompts = [p for p in prompts if p["prompt_token_ids"]]
     llm = LLM(model=target_path, dtype="float32", seed=seed, max_model_len=prompt_tokens + gen_tokens + 8)
     outs = llm.generate(prompts, SamplingParams(temperature=gen_temperature, max_tokens=gen_tokens, seed=seed))
@@ -135,7 +148,7 @@ def train_draft(target: str | os.PathLike, corpus: str | os.PathLike | list[Docu
                 *, shape: DraftShape | None = None, init_draft: str | os.PathLike | None = None,
                 train_config: TrainConfig | None = None, data_mode: str = "corpus", ce_weight: float = 0.0,
                 heldout_fraction: float = 0.05, gen_tokens: int = 128, gen_temperature: float = 1.0,
-                gen_prompt_tokens: int = 32, eval_prompts: int = 16, eval_k: int = 4, eval_max_tokens: int = 64,
+                gen_prompt_tokens: int = 32, gen_prompts_per_doc: int = 1, eval_prompts: int = 16, eval_k: int = 4, eval_max_tokens: int = 64,
                 save_dtype: str = "float32", bf16: str = "auto", checkpoint_dir: str | os.PathLike | None = None,
                 stop_at: int | None = None, split_seed: int = 0, max_shard_size: str | None = None) -> DraftResult:
     """Distil ``target`` (an HF checkpoint dir or hub id) into a draft saved at ``out`` as an HF
@@ -166,7 +179,7 @@ def train_draft(target: str | os.PathLike, corpus: str | os.PathLike | list[Docu
         held = train_docs[-1:]
     if data_mode == "generate":
         stream = _generate_stream(target_path, tokenizer, train_docs, gen_tokens, gen_temperature,
-                                  cfg.seed, gen_prompt_tokens)
+                                  cfg.seed, gen_prompt_tokens, gen_prompts_per_doc)
     else:
         stream = pack_stream(tokenizer, train_docs)
     held_stream = pack_stream(tokenizer, held)

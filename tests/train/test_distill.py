@@ -100,12 +100,14 @@ def test_cli_train_draft(tmp_path, llama_dir, corpus_dir, capsys):
     out = tmp_path / "cli_draft"
     rc = main(["train-draft", str(llama_dir), "--corpus", str(corpus_dir), "--out", str(out), "--steps", "4",
                "--batch-size", "4", "--seq-len", "32", "--hidden-size", "32", "--intermediate-size", "64",
-               "--num-layers", "1", "--num-heads", "2", "--eval-prompts", "2", "--json", str(tmp_path / "s.json")])
+               "--num-layers", "1", "--num-heads", "2", "--eval-prompts", "2", "--json", str(tmp_path / "s.json"),
+               "--bf16", "on"])   # bf16 autocast (emulated on CPUs without native bf16: slow but correct)
     assert rc == 0
     text = capsys.readouterr().out
     assert "acceptance at K=4" in text and "held-out KL" in text
     assert (out / "model.safetensors").is_file()
     assert json.loads((tmp_path / "s.json").read_text())["steps"] == 4
+    assert json.loads((out / "train_draft.json").read_text())["train_config"]["autocast_bf16"] is True
     assert main(["train-draft", str(llama_dir), "--corpus", str(tmp_path / "missing"), "--out", str(out)]) == 2
     assert main(["train-draft", str(llama_dir), "--corpus", str(corpus_dir), "--out", str(out),
                  "--hidden-size", "30", "--num-heads", "4"]) == 2
