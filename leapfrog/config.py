@@ -37,8 +37,13 @@ class EngineConfig:
             raise ConfigError(f"seed={self.seed!r}: must be an integer")
 
     def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if str(self.device).startswith("cuda") and not torch.cuda.is_available():
-            raise ConfigError(f"device={self.device!r} but CUDA is not available on this machine")
-        return torch.device(self.device)
+        return resolve_device(self.device)
+
+
+def resolve_device(device: str) -> torch.device:
+    """"auto" -> CUDA when present, else CPU; a CUDA device on a machine without one is an error."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device={device!r} but CUDA is not available on this machine")
+    return torch.device(device)

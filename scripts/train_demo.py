@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shutil
 import sys
 import time
 from dataclasses import asdict
@@ -28,6 +29,7 @@ import torch
 
 from leapfrog.demo import build_tokenizer
 from leapfrog.train.corpus import pack_stream, split_by_file, stdlib_documents
+from leapfrog.train.distill import heldout_windows
 from leapfrog.train.loop import TrainConfig, plot_losses, train
 
 REPO = Path(__file__).resolve().parent.parent
@@ -79,11 +81,6 @@ def stage_tokenizer(work: Path):
     return tok, train_docs, held, streams
 
 
-def heldout_windows(stream: torch.Tensor, n: int = 16, seq_len: int = 256) -> torch.Tensor:
-    step = max(seq_len, (stream.numel() - seq_len) // n)
-    return torch.stack([stream[i:i + seq_len] for i in range(0, stream.numel() - seq_len, step)][:n])
-
-
 def lm_loss(model, batch):
     return model(input_ids=batch, labels=batch).loss
 
@@ -98,7 +95,7 @@ def stage_target(work: Path, tok, streams, stop_at: int | None):
                          **TARGET)
     model = tf.LlamaForCausalLM(cfg)
     log(f"target: {sum(p.numel() for p in model.parameters()):,} parameters")
-    val = heldout_windows(streams["heldout"])
+    val = heldout_windows(streams["heldout"], 16, 256)
     state = train(model, streams["train"], lm_loss, TARGET_TRAIN, checkpoint_dir=work / "target_ckpt",
                   eval_fn=lambda m: float(lm_loss(m, val)), desc="target", stop_at=stop_at)
     plot_losses(state, work / "target_loss.png", "demo target: cross-entropy (nats/token)")
@@ -145,14 +142,12 @@ def stage_export(work: Path, tok, held) -> None:
         log(f"{name}: {metrics[name]}")
         dest = ASSETS / name
         if dest.exists():
-            import shutil
             shutil.rmtree(dest)
         model.to(torch.bfloat16).save_pretrained(dest, safe_serialization=True, max_shard_size="16MB")
         tok.save_pretrained(dest)
     state = json.loads((work / "target_state.json").read_text())
     draft_log = json.loads((work / "draft" / "train_draft.json").read_text())
     phase1_log = json.loads((work / "draft_corpus" / "train_draft.json").read_text())
-    import shutil
     shutil.copy(work / "target_loss.png", ASSETS / "target_loss.png")
     shutil.copy(work / "draft_corpus" / "training_loss.png", ASSETS / "draft_loss_phase1.png")
     shutil.copy(work / "draft" / "training_loss.png", ASSETS / "draft_loss.png")

@@ -73,9 +73,12 @@ def read_documents(path: str | os.PathLike) -> list[Document]:
     return docs
 
 
+def _name_hash(name: str, seed: int) -> bytes:
+    return hashlib.sha256(f"{seed}:{name}".encode()).digest()
+
+
 def _in_heldout(name: str, fraction: float, seed: int) -> bool:
-    h = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return int.from_bytes(h[:8], "big") / 2**64 < fraction
+    return int.from_bytes(_name_hash(name, seed)[:8], "big") / 2**64 < fraction
 
 
 def split_by_file(docs: list[Document], heldout_fraction: float, seed: int = 0
@@ -86,7 +89,7 @@ def split_by_file(docs: list[Document], heldout_fraction: float, seed: int = 0
         raise ConfigError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
     held = [d for d in docs if _in_heldout(d.name, heldout_fraction, seed)]
     if heldout_fraction > 0 and not held and len(docs) > 1:
-        held = [min(docs, key=lambda d: hashlib.sha256(f"{seed}:{d.name}".encode()).digest())]
+        held = [min(docs, key=lambda d: _name_hash(d.name, seed))]
     names = {d.name for d in held}
     return [d for d in docs if d.name not in names], held
 

@@ -155,6 +155,7 @@ def train_draft(target: str | os.PathLike, corpus: str | os.PathLike | list[Docu
     directory that ``speculative_config={"method": "draft_model", "model": out}`` loads."""
     import transformers as tf
 
+    from leapfrog.config import resolve_device
     from leapfrog.model.loader import load_tokenizer, resolve_model_path
     from leapfrog.train.evaluate import draft_acceptance, mean_kl
 
@@ -165,8 +166,8 @@ def train_draft(target: str | os.PathLike, corpus: str | os.PathLike | list[Docu
         raise ConfigError(f"save_dtype must be float32 or bfloat16, got {save_dtype!r}")
     target_path = str(resolve_model_path(target))
     out = Path(out)
-    device = torch.device(cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
-    cfg.device = device.type
+    device = resolve_device(cfg.device)
+    cfg.device = str(device)
     cfg.autocast_bf16 = resolve_autocast(bf16, device)
     tokenizer = load_tokenizer(target_path)
     teacher = tf.AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).to(device).eval()

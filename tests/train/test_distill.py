@@ -91,6 +91,9 @@ def test_bad_inputs_are_clear_errors(tmp_path, llama_dir, corpus_dir, draft_dir)
         train_draft(llama_dir, tmp_path / "nope", tmp_path / "o", train_config=cfg(2))
     with pytest.raises(ConfigError, match="num_attention_heads"):
         DraftShape(hidden_size=50, num_attention_heads=4)
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="CUDA is not available"):
+            train_draft(llama_dir, corpus_dir, tmp_path / "o", train_config=cfg(2, device="cuda"))
     with pytest.raises(ConfigError, match="seq_len"):
         (tmp_path / "tiny.txt").write_text("a b")
         train_draft(llama_dir, tmp_path / "tiny.txt", tmp_path / "o", train_config=cfg(2), eval_prompts=0)
