@@ -12,13 +12,14 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from leapfrog.errors import CheckpointError
-from leapfrog.model.args import LlamaArgs
+from leapfrog.model.args import LlamaArgs, json_type, token_ids_field
 from leapfrog.model.llama import LlamaModel
 from leapfrog.model.rope import rope_table
 
@@ -27,6 +28,7 @@ DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
+_PICKLE = "__pickle__/"   # _weight_files key prefix of a pickle file (tensor names not yet known)
 _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
 
 
@@ -51,9 +53,19 @@ def resolve_model_path(model: str | os.PathLike) -> Path:
     try:
         from huggingface_hub import snapshot_download
         return Path(snapshot_download(str(model), allow_patterns=_HUB_PATTERNS))
-    except Exception as e:  # offline, unknown repo, gated repo: say which
+    except Exception as e:  # noqa: BLE001 (offline, unknown repo, gated repo: say which)
         raise CheckpointError(f"model {str(model)!r}: not a local directory and the hub download "
                               f"failed: {type(e).__name__}: {e}") from None
+
+
+def read_json(file: Path) -> Any:
+    """The parsed JSON of ``file``; malformed or non-UTF-8 content is a CheckpointError naming it."""
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{file}: invalid JSON: {e}") from None
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{file}: not UTF-8 text (is it a JSON file?): {e}") from None
 
 
 def read_checkpoint(model: str | os.PathLike) -> Checkpoint:
@@ -61,18 +73,15 @@ def read_checkpoint(model: str | os.PathLike) -> Checkpoint:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise CheckpointError(f"{path}: no config.json (is this a Hugging Face model directory?)")
-    try:
-        cfg = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg_file}: invalid JSON: {e}") from None
+    cfg = read_json(cfg_file)
     args = LlamaArgs.from_hf_config(cfg, source=str(cfg_file))
     eos = list(args.eos_token_ids)
     gen_file = path / "generation_config.json"
     if gen_file.is_file():
-        gen_eos = json.loads(gen_file.read_text()).get("eos_token_id")
-        for e in (gen_eos if isinstance(gen_eos, list) else [gen_eos]):
-            if e is not None and e not in eos:
-                eos.append(int(e))
+        gen = read_json(gen_file)
+        if not isinstance(gen, dict):
+            raise CheckpointError(f"{gen_file}: must be a JSON object ({{...}}), got {json_type(gen)}")
+        eos += [e for e in token_ids_field(gen, "eos_token_id", str(gen_file)) if e not in eos]
     dt = cfg.get("torch_dtype") or cfg.get("dtype")
     return Checkpoint(path, args, cfg, tuple(eos), DTYPES.get(dt) if isinstance(dt, str) else None)
 
@@ -94,32 +103,49 @@ def resolve_dtype(dtype: str | torch.dtype, ckpt: Checkpoint, device: torch.devi
     return DTYPES[dtype]
 
 
+def _unreadable(f: Path, e: Exception, what: str = "a readable safetensors file") -> CheckpointError:
+    return CheckpointError(f"{f}: not {what} ({type(e).__name__}: {e}); the file is truncated or "
+                           "corrupt (an interrupted download or copy?): fetch it again")
+
+
+def _safe_open(f: Path):
+    """safe_open, with a bad header or a truncated file (checked against the header's offsets) named."""
+    try:
+        return safe_open(f, framework="pt")
+    except (SafetensorError, OSError) as e:  # a bad header; data not covering the header's offsets
+        raise _unreadable(f, e) from None
+
+
 def _weight_files(path: Path, allow_pickle: bool) -> dict[str, Path]:
     """tensor name -> file holding it."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{index}: malformed index ({e})") from None
+        weight_map = read_json(index)
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise CheckpointError(f"{index}: malformed index: needs a 'weight_map' object of "
+                                  "tensor name -> shard file name")
         files = {name: path / f for name, f in weight_map.items()}
-        for f in set(files.values()):
+        for f in sorted(set(files.values())):
             if not f.is_file():
                 raise CheckpointError(f"{index} names shard {f.name}, which is missing from {path}")
+            with _safe_open(f):   # a truncated shard is named here, before any tensor is read
+                pass
         return files
     single = sorted(path.glob("*.safetensors"))
     if single:
         out: dict[str, Path] = {}
         for f in single:
-            with safe_open(f, framework="pt") as sf:
-                out.update({k: f for k in sf.keys()})
+            with _safe_open(f) as sf:
+                out.update({k: f for k in sf.keys()})  # noqa: SIM118 (the handle is not iterable)
         return out
     if list(path.glob("*.bin")) or list(path.glob("*.pt")):
         if not allow_pickle:
             raise CheckpointError(
                 f"{path} has only pickle (.bin/.pt) weights, which can run arbitrary code when loaded; "
                 "convert them to safetensors or pass allow_pickle=True if you trust the source")
-        return {"__pickle__": f for f in sorted(path.glob("*.bin")) + sorted(path.glob("*.pt"))}
+        # Tensor names are only known once unpickled: _TensorSource fills them in.
+        return {_PICKLE + f.name: f for f in sorted(path.glob("*.bin")) + sorted(path.glob("*.pt"))}
     raise CheckpointError(f"{path}: no weights found (model.safetensors or an index with shards)")
 
 
@@ -143,22 +169,76 @@ def _hf_names(a: LlamaArgs) -> dict[str, list[str]]:
 
 
 class _TensorSource:
-    def __init__(self, files: dict[str, Path]) -> None:
+    def __init__(self, path: Path, files: dict[str, Path]) -> None:
+        self.path = path
         self.files = files
         self._open: dict[Path, object] = {}
         self._pickled: dict[str, Tensor] = {}
-        if "__pickle__" in files:
-            for f in {v for k, v in files.items()}:
-                self._pickled.update(torch.load(f, map_location="cpu", weights_only=False))
-            self.files = {k: files["__pickle__"] for k in self._pickled}
+        if any(k.startswith(_PICKLE) for k in files):
+            self.files = {}
+            for f in files.values():
+                try:
+                    state = torch.load(f, map_location="cpu", weights_only=False)
+                except Exception as e:  # noqa: BLE001 (EOFError, UnpicklingError, RuntimeError: bad zip, ...)
+                    raise _unreadable(f, e, "a readable pickle checkpoint") from None
+                if not isinstance(state, dict):
+                    raise CheckpointError(f"{f}: holds a {type(state).__name__}, not a state dict of tensors")
+                self._pickled.update(state)
+                self.files.update({k: f for k in state})
 
-    def get(self, name: str) -> tuple[Tensor, Path]:
+    def _from_file(self, name: str, shape_only: bool):
         f = self.files[name]
-        if self._pickled:
-            return self._pickled[name], f
         if f not in self._open:
-            self._open[f] = safe_open(f, framework="pt")
-        return self._open[f].get_tensor(name), f  # type: ignore[attr-defined]
+            self._open[f] = _safe_open(f)
+        sf = self._open[f]
+        try:
+            return sf.get_slice(name).get_shape() if shape_only else sf.get_tensor(name)  # type: ignore[attr-defined]
+        except SafetensorError as e:  # not in this file (a wrong index), unreadable data
+            raise CheckpointError(f"{f}: cannot read tensor {name!r} ({type(e).__name__}: {e})") from None
+
+    def get(self, name: str) -> Tensor:
+        return self._pickled[name] if self._pickled else self._from_file(name, shape_only=False)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """From the safetensors header: no data is read."""
+        if not self._pickled:
+            return tuple(self._from_file(name, shape_only=True))
+        t = self._pickled[name]
+        if not isinstance(t, Tensor):
+            raise CheckpointError(f"{self.files[name]}: entry {name!r} is a {type(t).__name__}, not a tensor")
+        return tuple(t.shape)
+
+
+def _fill_plan(args: LlamaArgs, src: _TensorSource, shapes: dict[str, tuple[int, ...]]) -> dict[str, list[str]]:
+    """our parameter name -> the HF tensors fused (dim 0) into it, each checked to be present and of a
+    shape that fits config.json. Reads safetensors headers only, so a bad checkpoint fails before any
+    weight is loaded. ``shapes``: our parameter name -> shape (of a model built on ``meta``)."""
+    plan: dict[str, list[str]] = {}
+    for ours, hf_names in _hf_names(args).items():
+        if ours not in shapes:
+            continue  # e.g. a bias this architecture does not have
+        missing = [n for n in hf_names if n not in src.files]
+        if missing:
+            raise CheckpointError(f"{src.path}: tensor {missing[0]!r} is missing from the checkpoint")
+        expected, got = shapes[ours], [src.shape(n) for n in hf_names]
+        # e.g. wqkv [q + 2 kv, D] <- q_proj [q, D], k_proj [kv, D], v_proj [kv, D]
+        misfit = [i for i, s in enumerate(got) if len(s) != len(expected) or s[1:] != expected[1:]]
+        if misfit or sum(s[0] for s in got) != expected[0]:
+            i = misfit[0] if misfit else 0
+            raise CheckpointError(
+                f"{src.files[hf_names[i]].name}: tensor {hf_names[i]!r} has shape {got[i]}, which does not fit "
+                f"config.json (expected {expected} for {ours} after fusing {len(got)} tensor(s))")
+        plan[ours] = hf_names
+    return plan
+
+
+def check_weights(ckpt: Checkpoint, allow_pickle: bool = False) -> None:
+    """Every tensor the model needs is present, readable and of the right shape (headers only: cheap).
+    ``leapfrog train-draft`` runs it on the target before any training."""
+    with torch.device("meta"):
+        model = LlamaModel(ckpt.args, max_positions=1)
+    src = _TensorSource(ckpt.path, _weight_files(ckpt.path, allow_pickle))
+    _fill_plan(ckpt.args, src, {n: tuple(p.shape) for n, p in model.named_parameters()})
 
 
 def load_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, max_positions: int,
@@ -167,27 +247,13 @@ def load_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, max_p
     with torch.device("meta"):
         model = LlamaModel(ckpt.args, max_positions=1)
     model = model.to_empty(device=device).to(dtype)
-    src = _TensorSource(_weight_files(ckpt.path, allow_pickle))
+    src = _TensorSource(ckpt.path, _weight_files(ckpt.path, allow_pickle))
     params = dict(model.named_parameters())
+    plan = _fill_plan(ckpt.args, src, {n: tuple(p.shape) for n, p in params.items()})
     with torch.no_grad():
-        for ours, hf_names in _hf_names(ckpt.args).items():
-            if ours not in params:
-                continue  # e.g. a bias this architecture does not have
-            missing = [n for n in hf_names if n not in src.files]
-            if missing:
-                raise CheckpointError(f"{ckpt.path}: tensor {missing[0]!r} is missing from the checkpoint")
-            parts = []
-            for n in hf_names:
-                t, f = src.get(n)
-                parts.append((n, f, t))
-            expected = params[ours].shape
-            got = torch.cat([t for _, _, t in parts]) if len(parts) > 1 else parts[0][2]
-            if got.shape != expected:
-                n, f, t = parts[0]
-                raise CheckpointError(
-                    f"{f.name}: tensor {n!r} has shape {tuple(t.shape)}, which does not fit "
-                    f"config.json (expected {tuple(expected)} for {ours} after fusing {len(parts)} tensor(s))")
-            params[ours].copy_(got.to(dtype))
+        for ours, hf_names in plan.items():
+            parts = [src.get(n) for n in hf_names]
+            params[ours].copy_((torch.cat(parts) if len(parts) > 1 else parts[0]).to(dtype))
     cos, sin = rope_table(ckpt.args.rope, ckpt.args.head_dim, ckpt.args.max_position_embeddings, max_positions)
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
     model = model.eval().requires_grad_(False)
@@ -196,10 +262,40 @@ def load_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, max_p
     return model
 
 
+#: files a tokenizer is built from; one of them must be present (tokenizer_config.json alone is not enough).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "*.tiktoken")
+#: JSON files transformers reads for a tokenizer; checked first so a corrupt one is named.
+_TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json")
+
+
 def load_tokenizer(path: str | os.PathLike):
-    """The checkpoint's tokenizer through transformers (fast tokenizer, chat template)."""
+    """The tokenizer of a local directory or hub id through transformers (fast tokenizer, chat template).
+
+    A directory with no tokenizer files (a weights-only checkpoint) is a CheckpointError that says
+    so and gives both ways on; a present but broken file is named."""
     from transformers import AutoTokenizer
+    p = Path(path).expanduser()
+    if p.is_file():
+        raise CheckpointError(f"tokenizer {p} is a file; pass the directory that holds it "
+                              "(tokenizer.json, tokenizer_config.json, ...)")
+    found: list[str] = []
+    if p.is_dir():
+        found = sorted(f.name for pattern in TOKENIZER_FILES for f in p.glob(pattern))
+        if not found:
+            others = sorted(f.name for f in p.glob("*token*"))
+            raise CheckpointError(
+                f"{p}: no tokenizer files (looked for {', '.join(TOKENIZER_FILES)}"
+                + (f"; found only {', '.join(others)}" if others else "") + "). "
+                "Pass tokenizer=<directory or hub id> (CLI: --tokenizer) to use a tokenizer stored elsewhere, "
+                "or skip_tokenizer_init=True (CLI: --skip-tokenizer-init) and give prompts as token ids "
+                "({'prompt_token_ids': [...]})")
+        for name in _TOKENIZER_JSON:
+            if (p / name).is_file():
+                read_json(p / name)
     try:
-        return AutoTokenizer.from_pretrained(str(path))
-    except Exception as e:
-        raise CheckpointError(f"{path}: could not load a tokenizer: {type(e).__name__}: {e}") from None
+        return AutoTokenizer.from_pretrained(str(p) if p.is_dir() else str(path))
+    except Exception as e:  # noqa: BLE001 (tokenizers raises plain Exception; sentencepiece, OSError, ...)
+        where = f"{p}: could not load the tokenizer from {', '.join(found)}" if found else (
+            f"tokenizer {str(path)!r}: not a local directory, and loading it as a hub id failed")
+        raise CheckpointError(f"{where}: {type(e).__name__}: {e}") from None

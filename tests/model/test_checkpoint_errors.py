@@ -1,0 +1,281 @@
+"""Bad checkpoints: every one is a CheckpointError (a ValueError) that names the file and, for a
+config value, the field; never a raw SafetensorError/JSONDecodeError/AttributeError traceback."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from leapfrog import LLM, SamplingParams
+from leapfrog.demo import save_random_llama
+from leapfrog.errors import CheckpointError
+from leapfrog.model.loader import (
+    _TensorSource,
+    _weight_files,
+    check_weights,
+    load_tokenizer,
+    read_checkpoint,
+)
+from tests.conftest import BASE
+
+GREEDY = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+
+def copy(src, tmp_path, name="m"):
+    dst = tmp_path / name
+    shutil.copytree(src, dst)
+    return dst
+
+
+def assert_good_llm_works(llama_dir):
+    """After an error, a good checkpoint still loads and generates (no state left half-built)."""
+    out = LLM(model=str(llama_dir), dtype="float32").generate({"prompt_token_ids": [5, 6, 7]}, GREEDY)
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
+def edit_config(d, **change):
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(change)
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+# ---------------------------------------------------------------- safetensors files
+
+@pytest.mark.parametrize("keep", ["half", 10, 0])
+def test_truncated_safetensors_names_the_file(tmp_path, llama_dir, keep):
+    d = copy(llama_dir, tmp_path)
+    f = d / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2 if keep == "half" else keep])
+    with pytest.raises(CheckpointError, match=re.escape(str(f)) + ".*truncated or corrupt"):
+        _weight_files(d, allow_pickle=False)          # listing tensor names
+    with pytest.raises(CheckpointError, match=re.escape(str(f))):
+        LLM(model=str(d), dtype="float32")
+    assert_good_llm_works(llama_dir)
+
+
+def test_truncated_shard_named_while_listing(tmp_path, tokenizer, llama_dir):
+    d = save_random_llama(tmp_path / "sh", tokenizer, seed=1, max_shard_size="20KB", **BASE)
+    shard = sorted(d.glob("model-*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=re.escape(shard.name) + ".*truncated or corrupt"):
+        LLM(model=str(d), dtype="float32")
+    assert_good_llm_works(llama_dir)
+
+
+def test_unreadable_tensor_named_when_reading(tmp_path, llama_dir):
+    d = copy(llama_dir, tmp_path)
+    good = d / "model.safetensors"
+    bad = d / "broken.bin"
+    bad.write_bytes(good.read_bytes()[:50])
+    # reading (not listing): a source whose file went bad after listing, and a tensor the file lacks
+    src = _TensorSource(d, {"model.norm.weight": bad, "nope.weight": good})
+    with pytest.raises(CheckpointError, match=re.escape(str(bad))):
+        src.get("model.norm.weight")
+    with pytest.raises(CheckpointError, match=re.escape(str(good)) + ".*'nope.weight'"):
+        src.get("nope.weight")
+    with pytest.raises(CheckpointError, match="'nope.weight'"):
+        src.shape("nope.weight")
+
+
+def test_index_pointing_at_the_wrong_shard(tmp_path, tokenizer):
+    d = save_random_llama(tmp_path / "sh", tokenizer, seed=1, max_shard_size="20KB", **BASE)
+    index = d / "model.safetensors.index.json"
+    idx = json.loads(index.read_text())
+    name = "model.norm.weight"
+    wrong = next(f for f in sorted(set(idx["weight_map"].values())) if f != idx["weight_map"][name])
+    idx["weight_map"][name] = wrong
+    index.write_text(json.dumps(idx))
+    with pytest.raises(CheckpointError, match=re.escape(wrong) + f".*'{name}'"):
+        check_weights(read_checkpoint(d))
+
+
+@pytest.mark.parametrize("text", ["{bad", "[1, 2]", '{"weight_map": [1]}', '{"weight_map": {"a": 3}}'])
+def test_malformed_index_named(tmp_path, tokenizer, text):
+    d = save_random_llama(tmp_path / "sh", tokenizer, seed=1, max_shard_size="20KB", **BASE)
+    (d / "model.safetensors.index.json").write_text(text)
+    with pytest.raises(CheckpointError, match="model.safetensors.index.json"):
+        LLM(model=str(d), dtype="float32")
+
+
+def test_shape_check_reads_headers_only(tmp_path, llama_dir):
+    """check_weights (train-draft's preflight) finds a misfit tensor without loading the model."""
+    from safetensors.torch import save_file
+    d = copy(llama_dir, tmp_path)
+    t = load_file(d / "model.safetensors")
+    t["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(16, 3)   # trailing dim off
+    save_file(t, d / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"model\.safetensors.*k_proj\.weight.*\(16, 3\).*layers\.0\.wqkv"):
+        check_weights(read_checkpoint(d))
+    check_weights(read_checkpoint(llama_dir))
+
+
+def test_truncated_pickle_named(tmp_path, llama_dir):
+    d = copy(llama_dir, tmp_path)
+    tensors = load_file(d / "model.safetensors")
+    (d / "model.safetensors").unlink()
+    torch.save(tensors, d / "pytorch_model.bin")
+    f = d / "pytorch_model.bin"
+    f.write_bytes(f.read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match=re.escape(str(f)) + ".*pickle"):
+        LLM(model=str(d), dtype="float32", allow_pickle=True)
+
+
+# ---------------------------------------------------------------- generation_config.json
+
+@pytest.mark.parametrize("text, pattern", [
+    ("{bad", "invalid JSON"),
+    ("[1, 2]", r"must be a JSON object .*got a list"),
+    ('{"eos_token_id": "x"}', r"field 'eos_token_id' must be an integer >= 0, got 'x'"),
+    ('{"eos_token_id": [2, "x"]}', r"field 'eos_token_id\[1\]' must be an integer"),
+    ('{"eos_token_id": -1}', r"field 'eos_token_id' must be an integer >= 0, got -1"),
+    ('{"eos_token_id": 2.5}', r"field 'eos_token_id' must be an integer >= 0, got 2.5 \(a float\)"),
+])
+def test_bad_generation_config_named(tmp_path, llama_dir, text, pattern):
+    d = copy(llama_dir, tmp_path)
+    f = d / "generation_config.json"
+    f.write_text(text)
+    with pytest.raises(CheckpointError, match=re.escape(str(f)) + ": " + pattern):
+        read_checkpoint(d)
+    with pytest.raises(ValueError, match="generation_config.json"):   # CheckpointError is a ValueError
+        LLM(model=str(d), dtype="float32")
+
+
+def test_generation_config_without_eos_is_fine(tmp_path, llama_dir):
+    d = copy(llama_dir, tmp_path)
+    (d / "generation_config.json").write_text('{"eos_token_id": null, "do_sample": false}')
+    assert read_checkpoint(d).eos_token_ids == read_checkpoint(llama_dir).eos_token_ids
+
+
+# ---------------------------------------------------------------- config.json
+
+@pytest.mark.parametrize("change, pattern", [
+    ({"hidden_size": "abc"}, r"field 'hidden_size' must be an integer >= 1, got 'abc' \(a string\)"),
+    ({"hidden_size": 64.5}, r"field 'hidden_size' must be an integer >= 1, got 64.5 \(a float\)"),
+    ({"hidden_size": 64.0}, r"field 'hidden_size' must be an integer >= 1, got 64.0 \(a float\)"),
+    ({"hidden_size": -64}, r"field 'hidden_size' must be an integer >= 1, got -64"),
+    ({"hidden_size": 0}, r"field 'hidden_size' must be an integer >= 1, got 0"),
+    ({"hidden_size": True}, r"field 'hidden_size' must be an integer >= 1, got True \(a bool\)"),
+    ({"hidden_size": None}, r"null value for required field 'hidden_size'"),
+    ({"vocab_size": [320]}, r"field 'vocab_size' must be an integer >= 1, got \[320\] \(a list\)"),
+    ({"num_hidden_layers": "2"}, r"field 'num_hidden_layers' must be an integer"),
+    ({"intermediate_size": 0}, r"field 'intermediate_size' must be an integer >= 1"),
+    ({"num_key_value_heads": 0}, r"field 'num_key_value_heads' must be an integer >= 1"),
+    ({"max_position_embeddings": "512"}, r"field 'max_position_embeddings' must be an integer"),
+    ({"num_attention_heads": 5, "head_dim": None},
+     r"hidden_size=64 is not divisible by num_attention_heads=5 and no head_dim is given"),
+    ({"num_key_value_heads": 3}, r"num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
+    ({"head_dim": 15}, r"head_dim=15 must be even"),
+    ({"rms_norm_eps": "x"}, r"field 'rms_norm_eps' must be a number > 0, got 'x'"),
+    ({"rms_norm_eps": 0}, r"field 'rms_norm_eps' must be a number > 0, got 0"),
+    ({"rope_theta": "big", "rope_scaling": None}, r"field 'rope_theta' must be a number > 0"),
+    ({"rope_parameters": None, "rope_scaling": {"rope_type": "linear", "factor": "x"}},
+     r"field 'rope_scaling.factor' must be a number > 0"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": -1.0}},
+     r"field 'rope_parameters.rope_theta' must be a number > 0, got -1.0"),
+    ({"rope_scaling": "llama3"}, r"field 'rope_scaling' must be a JSON object"),
+    ({"rope_parameters": None, "rope_scaling": {"rope_type": ["llama3"]}}, r"field 'rope_scaling.rope_type' must be a string"),
+    ({"architectures": "LlamaForCausalLM"}, r"field 'architectures' must be a JSON list, got 'LlamaForCausalLM'"),
+    ({"architectures": [7]}, r"field 'architectures\[0\]' must be a string"),
+    ({"model_type": 3, "architectures": None}, r"field 'model_type' must be a string"),
+    ({"tie_word_embeddings": "yes"}, r"field 'tie_word_embeddings' must be true or false, got 'yes'"),
+    ({"sliding_window": -1}, r"field 'sliding_window' must be an integer >= 0"),
+    ({"bos_token_id": "<s>"}, r"field 'bos_token_id' must be an integer >= 0"),
+    ({"eos_token_id": [2, None]}, r"null value for required field 'eos_token_id\[1\]'"),
+    ({"mlp_bias": True}, r"unsupported mlp_bias"),
+])
+def test_bad_config_field_named(tmp_path, llama_dir, change, pattern):
+    d = copy(llama_dir, tmp_path)
+    edit_config(d, **change)
+    with pytest.raises(CheckpointError, match=re.escape(str(d / "config.json")) + ": " + pattern):
+        read_checkpoint(d)
+
+
+@pytest.mark.parametrize("text, pattern", [
+    ("[1, 2]", r"must be a JSON object .*got a list"),
+    ('"llama"', r"must be a JSON object .*got a string"),
+    ("{", "invalid JSON"),
+])
+def test_config_not_an_object(tmp_path, llama_dir, text, pattern):
+    d = copy(llama_dir, tmp_path)
+    (d / "config.json").write_text(text)
+    with pytest.raises(CheckpointError, match=re.escape(str(d / "config.json")) + ": " + pattern):
+        LLM(model=str(d), dtype="float32")
+    assert_good_llm_works(llama_dir)
+
+
+def test_config_not_utf8(tmp_path, llama_dir):
+    d = copy(llama_dir, tmp_path)
+    (d / "config.json").write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(CheckpointError, match=r"config\.json: not UTF-8"):
+        read_checkpoint(d)
+
+
+def test_valid_variants_still_load(tmp_path, llama_dir):
+    """Nulls for optional fields mean 'derive'/'default', as in transformers."""
+    d = copy(llama_dir, tmp_path)
+    edit_config(d, head_dim=None, num_key_value_heads=None, sliding_window=None, bos_token_id=None,
+                rms_norm_eps=1e-5)
+    a = read_checkpoint(d).args
+    assert (a.head_dim, a.num_key_value_heads, a.sliding_window, a.bos_token_id) == (16, 4, None, None)
+    assert a.rms_norm_eps == 1e-5 and isinstance(a.rms_norm_eps, float)
+
+
+# ---------------------------------------------------------------- tokenizer files
+
+def strip_tokenizer(d):
+    for f in d.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            f.unlink()
+
+
+def test_no_tokenizer_files_says_so_and_how_to_go_on(tmp_path, llama_dir):
+    d = copy(llama_dir, tmp_path)
+    strip_tokenizer(d)
+    with pytest.raises(CheckpointError) as e:
+        LLM(model=str(d), dtype="float32")
+    msg = str(e.value)
+    assert f"{d}: no tokenizer files" in msg
+    assert "tokenizer.json" in msg and "tokenizer.model" in msg          # what it looked for
+    assert "tokenizer=" in msg and "--tokenizer" in msg
+    assert "skip_tokenizer_init=True" in msg and "--skip-tokenizer-init" in msg
+    assert "sentencepiece" not in msg and "tiktoken" not in msg.replace("*.tiktoken", "")
+    # both ways on work
+    ids = LLM(model=str(d), dtype="float32", skip_tokenizer_init=True).generate(
+        {"prompt_token_ids": [5, 6, 7]}, GREEDY)[0].outputs[0].token_ids
+    llm = LLM(model=str(d), dtype="float32", tokenizer=str(llama_dir))
+    assert llm.generate({"prompt_token_ids": [5, 6, 7]}, GREEDY)[0].outputs[0].token_ids == ids
+    assert llm.generate("def f(x):", GREEDY)[0].outputs[0].text is not None
+
+
+def test_only_tokenizer_config_is_reported(tmp_path, llama_dir):
+    d = copy(llama_dir, tmp_path)
+    (d / "tokenizer.json").unlink()
+    with pytest.raises(CheckpointError, match=r"no tokenizer files .*found only tokenizer_config\.json"):
+        load_tokenizer(d)
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json"])
+def test_corrupt_tokenizer_file_named(tmp_path, llama_dir, name):
+    d = copy(llama_dir, tmp_path)
+    (d / name).write_text("{not json")
+    with pytest.raises(CheckpointError, match=re.escape(str(d / name)) + ": invalid JSON"):
+        LLM(model=str(d), dtype="float32")
+    assert_good_llm_works(llama_dir)
+
+
+def test_tokenizer_json_of_the_wrong_shape_lists_the_files(tmp_path, llama_dir):
+    d = copy(llama_dir, tmp_path)
+    (d / "tokenizer.json").write_text('{"model": 3}')
+    with pytest.raises(CheckpointError, match=re.escape(str(d)) + ": could not load the tokenizer from tokenizer.json"):
+        load_tokenizer(d)
+
+
+def test_tokenizer_path_is_a_file(llama_dir):
+    with pytest.raises(CheckpointError, match=r"tokenizer\.json is a file; pass the directory"):
+        load_tokenizer(llama_dir / "tokenizer.json")
