@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -33,11 +34,11 @@ class SpeculativeConfig:
     """Adaptive: every this many steps try a K next to the best one to refresh its cost."""
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "SpeculativeConfig":
+    def from_dict(cls, d: dict[str, Any]) -> SpeculativeConfig:
         if not isinstance(d, dict):
             raise ConfigError(f"speculative_config must be a dict, got {type(d).__name__}")
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
+        unknown = sorted((k for k in d if k not in known), key=str)
         if unknown:
             raise ConfigError(f"speculative_config: unknown key(s) {unknown}; known keys: {sorted(known)}")
         if "method" not in d:
@@ -47,23 +48,21 @@ class SpeculativeConfig:
         return cls(**d)
 
     def __post_init__(self) -> None:
-        def check_int(name: str, lo: int, hi: int | None = None, optional: bool = False) -> None:
-            v = getattr(self, name)
-            if optional and v is None:
-                return
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
-                rng = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
-                raise ConfigError(f"speculative_config.{name}={v!r}: must be an integer {rng}")
-
+        from leapfrog.model.loader import DTYPES
         from leapfrog.spec.proposers.base import PROPOSERS
-        if self.method not in METHODS and self.method not in PROPOSERS:
-            raise ConfigError(f"speculative_config.method={self.method!r}: must be one of "
-                              f"{sorted(set(METHODS) | set(PROPOSERS))}")
-        check_int("num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS)
-        check_int("prompt_lookup_min", 1)
-        check_int("prompt_lookup_max", 1)
-        check_int("disable_by_batch_size", 1, optional=True)
-        check_int("adaptive_explore_interval", 2)
+
+        if isinstance(self.model, os.PathLike):
+            object.__setattr__(self, "model", os.fspath(self.model))
+        # Types and ranges first (a list as method would otherwise be an unhashable TypeError below).
+        _check(self, "method", str, choices=sorted(set(METHODS) | set(PROPOSERS)))
+        _check(self, "num_speculative_tokens", int, lo=1, hi=MAX_SPECULATIVE_TOKENS)
+        _check(self, "model", str, optional=True)
+        _check(self, "prompt_lookup_min", int, lo=1)
+        _check(self, "prompt_lookup_max", int, lo=1)
+        _check(self, "draft_dtype", str, optional=True, choices=["auto", *DTYPES])
+        _check(self, "disable_by_batch_size", int, lo=1, optional=True)
+        _check(self, "adaptive", bool)
+        _check(self, "adaptive_explore_interval", int, lo=2)
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ConfigError(f"speculative_config: prompt_lookup_min={self.prompt_lookup_min} > "
                               f"prompt_lookup_max={self.prompt_lookup_max}")
@@ -71,5 +70,23 @@ class SpeculativeConfig:
             raise ConfigError("speculative_config: method 'draft_model' needs 'model' (the draft checkpoint)")
         if self.method == "ngram" and self.model:
             raise ConfigError("speculative_config: method 'ngram' takes no 'model'")
-        if not isinstance(self.adaptive, bool):
-            raise ConfigError(f"speculative_config.adaptive={self.adaptive!r}: must be true or false")
+
+
+_KINDS = {int: "an integer", str: "a string", bool: "true or false"}
+
+
+def _check(cfg: SpeculativeConfig, name: str, kind: type, *, lo: int | None = None, hi: int | None = None,
+           choices: list[str] | None = None, optional: bool = False) -> None:
+    """``cfg.<name>`` is a ``kind`` (an int is never a bool) in [lo, hi] / ``choices``, else a
+    ConfigError naming the field, the value and what it must be."""
+    v = getattr(cfg, name)
+    if optional and v is None:
+        return
+    typed = isinstance(v, kind) and (kind is bool or not isinstance(v, bool))
+    if not typed or (lo is not None and v < lo) or (hi is not None and v > hi) or (choices and v not in choices):
+        want = _KINDS[kind] + (f" >= {lo}" if lo is not None and hi is None else "")
+        want += f" in [{lo}, {hi}]" if hi is not None else ""
+        if choices is not None:
+            want = f"one of {choices}" if typed else f"{want} (one of {choices})"
+        raise ConfigError(f"speculative_config.{name}={v!r}: must be {want}"
+                          + (" (or null)" if optional else ""))

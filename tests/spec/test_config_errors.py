@@ -1,0 +1,59 @@
+"""speculative_config values of the wrong type or range: a ConfigError naming the field, never a
+TypeError (an unhashable list as method) or a value accepted silently (a number as model)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from leapfrog import LLM, SamplingParams
+from leapfrog.errors import ConfigError
+from leapfrog.spec.config import SpeculativeConfig
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 2}
+
+
+@pytest.mark.parametrize("change, pattern", [
+    ({"method": ["ngram"]}, r"speculative_config\.method=\['ngram'\]: must be a string \(one of \['draft_model', 'ngram'"),
+    ({"method": {"ngram": 1}}, r"speculative_config\.method=.*must be a string"),
+    ({"method": 3}, r"speculative_config\.method=3: must be a string"),
+    ({"method": None}, r"speculative_config\.method=None: must be a string"),
+    ({"method": "eagle9"}, r"speculative_config\.method='eagle9': must be one of"),
+    ({"num_speculative_tokens": "2"}, r"speculative_config\.num_speculative_tokens='2': must be an integer in \[1, 32\]"),
+    ({"num_speculative_tokens": 2.0}, r"speculative_config\.num_speculative_tokens=2\.0: must be an integer"),
+    ({"num_speculative_tokens": True}, r"speculative_config\.num_speculative_tokens=True: must be an integer"),
+    ({"num_speculative_tokens": 33}, r"speculative_config\.num_speculative_tokens=33: must be an integer in \[1, 32\]"),
+    ({"method": "draft_model", "model": 5}, r"speculative_config\.model=5: must be a string"),
+    ({"method": "draft_model", "model": ["d"]}, r"speculative_config\.model=\['d'\]: must be a string"),
+    ({"prompt_lookup_min": "1"}, r"speculative_config\.prompt_lookup_min='1': must be an integer >= 1"),
+    ({"prompt_lookup_max": None}, r"speculative_config\.prompt_lookup_max=None: must be an integer >= 1"),
+    ({"disable_by_batch_size": "4"}, r"speculative_config\.disable_by_batch_size='4': must be an integer >= 1 \(or null\)"),
+    ({"adaptive": "yes"}, r"speculative_config\.adaptive='yes': must be true or false"),
+    ({"adaptive_explore_interval": 1}, r"speculative_config\.adaptive_explore_interval=1: must be an integer >= 2"),
+    ({"method": "draft_model", "model": "d", "draft_dtype": "fp8"}, r"speculative_config\.draft_dtype='fp8': must be one of"),
+    ({"method": "draft_model", "model": "d", "draft_dtype": 16}, r"speculative_config\.draft_dtype=16: must be a string"),
+])
+def test_bad_field_named(change, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        SpeculativeConfig.from_dict({**NGRAM, **change})
+
+
+def test_non_string_keys_and_non_dicts():
+    with pytest.raises(ConfigError, match="unknown key"):
+        SpeculativeConfig.from_dict({**NGRAM, 1: 2, "zz": 3})
+    with pytest.raises(ConfigError, match="must be a dict, got list"):
+        SpeculativeConfig.from_dict([NGRAM])
+
+
+def test_path_model_accepted_as_string():
+    cfg = SpeculativeConfig.from_dict({"method": "draft_model", "model": Path("/some/draft"), "num_speculative_tokens": 2})
+    assert cfg.model == "/some/draft"
+
+
+def test_engine_reports_it_and_a_good_engine_still_works(llama_dir):
+    with pytest.raises(ConfigError, match=r"speculative_config\.method"):
+        LLM(model=str(llama_dir), speculative_config={"method": ["ngram"], "num_speculative_tokens": 2})
+    llm = LLM(model=str(llama_dir), dtype="float32", speculative_config=NGRAM)
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
