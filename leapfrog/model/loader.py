@@ -269,6 +269,11 @@ _TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json")
 
 
+def tokenizer_files(path: Path) -> list[str]:
+    """The names of the files in directory ``path`` that a tokenizer can be built from (TOKENIZER_FILES)."""
+    return sorted({f.name for pattern in TOKENIZER_FILES for f in path.glob(pattern)})
+
+
 def load_tokenizer(path: str | os.PathLike):
     """The tokenizer of a local directory or hub id through transformers (fast tokenizer, chat template).
 
@@ -281,7 +286,7 @@ def load_tokenizer(path: str | os.PathLike):
                               "(tokenizer.json, tokenizer_config.json, ...)")
     found: list[str] = []
     if p.is_dir():
-        found = sorted(f.name for pattern in TOKENIZER_FILES for f in p.glob(pattern))
+        found = tokenizer_files(p)
         if not found:
             others = sorted(f.name for f in p.glob("*token*"))
             raise CheckpointError(

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from leapfrog.errors import ConfigError
+from leapfrog.errors import CheckpointError, ConfigError
 from leapfrog.train.corpus import Document, pack_stream, read_documents, split_by_file
 from leapfrog.train.loop import TrainConfig, TrainState, plot_losses, train
 
@@ -43,6 +43,9 @@ class DraftShape:
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(f"hidden_size {self.hidden_size} is not divisible by "
                               f"num_attention_heads {self.num_attention_heads}")
+        if (self.hidden_size // self.num_attention_heads) % 2:   # the engine's RoPE rotates pairs
+            raise ConfigError(f"head size hidden_size / num_attention_heads = "
+                              f"{self.hidden_size // self.num_attention_heads} must be even")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
 
@@ -138,10 +141,47 @@ def _generate_stream(target_path: str, tokenizer, docs: list[Document], gen_toke
     prompts = [p for p in prompts if p["prompt_token_ids"]]
     llm = LLM(model=target_path, dtype="float32", seed=seed, max_model_len=prompt_tokens + gen_tokens + 8)
     outs = llm.generate(prompts, SamplingParams(temperature=gen_temperature, max_tokens=gen_tokens, seed=seed))
+    sep = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
     ids: list[int] = []
     for p, o in zip(prompts, outs):
-        ids += p["prompt_token_ids"] + list(o.outputs[0].token_ids) + [tokenizer.eos_token_id]
+        ids += p["prompt_token_ids"] + list(o.outputs[0].token_ids) + sep
     return torch.tensor(ids, dtype=torch.long)
+
+
+def check_target(target: str | os.PathLike, init_draft: str | os.PathLike | None = None):
+    """Check, before any data is built or any step trained, what the engine will check after training
+    (when it measures acceptance and when the draft is used): the target's config.json and
+    generation_config.json with the engine's architecture check, every weight present, readable
+    and of the right shape (safetensors headers only: quick), its tokenizer present, loadable and
+    inside the vocabulary; an ``init_draft`` the same way, speaking the target's tokens.
+    Returns (target Checkpoint, its tokenizer)."""
+    from leapfrog.model.loader import (
+        TOKENIZER_FILES,
+        check_weights,
+        load_tokenizer,
+        read_checkpoint,
+        tokenizer_files,
+    )
+    from leapfrog.spec.proposers.draft_model import check_compatible
+
+    ckpt = read_checkpoint(target)
+    check_weights(ckpt)
+    if not tokenizer_files(ckpt.path):
+        raise CheckpointError(
+            f"{ckpt.path}: no tokenizer files (looked for {', '.join(TOKENIZER_FILES)}); train-draft "
+            "tokenizes the corpus with the target's tokenizer and saves it with the draft: put the "
+            "target's tokenizer files (tokenizer.json, tokenizer_config.json, ...) in this directory")
+    tokenizer = load_tokenizer(ckpt.path)
+    if len(tokenizer) > ckpt.args.vocab_size:
+        raise CheckpointError(
+            f"{ckpt.path}: the tokenizer has {len(tokenizer)} tokens but config.json vocab_size is "
+            f"{ckpt.args.vocab_size}: they do not belong together")
+    if init_draft is not None:
+        draft = read_checkpoint(init_draft)
+        check_weights(draft)
+        draft_tok = load_tokenizer(draft.path) if tokenizer_files(draft.path) else None
+        check_compatible(tokenizer, draft_tok, ckpt.args.vocab_size, draft.args.vocab_size, f"--init-draft {init_draft}")
+    return ckpt, tokenizer
 
 
 def train_draft(target: str | os.PathLike, corpus: str | os.PathLike | list[Document], out: str | os.PathLike,
@@ -156,7 +196,7 @@ def train_draft(target: str | os.PathLike, corpus: str | os.PathLike | list[Docu
     import transformers as tf
 
     from leapfrog.config import resolve_device
-    from leapfrog.model.loader import load_tokenizer, resolve_model_path
+    from leapfrog.model.loader import resolve_model_path
     from leapfrog.train.evaluate import draft_acceptance, mean_kl
 
     cfg = train_config or TrainConfig()
@@ -164,16 +204,13 @@ def train_draft(target: str | os.PathLike, corpus: str | os.PathLike | list[Docu
         raise ConfigError(f"data_mode must be 'corpus' or 'generate', got {data_mode!r}")
     if save_dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"save_dtype must be float32 or bfloat16, got {save_dtype!r}")
-    target_path = str(resolve_model_path(target))
     out = Path(out)
     device = resolve_device(cfg.device)
     cfg.device = str(device)
     cfg.autocast_bf16 = resolve_autocast(bf16, device)
-    tokenizer = load_tokenizer(target_path)
-    teacher = tf.AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).to(device).eval()
-    teacher.requires_grad_(False)
-    tcfg = teacher.config
-
+    # Fail in the first second, not after training: the target (and init draft), then the corpus.
+    ckpt, tokenizer = check_target(target, init_draft)
+    target_path = str(ckpt.path)
     docs = read_documents(corpus) if not isinstance(corpus, list) else corpus
     train_docs, held = split_by_file(docs, heldout_fraction, split_seed)
     if not held:
@@ -188,11 +225,11 @@ def train_draft(target: str | os.PathLike, corpus: str | os.PathLike | list[Docu
         raise ConfigError(f"the corpus gives {stream.numel()} training tokens; need more than "
                           f"seq_len={cfg.seq_len} (pass more text or a smaller --seq-len)")
 
+    teacher = tf.AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).to(device).eval()
+    teacher.requires_grad_(False)
+    tcfg = teacher.config
     if init_draft is not None:
         draft = tf.AutoModelForCausalLM.from_pretrained(str(resolve_model_path(init_draft)), dtype=torch.float32)
-        if draft.config.vocab_size != tcfg.vocab_size:
-            raise ConfigError(f"--init-draft has vocab_size {draft.config.vocab_size}, the target "
-                              f"{tcfg.vocab_size}: a draft must share the target's tokenizer")
     else:
         shape = shape or DraftShape()
         torch.manual_seed(cfg.seed)
