@@ -115,6 +115,18 @@ def test_shape_check_reads_headers_only(tmp_path, llama_dir):
     check_weights(read_checkpoint(llama_dir))
 
 
+def test_pickle_weights_split_over_files_all_load(tmp_path, llama_dir):
+    d = copy(llama_dir, tmp_path)
+    tensors = load_file(d / "model.safetensors")
+    (d / "model.safetensors").unlink()
+    names = sorted(tensors)
+    torch.save({k: tensors[k] for k in names[::2]}, d / "pytorch_model-00001-of-00002.bin")
+    torch.save({k: tensors[k] for k in names[1::2]}, d / "pytorch_model-00002-of-00002.bin")
+    p = {"prompt_token_ids": [3, 4, 5]}
+    got = LLM(model=str(d), dtype="float32", allow_pickle=True).generate(p, GREEDY)[0].outputs[0].token_ids
+    assert got == LLM(model=str(llama_dir), dtype="float32").generate(p, GREEDY)[0].outputs[0].token_ids
+
+
 def test_truncated_pickle_named(tmp_path, llama_dir):
     d = copy(llama_dir, tmp_path)
     tensors = load_file(d / "model.safetensors")
