@@ -129,7 +129,7 @@ def resolve_autocast(flag: str, device: torch.device) -> bool:
         return flag == "on"
     if device.type == "cuda":
         return True
-    from leapfrog.model.packed import can_pack   # native bf16 on this CPU
+    from leapfrog.model.packed import can_pack  # native bf16 on this CPU
     return can_pack(torch.bfloat16, device)
 
 
