@@ -15,3 +15,7 @@ class ConfigError(LeapfrogError, ValueError):
 
 class RequestError(LeapfrogError, ValueError):
     """A request cannot be served as given (too long, bad prompt, ...)."""
+
+
+class EngineError(LeapfrogError, RuntimeError):
+    """A request failed inside the engine (the engine isolated it: other requests go on)."""

@@ -101,7 +101,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None     # "stop" | "length" | "abort" | None (still running)
+    finish_reason: str | None = None     # "stop" | "length" | "abort" | "error" | None (running)
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
     def finished(self) -> bool:
@@ -116,3 +116,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    error: BaseException | None = None
+    """Why the request ended with finish_reason "error" (None otherwise)."""

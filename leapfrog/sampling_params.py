@@ -2,12 +2,34 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from leapfrog.errors import ConfigError
 
 #: temperatures below this are greedy (vLLM's _SAMPLING_EPS)
 SAMPLING_EPS = 1e-5
+#: completions per prompt at most (vLLM sets no bound; one call must not allocate without limit)
+MAX_N = 128
+
+# (field, lower check, upper check): finite values only; bounds keep every transform finite in
+# float32 (a repetition penalty of 1e-300 would turn a logit into inf, and the softmax into NaN).
+_FLOAT_RANGES = (
+    ("temperature", lambda v: v >= 0, lambda v: v <= 1e4),
+    ("top_p", lambda v: v > 0, lambda v: v <= 1),
+    ("min_p", lambda v: v >= 0, lambda v: v <= 1),
+    ("repetition_penalty", lambda v: v >= 0.01, lambda v: v <= 100),
+    ("presence_penalty", lambda v: v >= -2, lambda v: v <= 2),
+    ("frequency_penalty", lambda v: v >= -2, lambda v: v <= 2),
+)
+_FLOAT_WHY = {
+    "temperature": "must be in [0, 10000] (0 = greedy)",
+    "top_p": "must be in (0, 1]",
+    "min_p": "must be in [0, 1]",
+    "repetition_penalty": "must be in [0.01, 100] (1 = off)",
+    "presence_penalty": "must be in [-2, 2]",
+    "frequency_penalty": "must be in [-2, 2]",
+}
 
 
 @dataclass
@@ -23,7 +45,9 @@ class SamplingParams:
     min_p: float = 0.0
     """Drop tokens whose probability is below min_p times the most likely one's (0 = off)."""
     seed: int | None = None
-    """Per-request seed: the same seed gives the same output, whatever else runs in the batch."""
+    """Per-request seed (any integer): the same seed gives the same output alone, in any batch,
+    with any speculation method and K, adaptive K, or none (the noise behind output position n
+    depends only on (seed, n); see spec/verify/greedy.py)."""
     max_tokens: int | None = 16
     """New tokens at most; None = up to the model's context length."""
     min_tokens: int = 0
@@ -42,50 +66,55 @@ class SamplingParams:
     """Subtracted once per occurrence in the output."""
     skip_special_tokens: bool = True
     logprobs: int | None = None
-    """Accepted for API compatibility; log-probabilities are not returned yet."""
+    """Not supported yet: anything but None is refused (never silently ignored)."""
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        """Validation at the door: every value that reaches the sampler is finite and in range
+        (the same checks serve the offline API and the server, which maps them to 400s). What
+        needs the model (token ids against the vocabulary, stop strings against the tokenizer)
+        is checked by the engine when the request is added."""
         def bad(name: str, why: str) -> ConfigError:
             return ConfigError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
 
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                     "frequency_penalty"):
+        for name, lo, hi in _FLOAT_RANGES:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise bad(name, "must be a number")
+            if not math.isfinite(v):
+                raise bad(name, "must be finite")
+            if not lo(v) or not hi(v):
+                raise bad(name, _FLOAT_WHY[name])
         for name in ("n", "top_k", "min_tokens"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
                 raise bad(name, "must be an integer")
-        if self.n < 1:
-            raise bad("n", "must be at least 1")
-        if self.temperature < 0:
-            raise bad("temperature", "must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise bad("top_p", "must be in (0, 1]")
+        if not 1 <= self.n <= MAX_N:
+            raise bad("n", f"must be in [1, {MAX_N}]")
         if self.top_k < -1:
-            raise bad("top_k", "must be -1 or 0 (off) or a positive integer")
-        if not 0 <= self.min_p <= 1:
-            raise bad("min_p", "must be in [0, 1]")
-        if self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", "must be > 0")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                raise bad(name, "must be in [-2, 2]")
+            raise bad("top_k", "must be -1 or 0 (off) or a positive integer (values beyond the vocabulary mean off)")
         if self.max_tokens is not None and (isinstance(self.max_tokens, bool)
                                             or not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise bad("max_tokens", "must be a positive integer or None")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             raise bad("min_tokens", "must be in [0, max_tokens]")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise bad("seed", "must be an integer")
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if any(not isinstance(s, str) or not s for s in stops):
+            raise bad("seed", "must be an integer (any size: it is hashed to a 64-bit key)")
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        if stops is None:
+            stops = []
+        if not isinstance(stops, (list, tuple)) or any(not isinstance(s, str) or not s for s in stops):
             raise bad("stop", "must be a non-empty string or a list of them")
-        self._stop_list = stops
-        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids or []):
+        self._stop_list = list(stops)
+        ids = self.stop_token_ids
+        if ids is not None and (not isinstance(ids, (list, tuple))
+                                or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids)):
             raise bad("stop_token_ids", "must be a list of non-negative integers")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "must be true or false")
+        if self.logprobs is not None and self.logprobs is not False:
+            raise bad("logprobs", "log-probabilities are not supported yet")
 
     @property
     def greedy(self) -> bool:

@@ -12,9 +12,10 @@ One step (STYLE "one engine step"):
 
 from __future__ import annotations
 
+import logging
 import random
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -33,6 +34,8 @@ from leapfrog.spec.draft import DraftBatch
 from leapfrog.spec.verify.greedy import greedy_accept
 from leapfrog.spec.verify.rejection import rejection_accept
 from leapfrog.spec.verify.result import AcceptanceResult
+
+log = logging.getLogger("leapfrog.engine")
 
 
 class LLMEngine:
@@ -57,6 +60,10 @@ class LLMEngine:
         self._seed_rng = random.Random(config.seed)
         self.spec_metrics = SpecMetrics()
         self.proposer: Any = None
+        #: test-only fault injection: called with the requests of every sampling call; raising
+        #: there simulates a failure in one request's sampling (tests/engine/test_isolation.py)
+        self.fault_injector: Callable[[list[Request]], None] | None = None
+        self._failed: list[RequestOutput] = []   # outputs of requests that failed this step
         self.spec_controller: Any = None
         if config.speculative_config is not None:
             from leapfrog.spec.setup import build_speculation
@@ -68,11 +75,17 @@ class LLMEngine:
                     num_speculative_tokens: int | None = None) -> Request:
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already running")
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        self._check_params(params)
         if prompt_ids is None:
             if prompt is None:
                 raise RequestError("a request needs a prompt string or prompt_token_ids")
             if self.tokenizer is None:
-                raise RequestError("text prompts need a tokenizer (skip_tokenizer_init=True was set)")
+                raise RequestError("text prompts need a tokenizer (skip_tokenizer_init=True was set); "
+                                   "pass prompt_token_ids")
+            if not isinstance(prompt, str):
+                raise RequestError(f"a prompt must be a string, got {type(prompt).__name__}")
             prompt_ids = self.tokenizer.encode(prompt)
         prompt_ids = list(prompt_ids)
         if not prompt_ids:
@@ -86,21 +99,38 @@ class LLMEngine:
         room = self.max_model_len - len(prompt_ids)
         if params.max_tokens is not None:
             self.kv.check_fits(len(prompt_ids) + params.max_tokens)
-        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        gen = torch.Generator().manual_seed(seed + index if params.seed is not None else seed)
+        if num_speculative_tokens is not None and (isinstance(num_speculative_tokens, bool) or
+                                                   not isinstance(num_speculative_tokens, int)
+                                                   or num_speculative_tokens < 0):
+            raise RequestError(f"num_speculative_tokens={num_speculative_tokens!r}: must be an integer >= 0")
+        # Seeded requests draw from counter-based noise keyed by (seed, position): see sampling/sampler.py.
+        key = sampler.seed_key(params.seed + index) if params.seed is not None else None
+        gen = torch.Generator().manual_seed(self._seed_rng.getrandbits(63))
         detok = None
         if self.tokenizer is not None:
             detok = Detokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens, params.stop_strings,
                                 params.include_stop_str_in_output)
         req = Request(request_id, prompt, prompt_ids, params, gen, detok, self.eos_ids,
                       max_tokens=min(params.max_tokens or room, room), index=index,
-                      num_speculative_tokens=num_speculative_tokens)
+                      num_speculative_tokens=num_speculative_tokens, seed_key=key)
         req.metrics.num_prompt_tokens = len(prompt_ids)
         self.requests[request_id] = req
         self.scheduler.add(req)
         if self.proposer is not None:
             self.proposer.start(req)
         return req
+
+    def _check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: ids against this model's vocabulary, stop
+        strings against the tokenizer."""
+        for name in ("stop_token_ids",):
+            ids = getattr(params, name) or ()
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise RequestError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if params.stop_strings and self.tokenizer is None:
+            raise RequestError("stop strings need a tokenizer (skip_tokenizer_init=True was set); "
+                               "use stop_token_ids instead")
 
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self.requests.get(request_id)
@@ -114,16 +144,62 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
+        """One engine step. Isolation by construction: the step first computes everything for the
+        whole batch (KV writes beyond committed lengths and proposer state are the only side
+        effects, both redone safely), then commits request by request. If the batched compute
+        raises, every scheduled request is retried alone; one that still fails ends with
+        finish_reason "error" and the others go on as if nothing happened (with seeded and
+        greedy requests their output is the same: their randomness is keyed by position)."""
         sched = self.scheduler.schedule()
+        self._failed = []
         updated: list[Request] = []
         if sched.prefill:
-            updated += self._prefill(sched.prefill)
+            updated += self._isolated(self._prefill, sched.prefill, lambda w: w[0])
         if sched.decode:
-            self._decode(sched.decode)
-            updated += sched.decode
-        return [self._output(r) for r in updated]
+            updated += self._isolated(self._decode, sched.decode, lambda r: r)
+        failed, self._failed = self._failed, []
+        return failed + [self._output(r) for r in updated if r.finish_reason != "error"]
+
+    def _isolated(self, phase: Callable[[list], list[Request]], work: list, req_of: Callable) -> list[Request]:
+        """Run a phase (prefill or decode) over the batch; if its compute raises, run each request
+        alone, and end those that fail again with finish_reason "error"."""
+        try:
+            return phase(work)
+        except Exception as exc:  # noqa: BLE001 - isolated below
+            if len(work) == 1:
+                self._fail(req_of(work[0]), exc)
+                return []
+            log.warning("engine %s failed for a batch of %d; retrying each request alone (%s: %s)",
+                        phase.__name__.strip("_"), len(work), type(exc).__name__, exc)
+        if phase == self._decode and self.proposer is not None:
+            for req in work:  # the failed batch may have left draft state half-advanced
+                self._reset_proposer(req)
+        updated: list[Request] = []
+        for item in work:
+            if req_of(item).finish_reason is not None:
+                continue
+            try:
+                updated += phase([item])
+            except Exception as exc:  # noqa: BLE001 - this request alone fails
+                self._fail(req_of(item), exc)
+        return updated
+
+    def _reset_proposer(self, req: Request) -> None:
+        """Forget a request's draft state; the proposer rebuilds it from the tokens (slower, exact)."""
+        try:
+            self.proposer.finish(req)
+            self.proposer.start(req)
+        except Exception as exc:  # noqa: BLE001
+            self._fail(req, exc)
+
+    def _fail(self, req: Request, exc: BaseException) -> None:
+        log.error("request %s failed: %s: %s", req.request_id, type(exc).__name__, exc, exc_info=exc)
+        req.finish_reason = "error"
+        req.error = exc
+        self._failed.append(self._finish(req))
 
     def _prefill(self, work: list[tuple[Request, int]]) -> list[Request]:
+        # compute (no request state changes until every request's result is known)
         chunks, done = [], []
         for req, n in work:
             last = req.num_computed + n == len(req.prompt_ids)
@@ -132,16 +208,19 @@ class LLMEngine:
             if last:
                 done.append(req)
         logits = self.runner.run(chunks)
+        result = self.accept(done, logits, DraftBatch.empty(len(done))) if done else None
+        # commit, request by request
         for req, n in work:
             self._commit(req, req.num_computed + n)
-        if done:
-            result = self.accept(done, logits, DraftBatch.empty(len(done)))
+        if result is not None:
+            now = time.monotonic()
             for req, ids in zip(done, result.output_ids):
-                req.metrics.first_token_time = time.monotonic()
-                self._append(req, ids)
+                req.metrics.first_token_time = now
+                self._guarded(req, self._append, req, ids)
         return done
 
-    def _decode(self, reqs: list[Request]) -> None:
+    def _decode(self, reqs: list[Request]) -> list[Request]:
+        # compute: propose, verify forward, accept
         drafts = DraftBatch.empty(len(reqs))
         t0 = time.perf_counter()
         if self.proposer is not None:
@@ -156,19 +235,43 @@ class LLMEngine:
         logits = self.runner.run(chunks)
         result = self.accept(reqs, logits, drafts)
         t_verify = time.perf_counter() - t1
+        # commit / roll back, then feedback and outputs
         for req, n_draft, n_acc in zip(reqs, drafts.num_draft, result.num_accepted):
             self._commit(req, req.num_computed + 1 + n_acc)   # rollback of rejected = not advancing
             req.metrics.num_target_forwards += 1
             req.metrics.spec.record(n_draft, n_acc)
             self.spec_metrics.record(n_draft, n_acc)
         if self.proposer is not None:
-            self.proposer.on_verified(reqs, drafts, result)
+            try:
+                self.proposer.on_verified(reqs, drafts, result)
+            except Exception:  # noqa: BLE001 - the proposer restarts these requests from scratch
+                log.exception("proposer feedback failed; resetting its state for %d requests", len(reqs))
+                for req in reqs:
+                    self._reset_proposer(req)
             self.spec_controller.observe(reqs, drafts, result, t_draft, t_verify)
         for req, ids in zip(reqs, result.output_ids):
-            self._append(req, ids)
+            self._guarded(req, self._append, req, ids)
+        return reqs
+
+    def _guarded(self, req: Request, fn, *args) -> None:
+        """Per-request bookkeeping after the batch's compute: a failure ends this request only."""
+        try:
+            fn(*args)
+        except Exception as exc:  # noqa: BLE001
+            if req.request_id in self.requests:
+                self._fail(req, exc)
+            else:
+                log.exception("request %s: bookkeeping failed after it finished", req.request_id)
 
     def accept(self, reqs: list[Request], logits: torch.Tensor, drafts: DraftBatch) -> AcceptanceResult:
-        """Verify drafts with the target's logits [T + B, V] (row layout: spec/verify/rejection.py)."""
+        """Verify drafts with the target's logits [T + B, V] (row layout: spec/verify/rejection.py).
+
+        Greedy and seeded requests are verified by matching (spec/verify/greedy.py): the target's
+        own token at every row (argmax, or the seeded draw keyed by position) is computed, and
+        drafts are accepted while they equal it. Unseeded sampled requests use lossless rejection
+        sampling (spec/verify/rejection.py). Both kinds mix in one batch."""
+        if self.fault_injector is not None:
+            self.fault_injector(reqs)
         draft_lists = drafts.lists()
         specs = [r.row_spec(d[:j]) for r, d in zip(reqs, draft_lists) for j in range(len(d) + 1)]
         rows = sampler.build_rows(specs, self.vocab_size)
@@ -176,13 +279,33 @@ class LLMEngine:
         if rows.all_greedy:
             return greedy_accept(sampler.greedy_tokens(logits, rows).tolist(), flat_drafts, drafts.num_draft)
         p = sampler.probs(logits, rows)  # [T + B, V]
-        u = torch.cat([sampler.uniforms(len(d), r.generator) if not r.params.greedy
-                       else torch.zeros(len(d)) for r, d in zip(reqs, draft_lists)]) if drafts.total else \
-            torch.empty(0)
-        outcome = rejection_accept(p, drafts.draft_probs, drafts.token_ids, drafts.num_draft, u)
-        final = sampler.sample(outcome.final_probs, [r.generator for r in reqs]).tolist()
-        outputs = [d[:n] + [f] for d, n, f in zip(draft_lists, outcome.num_accepted, final)]
-        return AcceptanceResult(outcome.num_accepted, outputs, list(drafts.num_draft))
+        B = len(reqs)
+        row0, d0 = [0], [0]
+        for k in drafts.num_draft:
+            row0.append(row0[-1] + k + 1)
+            d0.append(d0[-1] + k)
+        match = [b for b in range(B) if reqs[b].params.greedy or reqs[b].seed_key is not None]
+        other = [b for b in range(B) if b not in set(match)]
+        num_accepted, outputs = [0] * B, [[] for _ in range(B)]
+        if match:
+            idx = [i for b in match for i in range(row0[b], row0[b + 1])]
+            rngs = [reqs[b].rng(j) for b in match for j in range(drafts.num_draft[b] + 1)]
+            target = sampler.sample(p[idx] if len(match) < B else p, rngs).tolist()
+            res = greedy_accept(target, [flat_drafts[i] for b in match for i in range(d0[b], d0[b + 1])],
+                                [drafts.num_draft[b] for b in match])
+            for b, n, out in zip(match, res.num_accepted, res.output_ids):
+                num_accepted[b], outputs[b] = n, out
+        if other:
+            sub = drafts.select(other)
+            idx = [i for b in other for i in range(row0[b], row0[b + 1])]
+            u = torch.cat([sampler.uniforms(drafts.num_draft[b], reqs[b].generator) for b in other])
+            outcome = rejection_accept(p[idx] if other != list(range(B)) else p, sub.draft_probs,
+                                       sub.token_ids, sub.num_draft, u)
+            final = sampler.sample(outcome.final_probs, [reqs[b].generator for b in other]).tolist()
+            for j, b in enumerate(other):
+                n = outcome.num_accepted[j]
+                num_accepted[b], outputs[b] = n, draft_lists[b][:n] + [final[j]]
+        return AcceptanceResult(num_accepted, outputs, list(drafts.num_draft))
 
     # ------------------------------------------------------------------ bookkeeping
     def _commit(self, req: Request, length: int) -> None:
@@ -212,14 +335,17 @@ class LLMEngine:
     def _finish(self, req: Request) -> RequestOutput:
         req.metrics.finished_time = time.monotonic()
         if self.proposer is not None:
-            self.proposer.finish(req)
+            try:
+                self.proposer.finish(req)
+            except Exception:  # noqa: BLE001 - the request ends anyway; its row is freed below
+                log.exception("proposer.finish failed for request %s", req.request_id)
         self.scheduler.finish(req)
         self.requests.pop(req.request_id, None)
         return self._output(req)
 
     def _output(self, req: Request) -> RequestOutput:
         return RequestOutput(req.request_id, req.prompt, req.prompt_ids, [req.completion()],
-                             req.finish_reason is not None, req.metrics)
+                             req.finish_reason is not None, req.metrics, error=req.error)
 
     def get_metrics(self) -> dict:
         return self.spec_metrics.to_dict()

@@ -10,7 +10,7 @@ import torch
 
 from leapfrog.engine.detokenizer import Detokenizer
 from leapfrog.outputs import CompletionOutput, RequestMetrics
-from leapfrog.sampling.sampler import RowSpec
+from leapfrog.sampling.sampler import PositionKey, Rng, RowSpec
 from leapfrog.sampling_params import SamplingParams
 
 
@@ -39,6 +39,8 @@ class Request:
     num_speculative_tokens: int | None = None  # per-request cap (None = engine's)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.monotonic()))
     index: int = 0                         # completion index when n > 1
+    seed_key: int | None = None            # seeded requests: key of the per-position noise
+    error: BaseException | None = None     # set when finish_reason == "error"
     _sent_text: int = 0
     _sent_tokens: int = 0
 
@@ -59,6 +61,15 @@ class Request:
     def stop_ids(self) -> tuple[int, ...]:
         eos = () if self.params.ignore_eos else self.eos_ids
         return eos + tuple(self.params.stop_token_ids or ())
+
+    def rng(self, j: int = 0) -> Rng:
+        """Randomness of the row j tokens after output_ids: none (greedy), the noise keyed by
+        (seed, output position) for seeded requests, else the request's generator stream."""
+        if self.params.greedy:
+            return None
+        if self.seed_key is not None:
+            return PositionKey(self.seed_key, len(self.output_ids) + j)
+        return self.generator
 
     def row_spec(self, extra: list[int] = ()) -> RowSpec:  # type: ignore[assignment]
         """Sampling context of the row after output_ids + extra (drafts)."""

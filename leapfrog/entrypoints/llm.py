@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 
 from leapfrog.config import EngineConfig
 from leapfrog.engine.engine import LLMEngine
-from leapfrog.errors import ConfigError, RequestError
+from leapfrog.errors import ConfigError, EngineError, RequestError
 from leapfrog.outputs import RequestOutput
 from leapfrog.sampling_params import SamplingParams
 
@@ -73,6 +73,9 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ConfigError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        bad = [type(sp).__name__ for sp in params if not isinstance(sp, SamplingParams)]
+        if bad:
+            raise RequestError(f"sampling_params must be SamplingParams objects, got a {bad[0]}")
         groups: list[list[str]] = []
         added: list[str] = []
         try:
@@ -107,8 +110,13 @@ class LLM:
                 raise RequestError("each message must be a dict with 'role' and 'content'")
             if chat_template is None and not getattr(tok, "chat_template", None):
                 raise RequestError("this tokenizer has no chat template; pass chat_template=...")
-            ids = tok.apply_chat_template(conv, chat_template=chat_template, tokenize=True,
-                                          add_generation_prompt=add_generation_prompt)
+            if not all(isinstance(m["content"], str) for m in conv):
+                raise RequestError("message 'content' must be a string")
+            try:
+                ids = tok.apply_chat_template(conv, chat_template=chat_template, tokenize=True,
+                                              add_generation_prompt=add_generation_prompt)
+            except Exception as e:  # noqa: BLE001 - a template error is the caller's input
+                raise RequestError(f"could not apply the chat template: {type(e).__name__}: {e}") from None
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
             prompts.append({"prompt_token_ids": list(ids),
@@ -116,18 +124,33 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, groups: list[list[str]], show: bool) -> list[RequestOutput]:
+        """Step the engine until this call's requests finish. If one of them fails (finish_reason
+        "error"), the others of this call are aborted and the error is raised: the engine is
+        clean for the next call, and requests of other callers are untouched."""
         finished: dict[str, RequestOutput] = {}
         total = sum(len(g) for g in groups)
+        mine = {s for g in groups for s in g}
         bar = tqdm(total=len(groups), desc="Processed prompts", disable=not show)
         done_groups = 0
-        while len(finished) < total:
-            for out in self.engine.step():
-                if out.finished:
-                    finished[out.request_id] = out
-            now = sum(all(s in finished for s in g) for g in groups)
-            bar.update(now - done_groups)
-            done_groups = now
-        bar.close()
+        try:
+            while len(finished) < total:
+                for out in self.engine.step():
+                    if out.request_id not in mine:
+                        continue
+                    if out.outputs[0].finish_reason == "error":
+                        raise EngineError(f"request {out.request_id} failed: {type(out.error).__name__}: "
+                                          f"{out.error}") from out.error
+                    if out.finished:
+                        finished[out.request_id] = out
+                now = sum(all(s in finished for s in g) for g in groups)
+                bar.update(now - done_groups)
+                done_groups = now
+        except BaseException:
+            for rid in mine - set(finished):
+                self.engine.abort(rid)
+            raise
+        finally:
+            bar.close()
         results = []
         for g in groups:
             first = finished[g[0]]

@@ -67,13 +67,13 @@ def build_rows(specs: Sequence[RowSpec], vocab_size: int, device: torch.device |
     return RowBatch(
         greedy=torch.tensor([p.greedy for p in ps], device=device),
         temperature=f([1.0 if p.greedy else p.temperature for p in ps]),
-        top_k=torch.tensor([max(p.top_k, 0) for p in ps], dtype=torch.long, device=device),
+        top_k=torch.tensor([min(max(p.top_k, 0), vocab_size) for p in ps], dtype=torch.long, device=device),
         top_p=f([p.top_p for p in ps]),
         min_p=f([p.min_p for p in ps]),
         penalties=penalties,
         suppress=suppress,
         all_greedy=all(p.greedy for p in ps),
-        any_top_k=any(p.top_k > 0 for p in ps),
+        any_top_k=any(0 < p.top_k < vocab_size for p in ps),
         any_top_p=any(p.top_p < 1 for p in ps),
         any_min_p=any(p.min_p > 0 for p in ps),
     )
@@ -107,6 +107,9 @@ def probs(logits: Tensor, rows: RowBatch) -> Tensor:
     if rows.all_greedy:
         return torch.nn.functional.one_hot(greedy_tokens(logits, rows), logits.shape[-1]).float()
     p = torch.softmax(processed_logits(logits, rows), dim=-1)
+    if not bool(torch.isfinite(p).all()):  # one host sync; never draw from NaN
+        bad = (~torch.isfinite(p)).any(-1).nonzero().flatten().tolist()
+        raise FloatingPointError(f"non-finite probabilities in sampler rows {bad} (non-finite logits?)")
     if rows.greedy.any():
         g = torch.nn.functional.one_hot(penalised_logits(logits, rows).argmax(-1), logits.shape[-1]).float()
         p = torch.where(rows.greedy[:, None], g, p)
@@ -120,12 +123,67 @@ def greedy_tokens(logits: Tensor, rows: RowBatch | None = None) -> Tensor:
     return logits.argmax(dim=-1)
 
 
-def sample(p: Tensor, generators: Sequence[torch.Generator]) -> Tensor:
-    """Draw one token per row of p [N, V] with that row's generator -> [N] long."""
-    out = torch.empty(p.shape[0], dtype=torch.long, device=p.device)
-    for i, g in enumerate(generators):
-        out[i] = torch.multinomial(p[i], 1, generator=g)[0]
-    return out
+@dataclass(frozen=True)
+class PositionKey:
+    """Counter-based randomness of a seeded request: the noise behind output position
+    ``position`` is a pure function of (``key``, ``position``), whatever K, batch or method."""
+    key: int        # the request's 64-bit key (see seed_key)
+    position: int   # output position n (0 = the first generated token)
+
+
+#: where a row's randomness comes from: a seeded position, an unseeded request's stream, or
+#: nothing (greedy rows)
+Rng = PositionKey | torch.Generator | None
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: a bijection of 64-bit integers with good avalanche."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK64
+    return x ^ (x >> 31)
+
+
+def seed_key(seed: int) -> int:
+    """Any Python integer (negative, or beyond 64 bits) -> a 64-bit request key; distinct
+    seeds of up to 64 bits give distinct keys (a chain of bijections)."""
+    x, m = _mix64(0x6C656170 ^ (seed < 0)), abs(seed)
+    while True:
+        x = _mix64(x ^ (m & _MASK64))
+        m >>= 64
+        if not m:
+            return x
+
+
+def position_generator(pk: PositionKey, device: torch.device | str = "cpu") -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed(_mix64(pk.key ^ _mix64(pk.position + 0x9E3779B97F4A7C15 & _MASK64)) >> 1)
+    return g
+
+
+def noise(rngs: Sequence[Rng], vocab_size: int, device: torch.device | str = "cpu") -> Tensor:
+    """[N, V] uniforms U(0, 1) per row (rows with no randomness get exp(-1): E = 1)."""
+    u = torch.empty(len(rngs), vocab_size, device=device)
+    for i, r in enumerate(rngs):
+        if r is None:
+            u[i] = 0.36787944117144233
+        else:
+            g = position_generator(r, device) if isinstance(r, PositionKey) else r
+            torch.rand(vocab_size, generator=g, out=u[i])
+    return u
+
+
+def sample(p: Tensor, rngs: Sequence[Rng]) -> Tensor:
+    """Draw one token per row of p [N, V] -> [N] long.
+
+    Exponential race (the Gumbel-max trick): x = argmax_v p[v] / E[v], E[v] = -log U[v] ~ Exp(1)
+    i.i.d., gives P(x = v) = p[v] exactly. Seeded rows take U from (key, position): the token at
+    position n is then a pure function of p_n and the seed, which is what makes seeded output
+    independent of speculation (``spec/verify/greedy.py``). A point mass (greedy row) returns its token.
+    """
+    e = -torch.log(noise(rngs, p.shape[-1], p.device))   # [N, V], in (0, inf]
+    return (p / e).argmax(dim=-1)
 
 
 def uniforms(n: int, generator: torch.Generator, device: torch.device | str = "cpu") -> Tensor:

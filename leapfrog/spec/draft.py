@@ -43,6 +43,15 @@ class DraftBatch:
         o = self.offsets()
         return [flat[o[b]:o[b + 1]] for b in range(len(self.num_draft))]
 
+    def select(self, batch_idx: list[int]) -> "DraftBatch":
+        """The drafts of requests ``batch_idx`` (in that order) as a DraftBatch of their own."""
+        o = self.offsets()
+        flat = [i for b in batch_idx for i in range(o[b], o[b + 1])]
+        idx = torch.tensor(flat, dtype=torch.long)
+        q = None if self.draft_probs is None else self.draft_probs[idx]
+        parents = None if self.parents is None else self.parents[idx]
+        return DraftBatch(self.token_ids[idx], [self.num_draft[b] for b in batch_idx], q, parents)
+
     @property
     def total(self) -> int:
         return sum(self.num_draft)

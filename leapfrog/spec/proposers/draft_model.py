@@ -5,7 +5,8 @@ State per request: ``computed`` = tokens whose draft KV is valid. Each ``propose
   1. catches up on ``all_ids[computed:]`` (the bonus token, and after a full accept also the
      last draft, which the draft never processed: the "draft-KV gap", STYLE pitfall 15),
   2. drafts k tokens autoregressively, q from the one sampler with the request's params and
-     history (drafts included), each token drawn with the request's generator.
+     history (drafts included), each token drawn with the request's randomness for that
+     position (``Request.rng``).
 ``on_verified`` rolls the draft back to the accepted prefix: computed = min(computed,
 old_len + accepted). Nothing is copied; later writes overwrite the rejected columns.
 """
@@ -81,7 +82,9 @@ class DraftModelProposer:
                 q = None
             else:
                 q = sampler.probs(logits, rows)
-                tokens = sampler.sample(q, [reqs[b].generator for b in active])
+                # seeded requests draw with the noise of the position the target will verify
+                # (a coupling: the same noise makes the target's draw likely to match)
+                tokens = sampler.sample(q, [reqs[b].rng(len(drafts[b])) for b in active])
             for i, b in enumerate(active):
                 drafts[b].append(int(tokens[i]))
                 qs[b].append(q[i] if q is not None else None)  # None: greedy, a point mass
