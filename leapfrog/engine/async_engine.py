@@ -3,7 +3,8 @@
 Requests join and leave between steps (continuous batching). Only the engine thread touches
 the LLMEngine: callers send commands (add, abort) through a queue, and outputs come back on
 each request's asyncio.Queue through ``loop.call_soon_threadsafe``. The waiting queue is
-bounded (``max_waiting``): beyond it new requests are refused with ``EngineOverloaded``.
+bounded (``max_waiting``): the server admits a whole request's sequences against it before
+calling ``generate`` (``OpenAIServing.admit``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,12 @@ log = logging.getLogger("leapfrog.engine")
 
 
 class EngineOverloaded(LeapfrogError):
-    """More requests are waiting than the queue bound allows."""
+    """More sequences are waiting than the queue bound allows (retry later)."""
+
+
+@dataclass
+class Reservation:
+    left: int   # places held in the waiting queue and not yet used by a generate()
 
 
 class EngineStopped(LeapfrogError):
@@ -60,10 +66,15 @@ class AsyncEngine:
     def start(self) -> None:
         self._thread.start()
 
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the loop; in-flight requests end with finish_reason "abort"."""
+    def begin_shutdown(self) -> None:
+        """Refuse new requests and end every in-flight one with finish_reason "abort" at the
+        engine's next step boundary; returns at once (safe in a signal handler)."""
         self._stop.set()
         self._wake.set()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop and wait for it; in-flight requests end with finish_reason "abort"."""
+        self.begin_shutdown()
         if self._thread.is_alive():
             self._thread.join(timeout)
 
@@ -71,19 +82,35 @@ class AsyncEngine:
     def num_waiting(self) -> int:
         return len(self.engine.scheduler.waiting) + self._pending
 
+    def reserve(self, n: int) -> Reservation:
+        """Hold ``n`` places in the waiting queue for one API request's sequences, all or none
+        (raises EngineOverloaded). Each ``generate`` given the reservation uses one place;
+        ``release`` returns the unused ones."""
+        with self._lock:
+            if self.num_waiting + n > self.max_waiting:
+                raise EngineOverloaded(f"{self.num_waiting} sequences are already waiting (limit {self.max_waiting})")
+            self._pending += n
+        return Reservation(n)
+
+    def release(self, r: Reservation) -> None:
+        with self._lock:
+            self._pending -= r.left
+            r.left = 0
+
     async def generate(self, request_id: str, prompt: str | None, prompt_ids: list[int] | None,
-                       params: SamplingParams, num_speculative_tokens: int | None = None
-                       ) -> AsyncIterator[RequestOutput]:
+                       params: SamplingParams, num_speculative_tokens: int | None = None,
+                       reservation: Reservation | None = None) -> AsyncIterator[RequestOutput]:
         """Yield cumulative RequestOutputs until finished; leaving early aborts the request."""
         if self._stop.is_set():
             raise EngineStopped("the server is shutting down")
-        if self.num_waiting >= self.max_waiting:
-            raise EngineOverloaded(f"{self.num_waiting} requests are already waiting (limit {self.max_waiting})")
         loop = asyncio.get_running_loop()
         cmd = _Add(request_id, prompt, prompt_ids, params, num_speculative_tokens, loop, asyncio.Queue(),
                    loop.create_future())
         with self._lock:
-            self._pending += 1
+            if reservation is not None and reservation.left > 0:
+                reservation.left -= 1   # its place was counted in _pending already
+            else:
+                self._pending += 1
         self._cmds.put(cmd)
         self._wake.set()
         await cmd.accepted  # raises the engine's RequestError for bad requests

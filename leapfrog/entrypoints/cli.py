@@ -144,7 +144,7 @@ def cmd_serve(args) -> int:
 
     from leapfrog.config import EngineConfig
     from leapfrog.engine.engine import LLMEngine
-    from leapfrog.entrypoints.openai.api_server import build_app
+    from leapfrog.entrypoints.openai.api_server import LeapfrogServer, build_app
 
     spec, given = _spec_arg(args.speculative_config)
     model = args.model
@@ -158,7 +158,8 @@ def cmd_serve(args) -> int:
     name = args.served_model_name or (args.model or "leapfrog-default")
     api_key = args.api_key or os.environ.get("LEAPFROG_API_KEY") or None
     app = build_app(engine, name, api_key=api_key, max_waiting=args.max_waiting)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=10)
+    LeapfrogServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                                  timeout_graceful_shutdown=5)).run()
     return 0
 
 

@@ -7,29 +7,82 @@ for bad input; a bug in the server is the only source of a 500.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 import uuid
 from contextlib import asynccontextmanager
 
+import uvicorn
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from leapfrog.engine.async_engine import AsyncEngine
 from leapfrog.engine.engine import LLMEngine
 from leapfrog.entrypoints.openai.metrics import ServerMetrics
 from leapfrog.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, StreamOptions
-from leapfrog.entrypoints.openai.serving import APIError, OpenAIServing, sse, usage
+from leapfrog.entrypoints.openai.serving import (APIError, ClientDisconnected, OpenAIServing, error_text, sse,
+                                                 usage)
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
+log = logging.getLogger("leapfrog.server")
 
 
 def error(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
           code: str | None = None) -> JSONResponse:
     return JSONResponse(APIError(status, message, type_, param, code).body(), status_code=status)
+
+
+class Guard:
+    """ASGI middleware at the door: the API key, then the body size, counted while reading (so a
+    ``Transfer-Encoding: chunked`` body cannot bypass the limit). The body is read here in full
+    (at most MAX_BODY_BYTES) and replayed to the app; later ``receive`` calls reach the server,
+    which is how a route learns that its client went away."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body: int = MAX_BODY_BYTES) -> None:
+        self.app, self.api_key, self.max_body = app, api_key, max_body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        if self.api_key is not None and scope.get("path") != "/health":
+            auth = headers.get("authorization", "")
+            token = auth[7:] if auth.lower().startswith("bearer ") else ""
+            if not secrets.compare_digest(token.encode(), self.api_key.encode()):
+                return await error(401, "invalid or missing API key (Authorization: Bearer ...)",
+                                   type_="authentication_error", code="invalid_api_key")(scope, receive, send)
+        size = headers.get("content-length")
+        if size is not None and (not size.isdigit() or int(size) > self.max_body):
+            return await self._too_large(scope, receive, send)
+        body, more = bytearray(), True
+        while more:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            body += msg.get("body", b"")
+            more = msg.get("more_body", False)
+            if len(body) > self.max_body:
+                return await self._too_large(scope, receive, send)
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await error(413, f"request body larger than {self.max_body} bytes", code="body_too_large")(
+            scope, receive, send)
 
 
 def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = None,
@@ -43,24 +96,18 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
     async def lifespan(app: FastAPI):
         async_engine.start()
         yield
-        async_engine.shutdown()  # SIGTERM/SIGINT via uvicorn: in-flight requests end as "abort"
+        async_engine.shutdown()  # in-flight requests end as "abort" (see LeapfrogServer for signals)
 
     app = FastAPI(title="leapfrog", lifespan=lifespan)
     app.state.engine = async_engine
     app.state.metrics = metrics
+    app.add_middleware(Guard, api_key=api_key)
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        size = request.headers.get("content-length")
-        if size is not None and (not size.isdigit() or int(size) > MAX_BODY_BYTES):
-            return error(413, f"request body larger than {MAX_BODY_BYTES} bytes", code="body_too_large")
-        if api_key is not None and request.url.path != "/health":
-            auth = request.headers.get("authorization", "")
-            token = auth[7:] if auth.lower().startswith("bearer ") else ""
-            if not secrets.compare_digest(token.encode(), api_key.encode()):
-                return error(401, "invalid or missing API key (Authorization: Bearer ...)",
-                             type_="authentication_error", code="invalid_api_key")
-        return await call_next(request)
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, e: Exception):
+        log.exception("unhandled error")
+        return error(500, f"internal server error: {type(e).__name__}: {e}", type_="server_error",
+                     code="internal_error")
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError):
@@ -102,26 +149,27 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
                 "model": served_model_name}
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
-        serving.check_model(req.model)
+    async def completions(req: CompletionRequest, raw: Request):
+        serving.check_request(req)
         sp = serving.sampling_params(req, req.max_tokens if req.max_tokens is not None else 16)
         k = serving.spec_tokens(req)
         prompts = serving.completion_prompts(req)
         top = head("cmpl", "text_completion")
         if req.stream:
-            return await _streaming(serving.stream_all(prompts, sp, k), top, sp.n, req.stream_options,
+            return await _streaming(serving.stream_all(prompts, sp, k), top, sp.n, len(prompts) * sp.n,
+                                    req.stream_options,
                                     lambda text, out: {"index": 0, "text": text, "logprobs": None,
                                                        "finish_reason": out.outputs[0].finish_reason
                                                        if out.finished else None})
-        outs = await serving.run_all(prompts, sp, k)
+        outs = await serving.run_all(prompts, sp, k, disconnected(raw))
         choices = [{"index": i, "text": (o.prompt or "") + o.outputs[0].text if req.echo else o.outputs[0].text,
                     "logprobs": None, "finish_reason": o.outputs[0].finish_reason,
                     "stop_reason": o.outputs[0].stop_reason} for i, o in enumerate(outs)]
         return {**top, "choices": choices, "usage": usage(outs, sp.n)}
 
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatCompletionRequest):
-        serving.check_model(req.model)
+    async def chat(req: ChatCompletionRequest, raw: Request):
+        serving.check_request(req)
         max_tokens = req.max_completion_tokens or req.max_tokens
         sp = serving.sampling_params(req, max_tokens)
         k = serving.spec_tokens(req)
@@ -129,24 +177,51 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
         top = head("chatcmpl", "chat.completion")
         if req.stream:
             return await _streaming(serving.stream_all([prompt], sp, k), {**top, "object": "chat.completion.chunk"},
-                                    sp.n, req.stream_options,
+                                    sp.n, sp.n, req.stream_options,
                                     lambda text, out: {"index": 0, "delta": {"content": text} if text else {},
                                                        "logprobs": None,
                                                        "finish_reason": out.outputs[0].finish_reason
                                                        if out.finished else None},
                                     first_delta={"role": "assistant", "content": ""})
-        outs = await serving.run_all([prompt], sp, k)
+        outs = await serving.run_all([prompt], sp, k, disconnected(raw))
         choices = [{"index": i, "message": {"role": "assistant", "content": o.outputs[0].text},
                     "logprobs": None, "finish_reason": o.outputs[0].finish_reason,
                     "stop_reason": o.outputs[0].stop_reason} for i, o in enumerate(outs)]
         return {**top, "choices": choices, "usage": usage(outs, sp.n)}
 
+    @app.exception_handler(ClientDisconnected)
+    async def client_gone(_: Request, e: ClientDisconnected):
+        return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+
     return app
 
 
-async def _streaming(events, head: dict, n: int, stream_options: StreamOptions | None, make_choice,
+def disconnected(raw: Request):
+    """-> a coroutine function that returns when the client closes the connection (the body was
+    read already, so the next ASGI message is the disconnect)."""
+    async def wait() -> None:
+        while (await raw.receive())["type"] != "http.disconnect":
+            pass
+    return wait
+
+
+class LeapfrogServer(uvicorn.Server):
+    """uvicorn's server, but a signal first ends every in-flight request (streams get their
+    finish_reason "abort" chunk and [DONE]); uvicorn's graceful shutdown then finds the
+    connections finishing instead of waiting out its timeout on running generations."""
+
+    def handle_exit(self, sig, frame) -> None:
+        engine = getattr(getattr(self.config.app, "state", None), "engine", None)
+        if engine is not None:
+            engine.begin_shutdown()
+        super().handle_exit(sig, frame)
+
+
+async def _streaming(events, head: dict, n: int, total: int, stream_options: StreamOptions | None, make_choice,
                      first_delta: dict | None = None):
-    """Start the stream (so request errors still become JSON errors), then serve SSE chunks."""
+    """Start the stream (so request errors still become JSON errors), then serve SSE chunks.
+    Every stream ends with a finish_reason per choice and ``[DONE]``: if the engine fails after
+    the 200 went out, the open choices end with finish_reason "error" and an ``error`` object."""
     include_usage = bool(stream_options and stream_options.include_usage)
     it = events.__aiter__()
     try:
@@ -154,11 +229,11 @@ async def _streaming(events, head: dict, n: int, stream_options: StreamOptions |
     except StopAsyncIteration:
         first = None
 
-    async def body():
+    async def chunks():
         finals: dict[int, object] = {}
         try:
             if first_delta is not None:
-                for i in range(n):
+                for i in range(total):
                     yield sse({**head, "choices": [{"index": i, "delta": first_delta, "logprobs": None,
                                                     "finish_reason": None}]})
             ev = first
@@ -167,7 +242,11 @@ async def _streaming(events, head: dict, n: int, stream_options: StreamOptions |
                 if text or out.finished:
                     choice = make_choice(text, out)
                     choice["index"] = idx
-                    yield sse({**head, "choices": [choice]})
+                    extra = {}
+                    if out.finished and out.outputs[0].finish_reason == "error":
+                        extra = APIError(500, f"the engine failed on this choice: {error_text(out)}",
+                                         "server_error", code="engine_error").body()
+                    yield sse({**head, "choices": [choice], **extra})
                 if out.finished:
                     finals[idx] = out
                 try:
@@ -177,7 +256,20 @@ async def _streaming(events, head: dict, n: int, stream_options: StreamOptions |
             if include_usage:
                 outs = [finals[i] for i in sorted(finals)]
                 yield sse({**head, "choices": [], "usage": usage(outs, n)})
-            yield sse("[DONE]")
+        except Exception as e:  # noqa: BLE001 - reported in-band: the status line is long gone
+            log.exception("stream failed")
+            err = APIError(500, f"{type(e).__name__}: {e}", "server_error", code="engine_error").body()
+            for i in range(total):
+                if i not in finals:
+                    choice = {"index": i, "logprobs": None, "finish_reason": "error"}
+                    choice.update({"delta": {}} if first_delta is not None else {"text": ""})
+                    yield sse({**head, "choices": [choice], **err})
+        yield sse("[DONE]")
+
+    async def body():
+        try:
+            async for c in chunks():
+                yield c
         finally:
             await it.aclose()  # client gone: the requests are aborted and their KV freed
 

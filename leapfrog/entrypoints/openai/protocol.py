@@ -4,14 +4,17 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class _Base(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use
+    # OpenAI clients send fields we do not use: they are kept in ``model_extra`` so that the ones
+    # that would change the answer can be refused (serving.check_unsupported), never ignored.
+    model_config = ConfigDict(extra="allow")
 
 
-class StreamOptions(_Base):
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
 
 
@@ -22,6 +25,7 @@ class SpeculativeOptions(BaseModel):
 
 
 class _Sampling(_Base):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
@@ -54,6 +58,19 @@ class CompletionRequest(_Sampling):
 class ChatMessage(_Base):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, v: Any) -> Any:
+        """Content parts must be ``{"type": "text", "text": str}``; other kinds are refused."""
+        if isinstance(v, list):
+            for i, part in enumerate(v):
+                if part.get("type") != "text":
+                    raise ValueError(f"content part {i}: type {part.get('type')!r} is not supported "
+                                     "(only 'text' parts)")
+                if not isinstance(part.get("text"), str):
+                    raise ValueError(f"content part {i}: 'text' must be a string")
+        return v
 
 
 class ChatCompletionRequest(_Sampling):

@@ -18,7 +18,8 @@ class ServerThread:
                 sock.bind((host, 0))
                 port = sock.getsockname()[1]
         self.host, self.port, self.app = host, port, app
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+        from leapfrog.entrypoints.openai.api_server import LeapfrogServer
+        self.server = LeapfrogServer(uvicorn.Config(app, host=host, port=port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     @property

@@ -7,9 +7,9 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable
 
-from leapfrog.engine.async_engine import AsyncEngine, EngineOverloaded, EngineStopped
+from leapfrog.engine.async_engine import AsyncEngine, EngineOverloaded, EngineStopped, Reservation
 from leapfrog.entrypoints.openai.metrics import ServerMetrics
 from leapfrog.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 from leapfrog.errors import ConfigError, RequestError
@@ -46,14 +46,29 @@ class OpenAIServing:
         self.max_spec_tokens = spec["num_speculative_tokens"] if spec else 0
 
     # ------------------------------------------------------------------ request -> engine inputs
+    def check_request(self, req: _Sampling) -> None:
+        """Refuse what would change the answer but is not implemented (never silently ignore it),
+        and fields that only make sense together."""
+        extra = req.model_extra or {}
+        for name, unused in _UNSUPPORTED.items():
+            if name in extra and not unused(extra[name]):
+                raise APIError(400, f"`{name}` is not supported by this server", param=name,
+                               code="unsupported_parameter")
+        if req.stream_options is not None and not req.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+        if isinstance(req, CompletionRequest) and req.echo and req.stream:
+            raise APIError(400, "echo with stream=true is not supported", param="echo",
+                           code="unsupported_parameter")
+        self.check_model(req.model)
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError(400, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
                            param="model", code="model_not_found")
 
     def sampling_params(self, req: _Sampling, max_tokens: int | None) -> SamplingParams:
-        if req.logprobs:
-            raise APIError(400, "logprobs are not supported yet", param="logprobs")
+        if req.logprobs is not None and req.logprobs is not False:
+            raise APIError(400, "logprobs are not supported yet", param="logprobs", code="unsupported_parameter")
         if max_tokens is not None and max_tokens > self.max_model_len:
             raise APIError(400, f"max_tokens={max_tokens} is larger than the context ({self.max_model_len})",
                            param="max_tokens")
@@ -112,15 +127,13 @@ class OpenAIServing:
         return Prompt(None, list(ids))
 
     # ------------------------------------------------------------------ running
-    async def _stream(self, rid: str, prompt: Prompt, sp: SamplingParams, k: int | None
-                      ) -> AsyncIterator[RequestOutput]:
+    async def _stream(self, rid: str, prompt: Prompt, sp: SamplingParams, k: int | None,
+                      reservation: Reservation) -> AsyncIterator[RequestOutput]:
         try:
-            async for out in self.engine.generate(rid, prompt.text, prompt.ids, sp, k):
+            async for out in self.engine.generate(rid, prompt.text, prompt.ids, sp, k, reservation):
                 yield out
         except RequestError as e:
             raise APIError(400, str(e), param="prompt") from None
-        except EngineOverloaded as e:
-            raise APIError(503, str(e), type_="server_overloaded", code="overloaded") from None
         except EngineStopped as e:
             raise APIError(503, str(e), type_="server_unavailable", code="shutting_down") from None
 
@@ -134,22 +147,56 @@ class OpenAIServing:
                 jobs.append((len(jobs), p, one))
         return jobs
 
-    async def run_all(self, prompts: list[Prompt], sp: SamplingParams, k: int | None) -> list[RequestOutput]:
+    def admit(self, jobs: int) -> Reservation:
+        """A request of ``jobs`` engine requests (prompts x n) must fit the waiting bound: one that
+        never can is a 400 (retrying cannot help); one that cannot now is a 503."""
+        limit = self.engine.max_waiting
+        if jobs > limit:
+            raise APIError(400, f"this request needs {jobs} sequences (prompts x n) but the server queues at most "
+                                f"{limit}; send fewer prompts or a smaller n", param="n", code="too_many_sequences")
+        try:
+            return self.engine.reserve(jobs)
+        except EngineOverloaded as e:
+            raise APIError(503, f"{e}; retry later", type_="server_overloaded", code="overloaded") from None
+
+    async def run_all(self, prompts: list[Prompt], sp: SamplingParams, k: int | None,
+                      disconnected: Callable[[], Awaitable[None]] | None = None) -> list[RequestOutput]:
+        """Every choice's final output. If ``disconnected`` returns first (the client went away),
+        every choice is aborted at once and ClientDisconnected is raised. A choice that failed in
+        the engine (finish_reason "error") makes the whole answer a JSON 500."""
         base = uuid.uuid4().hex
+        jobs = self._jobs(prompts, sp)
+        reservation = self.admit(len(jobs))
 
         async def one(idx: int, p: Prompt, s: SamplingParams) -> RequestOutput:
             last = None
-            async for out in self._stream(f"{base}-{idx}", p, s, k):
+            async for out in self._stream(f"{base}-{idx}", p, s, k, reservation):
                 last = out
             assert last is not None
             return last
 
-        tasks = [asyncio.ensure_future(one(*j)) for j in self._jobs(prompts, sp)]
+        tasks = [asyncio.ensure_future(one(*j)) for j in jobs]
+        gathered = asyncio.gather(*tasks)
+        watch = asyncio.ensure_future(disconnected()) if disconnected is not None else None
         try:
-            return list(await asyncio.gather(*tasks))
+            if watch is not None:
+                await asyncio.wait({gathered, watch}, return_when=asyncio.FIRST_COMPLETED)
+                if not gathered.done():
+                    raise ClientDisconnected()
+            outs = list(await gathered)
         finally:
             for t in tasks:
                 t.cancel()
+            if watch is not None:
+                watch.cancel()
+            if not gathered.done():
+                gathered.cancel()
+            self.engine.release(reservation)
+        failed = [o for o in outs if o.outputs[0].finish_reason == "error"]
+        if failed:
+            raise APIError(500, f"the engine failed on this request: {error_text(failed[0])}",
+                           type_="server_error", code="engine_error")
+        return outs
 
     async def stream_all(self, prompts: list[Prompt], sp: SamplingParams, k: int | None
                          ) -> AsyncIterator[tuple[int, RequestOutput, str, int]]:
@@ -161,12 +208,13 @@ class OpenAIServing:
 
         async def pump(idx: int, p: Prompt, s: SamplingParams) -> None:
             try:
-                async for out in self._stream(f"{base}-{idx}", p, s, k):
+                async for out in self._stream(f"{base}-{idx}", p, s, k, reservation):
                     await q.put((idx, out))
             except Exception as e:  # noqa: BLE001 - forwarded to the consumer
                 await q.put((idx, e))
 
         jobs = self._jobs(prompts, sp)
+        reservation = self.admit(len(jobs))
         tasks = [asyncio.ensure_future(pump(*j)) for j in jobs]
         sent_text = [0] * len(jobs)
         sent_tok = [0] * len(jobs)
@@ -191,6 +239,37 @@ class OpenAIServing:
         finally:
             for t in tasks:
                 t.cancel()
+            self.engine.release(reservation)
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before the answer was ready."""
+
+
+def error_text(out: RequestOutput) -> str:
+    return f"{type(out.error).__name__}: {out.error}" if out.error is not None else "unknown error"
+
+
+def _unused(*values: Any) -> Callable[[Any], bool]:
+    return lambda v: v is None or any(v == x for x in values)
+
+
+# OpenAI/vLLM fields that would change the answer and are not implemented yet -> 400, with the
+# values that mean "not used" (which are accepted).
+_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "logit_bias": _unused({}), "top_logprobs": _unused(0), "prompt_logprobs": _unused(),
+    "best_of": _unused(1), "suffix": _unused(""), "response_format": lambda v: v is None or (
+        isinstance(v, dict) and v.get("type") == "text"),
+    "tools": _unused([]), "tool_choice": _unused("none"), "functions": _unused([]),
+    "function_call": _unused("none"), "guided_json": _unused(), "guided_regex": _unused(),
+    "guided_choice": _unused(), "guided_grammar": _unused(), "structured_outputs": _unused(),
+    "bad_words": _unused([]), "allowed_token_ids": _unused(), "truncate_prompt_tokens": _unused(),
+    "logits_processors": _unused([]), "use_beam_search": _unused(False), "prediction": _unused(),
+    "audio": _unused(), "modalities": _unused(["text"]), "echo": _unused(False), "add_special_tokens": _unused(),
+    "return_token_ids": _unused(False), "continue_final_message": _unused(False), "chat_template": _unused(),
+    "chat_template_kwargs": _unused({}), "documents": _unused(), "min_tokens_per_choice": _unused(),
+    "length_penalty": _unused(1.0), "spaces_between_special_tokens": _unused(True),
+}
 
 
 def _fields(sp: SamplingParams) -> dict:

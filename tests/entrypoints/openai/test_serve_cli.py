@@ -53,3 +53,66 @@ def test_serve_bad_config_exits_2(llama_dir):
     r = subprocess.run([sys.executable, "-m", "leapfrog.entrypoints.cli", "serve", str(llama_dir),
                         "--speculative-config", '{"method": "ngram"}'], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "num_speculative_tokens" in r.stderr
+
+
+def _start(args: list[str], port: int) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "leapfrog", "serve", *args, "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.time() < deadline, "server did not come up"
+        time.sleep(0.2)
+
+
+def test_sigterm_ends_every_stream_with_abort_and_done():
+    """8 long streams on the built-in model; SIGTERM: within 2 s every stream gets a chunk with
+    finish_reason "abort" and then [DONE], and the process exits."""
+    import asyncio
+    port = free_port()
+    proc = _start(["--max-num-seqs", "8"], port)
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    ended: dict[int, float] = {}
+    try:
+        async def main():
+            started = asyncio.Event()
+            seen = set()
+
+            async def stream(h, i):
+                body = {"model": "leapfrog-default", "prompt": f"def f{i}(x):", "max_tokens": 1500,
+                        "temperature": 0, "ignore_eos": True, "stream": True}
+                finish, done = None, False
+                async with h.stream("POST", url, json=body) as r:
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines():
+                        if line == "data: [DONE]":
+                            done = True
+                            ended[i] = time.time()
+                        elif line.startswith("data: "):
+                            ch = json.loads(line[6:])
+                            seen.add(i)
+                            if len(seen) == 8:
+                                started.set()
+                            if ch["choices"] and ch["choices"][0]["finish_reason"]:
+                                finish = ch["choices"][0]["finish_reason"]
+                return finish, done
+
+            async with httpx.AsyncClient(timeout=60) as h:
+                tasks = [asyncio.ensure_future(stream(h, i)) for i in range(8)]
+                await asyncio.wait_for(started.wait(), 60)
+                t0 = time.time()
+                proc.send_signal(signal.SIGTERM)
+                return t0, await asyncio.gather(*tasks)
+        t0, results = asyncio.run(main())
+        out, _ = proc.communicate(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert results == [("abort", True)] * 8, results
+    assert max(ended.values()) - t0 < 2.0
+    assert proc.returncode in (0, -signal.SIGTERM), out

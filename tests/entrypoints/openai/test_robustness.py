@@ -1,0 +1,219 @@
+"""One bad request never hurts another (server): validation at the door, isolation of engine
+failures, disconnects, the body limit, the queue bound. Real server thread, real clients
+(httpx, the official openai client). SIGTERM is tested through a subprocess in test_serve_cli.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from leapfrog import LLM, SamplingParams
+from tests.entrypoints.openai.conftest import make_server
+
+PROMPT = "def foo(x):\n    return"
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir):
+    with make_server(llama_dir, max_waiting=32) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def expected(llama_dir):
+    llm = LLM(model=str(llama_dir), dtype="float32", max_model_len=256)
+    return llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].text
+
+
+def good(server) -> str:
+    r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def engine_of(server):
+    return server.app.state.engine.engine
+
+
+def idle(server, timeout: float) -> bool:
+    eng = engine_of(server)
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if not eng.requests and eng.kv.num_free == eng.kv.num_rows:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+C, CH = "/v1/completions", "/v1/chat/completions"
+BAD = [  # (path, body, param or message fragment)
+    (C, {"prompt": "x", "max_tokens": 4, "temperature": 1.0, "repetition_penalty": 1e-300}, "repetition_penalty"),
+    (C, {"prompt": "x", "repetition_penalty": 1e300}, "repetition_penalty"),
+    (C, {"prompt": "x", "min_tokens": 2, "stop_token_ids": [100000]}, "stop_token_ids"),
+    (C, {"prompt": "x", "logit_bias": {"5": 10}}, "logit_bias"),
+    (C, {"prompt": "x", "best_of": 3}, "best_of"),
+    (C, {"prompt": "x", "suffix": "end"}, "suffix"),
+    (C, {"prompt": "x", "logprobs": 0}, "logprobs"),
+    (C, {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    (C, {"prompt": "x", "echo": True, "stream": True}, "echo"),
+    (C, {"prompt": "x", "n": 16, "max_tokens": 2} | {"prompt": ["a", "b", "c"]}, "sequences"),
+    (CH, {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "text"),
+    (CH, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "image_url"),
+    (CH, {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+     "response_format"),
+    (CH, {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
+    (CH, {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+]
+
+
+@pytest.mark.parametrize("path, body, what", BAD, ids=[w for _, _, w in BAD])
+def test_bad_requests_get_400_and_hurt_nobody(server, expected, path, body, what):
+    r = httpx.post(server.url + path, json={"model": "tiny", **body}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert what in (err["param"] or "") + err["message"]
+    assert good(server) == expected and idle(server, 5)
+
+
+@pytest.mark.parametrize("raw", [b'{"model": "tiny", "prompt": "x", "temperature": NaN}',
+                                 b'{"model": "tiny", "prompt": "x", "top_p": Infinity}',
+                                 b'{"model": "tiny", "prompt": "x", "presence_penalty": -Infinity}'])
+def test_non_finite_json_numbers_are_400(server, raw):
+    r = httpx.post(server.url + C, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+
+
+def test_extreme_but_valid_values_are_answered(server, expected):
+    for extra in ({"top_k": 2**70, "temperature": 1.0}, {"seed": 2**64, "temperature": 1.0},
+                  {"seed": -(2**70), "temperature": 0.5}, {"user": "someone", "store": False, "metadata": {}}):
+        r = httpx.post(server.url + C, timeout=30, json={"model": "tiny", "prompt": "x", "max_tokens": 4, **extra})
+        assert r.status_code == 200, (extra, r.text)
+    same = [httpx.post(server.url + C, timeout=30, json={"model": "tiny", "prompt": "x", "max_tokens": 8,
+                                                          "seed": 2**64 + 3, "temperature": 1.0}).json()
+            ["choices"][0]["text"] for _ in range(2)]
+    assert same[0] == same[1]
+    assert good(server) == expected
+
+
+def _inject(server, marker_seed: int):
+    """Fault injection: sampling raises for any request whose seed is ``marker_seed``."""
+    def fault(reqs):
+        if any(r.params.seed == marker_seed for r in reqs):
+            raise RuntimeError("injected sampling fault")
+    engine_of(server).fault_injector = fault
+
+
+def _sse(lines) -> tuple[list[dict], bool]:
+    chunks, done = [], False
+    for line in lines:
+        if not line.startswith("data: "):
+            continue
+        if line == "data: [DONE]":
+            done = True
+        else:
+            chunks.append(json.loads(line[6:]))
+    return chunks, done
+
+
+@pytest.mark.parametrize("others", [1, 4, 15])
+def test_engine_failure_of_one_request_spares_the_others(server, expected, others):
+    """One request's sampling raises mid-batch (speculation on): it alone gets a JSON 500 (or an
+    error chunk, finish_reason "error" and [DONE] when streaming); every other stream finishes
+    with its normal text, finish_reason and [DONE]."""
+    _inject(server, 666)
+    try:
+        async def main():
+            async with httpx.AsyncClient(timeout=60) as h:
+                async def stream(body):
+                    async with h.stream("POST", server.url + C, json=body) as r:
+                        return r.status_code, _sse([ln async for ln in r.aiter_lines()])
+                normal = {"model": "tiny", "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+                          "stream": True}
+                bad = {"model": "tiny", "prompt": "x", "max_tokens": 16, "temperature": 1.0, "seed": 666}
+                return await asyncio.gather(h.post(server.url + C, json=bad), stream({**bad, "stream": True}),
+                                            *[stream(normal) for _ in range(others)])
+        bad_plain, (code, (bad_chunks, bad_done)), *rest = asyncio.run(main())
+    finally:
+        engine_of(server).fault_injector = None
+    assert bad_plain.status_code == 500
+    assert bad_plain.json()["error"]["type"] == "server_error"
+    assert "injected sampling fault" in bad_plain.json()["error"]["message"]
+    assert code == 200 and bad_done
+    assert bad_chunks[-1]["choices"][0]["finish_reason"] == "error" and "error" in bad_chunks[-1]
+    for code, (chunks, done) in rest:
+        assert code == 200 and done
+        assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == expected
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert idle(server, 5) and good(server) == expected
+
+
+def test_unhandled_server_error_is_json_500(server, expected, monkeypatch):
+    from leapfrog.entrypoints.openai import serving as serving_mod
+
+    def boom(self, req):
+        raise KeyError("a bug")
+    monkeypatch.setattr(serving_mod.OpenAIServing, "chat_prompt", boom)
+    r = httpx.post(server.url + CH, json={"model": "tiny", "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
+    monkeypatch.undo()
+    assert good(server) == expected
+
+
+def test_non_streaming_client_that_gives_up_is_aborted_within_a_second(server):
+    eng = engine_of(server)
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 230, "temperature": 0, "ignore_eos": True,
+            "speculative": {"num_speculative_tokens": 0}}
+    real = eng.runner.run
+
+    def slow(chunks):  # ~20 ms a step, so 230 tokens take seconds
+        time.sleep(0.02)
+        return real(chunks)
+    eng.runner.run = slow
+    try:
+        for _ in range(8):
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(server.url + C, json=body, timeout=httpx.Timeout(10, read=0.3))
+        t0 = time.time()
+        assert idle(server, 1.5), f"{len(eng.requests)} requests still running"
+        assert time.time() - t0 < 1.5
+    finally:
+        eng.runner.run = real
+
+
+def test_chunked_body_cannot_bypass_the_limit(server, expected):
+    """A 10 MiB body with no content-length (Transfer-Encoding: chunked) is counted while it is
+    read and refused with 413 once it passes 4 MiB; the app never sees it."""
+    def body():
+        for _ in range(10 * 1024):
+            yield b" " * 1024
+    try:
+        r = httpx.post(server.url + C, content=body(), headers={"content-type": "application/json"}, timeout=30)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+    except httpx.TransportError:
+        pass  # the server may answer and close before the client finished sending
+    assert good(server) == expected
+
+
+def test_queue_bound(llama_dir):
+    """A request that can never fit the waiting bound is a 400; one that cannot fit now is a 503."""
+    with make_server(llama_dir, max_num_seqs=1, max_waiting=4) as s:
+        r = httpx.post(s.url + C, json={"model": "tiny", "prompt": "x", "n": 5, "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_sequences"
+
+        async def main():
+            async with httpx.AsyncClient(timeout=60) as h:
+                body = {"model": "tiny", "prompt": "x", "max_tokens": 60, "ignore_eos": True, "n": 3}
+                return await asyncio.gather(*[h.post(s.url + C, json=body) for _ in range(4)])
+        codes = sorted(r.status_code for r in asyncio.run(main()))
+        assert 200 in codes and 503 in codes and set(codes) <= {200, 503}
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
+        assert c.completions.create(model="tiny", prompt="x", max_tokens=3).choices[0].finish_reason
