@@ -7,6 +7,12 @@ Worked example (2 sequences, S = 3; row 0 has 5 cached tokens and 3 new ones, ro
     write_cols = [[5, 6, 7], [8, 0*, 1*]]     write_rows = [0, 0, 0, 2, R, R]
     kv_len     = 9                            (max column + 1 over real tokens)
     mask[b, s, c] = c <= query column (+ sliding window), padding rows see column 0 only
+
+Batch-invariant metadata (``per_token=True``) has no mask; instead each real token lists the
+columns it sees, and attention runs once per token over exactly those (attention/backend.py):
+
+    token_cols = [(0, 0, 0, 0:6), (0, 1, 0, 0:7), (0, 2, 0, 0:8), (1, 0, 2, 0:9)]
+                  (b, s, row, columns)
 """
 
 from __future__ import annotations
@@ -26,14 +32,19 @@ class AttnMeta:
     mask: Tensor | None          # [B, 1, S, kv_len] bool (True = attend) or None (attend to all)
     row_range: tuple[int, int] | None = None   # rows are r0..r1-1 in order: read a view
     write_span: tuple[int, int, int] | None = None  # B == 1: (row, c0, c1) slice write
+    # batch-invariant mode: (b, s, row, columns) per real token, columns a slice when they are
+    # contiguous (chains, sliding windows), else a [n] index tensor (tree nodes: prefix + ancestors)
+    token_cols: list[tuple[int, int, int, slice | Tensor]] | None = None
 
 
 def build_attn_meta(rows: list[int], cols: list[list[int]], scratch_row: int, device: torch.device | str,
-                    sliding_window: int | None = None, tree_mask: Tensor | None = None) -> AttnMeta:
+                    sliding_window: int | None = None, tree_mask: Tensor | None = None,
+                    per_token: bool = False) -> AttnMeta:
     """Metadata for sequences ``rows`` whose new tokens go to columns ``cols[b]`` (ragged).
 
     The default mask is causal by cache column. ``tree_mask`` ([B, S, kv_len] bool), when
     given, replaces it (tree verification passes prefix + tree-ancestor masks here).
+    ``per_token``: the batch-invariant form (``token_cols``, no mask).
     """
     B = len(rows)
     S = max(len(c) for c in cols)
@@ -46,11 +57,12 @@ def build_attn_meta(rows: list[int], cols: list[list[int]], scratch_row: int, de
         q_cols.append(list(c) + [0] * pad)
     contiguous = rows == list(range(rows[0], rows[0] + B))
     single_span = B == 1 and cols[0] == list(range(cols[0][0], cols[0][0] + S))
-    if tree_mask is not None:
+    mask = token_cols = None
+    if per_token:
+        token_cols = _token_cols(rows, cols, sliding_window, tree_mask)
+    elif tree_mask is not None:
         mask = tree_mask[:, None]
-    elif B == 1 and S == 1 and sliding_window is None:
-        mask = None  # one query at the last column attends to every column
-    else:
+    elif not (B == 1 and S == 1 and sliding_window is None):  # else one query sees every column
         qc = torch.tensor(q_cols, device=device)[:, :, None]  # [B, S, 1]
         kc = torch.arange(kv_len, device=device)[None, None, :]  # [1, 1, L]
         allowed = kc <= qc
@@ -65,4 +77,23 @@ def build_attn_meta(rows: list[int], cols: list[list[int]], scratch_row: int, de
         mask=mask,
         row_range=(rows[0], rows[0] + B) if contiguous else None,
         write_span=(rows[0], cols[0][0], cols[0][0] + S) if single_span else None,
+        token_cols=token_cols,
     )
+
+
+def _token_cols(rows: list[int], cols: list[list[int]], sliding_window: int | None,
+                tree_mask: Tensor | None) -> list[tuple[int, int, int, slice | Tensor]]:
+    """The columns each real token attends to: 0..c (the last ``sliding_window`` of them), or
+    the tree mask's row for that token."""
+    out: list[tuple[int, int, int, slice | Tensor]] = []
+    for b, (r, cs) in enumerate(zip(rows, cols)):
+        for s, c in enumerate(cs):
+            if tree_mask is not None:
+                seen = tree_mask[b, s].nonzero().flatten()
+                lo, n = int(seen[0]), len(seen)
+                contiguous = int(seen[-1]) == lo + n - 1
+                out.append((b, s, r, slice(lo, lo + n) if contiguous else seen))
+            else:
+                lo = 0 if sliding_window is None else max(0, c - sliding_window + 1)
+                out.append((b, s, r, slice(lo, c + 1)))
+    return out

@@ -34,9 +34,8 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
-    def write_and_read(self, layer: int, meta: AttnMeta, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write new k/v [B, S, Hkv, D] at meta's (row, column) slots; return the rows' K, V
-        [B, Hkv, kv_len, D] for attention (a view when the batch's rows are contiguous)."""
+    def write(self, layer: int, meta: AttnMeta, k: Tensor, v: Tensor) -> None:
+        """Write new k/v [B, S, Hkv, D] at meta's (row, column) slots."""
         kc, vc = self.k[layer], self.v[layer]
         if meta.write_span is not None:  # one sequence, contiguous columns: slice assignment
             row, c0, c1 = meta.write_span
@@ -45,7 +44,20 @@ class KVCache:
         else:
             kc[meta.write_rows, :, meta.write_cols] = k.flatten(0, 1)
             vc[meta.write_rows, :, meta.write_cols] = v.flatten(0, 1)
+
+    def write_and_read(self, layer: int, meta: AttnMeta, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write new k/v [B, S, Hkv, D]; return the rows' K, V [B, Hkv, kv_len, D] for attention
+        (a view when the batch's rows are contiguous)."""
+        self.write(layer, meta, k, v)
+        kc, vc = self.k[layer], self.v[layer]
         if meta.row_range is not None:
             r0, r1 = meta.row_range
             return kc[r0:r1, :, : meta.kv_len], vc[r0:r1, :, : meta.kv_len]
         return kc[meta.rows, :, : meta.kv_len], vc[meta.rows, :, : meta.kv_len]
+
+    def read_cols(self, layer: int, row: int, cols: slice | Tensor) -> tuple[Tensor, Tensor]:
+        """K, V [1, Hkv, n, D] of one row's columns ``cols`` (a view for a slice): what one
+        token attends to in batch-invariant mode. The same columns give the same strides
+        whatever else is in the batch."""
+        kc, vc = self.k[layer], self.v[layer]
+        return kc[row:row + 1, :, cols], vc[row:row + 1, :, cols]

@@ -3,12 +3,23 @@
 One class, one forward contract, used for targets and drafts alike:
 
     forward(token_ids [B, S], positions [B, S], kv, attn) -> ForwardOutput
-        .hidden  [B, S, D]  final-norm hidden states of every new token
+        .hidden  [B, S, D]  final-norm hidden states of every new token (float32)
         .aux     list of [B, S, D] residual-stream outputs of the layers in ``aux_layers``
-    compute_logits(hidden [N, D]) -> [N, V]   only for the rows a caller asks for
+    compute_logits(hidden [N, D]) -> [N, V] float32   only for the rows a caller asks for
 
 q/k/v and gate/up projections are fused (``wqkv``, ``w13``) at load time: fewer, larger
 matmuls is what keeps the per-token framework overhead low on a CPU.
+
+Logits are accumulated and returned in float32 whatever the weights' dtype (the final norm
+runs in float32 too): a bf16 LM head rounds logits to 8 significant bits, which turns close
+logits into exact ties that break differently from one batch shape to another.
+
+Batch invariance (``make_batch_invariant``, opt-in): every token's hidden state and logits
+come out bitwise the same whatever else is in the forward (other sequences, drafts, padding,
+prompt chunks). Linear layers run in self-checked row tiles (model/packed.py), the MLP
+activation in row tiles small enough to stay on one thread, attention once per token
+(attention/backend.py); norms, RoPE, embedding and residual adds work row by row already
+(tests/model/test_batch_invariant.py checks each).
 """
 
 from __future__ import annotations
@@ -19,7 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from leapfrog.attention.backend import attend
 from leapfrog.attention.metadata import AttnMeta
+from leapfrog.errors import ConfigError
 from leapfrog.kv.cache import KVCache
 from leapfrog.model.args import LlamaArgs
 from leapfrog.model.rope import apply_rope, rope_table
@@ -27,7 +40,7 @@ from leapfrog.model.rope import apply_rope, rope_table
 
 @dataclass
 class ForwardOutput:
-    hidden: Tensor                                   # [B, S, D]
+    hidden: Tensor                                   # [B, S, D] float32
     aux: list[Tensor] = field(default_factory=list)  # [B, S, D] per requested layer
 
 
@@ -43,6 +56,7 @@ class DecoderLayer(nn.Module):
         self.w2 = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
         self.attn_norm = nn.Parameter(torch.ones(a.hidden_size))
         self.mlp_norm = nn.Parameter(torch.ones(a.hidden_size))
+        self.act_tile_rows: int | None = None  # batch-invariant mode: rows per silu*up call
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, kv: KVCache | None,
                 attn: AttnMeta | None) -> Tensor:
@@ -54,20 +68,26 @@ class DecoderLayer(nn.Module):
         q = apply_rope(q.view(B, S, a.num_attention_heads, a.head_dim), cos, sin)
         k = apply_rope(k.view(B, S, a.num_key_value_heads, a.head_dim), cos, sin)
         v = v.view(B, S, a.num_key_value_heads, a.head_dim)
-        if kv is not None:
-            assert attn is not None
-            keys, values = kv.write_and_read(layer, attn, k, v)  # [B, Hkv, L, D]
-            mask = attn.mask
-        else:  # no cache (training, reference): plain causal attention over the new tokens
-            keys, values, mask = k.transpose(1, 2), v.transpose(1, 2), None
-        o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=kv is None and S > 1,
-            enable_gqa=a.num_key_value_heads != a.num_attention_heads,
-        )  # [B, H, S, D]
-        x = x + self.wo(o.transpose(1, 2).reshape(B, S, a.q_size))
+        o = attend(q, k, v, layer, kv, attn)  # [B, S, H, Dh]
+        x = x + self.wo(o.reshape(B, S, a.q_size))
         h = F.rms_norm(x, (a.hidden_size,), self.mlp_norm, a.rms_norm_eps)
-        gate, up = self.w13(h).chunk(2, dim=-1)
-        return x + self.w2(F.silu(gate) * up)
+        return x + self.w2(self._silu_mul(self.w13(h)))
+
+    def _silu_mul(self, gate_up: Tensor) -> Tensor:
+        """silu(gate) * up. Vectorised and scalar exp round differently, and which elements take
+        the scalar tail depends on how an elementwise op splits its range (by size and thread);
+        in batch-invariant mode each call is a tile of whole rows small enough for one thread
+        (each row then takes the same vector/tail path as when alone)."""
+        n = self.act_tile_rows
+        if n is None or gate_up.shape[:-1].numel() <= 1:
+            gate, up = gate_up.chunk(2, dim=-1)
+            return F.silu(gate) * up
+        rows = gate_up.reshape(-1, gate_up.shape[-1])
+        tiles = []
+        for s in range(0, rows.shape[0], n):
+            gate, up = rows[s:s + n].chunk(2, dim=-1)
+            tiles.append(F.silu(gate) * up)
+        return torch.cat(tiles).view(*gate_up.shape[:-1], -1)
 
 
 class LlamaModel(nn.Module):
@@ -83,7 +103,8 @@ class LlamaModel(nn.Module):
                               max_positions or args.max_position_embeddings)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.head: nn.Module | None = None  # packed LM head for inference (see pack_for_inference)
+        self.head: LogitsHead | None = None  # inference LM head (see pack_for_inference)
+        self.batch_invariant = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -96,6 +117,9 @@ class LlamaModel(nn.Module):
     def forward(self, token_ids: Tensor, positions: Tensor, kv: KVCache | None = None,
                 attn: AttnMeta | None = None, aux_layers: tuple[int, ...] = ()) -> ForwardOutput:
         """token_ids, positions: [B, S] (positions absolute; padding rows any valid value)."""
+        if self.batch_invariant and attn is not None and attn.token_cols is None:
+            raise ValueError("a batch-invariant model needs per-token attention metadata "
+                             "(build_attn_meta(..., per_token=True))")
         x = self.embed(token_ids)  # [B, S, D]
         cos = self.rope_cos[positions].to(x.dtype).unsqueeze(2)  # [B, S, 1, Dh]
         sin = self.rope_sin[positions].to(x.dtype).unsqueeze(2)
@@ -104,27 +128,102 @@ class LlamaModel(nn.Module):
             x = layer(x, cos, sin, i, kv, attn)
             if i in aux_layers:
                 aux.append(x)
-        hidden = F.rms_norm(x, (self.args.hidden_size,), self.norm, self.args.rms_norm_eps)
+        # The final norm in float32: the LM head reads it in float32 (an fp16 overflow in the
+        # residual stream shows as non-finite logits, see compute_logits).
+        hidden = F.rms_norm(x.float(), (self.args.hidden_size,), self.norm.float(), self.args.rms_norm_eps)
         return ForwardOutput(hidden=hidden, aux=aux)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        """hidden [N, D] -> logits [N, V] (float32)."""
+        """hidden [N, D] -> logits [N, V] float32, accumulated in float32."""
         if self.head is not None:
-            return self.head(hidden).float()
-        w = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, w).float()
+            logits = self.head(hidden)
+        else:  # training / reference path: differentiable, converts the weight on every call
+            w = self.embed.weight if self.lm_head is None else self.lm_head.weight
+            logits = F.linear(hidden.float(), w.float())
+        if self.dtype == torch.float16 and not bool(torch.isfinite(logits).all()):
+            raise ConfigError(
+                "float16 overflow: the model produced non-finite logits (fp16 holds values up to "
+                "65504 and this model's activations exceed it); load it with dtype='bfloat16' "
+                "(same range as float32) or dtype='float32'")
+        return logits
 
     def pack_for_inference(self) -> bool:
-        """Swap linear layers (and the LM head) for oneDNN-packed ones when the CPU supports the
-        dtype; the model can no longer be trained afterwards. -> whether it packed."""
-        from leapfrog.model.packed import PackedLinear, can_pack, pack_linears
-        if not can_pack(self.dtype, self.device):
-            return False
-        pack_linears(self.layers)
-        w = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        self.head = PackedLinear(w, None)
-        self.lm_head = None  # the packed head replaces it (embed stays for the token lookup)
-        return True
+        """Prepare for inference: swap linear layers for oneDNN-packed ones when the CPU supports
+        the dtype, and give the model its float32 LM head; the model can no longer be trained
+        afterwards. -> whether the linear layers were packed."""
+        from leapfrog.model.packed import can_pack, pack_linears
+        packed = can_pack(self.dtype, self.device)
+        if packed:
+            pack_linears(self.layers)
+        self._make_head()
+        return packed
+
+    def _make_head(self) -> None:
+        if self.head is None:
+            from leapfrog.model.packed import can_pack
+            w = self.embed.weight if self.lm_head is None else self.lm_head.weight
+            self.head = LogitsHead(w, pack=can_pack(torch.float32, self.device))
+            self.lm_head = None  # the head replaces it (embed stays for the token lookup)
+
+    def make_batch_invariant(self) -> None:
+        """Opt in to batch invariance (see the module docstring): inference only, idempotent;
+        the caller must then pass per-token attention metadata."""
+        if self.batch_invariant:
+            return
+        from leapfrog.model.packed import row_tiled, tile_linears
+        tile_linears(self.layers)
+        self._make_head()
+        assert self.head is not None
+        self.head.proj = row_tiled(self.head.proj)
+        # 16384 elements per activation call: below the 32768-element grain at which PyTorch's
+        # CPU elementwise kernels start splitting a range across threads.
+        rows = max(1, 16384 // self.args.intermediate_size)
+        for layer in self.layers:
+            layer.act_tile_rows = rows
+        self.batch_invariant = True
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+class LogitsHead(nn.Module):
+    """hidden [N, D] -> logits [N, V] float32, with float32 accumulation whatever the weights'
+    dtype: on CPU a float32 copy of the weight (packed with oneDNN when it can be; bf16 and fp16
+    values are exact in float32, so with a bf16-valued input this is bf16 products summed in
+    float32), on CUDA bf16/fp16 weights stay as they are and ``torch.mm(out_dtype=float32)``
+    accumulates in float32 (the hidden state is rounded to the weights' dtype first)."""
+
+    def __init__(self, weight: Tensor, pack: bool) -> None:
+        super().__init__()
+        from leapfrog.model.packed import PackedLinear, linear_like
+        w = weight.detach()
+        if w.is_cuda and w.dtype in (torch.bfloat16, torch.float16) and MixedLinear.supported(w):
+            self.proj: nn.Module = MixedLinear(w, None)
+        elif pack:
+            self.proj = PackedLinear(w.float(), None)
+        else:
+            self.proj = linear_like(w.float(), None)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return self.proj(hidden.float())
+
+
+class MixedLinear(nn.Module):
+    """x @ W.T with half-precision W and inputs, float32 accumulation and output (CUDA)."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
+        super().__init__()
+        assert bias is None
+        self.weight, self.bias = weight, None
+        self.out_features, self.in_features = weight.shape
+
+    @staticmethod
+    def supported(w: Tensor) -> bool:
+        try:
+            x = torch.ones(2, w.shape[1], dtype=w.dtype, device=w.device)
+            return torch.mm(x, w[:2].t(), out_dtype=torch.float32).dtype == torch.float32
+        except (RuntimeError, TypeError, NotImplementedError):
+            return False
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.mm(x.to(self.weight.dtype), self.weight.t(), out_dtype=torch.float32)

@@ -1,4 +1,4 @@
-"""oneDNN-packed linear layers for CPU inference.
+"""oneDNN-packed linear layers for CPU inference, and row tiling for batch invariance.
 
 ``F.linear`` on CPU goes to MKL's GEMM, which is poor for the few-row products that decode
 and speculative verification are made of. oneDNN with the weight reordered once into its
@@ -6,14 +6,29 @@ blocked layout (what torch.compile's CPU backend does) is 1.5-4x faster for 1-16
 machines we measured (benchmarks/decode_bench.py prints the verify-cost curve), and equal for
 long prefills. Packing needs oneDNN support for the dtype (fp32 always; bf16 only on CPUs with
 AVX-512 or AVX-NE-CONVERT); anything else keeps ``nn.Linear``.
+
+Batch invariance (``RowTiled``): a GEMM kernel picks its blocking from the shape, so the same
+row can come out with different rounding when it is multiplied alone or among M rows
+(measured here: bf16 and fp32 with 1408 input features take another kernel for 1 row than
+for 2-64 rows). ``RowTiled`` cuts the rows into tiles of ``min_rows..max_rows`` rows (a
+shorter last tile is padded with zero rows up to ``min_rows``) where the pair was chosen for
+this shape by an empirical self-check: every tile size in the range must give each row
+bitwise what the ``min_rows`` call gives. The kernel choice is a deterministic function of
+(shape, dtype, thread count), not of the values, so a check on synthetic data of the same
+shape holds for the real weights; the data are built so that any change of summation order
+shows even after rounding to bf16 (products that cancel in pairs).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 
 _BATCH_HINT = 16  # layout tuned for verify-sized products; any row count works
+_CHECK_MAX_ROWS = 32  # largest tile the self-check tries
+_CHECK_ROWS = 64  # rows of synthetic input per check
 
 
 class PackedLinear(nn.Module):
@@ -49,3 +64,135 @@ def pack_linears(module: nn.Module) -> int:
         else:
             n += pack_linears(child)
     return n
+
+
+# ---------------------------------------------------------------------------- batch invariance
+
+class RowTiled(nn.Module):
+    """``inner`` applied to the rows of x in tiles whose sizes all give bitwise the same row
+    results (see the module docstring), so a row's output does not depend on how many other
+    rows came with it.
+
+    Worked example (min_rows 2, max_rows 32, 70 rows): tiles [0:32], [32:64], [64:70]; a
+    single row r is run as [r, 0] and row 0 of the result kept.
+    """
+
+    def __init__(self, inner: nn.Module, same_kind: Callable[[Tensor, Tensor | None], nn.Module]) -> None:
+        super().__init__()
+        self.inner = inner
+        self._same_kind = same_kind
+        self._key = _shape_key(inner)
+        self._threads = -1
+        self.min_rows = self.max_rows = 1
+        self._refresh()
+
+    def _refresh(self) -> None:
+        # Kernels are chosen per thread count too: re-check when it changed (memoized per shape).
+        self._threads = torch.get_num_threads()
+        self.min_rows, self.max_rows = row_tile(self._same_kind, *self._key)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if torch.get_num_threads() != self._threads:
+            self._refresh()
+        lead = x.shape[:-1]
+        rows = x.reshape(-1, x.shape[-1])
+        out = [self._tile(rows[s:s + self.max_rows]) for s in range(0, rows.shape[0], self.max_rows)]
+        y = out[0] if len(out) == 1 else torch.cat(out)
+        return y.view(*lead, y.shape[-1])
+
+    def _tile(self, t: Tensor) -> Tensor:
+        n = t.shape[0]
+        if n >= self.min_rows:
+            return self.inner(t)
+        pad = t.new_zeros(self.min_rows - n, t.shape[1])
+        return self.inner(torch.cat([t, pad]))[:n]
+
+
+_TILES: dict[tuple, tuple[int, int]] = {}  # memo of row_tile: a pure function of its key
+
+
+def _shape_key(m: nn.Module) -> tuple:
+    """What the kernel choice depends on, besides the thread count: kind, shape, dtype, device."""
+    w = m.packed if isinstance(m, PackedLinear) else m.weight
+    return (type(m).__name__, m.out_features, m.in_features, w.dtype, str(w.device), m.bias is not None)
+
+
+def row_tile(same_kind: Callable[[Tensor, Tensor | None], nn.Module], kind: str, n_out: int,
+             n_in: int, dtype: torch.dtype, device: str, has_bias: bool) -> tuple[int, int]:
+    """(min_rows, max_rows) for a linear of this shape: every tile size in the range gives each
+    row bitwise what a ``min_rows``-row call gives. Tries min_rows 1, 2, 4, 8 and keeps the
+    widest range per padded row; (1, 1) (one row per call) always qualifies."""
+    key = (kind, n_out, n_in, dtype, device, has_bias, torch.get_num_threads())
+    if key not in _TILES:
+        g = torch.Generator().manual_seed(0)
+        w, x = _cancelling_data(n_out, n_in, _CHECK_ROWS, g)
+        b = torch.randn(n_out, generator=g) if has_bias else None
+        lin = same_kind(w.to(dtype=dtype, device=device), None if b is None else b.to(dtype=dtype, device=device))
+        x = x.to(dtype=dtype, device=device)
+        best = (1, 1)
+        with torch.inference_mode():
+            for m0 in (1, 2, 4, 8):
+                hi = _largest_tile(lin, x, m0)
+                if hi >= m0 and hi / m0 > best[1] / best[0]:
+                    best = (m0, hi)
+                if best[1] == _CHECK_MAX_ROWS:
+                    break
+        _TILES[key] = best
+    return _TILES[key]
+
+
+def _cancelling_data(n_out: int, n_in: int, rows: int, g: torch.Generator) -> tuple[Tensor, Tensor]:
+    """Weights [n_out, n_in] and inputs [rows, n_in] whose products cancel in pairs (column
+    j + h repeats column j's input against almost its negated weight): the exact dot product
+    is small while partial sums are large, so any change of summation order changes the result
+    by far more than an ulp of it."""
+    h = n_in // 2
+    w = torch.randn(n_out, n_in, generator=g) * 256
+    w[:, h:2 * h] = -w[:, :h] + torch.randn(n_out, h, generator=g)
+    x = torch.randn(rows, n_in, generator=g)
+    x[:, h:2 * h] = x[:, :h]
+    return w, x
+
+
+def _largest_tile(lin: nn.Module, x: Tensor, m0: int) -> int:
+    """Largest T <= _CHECK_MAX_ROWS such that every tile of m0..T rows gives each row what an
+    m0-row call (the row, then zero rows) gives; m0 - 1 if even m0 rows are not consistent."""
+    pad = x.new_zeros(m0 - 1, x.shape[1])
+    ref = torch.cat([lin(torch.cat([x[i:i + 1], pad]))[:1] for i in range(x.shape[0])])
+    for n in range(1, m0):  # a short tile padded to m0 rows (rows at positions 0..n-1)
+        if not torch.equal(lin(torch.cat([x[:n], x.new_zeros(m0 - n, x.shape[1])]))[:n], ref[:n]):
+            return m0 - 1
+    for size in range(m0, _CHECK_MAX_ROWS + 1):
+        for s in range(0, x.shape[0] - size + 1, size):
+            if not torch.equal(lin(x[s:s + size]), ref[s:s + size]):
+                return size - 1
+    return _CHECK_MAX_ROWS
+
+
+def linear_like(weight: Tensor, bias: Tensor | None) -> nn.Module:
+    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device,
+                    dtype=weight.dtype)
+    with torch.no_grad():
+        lin.weight.copy_(weight)
+        if bias is not None:
+            lin.bias.copy_(bias)
+    return lin
+
+
+def tile_linears(module: nn.Module) -> int:
+    """Wrap every PackedLinear / nn.Linear under ``module`` in a RowTiled (batch-invariant
+    inference). -> count."""
+    n = 0
+    for name, child in list(module.named_children()):
+        if isinstance(child, (PackedLinear, nn.Linear)):
+            setattr(module, name, row_tiled(child))
+            n += 1
+        elif not isinstance(child, RowTiled):
+            n += tile_linears(child)
+    return n
+
+
+def row_tiled(m: nn.Module) -> RowTiled:
+    """m: a PackedLinear, an nn.Linear, or any linear module built as ``type(m)(weight, bias)``
+    with ``weight``, ``bias``, ``in_features`` and ``out_features`` attributes."""
+    return RowTiled(m, linear_like if isinstance(m, nn.Linear) else type(m))

@@ -3,6 +3,10 @@
 Each chunk is a sequence's new tokens starting at cache column ``start`` (positions equal
 columns for chains). Chunks are padded to ``[B, S]``; padding writes to the cache's scratch
 row, so no sequence's cache is realigned or copied.
+
+``batch_invariant=True`` puts the model in batch-invariant mode (model/llama.py) and builds
+per-token attention metadata: a token's logits are then bitwise the same whatever chunks run
+with it, so greedy output with speculation equals output without, and any batch equals alone.
 """
 
 from __future__ import annotations
@@ -26,9 +30,13 @@ class SeqChunk:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_rows: int, max_model_len: int) -> None:
+    def __init__(self, model: LlamaModel, num_rows: int, max_model_len: int,
+                 batch_invariant: bool = False) -> None:
         a = model.args
         self.model = model
+        self.batch_invariant = batch_invariant
+        if batch_invariant:
+            model.make_batch_invariant()
         self.device = model.device
         self.kv = KVCache(a.num_hidden_layers, num_rows, max_model_len, a.num_key_value_heads,
                           a.head_dim, model.dtype, self.device)
@@ -42,7 +50,8 @@ class ModelRunner:
                      for c in chunks]
         meta = build_attn_meta([c.row for c in chunks],
                                [list(range(c.start, c.start + len(c.token_ids))) for c in chunks],
-                               self.kv.scratch_row, self.device, self.model.args.sliding_window)
+                               self.kv.scratch_row, self.device, self.model.args.sliding_window,
+                               per_token=self.batch_invariant)
         tok = torch.tensor(tokens, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(tok, pos, self.kv, meta).hidden  # [B, S, D]
