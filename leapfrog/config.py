@@ -23,6 +23,11 @@ class EngineConfig:
     allow_pickle: bool = False
     skip_tokenizer_init: bool = False
     speculative_config: dict[str, Any] | None = None
+    batch_invariant: bool = False
+    """Every token's logits bitwise independent of the batch around it (other requests, drafts,
+    prompt chunks): greedy output with speculation then equals output without, and a request
+    gives the same tokens alone or among any others, in bf16 too. Costs throughput
+    (benchmarks/batch_invariant_bench.py measures how much)."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -33,6 +38,8 @@ class EngineConfig:
             raise ConfigError(f"max_model_len={self.max_model_len!r}: must be an integer >= 2")
         if self.device not in ("auto", "cpu") and not str(self.device).startswith("cuda"):
             raise ConfigError(f"device={self.device!r}: use 'auto', 'cpu' or 'cuda[:N]'")
+        if not isinstance(self.batch_invariant, bool):
+            raise ConfigError(f"batch_invariant={self.batch_invariant!r}: must be True or False")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ConfigError(f"seed={self.seed!r}: must be an integer")
 

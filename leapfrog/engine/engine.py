@@ -54,7 +54,8 @@ class LLMEngine:
             else ())
         self.vocab_size = ckpt.args.vocab_size
         self.kv = KVManager(config.max_num_seqs, self.max_model_len)
-        self.runner = ModelRunner(self.model, config.max_num_seqs, self.max_model_len)
+        self.runner = ModelRunner(self.model, config.max_num_seqs, self.max_model_len,
+                                  batch_invariant=config.batch_invariant)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
         self._seed_rng = random.Random(config.seed)

@@ -21,6 +21,9 @@ def _generate_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="every token's logits bitwise independent of the batch: greedy output with speculation "
+                        "equals without and any batch equals alone, in bf16 too (slower)")
     p.add_argument("--speculative-config", default=None,
                    help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; "none" turns it off')
     p.add_argument("--compare", action=argparse.BooleanOptionalAction, default=None,
@@ -76,7 +79,8 @@ def cmd_generate(args) -> int:
                         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
                         frequency_penalty=args.frequency_penalty)
     common = dict(tokenizer=args.tokenizer, dtype=args.dtype, seed=args.seed, device=args.device,
-                  max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs)
+                  max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                  batch_invariant=args.batch_invariant)
     model = args.model
     if model is None:
         from leapfrog.demo import default_model
@@ -132,6 +136,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-waiting", type=int, default=256, help="queued requests beyond this get 503")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="every token's logits bitwise independent of the batch: greedy output with speculation "
+                        "equals without and any batch equals alone, in bf16 too (slower)")
     p.add_argument("--speculative-config", default=None)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set LEAPFROG_API_KEY)")
     p.add_argument("--served-model-name", default=None)
@@ -154,7 +161,7 @@ def cmd_serve(args) -> int:
         spec = spec if given else default_spec
     engine = LLMEngine(EngineConfig(model=str(model), tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
                                     seed=args.seed, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                                    speculative_config=spec))
+                                    speculative_config=spec, batch_invariant=args.batch_invariant))
     name = args.served_model_name or (args.model or "leapfrog-default")
     api_key = args.api_key or os.environ.get("LEAPFROG_API_KEY") or None
     app = build_app(engine, name, api_key=api_key, max_waiting=args.max_waiting)

@@ -25,6 +25,8 @@ class LLM:
         dtype: "auto" (the checkpoint's), "float32", "bfloat16" or "float16".
         seed: seeds requests that carry no seed of their own.
         speculative_config: vLLM-style dict, e.g. {"method": "ngram", "num_speculative_tokens": 4}.
+        batch_invariant: every token's logits bitwise independent of the batch (greedy output
+            with speculation equals without, any batch equals alone, in bf16 too; slower).
         max_model_len, max_num_seqs, max_num_batched_tokens, device, allow_pickle,
         skip_tokenizer_init: see EngineConfig.
     """
@@ -33,7 +35,7 @@ class LLM:
                  seed: int = 0, speculative_config: dict[str, Any] | None = None, *,
                  max_model_len: int | None = None, max_num_seqs: int = 16,
                  max_num_batched_tokens: int = 2048, device: str = "auto", allow_pickle: bool = False,
-                 skip_tokenizer_init: bool = False) -> None:
+                 skip_tokenizer_init: bool = False, batch_invariant: bool = False) -> None:
         if model is None:
             from leapfrog.demo import default_model
             model, default_spec = default_model()
@@ -44,7 +46,8 @@ class LLM:
             model=str(model), tokenizer=tokenizer, dtype=dtype, device=device, seed=seed,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, allow_pickle=allow_pickle,
-            skip_tokenizer_init=skip_tokenizer_init, speculative_config=speculative_config)
+            skip_tokenizer_init=skip_tokenizer_init, speculative_config=speculative_config,
+            batch_invariant=batch_invariant)
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()
 

@@ -16,5 +16,5 @@ def build_speculation(spec: dict[str, Any] | SpeculativeConfig, engine: Any) -> 
         vocab_size=engine.vocab_size, tokenizer=engine.tokenizer, eos_ids=engine.eos_ids,
         dtype=engine.dtype, device=engine.device, num_rows=engine.config.max_num_seqs,
         max_model_len=engine.max_model_len, max_num_batched_tokens=engine.config.max_num_batched_tokens,
-        model=engine.model)
+        model=engine.model, batch_invariant=engine.config.batch_invariant)
     return PROPOSERS[cfg.method](cfg, info), SpecController(cfg, engine.max_model_len)

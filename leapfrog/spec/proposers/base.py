@@ -34,6 +34,7 @@ class TargetInfo:
     max_model_len: int
     max_num_batched_tokens: int
     model: Any = None  # the target LlamaModel (self-speculation, tests' oracle proposers)
+    batch_invariant: bool = False  # run model proposers batch-invariant like the target
 
 
 class Proposer(Protocol):

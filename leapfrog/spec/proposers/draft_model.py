@@ -51,7 +51,8 @@ class DraftModelProposer:
         check_compatible(target.tokenizer, load_tokenizer(ckpt.path) if target.tokenizer is not None else None,
                          target.vocab_size, ckpt.args.vocab_size, str(cfg.model))
         self.model = load_model(ckpt, dtype, target.device, target.max_model_len, pack=True)
-        self.runner = ModelRunner(self.model, target.num_rows, target.max_model_len)
+        self.runner = ModelRunner(self.model, target.num_rows, target.max_model_len,
+                                  batch_invariant=target.batch_invariant)
         self.vocab_size = target.vocab_size
         self.chunk = target.max_num_batched_tokens
         self.computed: dict[str, int] = {}
