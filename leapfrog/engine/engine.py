@@ -22,7 +22,7 @@ import torch
 from leapfrog.config import EngineConfig
 from leapfrog.engine.detokenizer import Detokenizer
 from leapfrog.engine.request import Request
-from leapfrog.errors import RequestError
+from leapfrog.errors import ConfigError, RequestError
 from leapfrog.kv.manager import KVManager
 from leapfrog.model.loader import load_model, load_tokenizer, read_checkpoint, resolve_dtype
 from leapfrog.model.runner import ModelRunner, SeqChunk
@@ -45,7 +45,12 @@ class LLMEngine:
         ckpt = read_checkpoint(config.model)
         self.checkpoint = ckpt
         self.dtype = resolve_dtype(config.dtype, ckpt, self.device)
-        self.max_model_len = config.max_model_len or min(ckpt.args.max_position_embeddings, 4096)
+        mpe = ckpt.args.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > mpe:
+            raise ConfigError(f"max_model_len={config.max_model_len} is larger than the model's context, "
+                              f"max_position_embeddings={mpe} in {ckpt.path / 'config.json'}; positions beyond it "
+                              "were never trained (use max_model_len <= that)")
+        self.max_model_len = config.max_model_len or min(mpe, 4096)
         self.model = load_model(ckpt, self.dtype, self.device, self.max_model_len, config.allow_pickle,
                                 pack=True)
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or ckpt.path)
@@ -87,7 +92,10 @@ class LLMEngine:
                                    "pass prompt_token_ids")
             if not isinstance(prompt, str):
                 raise RequestError(f"a prompt must be a string, got {type(prompt).__name__}")
-            prompt_ids = self.tokenizer.encode(prompt)
+            try:
+                prompt_ids = self.tokenizer.encode(prompt)
+            except Exception as e:  # noqa: BLE001 - e.g. a lone UTF-16 surrogate: the input's fault
+                raise RequestError(f"could not tokenize the prompt: {type(e).__name__}: {e}") from None
         prompt_ids = list(prompt_ids)
         if not prompt_ids:
             raise RequestError("the prompt is empty")

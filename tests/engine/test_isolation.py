@@ -187,3 +187,8 @@ def test_nonfinite_logits_fail_only_that_request(llm, tokenizer):
     assert outs["nan"].outputs[0].finish_reason == "error"
     assert isinstance(outs["nan"].error, FloatingPointError)
     assert outs["ok"].outputs[0].finish_reason == "length"
+
+
+def test_max_model_len_beyond_the_model_is_refused(llama_dir):
+    with pytest.raises(ConfigError, match="max_position_embeddings=512"):
+        LLM(model=str(llama_dir), dtype="float32", max_model_len=513)

@@ -7,6 +7,7 @@ for bad input; a bug in the server is the only source of a 500.
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import time
@@ -33,9 +34,17 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 log = logging.getLogger("leapfrog.server")
 
 
+class ASCIIJSONResponse(JSONResponse):
+    """JSON with non-ASCII escaped: a lone UTF-16 surrogate echoed from a request (a model name in
+    an error message, say) cannot be encoded as UTF-8, and must not turn a 400 into a 500."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
 def error(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
           code: str | None = None) -> JSONResponse:
-    return JSONResponse(APIError(status, message, type_, param, code).body(), status_code=status)
+    return ASCIIJSONResponse(APIError(status, message, type_, param, code).body(), status_code=status)
 
 
 class Guard:
@@ -98,7 +107,7 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
         yield
         async_engine.shutdown()  # in-flight requests end as "abort" (see LeapfrogServer for signals)
 
-    app = FastAPI(title="leapfrog", lifespan=lifespan)
+    app = FastAPI(title="leapfrog", lifespan=lifespan, default_response_class=ASCIIJSONResponse)
     app.state.engine = async_engine
     app.state.metrics = metrics
     app.add_middleware(Guard, api_key=api_key)
@@ -111,7 +120,7 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
+        return ASCIIJSONResponse(e.body(), status_code=e.status)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, e: RequestValidationError):

@@ -71,12 +71,15 @@ BAD = [  # (path, body, param or message fragment)
      "response_format"),
     (CH, {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
     (CH, {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+    (C, {"prompt": "\ud800"}, "tokenize"),                     # a lone UTF-16 surrogate (found by fuzzing)
+    (C, {"prompt": "x", "model": "tiny\ud800"}, "model"),      # echoed in the message: escaped, not a 500
 ]
 
 
 @pytest.mark.parametrize("path, body, what", BAD, ids=[w for _, _, w in BAD])
 def test_bad_requests_get_400_and_hurt_nobody(server, expected, path, body, what):
-    r = httpx.post(server.url + path, json={"model": "tiny", **body}, timeout=30)
+    r = httpx.post(server.url + path, content=json.dumps({"model": "tiny", **body}),  # ASCII-escaped JSON
+                   headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
