@@ -170,12 +170,11 @@ def _largest_tile(lin: nn.Module, x: Tensor, m0: int) -> int:
 
 
 def linear_like(weight: Tensor, bias: Tensor | None) -> nn.Module:
-    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device,
-                    dtype=weight.dtype)
-    with torch.no_grad():
-        lin.weight.copy_(weight)
-        if bias is not None:
-            lin.bias.copy_(bias)
+    """An nn.Linear over these tensors (shared, not copied)."""
+    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    lin.weight = nn.Parameter(weight.detach(), requires_grad=False)
+    if bias is not None:
+        lin.bias = nn.Parameter(bias.detach(), requires_grad=False)
     return lin
 
 
