@@ -97,6 +97,8 @@ class RowTiled(nn.Module):
         lead = x.shape[:-1]
         rows = x.reshape(-1, x.shape[-1])
         out = [self._tile(rows[s:s + self.max_rows]) for s in range(0, rows.shape[0], self.max_rows)]
+        if not out:
+            return self.inner(x)
         y = out[0] if len(out) == 1 else torch.cat(out)
         return y.view(*lead, y.shape[-1])
 
