@@ -142,6 +142,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--speculative-config", default=None)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set LEAPFROG_API_KEY)")
     p.add_argument("--served-model-name", default=None)
+    p.add_argument("--skip-tokenizer-init", action="store_true",
+                   help="no tokenizer: prompts must be token ids (/v1/completions), no chat, no stop strings")
 
 
 def cmd_serve(args) -> int:
@@ -161,7 +163,8 @@ def cmd_serve(args) -> int:
         spec = spec if given else default_spec
     engine = LLMEngine(EngineConfig(model=str(model), tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
                                     seed=args.seed, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                                    speculative_config=spec, batch_invariant=args.batch_invariant))
+                                    speculative_config=spec, batch_invariant=args.batch_invariant,
+                                    skip_tokenizer_init=args.skip_tokenizer_init))
     name = args.served_model_name or (args.model or "leapfrog-default")
     api_key = args.api_key or os.environ.get("LEAPFROG_API_KEY") or None
     app = build_app(engine, name, api_key=api_key, max_waiting=args.max_waiting)
@@ -319,7 +322,7 @@ def cmd_train_draft(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="leapfrog", description="speculative-decoding LLM inference")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
@@ -327,7 +330,11 @@ def main(argv: list[str] | None = None) -> int:
     _check_parser(sub)
     _bench_parser(sub)
     _train_draft_parser(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         if args.command == "generate":
             return cmd_generate(args)

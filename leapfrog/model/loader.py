@@ -293,8 +293,8 @@ def load_tokenizer(path: str | os.PathLike):
                 f"{p}: no tokenizer files (looked for {', '.join(TOKENIZER_FILES)}"
                 + (f"; found only {', '.join(others)}" if others else "") + "). "
                 "Pass tokenizer=<directory or hub id> (CLI: --tokenizer) to use a tokenizer stored elsewhere, "
-                "or skip_tokenizer_init=True (CLI: --skip-tokenizer-init) and give prompts as token ids "
-                "({'prompt_token_ids': [...]})")
+                "or skip_tokenizer_init=True (leapfrog serve/check: --skip-tokenizer-init) and give prompts "
+                "as token ids ({'prompt_token_ids': [...]})")
         for name in _TOKENIZER_JSON:
             if (p / name).is_file():
                 read_json(p / name)

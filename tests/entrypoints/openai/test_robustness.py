@@ -220,3 +220,21 @@ def test_queue_bound(llama_dir):
         assert 200 in codes and 503 in codes and set(codes) <= {200, 503}
         c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
         assert c.completions.create(model="tiny", prompt="x", max_tokens=3).choices[0].finish_reason
+
+
+def test_server_without_tokenizer(llama_dir):
+    """--skip-tokenizer-init: token-id prompts work; text, chat and stop strings are clear 400s."""
+    from leapfrog.config import EngineConfig
+    from leapfrog.engine.engine import LLMEngine
+    from leapfrog.entrypoints.cli import build_parser
+    from leapfrog.entrypoints.openai.api_server import build_app
+    from leapfrog.entrypoints.openai.server_thread import ServerThread
+    assert build_parser().parse_args(["serve", str(llama_dir), "--skip-tokenizer-init"]).skip_tokenizer_init
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", max_model_len=64, skip_tokenizer_init=True))
+    with ServerThread(build_app(engine, "tiny")) as s:
+        r = httpx.post(s.url + C, json={"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 3, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        for path, body, what in [(C, {"prompt": "text"}, "tokenizer"), (C, {"prompt": [1, 2], "stop": "x"}, "stop"),
+                                 (CH, {"messages": [{"role": "user", "content": "x"}]}, "chat template")]:
+            r = httpx.post(s.url + path, json={"model": "tiny", **body})
+            assert r.status_code == 400 and what in r.json()["error"]["message"], r.text
