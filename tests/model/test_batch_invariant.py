@@ -185,3 +185,15 @@ def test_fp16_model_gives_finite_float32_logits(llama_dir, tokenizer):
     ids = torch.tensor([prompts_of(tokenizer, 1)[0]])
     logits = model.compute_logits(model(ids, torch.arange(ids.shape[1])[None]).hidden[0])
     assert logits.dtype == torch.float32 and bool(torch.isfinite(logits).all())
+
+
+def test_half_precision_head_for_drafts(llama_dir):
+    """pack_for_inference(fp32_head=False): the head stays in the weights' dtype (drafts)."""
+    model = load_model(read_checkpoint(llama_dir), BF16, torch.device("cpu"), 512)
+    model.pack_for_inference(fp32_head=False)
+    ids = torch.tensor([_tokens(12, 9)])
+    logits = model.compute_logits(model(ids, torch.arange(12)[None]).hidden[0])
+    assert logits.dtype == torch.float32 and torch.equal(logits, logits.to(BF16).float())
+    model.make_batch_invariant()  # the half head can be row-tiled too
+    h = model(ids, torch.arange(12)[None]).hidden[0]
+    assert torch.equal(model.compute_logits(h)[3:4], model.compute_logits(h[3:4]))
