@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 _BATCH_HINT = 16  # layout tuned for verify-sized products; any row count works
@@ -94,20 +95,15 @@ class RowTiled(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if torch.get_num_threads() != self._threads:
             self._refresh()
-        lead = x.shape[:-1]
         rows = x.reshape(-1, x.shape[-1])
-        out = [self._tile(rows[s:s + self.max_rows]) for s in range(0, rows.shape[0], self.max_rows)]
-        if not out:
-            return self.inner(x)
-        y = out[0] if len(out) == 1 else torch.cat(out)
-        return y.view(*lead, y.shape[-1])
-
-    def _tile(self, t: Tensor) -> Tensor:
-        n = t.shape[0]
-        if n >= self.min_rows:
-            return self.inner(t)
-        pad = t.new_zeros(self.min_rows - n, t.shape[1])
-        return self.inner(torch.cat([t, pad]))[:n]
+        n, lo, hi = rows.shape[0], self.min_rows, self.max_rows
+        if lo <= n <= hi:  # one tile (decode, verify): no copies
+            y = self.inner(rows)
+        elif n < lo:
+            y = self.inner(F.pad(rows, (0, 0, 0, lo - n)))[:n]
+        else:
+            y = torch.cat([self.forward(rows[s:s + hi]) for s in range(0, n, hi)])
+        return y.view(*x.shape[:-1], y.shape[-1])
 
 
 _TILES: dict[tuple, tuple[int, int]] = {}  # memo of row_tile: a pure function of its key
