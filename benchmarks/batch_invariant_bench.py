@@ -8,8 +8,8 @@
    checks what the mode promises: outputs with speculation equal those without, batch 8 equals
    batch 1.
 2. The float32 LM head against a bf16 one on the demo target: the head alone for 1-40 rows,
-   and a whole decode step (one token at depth 128), the two heads swapped in turn on the same
-   model, median of interleaved repeats.
+   a whole decode step (one token at depth 128), and tokens/s at batch 1 without speculation,
+   the two heads swapped in turn on the same model, median of interleaved repeats.
 
 Run from the repository root:
 
@@ -127,10 +127,18 @@ def bench_head(repeats: int) -> dict:
             for _ in range(20):
                 runner.run([SeqChunk(0, 128, ids[128:], 1)])
             step_ms[k].append((time.perf_counter() - t0) / 20 * 1e3)
+    tok_s: dict[str, list[float]] = {k: [] for k in heads}
+    batches = workloads()["batch 1"]
+    for r in range(max(3, repeats // 3)):
+        for k in (list(heads) if r % 2 == 0 else list(reversed(heads))):
+            model.head = heads[k]
+            dt, _ = run(llm, batches)
+            tok_s[k].append(MAX_TOKENS * len(batches) / dt)
     model.head = fp32_head
     med = statistics.median
     return {"head_us": {k: {m: med(v) for m, v in d.items()} for k, d in head_us.items()},
-            "step_ms": {k: med(v) for k, v in step_ms.items()}}
+            "step_ms": {k: med(v) for k, v in step_ms.items()},
+            "tok_s_batch1_plain": {k: med(v) for k, v in tok_s.items()}}
 
 
 def main() -> None:
@@ -158,8 +166,11 @@ def main() -> None:
                   "| rows | bf16 head us | fp32 head us | fp32 / bf16 |", "|---:|---:|---:|---:|"]
         for m in hu["fp32"]:
             lines.append(f"| {m} | {hu['bf16'][m]:.0f} | {hu['fp32'][m]:.0f} | {hu['fp32'][m] / hu['bf16'][m]:.2f} |")
+        ts = head["tok_s_batch1_plain"]
         lines += ["", (f"One decode step (1 token, depth 128): bf16 head {sm['bf16']:.2f} ms, fp32 head "
-                       f"{sm['fp32']:.2f} ms, fp32 / bf16 {sm['fp32'] / sm['bf16']:.3f}")]
+                       f"{sm['fp32']:.2f} ms, fp32 / bf16 {sm['fp32'] / sm['bf16']:.3f}"),
+                  (f"Batch 1, no speculation: bf16 head {ts['bf16']:.1f} tok/s, fp32 head {ts['fp32']:.1f} tok/s, "
+                   f"fp32 / bf16 {ts['fp32'] / ts['bf16']:.3f} (drafts keep a bf16 head)")]
     print("\n".join(lines))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"torch": torch.__version__, "threads": args.threads, "rounds": args.rounds,
