@@ -139,7 +139,9 @@ def _generate_stream(target_path: str, tokenizer, docs: list[Document], gen_toke
     prompts = [{"prompt_token_ids": tokenizer(w, add_special_tokens=False)["input_ids"][:prompt_tokens]}
                for d in docs for w in line_windows(d, prompts_per_doc)]
     prompts = [p for p in prompts if p["prompt_token_ids"]]
-    llm = LLM(model=target_path, dtype="float32", seed=seed, max_model_len=prompt_tokens + gen_tokens + 8)
+    from leapfrog.model.loader import read_checkpoint
+    context = read_checkpoint(target_path).args.max_position_embeddings
+    llm = LLM(model=target_path, dtype="float32", seed=seed, max_model_len=min(prompt_tokens + gen_tokens + 8, context))
     outs = llm.generate(prompts, SamplingParams(temperature=gen_temperature, max_tokens=gen_tokens, seed=seed))
     sep = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
     ids: list[int] = []

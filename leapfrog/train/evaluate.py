@@ -51,7 +51,7 @@ def mean_kl(student: nn.Module, teacher: nn.Module, windows: Tensor) -> float:
 
 
 def draft_acceptance(target: str, draft: str, prompts: list[str], k: int = 4, max_tokens: int = 64,
-                     max_model_len: int = 1024) -> dict:
+                     max_model_len: int | None = None) -> dict:
     """Greedy (temperature 0) draft_model speculation with K = ``k`` over ``prompts``:
     acceptance rate and mean acceptance length (counting the bonus token), vLLM's definitions."""
     from leapfrog import LLM, SamplingParams
