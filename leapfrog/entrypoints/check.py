@@ -480,7 +480,7 @@ def cmd_check(args) -> int:
         max_model_len = max(lens) + max(args.max_tokens, args.sample_tokens) + 1
     base, spec_llm = build_llms(str(model), spec, dtype=args.dtype, seed=args.seed, max_num_seqs=args.max_num_seqs,
                                 max_model_len=max_model_len, tokenizer=args.tokenizer, device=args.device,
-                                skip_tokenizer_init=args.skip_tokenizer_init)
+                                skip_tokenizer_init=args.skip_tokenizer_init, batch_invariant=args.batch_invariant)
     rep = run_check(base, spec_llm, prompts, model=str(model), speculative_config=spec, dtype=args.dtype,
                     max_tokens=args.max_tokens, settings=settings, positions=args.positions, samples=args.samples,
                     num_tokens=args.sample_tokens, alpha=args.alpha, tie_tol=args.tie_tol,
@@ -514,6 +514,8 @@ def add_arguments(p) -> None:
     p.add_argument("--tie-tol", type=float, default=1e-3,
                    help="greedy: relative logit margin below which a divergence is a numeric near-tie")
     p.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="run both engines batch-invariant (bf16 greedy outputs must then be identical)")
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0, help="engine seed (the speculative engine uses seed + 1)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="KV rows (sampling batches)")

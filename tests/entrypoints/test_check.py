@@ -112,6 +112,14 @@ def test_greedy_passes_on_correct_config(llama_dir, draft_dir, kind):
     assert spec.get_metrics()["num_draft_tokens"] > 0
 
 
+def test_greedy_bf16_batch_invariant(llama_dir, draft_dir):
+    """--batch-invariant: both engines bitwise batch-invariant, so bf16 greedy has no divergence at all."""
+    base, spec = build_llms(str(llama_dir), _spec("draft_model", draft_dir, 3), dtype="bfloat16", max_num_seqs=8,
+                            max_model_len=96, batch_invariant=True)
+    assert base.engine.config.batch_invariant and spec.engine.config.batch_invariant
+    assert check_greedy(base, spec, DEFAULT_PROMPTS, max_tokens=24) == []
+
+
 def test_greedy_detects_broken_accept(llama_dir, draft_dir, monkeypatch):
     base, spec = build_llms(str(llama_dir), _spec("ngram", draft_dir, 3), max_num_seqs=8, max_model_len=96)
     monkeypatch.setattr(engine_mod, "greedy_accept", accept_first_draft)
