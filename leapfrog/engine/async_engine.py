@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from leapfrog.engine.engine import LLMEngine
-from leapfrog.errors import LeapfrogError
+from leapfrog.errors import LeapfrogError, RequestError
 from leapfrog.outputs import RequestOutput
 from leapfrog.sampling_params import SamplingParams
 
@@ -58,6 +58,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._pending = 0  # adds sent but not yet drained (guarded by _lock)
+        self._closed = False  # set by the engine thread before its final drain (guarded by _lock)
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="leapfrog-engine", daemon=True)
         self.on_finished: Callable[[RequestOutput], None] | None = None
@@ -100,22 +101,23 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt: str | None, prompt_ids: list[int] | None,
                        params: SamplingParams, num_speculative_tokens: int | None = None,
                        reservation: Reservation | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield cumulative RequestOutputs until finished; leaving early aborts the request."""
-        if self._stop.is_set():
-            raise EngineStopped("the server is shutting down")
+        """Yield cumulative RequestOutputs until finished; leaving early (even before the engine
+        accepted the request) aborts the request."""
         loop = asyncio.get_running_loop()
         cmd = _Add(request_id, prompt, prompt_ids, params, num_speculative_tokens, loop, asyncio.Queue(),
                    loop.create_future())
-        with self._lock:
+        with self._lock:  # the engine thread's final drain takes this lock after setting _closed
+            if self._closed or self._stop.is_set():
+                raise EngineStopped("the server is shutting down")
             if reservation is not None and reservation.left > 0:
                 reservation.left -= 1   # its place was counted in _pending already
             else:
                 self._pending += 1
-        self._cmds.put(cmd)
+            self._cmds.put(cmd)
         self._wake.set()
-        await cmd.accepted  # raises the engine's RequestError for bad requests
         finished = False
         try:
+            await cmd.accepted  # raises the engine's RequestError for bad requests
             while True:
                 out = await cmd.out.get()
                 if isinstance(out, BaseException):
@@ -124,9 +126,12 @@ class AsyncEngine:
                 yield out
                 if finished:
                     return
+        except RequestError:
+            finished = True   # refused at the door: never added, nothing to abort
+            raise
         finally:
             if not finished:
-                self.abort(request_id)
+                self.abort(request_id)   # queued after the add, so it always finds the request
 
     def abort(self, request_id: str) -> None:
         self._cmds.put(("abort", request_id))
@@ -153,8 +158,6 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if isinstance(cmd, _Add):
-                with self._lock:
-                    self._pending -= 1
                 try:
                     self.engine.add_request(cmd.request_id, cmd.prompt, cmd.prompt_ids, cmd.params,
                                             num_speculative_tokens=cmd.num_speculative_tokens)
@@ -163,42 +166,67 @@ class AsyncEngine:
                 else:
                     self._streams[cmd.request_id] = cmd
                     self._resolve(cmd, None)
+                finally:
+                    with self._lock:   # after the add: num_waiting never under-counts
+                        self._pending -= 1
             else:
                 _, rid = cmd
                 out = self.engine.abort(rid)
                 stream = self._streams.pop(rid, None)
-                if out is not None and self.on_finished is not None:
-                    self.on_finished(out)
+                if out is not None:
+                    self._finished(out)
                 if out is not None and stream is not None:
                     self._deliver(out, stream)
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._drain()
-            if not self.engine.has_unfinished():
-                self._wake.wait(0.05)
-                self._wake.clear()
-                continue
+    def _finished(self, out: RequestOutput) -> None:
+        if self.on_finished is not None:
             try:
+                self.on_finished(out)
+            except Exception:  # noqa: BLE001 - metrics must not take the engine down
+                log.exception("on_finished callback failed")
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for rid, stream in list(self._streams.items()):
+            try:
+                self.engine.abort(rid)
+            except Exception:  # noqa: BLE001
+                log.exception("abort of %s failed", rid)
+            self._deliver(exc, stream)
+        self._streams.clear()
+
+    def _run(self) -> None:
+        """The engine loop. Anything that escapes a step (a bug: the engine isolates request
+        failures itself) fails the running requests; the loop itself never dies."""
+        while not self._stop.is_set():
+            try:
+                self._drain()
+                if not self.engine.has_unfinished():
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
                 outputs = self.engine.step()
-            except Exception as e:  # noqa: BLE001 - a bug: fail the running requests, keep serving
-                log.exception("engine step failed")
-                for rid, stream in list(self._streams.items()):
-                    self.engine.abort(rid)
-                    self._deliver(e, stream)
-                self._streams.clear()
-                continue
-            for out in outputs:
-                stream = self._streams.get(out.request_id)
-                if out.finished:
-                    self._streams.pop(out.request_id, None)
-                    if self.on_finished is not None:
-                        self.on_finished(out)
-                if stream is not None:
-                    self._deliver(out, stream)
-        # shutting down: abort what is left, tell every caller
-        self._drain()
+                for out in outputs:
+                    stream = self._streams.get(out.request_id)
+                    if out.finished:
+                        self._streams.pop(out.request_id, None)
+                        self._finished(out)
+                    if stream is not None:
+                        self._deliver(out, stream)
+            except Exception as e:  # noqa: BLE001
+                log.exception("engine loop failed")
+                self._fail_all(e)
+        # shutting down: refuse new adds, take the ones already queued, abort everything, tell every caller
+        with self._lock:
+            self._closed = True
+        try:
+            self._drain()
+        except Exception:  # noqa: BLE001
+            log.exception("final drain failed")
         for rid, stream in list(self._streams.items()):
             out = self.engine.abort(rid)
             self._deliver(out if out is not None else EngineStopped("shutdown"), stream)
         self._streams.clear()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()

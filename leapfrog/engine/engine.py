@@ -137,6 +137,9 @@ class LLMEngine:
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise RequestError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if params.min_tokens and not params.ignore_eos and len(set(ids) | set(self.eos_ids)) >= self.vocab_size:
+            raise RequestError("stop_token_ids and EOS cover the whole vocabulary, so min_tokens leaves no token "
+                               "to generate")
         if params.stop_strings and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer (skip_tokenizer_init=True was set); "
                                "use stop_token_ids instead")
@@ -166,8 +169,12 @@ class LLMEngine:
             updated += self._isolated(self._prefill, sched.prefill, lambda w: w[0])
         if sched.decode:
             updated += self._isolated(self._decode, sched.decode, lambda r: r)
+        outs: list[RequestOutput] = []
+        for r in updated:
+            if r.finish_reason != "error":
+                self._guarded(r, lambda r=r: outs.append(self._output(r)))
         failed, self._failed = self._failed, []
-        return failed + [self._output(r) for r in updated if r.finish_reason != "error"]
+        return failed + outs
 
     def _isolated(self, phase: Callable[[list], list[Request]], work: list, req_of: Callable) -> list[Request]:
         """Run a phase (prefill or decode) over the batch; if its compute raises, run each request
@@ -218,14 +225,15 @@ class LLMEngine:
                 done.append(req)
         logits = self.runner.run(chunks)
         result = self.accept(done, logits, DraftBatch.empty(len(done))) if done else None
-        # commit, request by request
+        # commit, request by request (from here on nothing raises for the batch: see _decode)
         for req, n in work:
-            self._commit(req, req.num_computed + n)
+            self._guarded(req, self._commit, req, req.num_computed + n)
         if result is not None:
             now = time.monotonic()
             for req, ids in zip(done, result.output_ids):
                 req.metrics.first_token_time = now
-                self._guarded(req, self._append, req, ids)
+                if req.request_id in self.requests:
+                    self._guarded(req, self._append, req, ids)
         return done
 
     def _decode(self, reqs: list[Request]) -> list[Request]:
@@ -244,9 +252,10 @@ class LLMEngine:
         logits = self.runner.run(chunks)
         result = self.accept(reqs, logits, drafts)
         t_verify = time.perf_counter() - t1
-        # commit / roll back, then feedback and outputs
+        # commit / roll back, then feedback and outputs. From here on nothing may raise for the
+        # batch: a retry would verify again on advanced state. Every step is per request or caught.
         for req, n_draft, n_acc in zip(reqs, drafts.num_draft, result.num_accepted):
-            self._commit(req, req.num_computed + 1 + n_acc)   # rollback of rejected = not advancing
+            self._guarded(req, self._commit, req, req.num_computed + 1 + n_acc)  # rejected = not advancing
             req.metrics.num_target_forwards += 1
             req.metrics.spec.record(n_draft, n_acc)
             self.spec_metrics.record(n_draft, n_acc)
@@ -257,9 +266,13 @@ class LLMEngine:
                 log.exception("proposer feedback failed; resetting its state for %d requests", len(reqs))
                 for req in reqs:
                     self._reset_proposer(req)
-            self.spec_controller.observe(reqs, drafts, result, t_draft, t_verify)
+            try:
+                self.spec_controller.observe(reqs, drafts, result, t_draft, t_verify)
+            except Exception:  # noqa: BLE001 - only the choice of K suffers
+                log.exception("speculation controller update failed")
         for req, ids in zip(reqs, result.output_ids):
-            self._guarded(req, self._append, req, ids)
+            if req.request_id in self.requests:
+                self._guarded(req, self._append, req, ids)
         return reqs
 
     def _guarded(self, req: Request, fn, *args) -> None:
@@ -281,6 +294,8 @@ class LLMEngine:
         sampling (spec/verify/rejection.py). Both kinds mix in one batch."""
         if self.fault_injector is not None:
             self.fault_injector(reqs)
+        if not bool(torch.isfinite(logits).all()):   # one host sync; greedy must not argmax a NaN either
+            raise FloatingPointError("non-finite logits from the model (fp16 overflow? try bfloat16 or float32)")
         draft_lists = drafts.lists()
         specs = [r.row_spec(d[:j]) for r, d in zip(reqs, draft_lists) for j in range(len(d) + 1)]
         rows = sampler.build_rows(specs, self.vocab_size)

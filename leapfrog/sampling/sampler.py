@@ -136,6 +136,7 @@ class PositionKey:
 Rng = PositionKey | torch.Generator | None
 
 _MASK64 = (1 << 64) - 1
+_TINY = torch.finfo(torch.float64).tiny
 
 
 def _mix64(x: int) -> int:
@@ -163,15 +164,16 @@ def position_generator(pk: PositionKey, device: torch.device | str = "cpu") -> t
 
 
 def noise(rngs: Sequence[Rng], vocab_size: int, device: torch.device | str = "cpu") -> Tensor:
-    """[N, V] uniforms U(0, 1) per row (rows with no randomness get exp(-1): E = 1)."""
-    u = torch.empty(len(rngs), vocab_size, device=device)
+    """[N, V] float64 uniforms in (0, 1) per row (rows with no randomness get exp(-1): E = 1).
+    float64: a float32 grid (2^-24) would under-sample tokens with p below ~1e-7."""
+    u = torch.empty(len(rngs), vocab_size, dtype=torch.float64, device=device)
     for i, r in enumerate(rngs):
         if r is None:
             u[i] = 0.36787944117144233
         else:
             g = position_generator(r, device) if isinstance(r, PositionKey) else r
-            torch.rand(vocab_size, generator=g, out=u[i])
-    return u
+            torch.rand(vocab_size, generator=g, dtype=torch.float64, out=u[i])
+    return u.clamp_(min=_TINY)   # U = 0 would give E = inf and let a p = 0 token win a 0-0 tie
 
 
 def sample(p: Tensor, rngs: Sequence[Rng]) -> Tensor:
@@ -180,10 +182,11 @@ def sample(p: Tensor, rngs: Sequence[Rng]) -> Tensor:
     Exponential race (the Gumbel-max trick): x = argmax_v p[v] / E[v], E[v] = -log U[v] ~ Exp(1)
     i.i.d., gives P(x = v) = p[v] exactly. Seeded rows take U from (key, position): the token at
     position n is then a pure function of p_n and the seed, which is what makes seeded output
-    independent of speculation (``spec/verify/greedy.py``). A point mass (greedy row) returns its token.
+    independent of speculation (``spec/verify/greedy.py``). A point mass (greedy row) returns its
+    token; E is finite, so a token with p > 0 always beats every token with p = 0.
     """
-    e = -torch.log(noise(rngs, p.shape[-1], p.device))   # [N, V], in (0, inf]
-    return (p / e).argmax(dim=-1)
+    e = -torch.log(noise(rngs, p.shape[-1], p.device))   # [N, V] float64, in (0, 745]
+    return (p.double() / e).argmax(dim=-1)
 
 
 def uniforms(n: int, generator: torch.Generator, device: torch.device | str = "cpu") -> Tensor:

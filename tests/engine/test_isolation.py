@@ -192,3 +192,46 @@ def test_nonfinite_logits_fail_only_that_request(llm, tokenizer):
 def test_max_model_len_beyond_the_model_is_refused(llama_dir):
     with pytest.raises(ConfigError, match="max_position_embeddings=512"):
         LLM(model=str(llama_dir), dtype="float32", max_model_len=513)
+
+
+def test_failures_after_the_commit_never_rerun_the_batch(llm, tokenizer):
+    """A bookkeeping failure after the KV commit (here the K controller) must not make the engine
+    verify the batch again on advanced state: outputs stay exactly the clean ones."""
+    prompts = prompts_of(tokenizer, 4)
+    clean = _run_engine(llm, prompts, None)
+    ctl = llm.engine.spec_controller
+    real = ctl.observe
+    calls = {"n": 0}
+
+    def flaky(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("controller bug")
+        return real(*a, **kw)
+    ctl.observe = flaky
+    try:
+        again = _run_engine(llm, prompts, None)
+    finally:
+        ctl.observe = real
+    assert calls["n"] > 3
+    assert {k: v.outputs[0].token_ids for k, v in again.items()} == {k: v.outputs[0].token_ids for k, v in clean.items()}
+
+
+def test_whole_vocabulary_stop_ids_with_min_tokens_is_refused(llm, tokenizer):
+    with pytest.raises(RequestError, match="whole vocabulary"):
+        llm.generate({"prompt_token_ids": prompts_of(tokenizer, 1)[0]},
+                     SamplingParams(min_tokens=2, max_tokens=4, stop_token_ids=list(range(320))), use_tqdm=False)
+    assert not llm.engine.has_unfinished()
+
+
+def test_nonfinite_logits_fail_greedy_requests_too(llm, tokenizer):
+    eng = llm.engine
+    real = eng.runner.run
+    eng.runner.run = lambda chunks: torch.full_like(real(chunks), math.nan)
+    try:
+        with pytest.raises(EngineError, match="non-finite"):
+            llm.generate({"prompt_token_ids": prompts_of(tokenizer, 1)[0]}, SamplingParams(temperature=0, max_tokens=3),
+                         use_tqdm=False)
+    finally:
+        eng.runner.run = real
+    assert not eng.has_unfinished()

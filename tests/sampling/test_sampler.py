@@ -102,3 +102,31 @@ def test_min_tokens_suppresses_stop_ids():
 def test_invalid_params_rejected(kwargs):
     with pytest.raises(ConfigError, match=list(kwargs)[0]):
         SamplingParams(**kwargs)
+
+
+def test_sample_never_draws_a_zero_probability_token():
+    """U = 0 exactly must not let a p = 0 token win (E would be inf and every score 0)."""
+    from leapfrog.sampling.sampler import PositionKey
+    p = torch.zeros(3, 16)
+    p[:, 7] = 1.0
+    real_rand = torch.rand
+
+    def zeros(*a, out=None, **kw):
+        real_rand(*a, out=out, **kw)
+        return out.zero_()
+    torch.rand = zeros
+    try:
+        toks = sampler.sample(p, [PositionKey(1, 0), torch.Generator().manual_seed(0), None])
+    finally:
+        torch.rand = real_rand
+    assert toks.tolist() == [7, 7, 7]
+
+
+def test_seeded_sample_is_a_pure_function_of_key_and_position():
+    from leapfrog.sampling.sampler import PositionKey, seed_key
+    p = torch.softmax(torch.randn(4, 300), -1)
+    a = sampler.sample(p, [PositionKey(seed_key(5), n) for n in range(4)])
+    b = sampler.sample(p, [PositionKey(seed_key(5), n) for n in range(4)])
+    c = sampler.sample(p, [PositionKey(seed_key(6), n) for n in range(4)])
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert len({seed_key(s) for s in (0, -1, 1, 2**63, 2**64, -(2**64), 2**64 + 1, 10**40)}) == 8

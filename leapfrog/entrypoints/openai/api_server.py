@@ -7,6 +7,8 @@ for bad input; a bug in the server is the only source of a 500.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import secrets
@@ -67,7 +69,7 @@ class Guard:
                 return await error(401, "invalid or missing API key (Authorization: Bearer ...)",
                                    type_="authentication_error", code="invalid_api_key")(scope, receive, send)
         size = headers.get("content-length")
-        if size is not None and (not size.isdigit() or int(size) > self.max_body):
+        if size is not None and (not (size.isascii() and size.isdigit()) or int(size) > self.max_body):
             return await self._too_large(scope, receive, send)
         body, more = bytearray(), True
         while more:
@@ -105,7 +107,8 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
     async def lifespan(app: FastAPI):
         async_engine.start()
         yield
-        async_engine.shutdown()  # in-flight requests end as "abort" (see LeapfrogServer for signals)
+        # in-flight requests end as "abort" (see LeapfrogServer for signals); join off the event loop
+        await asyncio.to_thread(async_engine.shutdown)
 
     app = FastAPI(title="leapfrog", lifespan=lifespan, default_response_class=ASCIIJSONResponse)
     app.state.engine = async_engine
@@ -139,6 +142,8 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
 
     @app.get("/health")
     async def health():
+        if not async_engine.alive:
+            return error(503, "the engine is not running", type_="server_unavailable", code="engine_down")
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -165,8 +170,8 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
         prompts = serving.completion_prompts(req)
         top = head("cmpl", "text_completion")
         if req.stream:
-            return await _streaming(serving.stream_all(prompts, sp, k), top, sp.n, len(prompts) * sp.n,
-                                    req.stream_options,
+            return await _streaming(serving.stream_all(prompts, sp, k), disconnected(raw), top, sp.n,
+                                    len(prompts) * sp.n, req.stream_options,
                                     lambda text, out: {"index": 0, "text": text, "logprobs": None,
                                                        "finish_reason": out.outputs[0].finish_reason
                                                        if out.finished else None})
@@ -185,8 +190,8 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
         prompt = serving.chat_prompt(req)
         top = head("chatcmpl", "chat.completion")
         if req.stream:
-            return await _streaming(serving.stream_all([prompt], sp, k), {**top, "object": "chat.completion.chunk"},
-                                    sp.n, sp.n, req.stream_options,
+            return await _streaming(serving.stream_all([prompt], sp, k), disconnected(raw),
+                                    {**top, "object": "chat.completion.chunk"}, sp.n, sp.n, req.stream_options,
                                     lambda text, out: {"index": 0, "delta": {"content": text} if text else {},
                                                        "logprobs": None,
                                                        "finish_reason": out.outputs[0].finish_reason
@@ -226,17 +231,38 @@ class LeapfrogServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-async def _streaming(events, head: dict, n: int, total: int, stream_options: StreamOptions | None, make_choice,
-                     first_delta: dict | None = None):
-    """Start the stream (so request errors still become JSON errors), then serve SSE chunks.
-    Every stream ends with a finish_reason per choice and ``[DONE]``: if the engine fails after
-    the 200 went out, the open choices end with finish_reason "error" and an ``error`` object."""
+async def _streaming(events, client_gone, head: dict, n: int, total: int, stream_options: StreamOptions | None,
+                     make_choice, first_delta: dict | None = None):
+    """Start the stream (so request errors, and an engine failure of a one-choice request in
+    its first step, still become JSON errors), then serve SSE chunks. Until the first event the
+    client is watched here (Starlette watches it once the response runs). Every stream ends
+    with a finish_reason per choice and ``[DONE]``: if the engine fails after the 200 went out,
+    the open choices end with finish_reason "error" and an ``error`` object."""
     include_usage = bool(stream_options and stream_options.include_usage)
     it = events.__aiter__()
+    nxt = asyncio.ensure_future(it.__anext__())
+    watch = asyncio.ensure_future(client_gone())
     try:
-        first = await it.__anext__()
-    except StopAsyncIteration:
-        first = None
+        await asyncio.wait({nxt, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if not nxt.done():
+            raise ClientDisconnected()
+        try:
+            first = nxt.result()
+        except StopAsyncIteration:
+            first = None
+    except BaseException:
+        if not nxt.done():
+            nxt.cancel()   # the generator's finally aborts the engine requests
+            with contextlib.suppress(BaseException):
+                await nxt
+        await it.aclose()
+        raise
+    finally:
+        watch.cancel()
+    if first is not None and total == 1 and first[1].finished and first[1].outputs[0].finish_reason == "error":
+        await it.aclose()
+        raise APIError(500, f"the engine failed on this request: {error_text(first[1])}", type_="server_error",
+                       code="engine_error")
 
     async def chunks():
         finals: dict[int, object] = {}

@@ -42,6 +42,7 @@ class OpenAIServing:
         inner = engine.engine
         self.tokenizer = inner.tokenizer
         self.max_model_len = inner.max_model_len
+        self.vocab_size = inner.vocab_size
         spec = inner.config.speculative_config
         self.max_spec_tokens = spec["num_speculative_tokens"] if spec else 0
 
@@ -104,10 +105,18 @@ class OpenAIServing:
         if not p:
             raise APIError(400, "prompt is empty", param="prompt")
         if all(isinstance(x, int) for x in p):
-            return [Prompt(None, list(p))]  # type: ignore[arg-type]
-        if all(isinstance(x, str) for x in p):
+            out = [Prompt(None, list(p))]  # type: ignore[arg-type]
+        elif all(isinstance(x, str) for x in p):
             return [Prompt(x, None) for x in p]  # type: ignore[union-attr]
-        return [Prompt(None, list(x)) for x in p]  # type: ignore[arg-type]
+        else:
+            out = [Prompt(None, list(x)) for x in p]  # type: ignore[arg-type]
+        # every prompt checked before any runs: a bad id in prompt 3 is a 400, not an error mid-stream
+        for i, pr in enumerate(out):
+            bad = [t for t in pr.ids or () if not 0 <= t < self.vocab_size]
+            if not pr.ids or bad:
+                why = f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})" if bad else "is empty"
+                raise APIError(400, f"prompt {i}: {why}", param="prompt")
+        return out
 
     def chat_prompt(self, req: ChatCompletionRequest) -> Prompt:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
@@ -267,7 +276,7 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "logits_processors": _unused([]), "use_beam_search": _unused(False), "prediction": _unused(),
     "audio": _unused(), "modalities": _unused(["text"]), "echo": _unused(False), "add_special_tokens": _unused(),
     "return_token_ids": _unused(False), "continue_final_message": _unused(False), "chat_template": _unused(),
-    "chat_template_kwargs": _unused({}), "documents": _unused(), "min_tokens_per_choice": _unused(),
+    "chat_template_kwargs": _unused({}), "documents": _unused(),
     "length_penalty": _unused(1.0), "spaces_between_special_tokens": _unused(True),
 }
 

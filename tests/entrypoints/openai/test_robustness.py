@@ -71,6 +71,8 @@ BAD = [  # (path, body, param or message fragment)
      "response_format"),
     (CH, {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
     (CH, {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+    (C, {"prompt": [[1, 2], [3, 10**6]], "stream": True}, "prompt 1"),
+    (C, {"prompt": [[1, 2], []]}, "prompt 1"),
     (C, {"prompt": "\ud800"}, "tokenize"),                     # a lone UTF-16 surrogate (found by fuzzing)
     (C, {"prompt": "x", "model": "tiny\ud800"}, "model"),      # echoed in the message: escaped, not a 500
 ]
@@ -107,10 +109,12 @@ def test_extreme_but_valid_values_are_answered(server, expected):
     assert good(server) == expected
 
 
-def _inject(server, marker_seed: int):
-    """Fault injection: sampling raises for any request whose seed is ``marker_seed``."""
+def _inject(server, marker_seed: int, after: int = 0, first_step_seed: int | None = None):
+    """Fault injection: sampling raises for any request whose seed is ``marker_seed`` once it has
+    ``after`` tokens, and for one with ``first_step_seed`` at once."""
     def fault(reqs):
-        if any(r.params.seed == marker_seed for r in reqs):
+        if any((r.params.seed == marker_seed and len(r.output_ids) >= after) or
+               (first_step_seed is not None and r.params.seed == first_step_seed) for r in reqs):
             raise RuntimeError("injected sampling fault")
     engine_of(server).fault_injector = fault
 
@@ -131,8 +135,9 @@ def _sse(lines) -> tuple[list[dict], bool]:
 def test_engine_failure_of_one_request_spares_the_others(server, expected, others):
     """One request's sampling raises mid-batch (speculation on): it alone gets a JSON 500 (or an
     error chunk, finish_reason "error" and [DONE] when streaming); every other stream finishes
-    with its normal text, finish_reason and [DONE]."""
-    _inject(server, 666)
+    with its normal text, finish_reason and [DONE]. A stream that fails in its first step gets a
+    JSON 500 too (the status line has not gone out yet)."""
+    _inject(server, 666, after=3, first_step_seed=667)
     try:
         async def main():
             async with httpx.AsyncClient(timeout=60) as h:
@@ -143,13 +148,15 @@ def test_engine_failure_of_one_request_spares_the_others(server, expected, other
                           "stream": True}
                 bad = {"model": "tiny", "prompt": "x", "max_tokens": 16, "temperature": 1.0, "seed": 666}
                 return await asyncio.gather(h.post(server.url + C, json=bad), stream({**bad, "stream": True}),
+                                            h.post(server.url + C, json={**bad, "seed": 667, "stream": True}),
                                             *[stream(normal) for _ in range(others)])
-        bad_plain, (code, (bad_chunks, bad_done)), *rest = asyncio.run(main())
+        bad_plain, (code, (bad_chunks, bad_done)), first_step, *rest = asyncio.run(main())
     finally:
         engine_of(server).fault_injector = None
     assert bad_plain.status_code == 500
     assert bad_plain.json()["error"]["type"] == "server_error"
     assert "injected sampling fault" in bad_plain.json()["error"]["message"]
+    assert first_step.status_code == 500 and first_step.json()["error"]["code"] == "engine_error"
     assert code == 200 and bad_done
     assert bad_chunks[-1]["choices"][0]["finish_reason"] == "error" and "error" in bad_chunks[-1]
     for code, (chunks, done) in rest:
@@ -238,3 +245,43 @@ def test_server_without_tokenizer(llama_dir):
                                  (CH, {"messages": [{"role": "user", "content": "x"}]}, "chat template")]:
             r = httpx.post(s.url + path, json={"model": "tiny", **body})
             assert r.status_code == 400 and what in r.json()["error"]["message"], r.text
+
+
+def test_clients_that_leave_before_their_first_token_are_aborted(server):
+    """Slow steps (0.4 s) and a busy engine: clients (streaming or not) that give up while their
+    add is still queued, or before their first token, leave nothing running behind them."""
+    eng = engine_of(server)
+    real = eng.runner.run
+
+    def slow(chunks):
+        time.sleep(0.4)
+        return real(chunks)
+    eng.runner.run = slow
+    try:
+        async def main():
+            async with httpx.AsyncClient(timeout=60) as h:
+                busy = asyncio.ensure_future(h.post(server.url + C, json={
+                    "model": "tiny", "prompt": "x", "max_tokens": 6, "ignore_eos": True}))
+                await asyncio.sleep(0.1)   # the engine is mid-step from now on
+                quick = httpx.Timeout(10, read=0.15)
+                body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True}
+
+                async def leave(stream: bool):
+                    try:
+                        if stream:
+                            async with h.stream("POST", server.url + C, json={**body, "stream": True},
+                                                timeout=quick) as r:
+                                async for _ in r.aiter_lines():
+                                    pass
+                        else:
+                            await h.post(server.url + C, json=body, timeout=quick)
+                    except httpx.ReadTimeout:
+                        return True
+                    return False
+                gave_up = await asyncio.gather(*[leave(i % 2 == 0) for i in range(6)])
+                assert all(gave_up)
+                assert (await busy).status_code == 200
+        asyncio.run(main())
+        assert idle(server, 2.0), f"{sorted(eng.requests)} still running"
+    finally:
+        eng.runner.run = real
