@@ -294,14 +294,17 @@ class LLMEngine:
         sampling (spec/verify/rejection.py). Both kinds mix in one batch."""
         if self.fault_injector is not None:
             self.fault_injector(reqs)
-        if not bool(torch.isfinite(logits).all()):   # one host sync; greedy must not argmax a NaN either
-            raise FloatingPointError("non-finite logits from the model (fp16 overflow? try bfloat16 or float32)")
         draft_lists = drafts.lists()
         specs = [r.row_spec(d[:j]) for r, d in zip(reqs, draft_lists) for j in range(len(d) + 1)]
         rows = sampler.build_rows(specs, self.vocab_size)
         flat_drafts = drafts.token_ids.tolist()
         if rows.all_greedy:
-            return greedy_accept(sampler.greedy_tokens(logits, rows).tolist(), flat_drafts, drafts.num_draft)
+            target = sampler.greedy_tokens(logits, rows)
+            # argmax propagates NaN and +inf, so checking the chosen logits finds any non-finite row
+            # (isfinite over the whole [N, V] cost 70 us per step here)
+            if not bool(torch.isfinite(logits.gather(1, target[:, None])).all()):
+                raise FloatingPointError("non-finite logits from the model (fp16 overflow? try bfloat16 or float32)")
+            return greedy_accept(target.tolist(), flat_drafts, drafts.num_draft)
         p = sampler.probs(logits, rows)  # [T + B, V]
         B = len(reqs)
         row0, d0 = [0], [0]

@@ -107,7 +107,7 @@ def probs(logits: Tensor, rows: RowBatch) -> Tensor:
     if rows.all_greedy:
         return torch.nn.functional.one_hot(greedy_tokens(logits, rows), logits.shape[-1]).float()
     p = torch.softmax(processed_logits(logits, rows), dim=-1)
-    if not bool(torch.isfinite(p).all()):  # one host sync; never draw from NaN
+    if not bool(torch.isfinite(p.sum(-1)).all()):  # one host sync; never draw from NaN (a row sum is NaN then)
         bad = (~torch.isfinite(p)).any(-1).nonzero().flatten().tolist()
         raise FloatingPointError(f"non-finite probabilities in sampler rows {bad} (non-finite logits?)")
     if rows.greedy.any():
