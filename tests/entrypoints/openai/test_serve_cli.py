@@ -10,6 +10,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 
 def free_port() -> int:
@@ -116,3 +117,35 @@ def test_sigterm_ends_every_stream_with_abort_and_done():
     assert results == [("abort", True)] * 8, results
     assert max(ended.values()) - t0 < 2.0
     assert proc.returncode in (0, -signal.SIGTERM), out
+
+
+def test_openai_clients_that_give_up_are_aborted():
+    """A real `leapfrog serve` (built-in model): 4 non-streaming openai-client requests time out
+    client-side after 0.5 s; within a second the server runs nothing and holds no KV."""
+    import openai
+    from prometheus_client.parser import text_string_to_metric_families
+    port = free_port()
+    proc = _start(["--max-num-seqs", "4"], port)
+    base = f"http://127.0.0.1:{port}"
+
+    def gauges() -> dict[str, float]:
+        text = httpx.get(base + "/metrics").text
+        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name in ("leapfrog:num_requests_running", "leapfrog:kv_cache_usage_perc")}
+    try:
+        c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=0.5)
+        import concurrent.futures as cf
+        with cf.ThreadPoolExecutor(4) as pool:
+            futs = [pool.submit(c.completions.create, model="leapfrog-default", prompt=f"def g{i}():",
+                                max_tokens=1500, temperature=0, extra_body={"ignore_eos": True}) for i in range(4)]
+            for f in futs:
+                with pytest.raises(openai.APITimeoutError):
+                    f.result()
+        t0 = time.time()
+        while time.time() - t0 < 1.0 and gauges()["leapfrog:num_requests_running"] > 0:
+            time.sleep(0.05)
+        g = gauges()
+        assert g["leapfrog:num_requests_running"] == 0 and g["leapfrog:kv_cache_usage_perc"] == 0, g
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=15)
