@@ -132,11 +132,10 @@ class LLMEngine:
     def _check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: ids against this model's vocabulary, stop
         strings against the tokenizer."""
-        for name in ("stop_token_ids",):
-            ids = getattr(params, name) or ()
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise RequestError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        ids = params.stop_token_ids or ()
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         if params.min_tokens and not params.ignore_eos and len(set(ids) | set(self.eos_ids)) >= self.vocab_size:
             raise RequestError("stop_token_ids and EOS cover the whole vocabulary, so min_tokens leaves no token "
                                "to generate")
@@ -307,27 +306,24 @@ class LLMEngine:
             return greedy_accept(target.tolist(), flat_drafts, drafts.num_draft)
         p = sampler.probs(logits, rows)  # [T + B, V]
         B = len(reqs)
-        row0, d0 = [0], [0]
-        for k in drafts.num_draft:
-            row0.append(row0[-1] + k + 1)
-            d0.append(d0[-1] + k)
+        o = drafts.offsets()  # request b's drafts are o[b]..o[b+1]-1; its target rows o[b]+b..o[b+1]+b
+
+        def p_of(bs: list[int]) -> torch.Tensor:
+            return p if len(bs) == B else p[[i for b in bs for i in range(o[b] + b, o[b + 1] + b + 1)]]
+
         match = [b for b in range(B) if reqs[b].params.greedy or reqs[b].seed_key is not None]
-        other = [b for b in range(B) if b not in set(match)]
+        other = [b for b in range(B) if not (reqs[b].params.greedy or reqs[b].seed_key is not None)]
         num_accepted, outputs = [0] * B, [[] for _ in range(B)]
         if match:
-            idx = [i for b in match for i in range(row0[b], row0[b + 1])]
+            sub = drafts.select(match)
             rngs = [reqs[b].rng(j) for b in match for j in range(drafts.num_draft[b] + 1)]
-            target = sampler.sample(p[idx] if len(match) < B else p, rngs).tolist()
-            res = greedy_accept(target, [flat_drafts[i] for b in match for i in range(d0[b], d0[b + 1])],
-                                [drafts.num_draft[b] for b in match])
+            res = greedy_accept(sampler.sample(p_of(match), rngs).tolist(), sub.token_ids.tolist(), sub.num_draft)
             for b, n, out in zip(match, res.num_accepted, res.output_ids):
                 num_accepted[b], outputs[b] = n, out
         if other:
             sub = drafts.select(other)
-            idx = [i for b in other for i in range(row0[b], row0[b + 1])]
             u = torch.cat([sampler.uniforms(drafts.num_draft[b], reqs[b].generator) for b in other])
-            outcome = rejection_accept(p[idx] if other != list(range(B)) else p, sub.draft_probs,
-                                       sub.token_ids, sub.num_draft, u)
+            outcome = rejection_accept(p_of(other), sub.draft_probs, sub.token_ids, sub.num_draft, u)
             final = sampler.sample(outcome.final_probs, [reqs[b].generator for b in other]).tolist()
             for j, b in enumerate(other):
                 n = outcome.num_accepted[j]
