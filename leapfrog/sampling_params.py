@@ -12,23 +12,15 @@ SAMPLING_EPS = 1e-5
 #: completions per prompt at most (vLLM sets no bound; one call must not allocate without limit)
 MAX_N = 128
 
-# (field, lower check, upper check): finite values only; bounds keep every transform finite in
-# float32 (a repetition penalty of 1e-300 would turn a logit into inf, and the softmax into NaN).
-_FLOAT_RANGES = (
-    ("temperature", lambda v: v >= 0, lambda v: v <= 1e4),
-    ("top_p", lambda v: v > 0, lambda v: v <= 1),
-    ("min_p", lambda v: v >= 0, lambda v: v <= 1),
-    ("repetition_penalty", lambda v: v >= 0.01, lambda v: v <= 100),
-    ("presence_penalty", lambda v: v >= -2, lambda v: v <= 2),
-    ("frequency_penalty", lambda v: v >= -2, lambda v: v <= 2),
-)
-_FLOAT_WHY = {
-    "temperature": "must be in [0, 10000] (0 = greedy)",
-    "top_p": "must be in (0, 1]",
-    "min_p": "must be in [0, 1]",
-    "repetition_penalty": "must be in [0.01, 100] (1 = off)",
-    "presence_penalty": "must be in [-2, 2]",
-    "frequency_penalty": "must be in [-2, 2]",
+# field -> (low, high, low excluded, note): finite values only; the bounds keep every transform
+# finite in float32 (a repetition penalty of 1e-300 would turn a logit into inf, the softmax into NaN).
+_FLOAT_RANGES: dict[str, tuple[float, float, bool, str]] = {
+    "temperature": (0, 1e4, False, " (0 = greedy)"),
+    "top_p": (0, 1, True, ""),
+    "min_p": (0, 1, False, ""),
+    "repetition_penalty": (0.01, 100, False, " (1 = off)"),
+    "presence_penalty": (-2, 2, False, ""),
+    "frequency_penalty": (-2, 2, False, ""),
 }
 
 
@@ -77,14 +69,14 @@ class SamplingParams:
         def bad(name: str, why: str) -> ConfigError:
             return ConfigError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
 
-        for name, lo, hi in _FLOAT_RANGES:
+        for name, (lo, hi, lo_open, note) in _FLOAT_RANGES.items():
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise bad(name, "must be a number")
             if not math.isfinite(v):
                 raise bad(name, "must be finite")
-            if not lo(v) or not hi(v):
-                raise bad(name, _FLOAT_WHY[name])
+            if not (lo < v if lo_open else lo <= v) or v > hi:
+                raise bad(name, f"must be in {'(' if lo_open else '['}{lo:g}, {hi:g}]{note}")
         for name in ("n", "top_k", "min_tokens"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 class _Base(BaseModel):
     # OpenAI clients send fields we do not use: they are kept in ``model_extra`` so that the ones
-    # that would change the answer can be refused (serving.check_unsupported), never ignored.
+    # that would change the answer can be refused (OpenAIServing.check_request), never ignored.
     model_config = ConfigDict(extra="allow")
 
 
