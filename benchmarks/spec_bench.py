@@ -40,9 +40,9 @@ from decode_bench import make_checkpoints  # noqa: E402
 
 from leapfrog import LLM, SamplingParams  # noqa: E402
 from leapfrog.model.runner import SeqChunk  # noqa: E402
-from leapfrog.spec.draft import DraftBatch  # noqa: E402
-from leapfrog.spec.proposers.base import PROPOSERS, StatelessProposer  # noqa: E402
-from leapfrog.spec.proposers.draft_model import DraftModelProposer  # noqa: E402
+from leapfrog.spec_decode.draft import DraftBatch  # noqa: E402
+from leapfrog.spec_decode.proposers.base import PROPOSERS, StatelessProposer  # noqa: E402
+from leapfrog.spec_decode.proposers.draft_model import DraftModelProposer  # noqa: E402
 
 VOCAB = 32000
 SCRIPT: dict[tuple[int, ...], list[int]] = {}   # prompt -> greedy continuation (the oracle's knowledge)

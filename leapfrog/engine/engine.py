@@ -20,8 +20,8 @@ from typing import Any, Callable
 import torch
 
 from leapfrog.config import EngineConfig
-from leapfrog.engine.detokenizer import Detokenizer
-from leapfrog.engine.request import Request
+from leapfrog.detokenizer import Detokenizer
+from leapfrog.request import Request
 from leapfrog.errors import ConfigError, RequestError
 from leapfrog.kv.manager import KVManager
 from leapfrog.model.loader import load_model, load_tokenizer, read_checkpoint, resolve_dtype
@@ -30,10 +30,10 @@ from leapfrog.outputs import RequestOutput, SpecMetrics
 from leapfrog.sampling import sampler
 from leapfrog.sampling_params import SamplingParams
 from leapfrog.scheduler.scheduler import Scheduler
-from leapfrog.spec.draft import DraftBatch
-from leapfrog.spec.verify.greedy import greedy_accept
-from leapfrog.spec.verify.rejection import rejection_accept
-from leapfrog.spec.verify.result import AcceptanceResult
+from leapfrog.spec_decode.draft import DraftBatch
+from leapfrog.spec_decode.verify.greedy import greedy_accept
+from leapfrog.spec_decode.verify.rejection import rejection_accept
+from leapfrog.spec_decode.verify.result import AcceptanceResult
 
 log = logging.getLogger("leapfrog.engine")
 
@@ -72,7 +72,7 @@ class LLMEngine:
         self._failed: list[RequestOutput] = []   # outputs of requests that failed this step
         self.spec_controller: Any = None
         if config.speculative_config is not None:
-            from leapfrog.spec.setup import build_speculation
+            from leapfrog.spec_decode.setup import build_speculation
             self.proposer, self.spec_controller = build_speculation(config.speculative_config, self)
 
     # ------------------------------------------------------------------ requests

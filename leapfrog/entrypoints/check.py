@@ -310,7 +310,7 @@ def build_llms(model: str, speculative_config: dict[str, Any], *, dtype: str = "
     """(base, spec) LLMs: same target and dtype, different engine seeds. The speculative engine's
     rows are capped at disable_by_batch_size so that speculation is not switched off by the batch."""
     from leapfrog import LLM
-    from leapfrog.spec.config import SpeculativeConfig
+    from leapfrog.spec_decode.config import SpeculativeConfig
 
     if not isinstance(speculative_config, dict):
         raise ConfigError("leapfrog check needs a speculative config (a JSON object), got "
@@ -457,7 +457,7 @@ def cmd_check(args) -> int:
         raise ConfigError("--alpha must be in (0, 1)")
     settings = [parse_setting(s) for s in (args.setting or DEFAULT_SETTINGS)]
     if args.sample_tokens is None:
-        from leapfrog.spec.config import SpeculativeConfig
+        from leapfrog.spec_decode.config import SpeculativeConfig
         args.sample_tokens = min(SpeculativeConfig.from_dict(spec).num_speculative_tokens + 2, 6)
     prompts = read_prompts(args.prompts_file)
     if args.num_prompts is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from leapfrog.engine.request import Request, Status
+from leapfrog.request import Request, Status
 from leapfrog.kv.manager import KVManager
 
 

@@ -164,7 +164,7 @@ def check_target(target: str | os.PathLike, init_draft: str | os.PathLike | None
         read_checkpoint,
         tokenizer_files,
     )
-    from leapfrog.spec.proposers.draft_model import check_compatible
+    from leapfrog.spec_decode.proposers.draft_model import check_compatible
 
     ckpt = read_checkpoint(target)
     check_weights(ckpt)

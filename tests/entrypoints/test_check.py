@@ -5,7 +5,7 @@ Broken verifiers are made test-only by monkeypatching the names the engine impor
 - greedy: the first draft token is accepted even when it is not the target's argmax;
 - sampling: after a rejection the final token is drawn from p instead of norm(max(p - q, 0))
   (the residual is skipped), or the bonus token is drawn from the last draft's q instead of p.
-Sampling uses a tiny-vocabulary target (V = 12, as tests/spec/test_sampling_lossless.py) so that
+Sampling uses a tiny-vocabulary target (V = 12, as tests/spec_decode/test_sampling_lossless.py) so that
 2000 samples give the chi-square tests power.
 """
 
@@ -21,9 +21,9 @@ from leapfrog.demo import save_random_llama
 from leapfrog.entrypoints.check import (DEFAULT_PROMPTS, CheckReport, Mismatch, build_llms, check_greedy,
                                         check_sampling, chi2_two_sample, classify_margin)
 from leapfrog.entrypoints.cli import main
-from leapfrog.spec.verify.greedy import greedy_accept
-from leapfrog.spec.verify.rejection import rejection_accept
-from leapfrog.spec.verify.result import AcceptanceResult
+from leapfrog.spec_decode.verify.greedy import greedy_accept
+from leapfrog.spec_decode.verify.rejection import rejection_accept
+from leapfrog.spec_decode.verify.result import AcceptanceResult
 
 V = 12
 SMALL = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from leapfrog.spec.adaptive import SpecController
-from leapfrog.spec.config import SpeculativeConfig
-from leapfrog.spec.proposers import draft_model, ngram  # noqa: F401  (register)
-from leapfrog.spec.proposers.base import PROPOSERS, TargetInfo
+from leapfrog.spec_decode.adaptive import SpecController
+from leapfrog.spec_decode.config import SpeculativeConfig
+from leapfrog.spec_decode.proposers import draft_model, ngram  # noqa: F401  (register)
+from leapfrog.spec_decode.proposers.base import PROPOSERS, TargetInfo
 
 
 def build_speculation(spec: dict[str, Any] | SpeculativeConfig, engine: Any) -> tuple[Any, SpecController]:

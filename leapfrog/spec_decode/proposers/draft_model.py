@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import torch
 
-from leapfrog.engine.request import Request
+from leapfrog.request import Request
 from leapfrog.errors import ConfigError
 from leapfrog.model.loader import load_model, load_tokenizer, read_checkpoint, resolve_dtype
 from leapfrog.model.runner import ModelRunner, SeqChunk
 from leapfrog.sampling import sampler
-from leapfrog.spec.config import SpeculativeConfig
-from leapfrog.spec.draft import DraftBatch
-from leapfrog.spec.proposers.base import TargetInfo, register_proposer
-from leapfrog.spec.verify.result import AcceptanceResult
+from leapfrog.spec_decode.config import SpeculativeConfig
+from leapfrog.spec_decode.draft import DraftBatch
+from leapfrog.spec_decode.proposers.base import TargetInfo, register_proposer
+from leapfrog.spec_decode.verify.result import AcceptanceResult
 
 
 def check_compatible(target_tok, draft_tok, target_vocab: int, draft_vocab: int, draft_path: str) -> None:

@@ -9,7 +9,7 @@ import pytest
 
 from leapfrog import LLM, SamplingParams
 from leapfrog.errors import ConfigError
-from leapfrog.spec.config import SpeculativeConfig
+from leapfrog.spec_decode.config import SpeculativeConfig
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 2}
 

@@ -25,10 +25,10 @@ ones; while speculation is off it drafts one token every 8 intervals to keep alp
 
 from __future__ import annotations
 
-from leapfrog.engine.request import Request
-from leapfrog.spec.config import SpeculativeConfig
-from leapfrog.spec.draft import DraftBatch
-from leapfrog.spec.verify.result import AcceptanceResult
+from leapfrog.request import Request
+from leapfrog.spec_decode.config import SpeculativeConfig
+from leapfrog.spec_decode.draft import DraftBatch
+from leapfrog.spec_decode.verify.result import AcceptanceResult
 
 _EMA = 0.2
 _EXPLORE_MARGIN = 0.85  # explore a neighbouring K only if it is estimated within 15 % of the best

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from leapfrog.engine.request import Request
-from leapfrog.spec.config import SpeculativeConfig
-from leapfrog.spec.draft import DraftBatch
-from leapfrog.spec.proposers.base import StatelessProposer, TargetInfo, register_proposer
+from leapfrog.request import Request
+from leapfrog.spec_decode.config import SpeculativeConfig
+from leapfrog.spec_decode.draft import DraftBatch
+from leapfrog.spec_decode.proposers.base import StatelessProposer, TargetInfo, register_proposer
 
 
 def ngram_propose(context: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from leapfrog.spec.draft import DraftBatch
-from leapfrog.spec.proposers.base import PROPOSERS, StatelessProposer
+from leapfrog.spec_decode.draft import DraftBatch
+from leapfrog.spec_decode.proposers.base import PROPOSERS, StatelessProposer
 
 
 class OracleProposer(StatelessProposer):

@@ -5,14 +5,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from leapfrog.engine.request import Request
+from leapfrog.request import Request
 from leapfrog.sampling_params import SamplingParams
-from leapfrog.spec.adaptive import SpecController, expected_tokens
-from leapfrog.spec.config import SpeculativeConfig
-from leapfrog.spec.draft import DraftBatch
-from leapfrog.spec.proposers.ngram import ngram_propose
-from leapfrog.spec.verify.greedy import greedy_accept
-from leapfrog.spec.verify.rejection import rejection_accept
+from leapfrog.spec_decode.adaptive import SpecController, expected_tokens
+from leapfrog.spec_decode.config import SpeculativeConfig
+from leapfrog.spec_decode.draft import DraftBatch
+from leapfrog.spec_decode.proposers.ngram import ngram_propose
+from leapfrog.spec_decode.verify.greedy import greedy_accept
+from leapfrog.spec_decode.verify.rejection import rejection_accept
 
 
 def test_ngram_longest_then_most_recent():

@@ -20,8 +20,8 @@ from leapfrog import LLM, SamplingParams
 from leapfrog.demo import save_random_llama
 from leapfrog.sampling import sampler
 from leapfrog.sampling.sampler import RowSpec
-from leapfrog.spec.draft import DraftBatch
-from leapfrog.spec.proposers.base import PROPOSERS, StatelessProposer
+from leapfrog.spec_decode.draft import DraftBatch
+from leapfrog.spec_decode.proposers.base import PROPOSERS, StatelessProposer
 from tests.stats import chisq_pvalue
 
 V = 12
@@ -125,7 +125,7 @@ def test_speculative_sampling_follows_target(tiny, kind, i):
 
 def test_verifier_p_is_the_samplers_probs(tiny):
     """The p the verifier uses is exactly sampler.probs for the same rows (no second implementation)."""
-    from leapfrog.spec.verify.rejection import rejection_accept
+    from leapfrog.spec_decode.verify.rejection import rejection_accept
     logits = torch.randn(3, V)
     sp = SamplingParams(temperature=0.8, top_k=5)
     rows = sampler.build_rows([RowSpec(sp, PROMPT, [])] * 3, V)

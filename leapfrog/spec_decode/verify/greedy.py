@@ -20,7 +20,7 @@ Example: drafts [5, 7, 9], target tokens [5, 7, 2, 4] -> accept 2, output [5, 7,
 
 from __future__ import annotations
 
-from leapfrog.spec.verify.result import AcceptanceResult
+from leapfrog.spec_decode.verify.result import AcceptanceResult
 
 
 def greedy_accept(target_tokens: list[int], draft_ids: list[int], num_draft: list[int]) -> AcceptanceResult:

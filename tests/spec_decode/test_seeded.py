@@ -9,7 +9,7 @@ import pytest
 
 from leapfrog import LLM, SamplingParams
 from tests.conftest import prompts_of
-from tests.spec.test_sampling_lossless import PROMPT, SETTINGS, V, _spec, exact_marginals, tiny  # noqa: F401
+from tests.spec_decode.test_sampling_lossless import PROMPT, SETTINGS, V, _spec, exact_marginals, tiny  # noqa: F401
 from tests.stats import chisq_pvalue
 
 SP = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=24, ignore_eos=True)

@@ -17,9 +17,9 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from leapfrog.engine.request import Request
-from leapfrog.spec.draft import DraftBatch
-from leapfrog.spec.verify.result import AcceptanceResult
+from leapfrog.request import Request
+from leapfrog.spec_decode.draft import DraftBatch
+from leapfrog.spec_decode.verify.result import AcceptanceResult
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from leapfrog.engine.detokenizer import Detokenizer
+from leapfrog.detokenizer import Detokenizer
 from leapfrog.outputs import CompletionOutput, RequestMetrics
 from leapfrog.sampling.sampler import PositionKey, Rng, RowSpec
 from leapfrog.sampling_params import SamplingParams

@@ -49,7 +49,7 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         from leapfrog.model.loader import DTYPES
-        from leapfrog.spec.proposers.base import PROPOSERS
+        from leapfrog.spec_decode.proposers.base import PROPOSERS
 
         if isinstance(self.model, os.PathLike):
             object.__setattr__(self, "model", os.fspath(self.model))
