@@ -3,8 +3,18 @@
 Ragged and flat (STYLE B5): request b's drafts are ``token_ids[cu[b-1]:cu[b]]`` with
 ``cu = cumsum(num_draft)``. Zero drafts for a request is legal (plain decode). ``draft_probs``
 is the draft distribution q at each drafted position (None = point-mass drafts, as n-gram
-lookup proposes). ``parents`` (-1 = root) lets a tree ride the same type later; a chain is
-``[-1, 0, 1, ...]`` per request and may be left as None.
+lookup proposes).
+
+Trees: ``parents[t]`` is the parent of flat draft t as an index *within its request's drafts*
+(-1 = a child of the root, the request's last committed token). Parents come before their
+children; siblings are distinct tokens, best first. A chain is ``[-1, 0, 1, ...]`` per request
+and may be left as None. Example, one request with drafts [a, b, c, d] and parents
+[-1, -1, 0, 0]: the root has children a and b, a has children c and d; depths [1, 1, 2, 2];
+the paths are [a], [b], [a, c], [a, d].
+
+Verification rows (``spec_decode/verify``): request b owns T_b + 1 target rows starting at
+``offsets[b] + b``; its row 0 is the root, row 1 + j the state after draft j, so draft j is
+scored by the row of its parent (row 0 for the root's children).
 """
 
 from __future__ import annotations
@@ -52,6 +62,37 @@ class DraftBatch:
         parents = None if self.parents is None else self.parents[idx]
         return DraftBatch(self.token_ids[idx], [self.num_draft[b] for b in batch_idx], q, parents)
 
+    def parent_lists(self) -> list[list[int]]:
+        """[B] per request: the parent of each draft (local index, -1 = root); chains filled in."""
+        if self.parents is None:
+            return [list(range(-1, n - 1)) for n in self.num_draft]
+        flat = self.parents.tolist()
+        o = self.offsets()
+        return [flat[o[b]:o[b + 1]] for b in range(len(self.num_draft))]
+
+    @property
+    def is_tree(self) -> bool:
+        """Whether any request's drafts branch (a chain given with explicit parents is not a tree)."""
+        return self.parents is not None and any(
+            p != list(range(-1, len(p) - 1)) for p in self.parent_lists())
+
     @property
     def total(self) -> int:
         return sum(self.num_draft)
+
+
+def depths(parents: list[int]) -> list[int]:
+    """Depth of each node (children of the root have depth 1), parents before children."""
+    out: list[int] = []
+    for p in parents:
+        out.append(1 if p < 0 else out[p] + 1)
+    return out
+
+
+def path_to(parents: list[int], j: int) -> list[int]:
+    """Indices of the nodes from the root's child down to node j (inclusive); [] for j = -1."""
+    path = []
+    while j >= 0:
+        path.append(j)
+        j = parents[j]
+    return path[::-1]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 PLACEHOLDER = -1
 
@@ -12,6 +12,15 @@ class AcceptanceResult:
     num_accepted: list[int]        # [B] drafts accepted per request
     output_ids: list[list[int]]    # [B] accepted drafts + one final token (recovered or bonus)
     num_draft: list[int]           # [B] drafts proposed per request
+    # [B] the accepted drafts' indices (local to the request, root to leaf); empty lists for
+    # chains, where the accepted drafts are 0..num_accepted-1 (see ``accepted``)
+    accepted_nodes: list[list[int]] = field(default_factory=list)
+
+    def accepted(self, b: int) -> list[int]:
+        """Request b's accepted drafts (local indices, in path order)."""
+        if self.accepted_nodes:
+            return self.accepted_nodes[b]
+        return list(range(self.num_accepted[b]))
 
     def padded(self, width: int) -> list[list[int]]:
         """[B, width] rows padded with PLACEHOLDER (-1), as vLLM's output_token_ids."""
