@@ -61,3 +61,15 @@ class KVCache:
         whatever else is in the batch."""
         kc, vc = self.k[layer], self.v[layer]
         return kc[row:row + 1, :, cols], vc[row:row + 1, :, cols]
+
+    def move_cols(self, row: int, src: list[int], dst: list[int]) -> None:
+        """Copy columns ``src`` of ``row`` to columns ``dst`` in every layer (gathered first, so
+        the ranges may overlap): after tree verification the accepted path's K/V becomes
+        contiguous, and nothing else is copied."""
+        if src == dst:
+            return
+        s = torch.tensor(src, device=self.k[0].device)
+        d = torch.tensor(dst, device=self.k[0].device)
+        for kc, vc in zip(self.k, self.v):
+            kc[row, :, d] = kc[row, :, s]
+            vc[row, :, d] = vc[row, :, s]

@@ -1,8 +1,16 @@
 """ModelRunner: one forward over a ragged batch of sequence chunks, for targets and drafts.
 
-Each chunk is a sequence's new tokens starting at cache column ``start`` (positions equal
-columns for chains). Chunks are padded to ``[B, S]``; padding writes to the cache's scratch
-row, so no sequence's cache is realigned or copied.
+Each chunk is a sequence's new tokens written to cache columns ``start, start + 1, ...``.
+Chunks are padded to ``[B, S]``; padding writes to the cache's scratch row, so no sequence's
+cache is realigned or copied.
+
+Trees (``SeqChunk.parents``): token i's parent is token ``parents[i]`` of the same chunk (-1 =
+the sequence's last cached token). Token i sits at position ``start + depth(i)`` (a chain's
+positions are its columns) and attends to the cached prefix (columns < start) and to its
+ancestors and itself only. Example: tokens [r, a, b, c] with parents [-1, 0, 0, 1] (r the
+root, a and b its children, c a child of a) at start 10: columns 10..13, positions
+[10, 11, 11, 12]; c sees columns 0..9, 10, 11, 13. After verification the accepted path's
+columns are made contiguous with ``KVCache.move_cols`` (kv/cache.py).
 
 ``batch_invariant=True`` puts the model in batch-invariant mode (model/llama.py) and builds
 per-token attention metadata: a token's logits are then bitwise the same whatever chunks run
@@ -12,26 +20,41 @@ with it, so greedy output with speculation equals output without, and any batch 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from leapfrog.attention.metadata import build_attn_meta
 from leapfrog.kv.cache import KVCache
-from leapfrog.model.llama import LlamaModel
 
 
 @dataclass
 class SeqChunk:
     row: int               # KV cache row
-    start: int             # cache column (= position) of token_ids[0]
+    start: int             # cache column of token_ids[0]
     token_ids: list[int]
     num_logits: int        # logits wanted for the last num_logits tokens (0 = none)
+    parents: list[int] | None = None     # tree: parent index per token (-1 = the cached prefix); None = chain
+    features: Tensor | None = None       # [len(token_ids), F] extra per-token input (EAGLE heads)
+
+    def positions(self) -> list[int]:
+        if self.parents is None:
+            return list(range(self.start, self.start + len(self.token_ids)))
+        pos: list[int] = []
+        for p in self.parents:
+            pos.append(self.start if p < 0 else pos[p] + 1)
+        return pos
+
+
+@dataclass
+class StepOutput:
+    logits: Tensor         # [sum(num_logits), V] float32
+    hidden: Tensor | None  # [sum(len(token_ids)), F] per real token, chunk by chunk (when asked)
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_rows: int, max_model_len: int,
-                 batch_invariant: bool = False) -> None:
+    def __init__(self, model: Any, num_rows: int, max_model_len: int, batch_invariant: bool = False) -> None:
         a = model.args
         self.model = model
         self.batch_invariant = batch_invariant
@@ -41,24 +64,80 @@ class ModelRunner:
         self.kv = KVCache(a.num_hidden_layers, num_rows, max_model_len, a.num_key_value_heads,
                           a.head_dim, model.dtype, self.device)
 
-    @torch.inference_mode()
     def run(self, chunks: list[SeqChunk]) -> Tensor:
         """-> logits [sum(num_logits), V] float32, chunk by chunk in order."""
+        return self.step(chunks).logits
+
+    @torch.inference_mode()
+    def step(self, chunks: list[SeqChunk], hidden: str | tuple[int, ...] | None = None) -> StepOutput:
+        """One forward. ``hidden`` asks for a state of every real token as well: "hidden" (the
+        forward contract's ``hidden``: a target's final-norm state, what EAGLE-1 reads; an EAGLE
+        head's output state, fed back at its next draft step), or a tuple of layer indices
+        (their residual-stream outputs concatenated: EAGLE-3's low/middle/high features)."""
         B, S = len(chunks), max(len(c.token_ids) for c in chunks)
+        cols = [list(range(c.start, c.start + len(c.token_ids))) for c in chunks]
+        pos = [c.positions() for c in chunks]
         tokens = [c.token_ids + [0] * (S - len(c.token_ids)) for c in chunks]
-        positions = [list(range(c.start, c.start + len(c.token_ids))) + [0] * (S - len(c.token_ids))
-                     for c in chunks]
-        meta = build_attn_meta([c.row for c in chunks],
-                               [list(range(c.start, c.start + len(c.token_ids))) for c in chunks],
-                               self.kv.scratch_row, self.device, self.model.args.sliding_window,
-                               per_token=self.batch_invariant)
+        positions = [p + [0] * (S - len(p)) for p in pos]
+        tree = None
+        if any(c.parents is not None for c in chunks):
+            tree = self._tree_mask(chunks, pos, max(max(c) for c in cols) + 1)
+        meta = build_attn_meta([c.row for c in chunks], cols, self.kv.scratch_row, self.device,
+                               self.model.args.sliding_window, tree_mask=tree, per_token=self.batch_invariant)
         tok = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(tok, pos, self.kv, meta).hidden  # [B, S, D]
+        posn = torch.tensor(positions, dtype=torch.long, device=self.device)
+        kwargs = {}
+        if any(c.features is not None for c in chunks):
+            kwargs["features"] = self._pad_features(chunks, S)
+        if isinstance(hidden, tuple):
+            kwargs["aux_layers"] = hidden
+        out = self.model(token_ids=tok, positions=posn, kv=self.kv, attn=meta, **kwargs)
+        flat = out.hidden.reshape(B * S, -1)
+        real = [b * S + i for b, c in enumerate(chunks) for i in range(len(c.token_ids))]
+        feats = None
+        if hidden is not None:
+            src = flat if hidden == "hidden" else torch.cat(out.aux, dim=-1).reshape(B * S, -1)
+            feats = _take(src, real)
         rows = [b * S + i for b, c in enumerate(chunks)
                 for i in range(len(c.token_ids) - c.num_logits, len(c.token_ids))]
         if not rows:
-            return torch.empty(0, self.model.args.vocab_size)
-        flat = hidden.view(B * S, -1)
-        sel = flat[rows[0]:rows[-1] + 1] if rows == list(range(rows[0], rows[-1] + 1)) else flat[rows]
-        return self.model.compute_logits(sel).cpu()
+            return StepOutput(torch.empty(0, self.model.args.vocab_size), feats)
+        return StepOutput(self.model.compute_logits(_take(flat, rows)).cpu(), feats)
+
+    def _pad_features(self, chunks: list[SeqChunk], S: int) -> Tensor:
+        F = next(c.features for c in chunks if c.features is not None).shape[-1]
+        out = torch.zeros(len(chunks), S, F, dtype=self.model.dtype, device=self.device)  # [B, S, F]
+        for b, c in enumerate(chunks):
+            if c.features is not None:
+                out[b, :len(c.token_ids)] = c.features.to(out.dtype)
+        return out
+
+    def _tree_mask(self, chunks: list[SeqChunk], pos: list[list[int]], kv_len: int) -> Tensor:
+        """[B, S, kv_len] bool: prefix columns (inside the sliding window, by position) plus the
+        token's ancestors and itself; padding tokens see column 0 only."""
+        S = max(len(c.token_ids) for c in chunks)
+        mask = torch.zeros(len(chunks), S, kv_len, dtype=torch.bool)
+        window = self.model.args.sliding_window
+        for b, c in enumerate(chunks):
+            n = len(c.token_ids)
+            parents = c.parents if c.parents is not None else list(range(-1, n - 1))
+            anc = [[False] * n for _ in range(n)]  # anc[i][j]: j is i or an ancestor of i
+            for i, p in enumerate(parents):
+                if p >= 0:
+                    anc[i][:] = anc[p]
+                anc[i][i] = True
+            mask[b, :n, c.start:c.start + n] = torch.tensor(anc)
+            mask[b, :n, :c.start] = True
+            if window is not None:  # keys more than window - 1 positions back are out of sight
+                q = torch.tensor(pos[b])[:, None]
+                kpos = torch.cat([torch.arange(c.start), torch.tensor(pos[b])])[None, :]
+                mask[b, :n, :c.start + n] &= kpos > q - window
+            mask[b, n:, 0] = True
+        return mask.to(self.device)
+
+
+def _take(flat: Tensor, rows: list[int]) -> Tensor:
+    """flat[rows], a view when the rows are contiguous."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return flat[rows[0]:rows[0] + len(rows)]
+    return flat[torch.tensor(rows, device=flat.device)]
