@@ -37,13 +37,26 @@ class SeqChunk:
     num_logits: int        # logits wanted for the last num_logits tokens (0 = none)
     parents: list[int] | None = None     # tree: parent index per token (-1 = the cached prefix); None = chain
     features: Tensor | None = None       # [len(token_ids), F] extra per-token input (EAGLE heads)
+    # A tree grown over several forwards (an EAGLE head expanding level by level): the prefix
+    # every token sees is columns [0, context) (default: start), each token also sees the
+    # columns ``extra_cols[i]`` (its ancestors written by earlier forwards), and its position is
+    # ``first_pos[i]`` plus its depth inside this chunk (default: start).
+    context: int | None = None
+    extra_cols: list[list[int]] | None = None
+    first_pos: list[int] | None = None
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None or self.extra_cols is not None or self.context is not None
 
     def positions(self) -> list[int]:
-        if self.parents is None:
+        if not self.is_tree:
             return list(range(self.start, self.start + len(self.token_ids)))
+        parents = self.parents if self.parents is not None else [-1] * len(self.token_ids)
         pos: list[int] = []
-        for p in self.parents:
-            pos.append(self.start if p < 0 else pos[p] + 1)
+        for i, p in enumerate(parents):
+            base = self.start if self.first_pos is None else self.first_pos[i]
+            pos.append(base if p < 0 else pos[p] + 1)
         return pos
 
 
@@ -80,7 +93,7 @@ class ModelRunner:
         tokens = [c.token_ids + [0] * (S - len(c.token_ids)) for c in chunks]
         positions = [p + [0] * (S - len(p)) for p in pos]
         tree = None
-        if any(c.parents is not None for c in chunks):
+        if any(c.is_tree for c in chunks):
             tree = self._tree_mask(chunks, pos, max(max(c) for c in cols) + 1)
         meta = build_attn_meta([c.row for c in chunks], cols, self.kv.scratch_row, self.device,
                                self.model.args.sliding_window, tree_mask=tree, per_token=self.batch_invariant)
@@ -120,15 +133,24 @@ class ModelRunner:
         window = self.model.args.sliding_window
         for b, c in enumerate(chunks):
             n = len(c.token_ids)
-            parents = c.parents if c.parents is not None else list(range(-1, n - 1))
+            if c.parents is not None:
+                parents = c.parents
+            else:
+                parents = [-1] * n if c.extra_cols is not None else list(range(-1, n - 1))
             anc = [[False] * n for _ in range(n)]  # anc[i][j]: j is i or an ancestor of i
             for i, p in enumerate(parents):
                 if p >= 0:
                     anc[i][:] = anc[p]
                 anc[i][i] = True
             mask[b, :n, c.start:c.start + n] = torch.tensor(anc)
-            mask[b, :n, :c.start] = True
+            ctx = c.start if c.context is None else c.context
+            mask[b, :n, :ctx] = True
+            for i, extra in enumerate(c.extra_cols or ()):
+                for j in extra:  # with a parent in this chunk, the parent's extra columns count too
+                    mask[b, [k for k in range(n) if anc[k][i]], j] = True
             if window is not None:  # keys more than window - 1 positions back are out of sight
+                if c.extra_cols is not None:
+                    raise NotImplementedError("multi-forward trees with a sliding window")
                 q = torch.tensor(pos[b])[:, None]
                 kpos = torch.cat([torch.arange(c.start), torch.tensor(pos[b])])[None, :]
                 mask[b, :n, :c.start + n] &= kpos > q - window

@@ -73,3 +73,34 @@ def test_accepted_path_moved_together_continues_like_the_chain(llama_dir):
     assert out.hidden.shape == (8, r.model.args.hidden_size)
     aux = r.step([SeqChunk(2, 0, prompt[:5], 1)], hidden=(0, 1)).hidden
     assert aux.shape == (5, 2 * r.model.args.hidden_size)
+
+
+def test_tree_grown_level_by_level_matches_one_forward(llama_dir):
+    """An EAGLE head grows its tree over several forwards (context + extra_cols + first_pos):
+    each node's logits equal those of the same tree computed in one forward."""
+    r = _runner(llama_dir)
+    prompt, tree = _tokens(25, 9), _tokens(len(PARENTS), 10)
+    r.run([SeqChunk(0, 0, prompt, 0), SeqChunk(1, 0, prompt, 0)])
+    c = len(prompt)
+    whole = r.run([SeqChunk(0, c, tree, len(tree), parents=PARENTS)])
+    levels = [[0], [1, 2], [3, 4, 6], [5]]               # nodes by depth
+    col_of: dict[int, int] = {}
+    nxt = c
+    got = {}
+    for lv in levels:
+        extra = []
+        for i in lv:
+            anc, j = [], PARENTS[i]
+            while j >= 0:
+                anc.append(col_of[j])
+                j = PARENTS[j]
+            extra.append(anc)
+        depth_pos = [c + len(e) for e in extra]
+        out = r.run([SeqChunk(1, nxt, [tree[i] for i in lv], len(lv), context=c, extra_cols=extra,
+                              first_pos=depth_pos)])
+        for k, i in enumerate(lv):
+            col_of[i] = nxt + k
+            got[i] = out[k]
+        nxt += len(lv)
+    for i in range(len(PARENTS)):
+        assert torch.allclose(got[i], whole[i], atol=1e-4, rtol=1e-4), i
