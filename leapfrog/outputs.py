@@ -18,16 +18,20 @@ class SpecMetrics:
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     num_draft_tokens_per_pos: list[int] = field(default_factory=list)
 
-    def record(self, num_draft: int, num_accepted: int) -> None:
+    def record(self, num_draft: int, num_accepted: int, num_positions: int | None = None) -> None:
+        """One verification: ``num_draft`` drafted tokens (tree nodes), ``num_accepted`` of them
+        accepted, over ``num_positions`` draft positions (a tree's depth; a chain's = num_draft):
+        per-position counters count tree levels, so position i of a tree is "depth i + 1"."""
         if num_draft == 0:
             return
+        levels = num_draft if num_positions is None else num_positions
         self.num_drafts += 1
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += num_accepted
-        for counts, n in ((self.num_draft_tokens_per_pos, num_draft),
+        for counts, n in ((self.num_draft_tokens_per_pos, levels),
                           (self.num_accepted_tokens_per_pos, num_accepted)):
-            if len(counts) < num_draft:
-                counts.extend([0] * (num_draft - len(counts)))
+            if len(counts) < levels:
+                counts.extend([0] * (levels - len(counts)))
             for i in range(n):
                 counts[i] += 1
 

@@ -21,19 +21,20 @@ import torch
 
 from leapfrog.config import EngineConfig
 from leapfrog.detokenizer import Detokenizer
-from leapfrog.request import Request
 from leapfrog.errors import ConfigError, RequestError
 from leapfrog.kv.manager import KVManager
 from leapfrog.model.loader import load_model, load_tokenizer, read_checkpoint, resolve_dtype
 from leapfrog.model.runner import ModelRunner, SeqChunk
 from leapfrog.outputs import RequestOutput, SpecMetrics
+from leapfrog.request import Request
 from leapfrog.sampling import sampler
 from leapfrog.sampling_params import SamplingParams
 from leapfrog.scheduler.scheduler import Scheduler
-from leapfrog.spec_decode.draft import DraftBatch
+from leapfrog.spec_decode.draft import DraftBatch, depths, path_to
 from leapfrog.spec_decode.verify.greedy import greedy_accept
 from leapfrog.spec_decode.verify.rejection import rejection_accept
 from leapfrog.spec_decode.verify.result import AcceptanceResult
+from leapfrog.spec_decode.verify.tree import tree_match_accept, tree_rejection_accept
 
 log = logging.getLogger("leapfrog.engine")
 
@@ -74,6 +75,8 @@ class LLMEngine:
         if config.speculative_config is not None:
             from leapfrog.spec_decode.setup import build_speculation
             self.proposer, self.spec_controller = build_speculation(config.speculative_config, self)
+        #: which target states the proposer reads (EAGLE: "hidden" or aux layers), else None
+        self._target_states = getattr(self.proposer, "target_states", None)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | None, prompt_ids: list[int] | None,
@@ -222,11 +225,14 @@ class LLMEngine:
             chunks.append(SeqChunk(req.row, req.num_computed, ids, 1 if last else 0))
             if last:
                 done.append(req)
-        logits = self.runner.run(chunks)
-        result = self.accept(done, logits, DraftBatch.empty(len(done))) if done else None
+        out = self.runner.step(chunks, hidden=self._target_states)
+        result = self.accept(done, out.logits, DraftBatch.empty(len(done))) if done else None
         # commit, request by request (from here on nothing raises for the batch: see _decode)
+        o = 0
         for req, n in work:
-            self._guarded(req, self._commit, req, req.num_computed + n)
+            states = None if out.hidden is None else out.hidden[o:o + n]
+            self._guarded(req, self._commit, req, req.num_computed + n, None, states)
+            o += n
         if result is not None:
             now = time.monotonic()
             for req, ids in zip(done, result.output_ids):
@@ -245,19 +251,27 @@ class LLMEngine:
                 drafts = self.proposer.propose(reqs, ks)
         t_draft = time.perf_counter() - t0
         draft_lists = drafts.lists()
-        chunks = [SeqChunk(r.row, r.num_computed, [r.output_ids[-1]] + d, len(d) + 1)
-                  for r, d in zip(reqs, draft_lists)]
+        tree = drafts.is_tree
+        parent_lists = drafts.parent_lists() if tree else [None] * len(reqs)
+        chunks = [SeqChunk(r.row, r.num_computed, [r.output_ids[-1]] + d, len(d) + 1,
+                           parents=None if ps is None else [-1] + [q + 1 for q in ps])
+                  for r, d, ps in zip(reqs, draft_lists, parent_lists)]
         t1 = time.perf_counter()
-        logits = self.runner.run(chunks)
-        result = self.accept(reqs, logits, drafts)
+        out = self.runner.step(chunks, hidden=self._target_states)
+        result = self.accept(reqs, out.logits, drafts)
         t_verify = time.perf_counter() - t1
         # commit / roll back, then feedback and outputs. From here on nothing may raise for the
         # batch: a retry would verify again on advanced state. Every step is per request or caught.
-        for req, n_draft, n_acc in zip(reqs, drafts.num_draft, result.num_accepted):
-            self._guarded(req, self._commit, req, req.num_computed + 1 + n_acc)  # rejected = not advancing
+        o = 0
+        for b, (req, n_draft, n_acc) in enumerate(zip(reqs, drafts.num_draft, result.num_accepted)):
+            path = result.accepted(b)
+            self._guarded(req, self._commit, req, req.num_computed + 1 + n_acc, path if tree else None,
+                          None if out.hidden is None else out.hidden[[o] + [o + 1 + j for j in path]])
+            o += n_draft + 1
             req.metrics.num_target_forwards += 1
-            req.metrics.spec.record(n_draft, n_acc)
-            self.spec_metrics.record(n_draft, n_acc)
+            levels = max(depths(parent_lists[b]), default=0) if tree else n_draft
+            req.metrics.spec.record(n_draft, n_acc, levels)
+            self.spec_metrics.record(n_draft, n_acc, levels)
         if self.proposer is not None:
             try:
                 self.proposer.on_verified(reqs, drafts, result)
@@ -285,53 +299,90 @@ class LLMEngine:
                 log.exception("request %s: bookkeeping failed after it finished", req.request_id)
 
     def accept(self, reqs: list[Request], logits: torch.Tensor, drafts: DraftBatch) -> AcceptanceResult:
-        """Verify drafts with the target's logits [T + B, V] (row layout: spec/verify/rejection.py).
+        """Verify drafts with the target's logits [T + B, V] (row layout: spec_decode/draft.py).
 
-        Greedy and seeded requests are verified by matching (spec/verify/greedy.py): the target's
-        own token at every row (argmax, or the seeded draw keyed by position) is computed, and
-        drafts are accepted while they equal it. Unseeded sampled requests use lossless rejection
-        sampling (spec/verify/rejection.py). Both kinds mix in one batch."""
+        Greedy and seeded requests are verified by matching (verify/greedy.py, verify/tree.py):
+        the target's own token at every row (argmax, or the seeded draw keyed by position) is
+        computed, and drafts are accepted while they equal it. Unseeded sampled requests use
+        lossless rejection sampling (verify/rejection.py; recursive rejection sampling over
+        sibling drafts for trees, verify/tree.py). All kinds mix in one batch, chains and trees."""
         if self.fault_injector is not None:
             self.fault_injector(reqs)
+        tree = drafts.is_tree
         draft_lists = drafts.lists()
-        specs = [r.row_spec(d[:j]) for r, d in zip(reqs, draft_lists) for j in range(len(d) + 1)]
+        parent_lists = drafts.parent_lists()
+        depth_lists = [depths(ps) for ps in parent_lists]
+        specs, row_depth = [], []
+        for r, d, ps, ds in zip(reqs, draft_lists, parent_lists, depth_lists):
+            specs.append(r.row_spec())
+            row_depth.append(0)
+            for j in range(len(d)):
+                specs.append(r.row_spec([d[i] for i in path_to(ps, j)] if tree else d[:j + 1]))
+                row_depth.append(ds[j])
         rows = sampler.build_rows(specs, self.vocab_size)
-        flat_drafts = drafts.token_ids.tolist()
+        flat_parents = [p for ps in parent_lists for p in ps]
+
+        def match(target: list[int], sub: DraftBatch, sub_parents: list[int]) -> AcceptanceResult:
+            if tree:
+                return tree_match_accept(target, sub.token_ids.tolist(), sub_parents, sub.num_draft)
+            return greedy_accept(target, sub.token_ids.tolist(), sub.num_draft)
+
         if rows.all_greedy:
             target = sampler.greedy_tokens(logits, rows)
             # argmax propagates NaN and +inf, so checking the chosen logits finds any non-finite row
             # (isfinite over the whole [N, V] cost 70 us per step here)
             if not bool(torch.isfinite(logits.gather(1, target[:, None])).all()):
                 raise FloatingPointError("non-finite logits from the model (fp16 overflow? try bfloat16 or float32)")
-            return greedy_accept(target.tolist(), flat_drafts, drafts.num_draft)
+            return match(target.tolist(), drafts, flat_parents)
         p = sampler.probs(logits, rows)  # [T + B, V]
         B = len(reqs)
         o = drafts.offsets()  # request b's drafts are o[b]..o[b+1]-1; its target rows o[b]+b..o[b+1]+b
 
-        def p_of(bs: list[int]) -> torch.Tensor:
-            return p if len(bs) == B else p[[i for b in bs for i in range(o[b] + b, o[b + 1] + b + 1)]]
+        def rows_of(bs: list[int]) -> list[int]:
+            return [i for b in bs for i in range(o[b] + b, o[b + 1] + b + 1)]
 
-        match = [b for b in range(B) if reqs[b].params.greedy or reqs[b].seed_key is not None]
+        def p_of(bs: list[int]) -> torch.Tensor:
+            return p if len(bs) == B else p[rows_of(bs)]
+
+        matched = [b for b in range(B) if reqs[b].params.greedy or reqs[b].seed_key is not None]
         other = [b for b in range(B) if not (reqs[b].params.greedy or reqs[b].seed_key is not None)]
-        num_accepted, outputs = [0] * B, [[] for _ in range(B)]
-        if match:
-            sub = drafts.select(match)
-            rngs = [reqs[b].rng(j) for b in match for j in range(drafts.num_draft[b] + 1)]
-            res = greedy_accept(sampler.sample(p_of(match), rngs).tolist(), sub.token_ids.tolist(), sub.num_draft)
-            for b, n, out in zip(match, res.num_accepted, res.output_ids):
-                num_accepted[b], outputs[b] = n, out
+        num_accepted, outputs, nodes = [0] * B, [[] for _ in range(B)], [[] for _ in range(B)]
+        if matched:
+            sub = drafts.select(matched)
+            rngs = [reqs[b].rng(row_depth[i]) for b in matched for i in rows_of([b])]
+            res = match(sampler.sample(p_of(matched), rngs).tolist(), sub,
+                        [q for b in matched for q in parent_lists[b]])
+            for i, b in enumerate(matched):
+                num_accepted[b], outputs[b], nodes[b] = res.num_accepted[i], res.output_ids[i], res.accepted(i)
         if other:
             sub = drafts.select(other)
             u = torch.cat([sampler.uniforms(drafts.num_draft[b], reqs[b].generator) for b in other])
-            outcome = rejection_accept(p_of(other), sub.draft_probs, sub.token_ids, sub.num_draft, u)
+            if tree:
+                outcome = tree_rejection_accept(p_of(other), sub.draft_probs, sub.token_ids,
+                                                [q for b in other for q in parent_lists[b]], sub.num_draft, u)
+                paths = outcome.accepted_nodes
+            else:
+                outcome = rejection_accept(p_of(other), sub.draft_probs, sub.token_ids, sub.num_draft, u)
+                paths = [list(range(n)) for n in outcome.num_accepted]
             final = sampler.sample(outcome.final_probs, [reqs[b].generator for b in other]).tolist()
             for j, b in enumerate(other):
-                n = outcome.num_accepted[j]
-                num_accepted[b], outputs[b] = n, draft_lists[b][:n] + [final[j]]
-        return AcceptanceResult(num_accepted, outputs, list(drafts.num_draft))
+                num_accepted[b], nodes[b] = len(paths[j]), paths[j]
+                outputs[b] = [draft_lists[b][i] for i in paths[j]] + [final[j]]
+        return AcceptanceResult(num_accepted, outputs, list(drafts.num_draft), nodes if tree else [])
 
     # ------------------------------------------------------------------ bookkeeping
-    def _commit(self, req: Request, length: int) -> None:
+    def _commit(self, req: Request, length: int, tree_path: list[int] | None = None,
+                states: torch.Tensor | None = None) -> None:
+        """The request's cache now holds ``length`` tokens. After a tree verification the
+        accepted nodes' columns (draft j was written at column num_computed + 1 + j) move to
+        follow the root. ``states`` [n, F]: the target's states of the committed tokens from
+        column num_computed on, for proposers that read them (EAGLE)."""
+        c = req.num_computed
+        if tree_path:
+            self.runner.kv.move_cols(req.row, [c + 1 + j for j in tree_path],
+                                     list(range(c + 1, c + 1 + len(tree_path))))
+        if states is not None:
+            self.proposer.on_target_states(req, c, states)
         req.num_computed = length
         self.kv.set_length(req.row, length)
 

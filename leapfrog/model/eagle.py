@@ -106,8 +106,15 @@ def aux_layers_to_vllm(layers: Sequence[int]) -> tuple[int, ...]:
 
 def default_eagle3_layers(num_target_layers: int) -> tuple[int, ...]:
     """The EAGLE authors' / vLLM's / SpecForge's low, middle and high layers, as leapfrog aux layers:
-    vLLM (2, L//2, L-3) -> (1, L//2 - 1, L - 4). Needs L >= 7 for three distinct layers."""
-    return aux_layers_from_vllm((2, num_target_layers // 2, num_target_layers - 3))
+    vLLM (2, L//2, L-3) -> (1, L//2 - 1, L - 4), which needs L >= 7 for three distinct layers;
+    shallower targets (3 <= L < 7) take the first, middle and last layers (0, L//2, L-1)."""
+    L = num_target_layers
+    if L >= 7:
+        return aux_layers_from_vllm((2, L // 2, L - 3))
+    if L >= 3:
+        return (0, L // 2, L - 1)
+    raise ConfigError(f"EAGLE-3 fuses three target layers; this target has {L} (give target_layer_ids "
+                      "explicitly only if you know what you are doing, or use EAGLE-1)")
 
 
 @dataclass(frozen=True)

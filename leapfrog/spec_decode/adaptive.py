@@ -50,7 +50,7 @@ def _bucket(batch_size: int) -> int:
 class SpecController:
     def __init__(self, cfg: SpeculativeConfig, max_model_len: int) -> None:
         self.cfg = cfg
-        self.K = cfg.num_speculative_tokens
+        self.K = cfg.draft_budget
         self.max_model_len = max_model_len
         self.alpha = 0.7          # prior; replaced by measurements within a few steps
         self.verify_cost: dict[int, dict[int, float]] = {}   # bucket -> s -> seconds
@@ -59,12 +59,14 @@ class SpecController:
         self.last_k = self.K
 
     def cap(self, req: Request, k: int) -> int:
-        """No drafts past max_tokens or past the cache row's end."""
+        """No drafts past max_tokens or past the cache row's end. For trees k counts nodes: they
+        need room in the row (one column each), while their depth is capped by the proposer
+        (tree_depth_cap)."""
         if req.num_speculative_tokens is not None:
             k = min(k, req.num_speculative_tokens)
         left = req.max_tokens - len(req.output_ids) - 1
         room = self.max_model_len - req.num_computed - 1
-        return max(0, min(k, left, room))
+        return max(0, min(k, room) if self.cfg.tree and left > 0 else min(k, left, room))
 
     def choose(self, reqs: list[Request]) -> list[int]:
         B = len(reqs)
@@ -130,3 +132,8 @@ class SpecController:
             self.draft_cost[bucket] = per if old is None else (1 - _EMA) * old + _EMA * per
             rate = sum(result.num_accepted) / n_draft
             self.alpha = (1 - _EMA) * self.alpha + _EMA * rate
+
+
+def tree_depth_cap(req: Request) -> int:
+    """The deepest draft worth verifying: one level per token still allowed after the bonus."""
+    return max(0, req.max_tokens - len(req.output_ids) - 1)

@@ -8,18 +8,22 @@ from typing import Any
 
 from leapfrog.errors import ConfigError
 
-METHODS = ("draft_model", "ngram")
+METHODS = ("draft_model", "ngram", "eagle", "eagle3")
+TREE_METHODS = ("eagle", "eagle3")
+MAX_DRAFT_TOKENS = 128
 MAX_SPECULATIVE_TOKENS = 32
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str
-    """"draft_model" (a smaller model of the same tokenizer) or "ngram" (prompt lookup)."""
+    """"draft_model" (a smaller model of the same tokenizer), "ngram" (prompt lookup), "eagle"
+    (an EAGLE-1 head) or "eagle3" (an EAGLE-3 head)."""
     num_speculative_tokens: int
-    """K: drafts per step (the adaptive controller's upper bound when adaptive is on)."""
+    """K: drafts per step (the adaptive controller's upper bound when adaptive is on); for
+    EAGLE, the depth of the draft tree (draft steps of the head)."""
     model: str | None = None
-    """Draft checkpoint (directory or hub id) for method="draft_model"."""
+    """Draft checkpoint (directory or hub id): the draft model, or the EAGLE head."""
     prompt_lookup_min: int = 2
     """Shortest suffix n-gram matched (ngram)."""
     prompt_lookup_max: int = 5
@@ -32,6 +36,15 @@ class SpeculativeConfig:
     """Choose K per step (0..num_speculative_tokens) to maximise goodput (spec/adaptive.py)."""
     adaptive_explore_interval: int = 16
     """Adaptive: every this many steps try a K next to the best one to refresh its cost."""
+    eagle_topk: int = 4
+    """EAGLE: children expanded per tree level (EAGLE-2's dynamic tree); 1 gives a chain."""
+    num_draft_tokens: int | str | None = None
+    """EAGLE: tree nodes verified per step (the best by path confidence), or "auto" (chosen
+    per batch-size bucket from the measured verify cost). Default: depth x topk, at most 16."""
+    speculative_token_tree: str | list | None = None
+    """EAGLE: a static tree instead of the dynamic one, as vLLM writes it: a list of paths of
+    child ranks, e.g. "[(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]" ((0, 1) = the second most likely
+    child of the most likely first token); every path's parent must be in the list."""
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SpeculativeConfig:
@@ -66,10 +79,84 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ConfigError(f"speculative_config: prompt_lookup_min={self.prompt_lookup_min} > "
                               f"prompt_lookup_max={self.prompt_lookup_max}")
-        if self.method == "draft_model" and not self.model:
-            raise ConfigError("speculative_config: method 'draft_model' needs 'model' (the draft checkpoint)")
+        _check(self, "eagle_topk", int, lo=1, hi=MAX_DRAFT_TOKENS)
+        if self.method in ("draft_model", *TREE_METHODS) and not self.model:
+            what = "the draft checkpoint" if self.method == "draft_model" else "the EAGLE head's checkpoint"
+            raise ConfigError(f"speculative_config: method {self.method!r} needs 'model' ({what})")
+        tree_keys = [k for k in ("num_draft_tokens", "speculative_token_tree") if getattr(self, k) is not None]
+        if tree_keys and self.method not in TREE_METHODS:
+            raise ConfigError(f"speculative_config: {tree_keys[0]} applies to tree methods {list(TREE_METHODS)} "
+                              f"only, not {self.method!r}")
+        if self.method in TREE_METHODS:
+            self._check_tree()
         if self.method == "ngram" and self.model:
             raise ConfigError("speculative_config: method 'ngram' takes no 'model'")
+
+
+    def _check_tree(self) -> None:
+        n = self.num_draft_tokens
+        if n is not None and n != "auto" and (isinstance(n, bool) or not isinstance(n, int)
+                                               or not 1 <= n <= MAX_DRAFT_TOKENS):
+            raise ConfigError(f"speculative_config.num_draft_tokens={n!r}: must be an integer in "
+                              f"[1, {MAX_DRAFT_TOKENS}] or \"auto\" (or null)")
+        if self.speculative_token_tree is not None:
+            paths = parse_token_tree(self.speculative_token_tree)
+            object.__setattr__(self, "speculative_token_tree", paths)
+            depth = max(len(p) for p in paths)
+            if depth != self.num_speculative_tokens:
+                raise ConfigError(f"speculative_config: speculative_token_tree is {depth} deep but "
+                                  f"num_speculative_tokens={self.num_speculative_tokens}; make them equal")
+            if n is not None and n != len(paths):
+                raise ConfigError(f"speculative_config: num_draft_tokens={n!r} but speculative_token_tree has "
+                                  f"{len(paths)} nodes; leave num_draft_tokens out")
+        if self.adaptive and n is not None and n != "auto":
+            raise ConfigError("speculative_config: adaptive with a fixed num_draft_tokens; use "
+                              "num_draft_tokens='auto' to let the tree size adapt")
+
+    @property
+    def tree(self) -> bool:
+        return self.method in TREE_METHODS
+
+    @property
+    def draft_budget(self) -> int:
+        """The most tokens one step drafts per request: tree nodes for tree methods, else K."""
+        if not self.tree:
+            return self.num_speculative_tokens
+        if self.speculative_token_tree is not None:
+            return len(self.speculative_token_tree)
+        if isinstance(self.num_draft_tokens, int):
+            return self.num_draft_tokens
+        full = sum(self.eagle_topk ** d for d in range(1, self.num_speculative_tokens + 1))
+        if self.num_draft_tokens == "auto":
+            return min(full, 64)
+        return min(full, self.eagle_topk * self.num_speculative_tokens, 16)
+
+
+def parse_token_tree(tree: str | list) -> list[tuple[int, ...]]:
+    """vLLM's ``speculative_token_tree`` (a string or a list of paths of child ranks) -> paths,
+    parents before children; ConfigError naming what is wrong."""
+    import ast
+    try:
+        raw = ast.literal_eval(tree) if isinstance(tree, str) else tree
+        paths = [tuple(p) for p in raw]
+    except (ValueError, SyntaxError, TypeError) as e:
+        raise ConfigError(f"speculative_config.speculative_token_tree={tree!r}: not a list of tuples "
+                          f"of child ranks like \"[(0,), (1,), (0, 0)]\" ({type(e).__name__})") from None
+    if not paths or len(paths) > MAX_DRAFT_TOKENS:
+        raise ConfigError(f"speculative_config.speculative_token_tree: 1 to {MAX_DRAFT_TOKENS} paths, "
+                          f"got {len(paths)}")
+    seen = set()
+    for p in sorted(paths, key=len):
+        if not p or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in p):
+            raise ConfigError(f"speculative_config.speculative_token_tree: path {p!r} must be a non-empty "
+                              "tuple of child ranks >= 0")
+        if p in seen:
+            raise ConfigError(f"speculative_config.speculative_token_tree: path {p!r} appears twice")
+        if len(p) > 1 and p[:-1] not in seen:
+            raise ConfigError(f"speculative_config.speculative_token_tree: path {p!r} has no parent "
+                              f"{p[:-1]!r} in the tree")
+        seen.add(p)
+    return sorted(paths, key=lambda p: (len(p), p))
 
 
 _KINDS = {int: "an integer", str: "a string", bool: "true or false"}

@@ -6,7 +6,7 @@ from typing import Any
 
 from leapfrog.spec_decode.adaptive import SpecController
 from leapfrog.spec_decode.config import SpeculativeConfig
-from leapfrog.spec_decode.proposers import draft_model, ngram  # noqa: F401  (register)
+from leapfrog.spec_decode.proposers import draft_model, eagle, ngram  # noqa: F401  (register)
 from leapfrog.spec_decode.proposers.base import PROPOSERS, TargetInfo
 
 
@@ -16,5 +16,6 @@ def build_speculation(spec: dict[str, Any] | SpeculativeConfig, engine: Any) -> 
         vocab_size=engine.vocab_size, tokenizer=engine.tokenizer, eos_ids=engine.eos_ids,
         dtype=engine.dtype, device=engine.device, num_rows=engine.config.max_num_seqs,
         max_model_len=engine.max_model_len, max_num_batched_tokens=engine.config.max_num_batched_tokens,
-        model=engine.model, batch_invariant=engine.config.batch_invariant)
+        model=engine.model, batch_invariant=engine.config.batch_invariant,
+        allow_pickle=engine.config.allow_pickle)
     return PROPOSERS[cfg.method](cfg, info), SpecController(cfg, engine.max_model_len)

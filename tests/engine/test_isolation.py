@@ -166,15 +166,15 @@ def test_offline_generate_raises_and_engine_stays_clean(llm, tokenizer):
 def test_nonfinite_logits_fail_only_that_request(llm, tokenizer):
     """A sampler fed NaN raises (never draws garbage); isolation ends just that request."""
     eng = llm.engine
-    real = eng.runner.run
+    real = eng.runner.step
     p = prompts_of(tokenizer, 2)
 
-    def run(chunks):
-        logits = real(chunks)
+    def step(chunks, **kw):
+        out = real(chunks, **kw)
         if "nan" in eng.requests and any(c.row == eng.requests["nan"].row for c in chunks):
-            logits = torch.full_like(logits, math.nan)   # the whole batch's logits: isolation must find the culprit
-        return logits
-    eng.runner.run = run
+            out.logits = torch.full_like(out.logits, math.nan)  # the whole batch's: isolation must find the culprit
+        return out
+    eng.runner.step = step
     try:
         eng.add_request("nan", None, p[0], SamplingParams(temperature=1.0, max_tokens=4))
         eng.add_request("ok", None, p[1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
@@ -183,7 +183,7 @@ def test_nonfinite_logits_fail_only_that_request(llm, tokenizer):
             for o in eng.step():
                 outs[o.request_id] = o
     finally:
-        eng.runner.run = real
+        eng.runner.step = real
     assert outs["nan"].outputs[0].finish_reason == "error"
     assert isinstance(outs["nan"].error, FloatingPointError)
     assert outs["ok"].outputs[0].finish_reason == "length"
@@ -214,7 +214,8 @@ def test_failures_after_the_commit_never_rerun_the_batch(llm, tokenizer):
     finally:
         ctl.observe = real
     assert calls["n"] > 3
-    assert {k: v.outputs[0].token_ids for k, v in again.items()} == {k: v.outputs[0].token_ids for k, v in clean.items()}
+    assert ({k: v.outputs[0].token_ids for k, v in again.items()}
+            == {k: v.outputs[0].token_ids for k, v in clean.items()})
 
 
 def test_whole_vocabulary_stop_ids_with_min_tokens_is_refused(llm, tokenizer):
@@ -226,12 +227,17 @@ def test_whole_vocabulary_stop_ids_with_min_tokens_is_refused(llm, tokenizer):
 
 def test_nonfinite_logits_fail_greedy_requests_too(llm, tokenizer):
     eng = llm.engine
-    real = eng.runner.run
-    eng.runner.run = lambda chunks: torch.full_like(real(chunks), math.nan)
+    real = eng.runner.step
+
+    def step(chunks, **kw):
+        out = real(chunks, **kw)
+        out.logits = torch.full_like(out.logits, math.nan)
+        return out
+    eng.runner.step = step
     try:
         with pytest.raises(EngineError, match="non-finite"):
             llm.generate({"prompt_token_ids": prompts_of(tokenizer, 1)[0]}, SamplingParams(temperature=0, max_tokens=3),
                          use_tqdm=False)
     finally:
-        eng.runner.run = real
+        eng.runner.step = real
     assert not eng.has_unfinished()

@@ -15,7 +15,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 2}
 
 
 @pytest.mark.parametrize("change, pattern", [
-    ({"method": ["ngram"]}, r"speculative_config\.method=\['ngram'\]: must be a string \(one of \['draft_model', 'ngram'"),
+    ({"method": ["ngram"]}, r"speculative_config\.method=\['ngram'\]: must be a string \(one of \['draft_model', 'eagle', 'eagle3', 'ngram'"),
     ({"method": {"ngram": 1}}, r"speculative_config\.method=.*must be a string"),
     ({"method": 3}, r"speculative_config\.method=3: must be a string"),
     ({"method": None}, r"speculative_config\.method=None: must be a string"),

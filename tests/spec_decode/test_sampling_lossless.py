@@ -59,6 +59,21 @@ def exact_marginals(llm, sp: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
     return m2.numpy(), m3.numpy()
 
 
+def assert_follows_target(target, spec: dict, sp: SamplingParams, seed: int) -> dict:
+    """N requests of PROMPT with speculation: tokens 2 and 3 follow the target's exact law, and the
+    drafts were neither all accepted nor all rejected. -> the engine's speculation metrics."""
+    llm = LLM(model=str(target), dtype="float32", skip_tokenizer_init=True, max_num_seqs=256, max_model_len=16,
+              seed=seed, speculative_config=spec)
+    outs = llm.generate([{"prompt_token_ids": PROMPT}] * N, sp, use_tqdm=False)
+    toks = np.array([o.outputs[0].token_ids for o in outs])
+    m2, m3 = exact_marginals(llm, sp)
+    m = llm.get_metrics()
+    assert 0 < m["num_accepted_tokens"] < m["num_draft_tokens"]
+    assert chisq_pvalue(np.bincount(toks[:, 1], minlength=V), m2) > 1e-3
+    assert chisq_pvalue(np.bincount(toks[:, 2], minlength=V), m3) > 1e-3
+    return m
+
+
 class AdversarialProposer(StatelessProposer):
     """q = softmax(-target logits): puts most mass on the target's unlikely tokens."""
 

@@ -7,6 +7,10 @@ Lifecycle (called explicitly by the engine):
                                     roll the proposer's own state back to what was accepted
     finish(req)                     the request ended (finished or aborted)
 
+Proposers that read the target's own states (EAGLE) set ``target_states`` ("hidden" or a tuple
+of layer indices, see ModelRunner.step) and get ``on_target_states(req, start, states [n, F])``
+after every target forward, for the committed tokens at positions start..start+n-1.
+
 Constructors take only what they need: their SpeculativeConfig and a TargetInfo.
 """
 
@@ -35,6 +39,7 @@ class TargetInfo:
     max_num_batched_tokens: int
     model: Any = None  # the target LlamaModel (self-speculation, tests' oracle proposers)
     batch_invariant: bool = False  # run model proposers batch-invariant like the target
+    allow_pickle: bool = False     # draft checkpoints may be pickle files (the user said so)
 
 
 class Proposer(Protocol):

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from leapfrog.request import Request
 from leapfrog.errors import ConfigError
 from leapfrog.model.loader import load_model, load_tokenizer, read_checkpoint, resolve_dtype
 from leapfrog.model.runner import ModelRunner, SeqChunk
+from leapfrog.request import Request
 from leapfrog.sampling import sampler
 from leapfrog.spec_decode.config import SpeculativeConfig
 from leapfrog.spec_decode.draft import DraftBatch

@@ -182,12 +182,12 @@ def test_non_streaming_client_that_gives_up_is_aborted_within_a_second(server):
     eng = engine_of(server)
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 230, "temperature": 0, "ignore_eos": True,
             "speculative": {"num_speculative_tokens": 0}}
-    real = eng.runner.run
+    real = eng.runner.step
 
-    def slow(chunks):  # ~20 ms a step, so 230 tokens take seconds
+    def slow(chunks, **kw):  # ~20 ms a step, so 230 tokens take seconds
         time.sleep(0.02)
-        return real(chunks)
-    eng.runner.run = slow
+        return real(chunks, **kw)
+    eng.runner.step = slow
     try:
         for _ in range(8):
             with pytest.raises(httpx.ReadTimeout):
@@ -196,7 +196,7 @@ def test_non_streaming_client_that_gives_up_is_aborted_within_a_second(server):
         assert idle(server, 1.5), f"{len(eng.requests)} requests still running"
         assert time.time() - t0 < 1.5
     finally:
-        eng.runner.run = real
+        eng.runner.step = real
 
 
 def test_chunked_body_cannot_bypass_the_limit(server, expected):
@@ -251,12 +251,12 @@ def test_clients_that_leave_before_their_first_token_are_aborted(server):
     """Slow steps (0.4 s) and a busy engine: clients (streaming or not) that give up while their
     add is still queued, or before their first token, leave nothing running behind them."""
     eng = engine_of(server)
-    real = eng.runner.run
+    real = eng.runner.step
 
-    def slow(chunks):
+    def slow(chunks, **kw):
         time.sleep(0.4)
-        return real(chunks)
-    eng.runner.run = slow
+        return real(chunks, **kw)
+    eng.runner.step = slow
     try:
         async def main():
             async with httpx.AsyncClient(timeout=60) as h:
@@ -284,4 +284,4 @@ def test_clients_that_leave_before_their_first_token_are_aborted(server):
         asyncio.run(main())
         assert idle(server, 2.0), f"{sorted(eng.requests)} still running"
     finally:
-        eng.runner.run = real
+        eng.runner.step = real

@@ -1,0 +1,275 @@
+"""EAGLE proposers: a one-layer head on the target's own features drafts a tree (EAGLE-2's
+dynamic tree, or a static tree given as vLLM's ``speculative_token_tree``).
+
+Alignment (EAGLE's): head position t reads the target's feature f_t of token x_t (EAGLE-1:
+the final-norm state; EAGLE-3: fc over low/middle/high layer states) together with the next
+token x_{t+1}, and predicts x_{t+2}. With N tokens x_0..x_{N-1} (the last one just sampled, no
+target feature yet), the head's committed positions are 0..N-2.
+
+One ``propose`` (per request, all requests in the same forwards):
+  1. catch up: head positions ``computed .. N-2`` from the target states the engine handed over
+     (``on_target_states``: committed tokens only, so nothing is ever rolled back), one forward;
+     the last position's logits give the depth-1 candidates, its output state h their feature;
+  2. grow the tree for ``num_speculative_tokens`` levels: each level runs the head once over the
+     frontier nodes (each attends to the committed prefix and its own ancestors, positions by
+     depth: ``SeqChunk.context / extra_cols / first_pos``), fed back their parent's output state;
+     dynamic: every frontier node proposes its ``eagle_topk`` most likely children, scored by
+     path confidence (sum of the head's log-probabilities along the path), and the best
+     ``eagle_topk`` of them form the next frontier (EAGLE-2); static: the children ranks the
+     tree lists;
+  3. rerank every node drawn by path confidence and keep the best ``num_draft_tokens`` (with
+     their ancestors: a path's confidence never exceeds its parent's); parents come before
+     children, siblings best first.
+
+Drafts are point masses (``draft_probs = None``): deterministic given the context, so the tree
+verifier's multi-draft rejection with q = delta keeps sampling lossless (verify/tree.py).
+The tree's head KV lives in scratch columns after the committed ones and is simply overwritten
+next step: accepted tokens are recomputed from the target's real features (EAGLE does the same).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from leapfrog.model.runner import ModelRunner, SeqChunk
+from leapfrog.request import Request
+from leapfrog.spec_decode.adaptive import tree_depth_cap
+from leapfrog.spec_decode.config import SpeculativeConfig
+from leapfrog.spec_decode.draft import DraftBatch
+from leapfrog.spec_decode.proposers.base import TargetInfo, register_proposer
+from leapfrog.spec_decode.verify.result import AcceptanceResult
+
+
+@dataclass
+class _Node:
+    token: int
+    parent: int          # index into the request's node list, -1 = the root
+    score: float         # path confidence: sum of log q along the path
+    depth: int
+    rank: int            # rank among its parent's candidates (static trees)
+    feat: torch.Tensor   # [H] the feature it is run with: its parent's output state
+    col: int = -1        # head KV column once the node has been run (expanded)
+
+
+@dataclass
+class _Feats:
+    start: int                  # position of rows[0]
+    rows: torch.Tensor          # [m, H] combined target features, positions start..start+m-1
+
+
+class EagleProposer:
+    def __init__(self, cfg: SpeculativeConfig, target: TargetInfo) -> None:
+        from leapfrog.model.eagle import load_eagle_head
+        from leapfrog.model.loader import DTYPES
+
+        dtype = DTYPES[cfg.draft_dtype] if cfg.draft_dtype not in (None, "auto") else target.dtype
+        self.head = load_eagle_head(cfg.model, target.model, dtype, target.device, target.allow_pickle)
+        if self.head.kind != cfg.method:
+            from leapfrog.errors import ConfigError
+            raise ConfigError(f"speculative_config: method {cfg.method!r} but {cfg.model} is an "
+                              f"{self.head.kind!r} head; use \"method\": \"{self.head.kind}\"")
+        self.head.pack_for_inference()
+        #: what the engine hands over after every target forward (engine._commit)
+        self.target_states = "hidden" if self.head.kind == "eagle" else tuple(self.head.target_layer_ids)
+        self.depth = cfg.num_speculative_tokens
+        self.topk = cfg.eagle_topk
+        self.static = cfg.speculative_token_tree
+        self.budget = cfg.draft_budget
+        scratch = self.depth * max(self.topk, len(self.static or ()))  # tree columns after the prefix
+        self.runner = ModelRunner(self.head, target.num_rows, target.max_model_len + scratch)
+        self.chunk = target.max_num_batched_tokens
+        self.computed: dict[str, int] = {}
+        self.feats: dict[str, _Feats] = {}
+        self.static_children = _static_children(self.static) if self.static else None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self, req: Request) -> None:
+        self.computed[req.request_id] = 0
+        self.feats.pop(req.request_id, None)
+
+    def finish(self, req: Request) -> None:
+        self.computed.pop(req.request_id, None)
+        self.feats.pop(req.request_id, None)
+
+    def on_target_states(self, req: Request, start: int, states: torch.Tensor) -> None:
+        """The target's states [n, F] of the committed tokens at positions start..start+n-1."""
+        rows = self.head.combine_target_features(states.to(self.head.dtype))  # [n, H]
+        f = self.feats.get(req.request_id)
+        if f is not None:
+            end = f.start + len(f.rows)
+            if start < end:  # sent again (a retried step): keep what we have
+                rows, start = rows[end - start:], end
+            if start == end:
+                self.feats[req.request_id] = _Feats(f.start, torch.cat([f.rows, rows]))
+                return
+        # first states, or a gap (a lost step): positions before start cannot be drafted from
+        # again, so the request goes on without drafts (_ready) rather than with wrong features
+        self.feats[req.request_id] = _Feats(start, rows)
+
+    def on_verified(self, reqs: list[Request], drafts: DraftBatch, result: AcceptanceResult) -> None:
+        pass  # committed head positions stay valid; tree columns are scratch
+
+    # ------------------------------------------------------------------ drafting
+    @torch.inference_mode()
+    def propose(self, reqs: list[Request], ks: list[int]) -> DraftBatch:
+        active = [b for b, k in enumerate(ks) if k > 0 and self._ready(reqs[b])]
+        nodes: dict[int, list[_Node]] = {b: [] for b in active}
+        if active:
+            roots = self._catch_up([reqs[b] for b in active])  # [A, V] logits, [A, H] states
+            self._grow(reqs, active, ks, nodes, *roots)
+        toks, parents, nums = [], [], []
+        for b in range(len(reqs)):
+            sel = self._select(nodes.get(b, []), ks[b])
+            toks += [n.token for n in sel[0]]
+            parents += sel[1]
+            nums.append(len(sel[0]))
+        return DraftBatch(torch.tensor(toks, dtype=torch.long), nums, None, torch.tensor(parents, dtype=torch.long))
+
+    def _ready(self, req: Request) -> bool:
+        """The target features up to position N-2 are here (always, unless a step was lost)."""
+        f = self.feats.get(req.request_id)
+        c = self.computed.get(req.request_id, 0)
+        return f is not None and f.start <= c and f.start + len(f.rows) >= req.num_tokens - 1
+
+    def _catch_up(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the head over every pending position (long prompts in chunks); -> the last
+        position's logits [A, V] and output state [A, H] per request."""
+        last_logits: list[torch.Tensor | None] = [None] * len(reqs)
+        last_state: list[torch.Tensor | None] = [None] * len(reqs)
+        while True:
+            chunks, who = [], []
+            for i, r in enumerate(reqs):
+                c, end = self.computed[r.request_id], r.num_tokens - 1   # positions c..end-1
+                if c >= end:
+                    continue
+                n = min(end - c, self.chunk)
+                f = self.feats[r.request_id]
+                feats = f.rows[c - f.start:c - f.start + n]
+                chunks.append(SeqChunk(r.row, c, r.all_ids[c + 1:c + 1 + n], 1 if c + n == end else 0,
+                                       features=feats))
+                who.append(i)
+                self.computed[r.request_id] = c + n
+            if not chunks:
+                break
+            out = self.runner.step(chunks, hidden="hidden")
+            o = li = 0
+            for i, ch in zip(who, chunks):
+                o += len(ch.token_ids)
+                if ch.num_logits:
+                    last_logits[i], last_state[i] = out.logits[li], out.hidden[o - 1]
+                    li += 1
+        for r in reqs:  # features before the committed prefix are never read again
+            f = self.feats[r.request_id]
+            keep = self.computed[r.request_id] - f.start
+            if keep > 0:
+                self.feats[r.request_id] = _Feats(f.start + keep, f.rows[keep:])
+        if any(x is None for x in last_logits):
+            raise RuntimeError("EAGLE head: a request had no position to catch up on")
+        return torch.stack(last_logits), torch.stack(last_state)  # type: ignore[arg-type]
+
+    def _grow(self, reqs: list[Request], active: list[int], ks: list[int], nodes: dict[int, list[_Node]],
+              logits: torch.Tensor, states: torch.Tensor) -> None:
+        """Add depth-1 candidates, then expand level by level (module docstring, step 2)."""
+        frontier: dict[int, list[int]] = {}
+        for i, b in enumerate(active):
+            frontier[b] = self._children(nodes[b], -1, 0.0, 1, logits[i], states[i])
+        next_col = {b: self.computed[reqs[b].request_id] for b in active}
+        context = dict(next_col)
+        for depth in range(2, self.depth + 1):
+            todo = [b for b in active if frontier[b] and depth <= min(ks[b], tree_depth_cap(reqs[b]))]
+            if not todo:
+                break
+            chunks = []
+            for b in todo:
+                ns = nodes[b]
+                extra, first = [], []
+                for j in frontier[b]:
+                    anc, a = [], ns[j].parent
+                    while a >= 0:
+                        anc.append(ns[a].col)
+                        a = ns[a].parent
+                    extra.append(anc)
+                    first.append(context[b] + ns[j].depth - 1)
+                feats = torch.stack([ns[j].feat for j in frontier[b]])
+                chunks.append(SeqChunk(reqs[b].row, next_col[b], [ns[j].token for j in frontier[b]],
+                                       len(frontier[b]), features=feats, context=context[b], extra_cols=extra,
+                                       first_pos=first))
+                for k, j in enumerate(frontier[b]):
+                    ns[j].col = next_col[b] + k
+                next_col[b] += len(frontier[b])
+            out = self.runner.step(chunks, hidden="hidden")
+            o = 0
+            for b in todo:
+                cand = []
+                for j in frontier[b]:
+                    cand += self._children(nodes[b], j, nodes[b][j].score, depth, out.logits[o], out.hidden[o])
+                    o += 1
+                frontier[b] = self._next_frontier(nodes[b], cand, depth)
+
+    def _children(self, ns: list[_Node], parent: int, score: float, depth: int, logits: torch.Tensor,
+                  state: torch.Tensor) -> list[int]:
+        """Append the candidate children of ``parent`` (its logits [V]; ``state`` [H] is the head's
+        output state after the parent: the feature the children run with); -> their node indices."""
+        if self.static_children is not None:
+            ranks = self.static_children.get(self._path_ranks(ns, parent), [])
+            if not ranks:
+                return []
+            want = max(ranks) + 1
+        else:
+            ranks, want = list(range(self.topk)), self.topk
+        lp = torch.log_softmax(logits.float(), -1)
+        top = lp.topk(min(want, lp.shape[-1]))
+        vals, ids = top.values.tolist(), top.indices.tolist()
+        out = []
+        for r in ranks:
+            if r < len(ids):
+                ns.append(_Node(ids[r], parent, score + vals[r], depth, r, state))
+                out.append(len(ns) - 1)
+        return out
+
+    def _next_frontier(self, ns: list[_Node], cand: list[int], depth: int) -> list[int]:
+        if self.static_children is not None:
+            return [j for j in cand if self.static_children.get(self._path_ranks(ns, j))]
+        return sorted(cand, key=lambda j: -ns[j].score)[:self.topk]
+
+    @staticmethod
+    def _path_ranks(ns: list[_Node], j: int) -> tuple[int, ...]:
+        path = []
+        while j >= 0:
+            path.append(ns[j].rank)
+            j = ns[j].parent
+        return tuple(path[::-1])
+
+    def _select(self, ns: list[_Node], k: int) -> tuple[list[_Node], list[int]]:
+        """The best ``min(k, budget)`` nodes by path confidence, closed under ancestors, parents
+        first and siblings best first; -> (nodes, parents as local indices)."""
+        if not ns:
+            return [], []
+        n = min(k, self.budget)
+        keep: set[int] = set()
+        for j in sorted(range(len(ns)), key=lambda j: -ns[j].score):
+            if len(keep) >= n:
+                break
+            chain, a = [], j
+            while a >= 0 and a not in keep:
+                chain.append(a)
+                a = ns[a].parent
+            if len(keep) + len(chain) <= n:
+                keep.update(chain)
+        order = sorted(keep, key=lambda j: (ns[j].depth, -ns[j].score))
+        local = {j: i for i, j in enumerate(order)}
+        return [ns[j] for j in order], [local[ns[j].parent] if ns[j].parent >= 0 else -1 for j in order]
+
+
+def _static_children(paths: list[tuple[int, ...]]) -> dict[tuple[int, ...], list[int]]:
+    """{path of ranks: its children's ranks}, the root being ()."""
+    out: dict[tuple[int, ...], list[int]] = {}
+    for p in paths:
+        out.setdefault(p[:-1], []).append(p[-1])
+    return {k: sorted(v) for k, v in out.items()}
+
+
+register_proposer("eagle")(EagleProposer)
+register_proposer("eagle3")(EagleProposer)

@@ -1,0 +1,103 @@
+"""EAGLE-1 and EAGLE-3 proposers through the whole engine: greedy output identical to no
+speculation (fp32) for chains (eagle_topk 1), dynamic trees and static trees, batched and
+ragged, on several target shapes; the sampling law unchanged (chi-square against exact
+enumeration) with branching trees; clear errors for mismatched heads."""
+
+from __future__ import annotations
+
+import pytest
+
+from leapfrog import LLM, SamplingParams
+from leapfrog.demo import save_random_llama
+from leapfrog.errors import ConfigError
+from leapfrog.model.eagle import init_eagle_head, save_eagle_head
+from leapfrog.model.loader import load_model, read_checkpoint
+from tests.conftest import BASE, CONFIGS, prompts_of
+from tests.spec_decode.test_sampling_lossless import SETTINGS, SMALL, assert_follows_target
+
+MAX = 32
+# 3 layers: EAGLE-3 fuses three target layers
+HEAD_DIM_32 = dict(arch="llama", head_dim=32, num_attention_heads=4, num_key_value_heads=2)
+SHAPES = {k: {**v, "num_hidden_layers": 3} for k, v in {**CONFIGS, "head_dim_32": HEAD_DIM_32}.items()}
+
+
+def make_head(target_dir, out_dir, kind: str, seed: int = 0, **kw):
+    target = load_model(read_checkpoint(target_dir), None, "cpu", 256)
+    head = init_eagle_head(kind, target.args, seed=seed, init_std=0.3, **kw)
+    head.bind_target(target)
+    return save_eagle_head(head, out_dir)
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory, tokenizer):
+    out = {}
+    for name, cfg in SHAPES.items():
+        cfg = dict(cfg)
+        arch = cfg.pop("arch")
+        t = save_random_llama(tmp_path_factory.mktemp(name), tokenizer, arch=arch, seed=1, **{**BASE, **cfg})
+        out[name] = (t, {k: make_head(t, tmp_path_factory.mktemp(f"{name}-{k}"), k,
+                                      **({"draft_vocab_size": 200} if k == "eagle3" else {}))
+                         for k in ("eagle", "eagle3")})
+    return out
+
+
+def _generate(target, spec, prompts, sp, **kw):
+    llm = LLM(model=str(target), dtype="float32", max_model_len=256, max_num_seqs=8, speculative_config=spec, **kw)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return llm, [o.outputs[0].token_ids for o in outs]
+
+
+TREES = {
+    "chain": {"num_speculative_tokens": 4, "eagle_topk": 1},
+    "dynamic": {"num_speculative_tokens": 4, "eagle_topk": 3, "num_draft_tokens": 10},
+    "static": {"num_speculative_tokens": 3,
+               "speculative_token_tree": "[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]"},
+}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_greedy_equal(shapes, tokenizer, shape, kind):
+    target, heads = shapes[shape]
+    prompts = prompts_of(tokenizer, 5)
+    sp = SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)
+    _, ref = _generate(target, None, prompts, sp)
+    for tree, extra in TREES.items():
+        spec = {"method": kind, "model": str(heads[kind]), **extra}
+        for bs in (1, 5):
+            llm, got = _generate(target, spec, prompts[:bs], sp)
+            assert got == ref[:bs], (tree, bs)
+            assert llm.get_metrics()["num_draft_tokens"] > 0, (tree, bs)
+
+
+@pytest.fixture(scope="module")
+def tiny3(tmp_path_factory):
+    return save_random_llama(tmp_path_factory.mktemp("tiny3"), None, seed=3, **{**SMALL, "num_hidden_layers": 3})
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@pytest.mark.parametrize("i", [0, 1])
+def test_sampling_follows_target(tiny3, tmp_path, kind, i):
+    target = tiny3
+    head = make_head(target, tmp_path / "h", kind, seed=i, **({"draft_vocab_size": 9} if kind == "eagle3" else {}))
+    # full support and flat enough: one prompt means one fixed tree, which must be able to hit
+    sp = [SETTINGS[0], SamplingParams(temperature=1.6, top_p=0.98, max_tokens=3, ignore_eos=True)][i]
+    assert_follows_target(target, {"method": kind, "model": str(head), "num_speculative_tokens": 2,
+                                   "eagle_topk": 3, "num_draft_tokens": 6}, sp, seed=i)
+
+
+def test_errors(shapes, tmp_path):
+    target, heads = shapes["llama_gqa_llama3"]
+    with pytest.raises(ConfigError, match="eagle3"):
+        LLM(model=str(target), speculative_config={"method": "eagle", "model": str(heads["eagle3"]),
+                                                   "num_speculative_tokens": 2})
+    with pytest.raises(ConfigError, match="needs 'model'"):
+        LLM(model=str(target), speculative_config={"method": "eagle3", "num_speculative_tokens": 2})
+    with pytest.raises(ConfigError, match="num_draft_tokens"):
+        LLM(model=str(target), speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                                   "num_draft_tokens": 4})
+    other = save_random_llama(tmp_path / "o", None, seed=2, **{**BASE, "hidden_size": 32, "vocab_size": 320})
+    from leapfrog.errors import CheckpointError
+    with pytest.raises((CheckpointError, ConfigError)):
+        LLM(model=str(other), skip_tokenizer_init=True,
+            speculative_config={"method": "eagle3", "model": str(heads["eagle3"]), "num_speculative_tokens": 2})
