@@ -21,6 +21,20 @@ batch-size bucket. Unmeasured verify costs are interpolated linearly between mea
 ``adaptive_explore_interval`` steps the controller tries a neighbour of k* if its estimated
 goodput is within 15 % of k*'s, so close calls stay measured without paying for hopeless
 ones; while speculation is off it drafts one token every 8 intervals to keep alpha current.
+
+Tree size (``num_draft_tokens: "auto"``, tree methods). The proposer grows its candidate tree
+at a cost that does not depend on how many nodes are verified, then keeps the n most confident.
+If c_1 >= c_2 >= ... are the candidates' path confidences (the product of the drafter's
+probabilities along the path, ``DraftBatch.candidate_scores``), verifying the best n accepts
+about a * (c_1 + ... + c_n) tokens, where a calibrates the drafter's confidence against the
+measured acceptance (an exponential moving average of accepted / predicted). So
+
+    n* = argmax_{n in 0..N} (1 + a * C(n)) / (t_draft(B) + t_verify(B, n + 1)),  C(n) = sum_{i<=n} c_i
+
+with C averaged over the batch's latest proposals, t_verify from the same measured table as
+above and n = 0 meaning no speculation (cost t_verify(B, 1), no drafting). The tree shrinks
+as verification stops being cheap (larger batches, slower CPUs) and as the drafter gets less
+sure; acceptance needs no exploration, only the verify-cost curve does (as for K).
 """
 
 from __future__ import annotations
@@ -57,6 +71,8 @@ class SpecController:
         self.draft_cost: dict[int, float] = {}               # bucket -> seconds per draft token
         self.steps = 0
         self.last_k = self.K
+        self.curve: list[float] | None = None   # auto tree size: mean C(n), n = 1..K
+        self.calibration = 1.0                   # auto tree size: measured accepted / predicted
 
     def cap(self, req: Request, k: int) -> int:
         """No drafts past max_tokens or past the cache row's end. For trees k counts nodes: they
@@ -72,6 +88,8 @@ class SpecController:
         B = len(reqs)
         if self.cfg.disable_by_batch_size is not None and B > self.cfg.disable_by_batch_size:
             k = 0
+        elif self.cfg.auto_tree:
+            k = self._auto_tree_size(B)
         elif self.cfg.adaptive:
             k = self._adaptive_k(B)
         else:
@@ -119,15 +137,65 @@ class SpecController:
                 return 1  # keep acceptance measured even while speculation is off
         return best_k
 
+    def _auto_tree_size(self, B: int) -> int:
+        bucket = _bucket(B)
+        t1 = self.verify_cost.get(bucket, {}).get(1)
+        if t1 is None:
+            return 0  # measure plain decode at this batch size first
+        if self.curve is None or bucket not in self.draft_cost:
+            return self.K  # one full tree: its confidences and costs
+        c_d = self.draft_cost[bucket]
+
+        def goodput(n: int) -> float:
+            if n == 0:
+                return 1.0 / t1
+            t = self._verify_time(bucket, n + 1) or t1
+            return (1.0 + self.calibration * self.curve[n - 1]) / (c_d + t)
+
+        best = max(range(self.K + 1), key=goodput)
+        interval = self.cfg.adaptive_explore_interval
+        if self.steps and self.steps % interval == 0:
+            up = (self.steps // interval) % 2 == 1
+            cand = min(self.K, max(1, best * 2)) if up else best // 2
+            if goodput(cand) >= _EXPLORE_MARGIN * goodput(best):
+                return cand  # a plausible size: refresh its verify cost
+            if best == 0 and self.steps % (8 * interval) == 0:
+                return max(1, self.K // 4)  # keep the confidences and calibration current
+        return best
+
+    def _observe_tree(self, drafts: DraftBatch, result: AcceptanceResult) -> None:
+        scores = drafts.candidate_scores
+        if not scores or not any(scores):
+            return
+        curves = []
+        predicted = 0.0
+        for b, sc in enumerate(scores):
+            run, acc = [], 0.0
+            for c in sc[:self.K]:
+                acc += c
+                run.append(acc)
+            run += [acc] * (self.K - len(run))
+            curves.append(run)
+            if drafts.num_draft[b]:
+                predicted += run[drafts.num_draft[b] - 1]
+        mean = [sum(col) / len(curves) for col in zip(*curves)]
+        self.curve = mean if self.curve is None else [(1 - _EMA) * a + _EMA * b for a, b in zip(self.curve, mean)]
+        if predicted > 0:
+            ratio = sum(result.num_accepted) / predicted
+            self.calibration = (1 - _EMA) * self.calibration + _EMA * ratio
+
     def observe(self, reqs: list[Request], drafts: DraftBatch, result: AcceptanceResult,
                 t_draft: float, t_verify: float) -> None:
+        if self.cfg.auto_tree:
+            self._observe_tree(drafts, result)
         bucket = _bucket(len(reqs))
         s = max(drafts.num_draft, default=0) + 1
         table = self.verify_cost.setdefault(bucket, {})
         table[s] = t_verify if s not in table else (1 - _EMA) * table[s] + _EMA * t_verify
         n_draft = drafts.total
         if n_draft:
-            per = t_draft / max(drafts.num_draft)  # sequential draft steps dominate
+            # sequential draft steps dominate; a tree's cost is per step (its size is free)
+            per = t_draft if self.cfg.tree else t_draft / max(drafts.num_draft)
             old = self.draft_cost.get(bucket)
             self.draft_cost[bucket] = per if old is None else (1 - _EMA) * old + _EMA * per
             rate = sum(result.num_accepted) / n_draft

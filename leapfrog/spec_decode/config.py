@@ -118,6 +118,12 @@ class SpeculativeConfig:
         return self.method in TREE_METHODS
 
     @property
+    def auto_tree(self) -> bool:
+        """Tree size chosen per step by goodput (num_draft_tokens "auto", or adaptive with a tree)."""
+        return self.tree and self.speculative_token_tree is None and (
+            self.num_draft_tokens == "auto" or self.adaptive)
+
+    @property
     def draft_budget(self) -> int:
         """The most tokens one step drafts per request: tree nodes for tree methods, else K."""
         if not self.tree:
@@ -127,7 +133,7 @@ class SpeculativeConfig:
         if isinstance(self.num_draft_tokens, int):
             return self.num_draft_tokens
         full = sum(self.eagle_topk ** d for d in range(1, self.num_speculative_tokens + 1))
-        if self.num_draft_tokens == "auto":
+        if self.auto_tree:
             return min(full, 64)
         return min(full, self.eagle_topk * self.num_speculative_tokens, 16)
 

@@ -50,6 +50,7 @@ def _generate(target, spec, prompts, sp, **kw):
 TREES = {
     "chain": {"num_speculative_tokens": 4, "eagle_topk": 1},
     "dynamic": {"num_speculative_tokens": 4, "eagle_topk": 3, "num_draft_tokens": 10},
+    "auto": {"num_speculative_tokens": 3, "eagle_topk": 3, "num_draft_tokens": "auto"},
     "static": {"num_speculative_tokens": 3,
                "speculative_token_tree": "[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]"},
 }

@@ -29,6 +29,7 @@ next step: accepted tokens are recomputed from the target's real features (EAGLE
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -70,7 +71,9 @@ class EagleProposer:
             from leapfrog.errors import ConfigError
             raise ConfigError(f"speculative_config: method {cfg.method!r} but {cfg.model} is an "
                               f"{self.head.kind!r} head; use \"method\": \"{self.head.kind}\"")
-        self.head.pack_for_inference()
+        # q only ranks candidates (verification uses the target's logits): a half-precision LM head
+        # reads half the bytes per draft level, as for draft models
+        self.head.pack_for_inference(fp32_head=False)
         #: what the engine hands over after every target forward (engine._commit)
         self.target_states = "hidden" if self.head.kind == "eagle" else tuple(self.head.target_layer_ids)
         self.depth = cfg.num_speculative_tokens
@@ -125,7 +128,9 @@ class EagleProposer:
             toks += [n.token for n in sel[0]]
             parents += sel[1]
             nums.append(len(sel[0]))
-        return DraftBatch(torch.tensor(toks, dtype=torch.long), nums, None, torch.tensor(parents, dtype=torch.long))
+        scores = [sorted((math.exp(n.score) for n in nodes.get(b, [])), reverse=True) for b in range(len(reqs))]
+        return DraftBatch(torch.tensor(toks, dtype=torch.long), nums, None, torch.tensor(parents, dtype=torch.long),
+                          candidate_scores=scores)
 
     def _ready(self, req: Request) -> bool:
         """The target features up to position N-2 are here (always, unless a step was lost)."""

@@ -1,0 +1,62 @@
+"""num_draft_tokens "auto": the tree size follows goodput (spec_decode/adaptive.py): big trees
+while verifying many tokens is cheap and the drafter is confident, small or none when not."""
+
+from __future__ import annotations
+
+import torch
+
+from leapfrog.spec_decode.adaptive import SpecController
+from leapfrog.spec_decode.config import SpeculativeConfig
+from leapfrog.spec_decode.draft import DraftBatch
+from leapfrog.spec_decode.verify.result import AcceptanceResult
+
+CFG = SpeculativeConfig.from_dict({"method": "eagle3", "model": "h", "num_speculative_tokens": 4,
+                                   "eagle_topk": 4, "num_draft_tokens": "auto"})
+
+
+class _Req:
+    num_speculative_tokens = None
+    max_tokens = 1000
+    output_ids = [1]
+    num_computed = 10
+
+
+def _step(ctl: SpecController, n: int, confidences: list[float], accepted: int, t_draft: float, t_verify: float):
+    drafts = DraftBatch(torch.zeros(n, dtype=torch.long), [n], None, torch.full((n,), -1), [confidences])
+    ctl.observe([_Req()], drafts, AcceptanceResult([accepted], [[0] * (accepted + 1)], [n]), t_draft, t_verify)
+
+
+def _converge(cost_per_token: float, confidences: list[float], accept_of) -> list[int]:
+    ctl = SpecController(CFG, 4096)
+    chosen = []
+    for _ in range(60):
+        n = ctl.choose([_Req()])[0]
+        chosen.append(n)
+        t_verify = 1.0 + cost_per_token * n     # t(B, n + 1), in units of a plain step
+        if n == 0:
+            ctl.observe([_Req()], DraftBatch.empty(1), AcceptanceResult([0], [[0]], [0]), 0.0, t_verify)
+        else:
+            _step(ctl, n, confidences, accept_of(n), 0.3, t_verify)
+    return chosen
+
+
+def test_cheap_verification_and_a_confident_drafter_verify_a_big_tree():
+    conf = [0.9 ** (i // 4 + 1) for i in range(64)]           # four candidates per depth, slowly decaying
+    chosen = _converge(0.01, conf, lambda n: min(n, 4))
+    assert CFG.draft_budget == 64
+    assert chosen[0] == 0 and chosen[1] == 64                 # plain decode measured, then one full tree
+    assert min(chosen[-20:]) >= 12
+
+
+def test_expensive_verification_shrinks_the_tree_or_turns_it_off():
+    conf = [0.5 ** (i + 1) for i in range(64)]                # unsure: the best node is a coin flip
+    chosen = _converge(0.5, conf, lambda n: 0)
+    assert max(chosen[-20:]) <= 2
+    assert chosen[-20:].count(0) >= 15
+
+
+def test_calibration_follows_measured_acceptance():
+    ctl = SpecController(CFG, 4096)
+    for _ in range(40):
+        _step(ctl, 8, [1.0] * 64, 2, 0.1, 1.0)                 # says 8, gets 2
+    assert abs(ctl.calibration - 0.25) < 0.02
