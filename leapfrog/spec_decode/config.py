@@ -58,6 +58,9 @@ class SpeculativeConfig:
             raise ConfigError(f"speculative_config needs 'method', one of {list(METHODS)}")
         if "num_speculative_tokens" not in d:
             raise ConfigError("speculative_config needs 'num_speculative_tokens'")
+        if "eagle_topk" in d and d["method"] not in TREE_METHODS:
+            raise ConfigError(f"speculative_config: eagle_topk applies to tree methods {list(TREE_METHODS)} only, "
+                              f"not {d['method']!r}")
         return cls(**d)
 
     def __post_init__(self) -> None:

@@ -57,3 +57,27 @@ def test_engine_reports_it_and_a_good_engine_still_works(llama_dir):
     llm = LLM(model=str(llama_dir), dtype="float32", speculative_config=NGRAM)
     out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("extra, pattern", [
+    ({"speculative_token_tree": "[(0, 0)]", "num_speculative_tokens": 2}, r"path \(0, 0\) has no parent \(0,\)"),
+    ({"speculative_token_tree": "nonsense"}, "not a list of tuples"),
+    ({"speculative_token_tree": "[(0,), (0,)]", "num_speculative_tokens": 1}, "appears twice"),
+    ({"speculative_token_tree": "[(0,), (-1,)]", "num_speculative_tokens": 1}, "child ranks >= 0"),
+    ({"speculative_token_tree": "[(0,), (0, 0)]", "num_speculative_tokens": 3}, "2 deep but num_speculative_tokens=3"),
+    ({"speculative_token_tree": "[(0,)]", "num_speculative_tokens": 1, "num_draft_tokens": 4}, "leave num_draft"),
+    ({"num_draft_tokens": 0}, r"num_draft_tokens=0: must be an integer in \[1, 128\] or \"auto\""),
+    ({"num_draft_tokens": "lots"}, "num_draft_tokens='lots'"),
+    ({"eagle_topk": 0}, r"eagle_topk=0: must be an integer in \[1, 128\]"),
+    ({"adaptive": True, "num_draft_tokens": 8}, "num_draft_tokens='auto'"),
+])
+def test_tree_config_errors(extra, pattern):
+    d = {"method": "eagle3", "model": "h", "num_speculative_tokens": 3, **extra}
+    with pytest.raises(ConfigError, match=pattern):
+        SpeculativeConfig.from_dict(d)
+
+
+def test_tree_keys_refused_for_chain_methods():
+    for key, value in (("num_draft_tokens", 8), ("eagle_topk", 2), ("speculative_token_tree", "[(0,)]")):
+        with pytest.raises(ConfigError, match=f"{key} applies to tree methods"):
+            SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3, key: value})
