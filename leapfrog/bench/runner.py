@@ -66,7 +66,11 @@ def contender_name(spec: dict | None, taken: set[str]) -> str:
         base = "none"
     else:
         base = f"{spec.get('method', '?')}-k{spec.get('num_speculative_tokens', '?')}"
-        extra = {k: v for k, v in spec.items() if k not in ("method", "num_speculative_tokens")}
+        for key, short in (("eagle_topk", "topk"), ("num_draft_tokens", "n")):  # tree shape, compactly
+            if key in spec:
+                base += f"-{short}{spec[key]}"
+        extra = {k: v for k, v in spec.items()
+                 if k not in ("method", "num_speculative_tokens", "model", "eagle_topk", "num_draft_tokens")}
         if base in taken and extra:   # the short name is taken: spell out the other keys
             base += "-" + ",".join(f"{k}={v}" for k, v in sorted(extra.items()))
     name, i = base, 2
@@ -338,14 +342,14 @@ def recommend(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 # ---------------------------------------------------------------------------------- reporting
 def format_table(result: BenchResult) -> str:
-    head = (f"{'contender':<14} {'category':<14} {'temp':>4} {'bs':>3} {'tok/s':>8} {'speedup':>7} "
+    head = (f"{'contender':<22} {'category':<14} {'temp':>4} {'bs':>3} {'tok/s':>8} {'speedup':>7} "
             f"{'95% CI':>13} {'accept':>6} {'mean len':>8} {'TTFT ms':>8} {'p50 ms':>8} {'p99 ms':>8} {'equal':>5}")
     L = [head, "-" * len(head)]
     for r in result.rows:
         ci = (f"[{r['speedup_ci_low']:.2f}, {r['speedup_ci_high']:.2f}]"
               if r["speedup_ci_low"] is not None else "-")
         ms = (lambda v: _fmt(None if v is None else v * 1000, ".1f"))
-        L.append(f"{r['contender'][:14]:<14} {r['category'][:14]:<14} {r['temperature']:>4g} {r['batch_size']:>3} "
+        L.append(f"{r['contender'][:22]:<22} {r['category'][:14]:<14} {r['temperature']:>4g} {r['batch_size']:>3} "
                  f"{_fmt(r['tokens_per_s'], '.1f'):>8} {_fmt(r['speedup']):>7} {ci:>13} "
                  f"{_fmt(r['acceptance_rate']):>6} {_fmt(r['mean_acceptance_length']):>8} "
                  f"{ms(r['ttft_mean_s']):>8} {ms(r['latency_p50_s']):>8} {ms(r['latency_p99_s']):>8} "

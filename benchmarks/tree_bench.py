@@ -1,0 +1,107 @@
+"""Tree speculation and EAGLE on the built-in pair, side by side in one run (issue: tree speculation).
+
+Contenders (interleaved by ``leapfrog bench``: A B C ... A B C ...): no speculation, draft_model
+K=4 (the demo draft), ngram K=4, the built-in EAGLE-3 head as a chain (eagle_topk 1), as a fixed
+dynamic tree (EAGLE-2: depth 5, top-4 per level, best 16 nodes verified) and with the tree size
+chosen by goodput (num_draft_tokens "auto"). Prompts: code the models never trained on, either
+the demo's held-out standard-library files (``--source heldout``, default) or third-party files
+from this Python's site-packages (``--source site-packages``).
+
+    python benchmarks/tree_bench.py --out bench_tree [--temperatures 0 0.7] [--batch-sizes 1 4 16 32]
+
+Prints the table (tokens/s, speedup over none with its 95 % interval, acceptance, mean accepted
+tokens per step) and writes ``tree_summary.json`` + the bench CSV/plots to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sysconfig
+from pathlib import Path
+
+import torch
+
+from leapfrog.bench.runner import format_table, run_bench
+from leapfrog.bench.workloads import WorkloadItem
+from leapfrog.demo import DEMO_DIR
+from leapfrog.model.loader import load_tokenizer
+from leapfrog.train.corpus import Document
+from leapfrog.train.distill import heldout_prompts
+
+SITE_PACKAGES = ("tqdm", "click", "packaging", "pydantic", "starlette", "jinja2", "hypothesis", "fastapi")
+
+
+def site_package_documents(limit_files: int = 60) -> list[Document]:
+    root = Path(sysconfig.get_paths()["purelib"])
+    docs = []
+    for pkg in SITE_PACKAGES:
+        for f in sorted((root / pkg).rglob("*.py"))[: limit_files // len(SITE_PACKAGES) + 1]:
+            text = f.read_text(encoding="utf-8", errors="replace")
+            if len(text) > 2000:
+                docs.append(Document(str(f.relative_to(root)), text))
+    if not docs:
+        raise SystemExit(f"no third-party Python files found under {root}")
+    return docs
+
+
+def contenders(draft: str, head: str, k: int) -> list[dict]:
+    e3 = {"method": "eagle3", "model": head}
+    return [
+        {"method": "draft_model", "model": draft, "num_speculative_tokens": k},
+        {"method": "ngram", "num_speculative_tokens": k},
+        {**e3, "num_speculative_tokens": 5, "eagle_topk": 1},
+        {**e3, "num_speculative_tokens": 5, "eagle_topk": 4, "num_draft_tokens": 16},
+        {**e3, "num_speculative_tokens": 5, "eagle_topk": 4, "num_draft_tokens": "auto"},
+    ]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=str(DEMO_DIR / "target"))
+    ap.add_argument("--draft", default=str(DEMO_DIR / "draft"))
+    ap.add_argument("--head", default=str(DEMO_DIR / "eagle3"))
+    ap.add_argument("--source", default="heldout", choices=["heldout", "site-packages"])
+    ap.add_argument("--num-prompts", type=int, default=12)
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--k", type=int, default=4, help="K of draft_model and ngram")
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0])
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--only", nargs="*", default=None, help="contender indices to keep (0..4; none always runs)")
+    ap.add_argument("--out", default="bench_tree")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    tok = load_tokenizer(args.target)
+    if args.source == "heldout":
+        import sys
+        sys.path.insert(0, str(Path(__file__).parent))
+        from demo_bench import heldout_documents
+        docs = heldout_documents(DEMO_DIR if args.target == str(DEMO_DIR / "target") else Path(args.target).parent)
+    else:
+        docs = site_package_documents()
+    prompts = heldout_prompts(tok, docs, args.num_prompts, prompt_tokens=args.prompt_tokens)
+    items = [WorkloadItem(f"code-{args.source}", p, None, str(i)) for i, p in enumerate(prompts)]
+    specs = contenders(args.draft, args.head, args.k)
+    if args.only is not None:
+        specs = [specs[int(i)] for i in args.only]
+    res = run_bench(args.target, specs, items, temperatures=args.temperatures, max_tokens=args.max_tokens,
+                    batch_sizes=args.batch_sizes, repeats=args.repeats, warmup=1, out_dir=args.out,
+                    dtype=args.dtype, threads=args.threads)
+    print(format_table(res))
+    rows = [{k: r[k] for k in ("contender", "temperature", "batch_size", "tokens_per_s", "speedup", "speedup_ci_low",
+                               "speedup_ci_high", "acceptance_rate", "mean_acceptance_length", "equal_rate")
+             if k in r} for r in res.rows if r["category"] == "all"]
+    summary = {"source": args.source, "num_prompts": len(items), "max_tokens": args.max_tokens,
+               "dtype": res.settings["resolved_dtype"], "threads": args.threads,
+               "contenders": res.contenders, "rows": rows}
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "tree_summary.json").write_text(json.dumps(summary, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
