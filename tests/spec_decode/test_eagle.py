@@ -102,3 +102,24 @@ def test_errors(shapes, tmp_path):
     with pytest.raises((CheckpointError, ConfigError)):
         LLM(model=str(other), skip_tokenizer_init=True,
             speculative_config={"method": "eagle3", "model": str(heads["eagle3"]), "num_speculative_tokens": 2})
+
+
+def test_greedy_seeded_and_sampled_requests_mix_in_one_tree_batch(shapes, tokenizer):
+    """Greedy requests keep the exact greedy output and seeded ones their seeded output while
+    unseeded sampled requests share their tree-verification steps."""
+    target, heads = shapes["qwen2"]
+    prompts = prompts_of(tokenizer, 6)
+    greedy = SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.8, seed=11, max_tokens=MAX, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.8, top_k=10, max_tokens=MAX, ignore_eos=True)
+    _, ref_greedy = _generate(target, None, prompts[:2], greedy)
+    _, ref_seeded = _generate(target, None, prompts[2:4], seeded)
+    spec = {"method": "eagle3", "model": str(heads["eagle3"]), **TREES["dynamic"]}
+    llm = LLM(model=str(target), dtype="float32", max_model_len=256, max_num_seqs=8, speculative_config=spec)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], [greedy] * 2 + [seeded] * 2 + [sampled] * 2,
+                        use_tqdm=False)
+    ids = [o.outputs[0].token_ids for o in outs]
+    assert ids[:2] == ref_greedy
+    assert ids[2:4] == ref_seeded
+    assert all(len(x) == MAX for x in ids[4:])
+    assert llm.get_metrics()["num_draft_tokens"] > 0
