@@ -254,11 +254,17 @@ def cmd_bench(args) -> int:
 
 
 def _train_draft_parser(sub) -> None:
-    p = sub.add_parser("train-draft", help="distil a target model into a small draft model (same tokenizer)")
+    p = sub.add_parser("train-draft", help="train a drafter for a target: a small draft model (same tokenizer) "
+                                           "or an EAGLE-1/EAGLE-3 head")
     p.add_argument("target", help="target checkpoint: HF directory or hub id")
+    p.add_argument("--method", default="draft_model", choices=["draft_model", "eagle", "eagle3"],
+                   help="draft_model: distil a small Llama; eagle / eagle3: train an EAGLE-1 / EAGLE-3 head on the "
+                        "target's features (EAGLE-3 with training-time test)")
     p.add_argument("--corpus", required=True,
-                   help="training text: a file, a directory of text files, or JSONL ('text', 'prompt' or 'messages')")
-    p.add_argument("--out", required=True, help="output directory (an HF checkpoint that draft_model loads)")
+                   help="training text: a file, a directory of text files, or JSONL ('text', 'prompt' or 'messages'; "
+                        "EAGLE also 'token_ids', for targets without a tokenizer)")
+    p.add_argument("--out", required=True, help="output directory (an HF checkpoint that draft_model loads, or the "
+                                                "EAGLE head that method eagle/eagle3 loads)")
     p.add_argument("--data-mode", default="corpus", choices=["corpus", "generate"],
                    help="corpus: the target's distributions on your text; generate: on the target's own "
                         "continuations of your texts used as prompts (self-distillation)")
@@ -274,38 +280,67 @@ def _train_draft_parser(sub) -> None:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup-steps", type=int, default=20)
     p.add_argument("--ce-weight", type=float, default=0.0, help="add this x cross-entropy on the data's tokens")
+    e = p.add_argument_group("EAGLE (--method eagle / eagle3)")
+    e.add_argument("--ttt-steps", type=int, default=None,
+                   help="draft steps unrolled per batch (training-time test; default: eagle 1, eagle3 4)")
+    e.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="eagle3: the most frequent training tokens the head drafts from (default: half the "
+                        "vocabulary, at most 32000; all of one up to 1024)")
+    e.add_argument("--head-intermediate-size", type=int, default=None, help="the head's MLP width (default: the "
+                                                                           "target's)")
+    e.add_argument("--head-kv-heads", type=int, default=None, help="the head's KV heads (default: the target's)")
+    e.add_argument("--eagle-topk", type=int, default=4, help="eagle_topk of the acceptance test and of the hint")
+    e.add_argument("--resume", action="store_true",
+                   help="continue the training checkpoint in --checkpoint-dir (an EAGLE run refuses to overwrite one "
+                        "without it; draft_model always resumes)")
     p.add_argument("--heldout-fraction", type=float, default=0.05, help="files held out for evaluation")
     p.add_argument("--gen-tokens", type=int, default=128, help="generate mode: tokens per continuation")
     p.add_argument("--gen-temperature", type=float, default=1.0, help="generate mode: 0 = greedy continuations")
+    p.add_argument("--gen-prompt-tokens", type=int, default=32, help="generate mode: prompt length in tokens")
     p.add_argument("--gen-prompts-per-doc", type=int, default=1, help="generate mode: prompts cut from each document")
     p.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts for the acceptance test (0: skip)")
-    p.add_argument("--eval-k", type=int, default=4)
+    p.add_argument("--eval-k", type=int, default=None,
+                   help="num_speculative_tokens of the acceptance test and the hint (default: draft_model 4, EAGLE 5)")
+    p.add_argument("--eval-max-tokens", type=int, default=64, help="tokens generated per held-out prompt")
     p.add_argument("--save-dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--bf16", default="auto", choices=["auto", "on", "off"],
                    help="bf16 autocast: auto = on for CUDA and CPUs with native bf16")
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--checkpoint-dir", default=None, help="default: OUT.ckpt; a run resumes from it")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="default: OUT.ckpt; draft_model resumes from it, EAGLE with --resume")
     p.add_argument("--checkpoint-every", type=int, default=50)
     p.add_argument("--json", default=None, help="also write the summary to this file")
 
 
 def cmd_train_draft(args) -> int:
-    from leapfrog.train.distill import DraftShape, train_draft
     from leapfrog.train.loop import TrainConfig
 
-    shape = DraftShape(hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
-                       num_hidden_layers=args.num_layers, num_attention_heads=args.num_heads,
-                       num_key_value_heads=args.num_kv_heads or args.num_heads)
+    eagle_only = {"--ttt-steps": args.ttt_steps, "--draft-vocab-size": args.draft_vocab_size,
+                  "--head-intermediate-size": args.head_intermediate_size, "--head-kv-heads": args.head_kv_heads}
+    if args.method == "draft_model" and any(v is not None for v in eagle_only.values()):
+        given = [k for k, v in eagle_only.items() if v is not None]
+        raise LeapfrogError(f"{', '.join(given)}: EAGLE options; add --method eagle3 (or eagle)")
+    if args.method != "draft_model" and args.init_draft is not None:
+        raise LeapfrogError("--init-draft applies to --method draft_model")
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                       warmup_steps=args.warmup_steps, seed=args.seed, device=args.device,
                       checkpoint_every=args.checkpoint_every, eval_every=max(1, min(50, args.steps // 4)))
+    if args.method != "draft_model":
+        return _train_eagle(args, cfg)
+    from leapfrog.train.distill import DraftShape, train_draft
+
+    k = args.eval_k or 4
+    shape = DraftShape(hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
+                       num_hidden_layers=args.num_layers, num_attention_heads=args.num_heads,
+                       num_key_value_heads=args.num_kv_heads or args.num_heads)
     res = train_draft(args.target, args.corpus, args.out, shape=shape, init_draft=args.init_draft,
                       train_config=cfg, data_mode=args.data_mode, ce_weight=args.ce_weight,
                       heldout_fraction=args.heldout_fraction, gen_tokens=args.gen_tokens,
-                      gen_temperature=args.gen_temperature, gen_prompts_per_doc=args.gen_prompts_per_doc,
-                      eval_prompts=args.eval_prompts, eval_k=args.eval_k,
-                      save_dtype=args.save_dtype, bf16=args.bf16, checkpoint_dir=args.checkpoint_dir)
+                      gen_temperature=args.gen_temperature, gen_prompt_tokens=args.gen_prompt_tokens,
+                      gen_prompts_per_doc=args.gen_prompts_per_doc, eval_prompts=args.eval_prompts, eval_k=k,
+                      eval_max_tokens=args.eval_max_tokens, save_dtype=args.save_dtype, bf16=args.bf16,
+                      checkpoint_dir=args.checkpoint_dir)
     s = res.summary()
     print(f"[leapfrog train-draft] draft {s['draft_parameters']:,} parameters "
           f"({s['draft_parameters'] / s['target_parameters']:.3f} of the target), {s['steps']} steps, "
@@ -314,8 +349,46 @@ def cmd_train_draft(args) -> int:
         a = res.acceptance
         print(f"[leapfrog train-draft] acceptance at K={a['k']}, temperature 0, {a['prompts']} held-out prompts: "
               f"{a['acceptance_rate']:.3f}, mean acceptance length {a['mean_acceptance_length']:.2f}")
+    hint = {"method": "draft_model", "model": str(res.path), "num_speculative_tokens": k}
     print(f"[leapfrog train-draft] saved {res.path} (loss curve: {res.path / 'training_loss.png'}); use it with "
-          f"--speculative-config '{{\"method\": \"draft_model\", \"model\": \"{res.path}\"}}'")
+          f"--speculative-config '{json.dumps(hint)}'")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(s, f, indent=1, default=str)
+    return 0
+
+
+def _train_eagle(args, cfg) -> int:
+    from leapfrog.train.eagle import EagleData, EagleEval, EagleRecipe, train_eagle
+
+    k, topk = args.eval_k or 5, args.eagle_topk
+    trees = ((k, topk, min(16, k * topk)), (k, 1, None)) if topk > 1 else ((k, 1, None),)
+    res = train_eagle(
+        args.target, args.corpus, args.out, args.method,
+        recipe=EagleRecipe(ttt_steps=args.ttt_steps, draft_vocab_size=args.draft_vocab_size,
+                           intermediate_size=args.head_intermediate_size, num_key_value_heads=args.head_kv_heads),
+        train_config=cfg,
+        data=EagleData(mode=args.data_mode, heldout_fraction=args.heldout_fraction, gen_tokens=args.gen_tokens, gen_temperature=args.gen_temperature,
+                       gen_prompt_tokens=args.gen_prompt_tokens, gen_prompts_per_doc=args.gen_prompts_per_doc),
+        evaluation=EagleEval(prompts=args.eval_prompts, max_tokens=args.eval_max_tokens, trees=trees),
+        save_dtype=args.save_dtype, bf16=args.bf16, checkpoint_dir=args.checkpoint_dir, resume=args.resume)
+    s = res.summary()
+    b, a = res.heldout_before, res.heldout_after
+    print(f"[leapfrog train-draft] {args.method} head {s['head_parameters']:,} parameters "
+          f"({s['head_parameters'] / s['target_parameters']:.3f} of the target), draft vocabulary "
+          f"{s['draft_vocab_size']:,} ({s['draft_vocab_coverage']:.1%} of the training tokens), {s['steps']} steps, "
+          f"{s['train_tokens']:,} tokens in {s['wall_time_s']:.0f}s; held-out loss {b['loss']:.3f} -> {a['loss']:.3f}, "
+          f"top-1 agreement per draft step " + "/".join(f"{x:.2f}" for x in a["accuracy"]))
+    for acc in res.acceptance:
+        c = acc["speculative_config"]
+        print(f"[leapfrog train-draft] temperature 0, {acc['prompts']} held-out prompts, depth "
+              f"{c['num_speculative_tokens']}, eagle_topk {c['eagle_topk']}"
+              + (f", {c['num_draft_tokens']} draft tokens" if "num_draft_tokens" in c else "")
+              + f": acceptance rate {acc['acceptance_rate']:.3f}, mean acceptance length "
+              f"{acc['mean_acceptance_length']:.2f}")
+    hint = {"method": args.method, "model": str(res.path), "num_speculative_tokens": k, "eagle_topk": topk}
+    print(f"[leapfrog train-draft] saved {res.path} (loss curve: {res.path / 'training_loss.png'}); use it with "
+          f"--speculative-config '{json.dumps(hint)}'")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(s, f, indent=1, default=str)

@@ -1,6 +1,7 @@
 """Text corpora for training: the Python standard library's own source, or the user's files.
 
-A corpus is a list of ``Document`` (a name and its text). The held-out split is by document
+A corpus is a list of ``Document`` (a name and its text, or its token ids for targets without a
+tokenizer: JSONL lines ``{"token_ids": [...]}``). The held-out split is by document
 (file), decided by a hash of its name and a seed, so no file is in both halves and the split
 does not depend on the order files are listed in.
 """
@@ -25,6 +26,11 @@ TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".json", ".c", ".h", ".js", ".ts"
 class Document:
     name: str   # a path relative to the corpus root, or "<file>:<line>" for JSONL
     text: str
+    token_ids: tuple[int, ...] | None = None  # already tokenized (JSONL "token_ids"); text is then ""
+
+    @property
+    def empty(self) -> bool:
+        return not self.token_ids if self.token_ids is not None else not self.text.strip()
 
 
 def stdlib_documents(root: str | os.PathLike | None = None) -> list[Document]:
@@ -42,6 +48,15 @@ def stdlib_documents(root: str | os.PathLike | None = None) -> list[Document]:
     return docs
 
 
+def _jsonl_document(obj: dict, name: str, where: str) -> Document:
+    ids = obj.get("token_ids")
+    if ids is None:
+        return Document(name, _jsonl_text(obj, where))
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ConfigError(f"{where}: 'token_ids' must be a list of non-negative integers")
+    return Document(name, "", tuple(ids))
+
+
 def _jsonl_text(obj: dict, where: str) -> str:
     if isinstance(obj.get("text"), str):
         return obj["text"]
@@ -49,12 +64,13 @@ def _jsonl_text(obj: dict, where: str) -> str:
         return obj["prompt"] + (obj.get("completion") or "")
     if isinstance(obj.get("messages"), list):
         return "\n".join(str(m.get("content", "")) for m in obj["messages"] if isinstance(m, dict))
-    raise ConfigError(f"{where}: a JSONL line needs a 'text', 'prompt' or 'messages' field")
+    raise ConfigError(f"{where}: a JSONL line needs a 'text', 'prompt' or 'messages' field (or 'token_ids')")
 
 
 def read_documents(path: str | os.PathLike) -> list[Document]:
     """A text file (one document), a JSONL file (one document per line: ``text``, ``prompt``
-    [+ ``completion``] or chat ``messages``) or a directory (every text file under it)."""
+    [+ ``completion``], chat ``messages``, or ``token_ids``: a list of the target's token ids, for
+    targets without a tokenizer) or a directory (every text file under it)."""
     p = Path(path).expanduser()
     if p.is_dir():
         files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES)
@@ -62,12 +78,12 @@ def read_documents(path: str | os.PathLike) -> list[Document]:
                 for f in files]
     elif p.is_file() and p.name.endswith((".jsonl", ".jsonl.gz")):
         from leapfrog.bench.workloads import read_jsonl
-        docs = [Document(f"{p.name}:{i}", _jsonl_text(obj, f"{p}:{i}")) for i, obj in enumerate(read_jsonl(p), 1)]
+        docs = [_jsonl_document(obj, f"{p.name}:{i}", f"{p}:{i}") for i, obj in enumerate(read_jsonl(p), 1)]
     elif p.is_file():
         docs = [Document(p.name, p.read_text(encoding="utf-8", errors="replace"))]
     else:
         raise ConfigError(f"corpus {str(path)!r}: no such file or directory")
-    docs = [d for d in docs if d.text.strip()]
+    docs = [d for d in docs if not d.empty]
     if not docs:
         raise ConfigError(f"corpus {str(path)!r} holds no text")
     return docs
@@ -94,15 +110,25 @@ def split_by_file(docs: list[Document], heldout_fraction: float, seed: int = 0
     return [d for d in docs if d.name not in names], held
 
 
-def pack_stream(tokenizer, docs: list[Document]) -> Tensor:
-    """All documents tokenized and joined, each followed by EOS -> [T] int64 token stream."""
-    eos = tokenizer.eos_token_id
-    ids: list[int] = []
+def pack_stream(tokenizer, docs: list[Document], eos_token_id: int | None = None) -> Tensor:
+    """All documents tokenized and joined, each followed by EOS -> [T] int64 token stream.
+
+    Documents given as token ids are taken as they are; ``tokenizer`` may be None when all are.
+    EOS: the tokenizer's, else ``eos_token_id`` (None: no separator)."""
+    eos = tokenizer.eos_token_id if tokenizer is not None else eos_token_id
+    text = [j for j, d in enumerate(docs) if d.token_ids is None]
+    if text and tokenizer is None:
+        raise ConfigError(f"document {docs[text[0]].name!r} is text, and there is no tokenizer to encode it; "
+                          "give the corpus as JSONL lines of token ids ({\"token_ids\": [...]}) instead")
+    encoded: dict[int, list[int]] = {}
     batch = 256
-    for i in range(0, len(docs), batch):
-        enc = tokenizer([d.text for d in docs[i:i + batch]], add_special_tokens=False)["input_ids"]
-        for seq in enc:
-            ids.extend(seq)
-            if eos is not None:
-                ids.append(eos)
+    for i in range(0, len(text), batch):
+        part = text[i:i + batch]
+        enc = tokenizer([docs[j].text for j in part], add_special_tokens=False)["input_ids"]
+        encoded.update(zip(part, enc))
+    ids: list[int] = []
+    for j, d in enumerate(docs):
+        ids.extend(d.token_ids if d.token_ids is not None else encoded[j])
+        if eos is not None:
+            ids.append(eos)
     return torch.tensor(ids, dtype=torch.long)

@@ -19,7 +19,7 @@ class ServerMetrics:
         self.num_draft_tokens = Counter("leapfrog:spec_decode_num_draft_tokens", "Draft tokens proposed", lbl, registry=r)
         self.num_accepted_tokens = Counter("leapfrog:spec_decode_num_accepted_tokens", "Draft tokens accepted", lbl, registry=r)
         self.accepted_per_pos = Counter("leapfrog:spec_decode_num_accepted_tokens_per_pos",
-                                        "Accepted draft tokens by draft position", lbl + ["position"], registry=r)
+                                        "Accepted draft tokens by draft position (tree depth for tree methods)", lbl + ["position"], registry=r)
         self.prompt_tokens = Counter("leapfrog:prompt_tokens", "Prompt tokens processed", lbl, registry=r)
         self.generation_tokens = Counter("leapfrog:generation_tokens", "Tokens generated", lbl, registry=r)
         self.requests = Counter("leapfrog:request_success", "Finished requests", lbl + ["finished_reason"], registry=r)
