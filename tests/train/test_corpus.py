@@ -50,3 +50,22 @@ def test_read_documents_formats(tmp_path, tokenizer):
     (tmp_path / "bad.jsonl").write_text('{"x": 1}\n')
     with pytest.raises(ConfigError, match="'text', 'prompt' or 'messages'"):
         read_documents(tmp_path / "bad.jsonl")
+
+
+def test_token_id_documents_need_no_tokenizer(tmp_path, tokenizer):
+    (tmp_path / "ids.jsonl").write_text(json.dumps({"token_ids": [5, 6, 7]}) + "\n" + json.dumps({"token_ids": []})
+                                        + "\n" + json.dumps({"token_ids": [8]}) + "\n")
+    docs = read_documents(tmp_path / "ids.jsonl")
+    assert [d.token_ids for d in docs] == [(5, 6, 7), (8,)] and docs[0].text == ""   # the empty one is dropped
+    assert pack_stream(None, docs, eos_token_id=2).tolist() == [5, 6, 7, 2, 8, 2]
+    assert pack_stream(None, docs).tolist() == [5, 6, 7, 8]
+    # mixed with text: the tokenizer encodes the text, ids pass through, order kept
+    mixed = [Document("a", "import os"), docs[0]]
+    ids = pack_stream(tokenizer, mixed).tolist()
+    assert ids == tokenizer.encode("import os", add_special_tokens=False) + [tokenizer.eos_token_id, 5, 6, 7,
+                                                                            tokenizer.eos_token_id]
+    with pytest.raises(ConfigError, match="no tokenizer"):
+        pack_stream(None, mixed)
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"token_ids": [1, -2]}) + "\n")
+    with pytest.raises(ConfigError, match="non-negative integers"):
+        read_documents(tmp_path / "bad.jsonl")

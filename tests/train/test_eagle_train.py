@@ -1,0 +1,234 @@
+"""EAGLE head training: the training-time test's attention against the inference path, losses that
+fall for both kinds, resume equal to a straight run, a saved head that the engine runs losslessly,
+tokenizer-less targets from a token-id corpus, and the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from leapfrog import LLM, SamplingParams
+from leapfrog.demo import save_random_llama
+from leapfrog.entrypoints.cli import main
+from leapfrog.errors import ConfigError
+from leapfrog.model.eagle import init_eagle_head, load_eagle_head
+from leapfrog.model.loader import load_model, read_checkpoint
+from leapfrog.model.runner import ModelRunner, SeqChunk
+from leapfrog.train.eagle import (
+    EagleData,
+    EagleEval,
+    EagleRecipe,
+    frequent_tokens,
+    target_batch,
+    train_eagle,
+    ttt_mask,
+    unroll,
+)
+from leapfrog.train.loop import TrainConfig
+
+EVAL = EagleEval(prompts=3, max_tokens=16, trees=((3, 2, 5), (3, 1, None)))
+
+
+def cfg(steps, **kw):
+    return TrainConfig(**{**dict(steps=steps, batch_size=4, seq_len=48, lr=1e-2, warmup_steps=2,
+                                 checkpoint_every=5, eval_every=10), **kw})
+
+
+@pytest.fixture(scope="module")
+def target4(tmp_path_factory, tokenizer):
+    """A 4-layer random Llama (EAGLE-3 reads three distinct layers) whose attention and MLP outputs
+    are zeroed and whose LM head is scaled up: a peaked bigram table, which a head learns in a few
+    steps from the target's own greedy text."""
+    import transformers as tf
+    path = save_random_llama(tmp_path_factory.mktemp("t4"), tokenizer, seed=1, hidden_size=64, intermediate_size=128,
+                             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                             initializer_range=0.2, tie_word_embeddings=False)
+    model = tf.AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.lm_head.weight.mul_(3.0)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(target4):
+    """The target and a random head of each kind in float64: the unrolled and the KV-cached paths
+    reduce in different orders, and float32 differences compound over draft steps."""
+    target = load_model(read_checkpoint(target4), torch.float64, torch.device("cpu"), 256)
+    heads = {}
+    for kind in ("eagle", "eagle3"):
+        vocab = torch.randperm(target.args.vocab_size, generator=torch.Generator().manual_seed(0))[:200].sort().values
+        head = init_eagle_head(kind, target.args, seed=3, init_std=0.2, dtype=torch.float64,
+                               **({"draft_token_ids": vocab.tolist()} if kind == "eagle3" else {}))
+        head.bind_target(target)
+        heads[kind] = head.eval()
+    return target, heads
+
+
+def test_ttt_mask_worked_example():
+    m = ttt_mask(4, 2).int().tolist()
+    assert m == [[0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0],
+                 [0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0],
+                 [1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0],
+                 [1, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1]]
+    assert torch.equal(ttt_mask(5, 0), torch.ones(5, 5, dtype=torch.bool).tril())
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_ttt_step0_is_the_plain_forward(models, tokenizer, kind):
+    target, heads = models
+    head = heads[kind]
+    windows = torch.randint(0, len(tokenizer), (2, 20), generator=torch.Generator().manual_seed(1))
+    tb = target_batch(target, head, windows)
+    with torch.no_grad():
+        h0 = unroll(head, tb, 1)[0]
+        ref = head(tb.token_ids, tb.features, tb.positions).hidden  # kv=None: plain causal attention
+    torch.testing.assert_close(h0, ref, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_ttt_steps_are_what_the_inference_tree_expansion_computes(models, tokenizer, kind):
+    """Step j's row t = the depth-(j+1) node of the tree grown (KV cache + ModelRunner, as the EAGLE
+    proposer does) after catching up on head positions 0..t-j, along the data's own tokens."""
+    target, heads = models
+    head = heads[kind]
+    R = 15
+    windows = torch.randint(0, len(tokenizer), (1, R + 1), generator=torch.Generator().manual_seed(2))
+    tb = target_batch(target, head, windows)
+    with torch.no_grad():
+        hs = unroll(head, tb, 4)
+        combined = head.combine_target_features(tb.features[0])  # [R, H], as on_target_states
+    x = tb.token_ids[0].tolist()   # x[r] = token of row r
+    for j in (1, 2, 3):
+        for t in (j, j + 2, R - 1):
+            runner = ModelRunner(head, 1, 64)
+            c = t - j + 1                                        # committed head positions 0..c-1
+            out = runner.step([SeqChunk(0, 0, x[:c], 1, features=combined[:c])], hidden="hidden")
+            h = out.hidden[-1]
+            for i in range(1, j + 1):                            # the chain of depth-i nodes, one forward each
+                node = SeqChunk(0, c + i - 1, [x[c + i - 1]], 1, features=h[None], context=c,
+                                extra_cols=[list(range(c, c + i - 1))], first_pos=[c + i - 1])
+                h = runner.step([node], hidden="hidden").hidden[0]
+            torch.testing.assert_close(hs[j][0, t], h, rtol=1e-9, atol=1e-9, msg=f"step {j} row {t}")
+    # and a step's output depends on the head's own earlier outputs, not on the target features there
+    assert not torch.allclose(hs[1][0, 5], hs[0][0, 5], atol=1e-3)
+
+
+def test_frequent_tokens():
+    stream = torch.tensor([5, 5, 5, 2, 2, 9, 1, 1, 1, 1])
+    assert frequent_tokens(stream, 12, 3).tolist() == [1, 2, 5]
+    assert frequent_tokens(stream, 12, 6).tolist() == [0, 1, 2, 3, 5, 9]  # unseen ids fill up by id
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, target4, corpus_dir):
+    out = {}
+    for kind in ("eagle", "eagle3"):
+        d = tmp_path_factory.mktemp(kind)
+        out[kind] = train_eagle(target4, corpus_dir, d / "head", kind,
+                                train_config=cfg(60, batch_size=8, eval_every=30),
+                                recipe=EagleRecipe(draft_vocab_size=256 if kind == "eagle3" else None,
+                                                   ttt_steps=None if kind == "eagle" else 3),
+                                data=EagleData(mode="generate", gen_temperature=0.0, gen_tokens=48,
+                                               gen_prompts_per_doc=2, heldout_fraction=0.2), evaluation=EVAL)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_losses_fall_and_the_head_drafts_in_the_engine(trained, target4, kind):
+    res = trained[kind]
+    b, a = res.heldout_before, res.heldout_after
+    losses = [v for _, v in res.state.losses]
+    assert sum(losses[-10:]) < 0.5 * sum(losses[:10])
+    assert a["loss"] < 0.7 * b["loss"]
+    assert a["accuracy"][0] > 0.4 and len(a["accuracy"]) == (1 if kind == "eagle" else 3)
+    if kind == "eagle":
+        assert a["feature"][0] < b["feature"][0]
+    assert [s for s, _ in res.state.evals] == [30, 60]
+    # the saved head loads and drafts: greedy output with it equals output without
+    t = load_model(read_checkpoint(target4), torch.float32, torch.device("cpu"), 256)
+    head = load_eagle_head(res.path, t)
+    assert head.kind == kind and head.cfg.draft_vocab_size == (256 if kind == "eagle3" else t.args.vocab_size)
+    prompts = ["def foo(x):\n    return", "import os\n", "class A:\n"]
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    ref = LLM(model=str(target4), dtype="float32").generate(prompts, sp, use_tqdm=False)
+    spec = {"method": kind, "model": str(res.path), "num_speculative_tokens": 3, "eagle_topk": 2}
+    llm = LLM(model=str(target4), dtype="float32", speculative_config=spec)
+    got = llm.generate(prompts, sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+    assert llm.get_metrics()["mean_acceptance_length"] > 2.0
+    assert [a["speculative_config"]["eagle_topk"] for a in res.acceptance] == [2, 1]
+    assert all(a["mean_acceptance_length"] > 2.0 for a in res.acceptance)
+    for f in ("config.json", "model.safetensors", "training_loss.png", "train_eagle.json"):
+        assert (res.path / f).is_file(), f
+
+
+def test_resume_equals_a_straight_run(tmp_path, target4, corpus_dir):
+    kw = dict(kind="eagle3", recipe=EagleRecipe(draft_vocab_size=200, ttt_steps=2),
+              data=EagleData(heldout_fraction=0.2), evaluation=EagleEval(prompts=0))
+    straight = train_eagle(target4, corpus_dir, tmp_path / "a", train_config=cfg(8), **kw)
+    part = train_eagle(target4, corpus_dir, tmp_path / "b", train_config=cfg(8), stop_at=5, **kw)
+    assert part.state.step == 5
+    with pytest.raises(ConfigError, match="resume"):
+        train_eagle(target4, corpus_dir, tmp_path / "b", train_config=cfg(8), **kw)
+    with pytest.raises(ConfigError, match="other settings"):
+        train_eagle(target4, corpus_dir, tmp_path / "b", train_config=cfg(8, lr=1e-3), resume=True, **kw)
+    resumed = train_eagle(target4, corpus_dir, tmp_path / "b", train_config=cfg(8), resume=True, **kw)
+    assert [s for s, _ in resumed.state.losses] == list(range(1, 9))
+    assert [v for _, v in resumed.state.losses] == pytest.approx([v for _, v in straight.state.losses], rel=1e-4)
+    wa, wb = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5)
+
+
+def test_token_id_corpus_trains_a_head_for_a_target_without_tokenizer(tmp_path, tokenizer, corpus_dir):
+    target = save_random_llama(tmp_path / "t", None, seed=2, vocab_size=300, hidden_size=48, intermediate_size=96,
+                               num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                               initializer_range=0.2, tie_word_embeddings=False, eos_token_id=2)
+    gen = torch.Generator().manual_seed(0)
+    lines = [json.dumps({"token_ids": torch.randint(3, 300, (120,), generator=gen).tolist()}) for _ in range(6)]
+    (tmp_path / "ids.jsonl").write_text("\n".join(lines) + "\n")
+    res = train_eagle(target, tmp_path / "ids.jsonl", tmp_path / "head", "eagle3", train_config=cfg(4, seq_len=32),
+                      recipe=EagleRecipe(draft_vocab_size=100, ttt_steps=2),
+                      data=EagleData(mode="generate", gen_tokens=16, gen_prompt_tokens=8, heldout_fraction=0.3),
+                      evaluation=EagleEval(prompts=2, max_tokens=8, trees=((2, 2, None),)), save_dtype="bfloat16")
+    assert res.state.step == 4 and res.acceptance[0]["num_drafts"] > 0
+    assert load_file(res.path / "model.safetensors")["lm_head.weight"].dtype == torch.bfloat16
+    with pytest.raises(ConfigError, match="token ids"):
+        train_eagle(target, corpus_dir, tmp_path / "head2", "eagle3", train_config=cfg(2))
+
+
+def test_cli_train_draft_eagle3(tmp_path, target4, corpus_dir, capsys):
+    out = tmp_path / "cli_head"
+    rc = main(["train-draft", str(target4), "--method", "eagle3", "--corpus", str(corpus_dir), "--out", str(out),
+               "--steps", "2", "--batch-size", "2", "--seq-len", "32", "--ttt-steps", "2", "--draft-vocab-size", "128",
+               "--eval-prompts", "1", "--eval-max-tokens", "8", "--save-dtype", "bfloat16",
+               "--json", str(tmp_path / "s.json")])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "mean acceptance length" in text
+    hint = text[text.index("--speculative-config '") + len("--speculative-config '"):].split("'")[0]
+    assert json.loads(hint) == {"method": "eagle3", "model": str(out), "num_speculative_tokens": 5, "eagle_topk": 4}
+    assert json.loads((tmp_path / "s.json").read_text())["steps"] == 2
+    # a second run needs --resume; with it, a finished run only saves and evaluates again
+    assert main(["train-draft", str(target4), "--method", "eagle3", "--corpus", str(corpus_dir), "--out", str(out),
+                 "--steps", "2", "--batch-size", "2", "--seq-len", "32", "--eval-prompts", "0"]) == 2
+    assert main(["train-draft", str(target4), "--method", "eagle", "--corpus", str(corpus_dir), "--out", str(out),
+                 "--draft-vocab-size", "100"]) == 2
+
+
+def test_cli_draft_model_hint_names_k(tmp_path, target4, corpus_dir, capsys):
+    out = tmp_path / "draft"
+    assert main(["train-draft", str(target4), "--corpus", str(corpus_dir), "--out", str(out), "--steps", "1",
+                 "--batch-size", "2", "--seq-len", "32", "--hidden-size", "32", "--intermediate-size", "64",
+                 "--num-layers", "1", "--num-heads", "2", "--eval-prompts", "0", "--eval-k", "3"]) == 0
+    text = capsys.readouterr().out
+    hint = text[text.index("--speculative-config '") + len("--speculative-config '"):].split("'")[0]
+    assert json.loads(hint) == {"method": "draft_model", "model": str(out), "num_speculative_tokens": 3}
