@@ -86,6 +86,7 @@ class EagleProposer:
         self.computed: dict[str, int] = {}
         self.feats: dict[str, _Feats] = {}
         self.static_children = _static_children(self.static) if self.static else None
+        self.max_rank = max((p[-1] for p in self.static or ()), default=0)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, req: Request) -> None:
@@ -178,8 +179,9 @@ class EagleProposer:
               logits: torch.Tensor, states: torch.Tensor) -> None:
         """Add depth-1 candidates, then expand level by level (module docstring, step 2)."""
         frontier: dict[int, list[int]] = {}
+        vals, ids = self._top(logits)
         for i, b in enumerate(active):
-            frontier[b] = self._children(nodes[b], -1, 0.0, 1, logits[i], states[i])
+            frontier[b] = self._children(nodes[b], -1, 0.0, 1, vals[i], ids[i], states[i])
         next_col = {b: self.computed[reqs[b].request_id] for b in active}
         context = dict(next_col)
         for depth in range(2, self.depth + 1):
@@ -205,28 +207,31 @@ class EagleProposer:
                     ns[j].col = next_col[b] + k
                 next_col[b] += len(frontier[b])
             out = self.runner.step(chunks, hidden="hidden")
+            vals, ids = self._top(out.logits)
             o = 0
             for b in todo:
                 cand = []
                 for j in frontier[b]:
-                    cand += self._children(nodes[b], j, nodes[b][j].score, depth, out.logits[o], out.hidden[o])
+                    cand += self._children(nodes[b], j, nodes[b][j].score, depth, vals[o], ids[o], out.hidden[o])
                     o += 1
                 frontier[b] = self._next_frontier(nodes[b], cand, depth)
 
-    def _children(self, ns: list[_Node], parent: int, score: float, depth: int, logits: torch.Tensor,
-                  state: torch.Tensor) -> list[int]:
-        """Append the candidate children of ``parent`` (its logits [V]; ``state`` [H] is the head's
-        output state after the parent: the feature the children run with); -> their node indices."""
+    def _top(self, logits: torch.Tensor) -> tuple[list[list[float]], list[list[int]]]:
+        """The most likely children of every row at once: log q and token ids, best first
+        (enough for the widest rank the tree asks for); logits [R, V]."""
+        want = self.topk if self.static_children is None else self.max_rank + 1
+        top = torch.log_softmax(logits.float(), -1).topk(min(want, logits.shape[-1]))
+        return top.values.tolist(), top.indices.tolist()
+
+    def _children(self, ns: list[_Node], parent: int, score: float, depth: int, vals: list[float],
+                  ids: list[int], state: torch.Tensor) -> list[int]:
+        """Append the candidate children of ``parent`` (log q and ids of its best tokens; ``state``
+        [H] is the head's output state after the parent: the feature the children run with)
+        -> their node indices."""
         if self.static_children is not None:
             ranks = self.static_children.get(self._path_ranks(ns, parent), [])
-            if not ranks:
-                return []
-            want = max(ranks) + 1
         else:
-            ranks, want = list(range(self.topk)), self.topk
-        lp = torch.log_softmax(logits.float(), -1)
-        top = lp.topk(min(want, lp.shape[-1]))
-        vals, ids = top.values.tolist(), top.indices.tolist()
+            ranks = list(range(self.topk))
         out = []
         for r in ranks:
             if r < len(ids):
