@@ -62,7 +62,7 @@ from leapfrog.errors import CheckpointError, ConfigError
 from leapfrog.model.eagle import EagleHead, EagleKind, init_eagle_head, save_eagle_head
 from leapfrog.model.llama import LlamaModel
 from leapfrog.train.corpus import Document, pack_stream, read_documents, split_by_file
-from leapfrog.train.distill import heldout_prompts, heldout_windows, kl_per_token, line_windows, resolve_autocast
+from leapfrog.train.distill import heldout_prompts, heldout_windows, line_windows, resolve_autocast
 from leapfrog.train.loop import (
     TrainConfig,
     TrainState,
@@ -100,6 +100,7 @@ class EagleRecipe:
     intermediate_size: int | None = None  # the head's MLP width (default: the target's)
     num_key_value_heads: int | None = None  # the head's KV heads (default: the target's)
     target_layer_ids: tuple[int, ...] | None = None  # eagle3 aux layers (default: low/middle/high)
+    init_from_target: bool = True         # eagle3: warm start from the target (_new_head)
 
     def steps_for(self, kind: EagleKind) -> int:
         return self.ttt_steps if self.ttt_steps is not None else (1 if kind == "eagle" else 4)
@@ -116,7 +117,7 @@ class EagleData:
     gen_temperature: float = 1.0   # generate: 0 = greedy
     gen_prompt_tokens: int = 32    # generate: prompt length
     gen_prompts_per_doc: int = 1   # generate: prompts cut from each document (evenly spaced)
-    gen_max_num_seqs: int = 32     # generate: the engine's batch
+    gen_max_num_seqs: int = 64     # generate: the engine's batch
 
 
 @dataclass(frozen=True)
@@ -163,7 +164,49 @@ class EagleResult:
         return d
 
 
-# ---------------------------------------------------------------------------- the batch the head sees
+# ---------------------------------------------------------------------------- data and the batch the head sees
+
+@dataclass
+class TokenData:
+    """Training tokens: a stream [T] and, in generate mode, the bounds [N + 1] of its N samples
+    (sample i = stream[bounds[i]:bounds[i + 1]]: a prompt, the target's continuation, EOS).
+
+    Samples are batched whole, each from position 0 and with nothing before it, as the engine runs
+    a prompt: packing them into windows would let the head copy from a previous sample (two
+    prompts of one file continue alike) and see positions it never meets at inference. Without
+    bounds (corpus mode) batches are random windows of the stream (loop.py's batch_at)."""
+
+    stream: Tensor
+    bounds: Tensor | None = None
+
+    def batch(self, step: int, cfg: TrainConfig) -> tuple[Tensor, Tensor]:
+        """-> token ids [B, S] (samples padded with 0 after their end) and lengths [B], a pure
+        function of (cfg.seed, step) so that a resumed run sees the same batches."""
+        if self.bounds is None:
+            windows = batch_at(self.stream, step, cfg)
+            return windows, torch.full((len(windows),), windows.shape[1])
+        g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+        return self.rows(torch.randint(0, len(self.bounds) - 1, (cfg.batch_size,), generator=g), cfg.seq_len)
+
+    def rows(self, idx: Tensor, max_len: int) -> tuple[Tensor, Tensor]:
+        """Samples ``idx`` [B] (at most ``max_len`` tokens each) -> [B, S] padded, lengths [B]."""
+        assert self.bounds is not None
+        starts, ends = self.bounds[idx], torch.minimum(self.bounds[idx + 1], self.bounds[idx] + max_len)
+        lengths = ends - starts
+        out = torch.zeros(len(idx), int(lengths.max()), dtype=torch.long)
+        for b, (a, e) in enumerate(zip(starts.tolist(), ends.tolist())):
+            out[b, :e - a] = self.stream[a:e]
+        return out, lengths
+
+    def heldout(self, n: int, seq_len: int) -> list[tuple[Tensor, Tensor]]:
+        """Up to ``n`` evenly spaced held-out windows or samples, in batches of 4: [(ids [b, S], lengths [b])]."""
+        if self.bounds is None:
+            w = heldout_windows(self.stream, n, min(seq_len, self.stream.numel() - 1))
+            return [(x, torch.full((len(x),), x.shape[1])) for x in w.split(4)]
+        N = len(self.bounds) - 1
+        idx = torch.linspace(0, N - 1, min(n, N)).round().long().unique()
+        return [self.rows(i, seq_len) for i in idx.split(4)]
+
 
 @dataclass
 class TargetBatch:
@@ -173,24 +216,33 @@ class TargetBatch:
     positions: Tensor             # [B, R] t
     features: Tensor              # [B, R, F] f_t (EAGLE-3: three layers concatenated, F = 3 Ht)
     next_features: Tensor | None  # [B, R, Ht] f_{t+1} (EAGLE-1's regression target)
-    p_logits: Tensor              # [B, R, Vd] the target's logits at t+1, over the draft vocabulary
+    p: Tensor                     # [B, R, Vd] float32 the target's next-token distribution at t+1, on the
+                                  #   draft vocabulary (renormalised there)
+    p_top: Tensor                 # [B, R] argmax p (draft ids)
+    p_log_p: Tensor               # [B, R] sum p log p (-entropy): KL(p || q) = p_log_p - sum p log q
     scored: Tensor                # [B, R] bool: rows scored (EAGLE-3: argmax p inside the draft vocabulary)
 
 
 @torch.no_grad()
-def target_batch(target: LlamaModel, head: EagleHead, windows: Tensor) -> TargetBatch:
-    """windows [B, S] token ids -> the head's inputs and targets (R = S - 1 rows)."""
+def target_batch(target: LlamaModel, head: EagleHead, windows: Tensor, lengths: Tensor | None = None) -> TargetBatch:
+    """windows [B, S] token ids (``lengths`` [B]: real tokens, then padding) -> the head's inputs and
+    targets (R = S - 1 rows; a sample of L tokens scores rows 0..L-2)."""
     B, S = windows.shape
     pos = torch.arange(S, device=windows.device).expand(B, S)
     out = target(windows, pos, aux_layers=head.target_layer_ids)
     feats = head.target_features(out)                                             # [B, S, F]
     p = target.compute_logits(out.hidden[:, 1:].reshape(B * (S - 1), -1)).view(B, S - 1, -1)  # [B, R, V]
     scored = torch.ones(B, S - 1, dtype=torch.bool, device=windows.device)
+    if lengths is not None:
+        scored = pos[:, :-1] < (lengths.to(windows.device)[:, None] - 1)
     if head.kind == "eagle3" and not head.identity_vocab:
-        scored = head.t2d[p.argmax(-1)]
+        scored &= head.t2d[p.argmax(-1)]
         p = p[..., head.draft_ids]                                                # [B, R, Vd]
     nxt = out.hidden[:, 1:] if head.kind == "eagle" else None
-    return TargetBatch(windows[:, 1:], pos[:, :-1], feats[:, :-1], nxt, p.float(), scored)
+    log_p = F.log_softmax(p.float(), dim=-1)     # computed once: every unrolled step is scored against it
+    probs = log_p.exp()
+    return TargetBatch(windows[:, 1:], pos[:, :-1], feats[:, :-1], nxt, probs, log_p.argmax(-1),
+                       (probs * log_p).sum(-1), scored)
 
 
 # ---------------------------------------------------------------------------- training-time test
@@ -243,15 +295,14 @@ def unroll(head: EagleHead, tb: TargetBatch, steps: int, noise: Tensor | None = 
 def eagle_loss(head: EagleHead, tb: TargetBatch, recipe: EagleRecipe, noise: Tensor | None = None) -> LossParts:
     """The loss of one batch (module docstring), unrolled ``recipe.steps_for(head.kind)`` steps."""
     hs = unroll(head, tb, recipe.steps_for(head.kind), noise)
-    total = torch.zeros((), device=tb.p_logits.device)
+    total = torch.zeros((), device=tb.p.device)
     kls, feats, accs = [], [], []
     for j, h in enumerate(hs):
         rows = tb.scored.clone()
         rows[:, :j] = False                                   # rows t < j: no step-j draft
         hr = h[rows]                                          # [N, H]
-        q = head.compute_draft_logits(hr)                     # [N, Vd]
-        p = tb.p_logits[rows]                                 # [N, Vd]
-        kl = kl_per_token(q, p).mean()
+        log_q = F.log_softmax(head.compute_draft_logits(hr).float(), dim=-1)   # [N, Vd]
+        kl = (tb.p_log_p[rows] - (tb.p[rows] * log_q).sum(-1)).mean()          # KL(p || q)
         step_loss = kl
         if head.kind == "eagle":
             assert tb.next_features is not None
@@ -260,7 +311,7 @@ def eagle_loss(head: EagleHead, tb: TargetBatch, recipe: EagleRecipe, noise: Ten
             feats.append(float(fl.detach()))
         total = total + recipe.step_decay ** j * step_loss
         kls.append(float(kl.detach()))
-        accs.append(float((q.argmax(-1) == p.argmax(-1)).float().mean()))
+        accs.append(float((log_q.argmax(-1) == tb.p_top[rows]).float().mean()))
     return LossParts(total, kls, feats, accs)
 
 
@@ -274,15 +325,15 @@ def _noise(tb: TargetBatch, amplitude: float, seed: int, step: int) -> Tensor | 
 
 
 @torch.no_grad()
-def heldout_metrics(head: EagleHead, target: LlamaModel, windows: Tensor, recipe: EagleRecipe,
+def heldout_metrics(head: EagleHead, target: LlamaModel, batches: list[tuple[Tensor, Tensor]], recipe: EagleRecipe,
                     autocast: bool = False) -> dict:
-    """The loss and its parts over held-out ``windows`` [N, S] (no noise), batches of 4."""
+    """The loss and its parts (no noise), averaged over held-out ``batches`` [(ids [b, S], lengths [b])]."""
     head.eval()
     parts: list[LossParts] = []
     device = head.device
-    for rows in windows.split(4):
+    for rows, lengths in batches:
         with _bf16(device, autocast):
-            parts.append(eagle_loss(head, target_batch(target, head, rows.to(device)), recipe))
+            parts.append(eagle_loss(head, target_batch(target, head, rows.to(device), lengths), recipe))
     n = len(parts)
     mean = lambda xs: [sum(x) / n for x in zip(*xs)]  # noqa: E731
     return {"loss": sum(float(p.total) for p in parts) / n, "token_kl": mean([p.token_kl for p in parts]),
@@ -314,11 +365,11 @@ def _fmt(xs: Sequence[float]) -> str:
     return "/".join(f"{x:.2f}" for x in xs)
 
 
-def _step(head: EagleHead, target: LlamaModel, opt: torch.optim.Optimizer, windows: Tensor, recipe: EagleRecipe,
-          cfg: TrainConfig, step: int) -> LossParts:
-    """One optimiser step on ``windows`` [B, S]; -> the loss parts (total detached)."""
+def _step(head: EagleHead, target: LlamaModel, opt: torch.optim.Optimizer, windows: Tensor, lengths: Tensor,
+          recipe: EagleRecipe, cfg: TrainConfig, step: int) -> LossParts:
+    """One optimiser step on ``windows`` [B, S] (``lengths`` [B]); -> the loss parts (total detached)."""
     with _bf16(windows.device, cfg.autocast_bf16):
-        tb = target_batch(target, head, windows)
+        tb = target_batch(target, head, windows, lengths)
         noise = _noise(tb, recipe.feature_noise if head.kind == "eagle" else 0.0, cfg.seed, step)
         parts = eagle_loss(head, tb, recipe, noise)
     if not torch.isfinite(parts.total):
@@ -332,12 +383,12 @@ def _step(head: EagleHead, target: LlamaModel, opt: torch.optim.Optimizer, windo
     return parts
 
 
-def train_head(head: EagleHead, target: LlamaModel, stream: Tensor, recipe: EagleRecipe, cfg: TrainConfig,
+def train_head(head: EagleHead, target: LlamaModel, data: TokenData, recipe: EagleRecipe, cfg: TrainConfig,
                checkpoint_dir: Path | None = None, eval_fn: Callable[[EagleHead], dict] | None = None,
                stop_at: int | None = None, log: Callable[[str], None] = _log) -> tuple[TrainState, list[dict], float]:
-    """Train ``head`` on windows of ``stream`` [T] (loop.py's batches, schedule, optimizer and
-    checkpoint). Resumes from ``checkpoint_dir`` when it holds a checkpoint. -> (state, metric
-    history at eval points, wall seconds of the training steps, earlier runs of the checkpoint included)."""
+    """Train ``head`` on batches of ``data`` (loop.py's schedule, optimizer and checkpoint). Resumes
+    from ``checkpoint_dir`` when it holds a checkpoint. -> (state, metric history at eval points, wall
+    seconds of the training steps, earlier runs of the checkpoint included)."""
     device = torch.device(cfg.device)
     head.to(device).train()
     opt = make_optimizer(head, cfg)
@@ -353,10 +404,10 @@ def train_head(head: EagleHead, target: LlamaModel, stream: Tensor, recipe: Eagl
     while state.step < end:
         for group in opt.param_groups:
             group["lr"] = lr_at(state.step, cfg)
-        windows = batch_at(stream, state.step, cfg).to(device)   # [B, S]
-        parts = _step(head, target, opt, windows, recipe, cfg, state.step)
+        windows, lengths = data.batch(state.step, cfg)               # [B, S], [B]
+        parts = _step(head, target, opt, windows.to(device), lengths, recipe, cfg, state.step)
         state.step += 1
-        state.tokens_seen += windows.numel()
+        state.tokens_seen += int(lengths.sum())
         value = float(parts.total)
         state.losses.append((state.step, value))
         bar.update(1)
@@ -410,47 +461,49 @@ def _doc_prompts(doc: Document, tokenizer, n: int, prompt_tokens: int) -> list[l
     return out
 
 
-def generate_stream(target_path: str, tokenizer, docs: list[Document], data: EagleData, seed: int,
-                    eos_token_id: int | None, prompts_per_doc: int | None = None) -> Tensor:
-    """The target's own continuations of prompts cut from ``docs``: prompt + continuation + EOS per
-    prompt, joined -> [T]. Greedy ones are drafted by n-gram lookup on the way (lossless: the same
-    tokens, fewer target forwards)."""
+def generate_samples(target_path: str, tokenizer, docs: list[Document], data: EagleData, seed: int,
+                     eos_token_id: int | None) -> TokenData:
+    """The target's own continuations of prompts cut from ``docs``: one sample per prompt (prompt +
+    continuation + EOS)."""
     from leapfrog import LLM, SamplingParams
     from leapfrog.model.loader import read_checkpoint
-    per_doc = prompts_per_doc or data.gen_prompts_per_doc
-    prompts = [p for d in docs for p in _doc_prompts(d, tokenizer, per_doc, data.gen_prompt_tokens)]
+    prompts = [p for d in docs for p in _doc_prompts(d, tokenizer, data.gen_prompts_per_doc, data.gen_prompt_tokens)]
     context = read_checkpoint(target_path).args.max_position_embeddings
-    spec = {"method": "ngram", "num_speculative_tokens": 4} if data.gen_temperature == 0 else None
     llm = LLM(model=target_path, dtype="float32", seed=seed, skip_tokenizer_init=tokenizer is None,
               max_model_len=min(data.gen_prompt_tokens + data.gen_tokens + 8, context),
-              max_num_seqs=data.gen_max_num_seqs, speculative_config=spec)
+              max_num_seqs=data.gen_max_num_seqs)
     sp = SamplingParams(temperature=data.gen_temperature, max_tokens=data.gen_tokens, seed=seed)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=sys.stderr.isatty())
     sep = [] if eos_token_id is None else [eos_token_id]
     ids: list[int] = []
+    bounds = [0]
     for p, o in zip(prompts, outs):
-        ids += p + list(o.outputs[0].token_ids) + sep
-    return torch.tensor(ids, dtype=torch.long)
+        out = list(o.outputs[0].token_ids)
+        ids += p + out + (sep if out[-1:] != sep else [])
+        bounds.append(len(ids))
+    return TokenData(torch.tensor(ids, dtype=torch.long), torch.tensor(bounds, dtype=torch.long))
 
 
-def _streams(ckpt, tokenizer, train_docs: list[Document], held: list[Document], data: EagleData,
-             seed: int, cache: Path | None) -> tuple[Tensor, Tensor]:
-    """(training stream, held-out stream) [T], from ``cache`` when it was made with the same settings."""
+def _token_data(ckpt, tokenizer, train_docs: list[Document], held: list[Document], data: EagleData,
+                seed: int, cache: Path | None) -> tuple[TokenData, TokenData]:
+    """(training, held-out) tokens, from ``cache`` when it was made with the same settings."""
     eos = tokenizer.eos_token_id if tokenizer is not None else (ckpt.eos_token_ids or (None,))[0]
     key = hashlib.sha256(json.dumps([str(ckpt.path), asdict(data), seed, [d.name for d in train_docs],
                                      [d.name for d in held]]).encode()).hexdigest()
     if cache is not None and cache.is_file():
         d = torch.load(cache, weights_only=True)
         if d.get("key") == key:
-            return d["train"], d["heldout"]
+            return TokenData(*d["train"]), TokenData(*d["heldout"])
     if data.mode == "generate":
-        train = generate_stream(str(ckpt.path), tokenizer, train_docs, data, seed, eos)
-        heldout = generate_stream(str(ckpt.path), tokenizer, held, data, seed, eos, prompts_per_doc=1)
+        train = generate_samples(str(ckpt.path), tokenizer, train_docs, data, seed, eos)
+        heldout = generate_samples(str(ckpt.path), tokenizer, held, data, seed, eos)
     else:
-        train, heldout = pack_stream(tokenizer, train_docs, eos), pack_stream(tokenizer, held, eos)
+        train = TokenData(pack_stream(tokenizer, train_docs, eos))
+        heldout = TokenData(pack_stream(tokenizer, held, eos))
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"key": key, "train": train, "heldout": heldout}, cache)
+        torch.save({"key": key, "train": (train.stream, train.bounds), "heldout": (heldout.stream, heldout.bounds)},
+                   cache)
     return train, heldout
 
 
@@ -525,7 +578,26 @@ def _new_head(kind: EagleKind, target: LlamaModel, recipe: EagleRecipe, stream: 
     head = init_eagle_head(kind, args, Vd if kind == "eagle3" else None, recipe.target_layer_ids, seed=seed,
                            draft_token_ids=vocab, device=device)
     head.bind_target(target)
+    if kind == "eagle3" and recipe.init_from_target:
+        _warm_start(head, target)
     return head
+
+
+@torch.no_grad()
+def _warm_start(head: EagleHead, target: LlamaModel) -> None:
+    """EAGLE-3 head in the target's output space from step 0: lm_head = the target's LM head rows
+    of the draft vocabulary, norm = the target's final norm, and (same widths) fc picking the
+    highest aux layer, so that h starts as the target's own top residual state and training
+    learns one step further (p_{t+1} instead of p_t) rather than an output space from scratch."""
+    assert head.lm_head is not None and head.norm is not None
+    w = target.embed.weight if target.lm_head is None else target.lm_head.weight        # [V, Ht]
+    if head.args.hidden_size != target.args.hidden_size:
+        return
+    head.lm_head.weight.copy_(w[head.draft_ids.to(w.device)].to(head.lm_head.weight.dtype))
+    head.norm.copy_(target.norm.to(head.norm.dtype))
+    H = head.args.hidden_size
+    head.fc.weight.zero_()
+    head.fc.weight[:, -H:] = torch.eye(H, dtype=head.fc.weight.dtype, device=head.fc.weight.device)
 
 
 def _start_meta(ckdir: Path, settings: dict) -> None:
@@ -586,13 +658,14 @@ def train_eagle(target: str | os.PathLike, corpus: str | os.PathLike | list[Docu
                           "{\"token_ids\": [...]} (or put the target's tokenizer files beside it)")
     V = ckpt.args.vocab_size
     t_start = time.perf_counter()
-    stream, held_stream = _streams(ckpt, tokenizer, train_docs, held, data, cfg.seed, ckdir / DATA_NAME)
-    if int(stream.max()) >= V or int(held_stream.max()) >= V:
+    train_data, held_data = _token_data(ckpt, tokenizer, train_docs, held, data, cfg.seed, ckdir / DATA_NAME)
+    stream = train_data.stream
+    if int(stream.max()) >= V or int(held_data.stream.max()) >= V:
         raise ConfigError(f"the corpus has token ids >= the target's vocab_size {V}")
-    if stream.numel() <= cfg.seq_len:
+    if data.mode == "corpus" and stream.numel() <= cfg.seq_len:
         raise ConfigError(f"the corpus gives {stream.numel()} training tokens; need more than "
                           f"seq_len={cfg.seq_len} (pass more text or a smaller --seq-len)")
-    log(f"data ({data.mode}): {stream.numel():,} training tokens, {held_stream.numel():,} held-out "
+    log(f"data ({data.mode}): {stream.numel():,} training tokens, {held_data.stream.numel():,} held-out "
         f"({time.perf_counter() - t_start:.0f}s)")
 
     tdtype = torch.bfloat16 if cfg.autocast_bf16 else torch.float32
@@ -603,10 +676,10 @@ def train_eagle(target: str | os.PathLike, corpus: str | os.PathLike | list[Docu
     settings = _settings(kind, recipe, data, cfg, Vd)
     _start_meta(ckdir, settings)
 
-    val = heldout_windows(held_stream, 8, min(cfg.seq_len, held_stream.numel() - 1))
+    val = held_data.heldout(16 if data.mode == "generate" else 8, cfg.seq_len)
     evaluate = lambda h: heldout_metrics(h, target_model, val, recipe, cfg.autocast_bf16)  # noqa: E731
     before = evaluate(head)
-    state, history, wall = train_head(head, target_model, stream, recipe, cfg, ckdir, evaluate, stop_at, log)
+    state, history, wall = train_head(head, target_model, train_data, recipe, cfg, ckdir, evaluate, stop_at, log)
     after = history[-1] if history and history[-1]["step"] == state.step else {"step": state.step, **evaluate(head)}
     after = {k: v for k, v in after.items() if k != "step"}
 

@@ -21,6 +21,7 @@ from leapfrog.train.eagle import (
     EagleData,
     EagleEval,
     EagleRecipe,
+    _new_head,
     frequent_tokens,
     target_batch,
     train_eagle,
@@ -57,10 +58,18 @@ def target4(tmp_path_factory, tokenizer):
 
 
 @pytest.fixture(scope="module")
-def models(target4):
+def target3(tmp_path_factory, tokenizer):
+    """A plain 3-layer random Llama (untied head): features that depend on the context."""
+    return save_random_llama(tmp_path_factory.mktemp("t3"), tokenizer, seed=5, hidden_size=64, intermediate_size=128,
+                             num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                             initializer_range=0.2, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def models(target3):
     """The target and a random head of each kind in float64: the unrolled and the KV-cached paths
     reduce in different orders, and float32 differences compound over draft steps."""
-    target = load_model(read_checkpoint(target4), torch.float64, torch.device("cpu"), 256)
+    target = load_model(read_checkpoint(target3), torch.float64, torch.device("cpu"), 256)
     heads = {}
     for kind in ("eagle", "eagle3"):
         vocab = torch.randperm(target.args.vocab_size, generator=torch.Generator().manual_seed(0))[:200].sort().values
@@ -118,6 +127,24 @@ def test_ttt_steps_are_what_the_inference_tree_expansion_computes(models, tokeni
             torch.testing.assert_close(hs[j][0, t], h, rtol=1e-9, atol=1e-9, msg=f"step {j} row {t}")
     # and a step's output depends on the head's own earlier outputs, not on the target features there
     assert not torch.allclose(hs[1][0, 5], hs[0][0, 5], atol=1e-3)
+
+
+def test_warm_start_puts_the_head_in_the_targets_output_space(target3, tokenizer):
+    """With the head's own layer silenced, a warm-started EAGLE-3 head gives the target's logits at the
+    same position (on the draft vocabulary): h = fc(f) = the target's top residual state."""
+    target = load_model(read_checkpoint(target3), torch.float32, torch.device("cpu"), 256)
+    stream = torch.randint(0, len(tokenizer), (500,), generator=torch.Generator().manual_seed(4))
+    head = _new_head("eagle3", target, EagleRecipe(draft_vocab_size=100), stream, 0, torch.device("cpu"))
+    assert head.target_layer_ids[-1] == target.args.num_hidden_layers - 1
+    with torch.no_grad():
+        head.layers[0].wo.weight.zero_()
+        head.layers[0].w2.weight.zero_()
+    windows = stream[:30][None]
+    tb = target_batch(target, head, windows)
+    with torch.no_grad():
+        q = head.compute_draft_logits(unroll(head, tb, 1)[0][0])                       # [R, Vd] at rows 0..R-1
+        p = target.compute_logits(target(windows, torch.arange(30)[None]).hidden[0, :-1])[:, head.draft_ids]
+    torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-4)
 
 
 def test_frequent_tokens():
