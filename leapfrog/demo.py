@@ -3,8 +3,9 @@ Llama-family model saved with ``transformers`` (safetensors + config.json + toke
 
 ``default_model()`` is what ``LLM()`` and ``leapfrog generate`` use when no model is given: the
 demo pair shipped in the package (``leapfrog/assets/stdlib-demo``: a target and a draft trained
-on the Python standard library's source by ``scripts/train_demo.py``), with draft_model
-speculation at K = 4. Should the assets be missing (a build without package data), it falls back
+on the Python standard library's source by ``scripts/train_demo.py``) with the built-in method
+measured fastest (``DEMO_EAGLE3``: the EAGLE-3 head's tree when shipped, else draft_model at
+K = 4). Should the assets be missing (a build without package data), it falls back
 to a tiny *random-init* Llama created once under ``~/.cache/leapfrog`` (or ``$LEAPFROG_CACHE``):
 the engine then runs end to end offline, but its text is not meaningful.
 """
@@ -94,10 +95,19 @@ def demo_pair() -> tuple[Path, Path] | None:
     return None
 
 
+#: The built-in method that measured fastest on the demo family (benchmarks/tree_bench.py; the
+#: README's "Trees and EAGLE" benchmark table): the EAGLE-3 head's dynamic tree when the head is
+#: shipped, else the draft model at K = 4.
+DEMO_EAGLE3 = {"method": "eagle3", "num_speculative_tokens": 5, "eagle_topk": 4, "num_draft_tokens": 16}
+
+
 def default_model() -> tuple[str, dict[str, Any] | None]:
     """(model path, default speculative_config) of the built-in default model."""
     pair = demo_pair()
     if pair is not None:
+        head = DEMO_DIR / "eagle3"
+        if (head / "config.json").is_file():
+            return str(pair[0]), {**DEMO_EAGLE3, "model": str(head)}
         return str(pair[0]), {"method": "draft_model", "model": str(pair[1]), "num_speculative_tokens": 4}
     path = cache_dir() / "tiny-random-llama-v1"
     if not (path / "config.json").is_file():

@@ -45,5 +45,6 @@ def test_generate_uses_the_demo_pair_offline(capsys):
     assert rc == 0
     assert out.out.startswith("def quicksort(arr):")
     assert "built-in default model" in out.err and "stdlib-demo" in out.err
-    assert "speculation draft_model: acceptance rate" in out.out
+    method = demo.default_model()[1]["method"]
+    assert f"speculation {method}: acceptance rate" in out.out
     assert "speedup" in out.out and "identical output: True" in out.out
