@@ -27,7 +27,8 @@ def test_demo_pair_is_shipped_and_within_limits():
     assert pair is not None, "leapfrog/assets/stdlib-demo is missing"
     target, draft = pair
     files = [f for f in demo.DEMO_DIR.rglob("*") if f.is_file()]
-    assert sum(f.stat().st_size for f in files) <= 64 * 2**20
+    # target + draft about 60 MiB, the EAGLE-3 head about 10 MiB more
+    assert sum(f.stat().st_size for f in files) <= 80 * 2**20
     assert all(f.stat().st_size <= 16 * 2**20 for f in files if f.suffix == ".safetensors")
     nt, nd = _params(target), _params(draft)
     assert 25e6 <= nt <= 40e6
