@@ -10,7 +10,7 @@ import json
 import pytest
 
 from leapfrog import LLM, SamplingParams
-from leapfrog.demo import default_model
+from leapfrog.demo import default_model, demo_pair
 from leapfrog.entrypoints.check import DEFAULT_PROMPTS
 from leapfrog.entrypoints.cli import main
 
@@ -22,7 +22,9 @@ PROMPTS = list(DEFAULT_PROMPTS) + [
 
 @pytest.fixture(scope="module")
 def demo_llm():
-    path, spec = default_model()
+    path = default_model()[0]
+    draft = demo_pair()[1]  # the mode reaches draft models too (EAGLE heads only rank candidates)
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 4}
     llm = LLM(model=path, speculative_config=spec, batch_invariant=True, max_num_seqs=64)
     if str(llm.engine.dtype) != "torch.bfloat16":
         pytest.skip("the demo pair runs in fp32 on this machine (no native bf16); fp32 needs no mode")
