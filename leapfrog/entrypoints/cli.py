@@ -289,6 +289,9 @@ def _train_draft_parser(sub) -> None:
     e.add_argument("--head-intermediate-size", type=int, default=None, help="the head's MLP width (default: the "
                                                                            "target's)")
     e.add_argument("--head-kv-heads", type=int, default=None, help="the head's KV heads (default: the target's)")
+    e.add_argument("--calibration", default="greedy", choices=["greedy", "none"],
+                   help="eagle3: after training, scale the draft logits so that the tree's path confidences "
+                        "predict greedy (temperature 0) acceptance (default); none: keep the KL-trained q")
     e.add_argument("--eagle-topk", type=int, default=4, help="eagle_topk of the acceptance test and of the hint")
     e.add_argument("--resume", action="store_true",
                    help="continue the training checkpoint in --checkpoint-dir (an EAGLE run refuses to overwrite one "
@@ -366,9 +369,11 @@ def _train_eagle(args, cfg) -> int:
     res = train_eagle(
         args.target, args.corpus, args.out, args.method,
         recipe=EagleRecipe(ttt_steps=args.ttt_steps, draft_vocab_size=args.draft_vocab_size,
-                           intermediate_size=args.head_intermediate_size, num_key_value_heads=args.head_kv_heads),
+                           intermediate_size=args.head_intermediate_size, num_key_value_heads=args.head_kv_heads,
+                           greedy_calibration=args.calibration == "greedy"),
         train_config=cfg,
-        data=EagleData(mode=args.data_mode, heldout_fraction=args.heldout_fraction, gen_tokens=args.gen_tokens, gen_temperature=args.gen_temperature,
+        data=EagleData(mode=args.data_mode, heldout_fraction=args.heldout_fraction, gen_tokens=args.gen_tokens,
+                       gen_temperature=args.gen_temperature,
                        gen_prompt_tokens=args.gen_prompt_tokens, gen_prompts_per_doc=args.gen_prompts_per_doc),
         evaluation=EagleEval(prompts=args.eval_prompts, max_tokens=args.eval_max_tokens, trees=trees),
         save_dtype=args.save_dtype, bf16=args.bf16, checkpoint_dir=args.checkpoint_dir, resume=args.resume)
@@ -379,6 +384,10 @@ def _train_eagle(args, cfg) -> int:
           f"{s['draft_vocab_size']:,} ({s['draft_vocab_coverage']:.1%} of the training tokens), {s['steps']} steps, "
           f"{s['train_tokens']:,} tokens in {s['wall_time_s']:.0f}s; held-out loss {b['loss']:.3f} -> {a['loss']:.3f}, "
           f"top-1 agreement per draft step " + "/".join(f"{x:.2f}" for x in a["accuracy"]))
+    if res.calibration:
+        c = res.calibration
+        print(f"[leapfrog train-draft] greedy calibration: draft logits x {c['scale']:.3g} "
+              f"(cross-entropy to the target's argmax {c['ce_before']:.3f} -> {c['ce_after']:.3f})")
     for acc in res.acceptance:
         c = acc["speculative_config"]
         print(f"[leapfrog train-draft] temperature 0, {acc['prompts']} held-out prompts, depth "

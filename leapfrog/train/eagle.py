@@ -35,7 +35,15 @@ with this mask, so no model math is repeated here (tests check step 0 against ``
 and later steps against a KV-cached ModelRunner tree expansion).
 
 EAGLE-3's draft vocabulary: the ``draft_vocab_size`` most frequent tokens of the training data
-(EAGLE-3's and SpecForge's choice), written as d2t/t2d.
+(EAGLE-3's and SpecForge's choice), written as d2t/t2d. It starts in the target's output space
+(``init_from_target``: the target's LM head rows and final norm, fc picking the top layer).
+
+Greedy calibration (EAGLE-3, ``greedy_calibration``): KL training makes q as flat as p, but at
+temperature 0 a draft is accepted when it is argmax p, which the head's top-1 hits far more often
+than q(top-1) says; the dynamic tree ranks nodes by path confidence (sums of log q), so such a
+head spends its node budget near the root. After training, one scale s of the draft logits is
+fitted on training batches (s = argmin CE(s * logits, argmax p), all unrolled steps) and folded
+into lm_head. Drafts stay point masses, so this changes which tokens are proposed, never the output.
 """
 
 from __future__ import annotations
@@ -101,6 +109,7 @@ class EagleRecipe:
     num_key_value_heads: int | None = None  # the head's KV heads (default: the target's)
     target_layer_ids: tuple[int, ...] | None = None  # eagle3 aux layers (default: low/middle/high)
     init_from_target: bool = True         # eagle3: warm start from the target (_new_head)
+    greedy_calibration: bool = True       # eagle3: fold a logit scale fitted for temperature 0 into lm_head
 
     def steps_for(self, kind: EagleKind) -> int:
         return self.ttt_steps if self.ttt_steps is not None else (1 if kind == "eagle" else 4)
@@ -153,6 +162,8 @@ class EagleResult:
     heldout_before: dict           # heldout metrics: {"loss", "token_kl": [per step], "accuracy": [per step]}
     heldout_after: dict
     wall_time_s: float             # the training steps (data and evaluation excluded), resumed runs summed
+    data_time_s: float = 0.0       # making the data (generation), when it was first made
+    calibration: dict | None = None  # greedy calibration: {"scale", "ce_before", "ce_after"} (nats/token)
     acceptance: list[dict] = field(default_factory=list)  # one per evaluated tree
     history: list[dict] = field(default_factory=list)     # per-step metrics at eval points
 
@@ -438,6 +449,33 @@ def _write_meta(ckdir: Path, **update) -> None:
     os.replace(tmp, f)
 
 
+@torch.no_grad()
+def greedy_logit_scale(head: EagleHead, target: LlamaModel, data: TokenData, recipe: EagleRecipe,
+                       cfg: TrainConfig, batches: int = 2) -> tuple[float, float, float]:
+    """The scale s of the draft logits that calibrates q for greedy verification (module docstring):
+    argmin over s in 2^[-1, 3] (steps of 2^(1/8)) of CE(s * logits, argmax p), over ``batches``
+    training batches drawn after the training ones, every unrolled step. -> (s, CE at 1, CE at s)."""
+    grid = 2.0 ** (torch.arange(-8, 25) / 8)                     # [33] 0.5 .. 8, 1.0 at index 8
+    ce = torch.zeros(len(grid))
+    n = 0
+    head.eval()
+    for i in range(batches):
+        windows, lengths = data.batch(cfg.steps + i, cfg)
+        with _bf16(head.device, cfg.autocast_bf16):
+            tb = target_batch(target, head, windows.to(head.device), lengths)
+            hs = unroll(head, tb, recipe.steps_for(head.kind))
+        for j, h in enumerate(hs):
+            rows = tb.scored.clone()
+            rows[:, :j] = False
+            logits, top = head.compute_draft_logits(h[rows]).float(), tb.p_top[rows]   # [N, Vd], [N]
+            for g, s in enumerate(grid.tolist()):
+                ce[g] += F.cross_entropy(logits * s, top, reduction="sum").cpu()
+            n += len(top)
+    ce /= max(n, 1)
+    best = int(ce.argmin())
+    return float(grid[best]), float(ce[8]), float(ce[best])
+
+
 # ---------------------------------------------------------------------------- data
 
 def frequent_tokens(stream: Tensor, vocab_size: int, n: int) -> Tensor:
@@ -485,26 +523,29 @@ def generate_samples(target_path: str, tokenizer, docs: list[Document], data: Ea
 
 
 def _token_data(ckpt, tokenizer, train_docs: list[Document], held: list[Document], data: EagleData,
-                seed: int, cache: Path | None) -> tuple[TokenData, TokenData]:
-    """(training, held-out) tokens, from ``cache`` when it was made with the same settings."""
+                seed: int, cache: Path | None) -> tuple[TokenData, TokenData, float]:
+    """(training, held-out) tokens and the seconds it took to make them, from ``cache`` when it was
+    made with the same settings."""
     eos = tokenizer.eos_token_id if tokenizer is not None else (ckpt.eos_token_ids or (None,))[0]
     key = hashlib.sha256(json.dumps([str(ckpt.path), asdict(data), seed, [d.name for d in train_docs],
                                      [d.name for d in held]]).encode()).hexdigest()
     if cache is not None and cache.is_file():
         d = torch.load(cache, weights_only=True)
         if d.get("key") == key:
-            return TokenData(*d["train"]), TokenData(*d["heldout"])
+            return TokenData(*d["train"]), TokenData(*d["heldout"]), float(d.get("seconds", 0.0))
+    t0 = time.perf_counter()
     if data.mode == "generate":
         train = generate_samples(str(ckpt.path), tokenizer, train_docs, data, seed, eos)
         heldout = generate_samples(str(ckpt.path), tokenizer, held, data, seed, eos)
     else:
         train = TokenData(pack_stream(tokenizer, train_docs, eos))
         heldout = TokenData(pack_stream(tokenizer, held, eos))
+    seconds = time.perf_counter() - t0
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"key": key, "train": (train.stream, train.bounds), "heldout": (heldout.stream, heldout.bounds)},
-                   cache)
-    return train, heldout
+        torch.save({"key": key, "train": (train.stream, train.bounds), "heldout": (heldout.stream, heldout.bounds),
+                    "seconds": seconds}, cache)
+    return train, heldout, seconds
 
 
 def _check_target(target: str | os.PathLike):
@@ -526,7 +567,8 @@ def eagle_acceptance(target: str, head: str, kind: EagleKind, prompts: list, tre
                      max_tokens: int = 64, dtype: str = "float32", skip_tokenizer_init: bool = False) -> list[dict]:
     """Greedy (temperature 0) speculation with the head over ``prompts`` (text or {"prompt_token_ids"}),
     one run per tree (num_speculative_tokens, eagle_topk, num_draft_tokens): vLLM's acceptance rate
-    and mean acceptance length (accepted + bonus tokens per step), and the output token ids."""
+    and mean acceptance length (accepted + bonus tokens per step), the share of steps that accepted
+    a token at each depth, and the output token ids."""
     from leapfrog import LLM, SamplingParams
     out = []
     for depth, topk, budget in trees:
@@ -539,6 +581,7 @@ def eagle_acceptance(target: str, head: str, kind: EagleKind, prompts: list, tre
         m = llm.get_metrics()
         out.append({"speculative_config": spec, "acceptance_rate": m["acceptance_rate"],
                     "mean_acceptance_length": m["mean_acceptance_length"], "num_drafts": m["num_drafts"],
+                    "accepted_per_depth": [x / max(1, m["num_drafts"]) for x in m["num_accepted_tokens_per_pos"]],
                     "prompts": len(prompts), "max_tokens": max_tokens, "dtype": dtype,
                     "token_ids": [list(o.outputs[0].token_ids) for o in res]})
     return out
@@ -557,7 +600,9 @@ def eval_prompts(tokenizer, held: list[Document], n: int, prompt_tokens: int = 3
 # ---------------------------------------------------------------------------- the command
 
 def _settings(kind: str, recipe: EagleRecipe, data: EagleData, cfg: TrainConfig, Vd: int) -> dict:
-    return {"kind": kind, "recipe": asdict(recipe), "data": asdict(data), "draft_vocab_size": Vd,
+    """What a resumed checkpoint must have been trained with (greedy_calibration comes after training)."""
+    trained = {k: v for k, v in asdict(recipe).items() if k != "greedy_calibration"}
+    return {"kind": kind, "recipe": trained, "data": asdict(data), "draft_vocab_size": Vd,
             "train_config": {k: v for k, v in asdict(cfg).items() if k not in ("checkpoint_every", "eval_every")}}
 
 
@@ -658,7 +703,8 @@ def train_eagle(target: str | os.PathLike, corpus: str | os.PathLike | list[Docu
                           "{\"token_ids\": [...]} (or put the target's tokenizer files beside it)")
     V = ckpt.args.vocab_size
     t_start = time.perf_counter()
-    train_data, held_data = _token_data(ckpt, tokenizer, train_docs, held, data, cfg.seed, ckdir / DATA_NAME)
+    train_data, held_data, data_time = _token_data(ckpt, tokenizer, train_docs, held, data, cfg.seed,
+                                                   ckdir / DATA_NAME)
     stream = train_data.stream
     if int(stream.max()) >= V or int(held_data.stream.max()) >= V:
         raise ConfigError(f"the corpus has token ids >= the target's vocab_size {V}")
@@ -683,6 +729,13 @@ def train_eagle(target: str | os.PathLike, corpus: str | os.PathLike | list[Docu
     after = history[-1] if history and history[-1]["step"] == state.step else {"step": state.step, **evaluate(head)}
     after = {k: v for k, v in after.items() if k != "step"}
 
+    calibration = None
+    if kind == "eagle3" and recipe.greedy_calibration:
+        scale, ce1, ce = greedy_logit_scale(head, target_model, train_data, recipe, cfg)
+        with torch.no_grad():
+            head.lm_head.weight.mul_(scale)  # type: ignore[union-attr]
+        calibration = {"scale": scale, "ce_before": ce1, "ce_after": ce}
+        log(f"greedy calibration: draft logits x {scale:.3g} (CE to argmax p {ce1:.3f} -> {ce:.3f})")
     out.mkdir(parents=True, exist_ok=True)
     save_eagle_head(head if save_dtype == "float32" else copy.deepcopy(head).to(torch.bfloat16), out)
     what = (f"{recipe.feature_weight} SmoothL1(h, f) + {recipe.token_weight} KL(p || q)" if kind == "eagle"
@@ -691,7 +744,8 @@ def train_eagle(target: str | os.PathLike, corpus: str | os.PathLike | list[Docu
     result = EagleResult(path=out, kind=kind, head_parameters=head.num_parameters(),
                          target_parameters=target_model.num_parameters(), draft_vocab_size=Vd,
                          draft_vocab_coverage=coverage, train_tokens=state.tokens_seen, state=state,
-                         heldout_before=before, heldout_after=after, wall_time_s=wall, history=history)
+                         heldout_before=before, heldout_after=after, wall_time_s=wall, data_time_s=data_time,
+                         calibration=calibration, history=history)
     if evaluation.prompts > 0 and state.step == cfg.steps:
         prompts = eval_prompts(tokenizer, held, evaluation.prompts)
         result.acceptance = eagle_acceptance(str(ckpt.path), str(out), kind, prompts, evaluation.trees,
