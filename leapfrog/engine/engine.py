@@ -203,10 +203,15 @@ class LLMEngine:
         return updated
 
     def _reset_proposer(self, req: Request) -> None:
-        """Forget a request's draft state; the proposer rebuilds it from the tokens (slower, exact)."""
+        """Forget a request's draft state the failed step may have half-advanced; the proposer
+        rebuilds it (from the tokens, or what it keeps of the committed target states: EAGLE)."""
         try:
-            self.proposer.finish(req)
-            self.proposer.start(req)
+            reset = getattr(self.proposer, "reset", None)
+            if reset is not None:
+                reset(req)
+            else:
+                self.proposer.finish(req)
+                self.proposer.start(req)
         except Exception as exc:  # noqa: BLE001
             self._fail(req, exc)
 

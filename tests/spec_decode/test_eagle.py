@@ -123,3 +123,56 @@ def test_greedy_seeded_and_sampled_requests_mix_in_one_tree_batch(shapes, tokeni
     assert ids[2:4] == ref_seeded
     assert all(len(x) == MAX for x in ids[4:])
     assert llm.get_metrics()["num_draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("where", ["verify", "draft"])
+def test_failed_batch_keeps_drafting_for_the_others(shapes, tokenizer, where):
+    """A batched step that raises (in verification, or inside the head's own forward) is retried
+    request by request: the failing request ends with "error", the others keep their exact greedy
+    output and keep drafting from the target features they already have."""
+    target, heads = shapes["llama_gqa_llama3"]
+    prompts = prompts_of(tokenizer, 4)
+    sp = SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)
+    _, ref = _generate(target, None, prompts, sp)
+    llm = LLM(model=str(target), dtype="float32", max_model_len=256, max_num_seqs=8,
+              speculative_config={"method": "eagle3", "model": str(heads["eagle3"]), **TREES["dynamic"]})
+    eng, prop = llm.engine, llm.engine.proposer
+    drafted_after: dict[str, list[int]] = {}
+    state = {"faulted": False}
+
+    def bad_now(reqs) -> bool:
+        hit = any(r.request_id == "r0" and len(r.output_ids) >= 3 for r in reqs)
+        state["faulted"] |= hit
+        return hit
+
+    def fault(reqs):
+        if bad_now(reqs):
+            raise RuntimeError("injected fault")
+    real_propose, real_step = prop.propose, prop.runner.step
+
+    def propose(reqs, ks):
+        drafts = real_propose(reqs, ks)
+        if state["faulted"]:
+            for r, n in zip(reqs, drafts.num_draft):
+                drafted_after.setdefault(r.request_id, []).append(n)
+        return drafts
+
+    def head_step(chunks, **kw):
+        if where == "draft" and len(chunks) > 1 and bad_now(list(eng.requests.values())):
+            raise RuntimeError("injected fault")
+        return real_step(chunks, **kw)
+    prop.propose, prop.runner.step = propose, head_step
+    if where == "verify":
+        eng.fault_injector = fault
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", None, p, sp)
+    outs = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o
+    assert state["faulted"]
+    for i in range(1, 4):
+        assert outs[f"r{i}"].outputs[0].token_ids == ref[i]
+        assert drafted_after[f"r{i}"] and all(n > 0 for n in drafted_after[f"r{i}"][:-1]), drafted_after[f"r{i}"]
+    assert eng.kv.num_free == eng.kv.num_rows

@@ -6,6 +6,9 @@ Lifecycle (called explicitly by the engine):
     on_verified(reqs, drafts, res)  after verification, before the tokens are appended:
                                     roll the proposer's own state back to what was accepted
     finish(req)                     the request ended (finished or aborted)
+    reset(req)                      (optional) a batched step failed and is retried request by
+                                    request: drop any state the failed step may have half-advanced
+                                    (default: finish + start, rebuilding from the tokens)
 
 Proposers that read the target's own states (EAGLE) set ``target_states`` ("hidden" or a tuple
 of layer indices, see ModelRunner.step) and get ``on_target_states(req, start, states [n, F])``

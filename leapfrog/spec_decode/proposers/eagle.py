@@ -97,6 +97,14 @@ class EagleProposer:
         self.computed.pop(req.request_id, None)
         self.feats.pop(req.request_id, None)
 
+    def reset(self, req: Request) -> None:
+        """After a failed batched step, retried request by request: the target features are of
+        committed tokens only and stay valid; the head's KV from the earliest kept feature on may
+        be half-written (or complete, leaving no position to draft from), so it is recomputed
+        from there (_catch_up keeps the last caught-up position's feature for this)."""
+        f = self.feats.get(req.request_id)
+        self.computed[req.request_id] = 0 if f is None else min(f.start, self.computed.get(req.request_id, 0))
+
     def on_target_states(self, req: Request, start: int, states: torch.Tensor) -> None:
         """The target's states [n, F] of the committed tokens at positions start..start+n-1."""
         rows = self.head.combine_target_features(states.to(self.head.dtype))  # [n, H]
@@ -166,9 +174,9 @@ class EagleProposer:
                 if ch.num_logits:
                     last_logits[i], last_state[i] = out.logits[li], out.hidden[o - 1]
                     li += 1
-        for r in reqs:  # features before the committed prefix are never read again
+        for r in reqs:  # features before the last caught-up position are never read again (reset)
             f = self.feats[r.request_id]
-            keep = self.computed[r.request_id] - f.start
+            keep = self.computed[r.request_id] - 1 - f.start
             if keep > 0:
                 self.feats[r.request_id] = _Feats(f.start + keep, f.rows[keep:])
         if any(x is None for x in last_logits):
