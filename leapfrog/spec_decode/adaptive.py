@@ -21,6 +21,10 @@ batch-size bucket. Unmeasured verify costs are interpolated linearly between mea
 ``adaptive_explore_interval`` steps the controller tries a neighbour of k* if its estimated
 goodput is within 15 % of k*'s, so close calls stay measured without paying for hopeless
 ones; while speculation is off it drafts one token every 8 intervals to keep alpha current.
+The first time of a forward shape includes one-off costs (kernel selection and packing for a
+new row count: the first 21-token verify of the demo target measured 11.7 ms, later ones about
+8), so a size's first measurement is only provisional: it is replaced by the second one and
+never used in the estimates, where the size counts as unmeasured until then.
 
 Tree size (``num_draft_tokens: "auto"``, tree methods). The proposer grows its candidate tree
 at a cost that does not depend on how many nodes are verified, then keeps the n most confident.
@@ -68,6 +72,7 @@ class SpecController:
         self.max_model_len = max_model_len
         self.alpha = 0.7          # prior; replaced by measurements within a few steps
         self.verify_cost: dict[int, dict[int, float]] = {}   # bucket -> s -> seconds
+        self.first_verify: dict[int, dict[int, float]] = {}  # bucket -> s -> first (cold) seconds
         self.draft_cost: dict[int, float] = {}               # bucket -> seconds per draft token
         self.steps = 0
         self.last_k = self.K
@@ -190,8 +195,13 @@ class SpecController:
             self._observe_tree(drafts, result)
         bucket = _bucket(len(reqs))
         s = max(drafts.num_draft, default=0) + 1
-        table = self.verify_cost.setdefault(bucket, {})
-        table[s] = t_verify if s not in table else (1 - _EMA) * table[s] + _EMA * t_verify
+        table, first = self.verify_cost.setdefault(bucket, {}), self.first_verify.setdefault(bucket, {})
+        if s in table:
+            table[s] = (1 - _EMA) * table[s] + _EMA * t_verify
+        elif s in first:
+            table[s] = t_verify  # the second measurement replaces the cold first one
+        else:
+            first[s] = t_verify
         n_draft = drafts.total
         if n_draft:
             # sequential draft steps dominate; a tree's cost is per step (its size is free)

@@ -44,7 +44,7 @@ def test_cheap_verification_and_a_confident_drafter_verify_a_big_tree():
     conf = [0.9 ** (i // 4 + 1) for i in range(64)]           # four candidates per depth, slowly decaying
     chosen = _converge(0.01, conf, lambda n: min(n, 4))
     assert CFG.draft_budget == 64
-    assert chosen[0] == 0 and chosen[1] == 64                 # plain decode measured, then one full tree
+    assert chosen[:3] == [0, 0, 64]     # plain decode measured (the first time is provisional), then a full tree
     assert min(chosen[-20:]) >= 12
 
 
@@ -60,3 +60,18 @@ def test_calibration_follows_measured_acceptance():
     for _ in range(40):
         _step(ctl, 8, [1.0] * 64, 2, 0.1, 1.0)                 # says 8, gets 2
     assert abs(ctl.calibration - 0.25) < 0.02
+
+
+def test_a_cold_first_measurement_does_not_stick():
+    """The first forward of a new shape is slow (kernel set-up); that sample must not make the
+    size look expensive forever."""
+    ctl = SpecController(CFG, 4096)
+    for t in (1.0, 1.0):
+        ctl.observe([_Req()], DraftBatch.empty(1), AcceptanceResult([0], [[0]], [0]), 0.0, t)
+    assert ctl.choose([_Req()]) == [64]
+    _step(ctl, 64, [0.9] * 64, 4, 0.3, 5.0)            # cold: 5x a plain step
+    _step(ctl, 16, [0.9] * 64, 4, 0.3, 9.0)            # cold as well
+    assert ctl.verify_cost[1] == {1: 1.0}
+    _step(ctl, 16, [0.9] * 64, 4, 0.3, 1.1)            # warm: verifying 17 tokens costs ~ one step
+    assert ctl.verify_cost[1] == {1: 1.0, 17: 1.1}
+    assert ctl.choose([_Req()])[0] >= 16
