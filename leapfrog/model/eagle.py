@@ -127,6 +127,9 @@ class EagleConfig:
     target_layer_ids: tuple[int, ...] = ()  # leapfrog aux layers, ascending; () = final-norm hidden (EAGLE-1)
     fc_bias: bool = False
     norm_before_residual: bool = False  # EAGLE-3 variant: the residual is hidden_norm(h), not h
+    # leapfrog's greedy calibration (train/eagle.py): lm_head was scaled by this after training;
+    # sampled drafting divides it back out, since q as trained (close to p) drafts best there
+    greedy_logit_scale: float = 1.0
 
     @property
     def feature_size(self) -> int:
@@ -542,7 +545,8 @@ def read_eagle_config(cfg: Any, source: str, target: LlamaArgs,
         raise CheckpointError(f"{source}: draft_vocab_size={Vd} exceeds vocab_size={V}")
     ids = _read_layer_ids(cfg, eagle_config, source, target.num_hidden_layers)
     return args, EagleConfig("eagle3", Ht, Vd, ids, config_field(cfg, "bias", bool, source, default=False),
-                             config_field(cfg, "norm_before_residual", bool, source, default=False))
+                             config_field(cfg, "norm_before_residual", bool, source, default=False),
+                             config_field(cfg, "greedy_logit_scale", float, source, default=1.0, minimum=0))
 
 
 def eagle_config_json(head: EagleHead) -> dict[str, Any]:
@@ -578,6 +582,8 @@ def eagle_config_json(head: EagleHead) -> dict[str, Any]:
                  eagle_aux_hidden_state_layer_ids=list(aux_layers_to_vllm(c.target_layer_ids)),  # vLLM
                  eagle_config={"eagle_aux_hidden_state_layer_ids": list(c.target_layer_ids),   # SGLang
                                "use_aux_hidden_state": True})
+        if c.greedy_logit_scale != 1.0:
+            d["greedy_logit_scale"] = c.greedy_logit_scale
     return d
 
 

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import hashlib
 import json
 import math
@@ -734,6 +735,7 @@ def train_eagle(target: str | os.PathLike, corpus: str | os.PathLike | list[Docu
         scale, ce1, ce = greedy_logit_scale(head, target_model, train_data, recipe, cfg)
         with torch.no_grad():
             head.lm_head.weight.mul_(scale)  # type: ignore[union-attr]
+        head.cfg = dataclasses.replace(head.cfg, greedy_logit_scale=head.cfg.greedy_logit_scale * scale)
         calibration = {"scale": scale, "ce_before": ce1, "ce_after": ce}
         log(f"greedy calibration: draft logits x {scale:.3g} (CE to argmax p {ce1:.3f} -> {ce:.3f})")
     out.mkdir(parents=True, exist_ok=True)

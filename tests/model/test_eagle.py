@@ -378,6 +378,24 @@ def test_init_save_load(tmp_path, target, kind):
         init_eagle_head("eagle3", target.args, target_layer_ids=(0, 8, 3))
 
 
+def test_greedy_logit_scale_round_trip_and_errors(tmp_path, target):
+    """The greedy calibration scale (leapfrog's config key) survives save/load; absent means 1;
+    a non-positive one is refused."""
+    import dataclasses
+    head = init_eagle_head("eagle3", target.args, draft_vocab_size=48, seed=5)
+    head.bind_target(target)
+    assert load_eagle_head(save_eagle_head(head, tmp_path / "a"), target).cfg.greedy_logit_scale == 1.0
+    assert "greedy_logit_scale" not in json.loads((tmp_path / "a" / "config.json").read_text())
+    head.cfg = dataclasses.replace(head.cfg, greedy_logit_scale=2.5)
+    out = save_eagle_head(head, tmp_path / "b")
+    assert load_eagle_head(out, target).cfg.greedy_logit_scale == 2.5
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["greedy_logit_scale"] = -1
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="greedy_logit_scale"):
+        load_eagle_head(out, target)
+
+
 @torch.no_grad()
 def test_bf16_and_packed(tmp_path, target):
     path, _, _ = write_eagle3(tmp_path / "h")

@@ -6,6 +6,7 @@ enumeration) with branching trees; clear errors for mismatched heads."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from leapfrog import LLM, SamplingParams
 from leapfrog.demo import save_random_llama
@@ -176,3 +177,60 @@ def test_failed_batch_keeps_drafting_for_the_others(shapes, tokenizer, where):
         assert outs[f"r{i}"].outputs[0].token_ids == ref[i]
         assert drafted_after[f"r{i}"] and all(n > 0 for n in drafted_after[f"r{i}"][:-1]), drafted_after[f"r{i}"]
     assert eng.kv.num_free == eng.kv.num_rows
+
+
+def test_sampled_requests_draft_sampled_chains(shapes, tokenizer, monkeypatch):
+    """In a tree batch, greedy requests branch (top tokens, point masses) while sampled requests
+    draft one sampled token per level: unseeded ones with their q (rejection sampling needs it),
+    seeded ones drawn with the target's own (seed, position) noise, so the draft equals the
+    target's draw under q (the coupling that makes matching accept often)."""
+    from leapfrog.sampling import sampler
+    target, heads = shapes["llama_gqa_llama3"]
+    prompts = prompts_of(tokenizer, 3)
+    spec = {"method": "eagle3", "model": str(heads["eagle3"]), **TREES["dynamic"]}
+    llm = LLM(model=str(target), dtype="float32", max_model_len=256, max_num_seqs=8, speculative_config=spec)
+    eng, prop = llm.engine, llm.engine.proposer
+    seen, seeded_positions, drafting = [], [], []
+    real, real_sample = prop.propose, sampler.sample
+
+    def sample(p, rngs):
+        for r in rngs:
+            if isinstance(r, sampler.PositionKey) and drafting:
+                seeded_positions[-1][1].append(r.position)
+        return real_sample(p, rngs)
+
+    def propose(reqs, ks):
+        r2 = [r for r in reqs if r.request_id == "r2"]
+        if r2:
+            seeded_positions.append((len(r2[0].output_ids), []))
+        drafting.append(1)
+        drafts = real(reqs, ks)
+        drafting.clear()
+        seen.append(([r.request_id for r in reqs], drafts))
+        return drafts
+    prop.propose = propose
+    monkeypatch.setattr(sampler, "sample", sample)
+    sps = [SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True),
+           SamplingParams(temperature=0.9, top_k=20, max_tokens=MAX, ignore_eos=True),
+           SamplingParams(temperature=0.9, seed=5, max_tokens=MAX, ignore_eos=True)]
+    for i, (p, sp) in enumerate(zip(prompts, sps)):
+        eng.add_request(f"r{i}", None, p, sp)
+    while eng.has_unfinished():
+        eng.step()
+    branched = False
+    for ids, drafts in seen:
+        o, parents = drafts.offsets(), drafts.parent_lists()
+        for b, rid in enumerate(ids):
+            n = drafts.num_draft[b]
+            if rid == "r0":
+                branched |= parents[b] != list(range(-1, n - 1))
+                continue
+            assert parents[b] == list(range(-1, n - 1)), parents[b]      # a chain
+            if rid == "r1" and n:
+                q = drafts.draft_probs[o[b]:o[b + 1]]                    # [n, V]
+                torch.testing.assert_close(q.sum(-1), torch.ones(n))
+                assert bool((q.gather(1, drafts.token_ids[o[b]:o[b + 1], None]) > 0).all())
+                assert int((q[0] > 0).sum()) <= 20                       # the request's top_k
+    assert branched and any(d.draft_probs is not None for _, d in seen)
+    # the seeded request's draft at depth d is drawn with the noise of output position n + d - 1
+    assert seeded_positions and all(p == list(range(n, n + len(p))) for n, p in seeded_positions)

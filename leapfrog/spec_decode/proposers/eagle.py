@@ -21,8 +21,16 @@ One ``propose`` (per request, all requests in the same forwards):
      their ancestors: a path's confidence never exceeds its parent's); parents come before
      children, siblings best first.
 
-Drafts are point masses (``draft_probs = None``): deterministic given the context, so the tree
-verifier's multi-draft rejection with q = delta keeps sampling lossless (verify/tree.py).
+Greedy requests get point-mass drafts (the head's top tokens: deterministic given the context).
+Sampled requests get a *sampled chain* instead (one child per level, whatever the tree
+settings): x ~ q processed by the one sampler with the request's own settings (temperature,
+top-k/top-p, penalties over the drafted path), drawn with the randomness the target uses at
+that output position (``Request.rng``). Seeded requests are verified by matching, so drawing
+with the same (seed, position) noise couples x to the target's own draw (equal whenever the
+exponential race picks the same token under q and p). Unseeded ones hand q to lossless
+rejection sampling (accept with min(1, p/q): about sum min(p, q) per token, where a point mass
+on argmax q gets only p(argmax q), which a flat target at T = 0.7 keeps near 0.4). Siblings
+chosen by their sampled values would bias RRS (verify/tree.py), hence one child per level.
 The tree's head KV lives in scratch columns after the committed ones and is simply overwritten
 next step: accepted tokens are recomputed from the target's real features (EAGLE does the same).
 """
@@ -36,6 +44,7 @@ import torch
 
 from leapfrog.model.runner import ModelRunner, SeqChunk
 from leapfrog.request import Request
+from leapfrog.sampling import sampler
 from leapfrog.spec_decode.adaptive import tree_depth_cap
 from leapfrog.spec_decode.config import SpeculativeConfig
 from leapfrog.spec_decode.draft import DraftBatch
@@ -52,6 +61,19 @@ class _Node:
     rank: int            # rank among its parent's candidates (static trees)
     feat: torch.Tensor   # [H] the feature it is run with: its parent's output state
     col: int = -1        # head KV column once the node has been run (expanded)
+    q: torch.Tensor | None = None  # [V] the draft distribution it was sampled from (unseeded sampled chains)
+    sampled: bool = False          # drawn for a sampled request: a chain, one child per level
+
+
+@dataclass
+class _Cand:
+    """A node's candidate children: log q and token ids, best first (greedy requests: the top
+    tokens), or the one token drawn for a sampled request (``sampled``) with its q when the
+    verifier needs it (unseeded)."""
+    vals: list[float]
+    ids: list[int]
+    q: torch.Tensor | None = None   # [V]
+    sampled: bool = False
 
 
 @dataclass
@@ -131,15 +153,21 @@ class EagleProposer:
         if active:
             roots = self._catch_up([reqs[b] for b in active])  # [A, V] logits, [A, H] states
             self._grow(reqs, active, ks, nodes, *roots)
-        toks, parents, nums = [], [], []
+        toks, parents, nums, qs = [], [], [], []
         for b in range(len(reqs)):
             sel = self._select(nodes.get(b, []), ks[b])
             toks += [n.token for n in sel[0]]
             parents += sel[1]
             nums.append(len(sel[0]))
+            qs += [n.q for n in sel[0]]
+        draft_probs = None
+        if any(q is not None for q in qs):  # unseeded sampled chains: q; everyone else a point mass
+            V = next(q for q in qs if q is not None).shape[-1]
+            draft_probs = torch.stack([q if q is not None else torch.nn.functional.one_hot(torch.tensor(t), V).float()
+                                       for q, t in zip(qs, toks)])  # [T, V]
         scores = [sorted((math.exp(n.score) for n in nodes.get(b, [])), reverse=True) for b in range(len(reqs))]
-        return DraftBatch(torch.tensor(toks, dtype=torch.long), nums, None, torch.tensor(parents, dtype=torch.long),
-                          candidate_scores=scores)
+        return DraftBatch(torch.tensor(toks, dtype=torch.long), nums, draft_probs,
+                          torch.tensor(parents, dtype=torch.long), candidate_scores=scores)
 
     def _ready(self, req: Request) -> bool:
         """The target features up to position N-2 are here (always, unless a step was lost)."""
@@ -187,9 +215,9 @@ class EagleProposer:
               logits: torch.Tensor, states: torch.Tensor) -> None:
         """Add depth-1 candidates, then expand level by level (module docstring, step 2)."""
         frontier: dict[int, list[int]] = {}
-        vals, ids = self._top(logits)
+        cands = self._candidates(logits, [(reqs[b], nodes[b], -1) for b in active])
         for i, b in enumerate(active):
-            frontier[b] = self._children(nodes[b], -1, 0.0, 1, vals[i], ids[i], states[i])
+            frontier[b] = self._children(nodes[b], -1, 0.0, 1, cands[i], states[i])
         next_col = {b: self.computed[reqs[b].request_id] for b in active}
         context = dict(next_col)
         for depth in range(2, self.depth + 1):
@@ -215,14 +243,46 @@ class EagleProposer:
                     ns[j].col = next_col[b] + k
                 next_col[b] += len(frontier[b])
             out = self.runner.step(chunks, hidden="hidden")
-            vals, ids = self._top(out.logits)
+            cands = self._candidates(out.logits, [(reqs[b], nodes[b], j) for b in todo for j in frontier[b]])
             o = 0
             for b in todo:
                 cand = []
                 for j in frontier[b]:
-                    cand += self._children(nodes[b], j, nodes[b][j].score, depth, vals[o], ids[o], out.hidden[o])
+                    cand += self._children(nodes[b], j, nodes[b][j].score, depth, cands[o], out.hidden[o])
                     o += 1
                 frontier[b] = self._next_frontier(nodes[b], cand, depth)
+
+    def _candidates(self, logits: torch.Tensor, rows: list[tuple[Request, list[_Node], int]]) -> list[_Cand]:
+        """Children candidates of each row's node (rows: (request, its nodes, the node; -1 = the
+        root)), logits [R, V]: the most likely tokens for greedy requests, one token drawn from
+        the processed q for sampled ones (module docstring)."""
+        vals, ids = self._top(logits)
+        out = [_Cand(v, i) for v, i in zip(vals, ids)]
+        sampled = [i for i, (r, _, _) in enumerate(rows) if not r.params.greedy]
+        if not sampled:
+            return out
+        specs, rngs = [], []
+        for i in sampled:
+            req, ns, j = rows[i]
+            path = self._path_tokens(ns, j)
+            specs.append(req.row_spec(path))
+            rngs.append(req.rng(len(path)))
+        rows_q = sampler.build_rows(specs, logits.shape[-1])
+        q = sampler.probs(logits[sampled] / self.head.cfg.greedy_logit_scale, rows_q)  # [R', V] q as trained
+        x = sampler.sample(q, rngs).tolist()
+        for k, i in enumerate(sampled):
+            keep = rows[i][0].seed_key is None  # unseeded: rejection sampling needs q
+            out[i] = _Cand([math.log(max(float(q[k, x[k]]), 1e-30))], [x[k]], q[k] if keep else None, sampled=True)
+        return out
+
+    @staticmethod
+    def _path_tokens(ns: list[_Node], j: int) -> list[int]:
+        """Tokens from the root's child down to node j (j = -1: none)."""
+        path = []
+        while j >= 0:
+            path.append(ns[j].token)
+            j = ns[j].parent
+        return path[::-1]
 
     def _top(self, logits: torch.Tensor) -> tuple[list[list[float]], list[list[int]]]:
         """The most likely children of every row at once: log q and token ids, best first
@@ -231,23 +291,27 @@ class EagleProposer:
         top = torch.log_softmax(logits.float(), -1).topk(min(want, logits.shape[-1]))
         return top.values.tolist(), top.indices.tolist()
 
-    def _children(self, ns: list[_Node], parent: int, score: float, depth: int, vals: list[float],
-                  ids: list[int], state: torch.Tensor) -> list[int]:
-        """Append the candidate children of ``parent`` (log q and ids of its best tokens; ``state``
-        [H] is the head's output state after the parent: the feature the children run with)
-        -> their node indices."""
-        if self.static_children is not None:
+    def _children(self, ns: list[_Node], parent: int, score: float, depth: int, cand: _Cand,
+                  state: torch.Tensor) -> list[int]:
+        """Append the candidate children of ``parent`` (``state`` [H] is the head's output state
+        after the parent: the feature the children run with) -> their node indices."""
+        if cand.sampled:
+            ranks = [0]  # a sampled chain
+        elif self.static_children is not None:
             ranks = self.static_children.get(self._path_ranks(ns, parent), [])
         else:
             ranks = list(range(self.topk))
         out = []
         for r in ranks:
-            if r < len(ids):
-                ns.append(_Node(ids[r], parent, score + vals[r], depth, r, state))
+            if r < len(cand.ids):
+                ns.append(_Node(cand.ids[r], parent, score + cand.vals[r], depth, r, state, q=cand.q,
+                                sampled=cand.sampled))
                 out.append(len(ns) - 1)
         return out
 
     def _next_frontier(self, ns: list[_Node], cand: list[int], depth: int) -> list[int]:
+        if any(ns[j].sampled for j in cand):
+            return cand  # a sampled chain goes on whatever the static tree says
         if self.static_children is not None:
             return [j for j in cand if self.static_children.get(self._path_ranks(ns, j))]
         return sorted(cand, key=lambda j: -ns[j].score)[:self.topk]
