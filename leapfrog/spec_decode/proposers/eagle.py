@@ -227,6 +227,12 @@ class EagleProposer:
             chunks = []
             for b in todo:
                 ns = nodes[b]
+                if len(ns) == depth - 1:  # a chain so far: its columns follow the prefix, plain causal
+                    j = frontier[b][0]
+                    chunks.append(SeqChunk(reqs[b].row, next_col[b], [ns[j].token], 1, features=ns[j].feat[None]))
+                    ns[j].col = next_col[b]
+                    next_col[b] += 1
+                    continue
                 extra, first = [], []
                 for j in frontier[b]:
                     anc, a = [], ns[j].parent
@@ -272,7 +278,9 @@ class EagleProposer:
         x = sampler.sample(q, rngs).tolist()
         for k, i in enumerate(sampled):
             keep = rows[i][0].seed_key is None  # unseeded: rejection sampling needs q
-            out[i] = _Cand([math.log(max(float(q[k, x[k]]), 1e-30))], [x[k]], q[k] if keep else None, sampled=True)
+            # confidence 1 (log 0): q(x) of a sampled token says little about its acceptance (about
+            # sum min(p, q), near 1 when q matches p); the auto tree size calibrates it by measurement
+            out[i] = _Cand([0.0], [x[k]], q[k] if keep else None, sampled=True)
         return out
 
     @staticmethod
