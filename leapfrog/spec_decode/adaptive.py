@@ -23,8 +23,10 @@ goodput is within 15 % of k*'s, so close calls stay measured without paying for 
 ones; while speculation is off it drafts one token every 8 intervals to keep alpha current.
 The first time of a forward shape includes one-off costs (kernel selection and packing for a
 new row count: the first 21-token verify of the demo target measured 11.7 ms, later ones about
-8), so a size's first measurement is only provisional: it is replaced by the second one and
-never used in the estimates, where the size counts as unmeasured until then.
+8), so a size's first measurement is only provisional: the next step runs the same size again
+and that measurement replaces it (the provisional one is never used in the estimates).
+Beyond the largest measured size the cost is extrapolated along the last measured slope (flat
+while only plain decode is measured, so the first probe happens).
 
 Tree size (``num_draft_tokens: "auto"``, tree methods). The proposer grows its candidate tree
 at a cost that does not depend on how many nodes are verified, then keeps the n most confident.
@@ -73,6 +75,7 @@ class SpecController:
         self.alpha = 0.7          # prior; replaced by measurements within a few steps
         self.verify_cost: dict[int, dict[int, float]] = {}   # bucket -> s -> seconds
         self.first_verify: dict[int, dict[int, float]] = {}  # bucket -> s -> first (cold) seconds
+        self.confirm: dict[int, int] = {}                    # bucket -> size to run again (warm)
         self.draft_cost: dict[int, float] = {}               # bucket -> seconds per draft token
         self.steps = 0
         self.last_k = self.K
@@ -93,6 +96,8 @@ class SpecController:
         B = len(reqs)
         if self.cfg.disable_by_batch_size is not None and B > self.cfg.disable_by_batch_size:
             k = 0
+        elif (self.cfg.auto_tree or self.cfg.adaptive) and _bucket(B) in self.confirm:
+            k = self.confirm.pop(_bucket(B))  # a size measured once (cold): measure it warm
         elif self.cfg.auto_tree:
             k = self._auto_tree_size(B)
         elif self.cfg.adaptive:
@@ -112,6 +117,9 @@ class SpecController:
         if lower and upper:
             a, b = max(lower), min(upper)
             return table[a] + (table[b] - table[a]) * (s - a) / (b - a)
+        if len(lower) >= 2:  # extrapolate along the last measured slope
+            b, a = sorted(lower)[-2:]
+            return table[b] + max(0.0, (table[b] - table[a]) / (b - a)) * (s - b)
         if lower:
             return table[max(lower)]
         if upper:
@@ -148,7 +156,7 @@ class SpecController:
         if t1 is None:
             return 0  # measure plain decode at this batch size first
         if self.curve is None or bucket not in self.draft_cost:
-            return self.K  # one full tree: its confidences and costs
+            return self._probe_size(B)  # a first tree: the head's confidences and the costs
         c_d = self.draft_cost[bucket]
 
         def goodput(n: int) -> float:
@@ -165,8 +173,15 @@ class SpecController:
             if goodput(cand) >= _EXPLORE_MARGIN * goodput(best):
                 return cand  # a plausible size: refresh its verify cost
             if best == 0 and self.steps % (8 * interval) == 0:
-                return max(1, self.K // 4)  # keep the confidences and calibration current
+                return self._probe_size(B)  # keep the confidences and calibration current
         return best
+
+    def _probe_size(self, B: int) -> int:
+        """The tree size tried before any is measured at this batch size: 16 nodes per sequence
+        at batch 1, fewer as the batch grows (a batch of 32 verifying 17 tokens each costs about
+        8 plain steps on a 2-core CPU). Every candidate's confidence is known whatever the size
+        verified (DraftBatch.candidate_scores); the probe only has to measure the costs."""
+        return max(1, min(self.K, 16 // B))
 
     def _observe_tree(self, drafts: DraftBatch, result: AcceptanceResult) -> None:
         scores = drafts.candidate_scores
@@ -200,8 +215,11 @@ class SpecController:
             table[s] = (1 - _EMA) * table[s] + _EMA * t_verify
         elif s in first:
             table[s] = t_verify  # the second measurement replaces the cold first one
+            if self.confirm.get(bucket) == s - 1:
+                del self.confirm[bucket]
         else:
             first[s] = t_verify
+            self.confirm[bucket] = s - 1
         n_draft = drafts.total
         if n_draft:
             # sequential draft steps dominate; a tree's cost is per step (its size is free)

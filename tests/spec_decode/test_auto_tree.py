@@ -44,7 +44,8 @@ def test_cheap_verification_and_a_confident_drafter_verify_a_big_tree():
     conf = [0.9 ** (i // 4 + 1) for i in range(64)]           # four candidates per depth, slowly decaying
     chosen = _converge(0.01, conf, lambda n: min(n, 4))
     assert CFG.draft_budget == 64
-    assert chosen[:3] == [0, 0, 64]     # plain decode measured (the first time is provisional), then a full tree
+    # plain decode measured (the first time is provisional, so twice), then a probe tree, twice as well
+    assert chosen[:4] == [0, 0, 16, 16]
     assert min(chosen[-20:]) >= 12
 
 
@@ -68,10 +69,17 @@ def test_a_cold_first_measurement_does_not_stick():
     ctl = SpecController(CFG, 4096)
     for t in (1.0, 1.0):
         ctl.observe([_Req()], DraftBatch.empty(1), AcceptanceResult([0], [[0]], [0]), 0.0, t)
-    assert ctl.choose([_Req()]) == [64]
-    _step(ctl, 64, [0.9] * 64, 4, 0.3, 5.0)            # cold: 5x a plain step
-    _step(ctl, 16, [0.9] * 64, 4, 0.3, 9.0)            # cold as well
+    assert ctl.choose([_Req()]) == [16]                # the probe
+    _step(ctl, 16, [0.9] * 64, 4, 0.3, 9.0)            # cold: 9x a plain step
     assert ctl.verify_cost[1] == {1: 1.0}
-    _step(ctl, 16, [0.9] * 64, 4, 0.3, 1.1)            # warm: verifying 17 tokens costs ~ one step
+    assert ctl.choose([_Req()]) == [16]                # measured again, warm
+    _step(ctl, 16, [0.9] * 64, 4, 0.3, 1.1)            # verifying 17 tokens costs ~ one step
     assert ctl.verify_cost[1] == {1: 1.0, 17: 1.1}
     assert ctl.choose([_Req()])[0] >= 16
+
+
+def test_probe_shrinks_with_the_batch_and_costs_extrapolate():
+    ctl = SpecController(CFG, 4096)
+    assert [ctl._probe_size(b) for b in (1, 4, 16, 32)] == [16, 4, 1, 1]
+    ctl.verify_cost = {32: {1: 1.0, 2: 1.5}}
+    assert ctl._verify_time(32, 17) == 1.5 + 0.5 * 15   # along the measured slope, not flat
