@@ -78,8 +78,27 @@ class _Cand:
 
 @dataclass
 class _Feats:
-    start: int                  # position of rows[0]
-    rows: torch.Tensor          # [m, H] combined target features, positions start..start+m-1
+    """A request's target features not yet consumed by the head, positions start..end-1: raw
+    states as the target gives them (EAGLE-3's fc runs batched inside the head's catch-up
+    forward, not once per request and step), kept as the parts they arrived in until read."""
+    start: int
+    parts: list[torch.Tensor]   # [n_i, F] each, in position order
+    n: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.n
+
+    def rows(self) -> torch.Tensor:
+        """[m, F] all of them, one tensor."""
+        if len(self.parts) > 1:
+            self.parts = [torch.cat(self.parts)]
+        return self.parts[0]
+
+    def drop_before(self, pos: int) -> None:
+        k = pos - self.start
+        if k > 0:
+            self.parts, self.start, self.n = [self.rows()[k:]], pos, self.n - k
 
 
 class EagleProposer:
@@ -129,18 +148,19 @@ class EagleProposer:
 
     def on_target_states(self, req: Request, start: int, states: torch.Tensor) -> None:
         """The target's states [n, F] of the committed tokens at positions start..start+n-1."""
-        rows = self.head.combine_target_features(states.to(self.head.dtype))  # [n, H]
+        rows = states.to(self.head.dtype)  # [n, F]
         f = self.feats.get(req.request_id)
         if f is not None:
-            end = f.start + len(f.rows)
-            if start < end:  # sent again (a retried step): keep what we have
-                rows, start = rows[end - start:], end
-            if start == end:
-                self.feats[req.request_id] = _Feats(f.start, torch.cat([f.rows, rows]))
+            if start < f.end:  # sent again (a retried step): keep what we have
+                rows, start = rows[f.end - start:], f.end
+            if start == f.end:
+                if len(rows):
+                    f.parts.append(rows)
+                    f.n += len(rows)
                 return
         # first states, or a gap (a lost step): positions before start cannot be drafted from
         # again, so the request goes on without drafts (_ready) rather than with wrong features
-        self.feats[req.request_id] = _Feats(start, rows)
+        self.feats[req.request_id] = _Feats(start, [rows], len(rows))
 
     def on_verified(self, reqs: list[Request], drafts: DraftBatch, result: AcceptanceResult) -> None:
         pass  # committed head positions stay valid; tree columns are scratch
@@ -173,7 +193,7 @@ class EagleProposer:
         """The target features up to position N-2 are here (always, unless a step was lost)."""
         f = self.feats.get(req.request_id)
         c = self.computed.get(req.request_id, 0)
-        return f is not None and f.start <= c and f.start + len(f.rows) >= req.num_tokens - 1
+        return f is not None and f.start <= c and f.end >= req.num_tokens - 1
 
     def _catch_up(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the head over every pending position (long prompts in chunks); -> the last
@@ -188,7 +208,7 @@ class EagleProposer:
                     continue
                 n = min(end - c, self.chunk)
                 f = self.feats[r.request_id]
-                feats = f.rows[c - f.start:c - f.start + n]
+                feats = f.rows()[c - f.start:c - f.start + n]
                 chunks.append(SeqChunk(r.row, c, r.all_ids[c + 1:c + 1 + n], 1 if c + n == end else 0,
                                        features=feats))
                 who.append(i)
@@ -203,10 +223,7 @@ class EagleProposer:
                     last_logits[i], last_state[i] = out.logits[li], out.hidden[o - 1]
                     li += 1
         for r in reqs:  # features before the last caught-up position are never read again (reset)
-            f = self.feats[r.request_id]
-            keep = self.computed[r.request_id] - 1 - f.start
-            if keep > 0:
-                self.feats[r.request_id] = _Feats(f.start + keep, f.rows[keep:])
+            self.feats[r.request_id].drop_before(self.computed[r.request_id] - 1)
         if any(x is None for x in last_logits):
             raise RuntimeError("EAGLE head: a request had no position to catch up on")
         return torch.stack(last_logits), torch.stack(last_state)  # type: ignore[arg-type]
