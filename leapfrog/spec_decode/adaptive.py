@@ -77,6 +77,7 @@ class SpecController:
         self.first_verify: dict[int, dict[int, float]] = {}  # bucket -> s -> first (cold) seconds
         self.confirm: dict[int, int] = {}                    # bucket -> size to run again (warm)
         self.draft_cost: dict[int, float] = {}               # bucket -> seconds per draft token
+        self.draft_samples: dict[int, int] = {}              # bucket -> draft cost measurements
         self.steps = 0
         self.last_k = self.K
         self.curve: list[float] | None = None   # auto tree size: mean C(n), n = 1..K
@@ -224,8 +225,12 @@ class SpecController:
         if n_draft:
             # sequential draft steps dominate; a tree's cost is per step (its size is free)
             per = t_draft if self.cfg.tree else t_draft / max(drafts.num_draft)
+            # the first drafting step also pays for catching up on the prompt (EAGLE's head, a
+            # draft model's prefill) and for cold shapes: the second sample replaces it
+            seen = self.draft_samples.get(bucket, 0)
+            self.draft_samples[bucket] = seen + 1
             old = self.draft_cost.get(bucket)
-            self.draft_cost[bucket] = per if old is None else (1 - _EMA) * old + _EMA * per
+            self.draft_cost[bucket] = per if old is None or seen < 2 else (1 - _EMA) * old + _EMA * per
             rate = sum(result.num_accepted) / n_draft
             self.alpha = (1 - _EMA) * self.alpha + _EMA * rate
 

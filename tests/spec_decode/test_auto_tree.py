@@ -83,3 +83,14 @@ def test_probe_shrinks_with_the_batch_and_costs_extrapolate():
     assert [ctl._probe_size(b) for b in (1, 4, 16, 32)] == [16, 4, 1, 1]
     ctl.verify_cost = {32: {1: 1.0, 2: 1.5}}
     assert ctl._verify_time(32, 17) == 1.5 + 0.5 * 15   # along the measured slope, not flat
+
+
+def test_first_draft_cost_is_replaced():
+    """The first drafting step also catches the drafter up on the prompt: its time must not
+    stand for the per-step draft cost."""
+    ctl = SpecController(CFG, 4096)
+    _step(ctl, 4, [0.9] * 64, 2, 50.0, 1.2)
+    _step(ctl, 4, [0.9] * 64, 2, 0.3, 1.2)
+    assert ctl.draft_cost[1] == 0.3
+    _step(ctl, 4, [0.9] * 64, 2, 0.4, 1.2)
+    assert abs(ctl.draft_cost[1] - 0.32) < 1e-9

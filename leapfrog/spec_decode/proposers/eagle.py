@@ -234,7 +234,7 @@ class EagleProposer:
         frontier: dict[int, list[int]] = {}
         cands = self._candidates(logits, [(reqs[b], nodes[b], -1) for b in active])
         for i, b in enumerate(active):
-            frontier[b] = self._children(nodes[b], -1, 0.0, 1, cands[i], states[i])
+            frontier[b] = self._children(nodes[b], -1, 0.0, 1, cands[i], states[i], self._width(ks[b]))
         next_col = {b: self.computed[reqs[b].request_id] for b in active}
         context = dict(next_col)
         for depth in range(2, self.depth + 1):
@@ -271,9 +271,10 @@ class EagleProposer:
             for b in todo:
                 cand = []
                 for j in frontier[b]:
-                    cand += self._children(nodes[b], j, nodes[b][j].score, depth, cands[o], out.hidden[o])
+                    cand += self._children(nodes[b], j, nodes[b][j].score, depth, cands[o], out.hidden[o],
+                                           self._width(ks[b]))
                     o += 1
-                frontier[b] = self._next_frontier(nodes[b], cand, depth)
+                frontier[b] = self._next_frontier(nodes[b], cand, depth, self._width(ks[b]))
 
     def _candidates(self, logits: torch.Tensor, rows: list[tuple[Request, list[_Node], int]]) -> list[_Cand]:
         """Children candidates of each row's node (rows: (request, its nodes, the node; -1 = the
@@ -316,8 +317,14 @@ class EagleProposer:
         top = torch.log_softmax(logits.float(), -1).topk(min(want, logits.shape[-1]))
         return top.values.tolist(), top.indices.tolist()
 
+    def _width(self, k: int) -> int:
+        """Children per frontier node (and frontier size) for a tree of k nodes: eagle_topk, or as
+        many as k nodes over the tree's depth can use (a chain for k <= depth: "auto" sizes
+        below that grow, and pay for, one node per level)."""
+        return max(1, min(self.topk, math.ceil(k / self.depth)))
+
     def _children(self, ns: list[_Node], parent: int, score: float, depth: int, cand: _Cand,
-                  state: torch.Tensor) -> list[int]:
+                  state: torch.Tensor, width: int) -> list[int]:
         """Append the candidate children of ``parent`` (``state`` [H] is the head's output state
         after the parent: the feature the children run with) -> their node indices."""
         if cand.sampled:
@@ -325,7 +332,7 @@ class EagleProposer:
         elif self.static_children is not None:
             ranks = self.static_children.get(self._path_ranks(ns, parent), [])
         else:
-            ranks = list(range(self.topk))
+            ranks = list(range(width))
         out = []
         for r in ranks:
             if r < len(cand.ids):
@@ -334,12 +341,12 @@ class EagleProposer:
                 out.append(len(ns) - 1)
         return out
 
-    def _next_frontier(self, ns: list[_Node], cand: list[int], depth: int) -> list[int]:
+    def _next_frontier(self, ns: list[_Node], cand: list[int], depth: int, width: int) -> list[int]:
         if any(ns[j].sampled for j in cand):
             return cand  # a sampled chain goes on whatever the static tree says
         if self.static_children is not None:
             return [j for j in cand if self.static_children.get(self._path_ranks(ns, j))]
-        return sorted(cand, key=lambda j: -ns[j].score)[:self.topk]
+        return sorted(cand, key=lambda j: -ns[j].score)[:width]
 
     @staticmethod
     def _path_ranks(ns: list[_Node], j: int) -> tuple[int, ...]:
