@@ -45,6 +45,8 @@ sure; acceptance needs no exploration, only the verify-cost curve does (as for K
 
 from __future__ import annotations
 
+from typing import Callable
+
 from leapfrog.request import Request
 from leapfrog.spec_decode.config import SpeculativeConfig
 from leapfrog.spec_decode.draft import DraftBatch
@@ -141,15 +143,7 @@ class SpecController:
             return expected_tokens(self.alpha, k) / (k * c_d + t)
 
         best_k = max(range(self.K + 1), key=goodput)
-        interval = self.cfg.adaptive_explore_interval
-        if self.steps and self.steps % interval == 0:
-            up = (self.steps // interval) % 2 == 1
-            cand = min(self.K, best_k + 1) if up else max(0, best_k - 1)
-            if goodput(cand) >= _EXPLORE_MARGIN * goodput(best_k):
-                return cand  # a plausible neighbour: refresh its measurements
-            if best_k == 0 and self.steps % (8 * interval) == 0:
-                return 1  # keep acceptance measured even while speculation is off
-        return best_k
+        return self._explore(best_k, goodput, min(self.K, best_k + 1), max(0, best_k - 1), 1)
 
     def _auto_tree_size(self, B: int) -> int:
         bucket = _bucket(B)
@@ -167,14 +161,20 @@ class SpecController:
             return (1.0 + self.calibration * self.curve[n - 1]) / (c_d + t)
 
         best = max(range(self.K + 1), key=goodput)
+        return self._explore(best, goodput, min(self.K, max(1, best * 2)), best // 2, self._probe_size(B))
+
+    def _explore(self, best: int, goodput: Callable[[int], float], up: int, down: int, probe: int) -> int:
+        """``best``, except every ``adaptive_explore_interval`` steps: a neighbour (``up`` and
+        ``down`` in turn) if its estimated goodput is within 15 % of best's, so close calls stay
+        measured; while speculation is off, ``probe`` every 8 intervals keeps acceptance (and a
+        tree's confidences and calibration) current."""
         interval = self.cfg.adaptive_explore_interval
         if self.steps and self.steps % interval == 0:
-            up = (self.steps // interval) % 2 == 1
-            cand = min(self.K, max(1, best * 2)) if up else best // 2
+            cand = up if (self.steps // interval) % 2 == 1 else down
             if goodput(cand) >= _EXPLORE_MARGIN * goodput(best):
-                return cand  # a plausible size: refresh its verify cost
+                return cand
             if best == 0 and self.steps % (8 * interval) == 0:
-                return self._probe_size(B)  # keep the confidences and calibration current
+                return probe
         return best
 
     def _probe_size(self, B: int) -> int:

@@ -252,11 +252,7 @@ class EagleProposer:
                     continue
                 extra, first = [], []
                 for j in frontier[b]:
-                    anc, a = [], ns[j].parent
-                    while a >= 0:
-                        anc.append(ns[a].col)
-                        a = ns[a].parent
-                    extra.append(anc)
+                    extra.append([a.col for a in _ancestry(ns, ns[j].parent)])
                     first.append(context[b] + ns[j].depth - 1)
                 feats = torch.stack([ns[j].feat for j in frontier[b]])
                 chunks.append(SeqChunk(reqs[b].row, next_col[b], [ns[j].token for j in frontier[b]],
@@ -274,7 +270,7 @@ class EagleProposer:
                     cand += self._children(nodes[b], j, nodes[b][j].score, depth, cands[o], out.hidden[o],
                                            self._width(ks[b]))
                     o += 1
-                frontier[b] = self._next_frontier(nodes[b], cand, depth, self._width(ks[b]))
+                frontier[b] = self._next_frontier(nodes[b], cand, self._width(ks[b]))
 
     def _candidates(self, logits: torch.Tensor, rows: list[tuple[Request, list[_Node], int]]) -> list[_Cand]:
         """Children candidates of each row's node (rows: (request, its nodes, the node; -1 = the
@@ -288,7 +284,7 @@ class EagleProposer:
         specs, rngs = [], []
         for i in sampled:
             req, ns, j = rows[i]
-            path = self._path_tokens(ns, j)
+            path = [n.token for n in _ancestry(ns, j)]
             specs.append(req.row_spec(path))
             rngs.append(req.rng(len(path)))
         rows_q = sampler.build_rows(specs, logits.shape[-1])
@@ -300,15 +296,6 @@ class EagleProposer:
             # sum min(p, q), near 1 when q matches p); the auto tree size calibrates it by measurement
             out[i] = _Cand([0.0], [x[k]], q[k] if keep else None, sampled=True)
         return out
-
-    @staticmethod
-    def _path_tokens(ns: list[_Node], j: int) -> list[int]:
-        """Tokens from the root's child down to node j (j = -1: none)."""
-        path = []
-        while j >= 0:
-            path.append(ns[j].token)
-            j = ns[j].parent
-        return path[::-1]
 
     def _top(self, logits: torch.Tensor) -> tuple[list[list[float]], list[list[int]]]:
         """The most likely children of every row at once: log q and token ids, best first
@@ -330,7 +317,7 @@ class EagleProposer:
         if cand.sampled:
             ranks = [0]  # a sampled chain
         elif self.static_children is not None:
-            ranks = self.static_children.get(self._path_ranks(ns, parent), [])
+            ranks = self.static_children.get(_ranks(ns, parent), [])
         else:
             ranks = list(range(width))
         out = []
@@ -341,20 +328,12 @@ class EagleProposer:
                 out.append(len(ns) - 1)
         return out
 
-    def _next_frontier(self, ns: list[_Node], cand: list[int], depth: int, width: int) -> list[int]:
+    def _next_frontier(self, ns: list[_Node], cand: list[int], width: int) -> list[int]:
         if any(ns[j].sampled for j in cand):
             return cand  # a sampled chain goes on whatever the static tree says
         if self.static_children is not None:
-            return [j for j in cand if self.static_children.get(self._path_ranks(ns, j))]
+            return [j for j in cand if self.static_children.get(_ranks(ns, j))]
         return sorted(cand, key=lambda j: -ns[j].score)[:width]
-
-    @staticmethod
-    def _path_ranks(ns: list[_Node], j: int) -> tuple[int, ...]:
-        path = []
-        while j >= 0:
-            path.append(ns[j].rank)
-            j = ns[j].parent
-        return tuple(path[::-1])
 
     def _select(self, ns: list[_Node], k: int) -> tuple[list[_Node], list[int]]:
         """The best ``min(k, budget)`` nodes by path confidence, closed under ancestors, parents
@@ -375,6 +354,20 @@ class EagleProposer:
         order = sorted(keep, key=lambda j: (ns[j].depth, -ns[j].score))
         local = {j: i for i, j in enumerate(order)}
         return [ns[j] for j in order], [local[ns[j].parent] if ns[j].parent >= 0 else -1 for j in order]
+
+
+def _ancestry(ns: list[_Node], j: int) -> list[_Node]:
+    """The nodes from the root's child down to node j (j = -1: none)."""
+    path = []
+    while j >= 0:
+        path.append(ns[j])
+        j = ns[j].parent
+    return path[::-1]
+
+
+def _ranks(ns: list[_Node], j: int) -> tuple[int, ...]:
+    """Node j's path as child ranks (static trees' keys; () for the root)."""
+    return tuple(n.rank for n in _ancestry(ns, j))
 
 
 def _static_children(paths: list[tuple[int, ...]]) -> dict[tuple[int, ...], list[int]]:
