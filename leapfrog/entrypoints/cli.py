@@ -352,13 +352,8 @@ def cmd_train_draft(args) -> int:
         a = res.acceptance
         print(f"[leapfrog train-draft] acceptance at K={a['k']}, temperature 0, {a['prompts']} held-out prompts: "
               f"{a['acceptance_rate']:.3f}, mean acceptance length {a['mean_acceptance_length']:.2f}")
-    hint = {"method": "draft_model", "model": str(res.path), "num_speculative_tokens": k}
-    print(f"[leapfrog train-draft] saved {res.path} (loss curve: {res.path / 'training_loss.png'}); use it with "
-          f"--speculative-config '{json.dumps(hint)}'")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(s, f, indent=1, default=str)
-    return 0
+    return _saved(res.path, {"method": "draft_model", "model": str(res.path), "num_speculative_tokens": k},
+                  s, args.json)
 
 
 def _train_eagle(args, cfg) -> int:
@@ -395,12 +390,17 @@ def _train_eagle(args, cfg) -> int:
               + (f", {c['num_draft_tokens']} draft tokens" if "num_draft_tokens" in c else "")
               + f": acceptance rate {acc['acceptance_rate']:.3f}, mean acceptance length "
               f"{acc['mean_acceptance_length']:.2f}")
-    hint = {"method": args.method, "model": str(res.path), "num_speculative_tokens": k, "eagle_topk": topk}
-    print(f"[leapfrog train-draft] saved {res.path} (loss curve: {res.path / 'training_loss.png'}); use it with "
+    return _saved(res.path, {"method": args.method, "model": str(res.path), "num_speculative_tokens": k,
+                             "eagle_topk": topk}, s, args.json)
+
+
+def _saved(path, hint: dict, summary: dict, json_path: str | None) -> int:
+    """train-draft's last words: where the draft went, how to use it; the summary as JSON if asked."""
+    print(f"[leapfrog train-draft] saved {path} (loss curve: {path / 'training_loss.png'}); use it with "
           f"--speculative-config '{json.dumps(hint)}'")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(s, f, indent=1, default=str)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(summary, f, indent=1, default=str)
     return 0
 
 

@@ -150,13 +150,15 @@ def _generate_stream(target_path: str, tokenizer, docs: list[Document], gen_toke
     return torch.tensor(ids, dtype=torch.long)
 
 
-def check_target(target: str | os.PathLike, init_draft: str | os.PathLike | None = None):
+def check_target(target: str | os.PathLike, init_draft: str | os.PathLike | None = None,
+                 require_tokenizer: bool = True):
     """Check, before any data is built or any step trained, what the engine will check after training
     (when it measures acceptance and when the draft is used): the target's config.json and
     generation_config.json with the engine's architecture check, every weight present, readable
-    and of the right shape (safetensors headers only: quick), its tokenizer present, loadable and
-    inside the vocabulary; an ``init_draft`` the same way, speaking the target's tokens.
-    Returns (target Checkpoint, its tokenizer)."""
+    and of the right shape (safetensors headers only: quick), its tokenizer present (unless not
+    ``require_tokenizer``: EAGLE heads train on token ids too), loadable and inside the vocabulary;
+    an ``init_draft`` the same way, speaking the target's tokens.
+    Returns (target Checkpoint, its tokenizer or None)."""
     from leapfrog.model.loader import (
         TOKENIZER_FILES,
         check_weights,
@@ -168,16 +170,18 @@ def check_target(target: str | os.PathLike, init_draft: str | os.PathLike | None
 
     ckpt = read_checkpoint(target)
     check_weights(ckpt)
-    if not tokenizer_files(ckpt.path):
+    tokenizer = None
+    if tokenizer_files(ckpt.path):
+        tokenizer = load_tokenizer(ckpt.path)
+        if len(tokenizer) > ckpt.args.vocab_size:
+            raise CheckpointError(
+                f"{ckpt.path}: the tokenizer has {len(tokenizer)} tokens but config.json vocab_size is "
+                f"{ckpt.args.vocab_size}: they do not belong together")
+    elif require_tokenizer:
         raise CheckpointError(
             f"{ckpt.path}: no tokenizer files (looked for {', '.join(TOKENIZER_FILES)}); train-draft "
             "tokenizes the corpus with the target's tokenizer and saves it with the draft: put the "
             "target's tokenizer files (tokenizer.json, tokenizer_config.json, ...) in this directory")
-    tokenizer = load_tokenizer(ckpt.path)
-    if len(tokenizer) > ckpt.args.vocab_size:
-        raise CheckpointError(
-            f"{ckpt.path}: the tokenizer has {len(tokenizer)} tokens but config.json vocab_size is "
-            f"{ckpt.args.vocab_size}: they do not belong together")
     if init_draft is not None:
         draft = read_checkpoint(init_draft)
         check_weights(draft)

@@ -67,11 +67,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from leapfrog.attention.metadata import AttnMeta
-from leapfrog.errors import CheckpointError, ConfigError
+from leapfrog.errors import ConfigError
 from leapfrog.model.eagle import EagleHead, EagleKind, init_eagle_head, save_eagle_head
 from leapfrog.model.llama import LlamaModel
 from leapfrog.train.corpus import Document, pack_stream, read_documents, split_by_file
-from leapfrog.train.distill import heldout_prompts, heldout_windows, line_windows, resolve_autocast
+from leapfrog.train.distill import check_target, heldout_prompts, heldout_windows, line_windows, resolve_autocast
 from leapfrog.train.loop import (
     TrainConfig,
     TrainState,
@@ -549,19 +549,6 @@ def _token_data(ckpt, tokenizer, train_docs: list[Document], held: list[Document
     return train, heldout, seconds
 
 
-def _check_target(target: str | os.PathLike):
-    """The target checked before anything is built (config, weights' shapes); its tokenizer when it
-    has one. -> (Checkpoint, tokenizer or None)."""
-    from leapfrog.model.loader import check_weights, load_tokenizer, read_checkpoint, tokenizer_files
-    ckpt = read_checkpoint(target)
-    check_weights(ckpt)
-    tokenizer = load_tokenizer(ckpt.path) if tokenizer_files(ckpt.path) else None
-    if tokenizer is not None and len(tokenizer) > ckpt.args.vocab_size:
-        raise CheckpointError(f"{ckpt.path}: the tokenizer has {len(tokenizer)} tokens but config.json vocab_size "
-                              f"is {ckpt.args.vocab_size}: they do not belong together")
-    return ckpt, tokenizer
-
-
 # ---------------------------------------------------------------------------- evaluation
 
 def eagle_acceptance(target: str, head: str, kind: EagleKind, prompts: list, trees=DEFAULT_TREES,
@@ -694,7 +681,7 @@ def train_eagle(target: str | os.PathLike, corpus: str | os.PathLike | list[Docu
         raise ConfigError(f"{ckdir} holds a training checkpoint: pass resume=True (--resume) to continue it, or "
                           "remove it (or pass another checkpoint directory) to start again")
     # Fail in the first second, not after training: the target, then the corpus.
-    ckpt, tokenizer = _check_target(target)
+    ckpt, tokenizer = check_target(target, require_tokenizer=False)
     docs = read_documents(corpus) if not isinstance(corpus, list) else corpus
     train_docs, held = split_by_file(docs, data.heldout_fraction, data.split_seed)
     if not held:
