@@ -29,15 +29,20 @@ def tokenizer():
     return build_tokenizer(stdlib_sample_text(60_000), vocab_size=320)
 
 
-@pytest.fixture(scope="session")
-def model_dirs(tmp_path_factory, tokenizer):
+def save_shapes(tmp_path_factory, tokenizer, configs: dict[str, dict]) -> dict:
+    """{name: checkpoint dir} of random-init models, one per config (``arch`` + BASE overrides)."""
     out = {}
-    for name, cfg in CONFIGS.items():
+    for name, cfg in configs.items():
         cfg = dict(cfg)
         arch = cfg.pop("arch")
         out[name] = save_random_llama(tmp_path_factory.mktemp(name), tokenizer, arch=arch, seed=1,
                                       **{**BASE, **cfg})
     return out
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory, tokenizer):
+    return save_shapes(tmp_path_factory, tokenizer, CONFIGS)
 
 
 @pytest.fixture(scope="session")

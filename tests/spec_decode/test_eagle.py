@@ -13,7 +13,7 @@ from leapfrog.demo import save_random_llama
 from leapfrog.errors import ConfigError
 from leapfrog.model.eagle import init_eagle_head, save_eagle_head
 from leapfrog.model.loader import load_model, read_checkpoint
-from tests.conftest import BASE, CONFIGS, prompts_of
+from tests.conftest import BASE, CONFIGS, prompts_of, save_shapes
 from tests.spec_decode.test_sampling_lossless import SETTINGS, SMALL, assert_follows_target
 
 MAX = 32
@@ -31,15 +31,10 @@ def make_head(target_dir, out_dir, kind: str, seed: int = 0, **kw):
 
 @pytest.fixture(scope="module")
 def shapes(tmp_path_factory, tokenizer):
-    out = {}
-    for name, cfg in SHAPES.items():
-        cfg = dict(cfg)
-        arch = cfg.pop("arch")
-        t = save_random_llama(tmp_path_factory.mktemp(name), tokenizer, arch=arch, seed=1, **{**BASE, **cfg})
-        out[name] = (t, {k: make_head(t, tmp_path_factory.mktemp(f"{name}-{k}"), k,
-                                      **({"draft_vocab_size": 200} if k == "eagle3" else {}))
-                         for k in ("eagle", "eagle3")})
-    return out
+    return {name: (t, {k: make_head(t, tmp_path_factory.mktemp(f"{name}-{k}"), k,
+                                    **({"draft_vocab_size": 200} if k == "eagle3" else {}))
+                       for k in ("eagle", "eagle3")})
+            for name, t in save_shapes(tmp_path_factory, tokenizer, SHAPES).items()}
 
 
 def _generate(target, spec, prompts, sp, **kw):

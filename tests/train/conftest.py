@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from leapfrog.demo import save_random_llama, stdlib_sample_text
 
@@ -34,3 +35,14 @@ def bigram_target(tmp_path_factory, tokenizer):
             layer.mlp.down_proj.weight.zero_()
     model.save_pretrained(path)
     return path
+
+
+def assert_resumed_like(straight, resumed, steps: int) -> None:
+    """A run stopped and resumed (``resumed``, a train_* result) matches one trained straight
+    through: the same losses step by step and the same weights, to float noise."""
+    assert [s for s, _ in resumed.state.losses] == list(range(1, steps + 1))
+    assert [v for _, v in resumed.state.losses] == pytest.approx([v for _, v in straight.state.losses], rel=1e-4)
+    wa, wb = load_file(straight.path / "model.safetensors"), load_file(resumed.path / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5)

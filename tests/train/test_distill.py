@@ -4,7 +4,6 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from leapfrog import LLM, SamplingParams
 from leapfrog.demo import save_random_llama
@@ -13,6 +12,7 @@ from leapfrog.errors import ConfigError
 from leapfrog.train.distill import DraftShape, heldout_prompts, train_draft
 from leapfrog.train.evaluate import draft_acceptance
 from leapfrog.train.loop import TrainConfig
+from tests.train.conftest import assert_resumed_like
 
 SHAPE = DraftShape(hidden_size=48, intermediate_size=96, num_hidden_layers=1, num_attention_heads=2,
                    num_key_value_heads=2)
@@ -70,12 +70,7 @@ def test_resume_continues_where_it_stopped(tmp_path, llama_dir, corpus_dir):
     assert part.state.step == 5
     resumed = train_draft(llama_dir, corpus_dir, tmp_path / "b", train_config=cfg(10), **kw)
     assert resumed.state.step == 10
-    assert [s for s, _ in resumed.state.losses] == list(range(1, 11))
-    assert [v for _, v in resumed.state.losses] == pytest.approx([v for _, v in straight.state.losses], rel=1e-4)
-    wa, wb = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
-    assert wa.keys() == wb.keys()
-    for k in wa:
-        torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5)
+    assert_resumed_like(straight, resumed, 10)
 
 
 def test_generate_mode_distils_on_the_targets_own_text(tmp_path, llama_dir, corpus_dir):
