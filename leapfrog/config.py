@@ -28,6 +28,11 @@ class EngineConfig:
     prompt chunks): greedy output with speculation then equals output without, and a request
     gives the same tokens alone or among any others, in bf16 too. Costs throughput
     (benchmarks/batch_invariant_bench.py measures how much)."""
+    enforce_eager: bool = True
+    """Run every forward eagerly. False: decode and verify forwards of the target and a draft
+    model run as compiled graphs (model/compiled.py), compiled at start-up for batch sizes
+    1, 2, 4, ... max_num_seqs and 1 or K + 1 tokens per sequence (10-30 s per graph on 2 CPU
+    cores)."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -38,8 +43,12 @@ class EngineConfig:
             raise ConfigError(f"max_model_len={self.max_model_len!r}: must be an integer >= 2")
         if self.device not in ("auto", "cpu") and not str(self.device).startswith("cuda"):
             raise ConfigError(f"device={self.device!r}: use 'auto', 'cpu' or 'cuda[:N]'")
-        if not isinstance(self.batch_invariant, bool):
-            raise ConfigError(f"batch_invariant={self.batch_invariant!r}: must be True or False")
+        for name in ("batch_invariant", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r}: must be True or False")
+        if self.batch_invariant and not self.enforce_eager:
+            raise ConfigError("batch_invariant=True runs eagerly (its kernels are picked per row tile); "
+                              "leave enforce_eager=True")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ConfigError(f"seed={self.seed!r}: must be an integer")
 

@@ -35,19 +35,26 @@ class AttnMeta:
     # batch-invariant mode: (b, s, row, columns) per real token, columns a slice when they are
     # contiguous (chains, sliding windows), else a [n] index tensor (tree nodes: prefix + ancestors)
     token_cols: list[tuple[int, int, int, slice | Tensor]] | None = None
+    # compiled graphs: the context length as a [] int64 tensor, with ``mask`` [B, 1, S, max_len]
+    # (attention/backend.py cached_attention); None in eager forwards
+    graph_kv_len: Tensor | None = None
 
 
 def build_attn_meta(rows: list[int], cols: list[list[int]], scratch_row: int, device: torch.device | str,
                     sliding_window: int | None = None, tree_mask: Tensor | None = None,
-                    per_token: bool = False) -> AttnMeta:
+                    per_token: bool = False, pad_to: int | None = None,
+                    graph_width: int | None = None) -> AttnMeta:
     """Metadata for sequences ``rows`` whose new tokens go to columns ``cols[b]`` (ragged).
 
     The default mask is causal by cache column. ``tree_mask`` ([B, S, kv_len] bool), when
     given, replaces it (tree verification passes prefix + tree-ancestor masks here).
-    ``per_token``: the batch-invariant form (``token_cols``, no mask).
+    ``per_token``: the batch-invariant form (``token_cols``, no mask). ``pad_to``: S, when
+    more than the longest sequence (a compiled graph's bucket). ``graph_width``: metadata for a
+    compiled graph (model/compiled.py): a mask ``graph_width`` columns wide whatever kv_len,
+    kv_len as a tensor, index writes and reads (no int the graph would be specialized on).
     """
     B = len(rows)
-    S = max(len(c) for c in cols)
+    S = max(max(len(c) for c in cols), pad_to or 0)
     kv_len = max(max(c) for c in cols if c) + 1
     write_rows, write_cols, q_cols = [], [], []
     for r, c in zip(rows, cols):
@@ -62,22 +69,29 @@ def build_attn_meta(rows: list[int], cols: list[list[int]], scratch_row: int, de
         token_cols = _token_cols(rows, cols, sliding_window, tree_mask)
     elif tree_mask is not None:
         mask = tree_mask[:, None]
-    elif not (B == 1 and S == 1 and sliding_window is None):  # else one query sees every column
+    elif graph_width is not None or not (B == 1 and S == 1 and sliding_window is None):
+        # (a lone query without a window sees every column: no mask)
         qc = torch.tensor(q_cols, device=device)[:, :, None]  # [B, S, 1]
         kc = torch.arange(kv_len, device=device)[None, None, :]  # [1, 1, L]
         allowed = kc <= qc
         if sliding_window is not None:
             allowed &= kc > qc - sliding_window
         mask = allowed[:, None]  # [B, 1, S, L]
+    graph_kv_len = None
+    if graph_width is not None:
+        assert mask is not None
+        mask = torch.nn.functional.pad(mask, (0, graph_width - kv_len))  # [B, 1, S, graph_width]
+        graph_kv_len = torch.tensor(kv_len)
     return AttnMeta(
         rows=torch.tensor(rows, device=device),
         write_rows=torch.tensor(write_rows, device=device),
         write_cols=torch.tensor(write_cols, device=device),
         kv_len=kv_len,
         mask=mask,
-        row_range=(rows[0], rows[0] + B) if contiguous else None,
-        write_span=(rows[0], cols[0][0], cols[0][0] + S) if single_span else None,
+        row_range=(rows[0], rows[0] + B) if contiguous and graph_width is None else None,
+        write_span=(rows[0], cols[0][0], cols[0][0] + S) if single_span and graph_width is None else None,
         token_cols=token_cols,
+        graph_kv_len=graph_kv_len,
     )
 
 

@@ -23,6 +23,7 @@ from leapfrog.config import EngineConfig
 from leapfrog.detokenizer import Detokenizer
 from leapfrog.errors import ConfigError, RequestError
 from leapfrog.kv.manager import KVManager
+from leapfrog.model.compiled import can_compile, make_buckets
 from leapfrog.model.loader import load_model, load_tokenizer, read_checkpoint, resolve_dtype
 from leapfrog.model.runner import ModelRunner, SeqChunk
 from leapfrog.outputs import RequestOutput, SpecMetrics
@@ -52,8 +53,13 @@ class LLMEngine:
                               f"max_position_embeddings={mpe} in {ckpt.path / 'config.json'}; positions beyond it "
                               "were never trained (use max_model_len <= that)")
         self.max_model_len = config.max_model_len or min(mpe, 4096)
+        if not config.enforce_eager and (why := can_compile(self.device)):
+            raise ConfigError(f"enforce_eager=False: cannot compile here: {why}; use enforce_eager=True")
+        # Compiled graphs freeze plain linear layers themselves; eager forwards use oneDNN-packed ones.
         self.model = load_model(ckpt, self.dtype, self.device, self.max_model_len, config.allow_pickle,
-                                pack=True)
+                                pack=config.enforce_eager)
+        if not config.enforce_eager:
+            self.model.pack_for_inference(pack_layers=False)
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or ckpt.path)
         self.eos_ids = ckpt.eos_token_ids or (
             (self.tokenizer.eos_token_id,) if self.tokenizer is not None and self.tokenizer.eos_token_id is not None
@@ -77,6 +83,20 @@ class LLMEngine:
             self.proposer, self.spec_controller = build_speculation(config.speculative_config, self)
         #: which target states the proposer reads (EAGLE: "hidden" or aux layers), else None
         self._target_states = getattr(self.proposer, "target_states", None)
+        if not config.enforce_eager:
+            self._compile()
+
+    def _compile(self) -> None:
+        """Compile the decode/verify graphs of the target and of a draft model (model/compiled.py):
+        batch sizes 1, 2, 4, ... max_num_seqs, 1 token per sequence and 1 + the most drafts."""
+        per_seq = [1]
+        if self.spec_controller is not None:
+            per_seq.append(1 + self.spec_controller.cfg.draft_budget)
+        buckets = make_buckets(self.config.max_num_seqs, per_seq)
+        aux = self._target_states if isinstance(self._target_states, tuple) else ()
+        self.runner.compile(buckets, aux)
+        if hasattr(self.proposer, "compile"):
+            self.proposer.compile()
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | None, prompt_ids: list[int] | None,

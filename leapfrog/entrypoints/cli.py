@@ -24,6 +24,9 @@ def _generate_parser(sub) -> None:
     p.add_argument("--batch-invariant", action="store_true",
                    help="every token's logits bitwise independent of the batch: greedy output with speculation "
                         "equals without and any batch equals alone, in bf16 too (slower)")
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
+                   help="--no-enforce-eager compiles the decode/verify forwards of the target and of a draft model "
+                        "at start-up (the fast path; 10-30 s per graph on 2 CPU cores)")
     p.add_argument("--speculative-config", default=None,
                    help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; "none" turns it off')
     p.add_argument("--compare", action=argparse.BooleanOptionalAction, default=None,
@@ -80,7 +83,7 @@ def cmd_generate(args) -> int:
                         frequency_penalty=args.frequency_penalty)
     common = dict(tokenizer=args.tokenizer, dtype=args.dtype, seed=args.seed, device=args.device,
                   max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                  batch_invariant=args.batch_invariant)
+                  batch_invariant=args.batch_invariant, enforce_eager=args.enforce_eager)
     model = args.model
     if model is None:
         from leapfrog.demo import default_model
@@ -139,6 +142,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--batch-invariant", action="store_true",
                    help="every token's logits bitwise independent of the batch: greedy output with speculation "
                         "equals without and any batch equals alone, in bf16 too (slower)")
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
+                   help="--no-enforce-eager compiles the decode/verify forwards of the target and of a draft model "
+                        "at start-up (the fast path; 10-30 s per graph on 2 CPU cores)")
     p.add_argument("--speculative-config", default=None)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set LEAPFROG_API_KEY)")
     p.add_argument("--served-model-name", default=None)
@@ -164,7 +170,7 @@ def cmd_serve(args) -> int:
     engine = LLMEngine(EngineConfig(model=str(model), tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
                                     seed=args.seed, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                                     speculative_config=spec, batch_invariant=args.batch_invariant,
-                                    skip_tokenizer_init=args.skip_tokenizer_init))
+                                    enforce_eager=args.enforce_eager, skip_tokenizer_init=args.skip_tokenizer_init))
     name = args.served_model_name or (args.model or "leapfrog-default")
     api_key = args.api_key or os.environ.get("LEAPFROG_API_KEY") or None
     app = build_app(engine, name, api_key=api_key, max_waiting=args.max_waiting)

@@ -27,6 +27,8 @@ class LLM:
         speculative_config: vLLM-style dict, e.g. {"method": "ngram", "num_speculative_tokens": 4}.
         batch_invariant: every token's logits bitwise independent of the batch (greedy output
             with speculation equals without, any batch equals alone, in bf16 too; slower).
+        enforce_eager: False compiles the decode/verify forwards of the target and of a draft
+            model at start-up (the fast path; see EngineConfig.enforce_eager).
         max_model_len, max_num_seqs, max_num_batched_tokens, device, allow_pickle,
         skip_tokenizer_init: see EngineConfig.
     """
@@ -35,7 +37,8 @@ class LLM:
                  seed: int = 0, speculative_config: dict[str, Any] | None = None, *,
                  max_model_len: int | None = None, max_num_seqs: int = 16,
                  max_num_batched_tokens: int = 2048, device: str = "auto", allow_pickle: bool = False,
-                 skip_tokenizer_init: bool = False, batch_invariant: bool = False) -> None:
+                 skip_tokenizer_init: bool = False, batch_invariant: bool = False,
+                 enforce_eager: bool = True) -> None:
         if model is None:
             from leapfrog.demo import default_model
             model, default_spec = default_model()
@@ -47,7 +50,7 @@ class LLM:
             max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, allow_pickle=allow_pickle,
             skip_tokenizer_init=skip_tokenizer_init, speculative_config=speculative_config,
-            batch_invariant=batch_invariant)
+            batch_invariant=batch_invariant, enforce_eager=enforce_eager)
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()
 

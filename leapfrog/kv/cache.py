@@ -36,24 +36,12 @@ class KVCache:
 
     def write(self, layer: int, meta: AttnMeta, k: Tensor, v: Tensor) -> None:
         """Write new k/v [B, S, Hkv, D] at meta's (row, column) slots."""
-        kc, vc = self.k[layer], self.v[layer]
-        if meta.write_span is not None:  # one sequence, contiguous columns: slice assignment
-            row, c0, c1 = meta.write_span
-            kc[row, :, c0:c1] = k[0].transpose(0, 1)
-            vc[row, :, c0:c1] = v[0].transpose(0, 1)
-        else:
-            kc[meta.write_rows, :, meta.write_cols] = k.flatten(0, 1)
-            vc[meta.write_rows, :, meta.write_cols] = v.flatten(0, 1)
+        write_layer(self.k[layer], self.v[layer], meta, k, v)
 
     def write_and_read(self, layer: int, meta: AttnMeta, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write new k/v [B, S, Hkv, D]; return the rows' K, V [B, Hkv, kv_len, D] for attention
         (a view when the batch's rows are contiguous)."""
-        self.write(layer, meta, k, v)
-        kc, vc = self.k[layer], self.v[layer]
-        if meta.row_range is not None:
-            r0, r1 = meta.row_range
-            return kc[r0:r1, :, : meta.kv_len], vc[r0:r1, :, : meta.kv_len]
-        return kc[meta.rows, :, : meta.kv_len], vc[meta.rows, :, : meta.kv_len]
+        return write_and_read_layer(self.k[layer], self.v[layer], meta, k, v)
 
     def read_cols(self, layer: int, row: int, cols: slice | Tensor) -> tuple[Tensor, Tensor]:
         """K, V [1, Hkv, n, D] of one row's columns ``cols`` (a view for a slice): what one
@@ -73,3 +61,26 @@ class KVCache:
         for kc, vc in zip(self.k, self.v):
             kc[row, :, d] = kc[row, :, s]
             vc[row, :, d] = vc[row, :, s]
+
+
+def write_layer(kc: Tensor, vc: Tensor, meta: AttnMeta, k: Tensor, v: Tensor) -> None:
+    """KVCache.write on one layer's tensors (also called from inside compiled graphs' attention op)."""
+    if meta.write_span is not None:  # one sequence, contiguous columns: slice assignment
+        row, c0, c1 = meta.write_span
+        kc[row, :, c0:c1] = k[0].transpose(0, 1)
+        vc[row, :, c0:c1] = v[0].transpose(0, 1)
+    else:
+        kc[meta.write_rows, :, meta.write_cols] = k.flatten(0, 1)
+        vc[meta.write_rows, :, meta.write_cols] = v.flatten(0, 1)
+
+
+def write_and_read_layer(kc: Tensor, vc: Tensor, meta: AttnMeta, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """KVCache.write_and_read on one layer's tensors."""
+    write_layer(kc, vc, meta, k, v)
+    if meta.row_range is not None:
+        r0, r1 = meta.row_range
+        return kc[r0:r1, :, : meta.kv_len], vc[r0:r1, :, : meta.kv_len]
+    if meta.rows.numel() == 1:  # one row: a view
+        r = int(meta.rows[0])
+        return kc[r:r + 1, :, : meta.kv_len], vc[r:r + 1, :, : meta.kv_len]
+    return kc[meta.rows, :, : meta.kv_len], vc[meta.rows, :, : meta.kv_len]

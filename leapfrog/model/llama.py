@@ -148,14 +148,15 @@ class LlamaModel(nn.Module):
                 "(same range as float32) or dtype='float32'")
         return logits
 
-    def pack_for_inference(self, fp32_head: bool = True) -> bool:
+    def pack_for_inference(self, fp32_head: bool = True, pack_layers: bool = True) -> bool:
         """Prepare for inference: swap linear layers for oneDNN-packed ones when the CPU supports
         the dtype, and give the model its inference LM head; the model can no longer be trained
         afterwards. ``fp32_head=False`` keeps a half-precision head in the weights' dtype (its
         logits rounded to that dtype, half the bytes to read per step): for a draft model, whose
-        logits only steer proposals. -> whether the linear layers were packed."""
+        logits only steer proposals. ``pack_layers=False``: the head only (compiled graphs pack
+        the layers' weights themselves). -> whether the linear layers were packed."""
         from leapfrog.model.packed import can_pack, pack_linears
-        packed = can_pack(self.dtype, self.device)
+        packed = pack_layers and can_pack(self.dtype, self.device)
         if packed:
             pack_linears(self.layers)
         self._make_head(fp32_head)

@@ -15,6 +15,10 @@ columns are made contiguous with ``KVCache.move_cols`` (kv/cache.py).
 ``batch_invariant=True`` puts the model in batch-invariant mode (model/llama.py) and builds
 per-token attention metadata: a token's logits are then bitwise the same whatever chunks run
 with it, so greedy output with speculation equals output without, and any batch equals alone.
+
+The fast path (``compile``, model/compiled.py): forwards that fit a warmed ``[batch, tokens]``
+bucket run as a compiled graph, padded up to the bucket with scratch-row sequences and tokens;
+the rest (prompt chunks, EAGLE heads' feature inputs, larger trees) run eagerly.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from torch import Tensor
 
 from leapfrog.attention.metadata import build_attn_meta
 from leapfrog.kv.cache import KVCache
+from leapfrog.model.compiled import Bucket, CompiledForward
 
 
 @dataclass
@@ -76,6 +81,15 @@ class ModelRunner:
         self.device = model.device
         self.kv = KVCache(a.num_hidden_layers, num_rows, max_model_len, a.num_key_value_heads,
                           a.head_dim, model.dtype, self.device)
+        self.compiled: CompiledForward | None = None
+
+    def compile(self, buckets: list[Bucket], aux_layers: tuple[int, ...] = (), progress: bool = True) -> float:
+        """Compile the decode/verify forward for these buckets (model/compiled.py); the model's
+        linear layers must be plain ``nn.Linear`` (not oneDNN-packed). -> seconds taken."""
+        if self.batch_invariant:
+            raise ValueError("batch-invariant mode runs eagerly (its kernels are chosen per row tile)")
+        self.compiled = CompiledForward(self.model, self.kv, buckets, aux_layers)
+        return self.compiled.warm_up(progress)
 
     def run(self, chunks: list[SeqChunk]) -> Tensor:
         """-> logits [sum(num_logits), V] float32, chunk by chunk in order."""
@@ -87,35 +101,54 @@ class ModelRunner:
         forward contract's ``hidden``: a target's final-norm state, what EAGLE-1 reads; an EAGLE
         head's output state, fed back at its next draft step), or a tuple of layer indices
         (their residual-stream outputs concatenated: EAGLE-3's low/middle/high features)."""
-        B, S = len(chunks), max(len(c.token_ids) for c in chunks)
+        kv_len = max(c.start + len(c.token_ids) for c in chunks)
+        bucket = self._bucket(chunks, hidden, kv_len)
+        if bucket is not None:  # padding sequences: one token on the scratch row, never read
+            chunks = chunks + [SeqChunk(self.kv.scratch_row, 0, [0], 0)] * (bucket.batch - len(chunks))
+        B = len(chunks)
+        S = max(max(len(c.token_ids) for c in chunks), bucket.tokens if bucket is not None else 0)
         cols = [list(range(c.start, c.start + len(c.token_ids))) for c in chunks]
         pos = [c.positions() for c in chunks]
         tokens = [c.token_ids + [0] * (S - len(c.token_ids)) for c in chunks]
         positions = [p + [0] * (S - len(p)) for p in pos]
         tree = None
         if any(c.is_tree for c in chunks):
-            tree = self._tree_mask(chunks, pos, max(max(c) for c in cols) + 1)
+            tree = self._tree_mask(chunks, pos, kv_len, S)
         meta = build_attn_meta([c.row for c in chunks], cols, self.kv.scratch_row, self.device,
-                               self.model.args.sliding_window, tree_mask=tree, per_token=self.batch_invariant)
+                               self.model.args.sliding_window, tree_mask=tree, per_token=self.batch_invariant,
+                               pad_to=S, graph_width=None if bucket is None else self.kv.max_model_len)
         tok = torch.tensor(tokens, dtype=torch.long, device=self.device)
         posn = torch.tensor(positions, dtype=torch.long, device=self.device)
-        kwargs = {}
-        if any(c.features is not None for c in chunks):
-            kwargs["features"] = self._pad_features(chunks, S)
-        if isinstance(hidden, tuple):
-            kwargs["aux_layers"] = hidden
-        out = self.model(token_ids=tok, positions=posn, kv=self.kv, attn=meta, **kwargs)
-        flat = out.hidden.reshape(B * S, -1)
+        if bucket is not None:
+            assert self.compiled is not None
+            out_hidden, out_aux = self.compiled(tok, posn, meta)
+        else:
+            kwargs = {}
+            if any(c.features is not None for c in chunks):
+                kwargs["features"] = self._pad_features(chunks, S)
+            if isinstance(hidden, tuple):
+                kwargs["aux_layers"] = hidden
+            out = self.model(token_ids=tok, positions=posn, kv=self.kv, attn=meta, **kwargs)
+            out_hidden, out_aux = out.hidden, out.aux
+        flat = out_hidden.reshape(B * S, -1)
         real = [b * S + i for b, c in enumerate(chunks) for i in range(len(c.token_ids))]
         feats = None
         if hidden is not None:
-            src = flat if hidden == "hidden" else torch.cat(out.aux, dim=-1).reshape(B * S, -1)
+            src = flat if hidden == "hidden" else torch.cat(out_aux, dim=-1).reshape(B * S, -1)
             feats = _take(src, real)
         rows = [b * S + i for b, c in enumerate(chunks)
                 for i in range(len(c.token_ids) - c.num_logits, len(c.token_ids))]
         if not rows:
             return StepOutput(torch.empty(0, self.model.args.vocab_size), feats)
         return StepOutput(self.model.compute_logits(_take(flat, rows)).cpu(), feats)
+
+    def _bucket(self, chunks: list[SeqChunk], hidden: str | tuple[int, ...] | None, kv_len: int) -> Bucket | None:
+        """The compiled bucket this forward runs in, or None (eager)."""
+        if self.compiled is None or any(c.features is not None for c in chunks):
+            return None
+        if isinstance(hidden, tuple) and hidden != self.compiled.aux_layers:
+            return None
+        return self.compiled.bucket_for(len(chunks), max(len(c.token_ids) for c in chunks), kv_len)
 
     def _pad_features(self, chunks: list[SeqChunk], S: int) -> Tensor:
         F = next(c.features for c in chunks if c.features is not None).shape[-1]
@@ -125,10 +158,9 @@ class ModelRunner:
                 out[b, :len(c.token_ids)] = c.features.to(out.dtype)
         return out
 
-    def _tree_mask(self, chunks: list[SeqChunk], pos: list[list[int]], kv_len: int) -> Tensor:
+    def _tree_mask(self, chunks: list[SeqChunk], pos: list[list[int]], kv_len: int, S: int) -> Tensor:
         """[B, S, kv_len] bool: prefix columns (inside the sliding window, by position) plus the
         token's ancestors and itself; padding tokens see column 0 only."""
-        S = max(len(c.token_ids) for c in chunks)
         mask = torch.zeros(len(chunks), S, kv_len, dtype=torch.bool)
         window = self.model.args.sliding_window
         for b, c in enumerate(chunks):

@@ -17,5 +17,6 @@ def build_speculation(spec: dict[str, Any] | SpeculativeConfig, engine: Any) -> 
         dtype=engine.dtype, device=engine.device, num_rows=engine.config.max_num_seqs,
         max_model_len=engine.max_model_len, max_num_batched_tokens=engine.config.max_num_batched_tokens,
         model=engine.model, batch_invariant=engine.config.batch_invariant,
+        enforce_eager=engine.config.enforce_eager,
         allow_pickle=engine.config.allow_pickle)
     return PROPOSERS[cfg.method](cfg, info), SpecController(cfg, engine.max_model_len)

@@ -9,6 +9,8 @@ Lifecycle (called explicitly by the engine):
     reset(req)                      (optional) a batched step failed and is retried request by
                                     request: drop any state the failed step may have half-advanced
                                     (default: finish + start, rebuilding from the tokens)
+    compile()                       (optional) enforce_eager=False: compile the proposer's own
+                                    forwards at start-up (model/compiled.py)
 
 Proposers that read the target's own states (EAGLE) set ``target_states`` ("hidden" or a tuple
 of layer indices, see ModelRunner.step) and get ``on_target_states(req, start, states [n, F])``
@@ -42,6 +44,7 @@ class TargetInfo:
     max_num_batched_tokens: int
     model: Any = None  # the target LlamaModel (self-speculation, tests' oracle proposers)
     batch_invariant: bool = False  # run model proposers batch-invariant like the target
+    enforce_eager: bool = True     # False: model proposers compile their forwards too (Proposer.compile)
     allow_pickle: bool = False     # draft checkpoints may be pickle files (the user said so)
 
 

@@ -16,7 +16,13 @@ from __future__ import annotations
 import torch
 
 from leapfrog.errors import ConfigError
-from leapfrog.model.loader import load_model, load_tokenizer, read_checkpoint, resolve_dtype
+from leapfrog.model.compiled import make_buckets
+from leapfrog.model.loader import (
+    load_model,
+    load_tokenizer,
+    read_checkpoint,
+    resolve_dtype,
+)
 from leapfrog.model.runner import ModelRunner, SeqChunk
 from leapfrog.request import Request
 from leapfrog.sampling import sampler
@@ -53,7 +59,7 @@ class DraftModelProposer:
         self.model = load_model(ckpt, dtype, target.device, target.max_model_len)
         # q only steers proposals (verification uses the target's logits): a half-precision LM
         # head reads half the bytes per draft step (8% more tokens/s for the demo pair).
-        self.model.pack_for_inference(fp32_head=False)
+        self.model.pack_for_inference(fp32_head=False, pack_layers=target.enforce_eager)
         self.runner = ModelRunner(self.model, target.num_rows, target.max_model_len,
                                   batch_invariant=target.batch_invariant)
         self.vocab_size = target.vocab_size
@@ -62,6 +68,11 @@ class DraftModelProposer:
 
     def start(self, req: Request) -> None:
         self.computed[req.request_id] = 0
+
+    def compile(self) -> None:
+        """Compiled graphs for draft steps (model/compiled.py): one token per sequence, or two
+        (the first step after a fully accepted draft feeds its last draft and the bonus token)."""
+        self.runner.compile(make_buckets(self.runner.kv.num_rows, [1, 2]))
 
     def finish(self, req: Request) -> None:
         self.computed.pop(req.request_id, None)

@@ -1,0 +1,138 @@
+"""The compiled fast path against eager forwards, side by side in one run (issue: cut the cost of a step).
+
+Contenders, each one LLM loaded once and run in interleaved rounds (A B C D A B C D ...), batch 1,
+greedy, on the demo's held-out standard-library code: no speculation and draft_model K=4 (the demo
+draft), each eager (``enforce_eager=True``) and compiled (``enforce_eager=False``). Per contender:
+median tokens/s over rounds, the median of per-round ratios to eager no-speculation, whether its
+greedy output equals eager no-speculation's, and its start-up time (compiling included). Then the
+verify-cost curve of the target, t(S)/t(1) for one forward step over S new tokens at context 128,
+eager and compiled (compiled: S = 2..K+1 all run in the K+1 bucket).
+
+    python benchmarks/fastpath_bench.py [--num-prompts 8] [--max-tokens 96] [--rounds 3] [--out fastpath.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from leapfrog import LLM, SamplingParams
+from leapfrog.demo import DEMO_DIR
+from leapfrog.model.loader import load_tokenizer
+from leapfrog.model.runner import SeqChunk
+from leapfrog.train.distill import heldout_prompts
+
+
+def contenders(draft: str, k: int) -> list[tuple[str, dict | None, bool]]:
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
+    return [("none eager", None, True), ("none compiled", None, False),
+            (f"draft_model K={k} eager", spec, True), (f"draft_model K={k} compiled", spec, False)]
+
+
+def run_once(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    n, outs, t = 0, [], 0.0
+    for p in prompts:  # batch 1
+        t0 = time.perf_counter()
+        o = llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0].outputs[0]
+        t += time.perf_counter() - t0
+        n += len(o.token_ids)
+        outs.append(list(o.token_ids))
+    return n / t, outs
+
+
+def verify_curve(llm: LLM, sizes: list[int], ctx: int = 128, n: int = 100) -> dict[int, float]:
+    """ms per target forward step over S new tokens at context ``ctx`` (row 0, rewritten each time)."""
+    r = llm.engine.runner
+    out = {}
+    for s in sizes:
+        chunk = [SeqChunk(0, ctx, [5] * s, s)]
+        for _ in range(10):
+            r.step(chunk)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            r.step(chunk)
+        out[s] = (time.perf_counter() - t0) / n * 1e3
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=str(DEMO_DIR / "target"))
+    ap.add_argument("--draft", default=str(DEMO_DIR / "draft"))
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default="fastpath.json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from demo_bench import heldout_documents
+    tok = load_tokenizer(args.target)
+    docs = heldout_documents(DEMO_DIR if args.target == str(DEMO_DIR / "target") else Path(args.target).parent)
+    prompts = heldout_prompts(tok, docs, args.num_prompts, prompt_tokens=args.prompt_tokens)
+    max_len = args.prompt_tokens + args.max_tokens + 2 * args.k + 8
+
+    llms, startup = {}, {}
+    for name, spec, eager in contenders(args.draft, args.k):
+        t0 = time.perf_counter()
+        llms[name] = LLM(model=args.target, dtype=args.dtype, speculative_config=spec, max_num_seqs=1,
+                         max_model_len=max_len, enforce_eager=eager)
+        startup[name] = time.perf_counter() - t0
+        run_once(llms[name], prompts[:1], 8)  # warm-up
+        print(f"[fastpath] loaded {name} in {startup[name]:.1f} s", file=sys.stderr)
+
+    speeds: dict[str, list[float]] = {n: [] for n in llms}
+    ratios: dict[str, list[float]] = {n: [] for n in llms}
+    outputs: dict[str, list[list[int]]] = {}
+    for rnd in range(args.rounds):
+        for name, llm in llms.items():
+            tps, outputs[name] = run_once(llm, prompts, args.max_tokens)
+            speeds[name].append(tps)
+        base = speeds["none eager"][-1]
+        for name in llms:
+            ratios[name].append(speeds[name][-1] / base)
+        print(f"[fastpath] round {rnd + 1}: " + ", ".join(f"{n} {s[-1]:.0f}" for n, s in speeds.items()),
+              file=sys.stderr)
+
+    sizes = list(range(1, args.k + 2))
+    curves = {}
+    for name in list(llms)[2:]:  # the target of the speculative contenders: buckets 1 and K + 1 when compiled
+        c = verify_curve(llms[name], sizes)
+        label = "compiled" if "compiled" in name else "eager"
+        curves[label + " ms"] = {s: round(c[s], 3) for s in sizes}
+        curves[label + " t(S)/t(1)"] = {s: round(c[s] / c[1], 2) for s in sizes}
+
+    rows = []
+    print("| contender | tokens/s | vs eager none | identical output | start-up s |")
+    print("|---|---:|---:|---|---:|")
+    for name in llms:
+        same = outputs[name] == outputs["none eager"]
+        row = {"contender": name, "tokens_per_s": round(statistics.median(speeds[name]), 1),
+               "speedup": round(statistics.median(ratios[name]), 2), "identical": same,
+               "startup_s": round(startup[name], 1)}
+        rows.append(row)
+        print(f"| {name} | {row['tokens_per_s']} | {row['speedup']:.2f}x | {same} | {row['startup_s']} |")
+    print("\ntarget step over S new tokens at context 128 (compiled: S padded up to the K+1 bucket):")
+    print("| | " + " | ".join(f"S={s}" for s in sizes) + " |")
+    print("|---|" + "---:|" * len(sizes))
+    for name, c in curves.items():
+        print(f"| {name} | " + " | ".join(str(c[s]) for s in sizes) + " |")
+    summary = {"dtype": str(llms["none eager"].engine.dtype), "threads": args.threads, "rounds": args.rounds,
+               "num_prompts": len(prompts), "max_tokens": args.max_tokens, "rows": rows, "verify_ms": curves}
+    Path(args.out).write_text(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()

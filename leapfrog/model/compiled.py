@@ -1,0 +1,157 @@
+"""The compiled fast path: the decode/verify forward as torch.compile graphs, one per shape bucket.
+
+A decode or verify forward is a few hundred small ops (norms, RoPE, casts, slices, attention,
+the linears); eagerly, per-op dispatch costs as much as the matrix math for a small model.
+Inductor fuses the elementwise ops, freezes the weights into the graph (prepacked for its own
+few-row GEMM kernels: ``max_autotune`` with the C++ GEMM template, chosen per shape by
+measurement) and calls the graph through a C++ wrapper.
+
+Shapes. A graph is compiled for a fixed ``[batch, tokens]`` bucket (``Bucket``): a forward
+over ``B`` sequences of at most ``S`` new tokens runs in the smallest warmed bucket with
+``batch >= B`` and ``tokens >= S``, padded like any ragged batch (padding sequences and tokens
+write to the cache's scratch row and are never read). Every shape in the graph is static:
+attention, the one part that depends on the context length, is one opaque op per layer
+(attention/backend.py ``cached_attention``) that takes the length as a tensor and a mask as
+wide as the cache, so one graph serves every context length (a symbolic length would turn
+inductor's few-row GEMM kernels into generic ones: measured 2x slower). Everything else
+(prompt chunks, trees larger than a bucket, EAGLE heads, batch-invariant mode) runs eagerly.
+All buckets are compiled at start-up (``warm_up``), and serving never compiles: a forward
+that fits no warmed bucket runs eagerly.
+
+Costs: compiling takes 10-30 s per bucket on 2 CPU cores (C++ compilation; frozen graphs are not
+kept in inductor's on-disk cache), and the frozen weights are a second copy of the layers'
+weights. ``enforce_eager=True`` (vLLM's name) turns the fast path off.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from leapfrog.attention.metadata import AttnMeta
+from leapfrog.kv.cache import KVCache
+
+log = logging.getLogger("leapfrog.compile")
+
+#: inductor settings of the fast path (torch._inductor.config keys)
+INDUCTOR_OPTIONS = {
+    "freezing": True,                        # weights become constants, prepacked once
+    "cpp_wrapper": True,                     # the graph called from C++, not Python
+    "max_autotune": True,                    # GEMM kernels chosen per shape by measurement
+    "max_autotune_gemm_backends": "CPP,ATEN",
+}
+
+
+@dataclass(frozen=True, order=True)
+class Bucket:
+    batch: int    # sequences per forward (padded up to)
+    tokens: int   # new tokens per sequence (padded up to)
+
+
+def make_buckets(max_seqs: int, tokens_per_seq: list[int], max_tokens: int = 256) -> list[Bucket]:
+    """Buckets for batch sizes 1, 2, 4, ... up to ``max_seqs`` and each of ``tokens_per_seq``
+    (1 = plain decode, K + 1 = a verify of K drafts), at most ``max_tokens`` tokens per forward.
+
+    >>> make_buckets(4, [1, 5])
+    [Bucket(batch=1, tokens=1), Bucket(batch=1, tokens=5), Bucket(batch=2, tokens=1), Bucket(batch=2, tokens=5), \
+Bucket(batch=4, tokens=1), Bucket(batch=4, tokens=5)]
+    """
+    batches, b = [], 1
+    while b < max_seqs:
+        batches.append(b)
+        b *= 2
+    batches.append(max_seqs)
+    return sorted({Bucket(b, s) for b in batches for s in set(tokens_per_seq) if b * s <= max_tokens})
+
+
+def can_compile(device: torch.device) -> str | None:
+    """None when inductor can compile here, else why not (a C++ compiler is needed on CPU)."""
+    if device.type == "cpu":
+        from torch._inductor.cpp_builder import get_cpp_compiler
+        try:
+            get_cpp_compiler()
+        except Exception as e:  # noqa: BLE001 - whatever the probe raises, the reason is shown
+            return f"no C++ compiler for inductor ({e})"
+    return None
+
+
+class CompiledForward:
+    """The model's forward over a ``KVCache`` as compiled graphs, one per bucket (see the module
+    docstring). ``aux_layers``: residual-stream outputs every graph also returns (EAGLE-3)."""
+
+    def __init__(self, model: torch.nn.Module, kv: KVCache, buckets: list[Bucket],
+                 aux_layers: tuple[int, ...] = ()) -> None:
+        self.model, self.kv, self.aux_layers = model, kv, aux_layers
+        self.buckets = sorted(buckets)
+        self.warmed: list[Bucket] = []
+        # One graph per bucket, all from this one function: dynamo's per-function limit on
+        # compiled variants must hold them all (targets and drafts share the code object).
+        limit = 4 * len(self.buckets) + 8
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, limit)
+        torch._dynamo.config.accumulated_cache_size_limit = max(
+            torch._dynamo.config.accumulated_cache_size_limit, 4 * limit)
+        self._fn = torch.compile(self._forward, dynamic=False, fullgraph=True)
+
+    def _forward(self, tok: Tensor, pos: Tensor, mask: Tensor, rows: Tensor, write_rows: Tensor,
+                 write_cols: Tensor, kv_len: Tensor) -> tuple[Tensor, list[Tensor]]:
+        meta = AttnMeta(rows=rows, write_rows=write_rows, write_cols=write_cols, kv_len=mask.shape[-1],
+                        mask=mask, graph_kv_len=kv_len)
+        out = self.model(token_ids=tok, positions=pos, kv=self.kv, attn=meta, aux_layers=self.aux_layers)
+        return out.hidden, out.aux
+
+    def bucket_for(self, batch: int, tokens: int, kv_len: int) -> Bucket | None:
+        """The smallest warmed bucket a forward of this shape fits, or None (run eagerly)."""
+        if kv_len > self.kv.max_model_len:
+            return None
+        for b in self.warmed:
+            if b.batch >= batch and b.tokens >= tokens:
+                return b
+        return None
+
+    def __call__(self, tok: Tensor, pos: Tensor, meta: AttnMeta) -> tuple[Tensor, list[Tensor]]:
+        """tok, pos [batch, tokens] of a warmed bucket; meta for a graph (build_attn_meta's
+        ``graph_width=max_model_len``) -> hidden [batch, tokens, D] float32, aux [batch, tokens, D]
+        per aux layer."""
+        assert meta.mask is not None and meta.graph_kv_len is not None
+        return self._fn(tok, pos, meta.mask, meta.rows, meta.write_rows, meta.write_cols, meta.graph_kv_len)
+
+    @torch.inference_mode()
+    def warm_up(self, progress: bool = True) -> float:
+        """Compile every bucket (each run twice, at two context lengths, on the scratch row).
+        -> seconds taken."""
+        t0 = time.perf_counter()
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(self.buckets), desc="compiling decode/verify graphs", unit="graph",
+                       dynamic_ncols=True)
+        dev = self.kv.k[0].device
+        scratch = self.kv.scratch_row
+        for b in self.buckets:
+            with torch._inductor.config.patch(INDUCTOR_OPTIONS):  # compile-time settings (not torch.compile's
+                self._warm(b, dev, scratch)                       # options=, which do not reach freezing)
+            self.warmed.append(b)
+            if bar is not None:
+                bar.update(1)
+        if bar is not None:
+            bar.close()
+        took = time.perf_counter() - t0
+        log.info("compiled %d decode/verify graphs in %.1f s", len(self.buckets), took)
+        return took
+
+    def _warm(self, b: Bucket, dev: torch.device, scratch: int) -> None:
+        """Run bucket ``b`` at two context lengths on the scratch row (the second must not compile)."""
+        for kv_len in (b.tokens + 1, b.tokens + 3):
+            n = b.batch * b.tokens
+            cols = torch.arange(kv_len - b.tokens, kv_len, device=dev).repeat(b.batch)  # [n]
+            mask = torch.zeros(b.batch, 1, b.tokens, self.kv.max_model_len, dtype=torch.bool, device=dev)
+            mask[..., :kv_len] = True
+            meta = AttnMeta(rows=torch.full((b.batch,), scratch, device=dev),
+                            write_rows=torch.full((n,), scratch, device=dev), write_cols=cols,
+                            kv_len=kv_len, mask=mask, graph_kv_len=torch.tensor(kv_len))
+            tok = torch.zeros(b.batch, b.tokens, dtype=torch.long, device=dev)
+            self(tok, cols.view(b.batch, b.tokens), meta)

@@ -1,0 +1,110 @@
+"""The compiled fast path (model/compiled.py): buckets, graph metadata, and compiled forwards that
+give the eager forward's logits (float32) for decode, padded ragged batches and trees at every
+context length, without compiling anything after warm-up."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from leapfrog import LLM, SamplingParams
+from leapfrog.attention.metadata import build_attn_meta
+from leapfrog.errors import ConfigError
+from leapfrog.model.compiled import Bucket, CompiledForward, make_buckets
+from leapfrog.model.loader import load_model, read_checkpoint
+from leapfrog.model.runner import ModelRunner, SeqChunk
+from tests.conftest import prompts_of
+
+F32 = torch.float32
+MAX_LEN = 128
+
+
+def _runner(path, compiled: bool) -> ModelRunner:
+    model = load_model(read_checkpoint(path), F32, torch.device("cpu"), MAX_LEN, pack=not compiled)
+    if compiled:
+        model.pack_for_inference(pack_layers=False)
+    return ModelRunner(model, num_rows=3, max_model_len=MAX_LEN)
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 320, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_buckets_cover_powers_of_two_up_to_max_seqs():
+    assert make_buckets(5, [1, 5]) == sorted(Bucket(b, s) for b in (1, 2, 4, 5) for s in (1, 5))
+    assert make_buckets(1, [1, 1]) == [Bucket(1, 1)]
+    assert make_buckets(64, [1, 65], max_tokens=256) == sorted(
+        [Bucket(b, 1) for b in (1, 2, 4, 8, 16, 32, 64)] + [Bucket(1, 65), Bucket(2, 65)])
+
+
+def test_graph_metadata_has_fixed_shapes():
+    meta = build_attn_meta([2], [[7]], 3, "cpu", pad_to=4, graph_width=MAX_LEN)
+    assert meta.mask.shape == (1, 1, 4, MAX_LEN)
+    assert int(meta.graph_kv_len) == 8
+    assert meta.mask[0, 0, 0].nonzero().flatten().tolist() == list(range(8))
+    assert meta.mask[0, 0, 1:, 1:].sum() == 0   # padding tokens see column 0 only
+    assert meta.row_range is None and meta.write_span is None   # index writes and reads
+    assert meta.write_rows.tolist() == [2, 3, 3, 3] and meta.write_cols.tolist() == [7, 0, 1, 2]
+
+
+def test_bucket_choice(llama_dir):
+    r = _runner(llama_dir, compiled=True)
+    cf = CompiledForward(r.model, r.kv, [Bucket(1, 1), Bucket(2, 5), Bucket(4, 1)])
+    cf.warmed = list(cf.buckets)  # choice only: nothing is compiled before a call
+    assert cf.bucket_for(1, 1, 10) == Bucket(1, 1)
+    assert cf.bucket_for(2, 1, 10) == Bucket(2, 5)
+    assert cf.bucket_for(3, 1, 10) == Bucket(4, 1)
+    assert cf.bucket_for(1, 4, 10) == Bucket(2, 5)
+    assert cf.bucket_for(3, 2, 10) is None          # no bucket: eager
+    assert cf.bucket_for(1, 6, 10) is None
+    assert cf.bucket_for(1, 1, MAX_LEN + 1) is None
+    cf.warmed = []
+    assert cf.bucket_for(1, 1, 10) is None           # not warmed: eager
+
+
+def test_batch_invariant_runs_eagerly(llama_dir):
+    with pytest.raises(ConfigError, match="enforce_eager"):
+        LLM(model=str(llama_dir), batch_invariant=True, enforce_eager=False)
+
+
+def test_compiled_forwards_match_eager(llama_dir):
+    """Decode, a padded ragged batch, a tree and a 2-token chunk, at growing context lengths:
+    compiled logits equal eager ones (float32, to rounding), prompts run eagerly, and nothing
+    compiles after warm-up."""
+    eager, fast = _runner(llama_dir, False), _runner(llama_dir, True)
+    fast.compile([Bucket(1, 1), Bucket(2, 3)], progress=False)
+    graphs = counters["stats"]["unique_graphs"]
+    a, b = _tokens(20, 0), _tokens(9, 1)
+    steps = [
+        [SeqChunk(0, 0, a, 1), SeqChunk(1, 0, b, 1)],                    # prompts: eager
+        [SeqChunk(0, 20, _tokens(1, 2), 1)],                              # decode: bucket (1, 1)
+        [SeqChunk(0, 21, _tokens(3, 3), 3), SeqChunk(1, 9, _tokens(1, 4), 1)],   # ragged: (2, 3)
+        [SeqChunk(1, 10, _tokens(3, 5), 3, parents=[-1, 0, 0])],          # tree, batch padded: (2, 3)
+        [SeqChunk(1, 11, _tokens(2, 6), 2)],                              # 2 tokens padded to 3
+        [SeqChunk(0, 24, _tokens(1, 7), 1)],                              # decode, longer context
+    ]
+    for chunks in steps:
+        want, got = eager.run(chunks), fast.run(chunks)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert fast.compiled is not None and fast.compiled.warmed == [Bucket(1, 1), Bucket(2, 3)]
+
+
+@pytest.mark.slow
+def test_engine_fast_path_is_lossless(llama_dir, tokenizer):
+    """The engine on the fast path (target and draft model compiled; the target drafts for
+    itself, so drafts are accepted): greedy output with speculation equals eager output without
+    (float32), batched, with nothing compiled while serving."""
+    prompts = [{"prompt_token_ids": p} for p in prompts_of(tokenizer, 3)]
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    spec = {"method": "draft_model", "model": str(llama_dir), "num_speculative_tokens": 3}
+    fast = LLM(model=str(llama_dir), dtype="float32", speculative_config=spec, max_num_seqs=2,
+               max_model_len=MAX_LEN, enforce_eager=False)
+    graphs = counters["stats"]["unique_graphs"]
+    got = [o.outputs[0].token_ids for o in fast.generate(prompts, sp, use_tqdm=False)]
+    assert counters["stats"]["unique_graphs"] == graphs
+    base = LLM(model=str(llama_dir), dtype="float32", max_num_seqs=2, max_model_len=MAX_LEN)
+    want = [o.outputs[0].token_ids for o in base.generate(prompts, sp, use_tqdm=False)]
+    assert got == want
+    assert fast.get_metrics()["num_accepted_tokens"] > 0
