@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from leapfrog.attention.metadata import AttnMeta
+from leapfrog.attention.metadata import AttnMeta, build_attn_meta
 from leapfrog.kv.cache import KVCache
 
 log = logging.getLogger("leapfrog.compile")
@@ -146,12 +146,7 @@ class CompiledForward:
     def _warm(self, b: Bucket, dev: torch.device, scratch: int) -> None:
         """Run bucket ``b`` at two context lengths on the scratch row (the second must not compile)."""
         for kv_len in (b.tokens + 1, b.tokens + 3):
-            n = b.batch * b.tokens
-            cols = torch.arange(kv_len - b.tokens, kv_len, device=dev).repeat(b.batch)  # [n]
-            mask = torch.zeros(b.batch, 1, b.tokens, self.kv.max_model_len, dtype=torch.bool, device=dev)
-            mask[..., :kv_len] = True
-            meta = AttnMeta(rows=torch.full((b.batch,), scratch, device=dev),
-                            write_rows=torch.full((n,), scratch, device=dev), write_cols=cols,
-                            kv_len=kv_len, mask=mask, graph_kv_len=torch.tensor(kv_len))
+            cols = [list(range(kv_len - b.tokens, kv_len))] * b.batch
+            meta = build_attn_meta([scratch] * b.batch, cols, scratch, dev, graph_width=self.kv.max_model_len)
             tok = torch.zeros(b.batch, b.tokens, dtype=torch.long, device=dev)
-            self(tok, cols.view(b.batch, b.tokens), meta)
+            self(tok, torch.tensor(cols, device=dev), meta)

@@ -17,12 +17,7 @@ import torch
 
 from leapfrog.errors import ConfigError
 from leapfrog.model.compiled import make_buckets
-from leapfrog.model.loader import (
-    load_model,
-    load_tokenizer,
-    read_checkpoint,
-    resolve_dtype,
-)
+from leapfrog.model.loader import load_model, load_tokenizer, read_checkpoint, resolve_dtype
 from leapfrog.model.runner import ModelRunner, SeqChunk
 from leapfrog.request import Request
 from leapfrog.sampling import sampler
