@@ -33,6 +33,10 @@ class EngineConfig:
     model run as compiled graphs (model/compiled.py), compiled at start-up for batch sizes
     1, 2, 4, ... max_num_seqs and 1 or K + 1 tokens per sequence (10-30 s per graph on 2 CPU
     cores)."""
+    quantization: str | None = None
+    """Weight-only quantization of the target's decoder layers at load: "int8" (per output
+    channel) or "int4" (per group of 32 inputs); model/quant.py. Speculation stays lossless
+    relative to the quantized target."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -49,6 +53,12 @@ class EngineConfig:
         if self.batch_invariant and not self.enforce_eager:
             raise ConfigError("batch_invariant=True runs eagerly (its kernels are picked per row tile); "
                               "leave enforce_eager=True")
+        from leapfrog.model.quant import QUANT_METHODS
+        if self.quantization is not None and self.quantization not in QUANT_METHODS:
+            raise ConfigError(f"quantization={self.quantization!r}: must be one of {list(QUANT_METHODS)} (or None)")
+        if self.quantization is not None and self.batch_invariant:
+            raise ConfigError("batch_invariant=True with quantization is not supported yet (the quantized kernels "
+                              "have no row-tile self-check); drop one of them")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ConfigError(f"seed={self.seed!r}: must be an integer")
 

@@ -25,6 +25,7 @@ from leapfrog.errors import ConfigError, RequestError
 from leapfrog.kv.manager import KVManager
 from leapfrog.model.compiled import can_compile, make_buckets
 from leapfrog.model.loader import load_model, load_tokenizer, read_checkpoint, resolve_dtype
+from leapfrog.model.quant import check_quantization
 from leapfrog.model.runner import ModelRunner, SeqChunk
 from leapfrog.outputs import RequestOutput, SpecMetrics
 from leapfrog.request import Request
@@ -55,9 +56,10 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or min(mpe, 4096)
         if not config.enforce_eager and (why := can_compile(self.device)):
             raise ConfigError(f"enforce_eager=False: cannot compile here: {why}; use enforce_eager=True")
+        check_quantization(config.quantization, self.dtype, self.device)
         # Compiled graphs freeze plain linear layers themselves; eager forwards use oneDNN-packed ones.
         self.model = load_model(ckpt, self.dtype, self.device, self.max_model_len, config.allow_pickle,
-                                pack=config.enforce_eager)
+                                pack=config.enforce_eager, quantization=config.quantization)
         if not config.enforce_eager:
             self.model.pack_for_inference(pack_layers=False)
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or ckpt.path)

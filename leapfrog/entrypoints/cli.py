@@ -21,12 +21,7 @@ def _generate_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--batch-invariant", action="store_true",
-                   help="every token's logits bitwise independent of the batch: greedy output with speculation "
-                        "equals without and any batch equals alone, in bf16 too (slower)")
-    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
-                   help="--no-enforce-eager compiles the decode/verify forwards of the target and of a draft model "
-                        "at start-up (the fast path; 10-30 s per graph on 2 CPU cores)")
+    _add_engine_switches(p)
     p.add_argument("--speculative-config", default=None,
                    help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; "none" turns it off')
     p.add_argument("--compare", action=argparse.BooleanOptionalAction, default=None,
@@ -44,6 +39,19 @@ def _generate_parser(sub) -> None:
     p.add_argument("--presence-penalty", type=float, default=0.0)
     p.add_argument("--frequency-penalty", type=float, default=0.0)
     p.add_argument("--n", type=int, default=1)
+
+
+def _add_engine_switches(p: argparse.ArgumentParser) -> None:
+    """Engine options shared by generate and serve."""
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="every token's logits bitwise independent of the batch: greedy output with speculation "
+                        "equals without and any batch equals alone, in bf16 too (slower)")
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
+                   help="--no-enforce-eager compiles the decode/verify forwards of the target and of a draft model "
+                        "at start-up (the fast path; 10-30 s per graph on 2 CPU cores)")
+    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                   help="weight-only quantization of the target's decoder layers at load (speculation stays "
+                        "lossless relative to the quantized target)")
 
 
 def _read_prompts(args) -> list[str]:
@@ -83,7 +91,8 @@ def cmd_generate(args) -> int:
                         frequency_penalty=args.frequency_penalty)
     common = dict(tokenizer=args.tokenizer, dtype=args.dtype, seed=args.seed, device=args.device,
                   max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                  batch_invariant=args.batch_invariant, enforce_eager=args.enforce_eager)
+                  batch_invariant=args.batch_invariant, enforce_eager=args.enforce_eager,
+                  quantization=args.quantization)
     model = args.model
     if model is None:
         from leapfrog.demo import default_model
@@ -139,12 +148,7 @@ def _serve_parser(sub) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-waiting", type=int, default=256, help="queued requests beyond this get 503")
-    p.add_argument("--batch-invariant", action="store_true",
-                   help="every token's logits bitwise independent of the batch: greedy output with speculation "
-                        "equals without and any batch equals alone, in bf16 too (slower)")
-    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
-                   help="--no-enforce-eager compiles the decode/verify forwards of the target and of a draft model "
-                        "at start-up (the fast path; 10-30 s per graph on 2 CPU cores)")
+    _add_engine_switches(p)
     p.add_argument("--speculative-config", default=None)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set LEAPFROG_API_KEY)")
     p.add_argument("--served-model-name", default=None)
@@ -170,7 +174,8 @@ def cmd_serve(args) -> int:
     engine = LLMEngine(EngineConfig(model=str(model), tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
                                     seed=args.seed, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                                     speculative_config=spec, batch_invariant=args.batch_invariant,
-                                    enforce_eager=args.enforce_eager, skip_tokenizer_init=args.skip_tokenizer_init))
+                                    enforce_eager=args.enforce_eager, quantization=args.quantization,
+                                    skip_tokenizer_init=args.skip_tokenizer_init))
     name = args.served_model_name or (args.model or "leapfrog-default")
     api_key = args.api_key or os.environ.get("LEAPFROG_API_KEY") or None
     app = build_app(engine, name, api_key=api_key, max_waiting=args.max_waiting)

@@ -29,6 +29,8 @@ class LLM:
             with speculation equals without, any batch equals alone, in bf16 too; slower).
         enforce_eager: False compiles the decode/verify forwards of the target and of a draft
             model at start-up (the fast path; see EngineConfig.enforce_eager).
+        quantization: "int8" or "int4": weight-only quantization of the target's decoder
+            layers at load (model/quant.py); speculation is lossless relative to it.
         max_model_len, max_num_seqs, max_num_batched_tokens, device, allow_pickle,
         skip_tokenizer_init: see EngineConfig.
     """
@@ -38,7 +40,7 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 16,
                  max_num_batched_tokens: int = 2048, device: str = "auto", allow_pickle: bool = False,
                  skip_tokenizer_init: bool = False, batch_invariant: bool = False,
-                 enforce_eager: bool = True) -> None:
+                 enforce_eager: bool = True, quantization: str | None = None) -> None:
         if model is None:
             from leapfrog.demo import default_model
             model, default_spec = default_model()
@@ -50,7 +52,7 @@ class LLM:
             max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, allow_pickle=allow_pickle,
             skip_tokenizer_init=skip_tokenizer_init, speculative_config=speculative_config,
-            batch_invariant=batch_invariant, enforce_eager=enforce_eager)
+            batch_invariant=batch_invariant, enforce_eager=enforce_eager, quantization=quantization)
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()
 

@@ -162,6 +162,21 @@ class LlamaModel(nn.Module):
         self._make_head(fp32_head)
         return packed
 
+    def quantize(self, method: str, head: bool = False) -> int:
+        """Weight-only quantization (model/quant.py) of the decoder layers' linears and, with
+        ``head`` (a draft, whose logits only steer proposals), of the LM head: inference only.
+        -> layers quantized."""
+        from leapfrog.model.quant import quantize_linears
+        n = quantize_linears(self.layers, method)
+        if head:
+            if self.head is not None:
+                raise RuntimeError("quantize(head=True) after pack_for_inference: quantize first")
+            w = self.embed.weight if self.lm_head is None else self.lm_head.weight
+            self.head = LogitsHead(w, fp32=False, quantization=method)
+            self.lm_head = None
+            n += 1
+        return n
+
     def _make_head(self, fp32: bool = True) -> None:
         if self.head is None:
             w = self.embed.weight if self.lm_head is None else self.lm_head.weight
@@ -196,12 +211,19 @@ class LogitsHead(nn.Module):
     summed in float32); on CUDA bf16/fp16 weights stay as they are and
     ``torch.mm(out_dtype=float32)`` accumulates in float32 (the hidden state is rounded to the
     weights' dtype first). ``fp32=False``: the weights' dtype throughout, logits rounded to it
-    (the pre-float32 head, half the bytes; measured 8% faster per token for the demo draft)."""
+    (the pre-float32 head, half the bytes; measured 8% faster per token for the demo draft).
+    ``quantization`` (drafts only, with fp32=False): a weight-only int8/int4 head (model/quant.py)."""
 
-    def __init__(self, weight: Tensor, fp32: bool = True) -> None:
+    def __init__(self, weight: Tensor, fp32: bool = True, quantization: str | None = None) -> None:
         super().__init__()
         from leapfrog.model.packed import PackedLinear, can_pack, linear_like
+        from leapfrog.model.quant import QUANT_LINEARS
         w = weight.detach()
+        if quantization is not None:
+            assert not fp32, "a float32 head is for targets, which keep an unquantized head"
+            self.in_dtype = w.dtype
+            self.proj = QUANT_LINEARS[quantization](w, None)
+            return
         half = w.dtype in (torch.bfloat16, torch.float16)
         if fp32 and half and w.is_cuda and MixedLinear.supported(w):
             self.proj: nn.Module = MixedLinear(w, None)
@@ -234,3 +256,4 @@ class MixedLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return torch.mm(x, self.weight.t(), out_dtype=torch.float32)
+

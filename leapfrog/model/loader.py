@@ -242,8 +242,9 @@ def check_weights(ckpt: Checkpoint, allow_pickle: bool = False) -> None:
 
 
 def load_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, max_positions: int,
-               allow_pickle: bool = False, pack: bool = False) -> LlamaModel:
-    """Build the model on ``meta``, then fill every parameter from the checkpoint, checking shapes."""
+               allow_pickle: bool = False, pack: bool = False, quantization: str | None = None) -> LlamaModel:
+    """Build the model on ``meta``, then fill every parameter from the checkpoint, checking shapes;
+    ``quantization`` ("int8" / "int4", model/quant.py) quantizes the decoder layers' linears."""
     with torch.device("meta"):
         model = LlamaModel(ckpt.args, max_positions=1)
     model = model.to_empty(device=device).to(dtype)
@@ -257,6 +258,8 @@ def load_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, max_p
     cos, sin = rope_table(ckpt.args.rope, ckpt.args.head_dim, ckpt.args.max_position_embeddings, max_positions)
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
     model = model.eval().requires_grad_(False)
+    if quantization is not None:
+        model.quantize(quantization)
     if pack:
         model.pack_for_inference()
     return model

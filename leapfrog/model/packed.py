@@ -57,13 +57,18 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
 
 def pack_linears(module: nn.Module) -> int:
     """Replace every nn.Linear under ``module`` by a PackedLinear (inference only). -> count."""
+    return replace_linears(module, PackedLinear)
+
+
+def replace_linears(module: nn.Module, make: Callable[[Tensor, Tensor | None], nn.Module]) -> int:
+    """Replace every nn.Linear under ``module`` by ``make(weight, bias)``. -> count."""
     n = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
-            setattr(module, name, PackedLinear(child.weight, child.bias))
+            setattr(module, name, make(child.weight, child.bias))
             n += 1
         else:
-            n += pack_linears(child)
+            n += replace_linears(child, make)
     return n
 
 

@@ -12,6 +12,7 @@ METHODS = ("draft_model", "ngram", "eagle", "eagle3")
 TREE_METHODS = ("eagle", "eagle3")
 MAX_DRAFT_TOKENS = 128
 MAX_SPECULATIVE_TOKENS = 32
+SELF_DRAFT = "self"  # draft_model's model: the target's own weights
 
 
 @dataclass(frozen=True)
@@ -23,13 +24,17 @@ class SpeculativeConfig:
     """K: drafts per step (the adaptive controller's upper bound when adaptive is on); for
     EAGLE, the depth of the draft tree (draft steps of the head)."""
     model: str | None = None
-    """Draft checkpoint (directory or hub id): the draft model, or the EAGLE head."""
+    """Draft checkpoint (directory or hub id): the draft model, or the EAGLE head. draft_model
+    also takes "self": the target's own weights (with draft_quantization: a quantized self-draft)."""
     prompt_lookup_min: int = 2
     """Shortest suffix n-gram matched (ngram)."""
     prompt_lookup_max: int = 5
     """Longest suffix n-gram matched (ngram); longer matches are tried first."""
     draft_dtype: str | None = None
     """Draft model dtype (default: the target's)."""
+    draft_quantization: str | None = None
+    """draft_model: weight-only "int8" or "int4" quantization of the draft's layers and LM head
+    at load (model/quant.py); with model "self", the quantized self-draft."""
     disable_by_batch_size: int | None = None
     """Speculation is off for steps whose batch has more running requests than this."""
     adaptive: bool = False
@@ -65,6 +70,7 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         from leapfrog.model.loader import DTYPES
+        from leapfrog.model.quant import QUANT_METHODS
         from leapfrog.spec_decode.proposers.base import PROPOSERS
 
         if isinstance(self.model, os.PathLike):
@@ -76,6 +82,13 @@ class SpeculativeConfig:
         _check(self, "prompt_lookup_min", int, lo=1)
         _check(self, "prompt_lookup_max", int, lo=1)
         _check(self, "draft_dtype", str, optional=True, choices=["auto", *DTYPES])
+        _check(self, "draft_quantization", str, optional=True, choices=list(QUANT_METHODS))
+        if self.draft_quantization is not None and self.method != "draft_model":
+            raise ConfigError(f"speculative_config: draft_quantization applies to method 'draft_model' only, "
+                              f"not {self.method!r}")
+        if self.model == SELF_DRAFT and self.method != "draft_model":
+            raise ConfigError(f"speculative_config: model {SELF_DRAFT!r} (the target as its own draft) applies to "
+                              f"method 'draft_model' only, not {self.method!r}")
         _check(self, "disable_by_batch_size", int, lo=1, optional=True)
         _check(self, "adaptive", bool)
         _check(self, "adaptive_explore_interval", int, lo=2)

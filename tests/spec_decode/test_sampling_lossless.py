@@ -59,11 +59,12 @@ def exact_marginals(llm, sp: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
     return m2.numpy(), m3.numpy()
 
 
-def assert_follows_target(target, spec: dict, sp: SamplingParams, seed: int) -> dict:
-    """N requests of PROMPT with speculation: tokens 2 and 3 follow the target's exact law, and the
-    drafts were neither all accepted nor all rejected. -> the engine's speculation metrics."""
+def assert_follows_target(target, spec: dict, sp: SamplingParams, seed: int, **engine) -> dict:
+    """N requests of PROMPT with speculation: tokens 2 and 3 follow the target's exact law (the
+    target as the engine loaded it, e.g. quantized), and the drafts were neither all accepted nor
+    all rejected. ``engine``: more LLM arguments. -> the engine's speculation metrics."""
     llm = LLM(model=str(target), dtype="float32", skip_tokenizer_init=True, max_num_seqs=256, max_model_len=16,
-              seed=seed, speculative_config=spec)
+              seed=seed, speculative_config=spec, **engine)
     outs = llm.generate([{"prompt_token_ids": PROMPT}] * N, sp, use_tqdm=False)
     toks = np.array([o.outputs[0].token_ids for o in outs])
     m2, m3 = exact_marginals(llm, sp)
@@ -158,3 +159,12 @@ def test_seeded_speculative_sampling_reproducible(tiny):
     runs = [LLM(model=str(target), dtype="float32", skip_tokenizer_init=True, speculative_config=spec)
             .generate([{"prompt_token_ids": PROMPT}] * 3, sp, use_tqdm=False) for _ in range(2)]
     assert [o.outputs[0].token_ids for o in runs[0]] == [o.outputs[0].token_ids for o in runs[1]]
+
+
+@pytest.mark.parametrize("quant", [None, "int8"])
+def test_quantized_self_draft_sampling_follows_target(tiny, quant):
+    """The quantized self-draft (int4 copy of the target) under sampling, on a float and on an
+    int8-quantized target: tokens follow the (quantized) target's law."""
+    target, _ = tiny
+    spec = {"method": "draft_model", "model": "self", "draft_quantization": "int4", "num_speculative_tokens": 1}
+    assert_follows_target(target, spec, SETTINGS[0], seed=5, quantization=quant)

@@ -46,6 +46,7 @@ class TargetInfo:
     batch_invariant: bool = False  # run model proposers batch-invariant like the target
     enforce_eager: bool = True     # False: model proposers compile their forwards too (Proposer.compile)
     allow_pickle: bool = False     # draft checkpoints may be pickle files (the user said so)
+    checkpoint: Any = None         # the target's loader.Checkpoint (draft_model "self")
 
 
 class Proposer(Protocol):

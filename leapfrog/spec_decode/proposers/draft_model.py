@@ -1,5 +1,7 @@
 """Draft-model proposer: a smaller model of the same tokenizer, run by our own runtime with its
-own KV cache (same row as the request's target row).
+own KV cache (same row as the request's target row). ``model: "self"`` drafts with the target's
+own checkpoint, normally quantized (``draft_quantization``: the quantized self-draft, no extra
+files; the embedding is shared with the target).
 
 State per request: ``computed`` = tokens whose draft KV is valid. Each ``propose``
   1. catches up on ``all_ids[computed:]`` (the bonus token, and after a full accept also the
@@ -18,10 +20,11 @@ import torch
 from leapfrog.errors import ConfigError
 from leapfrog.model.compiled import make_buckets
 from leapfrog.model.loader import load_model, load_tokenizer, read_checkpoint, resolve_dtype
+from leapfrog.model.quant import check_quantization
 from leapfrog.model.runner import ModelRunner, SeqChunk
 from leapfrog.request import Request
 from leapfrog.sampling import sampler
-from leapfrog.spec_decode.config import SpeculativeConfig
+from leapfrog.spec_decode.config import SELF_DRAFT, SpeculativeConfig
 from leapfrog.spec_decode.draft import DraftBatch
 from leapfrog.spec_decode.proposers.base import TargetInfo, register_proposer
 from leapfrog.spec_decode.verify.result import AcceptanceResult
@@ -47,11 +50,20 @@ def check_compatible(target_tok, draft_tok, target_vocab: int, draft_vocab: int,
 @register_proposer("draft_model")
 class DraftModelProposer:
     def __init__(self, cfg: SpeculativeConfig, target: TargetInfo) -> None:
-        ckpt = read_checkpoint(cfg.model)
+        self_draft = cfg.model == SELF_DRAFT
+        if self_draft and target.checkpoint is None:
+            raise ConfigError("speculative_config: model 'self' needs the target's checkpoint")
+        ckpt = target.checkpoint if self_draft else read_checkpoint(cfg.model)
         dtype = resolve_dtype(cfg.draft_dtype or target.dtype, ckpt, target.device)
-        check_compatible(target.tokenizer, load_tokenizer(ckpt.path) if target.tokenizer is not None else None,
-                         target.vocab_size, ckpt.args.vocab_size, str(cfg.model))
-        self.model = load_model(ckpt, dtype, target.device, target.max_model_len)
+        if not self_draft:
+            check_compatible(target.tokenizer, load_tokenizer(ckpt.path) if target.tokenizer is not None else None,
+                             target.vocab_size, ckpt.args.vocab_size, str(cfg.model))
+        check_quantization(cfg.draft_quantization, dtype, target.device, "speculative_config.draft_quantization")
+        self.model = load_model(ckpt, dtype, target.device, target.max_model_len, target.allow_pickle)
+        if cfg.draft_quantization is not None:  # layers and head: q only steers proposals
+            self.model.quantize(cfg.draft_quantization, head=True)
+        if self_draft and target.model is not None and target.model.embed.weight.dtype == dtype:
+            self.model.embed = target.model.embed  # one copy of the shared embedding
         # q only steers proposals (verification uses the target's logits): a half-precision LM
         # head reads half the bytes per draft step (8% more tokens/s for the demo pair).
         self.model.pack_for_inference(fp32_head=False, pack_layers=target.enforce_eager)

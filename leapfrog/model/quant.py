@@ -1,0 +1,177 @@
+"""Weight-only quantization of linear layers: ``quantization="int8" | "int4"`` (vLLM's name).
+
+Decode and verification read every weight once per step for a handful of rows, so their cost is
+the bytes of weight streamed; storing weights in 8 or 4 bits cuts those bytes 2-4x against bf16
+(4-8x against fp32). Activations stay in the model's dtype; PyTorch's weight-only kernels
+dequantize on the fly and accumulate in float32.
+
+int8  per output channel, symmetric: w[n, k] ~= q[n, k] * s[n], q in [-127, 127],
+      s[n] = max_k |w[n, k]| / 127.  Kernel: ``aten._weight_int8pack_mm(x, q, s)``.
+int4  per group of ``group_size`` input features, asymmetric (the tinygemm convention shared by
+      PyTorch's CPU and CUDA int4 kernels): w[n, k] ~= (q[n, k] - 8) * s[g, n] + z[g, n] with
+      g = k // group_size, q in [0, 15], s = (max - min) / 15, z = min + 8 s over the group.
+      Kernels: ``aten._weight_int4pack_mm_for_cpu`` (CPU) and ``aten._weight_int4pack_mm``
+      (CUDA, bf16 activations), on weights repacked once into the kernel's layout.
+
+Quantization replaces the decoder layers' linears (q/k/v/o, gate/up/down). The embedding and,
+for a target, the LM head stay in the model's dtype: logits are what verification compares, and
+the head is read in float32 (model/llama.py ``LogitsHead``). A quantized model is a different
+model: speculation is lossless relative to it (greedy output with speculation is the quantized
+target's own greedy output), not relative to the unquantized checkpoint.
+
+``reference_weight`` gives a layer's effective weight from the pure quantize/dequantize functions;
+tests check every kernel against ``F.linear`` with it (tests/model/test_quant.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from leapfrog.errors import ConfigError
+
+QUANT_METHODS = ("int8", "int4")
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernels accept
+INT4_GROUP_SIZE = 32                   # preferred (finer groups: closer to the float weights)
+_INT4_INNER_K_TILES = 8                # CUDA packing parameter (K must divide by 16 * it)
+
+
+def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
+    """w [N, K] -> (q [N, K] int8, scale [N] float32): w ~= q * scale[:, None]."""
+    w = w.detach().float()
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def quantize_int4(w: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
+    """w [N, K] -> (q [N, K] int32 in [0, 15], scale_zero [K / group_size, N, 2] float32)."""
+    w = w.detach().float()
+    n, k = w.shape
+    groups = w.view(n, k // group_size, group_size)
+    lo, hi = groups.amin(dim=2), groups.amax(dim=2)  # [N, G]
+    scale = ((hi - lo) / 15).clamp(min=1e-6)
+    q = torch.round((groups - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
+    scale_zero = torch.stack([scale, lo + 8 * scale], dim=2).transpose(0, 1).contiguous()
+    return q.view(n, k), scale_zero
+
+
+def dequantize_int4(q: Tensor, scale_zero: Tensor, group_size: int) -> Tensor:
+    """The weight an int4 layer computes with: (q - 8) * scale + zero per group. -> [N, K] float32."""
+    n, k = q.shape
+    sz = scale_zero.float().transpose(0, 1)  # [N, G, 2]
+    w = (q.float().view(n, k // group_size, group_size) - 8) * sz[..., :1] + sz[..., 1:]
+    return w.view(n, k)
+
+
+class Int8Linear(nn.Module):
+    """Weight-only int8 linear, one scale per output channel. Built from the float weight."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.qweight, scale = quantize_int8(weight)  # [N, K] int8, [N]
+        self.scale = scale.to(weight.dtype)  # the kernel wants the activations' dtype
+        self.bias = None if bias is None else bias.detach().clone()
+
+    def forward(self, x: Tensor) -> Tensor:
+        rows = x.reshape(-1, self.in_features)  # [M, K]
+        y = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scale)  # [M, N]
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+class Int4Linear(nn.Module):
+    """Weight-only int4 linear, asymmetric per group of input features (module docstring)."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, group_size: int | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.group_size = group_size or int4_group_size(self.in_features)
+        # the kernels take output features in multiples of 16: zero rows pad, the output is cut
+        self.padded = -self.out_features % 16
+        q, scale_zero = quantize_int4(F.pad(weight, (0, 0, 0, self.padded)), self.group_size)
+        self.scale_zero = scale_zero.to(weight.dtype)  # [G, N, 2]
+        self.cuda = weight.is_cuda
+        if self.cuda:  # two 4-bit values per byte, then the kernel's tiled layout
+            packed_u8 = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8).contiguous()  # [N, K / 2]
+            self.packed = torch.ops.aten._convert_weight_to_int4pack(packed_u8, _INT4_INNER_K_TILES)
+        else:
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
+        self.bias = None if bias is None else bias.detach().clone()
+
+    def forward(self, x: Tensor) -> Tensor:
+        rows = x.reshape(-1, self.in_features)  # [M, K]
+        if self.cuda:
+            y = torch.ops.aten._weight_int4pack_mm(rows, self.packed, self.group_size, self.scale_zero)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, self.scale_zero)
+        if self.padded:
+            y = y[:, :self.out_features]
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)  # [.., N]
+
+
+def reference_weight(method: str, weight: Tensor, group_size: int | None = None) -> Tensor:
+    """The float32 weight a ``method`` layer built from ``weight`` computes with (the test oracle),
+    scales rounded to the weight's dtype as the layer stores them."""
+    if method == "int8":
+        q, s = quantize_int8(weight)
+        return q.float() * s.to(weight.dtype).float()[:, None]
+    gs = group_size or int4_group_size(weight.shape[1])
+    q, sz = quantize_int4(weight, gs)
+    return dequantize_int4(q, sz.to(weight.dtype), gs)
+
+
+QUANT_LINEARS: dict[str, type[nn.Module]] = {"int8": Int8Linear, "int4": Int4Linear}
+
+
+def int4_group_size(in_features: int) -> int:
+    """The preferred int4 group size that divides ``in_features``."""
+    for gs in sorted(INT4_GROUP_SIZES, key=lambda g: (g != INT4_GROUP_SIZE, g)):
+        if in_features % gs == 0:
+            return gs
+    raise ConfigError(f"quantization='int4': a layer has {in_features} input features, which no int4 group "
+                      f"size {list(INT4_GROUP_SIZES)} divides; use quantization='int8'")
+
+
+def check_quantization(method: str | None, dtype: torch.dtype, device: torch.device,
+                       what: str = "quantization") -> None:
+    """ConfigError unless ``method`` (None = off) has working kernels for ``dtype`` on ``device``:
+    runs the kernel once on a small product and compares it with the float reference."""
+    if method is None:
+        return
+    if method not in QUANT_METHODS:
+        raise ConfigError(f"{what}={method!r}: must be one of {list(QUANT_METHODS)} (or None)")
+    try:
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(64, 256, generator=g).to(dtype=dtype, device=device)
+        x = torch.randn(3, 256, generator=g).to(dtype=dtype, device=device)
+        ref = F.linear(x.float(), reference_weight(method, w))
+        ok = torch.allclose(QUANT_LINEARS[method](w, None)(x).float(), ref, atol=0.5, rtol=0.05)
+    except (RuntimeError, NotImplementedError) as e:
+        raise ConfigError(f"{what}={method!r}: PyTorch {torch.__version__} has no working {method} weight-only "
+                          f"kernel for {dtype} on {device} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                          "use another dtype, or no quantization") from None
+    if not ok:
+        raise ConfigError(f"{what}={method!r}: the {method} kernel gives wrong results for {dtype} on {device}; "
+                          "use another dtype, or no quantization")
+
+
+def quantize_linears(module: nn.Module, method: str) -> int:
+    """Replace every nn.Linear under ``module`` by its ``method`` weight-only version. -> count."""
+    from leapfrog.model.packed import replace_linears
+    return replace_linears(module, QUANT_LINEARS[method])
+
+
+def quantized_bytes(module: nn.Module) -> int:
+    """Bytes of weight a forward streams through ``module``'s quantized linears."""
+    total = 0
+    for m in module.modules():
+        if isinstance(m, Int8Linear):
+            total += m.qweight.numel() + m.scale.numel() * m.scale.element_size()
+        elif isinstance(m, Int4Linear):
+            total += m.packed.numel() * m.packed.element_size() + m.scale_zero.numel() * m.scale_zero.element_size()
+    return total
