@@ -46,6 +46,13 @@ INDUCTOR_OPTIONS = {
 }
 
 
+@dataclass
+class GraphOutput:
+    hidden: Tensor        # [batch, tokens, D] float32 (final norm)
+    aux: list[Tensor]     # [batch, tokens, D] per aux layer
+    logits: Tensor        # [batch * tokens, V] float32 (the model's head: a draft's may be half precision)
+
+
 @dataclass(frozen=True, order=True)
 class Bucket:
     batch: int    # sequences per forward (padded up to)
@@ -85,6 +92,8 @@ class CompiledForward:
 
     def __init__(self, model: torch.nn.Module, kv: KVCache, buckets: list[Bucket],
                  aux_layers: tuple[int, ...] = ()) -> None:
+        if getattr(model, "head", None) is None:
+            raise ValueError("compile a model after pack_for_inference(pack_layers=False) (it needs its head)")
         self.model, self.kv, self.aux_layers = model, kv, aux_layers
         self.buckets = sorted(buckets)
         self.warmed: list[Bucket] = []
@@ -97,11 +106,14 @@ class CompiledForward:
         self._fn = torch.compile(self._forward, dynamic=False, fullgraph=True)
 
     def _forward(self, tok: Tensor, pos: Tensor, mask: Tensor, rows: Tensor, write_rows: Tensor,
-                 write_cols: Tensor, kv_len: Tensor) -> tuple[Tensor, list[Tensor]]:
+                 write_cols: Tensor, kv_len: Tensor) -> GraphOutput:
         meta = AttnMeta(rows=rows, write_rows=write_rows, write_cols=write_cols, kv_len=mask.shape[-1],
                         mask=mask, graph_kv_len=kv_len)
         out = self.model(token_ids=tok, positions=pos, kv=self.kv, attn=meta, aux_layers=self.aux_layers)
-        return out.hidden, out.aux
+        # the LM head in the graph too, for every token (decode and verify want them all):
+        # inductor's GEMM for it is faster than the eager one, and no second call is made
+        logits = self.model.head(out.hidden.reshape(-1, out.hidden.shape[-1]))  # [B*S, V] float32
+        return GraphOutput(out.hidden, out.aux, logits)
 
     def bucket_for(self, batch: int, tokens: int, kv_len: int) -> Bucket | None:
         """The smallest warmed bucket a forward of this shape fits, or None (run eagerly)."""
@@ -112,16 +124,15 @@ class CompiledForward:
                 return b
         return None
 
-    def __call__(self, tok: Tensor, pos: Tensor, meta: AttnMeta) -> tuple[Tensor, list[Tensor]]:
+    def __call__(self, tok: Tensor, pos: Tensor, meta: AttnMeta) -> GraphOutput:
         """tok, pos [batch, tokens] of a warmed bucket; meta for a graph (build_attn_meta's
-        ``graph_width=max_model_len``) -> hidden [batch, tokens, D] float32, aux [batch, tokens, D]
-        per aux layer."""
+        ``graph_width=max_model_len``) -> the bucket's hidden states, aux states and logits."""
         # Every graph was compiled by warm_up: check only the guards that tell the warmed graphs
         # apart (bucket shapes, which model), not all of them (measured ~0.25 ms per call).
         with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
             return self._run(tok, pos, meta)
 
-    def _run(self, tok: Tensor, pos: Tensor, meta: AttnMeta) -> tuple[Tensor, list[Tensor]]:
+    def _run(self, tok: Tensor, pos: Tensor, meta: AttnMeta) -> GraphOutput:
         assert meta.mask is not None and meta.graph_kv_len is not None
         return self._fn(tok, pos, meta.mask, meta.rows, meta.write_rows, meta.write_cols, meta.graph_kv_len)
 

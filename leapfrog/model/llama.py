@@ -141,12 +141,17 @@ class LlamaModel(nn.Module):
         else:  # training / reference path: differentiable, converts the weight on every call
             w = self.embed.weight if self.lm_head is None else self.lm_head.weight
             logits = F.linear(hidden.float(), w.float())
+        self.check_logits(logits)
+        return logits
+
+    def check_logits(self, logits: Tensor) -> None:
+        """An fp16 model's logits must be finite (compiled graphs compute logits themselves and
+        call this after)."""
         if self.dtype == torch.float16 and not bool(torch.isfinite(logits).all()):
             raise ConfigError(
                 "float16 overflow: the model produced non-finite logits (fp16 holds values up to "
                 "65504 and this model's activations exceed it); load it with dtype='bfloat16' "
                 "(same range as float32) or dtype='float32'")
-        return logits
 
     def pack_for_inference(self, fp32_head: bool = True, pack_layers: bool = True) -> bool:
         """Prepare for inference: swap linear layers for oneDNN-packed ones when the CPU supports
@@ -154,12 +159,13 @@ class LlamaModel(nn.Module):
         afterwards. ``fp32_head=False`` keeps a half-precision head in the weights' dtype (its
         logits rounded to that dtype, half the bytes to read per step): for a draft model, whose
         logits only steer proposals. ``pack_layers=False``: the head only (compiled graphs pack
-        the layers' weights themselves). -> whether the linear layers were packed."""
+        the layers' weights themselves; the head stays a plain linear too, which they compute
+        in-graph). -> whether the linear layers were packed."""
         from leapfrog.model.packed import can_pack, pack_linears
         packed = pack_layers and can_pack(self.dtype, self.device)
         if packed:
             pack_linears(self.layers)
-        self._make_head(fp32_head)
+        self._make_head(fp32_head, pack=pack_layers)
         return packed
 
     def quantize(self, method: str, head: bool = False) -> int:
@@ -177,10 +183,10 @@ class LlamaModel(nn.Module):
             n += 1
         return n
 
-    def _make_head(self, fp32: bool = True) -> None:
+    def _make_head(self, fp32: bool = True, pack: bool = True) -> None:
         if self.head is None:
             w = self.embed.weight if self.lm_head is None else self.lm_head.weight
-            self.head = LogitsHead(w, fp32)
+            self.head = LogitsHead(w, fp32, pack=pack)
             self.lm_head = None  # the head replaces it (embed stays for the token lookup)
 
     def make_batch_invariant(self) -> None:
@@ -212,9 +218,11 @@ class LogitsHead(nn.Module):
     ``torch.mm(out_dtype=float32)`` accumulates in float32 (the hidden state is rounded to the
     weights' dtype first). ``fp32=False``: the weights' dtype throughout, logits rounded to it
     (the pre-float32 head, half the bytes; measured 8% faster per token for the demo draft).
-    ``quantization`` (drafts only, with fp32=False): a weight-only int8/int4 head (model/quant.py)."""
+    ``quantization`` (drafts only, with fp32=False): a weight-only int8/int4 head (model/quant.py).
+    ``pack=False``: a plain linear (compiled graphs prepack it themselves)."""
 
-    def __init__(self, weight: Tensor, fp32: bool = True, quantization: str | None = None) -> None:
+    def __init__(self, weight: Tensor, fp32: bool = True, quantization: str | None = None,
+                 pack: bool = True) -> None:
         super().__init__()
         from leapfrog.model.packed import PackedLinear, can_pack, linear_like
         from leapfrog.model.quant import QUANT_LINEARS
@@ -231,7 +239,7 @@ class LogitsHead(nn.Module):
             return
         self.in_dtype = torch.float32 if fp32 else w.dtype
         w = w.to(self.in_dtype)
-        self.proj = PackedLinear(w, None) if can_pack(w.dtype, w.device) else linear_like(w, None)
+        self.proj = PackedLinear(w, None) if pack and can_pack(w.dtype, w.device) else linear_like(w, None)
 
     def forward(self, hidden: Tensor) -> Tensor:
         return self.proj(hidden.to(self.in_dtype)).float()

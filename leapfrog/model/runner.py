@@ -119,9 +119,11 @@ class ModelRunner:
                                pad_to=S, graph_width=None if bucket is None else self.kv.max_model_len)
         tok = torch.tensor(tokens, dtype=torch.long, device=self.device)
         posn = torch.tensor(positions, dtype=torch.long, device=self.device)
+        graph_logits = None
         if bucket is not None:
             assert self.compiled is not None
-            out_hidden, out_aux = self.compiled(tok, posn, meta)
+            g = self.compiled(tok, posn, meta)
+            out_hidden, out_aux, graph_logits = g.hidden, g.aux, g.logits
         else:
             kwargs = {}
             if any(c.features is not None for c in chunks):
@@ -140,6 +142,10 @@ class ModelRunner:
                 for i in range(len(c.token_ids) - c.num_logits, len(c.token_ids))]
         if not rows:
             return StepOutput(torch.empty(0, self.model.args.vocab_size), feats)
+        if graph_logits is not None:
+            logits = _take(graph_logits, rows)
+            self.model.check_logits(logits)
+            return StepOutput(logits.cpu(), feats)
         return StepOutput(self.model.compute_logits(_take(flat, rows)).cpu(), feats)
 
     def _bucket(self, chunks: list[SeqChunk], hidden: str | tuple[int, ...] | None, kv_len: int) -> Bucket | None:
