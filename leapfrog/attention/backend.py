@@ -38,8 +38,9 @@ def attend(q: Tensor,      # [B, S, H, Dh] new queries (rotated)
         return o.transpose(1, 2)
     assert meta is not None
     if meta.graph_kv_len is not None:  # inside a compiled graph: one opaque op (see below)
-        return torch.ops.leapfrog.cached_attention(q, k, v, kv.k[layer], kv.v[layer], meta.rows, meta.write_rows,
-                                                   meta.write_cols, meta.mask, meta.graph_kv_len)
+        op = torch.ops.leapfrog_native.cached_attention if meta.native else torch.ops.leapfrog.cached_attention
+        return op(q, k, v, kv.k[layer], kv.v[layer], meta.rows, meta.write_rows, meta.write_cols, meta.mask,
+                  meta.graph_kv_len)
     if meta.token_cols is None:
         keys, values = kv.write_and_read(layer, meta, k, v)  # [B, Hkv, L, Dh]
         return _sdpa(q.transpose(1, 2), keys, values, meta.mask, gqa).transpose(1, 2)

@@ -38,6 +38,7 @@ class AttnMeta:
     # compiled graphs: the context length as a [] int64 tensor, with ``mask`` [B, 1, S, max_len]
     # (attention/backend.py cached_attention); None in eager forwards
     graph_kv_len: Tensor | None = None
+    native: bool = False  # compiled graphs: call the C++ op (attention/native.py), not the Python one
 
 
 def build_attn_meta(rows: list[int], cols: list[list[int]], scratch_row: int, device: torch.device | str,

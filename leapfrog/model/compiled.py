@@ -11,9 +11,10 @@ over ``B`` sequences of at most ``S`` new tokens runs in the smallest warmed buc
 ``batch >= B`` and ``tokens >= S``, padded like any ragged batch (padding sequences and tokens
 write to the cache's scratch row and are never read). Every shape in the graph is static:
 attention, the one part that depends on the context length, is one opaque op per layer
-(attention/backend.py ``cached_attention``) that takes the length as a tensor and a mask as
-wide as the cache, so one graph serves every context length (a symbolic length would turn
-inductor's few-row GEMM kernels into generic ones: measured 2x slower). Everything else
+(attention/backend.py ``cached_attention``, or its C++ twin from attention/native.py when it
+builds) that takes the length as a tensor and a mask as wide as the cache, so one graph serves
+every context length (a symbolic length would turn inductor's few-row GEMM kernels into generic
+ones: measured 2x slower). Everything else
 (prompt chunks, trees larger than a bucket, EAGLE heads, batch-invariant mode) runs eagerly.
 All buckets are compiled at start-up (``warm_up``), and serving never compiles: a forward
 that fits no warmed bucket runs eagerly.
@@ -43,6 +44,8 @@ INDUCTOR_OPTIONS = {
     "cpp_wrapper": True,                     # the graph called from C++, not Python
     "max_autotune": True,                    # GEMM kernels chosen per shape by measurement
     "max_autotune_gemm_backends": "CPP,ATEN",
+    "max_autotune_report_choices_stats": False,  # keep start-up to the progress line: no per-GEMM
+    "autotune_num_choices_displayed": 0,         # autotuning tables on stderr
 }
 
 
@@ -95,6 +98,8 @@ class CompiledForward:
         if getattr(model, "head", None) is None:
             raise ValueError("compile a model after pack_for_inference(pack_layers=False) (it needs its head)")
         self.model, self.kv, self.aux_layers = model, kv, aux_layers
+        from leapfrog.attention.native import load_native_attention
+        self.native = load_native_attention()  # the attention op in C++ (else the Python one)
         self.buckets = sorted(buckets)
         self.warmed: list[Bucket] = []
         # One graph per bucket, all from this one function: dynamo's per-function limit on
@@ -108,7 +113,7 @@ class CompiledForward:
     def _forward(self, tok: Tensor, pos: Tensor, mask: Tensor, rows: Tensor, write_rows: Tensor,
                  write_cols: Tensor, kv_len: Tensor) -> GraphOutput:
         meta = AttnMeta(rows=rows, write_rows=write_rows, write_cols=write_cols, kv_len=mask.shape[-1],
-                        mask=mask, graph_kv_len=kv_len)
+                        mask=mask, graph_kv_len=kv_len, native=self.native)
         out = self.model(token_ids=tok, positions=pos, kv=self.kv, attn=meta, aux_layers=self.aux_layers)
         # the LM head in the graph too, for every token (decode and verify want them all):
         # inductor's GEMM for it is faster than the eager one, and no second call is made
