@@ -14,8 +14,8 @@ attention, the one part that depends on the context length, is one opaque op per
 (attention/backend.py ``cached_attention``, or its C++ twin from attention/native.py when it
 builds) that takes the length as a tensor and a mask as wide as the cache, so one graph serves
 every context length (a symbolic length would turn inductor's few-row GEMM kernels into generic
-ones: measured 2x slower). Everything else
-(prompt chunks, trees larger than a bucket, EAGLE heads, batch-invariant mode) runs eagerly.
+ones: measured 2x slower). Everything else (prompt chunks, trees larger than a bucket, EAGLE
+heads, batch-invariant mode) runs eagerly.
 All buckets are compiled at start-up (``warm_up``), and serving never compiles: a forward
 that fits no warmed bucket runs eagerly.
 

@@ -177,16 +177,14 @@ class LlamaModel(nn.Module):
         if head:
             if self.head is not None:
                 raise RuntimeError("quantize(head=True) after pack_for_inference: quantize first")
-            w = self.embed.weight if self.lm_head is None else self.lm_head.weight
-            self.head = LogitsHead(w, fp32=False, quantization=method)
-            self.lm_head = None
+            self._make_head(fp32=False, quantization=method)
             n += 1
         return n
 
-    def _make_head(self, fp32: bool = True, pack: bool = True) -> None:
+    def _make_head(self, fp32: bool = True, pack: bool = True, quantization: str | None = None) -> None:
         if self.head is None:
             w = self.embed.weight if self.lm_head is None else self.lm_head.weight
-            self.head = LogitsHead(w, fp32, pack=pack)
+            self.head = LogitsHead(w, fp32, quantization=quantization, pack=pack)
             self.lm_head = None  # the head replaces it (embed stays for the token lookup)
 
     def make_batch_invariant(self) -> None:
@@ -264,4 +262,3 @@ class MixedLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return torch.mm(x, self.weight.t(), out_dtype=torch.float32)
-

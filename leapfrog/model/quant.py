@@ -93,8 +93,7 @@ class Int4Linear(nn.Module):
         self.padded = -self.out_features % 16
         q, scale_zero = quantize_int4(F.pad(weight, (0, 0, 0, self.padded)), self.group_size)
         self.scale_zero = scale_zero.to(weight.dtype)  # [G, N, 2]
-        self.cuda = weight.is_cuda
-        if self.cuda:  # two 4-bit values per byte, then the kernel's tiled layout
+        if weight.is_cuda:  # two 4-bit values per byte, then the kernel's tiled layout
             packed_u8 = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8).contiguous()  # [N, K / 2]
             self.packed = torch.ops.aten._convert_weight_to_int4pack(packed_u8, _INT4_INNER_K_TILES)
         else:
@@ -103,7 +102,7 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.reshape(-1, self.in_features)  # [M, K]
-        if self.cuda:
+        if self.packed.is_cuda:
             y = torch.ops.aten._weight_int4pack_mm(rows, self.packed, self.group_size, self.scale_zero)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, self.scale_zero)
