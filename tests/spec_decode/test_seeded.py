@@ -107,3 +107,24 @@ def test_seeded_speculative_sampling_follows_target(tiny, kind, i):  # noqa: F81
     assert metrics["num_accepted_tokens"] < metrics["num_draft_tokens"]
     assert chisq_pvalue(np.bincount(toks[:, 1], minlength=V), m2) > 1e-3
     assert chisq_pvalue(np.bincount(toks[:, 2], minlength=V), m3) > 1e-3
+
+
+def test_quantized_self_draft_keeps_seeded_output(llama_dir, tokenizer):
+    """The int4 self-draft on an int8 target: the seeded output is the quantized target's own,
+    alone and in a batch, with any K."""
+    prompt = {"prompt_token_ids": prompts_of(tokenizer, 1)[0]}
+    company = _others(tokenizer)
+
+    def run(k, comp=()):
+        spec = None if k is None else {"method": "draft_model", "model": "self", "draft_quantization": "int4",
+                                        "num_speculative_tokens": k}
+        llm = LLM(model=str(llama_dir), dtype="float32", max_model_len=256, quantization="int8",
+                  speculative_config=spec)
+        outs = llm.generate([prompt] + [c[0] for c in comp], [SP] + [c[1] for c in comp], use_tqdm=False)
+        return outs[0].outputs[0].token_ids, llm.get_metrics().get("num_draft_tokens", 0)
+
+    ref, _ = run(None)
+    for k, comp in [(1, ()), (4, ()), (4, company), (6, company[::-1])]:
+        out, drafted = run(k, comp)
+        assert out == ref, (k, len(comp))
+        assert drafted > 0
