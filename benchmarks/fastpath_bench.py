@@ -1,8 +1,9 @@
 """The compiled fast path against eager forwards, side by side in one run (issue: cut the cost of a step).
 
 Contenders, each one LLM loaded once and run in interleaved rounds (A B C D A B C D ...), batch 1,
-greedy, on the demo's held-out standard-library code: no speculation and draft_model K=4 (the demo
-draft), each eager (``enforce_eager=True``) and compiled (``enforce_eager=False``). Per contender:
+greedy, on the demo's held-out standard-library code: no speculation, draft_model K=4 (the demo
+draft) and the built-in EAGLE-3 head drafting greedy chains of 5, each eager
+(``enforce_eager=True``) and compiled (``enforce_eager=False``: drafts are fused chain graphs). Per contender:
 median tokens/s over rounds, the median of per-round ratios to eager no-speculation, on how many
 prompts its greedy output equals eager no-speculation's and that of no speculation on the same
 path (bf16 compiled and eager graphs round differently), and its start-up time (compiling
@@ -31,10 +32,12 @@ from leapfrog.model.runner import SeqChunk
 from leapfrog.train.distill import heldout_prompts
 
 
-def contenders(draft: str, k: int) -> list[tuple[str, dict | None, bool]]:
+def contenders(draft: str, k: int, head: str, depth: int) -> list[tuple[str, dict | None, bool]]:
     spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
+    eagle = {"method": "eagle3", "model": head, "num_speculative_tokens": depth, "eagle_topk": 1}
     return [("none eager", None, True), ("none compiled", None, False),
-            (f"draft_model K={k} eager", spec, True), (f"draft_model K={k} compiled", spec, False)]
+            (f"draft_model K={k} eager", spec, True), (f"draft_model K={k} compiled", spec, False),
+            (f"eagle3 chain {depth} eager", eagle, True), (f"eagle3 chain {depth} compiled", eagle, False)]
 
 
 def run_once(llm: LLM, prompts: list[str], max_tokens: int) -> tuple[float, list[list[int]]]:
@@ -74,6 +77,9 @@ def main() -> None:
     ap.add_argument("--target", default=str(DEMO_DIR / "target"))
     ap.add_argument("--draft", default=str(DEMO_DIR / "draft"))
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--head", default=str(DEMO_DIR / "eagle3"), help="EAGLE-3 head (greedy chain contenders)")
+    ap.add_argument("--eagle-depth", type=int, default=5)
+    ap.add_argument("--only", nargs="*", default=None, help="contender names to keep (none eager always runs)")
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=96)
@@ -92,7 +98,9 @@ def main() -> None:
     max_len = args.prompt_tokens + args.max_tokens + 2 * args.k + 8
 
     llms, startup = {}, {}
-    for name, spec, eager in contenders(args.draft, args.k):
+    for name, spec, eager in contenders(args.draft, args.k, args.head, args.eagle_depth):
+        if args.only is not None and name != "none eager" and name not in args.only:
+            continue
         t0 = time.perf_counter()
         llms[name] = LLM(model=args.target, dtype=args.dtype, speculative_config=spec, max_num_seqs=1,
                          max_model_len=max_len, enforce_eager=eager)
@@ -115,7 +123,7 @@ def main() -> None:
 
     sizes = list(range(1, args.k + 2))
     curves = {}
-    for name in list(llms)[2:]:  # the target of the speculative contenders: buckets 1 and K + 1 when compiled
+    for name in [n for n in llms if n.startswith("draft_model")]:  # buckets 1 and K + 1 when compiled
         c = verify_curve(llms[name], sizes)
         label = "compiled" if "compiled" in name else "eager"
         curves[label + " ms"] = {s: round(c[s], 3) for s in sizes}
@@ -129,7 +137,8 @@ def main() -> None:
         row = {"contender": name, "tokens_per_s": round(statistics.median(speeds[name]), 1),
                "speedup": round(statistics.median(ratios[name]), 2),
                "identical": _same(outputs[name], outputs["none eager"]),
-               "identical_own_none": _same(outputs[name], outputs[own_none]), "startup_s": round(startup[name], 1)}
+               "identical_own_none": _same(outputs[name], outputs.get(own_none, outputs["none eager"])),
+               "startup_s": round(startup[name], 1)}
         rows.append(row)
         print(f"| {name} | {row['tokens_per_s']} | {row['speedup']:.2f}x | {row['identical']} | "
               f"{row['identical_own_none']} | {row['startup_s']} |")

@@ -15,7 +15,11 @@ attention, the one part that depends on the context length, is one opaque op per
 builds) that takes the length as a tensor and a mask as wide as the cache, so one graph serves
 every context length (a symbolic length would turn inductor's few-row GEMM kernels into generic
 ones: measured 2x slower). Everything else (prompt chunks, trees larger than a bucket, EAGLE
-heads, batch-invariant mode) runs eagerly.
+heads' trees and sampled chains, batch-invariant mode) runs eagerly.
+
+Drafting (``CompiledChain``): a greedy chain of K draft tokens is one graph, the K forwards of
+the drafter (a draft model, an EAGLE head fed its own states) unrolled with the argmax between
+them, so drafting K tokens costs one call's framework time instead of K.
 All buckets are compiled at start-up (``warm_up``), and serving never compiles: a forward
 that fits no warmed bucket runs eagerly.
 
@@ -91,13 +95,16 @@ def can_compile(device: torch.device) -> str | None:
 
 class CompiledForward:
     """The model's forward over a ``KVCache`` as compiled graphs, one per bucket (see the module
-    docstring). ``aux_layers``: residual-stream outputs every graph also returns (EAGLE-3)."""
+    docstring). ``aux_layers``: residual-stream outputs every graph also returns (EAGLE-3).
+    ``feature_width``: the forward takes per-token features [B, S, F] of that width (EAGLE heads:
+    F = the target's feature width when catching up, the head's own width when drafting)."""
 
     def __init__(self, model: torch.nn.Module, kv: KVCache, buckets: list[Bucket],
-                 aux_layers: tuple[int, ...] = ()) -> None:
-        if getattr(model, "head", None) is None:
+                 aux_layers: tuple[int, ...] = (), feature_width: int | None = None) -> None:
+        if getattr(model, "head", None) is None and not hasattr(model, "cfg"):
             raise ValueError("compile a model after pack_for_inference(pack_layers=False) (it needs its head)")
         self.model, self.kv, self.aux_layers = model, kv, aux_layers
+        self.feature_width = feature_width
         from leapfrog.attention.native import load_native_attention
         self.native = load_native_attention()  # the attention op in C++ (else the Python one)
         self.buckets = sorted(buckets)
@@ -111,13 +118,16 @@ class CompiledForward:
         self._fn = torch.compile(self._forward, dynamic=False, fullgraph=True)
 
     def _forward(self, tok: Tensor, pos: Tensor, mask: Tensor, rows: Tensor, write_rows: Tensor,
-                 write_cols: Tensor, kv_len: Tensor) -> GraphOutput:
+                 write_cols: Tensor, kv_len: Tensor, features: Tensor | None = None) -> GraphOutput:
         meta = AttnMeta(rows=rows, write_rows=write_rows, write_cols=write_cols, kv_len=mask.shape[-1],
                         mask=mask, graph_kv_len=kv_len, native=self.native)
-        out = self.model(token_ids=tok, positions=pos, kv=self.kv, attn=meta, aux_layers=self.aux_layers)
+        kwargs: dict = {"features": features} if features is not None else {}
+        if self.aux_layers:
+            kwargs["aux_layers"] = self.aux_layers
+        out = self.model(token_ids=tok, positions=pos, kv=self.kv, attn=meta, **kwargs)
         # the LM head in the graph too, for every token (decode and verify want them all):
         # inductor's GEMM for it is faster than the eager one, and no second call is made
-        logits = self.model.head(out.hidden.reshape(-1, out.hidden.shape[-1]))  # [B*S, V] float32
+        logits = self.model.graph_logits(out.hidden.reshape(-1, out.hidden.shape[-1]))  # [B*S, V] float32
         return GraphOutput(out.hidden, out.aux, logits)
 
     def bucket_for(self, batch: int, tokens: int, kv_len: int) -> Bucket | None:
@@ -129,17 +139,19 @@ class CompiledForward:
                 return b
         return None
 
-    def __call__(self, tok: Tensor, pos: Tensor, meta: AttnMeta) -> GraphOutput:
+    def __call__(self, tok: Tensor, pos: Tensor, meta: AttnMeta, features: Tensor | None = None) -> GraphOutput:
         """tok, pos [batch, tokens] of a warmed bucket; meta for a graph (build_attn_meta's
-        ``graph_width=max_model_len``) -> the bucket's hidden states, aux states and logits."""
+        ``graph_width=max_model_len``); features [batch, tokens, feature_width] when the graph takes
+        them -> the bucket's hidden states, aux states and logits."""
         # Every graph was compiled by warm_up: check only the guards that tell the warmed graphs
         # apart (bucket shapes, which model), not all of them (measured ~0.25 ms per call).
         with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-            return self._run(tok, pos, meta)
+            return self._run(tok, pos, meta, features)
 
-    def _run(self, tok: Tensor, pos: Tensor, meta: AttnMeta) -> GraphOutput:
+    def _run(self, tok: Tensor, pos: Tensor, meta: AttnMeta, features: Tensor | None = None, *extra: Tensor):
         assert meta.mask is not None and meta.graph_kv_len is not None
-        return self._fn(tok, pos, meta.mask, meta.rows, meta.write_rows, meta.write_cols, meta.graph_kv_len)
+        return self._fn(tok, pos, meta.mask, meta.rows, meta.write_rows, meta.write_cols, meta.graph_kv_len,
+                        features, *extra)
 
     @torch.inference_mode()
     def warm_up(self, progress: bool = True) -> float:
@@ -171,4 +183,72 @@ class CompiledForward:
             cols = [list(range(kv_len - b.tokens, kv_len))] * b.batch
             meta = build_attn_meta([scratch] * b.batch, cols, scratch, dev, graph_width=self.kv.max_model_len)
             tok = torch.zeros(b.batch, b.tokens, dtype=torch.long, device=dev)
-            self._run(tok, torch.tensor(cols, device=dev), meta)
+            feats = None
+            if self.feature_width is not None:
+                feats = torch.zeros(b.batch, b.tokens, self.feature_width, dtype=self.model.dtype, device=dev)
+            self._run(tok, torch.tensor(cols, device=dev), meta, feats, *self._warm_extra(b, kv_len, dev))
+
+    def _warm_extra(self, b: Bucket, kv_len: int, dev: torch.device) -> tuple[Tensor, ...]:
+        return ()
+
+
+@dataclass
+class ChainOutput:
+    tokens: Tensor     # [batch, steps] long: the greedy chain (target vocabulary ids)
+    logprobs: Tensor   # [batch, steps] float32: log q of each, under the drafter's own distribution
+
+
+class CompiledChain(CompiledForward):
+    """Greedy chain drafting fused into one graph per bucket (issue: drafting K tokens should cost
+    the framework time of one step). The first forward runs each sequence's pending tokens (up
+    to the bucket's ``tokens``, ragged; ``last[b]`` its last real one), then ``steps - 1``
+    one-token forwards follow inside the same graph, each fed the previous step's argmax at the
+    next column (position = column: a chain) and, with ``feed_state`` (EAGLE heads), the
+    previous step's output state as its feature. No host sync, no Python, between the steps.
+
+    The steps' attention metadata is built in the graph from ``col`` [batch] (the column of the
+    first drafted token): a mask as wide as the cache, causal by column (and inside the model's
+    sliding window). The caller checks that ``col + steps - 2`` fits the cache (padding
+    sequences: the scratch row, columns from 1).
+    ``next_width``: the width of the features fed back (the head's hidden size)."""
+
+    def __init__(self, model: torch.nn.Module, kv: KVCache, buckets: list[Bucket], steps: int,
+                 feature_width: int | None = None, next_width: int | None = None) -> None:
+        super().__init__(model, kv, buckets, (), feature_width)
+        self.steps, self.next_width = steps, next_width
+        self.window = model.args.sliding_window
+        self._fn = torch.compile(self._chain, dynamic=False, fullgraph=True)
+
+    def _chain(self, tok: Tensor, pos: Tensor, mask: Tensor, rows: Tensor, write_rows: Tensor, write_cols: Tensor,
+               kv_len: Tensor, features: Tensor | None, last: Tensor, col: Tensor) -> ChainOutput:
+        B, S = tok.shape
+        g = self._forward(tok, pos, mask, rows, write_rows, write_cols, kv_len, features)
+        at = torch.arange(B, device=tok.device) * S + last                        # [B] rows of the last tokens
+        logits = g.logits[at]                                                      # [B, V]
+        h = g.hidden.reshape(B * S, -1)[at]                                        # [B, H]
+        cols = torch.arange(mask.shape[-1], device=tok.device)                     # [W]
+        toks, lps = [], []
+        for j in range(self.steps):
+            lp, x = torch.log_softmax(logits.float(), -1).max(-1)                  # [B], [B]
+            toks.append(x)
+            lps.append(lp)
+            if j == self.steps - 1:
+                break
+            c = col + j                                                            # [B] this step's column
+            m = cols[None, :] <= c[:, None]                                        # [B, W] causal
+            if self.window is not None:
+                m &= cols[None, :] > c[:, None] - self.window
+            m = m[:, None, None, :]                                                # [B, 1, 1, W]
+            g = self._forward(x[:, None], c[:, None], m, rows, rows, c, c.max() + 1,
+                              h[:, None] if self.next_width is not None else None)
+            logits, h = g.logits, g.hidden[:, 0]
+        return ChainOutput(torch.stack(toks, 1), torch.stack(lps, 1))
+
+    def __call__(self, tok: Tensor, pos: Tensor, meta: AttnMeta, features: Tensor | None,  # type: ignore[override]
+                 last: Tensor, col: Tensor) -> ChainOutput:
+        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+            return self._run(tok, pos, meta, features, last, col)
+
+    def _warm_extra(self, b: Bucket, kv_len: int, dev: torch.device) -> tuple[Tensor, ...]:
+        last = torch.full((b.batch,), b.tokens - 1, dtype=torch.long, device=dev)
+        return last, torch.full((b.batch,), kv_len, dtype=torch.long, device=dev)

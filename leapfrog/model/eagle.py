@@ -335,10 +335,12 @@ class EagleHead(nn.Module):
             return self.embed(token_ids)
         return F.embedding(token_ids, self._bound().embed.weight).to(self.dtype)
 
-    def compute_draft_logits(self, hidden: Tensor) -> Tensor:
-        """hidden [N, H] -> logits [N, Vd] float32 over the draft vocabulary (EAGLE-1: Vd = V)."""
+    def compute_draft_logits(self, hidden: Tensor, graph: bool = False) -> Tensor:
+        """hidden [N, H] -> logits [N, Vd] float32 over the draft vocabulary (EAGLE-1: Vd = V).
+        ``graph``: inside a compiled graph (no host sync: EAGLE-1's target head unchecked)."""
         if self.kind == "eagle":
-            return self._bound().compute_logits(hidden)
+            t = self._bound()
+            return t.graph_logits(hidden) if graph else t.compute_logits(hidden)
         assert self.norm is not None
         h = F.rms_norm(hidden.float(), (self.args.hidden_size,), self.norm.float(), self.args.rms_norm_eps)
         if self.head is not None:
@@ -346,29 +348,38 @@ class EagleHead(nn.Module):
         assert self.lm_head is not None  # training / reference path: differentiable
         return F.linear(h, self.lm_head.weight.float())
 
-    def compute_logits(self, hidden: Tensor) -> Tensor:
+    def compute_logits(self, hidden: Tensor, graph: bool = False) -> Tensor:
         """hidden [N, H] -> logits [N, V] float32 over the target vocabulary, -inf outside the draft
         vocabulary, so the engine's one sampler works in target-vocabulary space."""
-        logits = self.compute_draft_logits(hidden)                   # [N, Vd]
+        logits = self.compute_draft_logits(hidden, graph)            # [N, Vd]
         if self.identity_vocab:
             return logits
         out = logits.new_full((logits.shape[0], self.args.vocab_size), float("-inf"))
         out[:, self.draft_ids] = logits
         return out
 
+    def graph_logits(self, hidden: Tensor) -> Tensor:
+        """compute_logits inside a compiled graph (model/compiled.py)."""
+        return self.compute_logits(hidden, graph=True)
+
+    def check_logits(self, logits: Tensor) -> None:
+        """Nothing to check: a head's logits only steer proposals (and are -inf outside an EAGLE-3
+        draft vocabulary); the target's own logits decide every token."""
+
     # ------------------------------------------------------------------ inference, size
-    def pack_for_inference(self, fp32_head: bool = True) -> bool:
+    def pack_for_inference(self, fp32_head: bool = True, pack_layers: bool = True) -> bool:
         """As LlamaModel.pack_for_inference: oneDNN-packed linear layers where the CPU supports the
         dtype, and (EAGLE-3) the inference LM head, float32 logits unless ``fp32_head=False``.
         EAGLE-1's logits come from the target's head as the target was packed. The head can no
-        longer be trained or saved afterwards. -> whether the linear layers were packed."""
+        longer be trained or saved afterwards. ``pack_layers=False``: plain linears and head (a
+        compiled graph prepacks them itself). -> whether the linear layers were packed."""
         from leapfrog.model.packed import PackedLinear, can_pack, pack_linears
-        packed = can_pack(self.dtype, self.device)
+        packed = pack_layers and can_pack(self.dtype, self.device)
         if packed and not self.packed:
             pack_linears(self.layers)
             self.fc = PackedLinear(self.fc.weight, self.fc.bias)
         if self.lm_head is not None:
-            self.head = LogitsHead(self.lm_head.weight, fp32_head)
+            self.head = LogitsHead(self.lm_head.weight, fp32_head, pack=pack_layers)
             self.lm_head = None
         self.packed = True
         return packed

@@ -144,6 +144,12 @@ class LlamaModel(nn.Module):
         self.check_logits(logits)
         return logits
 
+    def graph_logits(self, hidden: Tensor) -> Tensor:
+        """compute_logits inside a compiled graph (model/compiled.py): the head alone, no host
+        sync (the caller runs check_logits on the rows it takes)."""
+        assert self.head is not None, "pack_for_inference first"
+        return self.head(hidden)
+
     def check_logits(self, logits: Tensor) -> None:
         """An fp16 model's logits must be finite (compiled graphs compute logits themselves and
         call this after)."""

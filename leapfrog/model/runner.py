@@ -18,7 +18,8 @@ with it, so greedy output with speculation equals output without, and any batch 
 
 The fast path (``compile``, model/compiled.py): forwards that fit a warmed ``[batch, tokens]``
 bucket run as a compiled graph, padded up to the bucket with scratch-row sequences and tokens;
-the rest (prompt chunks, EAGLE heads' feature inputs, larger trees) run eagerly.
+the rest (prompt chunks, larger trees) run eagerly. Drafters also get ``draft_chain``: a greedy
+chain of K tokens in one compiled graph (CompiledChain).
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from leapfrog.attention.metadata import build_attn_meta
+from leapfrog.attention.metadata import AttnMeta, build_attn_meta
 from leapfrog.kv.cache import KVCache
-from leapfrog.model.compiled import Bucket, CompiledForward
+from leapfrog.model.compiled import Bucket, ChainOutput, CompiledChain, CompiledForward
 
 
 @dataclass
@@ -81,15 +82,64 @@ class ModelRunner:
         self.device = model.device
         self.kv = KVCache(a.num_hidden_layers, num_rows, max_model_len, a.num_key_value_heads,
                           a.head_dim, model.dtype, self.device)
-        self.compiled: CompiledForward | None = None
+        self.graphs: list[CompiledForward] = []   # compiled forwards (per feature width)
+        self.chain: CompiledChain | None = None    # fused greedy chain drafting (drafters)
 
-    def compile(self, buckets: list[Bucket], aux_layers: tuple[int, ...] = (), progress: bool = True) -> float:
+    @property
+    def compiled(self) -> CompiledForward | None:
+        """The compiled forward without features (a target's, a draft model's), if any."""
+        return next((g for g in self.graphs if g.feature_width is None), None)
+
+    def compile(self, buckets: list[Bucket], aux_layers: tuple[int, ...] = (), progress: bool = True,
+                feature_width: int | None = None) -> float:
         """Compile the decode/verify forward for these buckets (model/compiled.py); the model's
-        linear layers must be plain ``nn.Linear`` (not oneDNN-packed). -> seconds taken."""
+        linear layers must be plain ``nn.Linear`` (not oneDNN-packed). ``feature_width``: for
+        chunks with features of that width (EAGLE heads; call once per width). -> seconds taken."""
+        self._check_compilable()
+        g = CompiledForward(self.model, self.kv, buckets, aux_layers, feature_width)
+        self.graphs.append(g)
+        return g.warm_up(progress)
+
+    def compile_chain(self, buckets: list[Bucket], steps: int, feature_width: int | None = None,
+                      next_width: int | None = None, progress: bool = True) -> float:
+        """Compile greedy chain drafting of ``steps`` tokens as one graph per bucket
+        (model/compiled.py CompiledChain; ``draft_chain`` runs it). -> seconds taken."""
+        self._check_compilable()
+        self.chain = CompiledChain(self.model, self.kv, buckets, steps, feature_width, next_width)
+        return self.chain.warm_up(progress)
+
+    def _check_compilable(self) -> None:
         if self.batch_invariant:
             raise ValueError("batch-invariant mode runs eagerly (its kernels are chosen per row tile)")
-        self.compiled = CompiledForward(self.model, self.kv, buckets, aux_layers)
-        return self.compiled.warm_up(progress)
+
+    @torch.inference_mode()
+    def draft_chain(self, chunks: list[SeqChunk], steps: int) -> ChainOutput | None:
+        """Greedy chains of ``steps`` tokens after each chunk, fused in one compiled graph: each
+        chunk's pending tokens (chains, ``num_logits`` 1), then ``steps - 1`` tokens each fed
+        the previous argmax (and an EAGLE head's own previous state). -> tokens and log q
+        [len(chunks), steps] in chunk order, or None when no warmed chain graph fits (the
+        caller drafts step by step)."""
+        c = self.chain
+        if c is None or steps > c.steps or any(ch.is_tree for ch in chunks):
+            return None
+        width = {None if ch.features is None else ch.features.shape[-1] for ch in chunks}
+        if width != {c.feature_width}:
+            return None
+        kv_len = max(ch.start + len(ch.token_ids) for ch in chunks)
+        # the last drafted token's column must fit the cache (the graph runs all steps)
+        if max(ch.start + len(ch.token_ids) for ch in chunks) + c.steps - 2 >= self.kv.max_model_len:
+            return None
+        bucket = c.bucket_for(len(chunks), max(len(ch.token_ids) for ch in chunks), kv_len)
+        if bucket is None:
+            return None
+        B = len(chunks)
+        full = chunks + [SeqChunk(self.kv.scratch_row, 0, [0], 1)] * (bucket.batch - B)
+        tok, posn, meta = self._inputs(full, bucket.tokens, kv_len, graph=True)
+        feats = self._pad_features(full, bucket.tokens) if c.feature_width is not None else None
+        last = torch.tensor([len(ch.token_ids) - 1 for ch in full], device=self.device)
+        col = torch.tensor([ch.start + len(ch.token_ids) for ch in full], device=self.device)
+        out = c(tok, posn, meta, feats, last, col)
+        return ChainOutput(out.tokens[:B], out.logprobs[:B])
 
     def run(self, chunks: list[SeqChunk]) -> Tensor:
         """-> logits [sum(num_logits), V] float32, chunk by chunk in order."""
@@ -104,29 +154,18 @@ class ModelRunner:
         kv_len = max(c.start + len(c.token_ids) for c in chunks)
         bucket = self._bucket(chunks, hidden, kv_len)
         if bucket is not None:  # padding sequences: one token on the scratch row, never read
-            chunks = chunks + [SeqChunk(self.kv.scratch_row, 0, [0], 0)] * (bucket.batch - len(chunks))
+            chunks = chunks + [SeqChunk(self.kv.scratch_row, 0, [0], 0)] * (bucket[1].batch - len(chunks))
         B = len(chunks)
-        S = max(max(len(c.token_ids) for c in chunks), bucket.tokens if bucket is not None else 0)
-        cols = [list(range(c.start, c.start + len(c.token_ids))) for c in chunks]
-        pos = [c.positions() for c in chunks]
-        tokens = [c.token_ids + [0] * (S - len(c.token_ids)) for c in chunks]
-        positions = [p + [0] * (S - len(p)) for p in pos]
-        tree = None
-        if any(c.is_tree for c in chunks):
-            tree = self._tree_mask(chunks, pos, kv_len, S)
-        meta = build_attn_meta([c.row for c in chunks], cols, self.kv.scratch_row, self.device,
-                               self.model.args.sliding_window, tree_mask=tree, per_token=self.batch_invariant,
-                               pad_to=S, graph_width=None if bucket is None else self.kv.max_model_len)
-        tok = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        posn = torch.tensor(positions, dtype=torch.long, device=self.device)
+        S = max(max(len(c.token_ids) for c in chunks), bucket[1].tokens if bucket is not None else 0)
+        tok, posn, meta = self._inputs(chunks, S, kv_len, graph=bucket is not None)
+        has_features = any(c.features is not None for c in chunks)
         graph_logits = None
         if bucket is not None:
-            assert self.compiled is not None
-            g = self.compiled(tok, posn, meta)
+            g = bucket[0](tok, posn, meta, self._pad_features(chunks, S) if has_features else None)
             out_hidden, out_aux, graph_logits = g.hidden, g.aux, g.logits
         else:
             kwargs = {}
-            if any(c.features is not None for c in chunks):
+            if has_features:
                 kwargs["features"] = self._pad_features(chunks, S)
             if isinstance(hidden, tuple):
                 kwargs["aux_layers"] = hidden
@@ -148,13 +187,37 @@ class ModelRunner:
             return StepOutput(logits.cpu(), feats)
         return StepOutput(self.model.compute_logits(_take(flat, rows)).cpu(), feats)
 
-    def _bucket(self, chunks: list[SeqChunk], hidden: str | tuple[int, ...] | None, kv_len: int) -> Bucket | None:
-        """The compiled bucket this forward runs in, or None (eager)."""
-        if self.compiled is None or any(c.features is not None for c in chunks):
+    def _inputs(self, chunks: list[SeqChunk], S: int, kv_len: int, graph: bool) -> tuple[Tensor, Tensor, AttnMeta]:
+        """Padded token ids and positions [B, S] and the attention metadata (``graph``: for a
+        compiled graph, as wide as the cache)."""
+        cols = [list(range(c.start, c.start + len(c.token_ids))) for c in chunks]
+        pos = [c.positions() for c in chunks]
+        tokens = [c.token_ids + [0] * (S - len(c.token_ids)) for c in chunks]
+        positions = [p + [0] * (S - len(p)) for p in pos]
+        tree = None
+        if any(c.is_tree for c in chunks):
+            tree = self._tree_mask(chunks, pos, kv_len, S)
+        meta = build_attn_meta([c.row for c in chunks], cols, self.kv.scratch_row, self.device,
+                               self.model.args.sliding_window, tree_mask=tree, per_token=self.batch_invariant,
+                               pad_to=S, graph_width=self.kv.max_model_len if graph else None)
+        tok = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        posn = torch.tensor(positions, dtype=torch.long, device=self.device)
+        return tok, posn, meta
+
+    def _bucket(self, chunks: list[SeqChunk], hidden: str | tuple[int, ...] | None,
+                kv_len: int) -> tuple[CompiledForward, Bucket] | None:
+        """The compiled graph and bucket this forward runs in, or None (eager)."""
+        width = {None if c.features is None else c.features.shape[-1] for c in chunks}
+        if len(width) != 1:
             return None
-        if isinstance(hidden, tuple) and hidden != self.compiled.aux_layers:
-            return None
-        return self.compiled.bucket_for(len(chunks), max(len(c.token_ids) for c in chunks), kv_len)
+        for g in self.graphs:
+            if g.feature_width not in width:
+                continue
+            if isinstance(hidden, tuple) and hidden != g.aux_layers:
+                return None
+            b = g.bucket_for(len(chunks), max(len(c.token_ids) for c in chunks), kv_len)
+            return None if b is None else (g, b)
+        return None
 
     def _pad_features(self, chunks: list[SeqChunk], S: int) -> Tensor:
         F = next(c.features for c in chunks if c.features is not None).shape[-1]

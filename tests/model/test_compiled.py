@@ -91,6 +91,41 @@ def test_compiled_forwards_match_eager(llama_dir):
     assert fast.compiled is not None and fast.compiled.warmed == [Bucket(1, 1), Bucket(2, 3)]
 
 
+def test_compiled_chain_matches_step_by_step(llama_dir):
+    """A fused greedy chain (one graph: a ragged first forward, then one-token steps fed the
+    previous argmax) drafts what eager step-by-step argmax drafts, with the same log q, and
+    writes the same KV; padding sequences leave the real rows alone; nothing compiles after
+    warm-up."""
+    eager, fast = _runner(llama_dir, False), _runner(llama_dir, True)
+    steps = 3
+    fast.compile_chain([Bucket(2, 2)], steps, progress=False)
+    graphs = counters["stats"]["unique_graphs"]
+    a, b = _tokens(20, 0), _tokens(9, 1)
+    prompts = [SeqChunk(0, 0, a, 0), SeqChunk(1, 0, b, 0)]
+    eager.run(prompts)
+    fast.run(prompts)
+    for first in ([SeqChunk(0, 20, _tokens(2, 2), 1), SeqChunk(1, 9, _tokens(1, 3), 1)],   # ragged, batch 2
+                  [SeqChunk(1, 10, _tokens(2, 4), 1)]):                                    # batch padded
+        got = fast.draft_chain(first, steps)
+        assert got is not None
+        want_tok, want_lp, chunks = [], [], first
+        for _ in range(steps):
+            lp, x = torch.log_softmax(eager.run(chunks), -1).max(-1)
+            want_tok.append(x)
+            want_lp.append(lp)
+            chunks = [SeqChunk(c.row, c.start + len(c.token_ids), [int(t)], 1) for c, t in zip(chunks, x)]
+        assert got.tokens.tolist() == torch.stack(want_tok, 1).tolist()
+        torch.testing.assert_close(got.logprobs, torch.stack(want_lp, 1), rtol=1e-4, atol=1e-4)
+        for c in first:  # the drafted tokens' KV (all but the last) is the eager one's
+            end = c.start + len(c.token_ids) + steps - 1
+            torch.testing.assert_close(fast.kv.k[0][c.row, :, :end], eager.kv.k[0][c.row, :, :end],
+                                       rtol=1e-4, atol=1e-4)
+    assert fast.draft_chain([SeqChunk(0, 30, _tokens(3, 5), 1)], steps) is None    # 3 pending: no bucket
+    assert fast.draft_chain([SeqChunk(0, MAX_LEN - 3, [5], 1)], steps) is not None  # the last draft fits
+    assert fast.draft_chain([SeqChunk(0, MAX_LEN - 2, [5], 1)], steps) is None      # it would not
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 @pytest.mark.slow
 def test_engine_fast_path_is_lossless(llama_dir, tokenizer):
     """The engine on the fast path (target and draft model compiled; the target drafts for

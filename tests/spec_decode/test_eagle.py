@@ -229,3 +229,33 @@ def test_sampled_requests_draft_sampled_chains(shapes, tokenizer, monkeypatch):
     assert branched and any(d.draft_probs is not None for _, d in seen)
     # the seeded request's draft at depth d is drawn with the noise of output position n + d - 1
     assert seeded_positions and all(p == list(range(n, n + len(p))) for n, p in seeded_positions)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_fast_path_chains_draft_as_eager(shapes, tokenizer, kind, monkeypatch):
+    """enforce_eager=False: greedy EAGLE chains come from the fused chain graph (one call per
+    step), draft exactly what the eager head drafts (same drafts and acceptances, float32) and
+    keep the output equal to no speculation; nothing compiles while serving."""
+    from torch._dynamo.utils import counters
+
+    from leapfrog.model.compiled import CompiledChain
+    target, heads = shapes["qwen2"]
+    prompts = prompts_of(tokenizer, 3)
+    sp = SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)
+    spec = {"method": kind, "model": str(heads[kind]), **TREES["chain"]}
+    _, ref = _generate(target, None, prompts, sp)
+    eager, want = _generate(target, spec, prompts, sp)
+    fast = LLM(model=str(target), dtype="float32", max_model_len=256, max_num_seqs=2, speculative_config=spec,
+               enforce_eager=False)
+    calls = []
+    orig = CompiledChain.__call__
+    monkeypatch.setattr(CompiledChain, "__call__", lambda self, *a: calls.append(1) or orig(self, *a))
+    graphs = counters["stats"]["unique_graphs"]
+    got = [o.outputs[0].token_ids for o in fast.generate([{"prompt_token_ids": p} for p in prompts], sp,
+                                                          use_tqdm=False)]
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert got == want == ref
+    m, e = fast.get_metrics(), eager.get_metrics()
+    assert calls and m["num_draft_tokens"] > 0
+    assert (m["num_draft_tokens"], m["num_accepted_tokens"]) == (e["num_draft_tokens"], e["num_accepted_tokens"])

@@ -70,6 +70,7 @@ class DraftModelProposer:
         self.runner = ModelRunner(self.model, target.num_rows, target.max_model_len,
                                   batch_invariant=target.batch_invariant)
         self.vocab_size = target.vocab_size
+        self.k = cfg.draft_budget  # the most drafts one step asks for (the chain graph's length)
         self.chunk = target.max_num_batched_tokens
         self.computed: dict[str, int] = {}
 
@@ -77,9 +78,12 @@ class DraftModelProposer:
         self.computed[req.request_id] = 0
 
     def compile(self) -> None:
-        """Compiled graphs for draft steps (model/compiled.py): one token per sequence, or two
-        (the first step after a fully accepted draft feeds its last draft and the bonus token)."""
-        self.runner.compile(make_buckets(self.runner.kv.num_rows, [1, 2]))
+        """Compiled graphs for draft steps (model/compiled.py): greedy chains of K tokens fused
+        in one graph (CompiledChain: the first forward feeds one or two pending tokens, the
+        bonus and, after a full accept, the last draft), and one-token steps for sampled
+        requests."""
+        self.runner.compile_chain(make_buckets(self.runner.kv.num_rows, [2]), self.k)
+        self.runner.compile(make_buckets(self.runner.kv.num_rows, [1]))
 
     def finish(self, req: Request) -> None:
         self.computed.pop(req.request_id, None)
@@ -88,6 +92,8 @@ class DraftModelProposer:
         active = [b for b, k in enumerate(ks) if k > 0]
         drafts: list[list[int]] = [[] for _ in reqs]
         qs: list[list[torch.Tensor | None]] = [[] for _ in reqs]
+        if active and self._fused_chains(reqs, active, ks, drafts):
+            return DraftBatch.from_lists(drafts)
         self._catch_up([reqs[b] for b in active])
         chunks = []
         for b in active:
@@ -122,13 +128,34 @@ class DraftModelProposer:
                   for b in range(len(reqs)) for q, t in zip(qs[b], drafts[b])]
         return DraftBatch.from_lists(drafts, torch.stack(flat_q))
 
-    def _catch_up(self, reqs: list[Request]) -> None:
-        """Compute all but the last pending token of each request (long prompts in chunks)."""
+    def _fused_chains(self, reqs: list[Request], active: list[int], ks: list[int], drafts: list[list[int]]) -> bool:
+        """Greedy drafts for every active request from the compiled chain graph (compile), when
+        all of them take the plain argmax (no penalties, no min_tokens suppression) -> whether
+        it drafted (else nothing was done)."""
+        chain = self.runner.chain
+        if chain is None or max(ks[b] for b in active) > chain.steps or not all(
+                _plain_greedy(reqs[b]) for b in active):
+            return False
+        T = max(b.tokens for b in chain.warmed)
+        rs = [reqs[b] for b in active]
+        self._catch_up(rs, keep=T)
+        chunks = [SeqChunk(r.row, self.computed[r.request_id], r.all_ids[self.computed[r.request_id]:], 1) for r in rs]
+        out = self.runner.draft_chain(chunks, chain.steps)
+        if out is None:
+            return False
+        toks = out.tokens.tolist()
+        for i, b in enumerate(active):
+            drafts[b] = toks[i][:ks[b]]
+            self.computed[reqs[b].request_id] = reqs[b].num_tokens + ks[b] - 1  # tokens fed
+        return True
+
+    def _catch_up(self, reqs: list[Request], keep: int = 1) -> None:
+        """Compute all but the last ``keep`` pending tokens of each request (long prompts in chunks)."""
         while True:
             chunks = []
             for r in reqs:
                 c = self.computed[r.request_id]
-                pending = r.num_tokens - 1 - c
+                pending = r.num_tokens - keep - c
                 if pending > 0:
                     n = min(pending, self.chunk)
                     chunks.append(SeqChunk(r.row, c, r.all_ids[c:c + n], 0))
@@ -141,3 +168,9 @@ class DraftModelProposer:
         for r, n_acc in zip(reqs, result.num_accepted):
             if r.request_id in self.computed:
                 self.computed[r.request_id] = min(self.computed[r.request_id], r.num_tokens + n_acc)
+
+
+def _plain_greedy(req: Request) -> bool:
+    """Greedy on the raw logits: no penalties, no min_tokens suppression of stop tokens."""
+    p = req.params
+    return p.greedy and not p.has_penalties and len(req.output_ids) >= p.min_tokens

@@ -59,7 +59,7 @@ class _Node:
     score: float         # path confidence: sum of log q along the path
     depth: int
     rank: int            # rank among its parent's candidates (static trees)
-    feat: torch.Tensor   # [H] the feature it is run with: its parent's output state
+    feat: torch.Tensor | None  # [H] the feature it runs with: its parent's output state (None: a fused chain's)
     col: int = -1        # head KV column once the node has been run (expanded)
     q: torch.Tensor | None = None  # [V] the draft distribution it was sampled from (unseeded sampled chains)
     sampled: bool = False          # drawn for a sampled request: a chain, one child per level
@@ -114,7 +114,7 @@ class EagleProposer:
                               f"{self.head.kind!r} head; use \"method\": \"{self.head.kind}\"")
         # q only ranks candidates (verification uses the target's logits): a half-precision LM head
         # reads half the bytes per draft level, as for draft models
-        self.head.pack_for_inference(fp32_head=False)
+        self.head.pack_for_inference(fp32_head=False, pack_layers=target.enforce_eager)
         #: what the engine hands over after every target forward (engine._commit)
         self.target_states = "hidden" if self.head.kind == "eagle" else tuple(self.head.target_layer_ids)
         self.depth = cfg.num_speculative_tokens
@@ -170,8 +170,9 @@ class EagleProposer:
     def propose(self, reqs: list[Request], ks: list[int]) -> DraftBatch:
         active = [b for b, k in enumerate(ks) if k > 0 and self._ready(reqs[b])]
         nodes: dict[int, list[_Node]] = {b: [] for b in active}
-        if active:
+        if active and not self._fused_chains(reqs, active, ks, nodes):
             roots = self._catch_up([reqs[b] for b in active])  # [A, V] logits, [A, H] states
+            assert roots is not None
             self._grow(reqs, active, ks, nodes, *roots)
         toks, parents, nums, qs = [], [], [], []
         for b in range(len(reqs)):
@@ -195,15 +196,57 @@ class EagleProposer:
         c = self.computed.get(req.request_id, 0)
         return f is not None and f.start <= c and f.end >= req.num_tokens - 1
 
-    def _catch_up(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
+    def compile(self) -> None:
+        """enforce_eager=False: greedy chains (every request greedy, one child per level) are
+        drafted by one compiled graph per step (model/compiled.py CompiledChain: the catch-up
+        forward over up to depth + 1 new positions, then depth - 1 one-token levels); trees,
+        sampled chains and long catch-ups (a new prompt) run eagerly."""
+        from leapfrog.model.compiled import make_buckets
+        width = self.head.cfg.target_hidden_size if self.head.kind == "eagle" else self.head.cfg.feature_size
+        self.runner.compile_chain(make_buckets(self.runner.kv.num_rows, [self.depth + 1]), self.depth,
+                                  feature_width=width, next_width=self.head.args.hidden_size)
+
+    def _fused_chains(self, reqs: list[Request], active: list[int], ks: list[int],
+                      nodes: dict[int, list[_Node]]) -> bool:
+        """Greedy chains for every active request from the compiled chain graph (see compile);
+        -> False (nothing done) when the step does not qualify."""
+        chain = self.runner.chain
+        if chain is None or not all(reqs[b].params.greedy and self._width(ks[b]) == 1 for b in active) \
+                or self.static_children is not None:
+            return False
+        T = max(b.tokens for b in chain.warmed)
+        rs = [reqs[b] for b in active]
+        self._catch_up(rs, keep=T)  # a new prompt: all but its last T positions eagerly
+        chunks = []
+        for r in rs:
+            c, end = self.computed[r.request_id], r.num_tokens - 1   # positions c..end-1
+            f = self.feats[r.request_id]
+            chunks.append(SeqChunk(r.row, c, r.all_ids[c + 1:end + 1], 1, features=f.rows()[c - f.start:end - f.start]))
+        out = self.runner.draft_chain(chunks, self.depth)
+        if out is None:
+            return False
+        for r in rs:
+            self.computed[r.request_id] = r.num_tokens - 1
+            self.feats[r.request_id].drop_before(r.num_tokens - 2)
+        toks, lps = out.tokens.tolist(), out.logprobs.tolist()
+        for i, b in enumerate(active):
+            levels = max(1, min(self.depth, ks[b], tree_depth_cap(reqs[b])))
+            score = 0.0
+            for d in range(levels):
+                score += lps[i][d]
+                nodes[b].append(_Node(toks[i][d], d - 1, score, d + 1, 0, None))
+        return True
+
+    def _catch_up(self, reqs: list[Request], keep: int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Run the head over every pending position (long prompts in chunks); -> the last
-        position's logits [A, V] and output state [A, H] per request."""
+        position's logits [A, V] and output state [A, H] per request. ``keep`` > 0: leave the
+        last ``keep`` positions pending (for the fused chain graph) -> None."""
         last_logits: list[torch.Tensor | None] = [None] * len(reqs)
         last_state: list[torch.Tensor | None] = [None] * len(reqs)
         while True:
             chunks, who = [], []
             for i, r in enumerate(reqs):
-                c, end = self.computed[r.request_id], r.num_tokens - 1   # positions c..end-1
+                c, end = self.computed[r.request_id], r.num_tokens - 1 - keep   # positions c..end-1
                 if c >= end:
                     continue
                 n = min(end - c, self.chunk)
@@ -224,6 +267,8 @@ class EagleProposer:
                     li += 1
         for r in reqs:  # features before the last caught-up position are never read again (reset)
             self.feats[r.request_id].drop_before(self.computed[r.request_id] - 1)
+        if keep:
+            return None
         if any(x is None for x in last_logits):
             raise RuntimeError("EAGLE head: a request had no position to catch up on")
         return torch.stack(last_logits), torch.stack(last_state)  # type: ignore[arg-type]
