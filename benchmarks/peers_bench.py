@@ -5,6 +5,7 @@ Contenders (``--contenders``, comma-separated; default: all that can run here):
   leapfrog-compiled no speculation, compiled fast path (enforce_eager=False)
   leapfrog-draft    draft_model K (``--draft``), compiled
   leapfrog-self     quantized self-draft K (int4 copy of the target), compiled
+  leapfrog-eagle3   EAGLE-3 head (``--head``) drafting greedy chains of ``--eagle-depth``, compiled
   leapfrog-int8     no speculation, int8 weight-only target, compiled (a different model: listed apart)
   transformers      ``generate``, float32 (its fast CPU path)
   llama.cpp         ``llama-completion`` on the GGUF of the same checkpoint (``--target-gguf``)
@@ -47,7 +48,7 @@ from leapfrog.model.loader import load_tokenizer
 from leapfrog.train.distill import heldout_prompts
 
 ALL = ["llama.cpp", "llama.cpp-draft", "leapfrog", "leapfrog-compiled", "leapfrog-draft", "leapfrog-self",
-       "leapfrog-int8", "transformers"]
+       "leapfrog-eagle3", "leapfrog-int8", "transformers"]
 SHAPES = {"110M": (768, 12, 12, 2048)}  # dim, layers, heads, intermediate (stories110M)
 
 
@@ -174,6 +175,9 @@ def build(name: str, args, max_len: int):
         return LeapfrogContender(**lf, enforce_eager=False, speculative_config=spec_draft)
     if name == "leapfrog-self":
         return LeapfrogContender(**lf, enforce_eager=False, speculative_config=spec_self)
+    if name == "leapfrog-eagle3":
+        spec = {"method": "eagle3", "model": args.head, "num_speculative_tokens": args.eagle_depth, "eagle_topk": 1}
+        return LeapfrogContender(**lf, enforce_eager=False, speculative_config=spec)
     if name == "leapfrog-int8":
         return LeapfrogContender(**lf, enforce_eager=False, quantization="int8")
     if name == "transformers":
@@ -189,6 +193,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=str(DEMO_DIR / "target"))
     ap.add_argument("--draft", default=str(DEMO_DIR / "draft"))
+    ap.add_argument("--head", default=str(DEMO_DIR / "eagle3"), help="EAGLE-3 head of leapfrog-eagle3")
+    ap.add_argument("--eagle-depth", type=int, default=5)
     ap.add_argument("--shape", default=None, choices=sorted(SHAPES),
                     help="instead of --target: a random-init Llama of this shape (demo tokenizer, bf16)")
     ap.add_argument("--workdir", default=None, help="where --shape checkpoints are saved (default: a temp dir)")
@@ -214,7 +220,7 @@ def main() -> None:
                                  tokenizer_dir)
     args.bin = Path(args.llama_cpp).expanduser() if args.llama_cpp else None
     names = args.contenders.split(",") if args.contenders else [
-        n for n in ALL if (args.shape is None or n not in ("leapfrog-draft", "llama.cpp-draft"))]
+        n for n in ALL if (args.shape is None or n not in ("leapfrog-draft", "leapfrog-eagle3", "llama.cpp-draft"))]
     for n in names:
         if n.startswith("llama.cpp") and (args.bin is None or not args.target_gguf):
             print(f"[peers] skipping {n}: give --llama-cpp (or LLAMA_CPP_BIN) and --target-gguf", file=sys.stderr)
