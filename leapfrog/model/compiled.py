@@ -101,7 +101,8 @@ class CompiledForward:
 
     def __init__(self, model: torch.nn.Module, kv: KVCache, buckets: list[Bucket],
                  aux_layers: tuple[int, ...] = (), feature_width: int | None = None) -> None:
-        if getattr(model, "head", None) is None and not hasattr(model, "cfg"):
+        # (an EAGLE-1 head has no LM head of its own: it reads the target's)
+        if getattr(model, "head", None) is None and getattr(model, "kind", None) != "eagle":
             raise ValueError("compile a model after pack_for_inference(pack_layers=False) (it needs its head)")
         self.model, self.kv, self.aux_layers = model, kv, aux_layers
         self.feature_width = feature_width
@@ -203,14 +204,14 @@ class CompiledChain(CompiledForward):
     the framework time of one step). The first forward runs each sequence's pending tokens (up
     to the bucket's ``tokens``, ragged; ``last[b]`` its last real one), then ``steps - 1``
     one-token forwards follow inside the same graph, each fed the previous step's argmax at the
-    next column (position = column: a chain) and, with ``feed_state`` (EAGLE heads), the
+    next column (position = column: a chain) and, with ``next_width`` set (EAGLE heads), the
     previous step's output state as its feature. No host sync, no Python, between the steps.
 
     The steps' attention metadata is built in the graph from ``col`` [batch] (the column of the
     first drafted token): a mask as wide as the cache, causal by column (and inside the model's
     sliding window). The caller checks that ``col + steps - 2`` fits the cache (padding
-    sequences: the scratch row, columns from 1).
-    ``next_width``: the width of the features fed back (the head's hidden size)."""
+    sequences: the scratch row, columns from 1). ``next_width``: the width of the states fed
+    back (the head's hidden size); None (draft models): no features after the first forward."""
 
     def __init__(self, model: torch.nn.Module, kv: KVCache, buckets: list[Bucket], steps: int,
                  feature_width: int | None = None, next_width: int | None = None) -> None:

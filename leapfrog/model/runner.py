@@ -126,8 +126,7 @@ class ModelRunner:
         if width != {c.feature_width}:
             return None
         kv_len = max(ch.start + len(ch.token_ids) for ch in chunks)
-        # the last drafted token's column must fit the cache (the graph runs all steps)
-        if max(ch.start + len(ch.token_ids) for ch in chunks) + c.steps - 2 >= self.kv.max_model_len:
+        if kv_len + c.steps - 2 >= self.kv.max_model_len:  # the last draft's column must fit (all steps run)
             return None
         bucket = c.bucket_for(len(chunks), max(len(ch.token_ids) for ch in chunks), kv_len)
         if bucket is None:
