@@ -131,6 +131,11 @@ class CompiledForward:
         logits = self.model.graph_logits(out.hidden.reshape(-1, out.hidden.shape[-1]))  # [B*S, V] float32
         return GraphOutput(out.hidden, out.aux, logits)
 
+    @property
+    def max_tokens(self) -> int:
+        """The most new tokens per sequence a warmed bucket takes (0: none warmed)."""
+        return max((b.tokens for b in self.warmed), default=0)
+
     def bucket_for(self, batch: int, tokens: int, kv_len: int) -> Bucket | None:
         """The smallest warmed bucket a forward of this shape fits, or None (run eagerly)."""
         if kv_len > self.kv.max_model_len:

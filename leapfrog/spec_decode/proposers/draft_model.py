@@ -136,9 +136,8 @@ class DraftModelProposer:
         if chain is None or max(ks[b] for b in active) > chain.steps or not all(
                 _plain_greedy(reqs[b]) for b in active):
             return False
-        T = max(b.tokens for b in chain.warmed)
         rs = [reqs[b] for b in active]
-        self._catch_up(rs, keep=T)
+        self._catch_up(rs, keep=chain.max_tokens)
         chunks = [SeqChunk(r.row, self.computed[r.request_id], r.all_ids[self.computed[r.request_id]:], 1) for r in rs]
         out = self.runner.draft_chain(chunks, chain.steps)
         if out is None:

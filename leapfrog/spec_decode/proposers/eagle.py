@@ -214,9 +214,8 @@ class EagleProposer:
         if chain is None or not all(reqs[b].params.greedy and self._width(ks[b]) == 1 for b in active) \
                 or self.static_children is not None:
             return False
-        T = max(b.tokens for b in chain.warmed)
         rs = [reqs[b] for b in active]
-        self._catch_up(rs, keep=T)  # a new prompt: all but its last T positions eagerly
+        self._catch_up(rs, keep=chain.max_tokens)  # a new prompt: all but the positions the graph takes
         chunks = []
         for r in rs:
             c, end = self.computed[r.request_id], r.num_tokens - 1   # positions c..end-1
@@ -230,9 +229,8 @@ class EagleProposer:
             self.feats[r.request_id].drop_before(r.num_tokens - 2)
         toks, lps = out.tokens.tolist(), out.logprobs.tolist()
         for i, b in enumerate(active):
-            levels = max(1, min(self.depth, ks[b], tree_depth_cap(reqs[b])))
             score = 0.0
-            for d in range(levels):
+            for d in range(self._levels(reqs[b], ks[b])):
                 score += lps[i][d]
                 nodes[b].append(_Node(toks[i][d], d - 1, score, d + 1, 0, None))
         return True
@@ -283,7 +281,7 @@ class EagleProposer:
         next_col = {b: self.computed[reqs[b].request_id] for b in active}
         context = dict(next_col)
         for depth in range(2, self.depth + 1):
-            todo = [b for b in active if frontier[b] and depth <= min(ks[b], tree_depth_cap(reqs[b]))]
+            todo = [b for b in active if frontier[b] and depth <= self._levels(reqs[b], ks[b])]
             if not todo:
                 break
             chunks = []
@@ -348,6 +346,11 @@ class EagleProposer:
         want = self.topk if self.static_children is None else self.max_rank + 1
         top = torch.log_softmax(logits.float(), -1).topk(min(want, logits.shape[-1]))
         return top.values.tolist(), top.indices.tolist()
+
+    def _levels(self, req: Request, k: int) -> int:
+        """Tree levels drafted for a request asking for k nodes: the depth-1 candidates always,
+        deeper levels up to k and to what the request may still generate (tree_depth_cap)."""
+        return max(1, min(self.depth, k, tree_depth_cap(req)))
 
     def _width(self, k: int) -> int:
         """Children per frontier node (and frontier size) for a tree of k nodes: eagle_topk, or as
