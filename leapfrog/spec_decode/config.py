@@ -8,8 +8,17 @@ from typing import Any
 
 from leapfrog.errors import ConfigError
 
-METHODS = ("draft_model", "ngram", "eagle", "eagle3")
-TREE_METHODS = ("eagle", "eagle3")
+METHODS = ("draft_model", "ngram", "eagle", "eagle3", "suffix")
+EAGLE_METHODS = ("eagle", "eagle3")
+TREE_METHODS = (*EAGLE_METHODS, "suffix")  # methods that propose trees (verify/tree.py)
+MODEL_FREE = ("ngram", "suffix")
+SUFFIX_KEYS = ("suffix_cache_max_depth", "suffix_cache_max_requests", "max_spec_factor", "max_spec_offset",
+               "min_token_prob")
+# vLLM's names for the suffix keys (accepted as aliases)
+VLLM_SUFFIX_ALIASES = {"suffix_decoding_max_tree_depth": "suffix_cache_max_depth",
+                       "suffix_decoding_max_cached_requests": "suffix_cache_max_requests",
+                       "suffix_decoding_max_spec_factor": "max_spec_factor",
+                       "suffix_decoding_min_token_prob": "min_token_prob"}
 MAX_DRAFT_TOKENS = 128
 MAX_SPECULATIVE_TOKENS = 32
 SELF_DRAFT = "self"  # draft_model's model: the target's own weights
@@ -19,10 +28,12 @@ SELF_DRAFT = "self"  # draft_model's model: the target's own weights
 class SpeculativeConfig:
     method: str
     """"draft_model" (a smaller model of the same tokenizer), "ngram" (prompt lookup), "eagle"
-    (an EAGLE-1 head) or "eagle3" (an EAGLE-3 head)."""
+    (an EAGLE-1 head), "eagle3" (an EAGLE-3 head) or "suffix" (SuffixDecoding: suffix trees over
+    the request's own tokens and over earlier requests' outputs)."""
     num_speculative_tokens: int
     """K: drafts per step (the adaptive controller's upper bound when adaptive is on); for
-    EAGLE, the depth of the draft tree (draft steps of the head)."""
+    EAGLE, the depth of the draft tree (draft steps of the head); for suffix, the most tree
+    nodes one step drafts."""
     model: str | None = None
     """Draft checkpoint (directory or hub id): the draft model, or the EAGLE head. draft_model
     also takes "self": the target's own weights (with draft_quantization: a quantized self-draft)."""
@@ -51,10 +62,30 @@ class SpeculativeConfig:
     child ranks, e.g. "[(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]" ((0, 1) = the second most likely
     child of the most likely first token); every path's parent must be in the list."""
 
+    suffix_cache_max_depth: int = 24
+    """suffix: the deepest path of the suffix trees (matched context + drafted continuation);
+    vLLM's suffix_decoding_max_tree_depth."""
+    suffix_cache_max_requests: int = 1000
+    """suffix: the global tree keeps the outputs of this many finished requests, the oldest
+    evicted first (0 = no global tree: only the request's own tokens); vLLM's
+    suffix_decoding_max_cached_requests."""
+    max_spec_factor: float = 1.0
+    """suffix: a match of m tokens drafts at most m * max_spec_factor + max_spec_offset nodes."""
+    max_spec_offset: float = 0.0
+    """suffix: see max_spec_factor."""
+    min_token_prob: float = 0.1
+    """suffix: a node is drafted only if its estimated path probability is at least this."""
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SpeculativeConfig:
         if not isinstance(d, dict):
             raise ConfigError(f"speculative_config must be a dict, got {type(d).__name__}")
+        d = dict(d)
+        for alias, name in VLLM_SUFFIX_ALIASES.items():
+            if alias in d:
+                if name in d:
+                    raise ConfigError(f"speculative_config: {alias!r} and {name!r} are the same setting; give one")
+                d[name] = d.pop(alias)
         known = {f.name for f in fields(cls)}
         unknown = sorted((k for k in d if k not in known), key=str)
         if unknown:
@@ -63,9 +94,12 @@ class SpeculativeConfig:
             raise ConfigError(f"speculative_config needs 'method', one of {list(METHODS)}")
         if "num_speculative_tokens" not in d:
             raise ConfigError("speculative_config needs 'num_speculative_tokens'")
-        if "eagle_topk" in d and d["method"] not in TREE_METHODS:
-            raise ConfigError(f"speculative_config: eagle_topk applies to tree methods {list(TREE_METHODS)} only, "
+        if "eagle_topk" in d and d["method"] not in EAGLE_METHODS:
+            raise ConfigError(f"speculative_config: eagle_topk applies to methods {list(EAGLE_METHODS)} only, "
                               f"not {d['method']!r}")
+        given = [k for k in SUFFIX_KEYS if k in d]
+        if given and d["method"] != "suffix":
+            raise ConfigError(f"speculative_config: {given[0]} applies to method 'suffix' only, not {d['method']!r}")
         return cls(**d)
 
     def __post_init__(self) -> None:
@@ -96,17 +130,24 @@ class SpeculativeConfig:
             raise ConfigError(f"speculative_config: prompt_lookup_min={self.prompt_lookup_min} > "
                               f"prompt_lookup_max={self.prompt_lookup_max}")
         _check(self, "eagle_topk", int, lo=1, hi=MAX_DRAFT_TOKENS)
-        if self.method in ("draft_model", *TREE_METHODS) and not self.model:
+        _check(self, "suffix_cache_max_depth", int, lo=2, hi=1024)
+        _check(self, "suffix_cache_max_requests", int, lo=0)
+        for name in ("max_spec_factor", "max_spec_offset", "min_token_prob"):
+            v = getattr(self, name)
+            lo, hi = (0.0, 1.0) if name == "min_token_prob" else (-1e6, 1e6)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+                raise ConfigError(f"speculative_config.{name}={v!r}: must be a number in [{lo:g}, {hi:g}]")
+        if self.method in ("draft_model", *EAGLE_METHODS) and not self.model:
             what = "the draft checkpoint" if self.method == "draft_model" else "the EAGLE head's checkpoint"
             raise ConfigError(f"speculative_config: method {self.method!r} needs 'model' ({what})")
         tree_keys = [k for k in ("num_draft_tokens", "speculative_token_tree") if getattr(self, k) is not None]
-        if tree_keys and self.method not in TREE_METHODS:
-            raise ConfigError(f"speculative_config: {tree_keys[0]} applies to tree methods {list(TREE_METHODS)} "
+        if tree_keys and self.method not in EAGLE_METHODS:
+            raise ConfigError(f"speculative_config: {tree_keys[0]} applies to methods {list(EAGLE_METHODS)} "
                               f"only, not {self.method!r}")
-        if self.method in TREE_METHODS:
+        if self.method in EAGLE_METHODS:
             self._check_tree()
-        if self.method == "ngram" and self.model:
-            raise ConfigError("speculative_config: method 'ngram' takes no 'model'")
+        if self.method in MODEL_FREE and self.model:
+            raise ConfigError(f"speculative_config: method {self.method!r} takes no 'model'")
 
 
     def _check_tree(self) -> None:
@@ -135,14 +176,14 @@ class SpeculativeConfig:
 
     @property
     def auto_tree(self) -> bool:
-        """Tree size chosen per step by goodput (num_draft_tokens "auto", or adaptive with a tree)."""
-        return self.tree and self.speculative_token_tree is None and (
+        """EAGLE tree size chosen per step by goodput (num_draft_tokens "auto", or adaptive with a tree)."""
+        return self.method in EAGLE_METHODS and self.speculative_token_tree is None and (
             self.num_draft_tokens == "auto" or self.adaptive)
 
     @property
     def draft_budget(self) -> int:
-        """The most tokens one step drafts per request: tree nodes for tree methods, else K."""
-        if not self.tree:
+        """The most tokens one step drafts per request: tree nodes for EAGLE, else K."""
+        if self.method not in EAGLE_METHODS:
             return self.num_speculative_tokens
         if self.speculative_token_tree is not None:
             return len(self.speculative_token_tree)

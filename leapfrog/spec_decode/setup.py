@@ -6,7 +6,7 @@ from typing import Any
 
 from leapfrog.spec_decode.adaptive import SpecController
 from leapfrog.spec_decode.config import SpeculativeConfig
-from leapfrog.spec_decode.proposers import draft_model, eagle, ngram  # noqa: F401  (register)
+from leapfrog.spec_decode.proposers import draft_model, eagle, ngram, suffix  # noqa: F401  (register)
 from leapfrog.spec_decode.proposers.base import PROPOSERS, TargetInfo
 
 

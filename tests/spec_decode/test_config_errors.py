@@ -77,7 +77,8 @@ def test_tree_config_errors(extra, pattern):
         SpeculativeConfig.from_dict(d)
 
 
-def test_tree_keys_refused_for_chain_methods():
+def test_eagle_tree_keys_refused_for_other_methods():
     for key, value in (("num_draft_tokens", 8), ("eagle_topk", 2), ("speculative_token_tree", "[(0,)]")):
-        with pytest.raises(ConfigError, match=f"{key} applies to tree methods"):
-            SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3, key: value})
+        for method in ("ngram", "suffix"):
+            with pytest.raises(ConfigError, match=f"{key} applies to methods \\['eagle', 'eagle3'\\] only"):
+                SpeculativeConfig.from_dict({"method": method, "num_speculative_tokens": 3, key: value})

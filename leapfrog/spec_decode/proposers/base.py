@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
+import numpy as np
 import torch
 
 from leapfrog.request import Request
@@ -77,3 +78,28 @@ class StatelessProposer:
 
     def finish(self, req: Request) -> None:
         pass
+
+
+class ContextBuffers:
+    """Each request's tokens (prompt + output) as a numpy array, grown in place: amortised
+    O(new tokens) per step (model-free proposers match against it)."""
+
+    def __init__(self) -> None:
+        self._buf: dict[str, tuple[np.ndarray, int]] = {}  # req id -> (buffer, filled)
+
+    def get(self, req: Request) -> np.ndarray:
+        n, P = req.num_tokens, len(req.prompt_ids)
+        buf, filled = self._buf.get(req.request_id, (None, 0))
+        if buf is None or len(buf) < n:
+            new = np.empty(max(2 * n, 64), dtype=np.int64)
+            new[:filled] = buf[:filled] if buf is not None else []
+            buf = new
+        if filled < P:
+            buf[filled:P] = req.prompt_ids[filled:]
+            filled = P
+        buf[filled:n] = req.output_ids[filled - P:]
+        self._buf[req.request_id] = (buf, n)
+        return buf[:n]
+
+    def drop(self, req: Request) -> None:
+        self._buf.pop(req.request_id, None)

@@ -15,7 +15,7 @@ import numpy as np
 from leapfrog.request import Request
 from leapfrog.spec_decode.config import SpeculativeConfig
 from leapfrog.spec_decode.draft import DraftBatch
-from leapfrog.spec_decode.proposers.base import StatelessProposer, TargetInfo, register_proposer
+from leapfrog.spec_decode.proposers.base import ContextBuffers, StatelessProposer, TargetInfo, register_proposer
 
 
 def ngram_propose(context: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
@@ -41,27 +41,12 @@ def ngram_propose(context: np.ndarray, min_n: int, max_n: int, k: int) -> np.nda
 class NgramProposer(StatelessProposer):
     def __init__(self, cfg: SpeculativeConfig, target: TargetInfo) -> None:
         self.min_n, self.max_n = cfg.prompt_lookup_min, cfg.prompt_lookup_max
-        self._buf: dict[str, tuple[np.ndarray, int]] = {}  # req id -> (buffer, filled)
-
-    def _context(self, req: Request) -> np.ndarray:
-        """The request's tokens as a numpy array, grown in place (amortised O(new tokens))."""
-        n, P = req.num_tokens, len(req.prompt_ids)
-        buf, filled = self._buf.get(req.request_id, (None, 0))
-        if buf is None or len(buf) < n:
-            new = np.empty(max(2 * n, 64), dtype=np.int64)
-            new[:filled] = buf[:filled] if buf is not None else []
-            buf = new
-        if filled < P:
-            buf[filled:P] = req.prompt_ids[filled:]
-            filled = P
-        buf[filled:n] = req.output_ids[filled - P:]
-        self._buf[req.request_id] = (buf, n)
-        return buf[:n]
+        self._ctx = ContextBuffers()
 
     def propose(self, reqs: list[Request], ks: list[int]) -> DraftBatch:
         return DraftBatch.from_lists(
-            [ngram_propose(self._context(r), self.min_n, self.max_n, k).tolist() if k else []
+            [ngram_propose(self._ctx.get(r), self.min_n, self.max_n, k).tolist() if k else []
              for r, k in zip(reqs, ks)])
 
     def finish(self, req: Request) -> None:
-        self._buf.pop(req.request_id, None)
+        self._ctx.drop(req)
