@@ -17,31 +17,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sysconfig
 from pathlib import Path
 
 import torch
 
+from leapfrog.bench.edits import heldout_documents  # noqa: F401  (the other benchmarks import it from here)
 from leapfrog.bench.runner import format_peers, format_table, run_bench
 from leapfrog.bench.workloads import WorkloadItem
 from leapfrog.demo import DEMO_DIR
 from leapfrog.model.loader import load_tokenizer
-from leapfrog.train.corpus import Document
 from leapfrog.train.distill import heldout_prompts
 from leapfrog.train.evaluate import bits_per_byte
-
-
-def heldout_documents(model_dir: Path) -> list[Document]:
-    record = json.loads((model_dir / "training_record.json").read_text())
-    root = Path(sysconfig.get_paths()["stdlib"])
-    docs = []
-    for name in record["split"]["heldout"]:
-        f = root / name
-        if f.is_file():
-            docs.append(Document(name, f.read_text(encoding="utf-8", errors="replace")))
-    if not docs:
-        raise SystemExit("none of the held-out files is in this Python's standard library")
-    return docs
 
 
 def main() -> None:

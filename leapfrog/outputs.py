@@ -73,6 +73,10 @@ class RequestMetrics:
     num_generated_tokens: int = 0
     num_target_forwards: int = 0          # target passes that produced tokens for this request
     spec: SpecMetrics = field(default_factory=SpecMetrics)
+    # predicted outputs (OpenAI's usage.completion_tokens_details), set when a request with a
+    # prediction finishes: prediction tokens that appeared in the output (in order), and the rest
+    accepted_prediction_tokens: int | None = None
+    rejected_prediction_tokens: int | None = None
 
     @property
     def time_to_first_token(self) -> float | None:

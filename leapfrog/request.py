@@ -37,6 +37,7 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_speculative_tokens: int | None = None  # per-request cap (None = engine's)
+    prediction_ids: list[int] | None = None    # predicted output (SamplingParams.prediction), tokenized
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.monotonic()))
     index: int = 0                         # completion index when n > 1
     seed_key: int | None = None            # seeded requests: key of the per-position noise

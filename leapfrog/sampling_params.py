@@ -59,6 +59,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None
     """Not supported yet: anything but None is refused (never silently ignored)."""
+    prediction: str | list[int] | None = None
+    """Predicted output (OpenAI's ``prediction``): text (or token ids) the output is expected to
+    mostly repeat, e.g. the file being edited. Drafts come from it, whatever the engine's
+    speculative_config (spec_decode/proposers/prediction.py); the output stays the target's."""
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -105,6 +109,11 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be true or false")
+        pred = self.prediction
+        if pred is not None and not isinstance(pred, str) and (
+                not isinstance(pred, (list, tuple))
+                or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in pred)):
+            raise bad("prediction", "must be a string or a list of token ids")
         if self.logprobs is not None and self.logprobs is not False:
             raise bad("logprobs", "log-probabilities are not supported yet")
 

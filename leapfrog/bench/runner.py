@@ -6,13 +6,26 @@ workload category by category in batches of ``batch_size``; each batch is run by
 in turn (A B A B ..., the order rotated by one each repeat), so slow drift of the machine hits all
 contenders alike. Speedups are per-repeat ratios of tokens/s against "none" of the same repeat:
 the median is reported with a 95% t-interval over the repeats (on log ratios, so it stays > 0).
+
+Predicted outputs: a contender ``{"prediction": "item"}`` passes each item's prediction
+(``WorkloadItem.prediction``: EditEval's input code, the rewrite workload's edited continuation);
+``{"prediction": "own", "changed_lines": n}`` passes the target's own greedy output for the item
+(one untimed run of "none" before the rounds) with an identifier renamed in n lines
+(``edits.edit_lines``): what
+the mechanism gives when the caller's expectation is right but for n lines. Other keys of such a
+contender are its speculative_config for requests without a prediction (none here). Their rows
+add the prediction usage (accepted / rejected prediction tokens) and the similarity of output and
+prediction (difflib ratio over tokens). Suffix decoding's global cache is emptied before every
+warm-up and repeat, so a repeat never drafts from the outputs of the same items in an earlier one.
 """
 
 from __future__ import annotations
 
 import csv
+import difflib
 import json
 import math
+import random
 import statistics
 import sys
 import time
@@ -61,8 +74,30 @@ class BenchResult:
 
 
 # ---------------------------------------------------------------------------------- helpers
+PREDICTION_KEYS = ("prediction", "changed_lines")
+PREDICTION_MODES = ("item", "own")
+
+
+def split_contender(spec: dict | None) -> tuple[dict | None, str | None, int]:
+    """A contender's (speculative_config, prediction mode or None, changed lines)."""
+    if spec is None or "prediction" not in spec:
+        return spec, None, 0
+    mode, changed = spec["prediction"], spec.get("changed_lines", 0)
+    if mode not in PREDICTION_MODES:
+        raise ConfigError(f"contender {spec}: 'prediction' must be one of {list(PREDICTION_MODES)}")
+    if isinstance(changed, bool) or not isinstance(changed, int) or changed < 0 or (changed and mode != "own"):
+        raise ConfigError(f"contender {spec}: 'changed_lines' is an integer >= 0, with prediction 'own' only")
+    rest = {k: v for k, v in spec.items() if k not in PREDICTION_KEYS}
+    return rest or None, mode, changed
+
+
 def contender_name(spec: dict | None, taken: set[str]) -> str:
-    if spec is None:
+    llm_spec, mode, changed = split_contender(spec)
+    if mode is not None:
+        base = f"prediction-{mode}" + (f"-c{changed}" if mode == "own" else "")
+        if llm_spec is not None:
+            base += "+" + contender_name(llm_spec, set())
+    elif spec is None:
         base = "none"
     else:
         base = f"{spec.get('method', '?')}-k{spec.get('num_speculative_tokens', '?')}"
@@ -159,7 +194,8 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
     llms = {}
     for name, spec in contenders.items():
         say(f"loading {name} ...")
-        llms[name] = LLM(model=str(model), tokenizer=tokenizer, dtype=dtype, seed=seed, speculative_config=spec,
+        llms[name] = LLM(model=str(model), tokenizer=tokenizer, dtype=dtype, seed=seed,
+                         speculative_config=split_contender(spec)[0],
                          max_num_seqs=max(batch_sizes), max_model_len=max_model_len)
     base = llms["none"]
     peers: dict[str, str] = {}     # transformers contender -> the leapfrog contender it mirrors
@@ -192,6 +228,7 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
         say(f"skipped {len(skipped)} items longer than max_model_len {limit_len} - max_tokens {max_tokens}")
     if not kept:
         raise ConfigError(f"no workload item fits max_model_len {limit_len} with max_tokens {max_tokens}")
+    predictions = _predictions(contenders, kept, base, max_tokens, seed, say)
     categories = sorted({it.category for it, _ in kept})
     by_cat = {c: [(i, ids) for i, (it, ids) in enumerate(kept) if it.category == c] for c in categories}
 
@@ -204,24 +241,35 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
     for temp in temperatures:
         sp = SamplingParams(temperature=float(temp), max_tokens=max_tokens, seed=None)
         for bs in batch_sizes:
+            def params(n: str, idxs: list[int]) -> SamplingParams | list[SamplingParams]:
+                pred = predictions.get(n)
+                if pred is None:
+                    return sp
+                return [SamplingParams(temperature=float(temp), max_tokens=max_tokens, prediction=pred[i])
+                        for i in idxs]
+
             for _ in range(warmup):
                 first = [{"prompt_token_ids": ids} for _, ids in kept[:bs]]
                 for n in names:
-                    llms[n].generate(first, sp, use_tqdm=False)
+                    _clear_suffix_cache(llms[n])
+                    llms[n].generate(first, params(n, list(range(min(bs, len(kept))))), use_tqdm=False)
             # per repeat, contender, category: tokens and seconds; per item: outputs
             toks = {(r, n, c): 0 for r in range(repeats) for n in names for c in categories}
             secs = {(r, n, c): 0.0 for r in range(repeats) for n in names for c in categories}
             outs: dict[tuple[int, str], dict[int, Any]] = {(r, n): {} for r in range(repeats) for n in names}
             for r in range(repeats):
                 order = names[r % len(names):] + names[:r % len(names)]
+                for n in names:
+                    _clear_suffix_cache(llms[n])
                 for c in categories:
                     group = by_cat[c]
                     for j in range(0, len(group), bs):
                         chunk = group[j:j + bs]
                         prompts = [{"prompt_token_ids": ids} for _, ids in chunk]
                         for n in order:
+                            sps = params(n, [idx for idx, _ in chunk])
                             t0 = time.perf_counter()
-                            res = llms[n].generate(prompts, sp, use_tqdm=False)
+                            res = llms[n].generate(prompts, sps, use_tqdm=False)
                             dt = time.perf_counter() - t0
                             run_counts[n] += 1
                             secs[(r, n, c)] += dt
@@ -233,7 +281,8 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
                 for c in [*categories, ALL]:
                     cats = categories if c == ALL else [c]
                     idxs = [i for cc in cats for i, _ in by_cat[cc]]
-                    rows.append(_row(n, contenders[n], c, temp, bs, idxs, cats, repeats, toks, secs, outs))
+                    rows.append(_row(n, contenders[n], c, temp, bs, idxs, cats, repeats, toks, secs, outs,
+                                     predictions.get(n), tok))
             for hn, n in peers.items():
                 for c in [*categories, ALL]:
                     cats = categories if c == ALL else [c]
@@ -251,6 +300,41 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
     if out_dir is not None:
         write_outputs(result, Path(out_dir), plots=plots)
     return result
+
+
+def _clear_suffix_cache(llm) -> None:
+    clear = getattr(getattr(llm, "engine", None) and llm.engine.proposer, "clear_cache", None)
+    if clear is not None:
+        clear()
+
+
+def _predictions(contenders: dict[str, dict | None], kept, base, max_tokens: int, seed: int,
+                 say: Callable[[str], None]) -> dict[str, list[str | list[int]]]:
+    """contender -> the prediction (text or token ids) of every kept item (module docstring)."""
+    from leapfrog import SamplingParams
+
+    from leapfrog.bench.edits import edit_lines
+    out: dict[str, list[str | list[int]]] = {}
+    own: list[tuple[str, list[int]]] | None = None
+    for name, spec in contenders.items():
+        _, mode, changed = split_contender(spec)
+        if mode == "item":
+            if any(it.prediction is None for it, _ in kept):
+                raise ConfigError(f"contender {name}: the workload has items without a prediction (EditEval and "
+                                  "the built-in rewrite workload have them)")
+            out[name] = [it.prediction for it, _ in kept]
+        elif mode == "own":
+            if own is None:
+                say("the target's own outputs for the 'own' predictions (untimed) ...")
+                res = base.generate([{"prompt_token_ids": ids} for _, ids in kept],
+                                    SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+                own = [(o.outputs[0].text, list(o.outputs[0].token_ids)) for o in res]
+            rng = random.Random(seed)
+            # unedited: the very token ids (decoding and encoding again need not give them back)
+            out[name] = [ids if not changed else
+                         "".join(edit_lines(text.splitlines(keepends=True), changed, rng, ops=("rename",)))
+                         for text, ids in own]
+    return out
 
 
 def _rates(name, ref, cats, repeats, toks, secs) -> tuple[list[float | None], list[float | None]]:
@@ -278,7 +362,23 @@ def _peer_row(a, b, cat, temp, bs, cats, repeats, toks, secs) -> dict[str, Any]:
             "ratio_repeats": ratios}
 
 
-def _row(name, spec, cat, temp, bs, idxs, cats, repeats, toks, secs, outs) -> dict[str, Any]:
+def _prediction_stats(outs, idxs, repeats, name, preds: list[str], tok) -> dict[str, Any]:
+    """Prediction usage and output/prediction similarity (difflib ratio over token ids)."""
+    acc = rej = 0
+    sims = []
+    for r in range(repeats):
+        for i in idxs:
+            o = outs[(r, name)][i]
+            acc += o.metrics.accepted_prediction_tokens or 0
+            rej += o.metrics.rejected_prediction_tokens or 0
+            if r == 0:
+                pred = preds[i] if isinstance(preds[i], list) else tok.encode(preds[i], add_special_tokens=False)
+                sims.append(difflib.SequenceMatcher(None, o.outputs[0].token_ids, pred, autojunk=False).ratio())
+    return {"accepted_prediction_tokens": acc, "rejected_prediction_tokens": rej,
+            "prediction_similarity": statistics.fmean(sims) if sims else None}
+
+
+def _row(name, spec, cat, temp, bs, idxs, cats, repeats, toks, secs, outs, preds=None, tok=None) -> dict[str, Any]:
     tps, ratios = _rates(name, "none", cats, repeats, toks, secs)
     ratios_ok = [x for x in ratios if x is not None]
     lo, hi = t_interval(ratios_ok)
@@ -313,6 +413,7 @@ def _row(name, spec, cat, temp, bs, idxs, cats, repeats, toks, secs, outs) -> di
         "latency_p99_s": float(np.percentile(lat, 99)) if lat else None,
         "equal_rate": same / total if total else None,
         "speculative_config": spec,
+        **(_prediction_stats(outs, idxs, repeats, name, preds, tok) if preds is not None else {}),
     }
 
 
@@ -354,6 +455,14 @@ def format_table(result: BenchResult) -> str:
                  f"{_fmt(r['acceptance_rate']):>6} {_fmt(r['mean_acceptance_length']):>8} "
                  f"{ms(r['ttft_mean_s']):>8} {ms(r['latency_p50_s']):>8} {ms(r['latency_p99_s']):>8} "
                  f"{_fmt(r['equal_rate']):>5}")
+    pred = [r for r in result.rows if "prediction_similarity" in r]
+    if pred:
+        L += ["", f"{'predicted outputs':<22} {'category':<14} {'temp':>4} {'bs':>3} {'accepted':>9} {'rejected':>9} "
+              f"{'similarity':>10}"]
+        for r in pred:
+            L.append(f"{r['contender'][:22]:<22} {r['category'][:14]:<14} {r['temperature']:>4g} {r['batch_size']:>3} "
+                     f"{r['accepted_prediction_tokens']:>9} {r['rejected_prediction_tokens']:>9} "
+                     f"{_fmt(r['prediction_similarity']):>10}")
     return "\n".join(L)
 
 

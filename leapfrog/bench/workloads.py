@@ -9,7 +9,8 @@ Formats (detected from the file name, then from the fields of the first record):
   plain-text completion prompt.
 - GSM8K ``test.jsonl``: ``{"question", "answer"}``, category "math", the question as a user message.
 - EditEval ``edit_eval.jsonl``: ``{"task_id", "instruction", "context"?, "input", "output"}``, category "edit",
-  a user message with the instruction (+ context) and the code to edit.
+  a user message with the instruction (+ context) and the code to edit; the code to edit is also the
+  item's prediction (for predicted-outputs contenders).
 - Your own JSONL: ``{"prompt": str}`` (plain text) or ``{"messages": [{"role", "content"}, ...]}`` (chat),
   optional ``category`` (default "default") and ``id``.
 """
@@ -31,6 +32,7 @@ class WorkloadItem:
     prompt: str | None          # plain text (completion style)
     messages: list[dict] | None  # chat messages (rendered with the tokenizer's chat template)
     id: str
+    prediction: str | None = None  # the expected output (predicted-outputs contenders; EditEval: the input code)
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -104,7 +106,7 @@ def _editeval(rows, path: Path) -> list[WorkloadItem]:
         if d.get("context"):
             text += "\n\n" + str(d["context"]).strip()
         text += "\n\n```python\n" + d["input"] + "\n```\n\nRewrite the whole code with the change applied."
-        out.append(WorkloadItem("edit", None, _user(text), str(d.get("task_id", i))))
+        out.append(WorkloadItem("edit", None, _user(text), str(d.get("task_id", i)), prediction=d["input"]))
     return out
 
 

@@ -32,7 +32,9 @@ from leapfrog.request import Request
 from leapfrog.sampling import sampler
 from leapfrog.sampling_params import SamplingParams
 from leapfrog.scheduler.scheduler import Scheduler
+from leapfrog.spec_decode.adaptive import cap_drafts
 from leapfrog.spec_decode.draft import DraftBatch, depths, path_to
+from leapfrog.spec_decode.proposers.prediction import MAX_DRAFT as MAX_PREDICTION_DRAFT, PredictionProposer
 from leapfrog.spec_decode.verify.greedy import greedy_accept
 from leapfrog.spec_decode.verify.rejection import rejection_accept
 from leapfrog.spec_decode.verify.result import AcceptanceResult
@@ -75,6 +77,8 @@ class LLMEngine:
         self._seed_rng = random.Random(config.seed)
         self.spec_metrics = SpecMetrics()
         self.proposer: Any = None
+        #: drafts for requests that carry a prediction (SamplingParams.prediction), whatever the config
+        self.predictor = PredictionProposer()
         #: test-only fault injection: called with the requests of every sampling call; raising
         #: there simulates a failure in one request's sampling (tests/engine/test_isolation.py)
         self.fault_injector: Callable[[list[Request]], None] | None = None
@@ -131,6 +135,7 @@ class LLMEngine:
             raise RequestError(f"prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len} "
                                "(the prompt plus at least one new token must fit)")
         room = self.max_model_len - len(prompt_ids)
+        prediction_ids = self._prediction_ids(params, room)
         if params.max_tokens is not None:
             self.kv.check_fits(len(prompt_ids) + params.max_tokens)
         if num_speculative_tokens is not None and (isinstance(num_speculative_tokens, bool) or
@@ -146,13 +151,41 @@ class LLMEngine:
                                 params.include_stop_str_in_output)
         req = Request(request_id, prompt, prompt_ids, params, gen, detok, self.eos_ids,
                       max_tokens=min(params.max_tokens or room, room), index=index,
-                      num_speculative_tokens=num_speculative_tokens, seed_key=key)
+                      num_speculative_tokens=num_speculative_tokens, seed_key=key, prediction_ids=prediction_ids)
         req.metrics.num_prompt_tokens = len(prompt_ids)
         self.requests[request_id] = req
         self.scheduler.add(req)
-        if self.proposer is not None:
-            self.proposer.start(req)
+        proposer = self._proposer_of(req)
+        if proposer is not None:
+            proposer.start(req)
         return req
+
+    def _prediction_ids(self, params: SamplingParams, room: int) -> list[int] | None:
+        """The prediction's token ids, checked against the vocabulary and the context."""
+        pred = params.prediction
+        if pred is None:
+            return None
+        if isinstance(pred, str):
+            if self.tokenizer is None:
+                raise RequestError("a text prediction needs a tokenizer (skip_tokenizer_init=True was set); "
+                                   "pass its token ids")
+            try:
+                ids = list(self.tokenizer.encode(pred, add_special_tokens=False))
+            except Exception as e:  # noqa: BLE001 - the input's fault
+                raise RequestError(f"could not tokenize the prediction: {type(e).__name__}: {e}") from None
+        else:
+            ids = list(pred)
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"prediction token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if len(ids) > room:
+            raise RequestError(f"the prediction has {len(ids)} tokens but at most {room} new tokens fit after "
+                               f"the prompt (max_model_len {self.max_model_len})")
+        return ids
+
+    def _proposer_of(self, req: Request) -> Any:
+        """Who drafts for this request: its prediction if it has one, else the configured proposer."""
+        return self.predictor if req.prediction_ids is not None else self.proposer
 
     def _check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: ids against this model's vocabulary, stop
@@ -211,7 +244,7 @@ class LLMEngine:
                 return []
             log.warning("engine %s failed for a batch of %d; retrying each request alone (%s: %s)",
                         phase.__name__.strip("_"), len(work), type(exc).__name__, exc)
-        if phase == self._decode and self.proposer is not None:
+        if phase == self._decode:
             for req in work:  # the failed batch may have left draft state half-advanced
                 self._reset_proposer(req)
         updated: list[Request] = []
@@ -227,13 +260,16 @@ class LLMEngine:
     def _reset_proposer(self, req: Request) -> None:
         """Forget a request's draft state the failed step may have half-advanced; the proposer
         rebuilds it (from the tokens, or what it keeps of the committed target states: EAGLE)."""
+        proposer = self._proposer_of(req)
+        if proposer is None:
+            return
         try:
-            reset = getattr(self.proposer, "reset", None)
+            reset = getattr(proposer, "reset", None)
             if reset is not None:
                 reset(req)
             else:
-                self.proposer.finish(req)
-                self.proposer.start(req)
+                proposer.finish(req)
+                proposer.start(req)
         except Exception as exc:  # noqa: BLE001
             self._fail(req, exc)
 
@@ -269,13 +305,18 @@ class LLMEngine:
         return done
 
     def _decode(self, reqs: list[Request]) -> list[Request]:
-        # compute: propose, verify forward, accept
-        drafts = DraftBatch.empty(len(reqs))
+        # compute: propose (each request's proposer), verify forward, accept
+        groups = self._groups(reqs)
+        parts = []
         t0 = time.perf_counter()
-        if self.proposer is not None:
-            ks = self.spec_controller.choose(reqs)
-            if any(ks):
-                drafts = self.proposer.propose(reqs, ks)
+        for proposer, idx in groups:
+            sub = [reqs[i] for i in idx]
+            if proposer is self.predictor:
+                ks = [cap_drafts(r, MAX_PREDICTION_DRAFT, self.max_model_len) for r in sub]
+            else:
+                ks = self.spec_controller.choose(sub)
+            parts.append((idx, proposer.propose(sub, ks) if any(ks) else DraftBatch.empty(len(sub))))
+        drafts = DraftBatch.merge(parts, len(reqs)) if parts else DraftBatch.empty(len(reqs))
         t_draft = time.perf_counter() - t0
         draft_lists = drafts.lists()
         tree = drafts.is_tree
@@ -299,21 +340,32 @@ class LLMEngine:
             levels = max(depths(parent_lists[b]), default=0) if tree else n_draft
             req.metrics.spec.record(n_draft, n_acc, levels)
             self.spec_metrics.record(n_draft, n_acc, levels)
-        if self.proposer is not None:
+        for (proposer, idx), (_, part) in zip(groups, parts):
+            sub, sub_result = [reqs[i] for i in idx], result.select(idx)
             try:
-                self.proposer.on_verified(reqs, drafts, result)
+                proposer.on_verified(sub, part, sub_result)
             except Exception:  # noqa: BLE001 - the proposer restarts these requests from scratch
-                log.exception("proposer feedback failed; resetting its state for %d requests", len(reqs))
-                for req in reqs:
+                log.exception("proposer feedback failed; resetting its state for %d requests", len(sub))
+                for req in sub:
                     self._reset_proposer(req)
-            try:
-                self.spec_controller.observe(reqs, drafts, result, t_draft, t_verify)
-            except Exception:  # noqa: BLE001 - only the choice of K suffers
-                log.exception("speculation controller update failed")
+            if proposer is self.proposer:
+                try:
+                    self.spec_controller.observe(sub, part, sub_result, t_draft, t_verify)
+                except Exception:  # noqa: BLE001 - only the choice of K suffers
+                    log.exception("speculation controller update failed")
         for req, ids in zip(reqs, result.output_ids):
             if req.request_id in self.requests:
                 self._guarded(req, self._append, req, ids)
         return reqs
+
+    def _groups(self, reqs: list[Request]) -> list[tuple[Any, list[int]]]:
+        """(proposer, indices into reqs) for each proposer that drafts for some of reqs."""
+        by: dict[int, tuple[Any, list[int]]] = {}
+        for i, r in enumerate(reqs):
+            p = self._proposer_of(r)
+            if p is not None:
+                by.setdefault(id(p), (p, []))[1].append(i)
+        return list(by.values())
 
     def _guarded(self, req: Request, fn, *args) -> None:
         """Per-request bookkeeping after the batch's compute: a failure ends this request only."""
@@ -408,7 +460,7 @@ class LLMEngine:
         if tree_path:
             self.runner.kv.move_cols(req.row, [c + 1 + j for j in tree_path],
                                      list(range(c + 1, c + 1 + len(tree_path))))
-        if states is not None:
+        if states is not None and req.prediction_ids is None:
             self.proposer.on_target_states(req, c, states)
         req.num_computed = length
         self.kv.set_length(req.row, length)
@@ -435,9 +487,10 @@ class LLMEngine:
 
     def _finish(self, req: Request) -> RequestOutput:
         req.metrics.finished_time = time.monotonic()
-        if self.proposer is not None:
+        proposer = self._proposer_of(req)
+        if proposer is not None:
             try:
-                self.proposer.finish(req)
+                proposer.finish(req)
             except Exception:  # noqa: BLE001 - the request ends anyway; its row is freed below
                 log.exception("proposer.finish failed for request %s", req.request_id)
         self.scheduler.finish(req)

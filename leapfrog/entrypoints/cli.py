@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 from leapfrog.errors import LeapfrogError
 
@@ -204,7 +205,9 @@ def _bench_parser(sub) -> None:
                         '"none" (no speculation) is always a contender')
     p.add_argument("--workload", action="extend", nargs="+", default=None,
                    help="JSONL workload (repeatable): Spec-Bench/MT-bench/EAGLE question.jsonl, HumanEval, GSM8K, "
-                        "EditEval, or your own with 'prompt' or 'messages' (+ optional 'category')")
+                        "EditEval, or your own with 'prompt' or 'messages' (+ optional 'category'); or a built-in "
+                        "one made from the built-in model's held-out files: 'rewrite' (with predictions) or "
+                        "'variations' (functions repeated with renamed arguments)")
     p.add_argument("--limit", type=int, default=None, help="at most N items per category of each workload")
     p.add_argument("--temperature", type=float, nargs="+", default=[0.0])
     p.add_argument("--max-tokens", type=int, default=64)
@@ -234,9 +237,14 @@ def cmd_bench(args) -> int:
         specs.append(spec)
     if args.limit is not None and args.limit < 1:
         raise LeapfrogError("--limit must be >= 1")
+    from leapfrog.bench.edits import BUILTIN, builtin_workload
+    from leapfrog.demo import DEMO_DIR
     items = []
     for path in args.workload or []:
-        items += load_workload(path, args.limit)
+        if path in BUILTIN and not Path(path).exists():
+            items += builtin_workload(path, DEMO_DIR, args.limit, args.seed)
+        else:
+            items += load_workload(path, args.limit)
     model = args.model
     if model is None:
         from leapfrog.demo import default_model

@@ -86,14 +86,7 @@ class SpecController:
         self.calibration = 1.0                   # auto tree size: measured accepted / predicted
 
     def cap(self, req: Request, k: int) -> int:
-        """No drafts past max_tokens or past the cache row's end. For trees k counts nodes: they
-        need room in the row (one column each), while their depth is capped by the proposer
-        (tree_depth_cap)."""
-        if req.num_speculative_tokens is not None:
-            k = min(k, req.num_speculative_tokens)
-        left = req.max_tokens - len(req.output_ids) - 1
-        room = self.max_model_len - req.num_computed - 1
-        return max(0, min(k, room) if self.cfg.tree and left > 0 else min(k, left, room))
+        return cap_drafts(req, k, self.max_model_len, self.cfg.tree)
 
     def choose(self, reqs: list[Request]) -> list[int]:
         B = len(reqs)
@@ -233,6 +226,17 @@ class SpecController:
             self.draft_cost[bucket] = per if old is None or seen < 2 else (1 - _EMA) * old + _EMA * per
             rate = sum(result.num_accepted) / n_draft
             self.alpha = (1 - _EMA) * self.alpha + _EMA * rate
+
+
+def cap_drafts(req: Request, k: int, max_model_len: int, tree: bool = False) -> int:
+    """No drafts past max_tokens or past the cache row's end, none beyond the request's own
+    num_speculative_tokens. For trees k counts nodes: they need room in the row (one column
+    each), while their depth is capped by the proposer (tree_depth_cap)."""
+    if req.num_speculative_tokens is not None:
+        k = min(k, req.num_speculative_tokens)
+    left = req.max_tokens - len(req.output_ids) - 1
+    room = max_model_len - req.num_computed - 1
+    return max(0, min(k, room) if tree and left > 0 else min(k, left, room))
 
 
 def tree_depth_cap(req: Request) -> int:

@@ -44,6 +44,42 @@ class DraftBatch:
         flat = [t for d in drafts for t in d]
         return cls(torch.tensor(flat, dtype=torch.long), [len(d) for d in drafts], draft_probs)
 
+    @classmethod
+    def merge(cls, parts: list[tuple[list[int], "DraftBatch"]], batch_size: int) -> "DraftBatch":
+        """One batch from the drafts of several proposers: ``parts`` are (request indices in the
+        merged batch, their DraftBatch); requests in no part get no drafts. Parents are filled
+        in (chains) when any part has a tree; q is one-hot for point-mass parts when any part
+        has q (a point-mass draft is q = one-hot: the verifiers treat both alike)."""
+        if len(parts) == 1 and parts[0][0] == list(range(batch_size)):
+            return parts[0][1]
+        owner: dict[int, tuple[DraftBatch, int]] = {}
+        for idx, part in parts:
+            for j, b in enumerate(idx):
+                owner[b] = (part, j)
+        q_any = next((p.draft_probs for _, p in parts if p.draft_probs is not None), None)
+        V = None if q_any is None else q_any.shape[1]
+        trees = any(p.parents is not None for _, p in parts)
+        ids, nums, qs, pars = [], [], [], []
+        for b in range(batch_size):
+            if b not in owner:
+                nums.append(0)
+                continue
+            part, j = owner[b]
+            o = part.offsets()
+            tok = part.token_ids[o[j]:o[j + 1]]
+            ids.append(tok)
+            nums.append(len(tok))
+            if V is not None:
+                qs.append(part.draft_probs[o[j]:o[j + 1]] if part.draft_probs is not None
+                          else torch.nn.functional.one_hot(tok, V).to(q_any))
+            if trees:
+                pars.append(part.parents[o[j]:o[j + 1]] if part.parents is not None
+                            else torch.arange(-1, len(tok) - 1))
+        empty = torch.empty(0, dtype=torch.long)
+        return cls(torch.cat(ids) if ids else empty, nums,
+                   torch.cat(qs) if V is not None and qs else None,
+                   torch.cat(pars) if trees and pars else None)
+
     def offsets(self) -> list[int]:
         """Start of each request's drafts in the flat arrays ([B + 1])."""
         out = [0]

@@ -126,3 +126,32 @@ def test_unknown_backend_is_an_error(llama_dir):
     from leapfrog.errors import ConfigError
     with pytest.raises(ConfigError, match="unknown backend"):
         run_bench(str(llama_dir), [NG2], ITEMS[:1], backends=["vllm"], out_dir=None, progress=False)
+
+
+def test_prediction_and_suffix_contenders(llama_dir, tmp_path):
+    """Predicted-output contenders (the item's prediction; the target's own output with a renamed
+    identifier) and suffix decoding side by side: outputs equal none's, prediction usage and
+    similarity reported, an exact prediction accepted in full."""
+    from leapfrog.bench.runner import split_contender
+    items = [WorkloadItem("edit", p, None, f"e{i}", prediction=p) for i, p in enumerate(
+        ["def add(a, b):\n    return a + b\n", "for i in range(3):\n    print(i)\n"])]
+    specs = [{"prediction": "item"}, {"prediction": "own", "changed_lines": 0},
+             {"prediction": "own", "changed_lines": 1}, {"method": "suffix", "num_speculative_tokens": 8}]
+    res = run_bench(str(llama_dir), specs, items, max_tokens=16, repeats=1, warmup=0, out_dir=tmp_path,
+                    dtype="float32", progress=False, plots=False)
+    assert list(res.contenders) == ["none", "prediction-item", "prediction-own-c0", "prediction-own-c1",
+                                    "suffix-k8"]
+    for name in res.contenders:
+        assert res.row(name)["equal_rate"] == 1.0
+    exact = res.row("prediction-own-c0")
+    assert exact["prediction_similarity"] == 1.0 and exact["rejected_prediction_tokens"] == 0
+    assert exact["accepted_prediction_tokens"] > 0 and exact["acceptance_rate"] == 1.0
+    assert 0 <= res.row("prediction-item")["prediction_similarity"] <= 1
+    assert "predicted outputs" in format_table(res)
+    assert split_contender({"prediction": "item", "method": "ngram", "num_speculative_tokens": 2}) == (
+        {"method": "ngram", "num_speculative_tokens": 2}, "item", 0)
+    with pytest.raises(Exception, match="changed_lines"):
+        split_contender({"prediction": "item", "changed_lines": 2})
+    with pytest.raises(Exception, match="without a prediction"):
+        run_bench(str(llama_dir), [{"prediction": "item"}], ITEMS[:1], max_tokens=4, repeats=1, warmup=0,
+                  out_dir=None, dtype="float32", progress=False)

@@ -113,3 +113,7 @@ class SuffixProposer(StatelessProposer):
 
     def stats(self) -> dict[str, int]:
         return self.cache.stats()
+
+    def clear_cache(self) -> None:
+        """Forget every earlier output (benchmarks: no repeat drafts from an earlier repeat's outputs)."""
+        self.cache = SuffixCache(self.cfg.suffix_cache_max_depth, self.cfg.suffix_cache_max_requests)

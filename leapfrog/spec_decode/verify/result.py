@@ -22,6 +22,12 @@ class AcceptanceResult:
             return self.accepted_nodes[b]
         return list(range(self.num_accepted[b]))
 
+    def select(self, idx: list[int]) -> "AcceptanceResult":
+        """The results of requests ``idx`` (in that order)."""
+        return AcceptanceResult([self.num_accepted[b] for b in idx], [self.output_ids[b] for b in idx],
+                                [self.num_draft[b] for b in idx],
+                                [self.accepted_nodes[b] for b in idx] if self.accepted_nodes else [])
+
     def padded(self, width: int) -> list[list[int]]:
         """[B, width] rows padded with PLACEHOLDER (-1), as vLLM's output_token_ids."""
         return [ids + [PLACEHOLDER] * (width - len(ids)) for ids in self.output_ids]
