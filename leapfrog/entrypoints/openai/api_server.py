@@ -154,8 +154,9 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
     @app.get("/metrics")
     async def prometheus():
         kv = engine.kv
+        stats = getattr(engine.proposer, "stats", None)
         metrics.set_engine_state(len(engine.scheduler.running), async_engine.num_waiting,
-                                 kv.used_tokens() / kv.token_budget)
+                                 kv.used_tokens() / kv.token_budget, stats() if stats is not None else None)
         return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     def head(prefix: str, obj: str) -> dict:

@@ -31,6 +31,9 @@ class ServerMetrics:
         self.running = Gauge("leapfrog:num_requests_running", "Requests in the running batch", lbl, registry=r)
         self.waiting = Gauge("leapfrog:num_requests_waiting", "Requests waiting for a KV row", lbl, registry=r)
         self.kv_usage = Gauge("leapfrog:kv_cache_usage_perc", "Fraction of the KV token budget in use", lbl, registry=r)
+        self.suffix_cache = Gauge("leapfrog:suffix_cache", "Suffix decoding's global tree: finished requests held, "
+                                  "their tokens, tree nodes, estimated bytes, evictions so far", lbl + ["quantity"],
+                                  registry=r)
         self.model_name = model_name
 
     def request_finished(self, out: RequestOutput) -> None:
@@ -55,7 +58,10 @@ class ServerMetrics:
         for _ in range(num_tokens):
             self.itl.labels(self.model_name).observe(seconds / num_tokens)
 
-    def set_engine_state(self, running: int, waiting: int, kv_usage: float) -> None:
+    def set_engine_state(self, running: int, waiting: int, kv_usage: float,
+                         suffix_cache: dict[str, int] | None = None) -> None:
         self.running.labels(self.model_name).set(running)
         self.waiting.labels(self.model_name).set(waiting)
         self.kv_usage.labels(self.model_name).set(kv_usage)
+        for quantity, v in (suffix_cache or {}).items():
+            self.suffix_cache.labels(self.model_name, quantity).set(v)

@@ -24,6 +24,23 @@ class SpeculativeOptions(BaseModel):
     num_speculative_tokens: int = Field(ge=0, description="0 turns speculation off for this request")
 
 
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(BaseModel):
+    """OpenAI's predicted output: ``{"type": "content", "content": str | [text parts]}``."""
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
 class _Sampling(_Base):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     model: str | None = None
@@ -48,6 +65,7 @@ class _Sampling(_Base):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     speculative: SpeculativeOptions | None = None
+    prediction: Prediction | None = None
 
 
 class CompletionRequest(_Sampling):

@@ -77,7 +77,8 @@ class OpenAIServing:
             n=req.n, max_tokens=max_tokens, stop=req.stop, seed=req.seed, presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
             stop_token_ids=req.stop_token_ids, skip_special_tokens=req.skip_special_tokens,
-            include_stop_str_in_output=req.include_stop_str_in_output)
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            prediction=None if req.prediction is None else req.prediction.text)
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             v = getattr(req, name)
             if v is not None:
@@ -142,7 +143,7 @@ class OpenAIServing:
             async for out in self.engine.generate(rid, prompt.text, prompt.ids, sp, k, reservation):
                 yield out
         except RequestError as e:
-            raise APIError(400, str(e), param="prompt") from None
+            raise APIError(400, str(e), param="prediction" if "prediction" in str(e) else "prompt") from None
         except EngineStopped as e:
             raise APIError(503, str(e), type_="server_unavailable", code="shutting_down") from None
 
@@ -273,7 +274,7 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "function_call": _unused("none"), "guided_json": _unused(), "guided_regex": _unused(),
     "guided_choice": _unused(), "guided_grammar": _unused(), "structured_outputs": _unused(),
     "bad_words": _unused([]), "allowed_token_ids": _unused(), "truncate_prompt_tokens": _unused(),
-    "logits_processors": _unused([]), "use_beam_search": _unused(False), "prediction": _unused(),
+    "logits_processors": _unused([]), "use_beam_search": _unused(False),
     "audio": _unused(), "modalities": _unused(["text"]), "echo": _unused(False), "add_special_tokens": _unused(),
     "return_token_ids": _unused(False), "continue_final_message": _unused(False), "chat_template": _unused(),
     "chat_template_kwargs": _unused({}), "documents": _unused(),
@@ -288,15 +289,24 @@ def _fields(sp: SamplingParams) -> dict:
 
 def usage(outs: list[RequestOutput], n: int = 1) -> dict:
     """OpenAI usage plus a ``speculative`` block for this request (all its choices). ``outs`` are
-    in job order (prompt-major, n choices each), so each prompt's tokens count once."""
+    in job order (prompt-major, n choices each), so each prompt's tokens count once. With a
+    prediction, ``completion_tokens_details`` has OpenAI's accepted / rejected_prediction_tokens
+    (prediction tokens that appeared in the completion / the rest, summed over the choices)."""
     spec = SpecMetrics()
     for o in outs:
         if o.metrics is not None:
             spec.merge(o.metrics.spec)
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outs[::n])
     completion = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion, "speculative": spec.to_dict()}
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+           "total_tokens": prompt_tokens + completion, "speculative": spec.to_dict()}
+    acc = [o.metrics.accepted_prediction_tokens for o in outs if o.metrics is not None]
+    if any(a is not None for a in acc):
+        out["completion_tokens_details"] = {
+            "accepted_prediction_tokens": sum(a or 0 for a in acc),
+            "rejected_prediction_tokens": sum(o.metrics.rejected_prediction_tokens or 0 for o in outs
+                                              if o.metrics is not None)}
+    return out
 
 
 def sse(data: dict | str) -> str:
