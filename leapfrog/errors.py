@@ -14,7 +14,12 @@ class ConfigError(LeapfrogError, ValueError):
 
 
 class RequestError(LeapfrogError, ValueError):
-    """A request cannot be served as given (too long, bad prompt, ...)."""
+    """A request cannot be served as given (too long, bad prompt, ...). ``param``: the request
+    field at fault when it is not the prompt (the server's 400 names it)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class EngineError(LeapfrogError, RuntimeError):

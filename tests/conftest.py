@@ -58,6 +58,16 @@ def draft_dir(tmp_path_factory, tokenizer):
                              num_key_value_heads=1, max_position_embeddings=512, initializer_range=0.2)
 
 
+def greedy_baseline(model_dir, tokenizer, n: int, max_tokens: int):
+    """(LLM without speculation, n prompts, their greedy outputs, fp32, ignoring EOS): the
+    reference the lossless tests compare speculation with."""
+    from leapfrog import LLM, SamplingParams
+    llm = LLM(model=str(model_dir), dtype="float32", max_model_len=256, max_num_seqs=8)
+    prompts = prompts_of(tokenizer, n)
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return llm, prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+
+
 def prompts_of(tokenizer, n: int = 4) -> list[list[int]]:
     texts = ["def foo(x):\n    return", "import os", "class A:\n    def __init__(self):\n        self.x = 1\n",
              "for i in range(10):", "# comment", "x = [1, 2, 3]\ny = x[::-1]\nprint(y)", "while True:", "a"]

@@ -303,9 +303,10 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
 
 
 def _clear_suffix_cache(llm) -> None:
-    clear = getattr(getattr(llm, "engine", None) and llm.engine.proposer, "clear_cache", None)
-    if clear is not None:
-        clear()
+    """Empty a suffix proposer's global cache (LLMs of other methods and transformers: nothing)."""
+    proposer = getattr(getattr(llm, "engine", None), "proposer", None)
+    if hasattr(proposer, "clear_cache"):
+        proposer.clear_cache()
 
 
 def _predictions(contenders: dict[str, dict | None], kept, base, max_tokens: int, seed: int,

@@ -121,16 +121,11 @@ class LLMEngine:
                                    "pass prompt_token_ids")
             if not isinstance(prompt, str):
                 raise RequestError(f"a prompt must be a string, got {type(prompt).__name__}")
-            try:
-                prompt_ids = self.tokenizer.encode(prompt)
-            except Exception as e:  # noqa: BLE001 - e.g. a lone UTF-16 surrogate: the input's fault
-                raise RequestError(f"could not tokenize the prompt: {type(e).__name__}: {e}") from None
+            prompt_ids = self._encode(prompt, "prompt")
         prompt_ids = list(prompt_ids)
         if not prompt_ids:
             raise RequestError("the prompt is empty")
-        bad = [t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise RequestError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
+        self._check_vocab(prompt_ids, "prompt")
         if len(prompt_ids) >= self.max_model_len:
             raise RequestError(f"prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len} "
                                "(the prompt plus at least one new token must fit)")
@@ -168,20 +163,30 @@ class LLMEngine:
         if isinstance(pred, str):
             if self.tokenizer is None:
                 raise RequestError("a text prediction needs a tokenizer (skip_tokenizer_init=True was set); "
-                                   "pass its token ids")
-            try:
-                ids = list(self.tokenizer.encode(pred, add_special_tokens=False))
-            except Exception as e:  # noqa: BLE001 - the input's fault
-                raise RequestError(f"could not tokenize the prediction: {type(e).__name__}: {e}") from None
+                                   "pass its token ids", param="prediction")
+            ids = self._encode(pred, "prediction", add_special_tokens=False)
         else:
             ids = list(pred)
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise RequestError(f"prediction token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        self._check_vocab(ids, "prediction")
         if len(ids) > room:
             raise RequestError(f"the prediction has {len(ids)} tokens but at most {room} new tokens fit after "
-                               f"the prompt (max_model_len {self.max_model_len})")
+                               f"the prompt (max_model_len {self.max_model_len})", param="prediction")
         return ids
+
+    def _encode(self, text: str, what: str, **kw) -> list[int]:
+        """``text`` (the request's ``what``: "prompt" or "prediction") tokenized; a tokenizer
+        failure (e.g. a lone UTF-16 surrogate) is the input's fault: a RequestError."""
+        try:
+            return list(self.tokenizer.encode(text, **kw))
+        except Exception as e:  # noqa: BLE001 - the input's fault
+            raise RequestError(f"could not tokenize the {what}: {type(e).__name__}: {e}",
+                               param=None if what == "prompt" else what) from None
+
+    def _check_vocab(self, ids: list[int], what: str) -> None:
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"{what} token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})",
+                               param=None if what == "prompt" else what)
 
     def _proposer_of(self, req: Request) -> Any:
         """Who drafts for this request: its prediction if it has one, else the configured proposer."""
@@ -460,7 +465,7 @@ class LLMEngine:
         if tree_path:
             self.runner.kv.move_cols(req.row, [c + 1 + j for j in tree_path],
                                      list(range(c + 1, c + 1 + len(tree_path))))
-        if states is not None and req.prediction_ids is None:
+        if states is not None and self._proposer_of(req) is self.proposer:
             self.proposer.on_target_states(req, c, states)
         req.num_computed = length
         self.kv.set_length(req.row, length)

@@ -6,17 +6,14 @@ import pytest
 
 from leapfrog import LLM, SamplingParams
 from leapfrog.errors import ConfigError
-from tests.conftest import prompts_of
+from tests.conftest import greedy_baseline, prompts_of
 
 MAX = 40
 
 
 @pytest.fixture(scope="module")
 def baseline(llama_dir, tokenizer):
-    llm = LLM(model=str(llama_dir), dtype="float32", max_model_len=256, max_num_seqs=8)
-    prompts = prompts_of(tokenizer, 8)
-    sp = SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    _, prompts, outs = greedy_baseline(llama_dir, tokenizer, 8, MAX)
     return prompts, [o.outputs[0].token_ids for o in outs], [o.outputs[0].text for o in outs]
 
 

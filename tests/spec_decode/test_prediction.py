@@ -9,7 +9,7 @@ import pytest
 from leapfrog import LLM, SamplingParams
 from leapfrog.errors import ConfigError, RequestError
 from leapfrog.spec_decode.proposers.prediction import Alignment, find_rejoin
-from tests.conftest import prompts_of
+from tests.conftest import greedy_baseline
 from tests.spec_decode.test_sampling_lossless import PROMPT, assert_follows_target
 
 
@@ -95,12 +95,8 @@ MAX = 40
 
 @pytest.fixture(scope="module")
 def setup(llama_dir, tokenizer):
-    llm = LLM(model=str(llama_dir), dtype="float32", max_model_len=256, max_num_seqs=8)
-    prompts = prompts_of(tokenizer, 4)
-    sp = SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)
-    ref = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp,
-                                                          use_tqdm=False)]
-    return llm, prompts, ref
+    llm, prompts, outs = greedy_baseline(llama_dir, tokenizer, 4, MAX)
+    return llm, prompts, [o.outputs[0].token_ids for o in outs]
 
 
 def _edited(ids: list[int]) -> list[int]:

@@ -14,7 +14,7 @@ from leapfrog import LLM, SamplingParams
 from leapfrog.errors import ConfigError
 from leapfrog.spec_decode.proposers.suffix import SuffixCache
 from leapfrog.spec_decode.proposers.suffix_tree import SuffixTree, expand, local_root, spec_length
-from tests.conftest import prompts_of
+from tests.conftest import greedy_baseline
 from tests.spec_decode.test_sampling_lossless import SETTINGS, assert_follows_target
 
 
@@ -127,10 +127,7 @@ MAX = 48
 
 @pytest.fixture(scope="module")
 def baseline(llama_dir, tokenizer):
-    llm = LLM(model=str(llama_dir), dtype="float32", max_model_len=256, max_num_seqs=8)
-    prompts = prompts_of(tokenizer, 6)
-    sp = SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    _, prompts, outs = greedy_baseline(llama_dir, tokenizer, 6, MAX)
     return prompts, [o.outputs[0].token_ids for o in outs]
 
 

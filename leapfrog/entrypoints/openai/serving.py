@@ -143,7 +143,7 @@ class OpenAIServing:
             async for out in self.engine.generate(rid, prompt.text, prompt.ids, sp, k, reservation):
                 yield out
         except RequestError as e:
-            raise APIError(400, str(e), param="prediction" if "prediction" in str(e) else "prompt") from None
+            raise APIError(400, str(e), param=e.param or "prompt") from None
         except EngineStopped as e:
             raise APIError(503, str(e), type_="server_unavailable", code="shutting_down") from None
 

@@ -18,19 +18,28 @@ from leapfrog.spec_decode.draft import DraftBatch
 from leapfrog.spec_decode.proposers.base import ContextBuffers, StatelessProposer, TargetInfo, register_proposer
 
 
+def occurrences(hay: np.ndarray, pattern: np.ndarray) -> np.ndarray:
+    """Start indices i (ascending) with hay[i:i+len(pattern)] == pattern: candidates for the
+    first token, filtered by one vectorised comparison per further token."""
+    m = len(pattern)
+    if m == 0 or len(hay) < m:
+        return np.empty(0, dtype=np.int64)
+    starts = np.flatnonzero(hay[:len(hay) - m + 1] == pattern[0])
+    for j in range(1, m):
+        if not len(starts):
+            break
+        starts = starts[hay[starts + j] == pattern[j]]
+    return starts
+
+
 def ngram_propose(context: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
     """context [L] int -> up to k proposed tokens (possibly none)."""
     L = len(context)
     if k <= 0:
         return context[:0]
     for n in range(min(max_n, L - 1), min_n - 1, -1):
-        suffix = context[L - n:]
-        # candidate starts i with context[i:i+n] == suffix and i + n <= L - 1 (a follower exists)
-        starts = np.flatnonzero(context[: L - n] == suffix[0])
-        for j in range(1, n):
-            if not len(starts):
-                break
-            starts = starts[context[starts + j] == suffix[j]]
+        # starts i with context[i:i+n] == the suffix and i + n <= L - 1 (a follower exists)
+        starts = occurrences(context[:L - 1], context[L - n:])
         if len(starts):
             i = int(starts[-1]) + n  # most recent match
             return context[i:i + k]

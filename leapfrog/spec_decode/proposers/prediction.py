@@ -40,6 +40,7 @@ import numpy as np
 
 from leapfrog.request import Request
 from leapfrog.spec_decode.draft import DraftBatch
+from leapfrog.spec_decode.proposers.ngram import occurrences
 from leapfrog.spec_decode.verify.result import AcceptanceResult
 
 MAX_DRAFT = 64
@@ -55,15 +56,7 @@ def find_rejoin(pred: np.ndarray, tail: np.ndarray, start: int, min_match: int, 
     [min_match, max_match] such that tail[-m:] occurs in pred at some i >= start, the nearest such
     i; None if no m does."""
     for m in range(min(max_match, len(tail)), min_match - 1, -1):
-        pat = tail[len(tail) - m:]
-        hay = pred[start:]
-        if len(hay) < m:
-            continue
-        cand = np.flatnonzero(hay[:len(hay) - m + 1] == pat[0])
-        for j in range(1, m):
-            if not len(cand):
-                break
-            cand = cand[hay[cand + j] == pat[j]]
+        cand = occurrences(pred[start:], tail[len(tail) - m:])
         if len(cand):
             return start + int(cand[0]), m
     return None
@@ -114,7 +107,6 @@ class Alignment:
                 i, m = hit
                 self.pos, self.synced, self.run = i + m, True, 0
                 self.hit[i:i + m] = True
-                self.k = max(START_DRAFT, self.k)
                 self.resyncs += 1
         self.seen = len(output)
 

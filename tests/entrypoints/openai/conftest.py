@@ -18,6 +18,14 @@ def make_server(model_dir, spec=SPEC, api_key=None, max_num_seqs=8, max_waiting=
     return ServerThread(build_app(engine, "tiny", api_key=api_key, max_waiting=max_waiting))
 
 
+def greedy_text(model_dir, prompt: str, max_tokens: int) -> str:
+    """The offline engine's greedy text for ``prompt`` (ignoring EOS): what the server must answer."""
+    from leapfrog import LLM, SamplingParams
+    llm = LLM(model=str(model_dir), dtype="float32", max_model_len=256)
+    return llm.generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].text
+
+
 @pytest.fixture(scope="module")
 def server(llama_dir):
     with make_server(llama_dir) as s:

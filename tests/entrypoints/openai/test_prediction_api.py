@@ -9,8 +9,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from leapfrog import LLM, SamplingParams
-from tests.entrypoints.openai.conftest import make_server
+from tests.entrypoints.openai.conftest import greedy_text, make_server
 
 PROMPT = "def foo(x):\n    return"
 
@@ -23,9 +22,7 @@ def server(llama_dir):
 
 @pytest.fixture(scope="module")
 def ref(llama_dir):
-    llm = LLM(model=str(llama_dir), dtype="float32", max_model_len=256)
-    return llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
-                        use_tqdm=False)[0].outputs[0].text
+    return greedy_text(llama_dir, PROMPT, 32)
 
 
 def client(server):
@@ -72,6 +69,8 @@ def test_bad_predictions_get_400(server, prediction, why):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert why in err["message"] or why == err.get("param") or why in str(err)
+    if why == "new tokens fit":   # the engine's check names the field (RequestError.param)
+        assert err["param"] == "prediction"
     # the server still answers
     ok = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 2},
                     timeout=60)

@@ -12,8 +12,7 @@ import httpx
 import openai
 import pytest
 
-from leapfrog import LLM, SamplingParams
-from tests.entrypoints.openai.conftest import make_server
+from tests.entrypoints.openai.conftest import greedy_text, make_server
 
 PROMPT = "def foo(x):\n    return"
 
@@ -26,9 +25,7 @@ def server(llama_dir):
 
 @pytest.fixture(scope="module")
 def expected(llama_dir):
-    llm = LLM(model=str(llama_dir), dtype="float32", max_model_len=256)
-    return llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
-                        use_tqdm=False)[0].outputs[0].text
+    return greedy_text(llama_dir, PROMPT, 16)
 
 
 def good(server) -> str:
