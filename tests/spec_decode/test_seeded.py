@@ -19,7 +19,7 @@ def _spec_cfg(method: str, draft_dir, **kw) -> dict:
     base = {"method": method, "num_speculative_tokens": kw.pop("k", 4)}
     if method == "draft_model":
         base["model"] = str(draft_dir)
-    else:
+    elif method == "ngram":
         base["prompt_lookup_min"] = 1
     return {**base, **kw}
 
@@ -35,7 +35,7 @@ def _others(tokenizer) -> list[tuple[dict, SamplingParams]]:
     return [({"prompt_token_ids": p}, sp) for p, sp in zip(ps[1:], sps)]
 
 
-@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+@pytest.mark.parametrize("method", ["draft_model", "ngram", "suffix"])
 def test_same_seed_same_output_everywhere(llama_dir, draft_dir, tokenizer, method):
     prompt = {"prompt_token_ids": prompts_of(tokenizer, 1)[0]}
 
@@ -72,6 +72,30 @@ def test_same_seed_same_output_everywhere(llama_dir, draft_dir, tokenizer, metho
         prompt, SamplingParams(**{**{f: getattr(SP, f) for f in ("temperature", "top_p", "max_tokens")},
                                   "seed": 1235, "ignore_eos": True}), use_tqdm=False)[0].outputs[0].token_ids
     assert other != ref
+
+
+def test_seeded_with_prediction_same_output(llama_dir, draft_dir, tokenizer):
+    """A seeded request with a prediction (its own output, or an edited one) gives the output it
+    has without one: alone, in a batch, next to a configured method."""
+    prompt = {"prompt_token_ids": prompts_of(tokenizer, 1)[0]}
+    company = _others(tokenizer)
+
+    def run(pred, spec=None, comp=()):
+        llm = LLM(model=str(llama_dir), dtype="float32", max_model_len=256, seed=len(comp), speculative_config=spec)
+        sp = SamplingParams(**{**{f: getattr(SP, f) for f in ("temperature", "top_p", "seed", "max_tokens",
+                                                               "ignore_eos")}, "prediction": pred})
+        outs = llm.generate([prompt] + [c[0] for c in comp], [sp] + [c[1] for c in comp], use_tqdm=False)
+        return outs[0].outputs[0].token_ids, outs[0].metrics
+
+    ref, _ = run(None)
+    edited = ref[:8] + [3, 4] + ref[10:]
+    drafted = 0
+    for pred, spec, comp in ((ref, None, ()), (edited, None, company),
+                             (ref, _spec_cfg("draft_model", draft_dir, k=3), company)):
+        out, m = run(pred, spec, comp)
+        assert out == ref
+        drafted += m.num_draft_tokens
+    assert drafted > 0
 
 
 def test_n_choices_use_seed_plus_index(llama_dir, tokenizer):
