@@ -33,6 +33,10 @@ class EngineConfig:
     model run as compiled graphs (model/compiled.py), compiled at start-up for batch sizes
     1, 2, 4, ... max_num_seqs and 1 or K + 1 tokens per sequence (10-30 s per graph on 2 CPU
     cores)."""
+    logprobs_mode: str = "raw_logprobs"
+    """What SamplingParams.logprobs reports (vLLM's names): "raw_logprobs" (log_softmax of the
+    target's logits), "raw_logits", "processed_logprobs" (of the distribution the sampler draws
+    from: token rules, penalties, temperature, top-k/p, min_p) or "processed_logits"."""
     quantization: str | None = None
     """Weight-only quantization of the target's decoder layers at load: "int8" (per output
     channel) or "int4" (per group of 32 inputs); model/quant.py. Speculation stays lossless
@@ -59,6 +63,9 @@ class EngineConfig:
         if self.quantization is not None and self.batch_invariant:
             raise ConfigError("batch_invariant=True with quantization is not supported yet (the quantized kernels "
                               "have no row-tile self-check); drop one of them")
+        from leapfrog.sampling.logprobs import LOGPROBS_MODES
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ConfigError(f"logprobs_mode={self.logprobs_mode!r}: must be one of {list(LOGPROBS_MODES)}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ConfigError(f"seed={self.seed!r}: must be an integer")
 

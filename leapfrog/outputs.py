@@ -105,12 +105,29 @@ class RequestMetrics:
 
 
 @dataclass
+class Logprob:
+    """vLLM's Logprob: a token's log-probability at one position (or logit, per the engine's
+    logprobs_mode), its rank there (1 = most likely) and its text."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+#: one position: token id -> Logprob, for the chosen token and the top-k most likely
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None     # "stop" | "length" | "abort" | "error" | None (running)
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    logprobs: list[PositionLogprobs] | None = None
+    """One entry per token in token_ids when SamplingParams.logprobs is set (the chosen token
+    first, then the top-k; the chosen token appears once even when it is among them)."""
+    cumulative_logprob: float | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -126,3 +143,5 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: BaseException | None = None
     """Why the request ended with finish_reason "error" (None otherwise)."""
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    """With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first."""

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from leapfrog.detokenizer import Detokenizer
-from leapfrog.outputs import CompletionOutput, RequestMetrics
+from leapfrog.outputs import CompletionOutput, PositionLogprobs, RequestMetrics
 from leapfrog.sampling.sampler import PositionKey, Rng, RowSpec
 from leapfrog.sampling_params import SamplingParams
 
@@ -38,10 +38,15 @@ class Request:
     stop_reason: int | str | None = None
     num_speculative_tokens: int | None = None  # per-request cap (None = engine's)
     prediction_ids: list[int] | None = None    # predicted output (SamplingParams.prediction), tokenized
+    bad_word_ids: tuple[tuple[int, ...], ...] = ()  # SamplingParams.bad_words, tokenized
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.monotonic()))
     index: int = 0                         # completion index when n > 1
     seed_key: int | None = None            # seeded requests: key of the per-position noise
     error: BaseException | None = None     # set when finish_reason == "error"
+    # SamplingParams.logprobs / prompt_logprobs: one entry per output / prompt token
+    output_logprobs: list[PositionLogprobs] | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    cumulative_logprob: float = 0.0
     _sent_text: int = 0
     _sent_tokens: int = 0
 
@@ -75,13 +80,16 @@ class Request:
     def row_spec(self, extra: list[int] = ()) -> RowSpec:  # type: ignore[assignment]
         """Sampling context of the row after output_ids + extra (drafts)."""
         out = self.output_ids + list(extra) if extra else self.output_ids
-        return RowSpec(self.params, self.prompt_ids, out, self.stop_ids)
+        return RowSpec(self.params, self.prompt_ids, out, self.stop_ids, self.bad_word_ids)
 
     def completion(self, delta: bool = False) -> CompletionOutput:
         text = self.detok.text if self.detok is not None else ""
-        ids = self.output_ids
+        ids, lps = self.output_ids, self.output_logprobs
         if delta:
             text, ids = text[self._sent_text:], ids[self._sent_tokens:]
+            lps = None if lps is None else lps[self._sent_tokens:]
             self._sent_text += len(text)
             self._sent_tokens += len(ids)
-        return CompletionOutput(self.index, text, list(ids), self.finish_reason, self.stop_reason)
+        return CompletionOutput(self.index, text, list(ids), self.finish_reason, self.stop_reason,
+                                None if lps is None else list(lps),
+                                None if lps is None else self.cumulative_logprob)

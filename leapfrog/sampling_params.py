@@ -11,6 +11,10 @@ from leapfrog.errors import ConfigError
 SAMPLING_EPS = 1e-5
 #: completions per prompt at most (vLLM sets no bound; one call must not allocate without limit)
 MAX_N = 128
+#: top log-probabilities per token at most (vLLM's default max_logprobs)
+MAX_LOGPROBS = 20
+#: |logit_bias| at most (OpenAI's range)
+MAX_LOGIT_BIAS = 100.0
 
 # field -> (low, high, low excluded, note): finite values only; the bounds keep every transform
 # finite in float32 (a repetition penalty of 1e-300 would turn a logit into inf, the softmax into NaN).
@@ -58,7 +62,21 @@ class SamplingParams:
     """Subtracted once per occurrence in the output."""
     skip_special_tokens: bool = True
     logprobs: int | None = None
-    """Not supported yet: anything but None is refused (never silently ignored)."""
+    """Log-probabilities of each generated token and of the ``logprobs`` most likely tokens at its
+    position (0 = the generated token's only), from the target's distribution (accepted drafts
+    get the verify forward's values, never the draft's); raw or processed per the engine's
+    ``logprobs_mode``. None = none."""
+    prompt_logprobs: int | None = None
+    """The same for every prompt token after the first (the first has none)."""
+    logit_bias: dict[int, float] | None = None
+    """Token id -> value added to its logit (in [-100, 100], OpenAI's range), greedy included."""
+    allowed_token_ids: list[int] | None = None
+    """Only these tokens may be generated."""
+    bad_words: list[str] | None = None
+    """Words that must not be generated: the last token of a word is banned wherever the output
+    so far ends with the word's other tokens (each word with and without a leading space)."""
+    truncate_prompt_tokens: int | None = None
+    """Keep only the last k prompt tokens (k >= 1; -1 = as many as the context allows)."""
     prediction: str | list[int] | None = None
     """Predicted output (OpenAI's ``prediction``): text (or token ids) the output is expected to
     mostly repeat, e.g. the file being edited. Drafts come from it, whatever the engine's
@@ -114,8 +132,32 @@ class SamplingParams:
                 not isinstance(pred, (list, tuple))
                 or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in pred)):
             raise bad("prediction", "must be a string or a list of token ids")
-        if self.logprobs is not None and self.logprobs is not False:
-            raise bad("logprobs", "log-probabilities are not supported yet")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_LOGPROBS):
+                raise bad(name, f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, dict):
+                raise bad("logit_bias", "must be a dict of token id -> bias")
+            for t, v in bias.items():
+                if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                    raise bad("logit_bias", f"key {t!r} is not a token id (a non-negative integer)")
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                        or abs(v) > MAX_LOGIT_BIAS:
+                    raise bad("logit_bias", f"value {v!r} for token {t} must be a number in "
+                                            f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        allowed = self.allowed_token_ids
+        if allowed is not None and (not isinstance(allowed, (list, tuple)) or not allowed or any(
+                isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in allowed)):
+            raise bad("allowed_token_ids", "must be a non-empty list of token ids (non-negative integers)")
+        words = self.bad_words
+        if words is not None and (not isinstance(words, (list, tuple))
+                                  or any(not isinstance(w, str) or not w.strip() for w in words)):
+            raise bad("bad_words", "must be a list of non-empty strings")
+        k = self.truncate_prompt_tokens
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or (k < 1 and k != -1)):
+            raise bad("truncate_prompt_tokens", "must be None, -1 (as much as fits) or a positive integer")
 
     @property
     def greedy(self) -> bool:
@@ -131,6 +173,12 @@ class SamplingParams:
                 or self.frequency_penalty != 0.0)
 
     @property
-    def needs_history(self) -> bool:
-        """Processing of row logits depends on the tokens before it (penalties, min_tokens)."""
-        return self.has_penalties or self.min_tokens > 0
+    def has_token_rules(self) -> bool:
+        """Token-level rules change the logits: logit_bias, allowed_token_ids, bad_words."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words)
+
+    @property
+    def plain_argmax(self) -> bool:
+        """Greedy on the raw logits: nothing changes them (penalties, token rules; min_tokens is
+        per position, see Request)."""
+        return self.greedy and not self.has_penalties and not self.has_token_rules

@@ -27,9 +27,9 @@ from leapfrog.model.compiled import can_compile, make_buckets
 from leapfrog.model.loader import load_model, load_tokenizer, read_checkpoint, resolve_dtype
 from leapfrog.model.quant import check_quantization
 from leapfrog.model.runner import ModelRunner, SeqChunk
-from leapfrog.outputs import RequestOutput, SpecMetrics
+from leapfrog.outputs import Logprob, PositionLogprobs, RequestOutput, SpecMetrics
 from leapfrog.request import Request
-from leapfrog.sampling import sampler
+from leapfrog.sampling import logprobs as lp, sampler
 from leapfrog.sampling_params import SamplingParams
 from leapfrog.scheduler.scheduler import Scheduler
 from leapfrog.spec_decode.adaptive import cap_drafts
@@ -126,6 +126,16 @@ class LLMEngine:
         if not prompt_ids:
             raise RequestError("the prompt is empty")
         self._check_vocab(prompt_ids, "prompt")
+        trunc = params.truncate_prompt_tokens
+        if trunc is not None:
+            keep = self.max_model_len - 1 if trunc == -1 else trunc
+            if keep > self.max_model_len - 1:
+                raise RequestError(f"truncate_prompt_tokens={trunc} is larger than the context allows "
+                                   f"({self.max_model_len - 1}: the prompt plus one new token)",
+                                   param="truncate_prompt_tokens")
+            if len(prompt_ids) > keep:
+                prompt_ids = prompt_ids[len(prompt_ids) - keep:]
+                prompt = self.tokenizer.decode(prompt_ids) if self.tokenizer is not None else None
         if len(prompt_ids) >= self.max_model_len:
             raise RequestError(f"prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len} "
                                "(the prompt plus at least one new token must fit)")
@@ -144,9 +154,18 @@ class LLMEngine:
         if self.tokenizer is not None:
             detok = Detokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens, params.stop_strings,
                                 params.include_stop_str_in_output)
+        bad_word_ids = self._bad_word_ids(params)
+        if params.allowed_token_ids is not None:
+            never = {w[0] for w in bad_word_ids if len(w) == 1}
+            if params.min_tokens:
+                never |= set(params.stop_token_ids or ()) | (set() if params.ignore_eos else set(self.eos_ids))
+            if set(params.allowed_token_ids) <= never:
+                raise RequestError("every one of allowed_token_ids is banned (by a one-token bad word, or as a stop "
+                                   "token under min_tokens): no token is left to generate", param="allowed_token_ids")
         req = Request(request_id, prompt, prompt_ids, params, gen, detok, self.eos_ids,
                       max_tokens=min(params.max_tokens or room, room), index=index,
-                      num_speculative_tokens=num_speculative_tokens, seed_key=key, prediction_ids=prediction_ids)
+                      num_speculative_tokens=num_speculative_tokens, seed_key=key, prediction_ids=prediction_ids,
+                      bad_word_ids=bad_word_ids)
         req.metrics.num_prompt_tokens = len(prompt_ids)
         self.requests[request_id] = req
         self.scheduler.add(req)
@@ -172,6 +191,22 @@ class LLMEngine:
             raise RequestError(f"the prediction has {len(ids)} tokens but at most {room} new tokens fit after "
                                f"the prompt (max_model_len {self.max_model_len})", param="prediction")
         return ids
+
+    def _bad_word_ids(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
+        """Each bad word as token ids, as written and (when that tokenizes into as many tokens,
+        starting differently) with a leading space: a word inside text usually follows one."""
+        if not params.bad_words:
+            return ()
+        if self.tokenizer is None:
+            raise RequestError("bad_words needs a tokenizer (skip_tokenizer_init=True was set)", param="bad_words")
+        out: list[tuple[int, ...]] = []
+        for word in params.bad_words:
+            plain = tuple(self._encode(word, "bad_words", add_special_tokens=False))
+            spaced = tuple(self._encode(" " + word.lstrip(), "bad_words", add_special_tokens=False))
+            out.append(plain)
+            if spaced and len(spaced) == len(plain) and spaced[0] != plain[0]:
+                out.append(spaced)
+        return tuple(w for w in out if w)
 
     def _encode(self, text: str, what: str, **kw) -> list[int]:
         """``text`` (the request's ``what``: "prompt" or "prediction") tokenized; a tokenizer
@@ -202,6 +237,12 @@ class LLMEngine:
         if params.min_tokens and not params.ignore_eos and len(set(ids) | set(self.eos_ids)) >= self.vocab_size:
             raise RequestError("stop_token_ids and EOS cover the whole vocabulary, so min_tokens leaves no token "
                                "to generate")
+        for name, listed in (("logit_bias", list(params.logit_bias or ())),
+                             ("allowed_token_ids", list(params.allowed_token_ids or ()))):
+            bad = [t for t in listed if not 0 <= t < self.vocab_size]
+            if bad:
+                raise RequestError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
+                                   param=name)
         if params.stop_strings and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer (skip_tokenizer_init=True was set); "
                                "use stop_token_ids instead")
@@ -286,16 +327,31 @@ class LLMEngine:
 
     def _prefill(self, work: list[tuple[Request, int]]) -> list[Request]:
         # compute (no request state changes until every request's result is known)
-        chunks, done = [], []
+        chunks, done, last_rows, prompt_lps = [], [], [], []
+        row = 0
         for req, n in work:
-            last = req.num_computed + n == len(req.prompt_ids)
-            ids = req.prompt_ids[req.num_computed:req.num_computed + n]
-            chunks.append(SeqChunk(req.row, req.num_computed, ids, 1 if last else 0))
+            c = req.num_computed
+            last = c + n == len(req.prompt_ids)
+            # logits rows: every position for prompt_logprobs, else the last prompt token's
+            want = n if req.params.prompt_logprobs is not None else int(last)
+            chunks.append(SeqChunk(req.row, c, req.prompt_ids[c:c + n], want))
+            if req.params.prompt_logprobs is not None:
+                # rows row.. predict prompt tokens c + 1 .. (the last row predicts the first output)
+                prompt_lps.append((req, row, req.prompt_ids[c + 1:c + 1 + n - int(last)]))
             if last:
                 done.append(req)
+                last_rows.append(row + want - 1)
+            row += want
         out = self.runner.step(chunks, hidden=self._target_states)
-        result = self.accept(done, out.logits, DraftBatch.empty(len(done))) if done else None
+        logits = out.logits if len(last_rows) == out.logits.shape[0] else out.logits[last_rows]
+        result = self.accept(done, logits, DraftBatch.empty(len(done))) if done else None
+        prompt_values = [self._prompt_logprobs(req, out.logits[r0:r0 + len(toks)], toks)
+                         for req, r0, toks in prompt_lps]
         # commit, request by request (from here on nothing raises for the batch: see _decode)
+        for (req, _, _), entries in zip(prompt_lps, prompt_values):
+            if req.prompt_logprobs is None:
+                req.prompt_logprobs = [None]
+            req.prompt_logprobs += entries
         o = 0
         for req, n in work:
             states = None if out.hidden is None else out.hidden[o:o + n]
@@ -303,10 +359,10 @@ class LLMEngine:
             o += n
         if result is not None:
             now = time.monotonic()
-            for req, ids in zip(done, result.output_ids):
+            for b, (req, ids) in enumerate(zip(done, result.output_ids)):
                 req.metrics.first_token_time = now
                 if req.request_id in self.requests:
-                    self._guarded(req, self._append, req, ids)
+                    self._guarded(req, self._append, req, ids, result.logprobs[b] if result.logprobs else None)
         return done
 
     def _decode(self, reqs: list[Request]) -> list[Request]:
@@ -358,9 +414,9 @@ class LLMEngine:
                     self.spec_controller.observe(sub, part, sub_result, t_draft, t_verify)
                 except Exception:  # noqa: BLE001 - only the choice of K suffers
                     log.exception("speculation controller update failed")
-        for req, ids in zip(reqs, result.output_ids):
+        for b, (req, ids) in enumerate(zip(reqs, result.output_ids)):
             if req.request_id in self.requests:
-                self._guarded(req, self._append, req, ids)
+                self._guarded(req, self._append, req, ids, result.logprobs[b] if result.logprobs else None)
         return reqs
 
     def _groups(self, reqs: list[Request]) -> list[tuple[Any, list[int]]]:
@@ -383,6 +439,53 @@ class LLMEngine:
                 log.exception("request %s: bookkeeping failed after it finished", req.request_id)
 
     def accept(self, reqs: list[Request], logits: torch.Tensor, drafts: DraftBatch) -> AcceptanceResult:
+        """Verify (``verify``), then the log-probabilities of every output token of the requests
+        that ask for them: from the target's row of that token (the verify forward's, for
+        accepted drafts), per the engine's logprobs_mode (sampling/logprobs.py)."""
+        result = self.verify(reqs, logits, drafts)
+        if any(r.params.logprobs is not None for r in reqs):
+            result.logprobs = self._output_logprobs(reqs, logits, drafts, result)
+        return result
+
+    def _output_logprobs(self, reqs: list[Request], logits: torch.Tensor, drafts: DraftBatch,
+                         result: AcceptanceResult) -> list[list[PositionLogprobs] | None]:
+        o = drafts.offsets()
+        idx, toks, ks, specs, owner = [], [], [], [], []
+        for b, r in enumerate(reqs):
+            if r.params.logprobs is None:
+                continue
+            base = o[b] + b                     # request b's root row (its drafts follow, spec_decode/draft.py)
+            out = result.output_ids[b]
+            idx += [base] + [base + 1 + j for j in result.accepted(b)]
+            toks += out
+            ks += [r.params.logprobs] * len(out)
+            specs += [r.row_spec(out[:i]) for i in range(len(out))]
+            owner += [b] * len(out)
+        mode = self.config.logprobs_mode
+        entries = lp.gather(lp.values(logits[idx], mode, specs), toks, ks)
+        per: list[list[PositionLogprobs] | None] = [None] * len(reqs)
+        for b, e in zip(owner, entries):
+            if per[b] is None:
+                per[b] = []
+            per[b].append(self._position(e))
+        return per
+
+    def _prompt_logprobs(self, req: Request, logits: torch.Tensor, token_ids: list[int]) -> list[PositionLogprobs]:
+        """logits [n, V]: the rows that predict prompt tokens ``token_ids`` (raw family of the mode)."""
+        mode = "raw_logits" if self.config.logprobs_mode.endswith("logits") else "raw_logprobs"
+        k = req.params.prompt_logprobs
+        return [self._position(e) for e in lp.gather(lp.values(logits, mode), token_ids, [k] * len(token_ids))]
+
+    def _position(self, e: "lp.TokenLogprobs") -> PositionLogprobs:
+        """The chosen token first, then the top k (once each), with their text."""
+        text = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else (lambda t: None)
+        out = {e.token_id: Logprob(e.value, e.rank, text(e.token_id))}
+        for rank, (t, v) in enumerate(e.top, 1):
+            if t not in out:
+                out[t] = Logprob(v, rank, text(t))
+        return out
+
+    def verify(self, reqs: list[Request], logits: torch.Tensor, drafts: DraftBatch) -> AcceptanceResult:
         """Verify drafts with the target's logits [T + B, V] (row layout: spec_decode/draft.py).
 
         Greedy and seeded requests are verified by matching (verify/greedy.py, verify/tree.py):
@@ -470,14 +573,22 @@ class LLMEngine:
         req.num_computed = length
         self.kv.set_length(req.row, length)
 
-    def _append(self, req: Request, token_ids: list[int]) -> None:
-        """Append verified tokens one by one, ending at the first stop (the rest are dropped)."""
+    def _append(self, req: Request, token_ids: list[int], logprobs: list[PositionLogprobs] | None = None) -> None:
+        """Append verified tokens (and their logprobs) one by one, ending at the first stop (the
+        rest are dropped)."""
         p = req.params
-        for t in token_ids:
+        for i, t in enumerate(token_ids):
             req.output_ids.append(t)
+            if logprobs is not None:
+                if req.output_logprobs is None:
+                    req.output_logprobs = []
+                req.output_logprobs.append(logprobs[i])
+                req.cumulative_logprob += logprobs[i][t].logprob
             req.metrics.num_generated_tokens += 1
             n = len(req.output_ids)
             if t in req.stop_ids:  # never sampled before min_tokens: the sampler suppresses them
+                if p.include_stop_str_in_output and req.detok is not None:
+                    req.detok.add(t, check_stop=False)   # its text (vLLM; none for special tokens when skipped)
                 req.finish_reason = "stop"
                 req.stop_reason = t if t in (p.stop_token_ids or ()) else None
             elif req.detok is not None:
@@ -504,7 +615,8 @@ class LLMEngine:
 
     def _output(self, req: Request) -> RequestOutput:
         return RequestOutput(req.request_id, req.prompt, req.prompt_ids, [req.completion()],
-                             req.finish_reason is not None, req.metrics, error=req.error)
+                             req.finish_reason is not None, req.metrics, error=req.error,
+                             prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs))
 
     def get_metrics(self) -> dict:
         return self.spec_metrics.to_dict()

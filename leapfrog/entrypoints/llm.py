@@ -31,6 +31,8 @@ class LLM:
             model at start-up (the fast path; see EngineConfig.enforce_eager).
         quantization: "int8" or "int4": weight-only quantization of the target's decoder
             layers at load (model/quant.py); speculation is lossless relative to it.
+        logprobs_mode: what SamplingParams.logprobs reports: "raw_logprobs" (default),
+            "raw_logits", "processed_logprobs" or "processed_logits" (vLLM's names).
         max_model_len, max_num_seqs, max_num_batched_tokens, device, allow_pickle,
         skip_tokenizer_init: see EngineConfig.
     """
@@ -40,7 +42,8 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 16,
                  max_num_batched_tokens: int = 2048, device: str = "auto", allow_pickle: bool = False,
                  skip_tokenizer_init: bool = False, batch_invariant: bool = False,
-                 enforce_eager: bool = True, quantization: str | None = None) -> None:
+                 enforce_eager: bool = True, quantization: str | None = None,
+                 logprobs_mode: str = "raw_logprobs") -> None:
         if model is None:
             from leapfrog.demo import default_model
             model, default_spec = default_model()
@@ -52,7 +55,8 @@ class LLM:
             max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, allow_pickle=allow_pickle,
             skip_tokenizer_init=skip_tokenizer_init, speculative_config=speculative_config,
-            batch_invariant=batch_invariant, enforce_eager=enforce_eager, quantization=quantization)
+            batch_invariant=batch_invariant, enforce_eager=enforce_eager, quantization=quantization,
+            logprobs_mode=logprobs_mode)
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()
 
@@ -164,7 +168,8 @@ class LLM:
             first = finished[g[0]]
             outs = [finished[s].outputs[0] for s in g]
             rid = g[0].rsplit("-", 1)[0] if len(g) > 1 else g[0]
-            results.append(RequestOutput(rid, first.prompt, first.prompt_token_ids, outs, True, first.metrics))
+            results.append(RequestOutput(rid, first.prompt, first.prompt_token_ids, outs, True, first.metrics,
+                                         prompt_logprobs=first.prompt_logprobs))
             if len(g) > 1:
                 for s in g[1:]:
                     first.metrics.spec.merge(finished[s].metrics.spec)

@@ -1,7 +1,10 @@
 """Pure logits transforms. Order (documented, tested against a reference):
 
-    penalties (repetition, presence, frequency) -> min_tokens suppression
-    -> temperature -> min_p -> top_k -> top_p -> softmax
+    allowed_token_ids / bad_words / min_tokens masks -> logit_bias
+    -> penalties (repetition, presence, frequency) -> temperature -> min_p -> top_k -> top_p
+    -> softmax
+
+(vLLM's order.) Everything before the temperature also applies to greedy decoding.
 
 Every function takes and returns new tensors; masked tokens get -inf.
 """
@@ -10,6 +13,18 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+
+def apply_token_rules(logits: Tensor, masked: Tensor | None, bias: tuple[Tensor, Tensor, Tensor] | None) -> Tensor:
+    """logits [N, V]; masked [N, V] bool (tokens that may not come next: outside
+    allowed_token_ids, banned by bad_words, stop tokens under min_tokens) or None; bias
+    (rows [M], token ids [M], values [M]) added to the logits, or None."""
+    if masked is not None:
+        logits = logits.masked_fill(masked, float("-inf"))
+    if bias is not None:
+        rows, ids, values = bias
+        logits = logits.index_put((rows, ids), values, accumulate=True)
+    return logits
 
 
 def apply_penalties(logits: Tensor, seen: Tensor, counts: Tensor, repetition: Tensor,

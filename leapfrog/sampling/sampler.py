@@ -25,6 +25,7 @@ class RowSpec:
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]        # generated tokens before this row (drafts included)
     stop_ids: tuple[int, ...] = ()   # EOS + stop_token_ids, suppressed while < min_tokens
+    bad_word_ids: tuple[tuple[int, ...], ...] = ()   # bad_words, tokenized (Request.bad_word_ids)
 
 
 @dataclass
@@ -36,7 +37,8 @@ class RowBatch:
     top_p: Tensor         # [N]
     min_p: Tensor         # [N]
     penalties: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None  # seen, counts, rep, pres, freq
-    suppress: list[tuple[int, tuple[int, ...]]]   # (row, token ids) masked by min_tokens
+    masked: Tensor | None   # [N, V] bool: allowed_token_ids, bad_words, min_tokens (None: no row masks)
+    bias: tuple[Tensor, Tensor, Tensor] | None   # logit_bias as (rows [M], ids [M], values [M])
     all_greedy: bool
     any_top_k: bool
     any_top_p: bool
@@ -62,8 +64,7 @@ def build_rows(specs: Sequence[RowSpec], vocab_size: int, device: torch.device |
         seen |= counts > 0
         penalties = (seen, counts, f([p.repetition_penalty for p in ps]),
                      f([p.presence_penalty for p in ps]), f([p.frequency_penalty for p in ps]))
-    suppress = [(i, s.stop_ids) for i, s in enumerate(specs)
-                if s.stop_ids and len(s.output_ids) < s.params.min_tokens]
+    masked, bias = _token_rules(specs, vocab_size, device)
     return RowBatch(
         greedy=torch.tensor([p.greedy for p in ps], device=device),
         temperature=f([1.0 if p.greedy else p.temperature for p in ps]),
@@ -71,7 +72,8 @@ def build_rows(specs: Sequence[RowSpec], vocab_size: int, device: torch.device |
         top_p=f([p.top_p for p in ps]),
         min_p=f([p.min_p for p in ps]),
         penalties=penalties,
-        suppress=suppress,
+        masked=masked,
+        bias=bias,
         all_greedy=all(p.greedy for p in ps),
         any_top_k=any(0 < p.top_k < vocab_size for p in ps),
         any_top_p=any(p.top_p < 1 for p in ps),
@@ -79,14 +81,49 @@ def build_rows(specs: Sequence[RowSpec], vocab_size: int, device: torch.device |
     )
 
 
+def _token_rules(specs: Sequence[RowSpec], vocab_size: int, device: torch.device | str
+                 ) -> tuple[Tensor | None, tuple[Tensor, Tensor, Tensor] | None]:
+    """Per-row masks (allowed_token_ids, bad_words ending here, stop tokens under min_tokens)
+    and logit_bias entries; (None, None) when no row has any."""
+    masked = None
+    bias_rows: list[int] = []
+    bias_ids: list[int] = []
+    bias_vals: list[float] = []
+    for i, s in enumerate(specs):
+        p = s.params
+        ban: list[int] = []
+        if s.stop_ids and len(s.output_ids) < p.min_tokens:
+            ban += s.stop_ids
+        for word in s.bad_word_ids:
+            n = len(word) - 1
+            if n == 0 or (len(s.output_ids) >= n and list(s.output_ids[len(s.output_ids) - n:]) == list(word[:n])):
+                ban.append(word[-1])
+        if ban or p.allowed_token_ids is not None:
+            if masked is None:
+                masked = torch.zeros(len(specs), vocab_size, dtype=torch.bool, device=device)
+            if p.allowed_token_ids is not None:
+                masked[i] = True
+                masked[i, torch.tensor(p.allowed_token_ids, dtype=torch.long, device=device)] = False
+            if ban:
+                masked[i, torch.tensor(ban, dtype=torch.long, device=device)] = True
+        if p.logit_bias:
+            bias_rows += [i] * len(p.logit_bias)
+            bias_ids += list(p.logit_bias)
+            bias_vals += [float(v) for v in p.logit_bias.values()]
+    bias = None
+    if bias_rows:
+        bias = (torch.tensor(bias_rows, dtype=torch.long, device=device),
+                torch.tensor(bias_ids, dtype=torch.long, device=device),
+                torch.tensor(bias_vals, dtype=torch.float32, device=device))
+    return masked, bias
+
+
 def penalised_logits(logits: Tensor, rows: RowBatch) -> Tensor:
-    """Penalties and min_tokens suppression: what greedy decoding takes the argmax of."""
+    """Token rules (masks, logit_bias) and penalties: what greedy decoding takes the argmax of."""
+    if rows.masked is not None or rows.bias is not None:
+        logits = P.apply_token_rules(logits, rows.masked, rows.bias)
     if rows.penalties is not None:
         logits = P.apply_penalties(logits, *rows.penalties)
-    if rows.suppress:
-        logits = logits.clone()
-        for i, ids in rows.suppress:
-            logits[i, list(ids)] = float("-inf")
     return logits
 
 
@@ -102,14 +139,21 @@ def processed_logits(logits: Tensor, rows: RowBatch) -> Tensor:
     return logits
 
 
-def probs(logits: Tensor, rows: RowBatch) -> Tensor:
-    """[N, V] processed distribution; greedy rows are a point mass on the argmax."""
+def probs(logits: Tensor, rows: RowBatch, proposal: bool = False) -> Tensor:
+    """[N, V] processed distribution; greedy rows are a point mass on the argmax.
+    ``proposal``: a drafter's q, where a row may have no token left (an EAGLE-3 draft vocabulary
+    without any of the allowed tokens): such a row becomes a point mass on its raw argmax (any q
+    is lossless; the target rejects that token). Elsewhere such a row raises."""
     if rows.all_greedy:
         return torch.nn.functional.one_hot(greedy_tokens(logits, rows), logits.shape[-1]).float()
     p = torch.softmax(processed_logits(logits, rows), dim=-1)
     if not bool(torch.isfinite(p.sum(-1)).all()):  # one host sync; never draw from NaN (a row sum is NaN then)
-        bad = (~torch.isfinite(p)).any(-1).nonzero().flatten().tolist()
-        raise FloatingPointError(f"non-finite probabilities in sampler rows {bad} (non-finite logits?)")
+        bad = (~torch.isfinite(p)).any(-1)
+        if not proposal:
+            raise FloatingPointError(f"non-finite probabilities in sampler rows {bad.nonzero().flatten().tolist()} "
+                                     "(non-finite logits?)")
+        point = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(p.dtype)
+        p = torch.where(bad[:, None], point, p)
     if rows.greedy.any():
         g = torch.nn.functional.one_hot(penalised_logits(logits, rows).argmax(-1), logits.shape[-1]).float()
         p = torch.where(rows.greedy[:, None], g, p)
@@ -118,7 +162,7 @@ def probs(logits: Tensor, rows: RowBatch) -> Tensor:
 
 def greedy_tokens(logits: Tensor, rows: RowBatch | None = None) -> Tensor:
     """[N] argmax of the penalised logits."""
-    if rows is not None and (rows.penalties is not None or rows.suppress):
+    if rows is not None and (rows.penalties is not None or rows.masked is not None or rows.bias is not None):
         logits = penalised_logits(logits, rows)
     return logits.argmax(dim=-1)
 

@@ -45,7 +45,7 @@ BAD_PARAMS = [
     dict(top_k=-2), dict(top_k=1.5), dict(n=0), dict(n=10**6), dict(max_tokens=0), dict(max_tokens=True),
     dict(min_tokens=-1), dict(min_tokens=20, max_tokens=10), dict(seed=1.5), dict(seed=True),
     dict(stop=[""]), dict(stop=5), dict(stop_token_ids=[-1]), dict(stop_token_ids=["a"]),
-    dict(ignore_eos="yes"), dict(logprobs=1),
+    dict(ignore_eos="yes"), dict(logprobs=21), dict(logit_bias={1: "x"}),
 ]
 
 

@@ -170,6 +170,6 @@ class DraftModelProposer:
 
 
 def _plain_greedy(req: Request) -> bool:
-    """Greedy on the raw logits: no penalties, no min_tokens suppression of stop tokens."""
+    """Greedy on the raw logits: no penalties or token rules, no min_tokens suppression of stop tokens."""
     p = req.params
-    return p.greedy and not p.has_penalties and len(req.output_ids) >= p.min_tokens
+    return p.plain_argmax and len(req.output_ids) >= p.min_tokens

@@ -331,7 +331,8 @@ class EagleProposer:
             specs.append(req.row_spec(path))
             rngs.append(req.rng(len(path)))
         rows_q = sampler.build_rows(specs, logits.shape[-1])
-        q = sampler.probs(logits[sampled] / self.head.cfg.greedy_logit_scale, rows_q)  # [R', V] q as trained
+        # [R', V] q as trained
+        q = sampler.probs(logits[sampled] / self.head.cfg.greedy_logit_scale, rows_q, proposal=True)
         x = sampler.sample(q, rngs).tolist()
         for k, i in enumerate(sampled):
             keep = rows[i][0].seed_key is None  # unseeded: rejection sampling needs q

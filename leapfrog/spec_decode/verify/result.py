@@ -15,6 +15,8 @@ class AcceptanceResult:
     # [B] the accepted drafts' indices (local to the request, root to leaf); empty lists for
     # chains, where the accepted drafts are 0..num_accepted-1 (see ``accepted``)
     accepted_nodes: list[list[int]] = field(default_factory=list)
+    # [B] each output token's logprobs (engine.accept fills it for requests that ask), else empty
+    logprobs: list = field(default_factory=list)
 
     def accepted(self, b: int) -> list[int]:
         """Request b's accepted drafts (local indices, in path order)."""

@@ -1,0 +1,134 @@
+"""Token rules (logit_bias, allowed_token_ids, bad_words): what they do to a row, through the
+engine, and that speculation keeps them lossless (greedy and seeded output equal to the output
+without speculation; the sampled law is the constrained target's)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from leapfrog import LLM, SamplingParams
+from leapfrog.errors import ConfigError, RequestError
+from leapfrog.sampling import sampler
+from leapfrog.sampling.sampler import RowSpec
+from tests.conftest import prompts_of
+from tests.spec_decode.test_sampling_lossless import _spec, assert_follows_target, tiny  # noqa: F401
+
+V = 10
+
+
+def _rows(specs):
+    return sampler.build_rows(specs, V)
+
+
+def test_bad_words_ban_the_last_token_after_the_prefix():
+    sp = SamplingParams(temperature=0)
+    words = ((4,), (1, 2, 3))
+    logits = torch.zeros(3, V)
+    rows = _rows([RowSpec(sp, [1], [7, 1], (), words),      # ends with the prefix 1 2? no: 7 1
+                  RowSpec(sp, [1], [7, 1, 2], (), words),   # ends with 1 2: 3 is banned
+                  RowSpec(sp, [1, 2], [], (), words)])      # the prompt does not count
+    out = sampler.penalised_logits(logits, rows)
+    assert out[:, 4].isinf().all()                          # one-token words: banned everywhere
+    assert torch.isinf(out[1, 3]) and not torch.isinf(out[0, 3]) and not torch.isinf(out[2, 3])
+    assert torch.isfinite(out[:, [0, 1, 2, 5, 6, 7, 8, 9]]).all()
+
+
+def test_allowed_bias_and_greedy():
+    logits = torch.arange(V, dtype=torch.float32).repeat(3, 1)        # argmax 9 everywhere
+    rows = _rows([RowSpec(SamplingParams(temperature=0, allowed_token_ids=[2, 5]), [1], []),
+                  RowSpec(SamplingParams(temperature=0, logit_bias={0: 100.0}), [1], []),
+                  RowSpec(SamplingParams(temperature=0, logit_bias={9: -100.0, 8: -1.5}), [1], [])])
+    assert sampler.greedy_tokens(logits, rows).tolist() == [5, 0, 7]
+    p = sampler.probs(logits, _rows([RowSpec(SamplingParams(temperature=1.0, allowed_token_ids=[2, 5],
+                                                            logit_bias={2: 3.0}), [1], [])]))
+    assert p[0].nonzero().flatten().tolist() == [2, 5]
+    torch.testing.assert_close(p[0, 2] / p[0, 5], torch.tensor(1.0))  # 2 + 3 = 5: equal logits
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(logit_bias={1: 101}), "logit_bias"), (dict(logit_bias={-1: 1}), "logit_bias"),
+    (dict(logit_bias={"a": 1}), "logit_bias"), (dict(logit_bias={1: float("nan")}), "logit_bias"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids"), (dict(allowed_token_ids=[1, -2]), "allowed_token_ids"),
+    (dict(bad_words=[""]), "bad_words"), (dict(bad_words="word"), "bad_words"),
+    (dict(logprobs=21), "logprobs"), (dict(prompt_logprobs=-1), "prompt_logprobs"),
+    (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+])
+def test_bad_values_are_refused(kw, field):
+    with pytest.raises(ConfigError, match=field):
+        SamplingParams(**kw)
+
+
+@pytest.fixture(scope="module")
+def plain(llama_dir):
+    return LLM(model=str(llama_dir), dtype="float32", max_model_len=256, max_num_seqs=8)
+
+
+def test_engine_checks_ids_and_impossible_rules(plain):
+    for kw, field in [(dict(logit_bias={10_000: 1.0}), "logit_bias"),
+                      (dict(allowed_token_ids=[3, 10_000]), "allowed_token_ids"),
+                      (dict(allowed_token_ids=[5], min_tokens=2, stop_token_ids=[5]), "allowed_token_ids")]:
+        with pytest.raises(RequestError, match=field):
+            plain.generate("x = 1", SamplingParams(max_tokens=4, **kw), use_tqdm=False)
+
+
+def _contains(seq: list[int], sub: tuple[int, ...]) -> bool:
+    return any(tuple(seq[i:i + len(sub)]) == sub for i in range(len(seq) - len(sub) + 1))
+
+
+def test_rules_through_the_engine(plain, tokenizer):
+    prompt = {"prompt_token_ids": prompts_of(tokenizer, 1)[0]}
+    g = dict(temperature=0, max_tokens=24, ignore_eos=True)
+    base = plain.generate(prompt, SamplingParams(**g), use_tqdm=False)[0].outputs[0].token_ids
+    allowed = sorted(set(base[:3]) | {7, 11, 13})
+    out = plain.generate(prompt, SamplingParams(**g, allowed_token_ids=allowed), use_tqdm=False)[0].outputs[0]
+    assert set(out.token_ids) <= set(allowed) and out.token_ids[:3] == base[:3]
+    out = plain.generate(prompt, SamplingParams(**g, logit_bias={42: 100.0}), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [42] * 24
+    # a word the output contains (a span that tokenizes back to itself) is never produced once banned
+    word = next(w for i in range(len(base) - 1)
+                if tokenizer.encode(w := tokenizer.decode(base[i:i + 2]), add_special_tokens=False) == base[i:i + 2]
+                and w.strip())
+    out = plain.generate(prompt, SamplingParams(**g, bad_words=[word]), use_tqdm=False)[0].outputs[0]
+    variants = plain.engine._bad_word_ids(SamplingParams(bad_words=[word]))
+    assert any(_contains(base, v) for v in variants)
+    assert not any(_contains(out.token_ids, v) for v in variants) and out.token_ids != base
+
+
+RULES = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, allowed_token_ids=list(range(40, 200)),
+                        logit_bias={50: 2.0, 60: -3.0}, bad_words=["return", "self"]),
+         SamplingParams(temperature=0.8, seed=5, max_tokens=24, ignore_eos=True, logit_bias={50: 2.0, 61: 4.0},
+                        bad_words=["the"], allowed_token_ids=list(range(30, 300)))]
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram", "suffix", "eagle3"])
+def test_speculation_keeps_rules_lossless(llama_dir, draft_dir, tokenizer, plain, method, tmp_path):
+    """Greedy and seeded requests with every rule: the same output with speculation as without
+    (EAGLE-3 with a draft vocabulary of 200: some allowed tokens are outside it)."""
+    if method == "eagle3":
+        from tests.spec_decode.test_eagle import make_head
+        head = make_head(llama_dir, tmp_path, "eagle3", draft_vocab_size=200, target_layer_ids=(0, 1))
+        spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3, "eagle_topk": 2,
+                "num_draft_tokens": 5}
+    else:
+        spec = {"method": method, "num_speculative_tokens": 3}
+        if method == "draft_model":
+            spec["model"] = str(draft_dir)
+        elif method == "ngram":
+            spec["prompt_lookup_min"] = 1
+    prompts = [{"prompt_token_ids": p} for p in prompts_of(tokenizer, 4)]
+    sps = [RULES[i % 2] for i in range(4)]
+    ref = [o.outputs[0].token_ids for o in plain.generate(prompts, sps, use_tqdm=False)]
+    llm = LLM(model=str(llama_dir), dtype="float32", max_model_len=256, max_num_seqs=8, speculative_config=spec)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sps, use_tqdm=False)]
+    assert got == ref
+    assert llm.get_metrics()["num_draft_tokens"] > 0
+
+
+def test_sampled_law_under_rules(tiny, draft_dir):  # noqa: F811
+    """Unseeded rejection sampling with allowed_token_ids and logit_bias: tokens 2 and 3 follow
+    the constrained target's exact law (chi-square)."""
+    target, draft = tiny
+    sp = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, allowed_token_ids=[1, 2, 3, 5, 8, 9],
+                        logit_bias={2: 1.5, 5: -1.0})
+    assert_follows_target(target, _spec("draft_model", draft), sp, seed=3)
