@@ -1,8 +1,9 @@
 """FastAPI app: routes, authentication, body limits and OpenAI-shaped errors.
 
-Routes: /v1/completions, /v1/chat/completions (both with ``stream``), /v1/models, /health,
-/metrics. Every error is ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status
-for bad input; a bug in the server is the only source of a 500.
+Routes: /v1/completions, /v1/chat/completions (both with ``stream``), /v1/models,
+/tokenize, /detokenize, /version, /health, /metrics. Every error is
+``{"error": {"message", "type", "param", "code"}}`` with a 4xx status for bad input; a bug in
+the server is the only source of a 500.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import secrets
 import time
 import uuid
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Callable
 
 import uvicorn
 
@@ -28,9 +31,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from leapfrog.engine.async_engine import AsyncEngine
 from leapfrog.engine.engine import LLMEngine
 from leapfrog.entrypoints.openai.metrics import ServerMetrics
-from leapfrog.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, StreamOptions
-from leapfrog.entrypoints.openai.serving import (APIError, ClientDisconnected, OpenAIServing, error_text, sse,
-                                                 usage)
+from leapfrog import __version__
+from leapfrog.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                                  StreamOptions, TokenizeRequest)
+from leapfrog.entrypoints.openai.serving import (APIError, ClientDisconnected, OpenAIServing, chat_logprobs,
+                                                 completion_logprobs, error_text, prompt_logprobs_json, sse, usage)
+from leapfrog.outputs import RequestOutput
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 log = logging.getLogger("leapfrog.server")
@@ -149,7 +155,8 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "leapfrog", "max_model_len": engine.max_model_len}]}
+                                            "owned_by": "leapfrog", "root": str(engine.config.model),
+                                            "parent": None, "max_model_len": engine.max_model_len}]}
 
     @app.get("/metrics")
     async def prometheus():
@@ -170,16 +177,57 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
         k = serving.spec_tokens(req)
         prompts = serving.completion_prompts(req)
         top = head("cmpl", "text_completion")
+        k_lp = req.logprobs
+
+        def echo_text(o: RequestOutput) -> str:
+            return o.prompt if o.prompt is not None else serving.decode(o.prompt_token_ids)
+
+        def logprobs(o: RequestOutput, ids: list[int], pos: list, offset: int, echo: bool) -> dict | None:
+            if k_lp is None:
+                return None
+            if echo:
+                ids, pos = o.prompt_token_ids + ids, (o.prompt_logprobs or [None] * len(o.prompt_token_ids)) + pos
+            return completion_logprobs(ids, pos, k_lp, offset)
+
         if req.stream:
+            sent = {}   # choice -> text_offset of its next token (the token texts so far, as without streaming)
+
+            def chunk(ev: StreamEvent) -> dict:
+                o, c = ev.out, ev.out.outputs[0]
+                new_ids, new_pos = c.token_ids[len(c.token_ids) - ev.new_tokens:], (c.logprobs or [])[
+                    len(c.token_ids) - ev.new_tokens:]
+                echo = req.echo and ev.first
+                text = (echo_text(o) if echo else "") + ev.text
+                lps = logprobs(o, new_ids, new_pos, sent.get(ev.index, 0), echo)
+                if lps is not None and lps["tokens"]:
+                    sent[ev.index] = lps["text_offset"][-1] + len(lps["tokens"][-1])
+                choice = {"index": 0, "text": text, "logprobs": lps,
+                          "finish_reason": c.finish_reason if o.finished else None,
+                          "stop_reason": c.stop_reason if o.finished else None}
+                if req.return_token_ids:
+                    choice["token_ids"] = new_ids
+                    if ev.first:
+                        choice["prompt_token_ids"] = o.prompt_token_ids
+                if ev.first and req.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = prompt_logprobs_json(o.prompt_logprobs)
+                return choice
+
             return await _streaming(serving.stream_all(prompts, sp, k), disconnected(raw), top, sp.n,
-                                    len(prompts) * sp.n, req.stream_options,
-                                    lambda text, out: {"index": 0, "text": text, "logprobs": None,
-                                                       "finish_reason": out.outputs[0].finish_reason
-                                                       if out.finished else None})
+                                    len(prompts) * sp.n, req.stream_options, chunk,
+                                    always=k_lp is not None or req.echo or req.return_token_ids)
         outs = await serving.run_all(prompts, sp, k, disconnected(raw))
-        choices = [{"index": i, "text": (o.prompt or "") + o.outputs[0].text if req.echo else o.outputs[0].text,
-                    "logprobs": None, "finish_reason": o.outputs[0].finish_reason,
-                    "stop_reason": o.outputs[0].stop_reason} for i, o in enumerate(outs)]
+        choices = []
+        for i, o in enumerate(outs):
+            c = o.outputs[0]
+            prefix = echo_text(o) if req.echo else ""
+            choice = {"index": i, "text": prefix + c.text, "logprobs": logprobs(o, c.token_ids, c.logprobs or [], 0,
+                                                                                req.echo),
+                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if req.return_token_ids:
+                choice.update(prompt_token_ids=o.prompt_token_ids, token_ids=c.token_ids)
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_json(o.prompt_logprobs)
+            choices.append(choice)
         return {**top, "choices": choices, "usage": usage(outs, sp.n)}
 
     @app.post("/v1/chat/completions")
@@ -190,19 +238,61 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
         k = serving.spec_tokens(req)
         prompt = serving.chat_prompt(req)
         top = head("chatcmpl", "chat.completion")
+        k_lp = req.top_logprobs or 0
+
         if req.stream:
+            def chunk(ev: StreamEvent) -> dict:
+                o, c = ev.out, ev.out.outputs[0]
+                n = len(c.token_ids) - ev.new_tokens
+                choice = {"index": 0, "delta": {"content": ev.text} if ev.text else {},
+                          "logprobs": chat_logprobs(c.token_ids[n:], c.logprobs[n:], k_lp) if req.logprobs else None,
+                          "finish_reason": c.finish_reason if o.finished else None,
+                          "stop_reason": c.stop_reason if o.finished else None}
+                if req.return_token_ids:
+                    choice["token_ids"] = c.token_ids[n:]
+                return choice
+
+            extra_first = {}
+            if req.return_token_ids:
+                extra_first["prompt_token_ids"] = prompt.ids
             return await _streaming(serving.stream_all([prompt], sp, k), disconnected(raw),
                                     {**top, "object": "chat.completion.chunk"}, sp.n, sp.n, req.stream_options,
-                                    lambda text, out: {"index": 0, "delta": {"content": text} if text else {},
-                                                       "logprobs": None,
-                                                       "finish_reason": out.outputs[0].finish_reason
-                                                       if out.finished else None},
-                                    first_delta={"role": "assistant", "content": ""})
+                                    chunk, first_delta={"role": "assistant", "content": ""},
+                                    always=req.logprobs or req.return_token_ids, first_extra=extra_first)
         outs = await serving.run_all([prompt], sp, k, disconnected(raw))
-        choices = [{"index": i, "message": {"role": "assistant", "content": o.outputs[0].text},
-                    "logprobs": None, "finish_reason": o.outputs[0].finish_reason,
-                    "stop_reason": o.outputs[0].stop_reason} for i, o in enumerate(outs)]
-        return {**top, "choices": choices, "usage": usage(outs, sp.n)}
+        choices = []
+        for i, o in enumerate(outs):
+            c = o.outputs[0]
+            choice = {"index": i, "message": {"role": "assistant", "content": c.text},
+                      "logprobs": chat_logprobs(c.token_ids, c.logprobs, k_lp) if req.logprobs else None,
+                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if req.return_token_ids:
+                choice["token_ids"] = c.token_ids
+            choices.append(choice)
+        body = {**top, "choices": choices, "usage": usage(outs, sp.n)}
+        if req.return_token_ids:
+            body["prompt_token_ids"] = prompt.ids
+        if req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs_json(outs[0].prompt_logprobs)
+        return body
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        serving.check_model(req.model)
+        ids = serving.tokenize(req)
+        body = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            body["token_strs"] = serving.tokenizer.convert_ids_to_tokens(ids)
+        return body
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        serving.check_model(req.model)
+        return {"prompt": serving.detokenize(req.tokens)}
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
 
     @app.exception_handler(ClientDisconnected)
     async def client_gone(_: Request, e: ClientDisconnected):
@@ -232,14 +322,28 @@ class LeapfrogServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+@dataclass
+class StreamEvent:
+    """One advance of one choice, for a route's chunk builder."""
+    index: int            # the choice
+    out: RequestOutput    # its output so far
+    text: str             # new text (held back while it could still become a stop string)
+    new_tokens: int       # tokens generated since the last event of this choice
+    first: bool           # the first chunk of this choice
+
+
 async def _streaming(events, client_gone, head: dict, n: int, total: int, stream_options: StreamOptions | None,
-                     make_choice, first_delta: dict | None = None):
+                     make_choice: Callable[[StreamEvent], dict], first_delta: dict | None = None,
+                     always: bool = False, first_extra: dict | None = None):
     """Start the stream (so request errors, and an engine failure of a one-choice request in
     its first step, still become JSON errors), then serve SSE chunks. Until the first event the
     client is watched here (Starlette watches it once the response runs). Every stream ends
     with a finish_reason per choice and ``[DONE]``: if the engine fails after the 200 went out,
-    the open choices end with finish_reason "error" and an ``error`` object."""
+    the open choices end with finish_reason "error" and an ``error`` object. A choice's chunk
+    goes out when it has new text, when it finishes, or (``always``: logprobs, token ids, echo)
+    whenever it has new tokens. ``first_extra``: fields of the stream's first chunk."""
     include_usage = bool(stream_options and stream_options.include_usage)
+    continuous = include_usage and stream_options.continuous_usage_stats
     it = events.__aiter__()
     nxt = asyncio.ensure_future(it.__anext__())
     watch = asyncio.ensure_future(client_gone())
@@ -265,23 +369,31 @@ async def _streaming(events, client_gone, head: dict, n: int, total: int, stream
         raise APIError(500, f"the engine failed on this request: {error_text(first[1])}", type_="server_error",
                        code="engine_error")
 
+
     async def chunks():
         finals: dict[int, object] = {}
         try:
+            started: set[int] = set()
             if first_delta is not None:
                 for i in range(total):
                     yield sse({**head, "choices": [{"index": i, "delta": first_delta, "logprobs": None,
-                                                    "finish_reason": None}]})
+                                                    "finish_reason": None}], **(first_extra if i == 0 else {})})
             ev = first
             while ev is not None:
-                idx, out, text, _ = ev
-                if text or out.finished:
-                    choice = make_choice(text, out)
+                idx, out, text, new_tok = ev
+                if text or out.finished or (always and (new_tok or idx not in started)):
+                    choice = make_choice(StreamEvent(idx, out, text, new_tok, idx not in started))
+                    started.add(idx)
                     choice["index"] = idx
                     extra = {}
                     if out.finished and out.outputs[0].finish_reason == "error":
                         extra = APIError(500, f"the engine failed on this choice: {error_text(out)}",
                                          "server_error", code="engine_error").body()
+                    if continuous:
+                        p, c = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+                        extra["usage"] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+                    if first_delta is None and first_extra and not started - {idx}:
+                        extra.update(first_extra)
                     yield sse({**head, "choices": [choice], **extra})
                 if out.finished:
                     finals[idx] = out

@@ -16,6 +16,8 @@ class _Base(BaseModel):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+    """vLLM: every chunk carries the usage so far (with include_usage)."""
 
 
 class SpeculativeOptions(BaseModel):
@@ -54,7 +56,9 @@ class _Sampling(_Base):
     seed: int | None = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    logprobs: Any = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    best_of: int | None = Field(None, ge=1)
     # vLLM extras
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1)
@@ -66,11 +70,17 @@ class _Sampling(_Base):
     include_stop_str_in_output: bool = False
     speculative: SpeculativeOptions | None = None
     prediction: Prediction | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    return_token_ids: bool = False
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=20)
 
 
 class ChatMessage(_Base):
@@ -95,3 +105,22 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     add_generation_prompt: bool = True
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class TokenizeRequest(_Base):
+    """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Base):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]

@@ -11,9 +11,9 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from leapfrog.engine.async_engine import AsyncEngine, EngineOverloaded, EngineStopped, Reservation
 from leapfrog.entrypoints.openai.metrics import ServerMetrics
-from leapfrog.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+from leapfrog.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest, _Sampling
 from leapfrog.errors import ConfigError, RequestError
-from leapfrog.outputs import RequestOutput, SpecMetrics
+from leapfrog.outputs import PositionLogprobs, RequestOutput, SpecMetrics
 from leapfrog.sampling_params import SamplingParams
 
 
@@ -57,28 +57,47 @@ class OpenAIServing:
                                code="unsupported_parameter")
         if req.stream_options is not None and not req.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
-        if isinstance(req, CompletionRequest) and req.echo and req.stream:
-            raise APIError(400, "echo with stream=true is not supported", param="echo",
+        if req.best_of is not None and req.best_of != req.n:
+            raise APIError(400, f"best_of={req.best_of} with n={req.n} is not supported: the server returns every "
+                                "sample it draws (best_of equal to n, or unset)", param="best_of",
                            code="unsupported_parameter")
+        if isinstance(req, ChatCompletionRequest) and req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         self.check_model(req.model)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            raise APIError(400, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
                            param="model", code="model_not_found")
 
     def sampling_params(self, req: _Sampling, max_tokens: int | None) -> SamplingParams:
-        if req.logprobs is not None and req.logprobs is not False:
-            raise APIError(400, "logprobs are not supported yet", param="logprobs", code="unsupported_parameter")
         if max_tokens is not None and max_tokens > self.max_model_len:
             raise APIError(400, f"max_tokens={max_tokens} is larger than the context ({self.max_model_len})",
                            param="max_tokens")
+        if isinstance(req, ChatCompletionRequest):
+            logprobs = (req.top_logprobs or 0) if req.logprobs else None
+            prompt_logprobs = req.prompt_logprobs
+        else:
+            logprobs = req.logprobs
+            prompt_logprobs = req.prompt_logprobs
+            if req.echo and logprobs is not None:   # echo with logprobs reports the prompt's too (OpenAI)
+                prompt_logprobs = max(prompt_logprobs or 0, logprobs)
+        bias = None
+        if req.logit_bias is not None:
+            try:
+                bias = {int(k): v for k, v in req.logit_bias.items()}
+            except ValueError:
+                raise APIError(400, "logit_bias keys must be token ids (integers as strings)",
+                               param="logit_bias") from None
         kw: dict[str, Any] = dict(
             n=req.n, max_tokens=max_tokens, stop=req.stop, seed=req.seed, presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
             stop_token_ids=req.stop_token_ids, skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
-            prediction=None if req.prediction is None else req.prediction.text)
+            prediction=None if req.prediction is None else req.prediction.text,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=bias,
+            allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
+            truncate_prompt_tokens=req.truncate_prompt_tokens)
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             v = getattr(req, name)
             if v is not None:
@@ -120,21 +139,50 @@ class OpenAIServing:
         return out
 
     def chat_prompt(self, req: ChatCompletionRequest) -> Prompt:
+        return Prompt(None, self._chat_ids(req.messages, req.add_generation_prompt))
+
+    def tokenize(self, req: TokenizeRequest) -> list[int]:
+        """/tokenize: a prompt (with or without special tokens) or chat messages."""
+        self._need_tokenizer()
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", param="prompt")
+        if req.messages is not None:
+            return self._chat_ids(req.messages, req.add_generation_prompt)
+        try:
+            return list(self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+        except Exception as e:  # noqa: BLE001 - the input's fault (a lone surrogate, say)
+            raise APIError(400, f"could not tokenize the prompt: {type(e).__name__}: {e}", param="prompt") from None
+
+    def detokenize(self, ids: list[int]) -> str:
+        self._need_tokenizer()
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param="tokens")
+        return self.decode(ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+
+    def _need_tokenizer(self) -> None:
+        if self.tokenizer is None:
+            raise APIError(400, "this server runs without a tokenizer (skip_tokenizer_init)", param="prompt")
+
+    def _chat_ids(self, messages: list, add_generation_prompt: bool) -> list[int]:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "this model's tokenizer has no chat template", param="messages")
         msgs = []
-        for m in req.messages:
+        for m in messages:
             content = m.content
             if isinstance(content, list):
                 content = "".join(part.get("text", "") for part in content if part.get("type") == "text")
             msgs.append({"role": m.role, "content": content or ""})
         try:
-            ids = self.tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=req.add_generation_prompt)
+            ids = self.tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=add_generation_prompt)
         except Exception as e:  # noqa: BLE001 - template errors are the request's fault
             raise APIError(400, f"could not apply the chat template: {e}", param="messages") from None
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
-        return Prompt(None, list(ids))
+        return list(ids)
 
     # ------------------------------------------------------------------ running
     async def _stream(self, rid: str, prompt: Prompt, sp: SamplingParams, k: int | None,
@@ -267,16 +315,14 @@ def _unused(*values: Any) -> Callable[[Any], bool]:
 # OpenAI/vLLM fields that would change the answer and are not implemented yet -> 400, with the
 # values that mean "not used" (which are accepted).
 _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "logit_bias": _unused({}), "top_logprobs": _unused(0), "prompt_logprobs": _unused(),
-    "best_of": _unused(1), "suffix": _unused(""), "response_format": lambda v: v is None or (
+    "suffix": _unused(""), "response_format": lambda v: v is None or (
         isinstance(v, dict) and v.get("type") == "text"),
     "tools": _unused([]), "tool_choice": _unused("none"), "functions": _unused([]),
     "function_call": _unused("none"), "guided_json": _unused(), "guided_regex": _unused(),
     "guided_choice": _unused(), "guided_grammar": _unused(), "structured_outputs": _unused(),
-    "bad_words": _unused([]), "allowed_token_ids": _unused(), "truncate_prompt_tokens": _unused(),
     "logits_processors": _unused([]), "use_beam_search": _unused(False),
     "audio": _unused(), "modalities": _unused(["text"]), "echo": _unused(False), "add_special_tokens": _unused(),
-    "return_token_ids": _unused(False), "continue_final_message": _unused(False), "chat_template": _unused(),
+    "continue_final_message": _unused(False), "chat_template": _unused(),
     "chat_template_kwargs": _unused({}), "documents": _unused(),
     "length_penalty": _unused(1.0), "spaces_between_special_tokens": _unused(True),
 }
@@ -299,7 +345,9 @@ def usage(outs: list[RequestOutput], n: int = 1) -> dict:
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outs[::n])
     completion = sum(len(o.outputs[0].token_ids) for o in outs)
     out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-           "total_tokens": prompt_tokens + completion, "speculative": spec.to_dict()}
+           "total_tokens": prompt_tokens + completion,
+           "prompt_tokens_details": {"cached_tokens": 0},   # no prefix cache yet
+           "speculative": spec.to_dict()}
     acc = [o.metrics.accepted_prediction_tokens for o in outs if o.metrics is not None]
     if any(a is not None for a in acc):
         out["completion_tokens_details"] = {
@@ -311,3 +359,57 @@ def usage(outs: list[RequestOutput], n: int = 1) -> dict:
 
 def sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+#: what -inf becomes in JSON (strict JSON has no infinities; vLLM's value)
+LOGPROB_FLOOR = -9999.0
+
+
+def _lp(v: float) -> float:
+    return max(v, LOGPROB_FLOOR)
+
+
+def _top(pos: PositionLogprobs, k: int) -> list[tuple[int, "Any"]]:
+    """The k most likely entries of a position, best first."""
+    return sorted(((t, e) for t, e in pos.items() if e.rank is not None and e.rank <= k),
+                  key=lambda te: te[1].rank)[:k]
+
+
+def completion_logprobs(token_ids: list[int], positions: list[PositionLogprobs | None], k: int,
+                        text_offset: int) -> dict:
+    """OpenAI's completions ``logprobs`` object for these tokens (a None position: the first
+    prompt token, which has none); offsets count characters from ``text_offset``."""
+    tokens, values, tops, offsets = [], [], [], []
+    for t, pos in zip(token_ids, positions):
+        text = "" if pos is None else (pos[t].decoded_token or "")
+        tokens.append(text)
+        values.append(None if pos is None else _lp(pos[t].logprob))
+        top: dict[str, float] | None = None
+        if pos is not None:   # keyed by text: tokens with the same text keep the most likely one's value
+            top = {}
+            for _, e in _top(pos, k):
+                top.setdefault(e.decoded_token or "", _lp(e.logprob))
+        tops.append(top)
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(token_ids: list[int], positions: list[PositionLogprobs], k: int) -> dict:
+    """OpenAI's chat ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+    def entry(text: str | None, v: float) -> dict:
+        text = text or ""
+        return {"token": text, "logprob": _lp(v), "bytes": list(text.encode("utf-8", "replace"))}
+
+    return {"content": [{**entry(pos[t].decoded_token, pos[t].logprob),
+                         "top_logprobs": [entry(e.decoded_token, e.logprob) for _, e in _top(pos, k)]}
+                        for t, pos in zip(token_ids, positions)]}
+
+
+def prompt_logprobs_json(positions: list[PositionLogprobs | None] | None) -> list | None:
+    """vLLM's ``prompt_logprobs``: per prompt token None (the first) or {id: {logprob, rank, decoded_token}}."""
+    if positions is None:
+        return None
+    return [None if pos is None else {str(t): {"logprob": _lp(e.logprob), "rank": e.rank,
+                                               "decoded_token": e.decoded_token} for t, e in pos.items()}
+            for pos in positions]

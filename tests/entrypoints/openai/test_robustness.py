@@ -54,12 +54,20 @@ BAD = [  # (path, body, param or message fragment)
     (C, {"prompt": "x", "max_tokens": 4, "temperature": 1.0, "repetition_penalty": 1e-300}, "repetition_penalty"),
     (C, {"prompt": "x", "repetition_penalty": 1e300}, "repetition_penalty"),
     (C, {"prompt": "x", "min_tokens": 2, "stop_token_ids": [100000]}, "stop_token_ids"),
-    (C, {"prompt": "x", "logit_bias": {"5": 10}}, "logit_bias"),
+    (C, {"prompt": "x", "logit_bias": {"five": 10}}, "logit_bias"),
+    (C, {"prompt": "x", "logit_bias": {"100000": 10}}, "logit_bias"),
+    (C, {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+    (C, {"prompt": "x", "allowed_token_ids": [5, 100000]}, "allowed_token_ids"),
+    (C, {"prompt": "x", "bad_words": [""]}, "bad_words"),
+    (C, {"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    (C, {"prompt": "x", "truncate_prompt_tokens": 100000}, "truncate_prompt_tokens"),
     (C, {"prompt": "x", "best_of": 3}, "best_of"),
     (C, {"prompt": "x", "suffix": "end"}, "suffix"),
-    (C, {"prompt": "x", "logprobs": 0}, "logprobs"),
+    (C, {"prompt": "x", "logprobs": 21}, "logprobs"),
+    (C, {"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs"),
     (C, {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
-    (C, {"prompt": "x", "echo": True, "stream": True}, "echo"),
+    (CH, {"messages": [{"role": "user", "content": "hi"}], "echo": True}, "echo"),
+    (CH, {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     (C, {"prompt": "x", "n": 16, "max_tokens": 2} | {"prompt": ["a", "b", "c"]}, "sequences"),
     (CH, {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "text"),
     (CH, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
@@ -71,7 +79,6 @@ BAD = [  # (path, body, param or message fragment)
     (C, {"prompt": [[1, 2], [3, 10**6]], "stream": True}, "prompt 1"),
     (C, {"prompt": [[1, 2], []]}, "prompt 1"),
     (C, {"prompt": "\ud800"}, "tokenize"),                     # a lone UTF-16 surrogate (found by fuzzing)
-    (C, {"prompt": "x", "model": "tiny\ud800"}, "model"),      # echoed in the message: escaped, not a 500
 ]
 
 

@@ -151,7 +151,8 @@ def test_disconnect_frees_kv(server):
 
 
 BAD = [
-    ("/v1/completions", {"model": "nope", "prompt": "x"}, 400, "model"),
+    ("/v1/completions", {"model": "nope", "prompt": "x"}, 404, "model"),
+    ("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 10**9}, 400, "max_tokens"),
     ("/v1/completions", {"model": "tiny", "prompt": "x " * 400, "max_tokens": 5}, 400, "prompt"),

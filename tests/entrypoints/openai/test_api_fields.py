@@ -1,0 +1,189 @@
+"""The OpenAI/vLLM fields a client written for vLLM sends, through the official openai client
+against a real server with speculation on (ngram): logprobs (completions and chat, streaming
+and not, echo, prompt_logprobs), token rules, return_token_ids, truncation, usage details,
+continuous usage stats, include_stop_str_in_output, 404 for an unknown model, /tokenize,
+/detokenize, /version and /v1/models."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from leapfrog import LLM, SamplingParams
+
+PROMPT = "def foo(x):\n    return"
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir):
+    return LLM(model=str(llama_dir), dtype="float32", max_model_len=256)
+
+
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+
+def ref_out(reference, prompt, **kw):
+    sp = SamplingParams(**{"temperature": 0, "max_tokens": 16, "ignore_eos": True, **kw})
+    return reference.generate(prompt, sp, use_tqdm=False)[0]
+
+
+def test_completion_logprobs_equal_offline_without_speculation(server, reference):
+    r = client(server).completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0, logprobs=3,
+                                          extra_body={"ignore_eos": True, "return_token_ids": True})
+    ch = r.choices[0]
+    ref = ref_out(reference, PROMPT, logprobs=3)
+    c = ref.outputs[0]
+    assert ch.text == c.text and ch.model_extra["token_ids"] == c.token_ids
+    lp = ch.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 16
+    joined = "".join(lp.tokens)
+    assert joined == ch.text or "\ufffd" in joined   # a token that is part of a UTF-8 character decodes to U+FFFD
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(16)]
+    for i, t in enumerate(c.token_ids):
+        assert lp.token_logprobs[i] == pytest.approx(c.logprobs[i][t].logprob, abs=1e-4)
+        assert len(lp.top_logprobs[i]) <= 3 and max(lp.top_logprobs[i].values()) == pytest.approx(
+            lp.token_logprobs[i], abs=1e-4)   # greedy: the chosen token is the most likely
+    assert ch.model_extra["prompt_token_ids"] == ref.prompt_token_ids
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_echo_with_logprobs_and_token_prompts_streaming_and_not(server, reference):
+    c = client(server)
+    ids = reference.get_tokenizer().encode(PROMPT)
+    whole = c.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0, echo=True, logprobs=1,
+                                 extra_body={"ignore_eos": True})
+    ch = whole.choices[0]
+    ref = ref_out(reference, PROMPT, max_tokens=8)
+    prompt_text = reference.get_tokenizer().decode(ids)
+    assert ch.text == prompt_text + ref.outputs[0].text
+    lp = ch.logprobs
+    assert len(lp.tokens) == len(ids) + 8 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None for v in lp.token_logprobs[1:])
+    chunks = list(c.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0, echo=True, logprobs=1,
+                                       stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(x.choices[0].text for x in chunks if x.choices) == ch.text
+    streamed = [v for x in chunks if x.choices and x.choices[0].logprobs for v in x.choices[0].logprobs.token_logprobs]
+    assert len(streamed) == len(lp.token_logprobs) and streamed[0] is None
+    assert streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-6)
+    offsets = [o for x in chunks if x.choices and x.choices[0].logprobs for o in x.choices[0].logprobs.text_offset]
+    assert offsets == lp.text_offset
+
+
+def test_chat_logprobs_streaming_and_not(server):
+    c = client(server)
+    msgs = [{"role": "user", "content": "write a loop"}]
+    r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0, logprobs=True,
+                                  top_logprobs=2, extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    joined = "".join(e.token for e in content)
+    assert len(content) == 12 and (joined == r.choices[0].message.content or "\ufffd" in joined)
+    for e in content:
+        assert len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob == pytest.approx(e.logprob, abs=1e-6)
+        assert bytes(e.bytes).decode("utf-8", "replace") == e.token
+    chunks = list(c.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0, logprobs=True,
+                                            top_logprobs=2, stream=True, extra_body={"ignore_eos": True}))
+    streamed = [e for x in chunks if x.choices and x.choices[0].logprobs for e in x.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-6)
+    # without logprobs: none
+    r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, temperature=0)
+    assert r.choices[0].logprobs is None
+
+
+def test_prompt_logprobs(server, reference):
+    r = client(server).completions.create(model="tiny", prompt=PROMPT, max_tokens=2, temperature=0,
+                                          extra_body={"prompt_logprobs": 2})
+    plp = r.choices[0].model_extra["prompt_logprobs"]
+    ids = reference.get_tokenizer().encode(PROMPT)
+    ref = ref_out(reference, PROMPT, max_tokens=2, prompt_logprobs=2).prompt_logprobs
+    assert plp[0] is None and len(plp) == len(ids)
+    for j in range(1, len(ids)):
+        assert plp[j][str(ids[j])]["logprob"] == pytest.approx(ref[j][ids[j]].logprob, abs=1e-4)
+        assert plp[j][str(ids[j])]["rank"] == ref[j][ids[j]].rank
+
+
+def test_token_rules_and_truncation(server, reference):
+    c = client(server)
+    r = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, logit_bias={"42": 100},
+                             extra_body={"return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"] == [42] * 6
+    r = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0.9, seed=1,
+                             extra_body={"allowed_token_ids": [40, 41, 42], "return_token_ids": True})
+    assert set(r.choices[0].model_extra["token_ids"]) <= {40, 41, 42}
+    base = ref_out(reference, PROMPT, max_tokens=10)
+    tok = reference.get_tokenizer()   # a generated token whose text tokenizes back to it
+    word = next(w for t in base.outputs[0].token_ids
+                if (w := tok.decode([t])).strip() and tok.encode(w, add_special_tokens=False) == [t])
+    r = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0,
+                             extra_body={"bad_words": [word], "ignore_eos": True})
+    assert r.choices[0].text != base.outputs[0].text
+    want = ref_out(reference, PROMPT, max_tokens=10, bad_words=[word])
+    assert r.choices[0].text == want.outputs[0].text
+    long = "x = 1\n" * 100
+    r = c.completions.create(model="tiny", prompt=long, max_tokens=4, extra_body={"truncate_prompt_tokens": 20})
+    assert r.usage.prompt_tokens == 20
+    r = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, n=2, best_of=2, temperature=1.0,
+                             user="someone")
+    assert len(r.choices) == 2
+
+
+def test_continuous_usage_and_stop_token_text(server, reference):
+    c = client(server)
+    chunks = list(c.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, stream=True,
+                                       stream_options={"include_usage": True, "continuous_usage_stats": True},
+                                       extra_body={"ignore_eos": True}))
+    with_choices = [x for x in chunks if x.choices]
+    assert all(x.usage is not None for x in with_choices)
+    counts = [x.usage.completion_tokens for x in with_choices]
+    assert counts == sorted(counts) and counts[-1] == 8 and chunks[-1].usage.completion_tokens == 8
+    # include_stop_str_in_output with a stop token: its text stays in the output (vLLM)
+    base = ref_out(reference, PROMPT, max_tokens=8)
+    tok = reference.get_tokenizer()
+    ids = base.outputs[0].token_ids   # a stop token with whole characters for text
+    i = next(i for i in range(1, 8) if ids[i] not in ids[:i] and tok.decode([ids[i]]).strip()
+             and "\ufffd" not in tok.decode([ids[i]]))
+    stop, texts = ids[i], []
+    for include in (False, True):
+        r = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0,
+                                 extra_body={"stop_token_ids": [stop], "include_stop_str_in_output": include,
+                                             "return_token_ids": True})
+        assert r.choices[0].model_extra["token_ids"] == ids[:i + 1] and r.choices[0].stop_reason == stop
+        texts.append(r.choices[0].text)
+        assert texts[-1] == ref_out(reference, PROMPT, max_tokens=8, stop_token_ids=[stop],
+                                    include_stop_str_in_output=include).outputs[0].text
+    assert len(texts[1]) > len(texts[0]) and texts[1].endswith(tok.decode([stop]).strip())
+
+
+def test_unknown_model_is_404(server):
+    with pytest.raises(openai.NotFoundError):
+        client(server).completions.create(model="nope", prompt="x", max_tokens=2)
+    r = httpx.post(server.url + "/v1/completions", content=json.dumps({"model": "tiny\ud800", "prompt": "x"}),
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_tokenize_detokenize_version_models(server, reference):
+    tok = reference.get_tokenizer()
+    r = httpx.post(server.url + "/tokenize", json={"model": "tiny", "prompt": PROMPT, "return_token_strs": True})
+    body = r.json()
+    assert r.status_code == 200 and body["tokens"] == tok.encode(PROMPT) and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == 256 and len(body["token_strs"]) == body["count"]
+    plain = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT, "add_special_tokens": False}).json()
+    assert plain["tokens"] == tok.encode(PROMPT, add_special_tokens=False)
+    chat = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["count"] > 0
+    r = httpx.post(server.url + "/detokenize", json={"tokens": body["tokens"]})
+    assert r.json()["prompt"] == tok.decode(body["tokens"])
+    for bad in ({"tokens": [10**6]}, {"tokens": "x"}):
+        assert httpx.post(server.url + "/detokenize", json=bad).status_code == 400
+    for bad in ({}, {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, {"prompt": "x", "oops": 1}):
+        assert httpx.post(server.url + "/tokenize", json=bad).status_code == 400
+    assert httpx.post(server.url + "/tokenize", json={"model": "nope", "prompt": "x"}).status_code == 404
+    from leapfrog import __version__
+    assert httpx.get(server.url + "/version").json() == {"version": __version__}
+    m = client(server).models.list().data[0]
+    assert m.id == "tiny" and m.model_extra["root"] and m.model_extra["max_model_len"] == 256
