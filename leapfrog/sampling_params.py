@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from leapfrog.errors import ConfigError
+from leapfrog.sampling.grammar import StructuredOutputsParams
 
 #: temperatures below this are greedy (vLLM's _SAMPLING_EPS)
 SAMPLING_EPS = 1e-5
@@ -77,6 +78,10 @@ class SamplingParams:
     so far ends with the word's other tokens (each word with and without a leading space)."""
     truncate_prompt_tokens: int | None = None
     """Keep only the last k prompt tokens (k >= 1; -1 = as many as the context allows)."""
+    structured_outputs: StructuredOutputsParams | dict | None = None
+    """A grammar the output must follow (JSON schema, regex, choice, Lark/GBNF grammar, any JSON
+    object; a dict is read as StructuredOutputsParams' fields). With speculation the mask applies
+    to drafts and target alike (sampling/grammar.py); the output always parses."""
     prediction: str | list[int] | None = None
     """Predicted output (OpenAI's ``prediction``): text (or token ids) the output is expected to
     mostly repeat, e.g. the file being edited. Drafts come from it, whatever the engine's
@@ -155,6 +160,14 @@ class SamplingParams:
         if words is not None and (not isinstance(words, (list, tuple))
                                   or any(not isinstance(w, str) or not w.strip() for w in words)):
             raise bad("bad_words", "must be a list of non-empty strings")
+        so = self.structured_outputs
+        if isinstance(so, dict):
+            try:
+                self.structured_outputs = so = StructuredOutputsParams(**so)
+            except TypeError as e:
+                raise bad("structured_outputs", f"unknown field ({e})") from None
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams or a dict of its fields")
         k = self.truncate_prompt_tokens
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or (k < 1 and k != -1)):
             raise bad("truncate_prompt_tokens", "must be None, -1 (as much as fits) or a positive integer")
@@ -174,8 +187,9 @@ class SamplingParams:
 
     @property
     def has_token_rules(self) -> bool:
-        """Token-level rules change the logits: logit_bias, allowed_token_ids, bad_words."""
-        return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words)
+        """Token-level rules change the logits: logit_bias, allowed_token_ids, bad_words, a grammar."""
+        return (bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words)
+                or self.structured_outputs is not None)
 
     @property
     def plain_argmax(self) -> bool:

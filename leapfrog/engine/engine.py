@@ -79,6 +79,7 @@ class LLMEngine:
         self.proposer: Any = None
         #: drafts for requests that carry a prediction (SamplingParams.prediction), whatever the config
         self.predictor = PredictionProposer()
+        self._grammars: Any = None   # structured outputs' GrammarCompiler, built at the first such request
         #: test-only fault injection: called with the requests of every sampling call; raising
         #: there simulates a failure in one request's sampling (tests/engine/test_isolation.py)
         self.fault_injector: Callable[[list[Request]], None] | None = None
@@ -162,10 +163,19 @@ class LLMEngine:
             if set(params.allowed_token_ids) <= never:
                 raise RequestError("every one of allowed_token_ids is banned (by a one-token bad word, or as a stop "
                                    "token under min_tokens): no token is left to generate", param="allowed_token_ids")
+        grammar = None
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise RequestError("structured outputs need a tokenizer (skip_tokenizer_init=True was set)",
+                                   param="structured_outputs")
+            if self._grammars is None:
+                from leapfrog.sampling.grammar import GrammarCompiler
+                self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
+            grammar = self._grammars.matcher(params.structured_outputs)
         req = Request(request_id, prompt, prompt_ids, params, gen, detok, self.eos_ids,
                       max_tokens=min(params.max_tokens or room, room), index=index,
                       num_speculative_tokens=num_speculative_tokens, seed_key=key, prediction_ids=prediction_ids,
-                      bad_word_ids=bad_word_ids)
+                      bad_word_ids=bad_word_ids, grammar=grammar)
         req.metrics.num_prompt_tokens = len(prompt_ids)
         self.requests[request_id] = req
         self.scheduler.add(req)
@@ -586,6 +596,8 @@ class LLMEngine:
                 req.cumulative_logprob += logprobs[i][t].logprob
             req.metrics.num_generated_tokens += 1
             n = len(req.output_ids)
+            if req.grammar is not None and t not in req.stop_ids:
+                req.grammar.advance(t)
             if t in req.stop_ids:  # never sampled before min_tokens: the sampler suppresses them
                 if p.include_stop_str_in_output and req.detok is not None:
                     req.detok.add(t, check_stop=False)   # its text (vLLM; none for special tokens when skipped)
@@ -595,6 +607,8 @@ class LLMEngine:
                 matched = req.detok.add(t, check_stop=n >= p.min_tokens)
                 if matched is not None:
                     req.finish_reason, req.stop_reason = "stop", matched
+            if req.finish_reason is None and req.grammar is not None and req.grammar.finished:
+                req.finish_reason = "stop"   # the grammar admits nothing more (the rest of a step is dropped)
             if req.finish_reason is None and (n >= req.max_tokens or req.num_tokens >= self.max_model_len):
                 req.finish_reason = "length"
             if req.finish_reason is not None:

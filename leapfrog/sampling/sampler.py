@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from leapfrog.sampling import processors as P
+from leapfrog.sampling.grammar import GrammarState
 from leapfrog.sampling_params import SamplingParams
 
 
@@ -26,6 +27,7 @@ class RowSpec:
     output_ids: Sequence[int]        # generated tokens before this row (drafts included)
     stop_ids: tuple[int, ...] = ()   # EOS + stop_token_ids, suppressed while < min_tokens
     bad_word_ids: tuple[tuple[int, ...], ...] = ()   # bad_words, tokenized (Request.bad_word_ids)
+    grammar: GrammarState | None = None   # structured outputs: the request's matcher (sampling/grammar.py)
 
 
 @dataclass
@@ -83,8 +85,8 @@ def build_rows(specs: Sequence[RowSpec], vocab_size: int, device: torch.device |
 
 def _token_rules(specs: Sequence[RowSpec], vocab_size: int, device: torch.device | str
                  ) -> tuple[Tensor | None, tuple[Tensor, Tensor, Tensor] | None]:
-    """Per-row masks (allowed_token_ids, bad_words ending here, stop tokens under min_tokens)
-    and logit_bias entries; (None, None) when no row has any."""
+    """Per-row masks (a grammar, allowed_token_ids, bad_words ending here, stop tokens under
+    min_tokens) and logit_bias entries; (None, None) when no row has any."""
     masked = None
     bias_rows: list[int] = []
     bias_ids: list[int] = []
@@ -98,12 +100,18 @@ def _token_rules(specs: Sequence[RowSpec], vocab_size: int, device: torch.device
             n = len(word) - 1
             if n == 0 or (len(s.output_ids) >= n and list(s.output_ids[len(s.output_ids) - n:]) == list(word[:n])):
                 ban.append(word[-1])
-        if ban or p.allowed_token_ids is not None:
+        allowed = None
+        if s.grammar is not None:   # the grammar's state after the committed output and this row's drafts
+            allowed = s.grammar.allowed(list(s.output_ids[s.grammar.num_consumed:]))
+        if ban or p.allowed_token_ids is not None or allowed is not None:
             if masked is None:
                 masked = torch.zeros(len(specs), vocab_size, dtype=torch.bool, device=device)
+            if allowed is not None:
+                masked[i] = ~allowed.to(device)
             if p.allowed_token_ids is not None:
-                masked[i] = True
-                masked[i, torch.tensor(p.allowed_token_ids, dtype=torch.long, device=device)] = False
+                outside = torch.ones(vocab_size, dtype=torch.bool, device=device)
+                outside[torch.tensor(p.allowed_token_ids, dtype=torch.long, device=device)] = False
+                masked[i] |= outside
             if ban:
                 masked[i, torch.tensor(ban, dtype=torch.long, device=device)] = True
         if p.logit_bias:

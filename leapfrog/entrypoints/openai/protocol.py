@@ -75,6 +75,13 @@ class _Sampling(_Base):
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
     return_token_ids: bool = False
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* fields
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_Sampling):

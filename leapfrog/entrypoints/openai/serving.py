@@ -14,6 +14,7 @@ from leapfrog.entrypoints.openai.metrics import ServerMetrics
 from leapfrog.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest, _Sampling
 from leapfrog.errors import ConfigError, RequestError
 from leapfrog.outputs import PositionLogprobs, RequestOutput, SpecMetrics
+from leapfrog.sampling.grammar import StructuredOutputsParams
 from leapfrog.sampling_params import SamplingParams
 
 
@@ -90,6 +91,7 @@ class OpenAIServing:
                 raise APIError(400, "logit_bias keys must be token ids (integers as strings)",
                                param="logit_bias") from None
         kw: dict[str, Any] = dict(
+            structured_outputs=self.structured_outputs(req),
             n=req.n, max_tokens=max_tokens, stop=req.stop, seed=req.seed, presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
             stop_token_ids=req.stop_token_ids, skip_special_tokens=req.skip_special_tokens,
@@ -107,6 +109,41 @@ class OpenAIServing:
         except ConfigError as e:
             param = str(e).split("=")[0].removeprefix("SamplingParams.")
             raise APIError(400, str(e), param=param) from None
+
+    def structured_outputs(self, req: _Sampling) -> StructuredOutputsParams | None:
+        """The one constraint of response_format, structured_outputs or guided_* (more than one: 400)."""
+        given: list[tuple[str, dict]] = []
+        rf = req.response_format
+        if rf is not None:
+            kind = rf.get("type")
+            if kind == "json_object":
+                given.append(("response_format", {"json_object": True}))
+            elif kind == "json_schema":
+                spec = rf.get("json_schema")
+                schema = spec.get("schema", spec.get("json_schema")) if isinstance(spec, dict) else None
+                if not isinstance(schema, dict):
+                    raise APIError(400, "response_format json_schema needs json_schema.schema (an object)",
+                                   param="response_format")
+                given.append(("response_format", {"json": schema}))
+            elif kind != "text":
+                raise APIError(400, f"response_format type {kind!r}: use 'text', 'json_object' or 'json_schema'",
+                               param="response_format")
+        if req.structured_outputs is not None:
+            given.append(("structured_outputs", dict(req.structured_outputs)))
+        for name in ("json", "regex", "choice", "grammar"):
+            v = getattr(req, f"guided_{name}")
+            if v is not None:
+                given.append((f"guided_{name}", {name: v}))
+        if not given:
+            return None
+        if len(given) > 1:
+            raise APIError(400, f"give one structured output constraint, not {[g for g, _ in given]}",
+                           param=given[1][0])
+        field, kw = given[0]
+        try:
+            return StructuredOutputsParams(**kw)
+        except (ConfigError, TypeError) as e:
+            raise APIError(400, f"{field}: {e}", param=field) from None
 
     def spec_tokens(self, req: _Sampling) -> int | None:
         if req.speculative is None:
@@ -315,11 +352,9 @@ def _unused(*values: Any) -> Callable[[Any], bool]:
 # OpenAI/vLLM fields that would change the answer and are not implemented yet -> 400, with the
 # values that mean "not used" (which are accepted).
 _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "suffix": _unused(""), "response_format": lambda v: v is None or (
-        isinstance(v, dict) and v.get("type") == "text"),
+    "suffix": _unused(""),
     "tools": _unused([]), "tool_choice": _unused("none"), "functions": _unused([]),
-    "function_call": _unused("none"), "guided_json": _unused(), "guided_regex": _unused(),
-    "guided_choice": _unused(), "guided_grammar": _unused(), "structured_outputs": _unused(),
+    "function_call": _unused("none"), "guided_decoding_backend": _unused(), "guided_whitespace_pattern": _unused(),
     "logits_processors": _unused([]), "use_beam_search": _unused(False),
     "audio": _unused(), "modalities": _unused(["text"]), "echo": _unused(False), "add_special_tokens": _unused(),
     "continue_final_message": _unused(False), "chat_template": _unused(),

@@ -7,6 +7,7 @@ continuous usage stats, include_stop_str_in_output, 404 for an unknown model, /t
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import openai
@@ -187,3 +188,38 @@ def test_tokenize_detokenize_version_models(server, reference):
     assert httpx.get(server.url + "/version").json() == {"version": __version__}
     m = client(server).models.list().data[0]
     assert m.id == "tiny" and m.model_extra["root"] and m.model_extra["max_model_len"] == 256
+
+
+def test_structured_outputs(server):
+    from tests.sampling.test_structured import SCHEMA, valid
+    c = client(server)
+    msgs = [{"role": "user", "content": "a user record"}]
+    for seed in range(3):
+        r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=64, temperature=0.8, seed=seed,
+                                      response_format={"type": "json_schema",
+                                                       "json_schema": {"name": "rec", "schema": SCHEMA, "strict": True}})
+        assert r.choices[0].finish_reason == "stop" and valid("json", r.choices[0].message.content)
+    r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=64, temperature=0,
+                                  response_format={"type": "json_object"})
+    text = r.choices[0].message.content
+    assert r.choices[0].finish_reason != "stop" or isinstance(json.loads(text), dict)
+    assert text.startswith("{")
+    r = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, extra_body={"structured_outputs": {
+        "choice": ["yes", "no"]}})
+    assert r.choices[0].text in ("yes", "no")
+    r = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, extra_body={"guided_regex": "[ab]{3}-[0-9]"})
+    assert re.fullmatch(r"[ab]{3}-[0-9]", r.choices[0].text)
+    chunks = list(c.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, stream=True,
+                                       extra_body={"guided_choice": ["left", "right"]}))
+    assert "".join(x.choices[0].text for x in chunks if x.choices) in ("left", "right")
+    for body, param in (({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                                       "schema": {"type": "nope"}}}},
+                         "structured_outputs"),
+                        ({"response_format": {"type": "xml"}}, "response_format"),
+                        ({"response_format": {"type": "json_schema"}}, "response_format"),
+                        ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+                        ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
+                        ({"structured_outputs": {"jsn": {}}}, "structured_outputs")):
+        r = httpx.post(server.url + "/v1/chat/completions",
+                       json={"model": "tiny", "messages": msgs, "max_tokens": 4, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)

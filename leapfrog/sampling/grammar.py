@@ -1,0 +1,147 @@
+"""Structured outputs: a grammar (JSON schema, regex, choice, Lark/GBNF grammar) as a token mask,
+built on llguidance (https://github.com/guidance-ai/llguidance: Earley parsing over the
+tokenizer's token trie, with rollback).
+
+Speculation: a row's mask is the grammar's allowed set after the request's committed output
+plus the row's drafted tokens, so the draft's q and the target's p are masked alike at every
+drafted position, and greedy or sampled verification then accepts only tokens the grammar
+allows. The matcher advances only through committed tokens; a row's drafts are consumed to
+read its mask and rolled back at once (``GrammarState.allowed``). A row after a draft token
+the grammar refuses is unreachable (the target gives that token probability 0): it gets no
+mask.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from leapfrog.errors import ConfigError, RequestError
+
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """vLLM's StructuredOutputsParams: exactly one constraint.
+
+    json: a JSON schema (dict or its JSON text); regex: a regular expression the whole output
+    matches; choice: the output is one of these strings; grammar: a Lark grammar (llguidance's
+    dialect) or a GBNF one (``::=`` rules, llama.cpp's format); json_object: any JSON object.
+    """
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ConfigError(f"structured outputs take exactly one of {list(KINDS)}; got {given or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ConfigError("structured outputs: json must be a JSON schema (an object, or its JSON text)")
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            raise ConfigError("structured outputs: regex must be a non-empty string")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or any(not isinstance(c, str) or not c for c in self.choice)):
+            raise ConfigError("structured outputs: choice must be a non-empty list of non-empty strings")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
+            raise ConfigError("structured outputs: grammar must be a non-empty string")
+        if not isinstance(self.json_object, bool):
+            raise ConfigError("structured outputs: json_object must be true or false")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    def llguidance_grammar(self) -> str:
+        """The constraint as an llguidance grammar (its JSON wrapper format)."""
+        import llguidance
+        M = llguidance.LLMatcher
+        # JSON without free whitespace between tokens (vLLM's disable_any_whitespace): free
+        # whitespace lets a small model spend its whole budget on blanks, and the text never parses
+        compact = {"whitespace_flexible": False}
+        if self.json is not None:
+            schema = self.json if isinstance(self.json, str) else json.dumps(self.json)
+            return M.grammar_from_json_schema(schema, defaults=compact)
+        if self.json_object:
+            return M.grammar_from_json_schema(json.dumps({"type": "object"}), defaults=compact)
+        if self.regex is not None:
+            return M.grammar_from_regex(self.regex)
+        if self.choice is not None:   # Lark string literals take JSON's escapes
+            return M.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choice))
+        g = self.grammar or ""
+        if "::=" in g:
+            from llguidance.gbnf_to_lark import gbnf_to_lark
+            g = gbnf_to_lark(g)
+        return M.grammar_from_lark(g)
+
+
+class GrammarCompiler:
+    """Per engine: the tokenizer as llguidance sees it (built once), and matchers per request."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        import llguidance.hf
+        self.ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer)
+        self.vocab_size = vocab_size   # the model's (may exceed the tokenizer's: padding ids, never allowed)
+
+    def matcher(self, params: StructuredOutputsParams, field: str = "structured_outputs") -> "GrammarState":
+        """A fresh matcher; a constraint that does not compile is the request's fault."""
+        import llguidance
+        try:
+            grammar = params.llguidance_grammar()
+            m = llguidance.LLMatcher(self.ll_tokenizer, grammar)
+        except Exception as e:  # noqa: BLE001 - llguidance raises ValueError and others on bad input
+            raise RequestError(f"invalid {params.kind} constraint: {e}", param=field) from None
+        if m.is_error():
+            raise RequestError(f"invalid {params.kind} constraint: {m.get_error()}", param=field)
+        return GrammarState(m, self.ll_tokenizer.vocab_size, self.vocab_size)
+
+
+class GrammarState:
+    """One request's matcher, advanced through its committed output tokens."""
+
+    def __init__(self, matcher: Any, tokenizer_vocab: int, vocab_size: int) -> None:
+        import llguidance.torch as lt
+        self.m = matcher
+        self.num_consumed = 0
+        self._bitmask = lt.allocate_token_bitmask(1, tokenizer_vocab)   # [1, ceil(Vt / 32)] int32
+        self._Vt, self._V = tokenizer_vocab, vocab_size
+        self._bits = torch.arange(32, dtype=torch.int32)
+
+    def allowed(self, extra: Sequence[int] = ()) -> Tensor | None:
+        """[V] bool: the tokens the grammar allows after the committed output plus ``extra``
+        (drafted tokens, rolled back before returning); None when the grammar refuses one of
+        ``extra`` (the row is unreachable) or has ended (nothing to mask: the request stops)."""
+        import llguidance.torch as lt
+        n = 0
+        if extra:
+            n = self.m.try_consume_tokens(list(extra))
+        try:
+            if n < len(extra) or self.m.is_stopped():
+                return None
+            lt.fill_next_token_bitmask(self.m, self._bitmask, 0)
+        finally:
+            if n:
+                self.m.rollback(n)
+        words = self._bitmask[0]                                               # [ceil(Vt / 32)]
+        bits = ((words[:, None] >> self._bits) & 1).bool().flatten()[:self._Vt]  # [Vt]
+        if self._V > self._Vt:
+            bits = torch.cat([bits, bits.new_zeros(self._V - self._Vt)])
+        return bits[:self._V]
+
+    def advance(self, token_id: int) -> None:
+        """Commit one generated token (the sampler only draws allowed ones)."""
+        if not self.m.consume_token(token_id):
+            raise RuntimeError(f"the grammar refused committed token {token_id}: {self.m.get_error()}")
+        self.num_consumed += 1
+
+    @property
+    def finished(self) -> bool:
+        """The grammar admits no further token (only the end of the output)."""
+        return self.m.is_stopped()
