@@ -15,31 +15,33 @@ def _generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text for a prompt or a file of prompts")
     p.add_argument("prompt", nargs="?", help="prompt text (default: a Python snippet)")
     p.add_argument("--model", default=None, help="HF directory or hub id (default: the built-in demo model)")
-    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id (default: the model's)")
     p.add_argument("--prompts-file", default=None, help="a text file, one prompt per line (or JSONL with 'prompt')")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and compute dtype (auto: the checkpoint's)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    p.add_argument("--seed", type=int, default=0, help="seeds requests that carry no seed")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context length, prompt + output (default: the model's, at most 4096)")
+    p.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together (KV cache rows)")
     _add_engine_switches(p)
     p.add_argument("--speculative-config", default=None,
                    help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; "none" turns it off')
     p.add_argument("--compare", action=argparse.BooleanOptionalAction, default=None,
                    help="also run without speculation and print the speedup (default: on for the built-in demo model)")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--min-tokens", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the most likely (0 = off)")
+    p.add_argument("--max-tokens", type=int, default=128, help="new tokens at most")
+    p.add_argument("--min-tokens", type=int, default=0, help="EOS and stop token ids are suppressed before this")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    p.add_argument("--stop-token-ids", type=int, nargs="*", default=None)
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--presence-penalty", type=float, default=0.0)
-    p.add_argument("--frequency-penalty", type=float, default=0.0)
-    p.add_argument("--n", type=int, default=1)
+    p.add_argument("--stop-token-ids", type=int, nargs="*", default=None, help="token ids that end the output")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating after EOS")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help=">1 discourages repeated tokens (1 = off)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="subtracted from tokens already generated")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="subtracted once per earlier occurrence")
+    p.add_argument("--n", type=int, default=1, help="completions per prompt")
 
 
 def _add_engine_switches(p: argparse.ArgumentParser) -> None:
@@ -140,19 +142,29 @@ def cmd_generate(args) -> int:
 def _serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     p.add_argument("model", nargs="?", default=None, help="HF directory or hub id (default: the built-in demo model)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--tokenizer", default=None)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id (default: the model's)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and compute dtype (auto: the checkpoint's)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    p.add_argument("--seed", type=int, default=0, help="seeds requests that carry no seed")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context length, prompt + output (default: the model's, at most 4096)")
+    p.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together (KV cache rows)")
     p.add_argument("--max-waiting", type=int, default=256, help="queued requests beyond this get 503")
     _add_engine_switches(p)
-    p.add_argument("--speculative-config", default=None)
+    p.add_argument("--speculative-config", default=None,
+                   help="JSON, e.g. '{\"method\": \"suffix\", \"num_speculative_tokens\": 24}' (default with the "
+                        "built-in model: its draft model, K=4); 'none' turns speculation off")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set LEAPFROG_API_KEY)")
-    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: the model argument; 'leapfrog-default' for the "
+                        "built-in model)")
+    p.add_argument("--logprobs-mode", default="raw_logprobs",
+                   choices=["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"],
+                   help="what logprobs report: the target's raw distribution (default) or the processed one the "
+                        "sampler draws from")
     p.add_argument("--skip-tokenizer-init", action="store_true",
                    help="no tokenizer: prompts must be token ids (/v1/completions), no chat, no stop strings")
 
@@ -176,7 +188,7 @@ def cmd_serve(args) -> int:
                                     seed=args.seed, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                                     speculative_config=spec, batch_invariant=args.batch_invariant,
                                     enforce_eager=args.enforce_eager, quantization=args.quantization,
-                                    skip_tokenizer_init=args.skip_tokenizer_init))
+                                    skip_tokenizer_init=args.skip_tokenizer_init, logprobs_mode=args.logprobs_mode))
     name = args.served_model_name or (args.model or "leapfrog-default")
     api_key = args.api_key or os.environ.get("LEAPFROG_API_KEY") or None
     app = build_app(engine, name, api_key=api_key, max_waiting=args.max_waiting)
@@ -199,7 +211,7 @@ def cmd_check(args) -> int:
 def _bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="measure speculation (speedup, acceptance, latency) on your own workload")
     p.add_argument("--model", default=None, help="HF directory or hub id (default: the built-in demo model)")
-    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id (default: the model's)")
     p.add_argument("--speculative-config", action="append", default=None,
                    help='JSON (repeatable), e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; '
                         '"none" (no speculation) is always a contender')
@@ -209,17 +221,19 @@ def _bench_parser(sub) -> None:
                         "one made from the built-in model's held-out files: 'rewrite' (with predictions) or "
                         "'variations' (functions repeated with renamed arguments)")
     p.add_argument("--limit", type=int, default=None, help="at most N items per category of each workload")
-    p.add_argument("--temperature", type=float, nargs="+", default=[0.0])
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--batch-size", type=int, nargs="+", default=[1])
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--temperature", type=float, nargs="+", default=[0.0], help="temperatures to measure (0 = greedy)")
+    p.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
+    p.add_argument("--batch-size", type=int, nargs="+", default=[1], help="concurrent requests to measure")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="interleaved rounds per contender (95%% intervals need at least 3)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed requests per contender first")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and compute dtype (auto: the checkpoint's)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's, <= 4096)")
+    p.add_argument("--seed", type=int, default=0, help="engine seed (sampled requests)")
     p.add_argument("--out", default="bench_out", help="folder for bench.json, bench.csv and the plots")
-    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-plots", action="store_true", help="skip the matplotlib plots")
     p.add_argument("--backend", action="append", default=None, choices=["leapfrog", "transformers"],
                    help="transformers: also run each config's transformers counterpart (generate, assisted "
                         "generation with the same draft, prompt lookup) in the same interleaved rounds")
