@@ -161,7 +161,7 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
 
     ``backends`` containing "transformers" adds, per leapfrog contender, its transformers counterpart
     (``leapfrog.bench.hf_backend``) to the same interleaved rounds."""
-    from tqdm.auto import tqdm
+    from leapfrog.progress import progress_bar
 
     from leapfrog import LLM, SamplingParams
 
@@ -237,7 +237,7 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
     peer_rows: list[dict[str, Any]] = []
     n_batches = {bs: sum(math.ceil(len(v) / bs) for v in by_cat.values()) for bs in batch_sizes}
     total = sum(len(temperatures) * repeats * n_batches[bs] * len(names) for bs in batch_sizes)
-    bar = tqdm(total=total, desc="leapfrog bench", disable=not progress, file=sys.stderr)
+    bar = progress_bar(total=total, desc="leapfrog bench", disable=not progress, file=sys.stderr)
     for temp in temperatures:
         sp = SamplingParams(temperature=float(temp), max_tokens=max_tokens, seed=None)
         for bs in batch_sizes:

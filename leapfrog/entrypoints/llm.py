@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, Sequence
 
-from tqdm.auto import tqdm
+from leapfrog.progress import progress_bar
 
 from leapfrog.config import EngineConfig
 from leapfrog.engine.engine import LLMEngine
@@ -142,7 +142,7 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         total = sum(len(g) for g in groups)
         mine = {s for g in groups for s in g}
-        bar = tqdm(total=len(groups), desc="Processed prompts", disable=not show)
+        bar = progress_bar(total=len(groups), desc="Processed prompts", disable=not show)
         done_groups = 0
         try:
             while len(finished) < total:

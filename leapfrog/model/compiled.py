@@ -166,8 +166,8 @@ class CompiledForward:
         t0 = time.perf_counter()
         bar = None
         if progress:
-            from tqdm.auto import tqdm
-            bar = tqdm(total=len(self.buckets), desc="compiling decode/verify graphs", unit="graph",
+            from leapfrog.progress import progress_bar
+            bar = progress_bar(total=len(self.buckets), desc="compiling decode/verify graphs", unit="graph",
                        dynamic_ncols=True)
         dev = self.kv.k[0].device
         scratch = self.kv.scratch_row

@@ -364,8 +364,8 @@ def _bf16(device: torch.device, enabled: bool):
 
 
 def _progress(total: int, initial: int, desc: str):
-    from tqdm.auto import tqdm
-    return tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True,
+    from leapfrog.progress import progress_bar
+    return progress_bar(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True,
                 disable=not sys.stderr.isatty())
 
 

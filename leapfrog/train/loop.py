@@ -108,7 +108,7 @@ def train(model: nn.Module, stream: Tensor, loss_fn: Callable[[nn.Module, Tensor
     ``checkpoint_every`` steps and at the end. ``stop_at`` ends early (a step < cfg.steps)
     without changing the schedule, which is how a long run is split across sessions.
     """
-    from tqdm.auto import tqdm
+    from leapfrog.progress import progress_bar
 
     device = torch.device(cfg.device)
     model.to(device).train()
@@ -116,7 +116,7 @@ def train(model: nn.Module, stream: Tensor, loss_fn: Callable[[nn.Module, Tensor
     ckdir = Path(checkpoint_dir) if checkpoint_dir is not None else None
     state = (load_checkpoint(ckdir, model, opt) if ckdir is not None else None) or TrainState()
     end = min(cfg.steps, stop_at if stop_at is not None else cfg.steps)
-    bar = tqdm(total=end, initial=state.step, desc=desc, unit="step", dynamic_ncols=True)
+    bar = progress_bar(total=end, initial=state.step, desc=desc, unit="step", dynamic_ncols=True)
     while state.step < end:
         for group in opt.param_groups:
             group["lr"] = lr_at(state.step, cfg)
