@@ -168,6 +168,10 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise RequestError("structured outputs need a tokenizer (skip_tokenizer_init=True was set)",
                                    param="structured_outputs")
+            if params.allowed_token_ids is not None or params.bad_words:
+                # their bans could leave no token the grammar allows (found by fuzzing): refused
+                raise RequestError("structured outputs with allowed_token_ids or bad_words are not supported "
+                                   "(together they can leave no token to generate)", param="structured_outputs")
             if self._grammars is None:
                 from leapfrog.sampling.grammar import GrammarCompiler
                 self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size)

@@ -57,6 +57,10 @@ def test_bad_constraints_are_request_errors(plain):
     for so in (dict(json={"type": "nonsense"}), dict(regex="(unclosed"), dict(grammar="start: undefined_rule")):
         with pytest.raises(RequestError, match="constraint"):
             plain.generate("x", SamplingParams(max_tokens=4, structured_outputs=so), use_tqdm=False)
+    for kw in (dict(allowed_token_ids=[0]), dict(bad_words=["LLM"])):   # could leave no token: refused
+        with pytest.raises(RequestError, match="not supported"):
+            plain.generate("x", SamplingParams(max_tokens=4, structured_outputs={"regex": "LLM"}, **kw),
+                           use_tqdm=False)
     # the engine goes on
     assert plain.generate("x", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
 
