@@ -251,12 +251,8 @@ class LLMEngine:
         if params.min_tokens and not params.ignore_eos and len(set(ids) | set(self.eos_ids)) >= self.vocab_size:
             raise RequestError("stop_token_ids and EOS cover the whole vocabulary, so min_tokens leaves no token "
                                "to generate")
-        for name, listed in (("logit_bias", list(params.logit_bias or ())),
-                             ("allowed_token_ids", list(params.allowed_token_ids or ()))):
-            bad = [t for t in listed if not 0 <= t < self.vocab_size]
-            if bad:
-                raise RequestError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
-                                   param=name)
+        self._check_vocab(list(params.logit_bias or ()), "logit_bias")
+        self._check_vocab(list(params.allowed_token_ids or ()), "allowed_token_ids")
         if params.stop_strings and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer (skip_tokenizer_init=True was set); "
                                "use stop_token_ids instead")

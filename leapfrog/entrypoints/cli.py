@@ -15,16 +15,8 @@ def _generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text for a prompt or a file of prompts")
     p.add_argument("prompt", nargs="?", help="prompt text (default: a Python snippet)")
     p.add_argument("--model", default=None, help="HF directory or hub id (default: the built-in demo model)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id (default: the model's)")
     p.add_argument("--prompts-file", default=None, help="a text file, one prompt per line (or JSONL with 'prompt')")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights and compute dtype (auto: the checkpoint's)")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-    p.add_argument("--seed", type=int, default=0, help="seeds requests that carry no seed")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="context length, prompt + output (default: the model's, at most 4096)")
-    p.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together (KV cache rows)")
-    _add_engine_switches(p)
+    _add_engine_args(p)
     p.add_argument("--speculative-config", default=None,
                    help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; "none" turns it off')
     p.add_argument("--compare", action=argparse.BooleanOptionalAction, default=None,
@@ -44,8 +36,16 @@ def _generate_parser(sub) -> None:
     p.add_argument("--n", type=int, default=1, help="completions per prompt")
 
 
-def _add_engine_switches(p: argparse.ArgumentParser) -> None:
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine options shared by generate and serve."""
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id (default: the model's)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and compute dtype (auto: the checkpoint's)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    p.add_argument("--seed", type=int, default=0, help="seeds requests that carry no seed")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context length, prompt + output (default: the model's, at most 4096)")
+    p.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together (KV cache rows)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="every token's logits bitwise independent of the batch: greedy output with speculation "
                         "equals without and any batch equals alone, in bf16 too (slower)")
@@ -144,16 +144,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("model", nargs="?", default=None, help="HF directory or hub id (default: the built-in demo model)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
-    p.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id (default: the model's)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights and compute dtype (auto: the checkpoint's)")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-    p.add_argument("--seed", type=int, default=0, help="seeds requests that carry no seed")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="context length, prompt + output (default: the model's, at most 4096)")
-    p.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together (KV cache rows)")
     p.add_argument("--max-waiting", type=int, default=256, help="queued requests beyond this get 503")
-    _add_engine_switches(p)
+    _add_engine_args(p)
     p.add_argument("--speculative-config", default=None,
                    help="JSON, e.g. '{\"method\": \"suffix\", \"num_speculative_tokens\": 24}' (default with the "
                         "built-in model: its draft model, K=4); 'none' turns speculation off")

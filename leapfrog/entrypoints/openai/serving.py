@@ -75,12 +75,11 @@ class OpenAIServing:
         if max_tokens is not None and max_tokens > self.max_model_len:
             raise APIError(400, f"max_tokens={max_tokens} is larger than the context ({self.max_model_len})",
                            param="max_tokens")
+        prompt_logprobs = req.prompt_logprobs
         if isinstance(req, ChatCompletionRequest):
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
-            prompt_logprobs = req.prompt_logprobs
         else:
             logprobs = req.logprobs
-            prompt_logprobs = req.prompt_logprobs
             if req.echo and logprobs is not None:   # echo with logprobs reports the prompt's too (OpenAI)
                 prompt_logprobs = max(prompt_logprobs or 0, logprobs)
         bias = None
