@@ -67,7 +67,9 @@ class SpecMetrics:
 @dataclass
 class RequestMetrics:
     arrival_time: float
+    first_scheduled_time: float | None = None   # its first prefill chunk ran (the end of queueing)
     first_token_time: float | None = None
+    last_token_time: float | None = None
     finished_time: float | None = None
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
@@ -86,6 +88,24 @@ class RequestMetrics:
     def latency(self) -> float | None:
         return None if self.finished_time is None else self.finished_time - self.arrival_time
 
+    # vLLM's request phases: queue (arrival -> first scheduled), prefill (-> first token),
+    # decode (first token -> finish), inference (first scheduled -> finish); None when not reached
+    @property
+    def queue_time(self) -> float | None:
+        return _span(self.arrival_time, self.first_scheduled_time)
+
+    @property
+    def prefill_time(self) -> float | None:
+        return _span(self.first_scheduled_time, self.first_token_time)
+
+    @property
+    def decode_time(self) -> float | None:
+        return _span(self.first_token_time, self.finished_time)
+
+    @property
+    def inference_time(self) -> float | None:
+        return _span(self.first_scheduled_time, self.finished_time)
+
     # flat views, as in vLLM's per-request spec metrics
     @property
     def num_draft_tokens(self) -> int:
@@ -102,6 +122,21 @@ class RequestMetrics:
     @property
     def mean_acceptance_length(self) -> float | None:
         return self.spec.mean_acceptance_length
+
+
+def _span(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else end - start
+
+
+@dataclass
+class IterationStats:
+    """What one engine step did (vLLM's iteration stats): prompt tokens it prefilled, tokens it
+    appended to outputs, and for each request that got tokens after its first, the time since its
+    previous ones (one inter-token latency per request per step: a verify step that accepts several
+    tokens is one interval, as in vLLM)."""
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    inter_token_latencies: list[float] = field(default_factory=list)
 
 
 @dataclass

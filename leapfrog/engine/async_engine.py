@@ -18,7 +18,7 @@ from typing import AsyncIterator, Callable
 
 from leapfrog.engine.engine import LLMEngine
 from leapfrog.errors import LeapfrogError, RequestError
-from leapfrog.outputs import RequestOutput
+from leapfrog.outputs import IterationStats, RequestOutput
 from leapfrog.sampling_params import SamplingParams
 
 log = logging.getLogger("leapfrog.engine")
@@ -62,6 +62,7 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="leapfrog-engine", daemon=True)
         self.on_finished: Callable[[RequestOutput], None] | None = None
+        self.on_iteration: Callable[[IterationStats], None] | None = None
 
     # ------------------------------------------------------------------ caller side (asyncio)
     def start(self) -> None:
@@ -205,6 +206,11 @@ class AsyncEngine:
                     self._wake.clear()
                     continue
                 outputs = self.engine.step()
+                if self.on_iteration is not None:
+                    try:
+                        self.on_iteration(self.engine.iteration)
+                    except Exception:  # noqa: BLE001 - metrics must not take the engine down
+                        log.exception("on_iteration callback failed")
                 for out in outputs:
                     stream = self._streams.get(out.request_id)
                     if out.finished:

@@ -27,7 +27,7 @@ from leapfrog.model.compiled import can_compile, make_buckets
 from leapfrog.model.loader import load_model, load_tokenizer, read_checkpoint, resolve_dtype
 from leapfrog.model.quant import check_quantization
 from leapfrog.model.runner import ModelRunner, SeqChunk
-from leapfrog.outputs import Logprob, PositionLogprobs, RequestOutput, SpecMetrics
+from leapfrog.outputs import IterationStats, Logprob, PositionLogprobs, RequestOutput, SpecMetrics
 from leapfrog.request import Request
 from leapfrog.sampling import logprobs as lp, sampler
 from leapfrog.sampling_params import SamplingParams
@@ -76,6 +76,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._seed_rng = random.Random(config.seed)
         self.spec_metrics = SpecMetrics()
+        self.iteration = IterationStats()   # the last step's (read by the server's /metrics after each step)
         self.proposer: Any = None
         #: drafts for requests that carry a prediction (SamplingParams.prediction), whatever the config
         self.predictor = PredictionProposer()
@@ -276,6 +277,7 @@ class LLMEngine:
         finish_reason "error" and the others go on as if nothing happened (with seeded and
         greedy requests their output is the same: their randomness is keyed by position)."""
         sched = self.scheduler.schedule()
+        self.iteration = IterationStats()
         self._failed = []
         updated: list[Request] = []
         if sched.prefill:
@@ -339,8 +341,11 @@ class LLMEngine:
         # compute (no request state changes until every request's result is known)
         chunks, done, last_rows, prompt_lps = [], [], [], []
         row = 0
+        now = time.monotonic()
         for req, n in work:
             c = req.num_computed
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
             last = c + n == len(req.prompt_ids)
             # logits rows: every position for prompt_logprobs, else the last prompt token's
             want = n if req.params.prompt_logprobs is not None else int(last)
@@ -367,6 +372,7 @@ class LLMEngine:
             states = None if out.hidden is None else out.hidden[o:o + n]
             self._guarded(req, self._commit, req, req.num_computed + n, None, states)
             o += n
+            self.iteration.num_prompt_tokens += n
         if result is not None:
             now = time.monotonic()
             for b, (req, ids) in enumerate(zip(done, result.output_ids)):
@@ -587,8 +593,13 @@ class LLMEngine:
         """Append verified tokens (and their logprobs) one by one, ending at the first stop (the
         rest are dropped)."""
         p = req.params
+        m, now = req.metrics, time.monotonic()
+        if m.last_token_time is not None:
+            self.iteration.inter_token_latencies.append(now - m.last_token_time)
+        m.last_token_time = now
         for i, t in enumerate(token_ids):
             req.output_ids.append(t)
+            self.iteration.num_generation_tokens += 1
             if logprobs is not None:
                 if req.output_logprobs is None:
                     req.output_logprobs = []

@@ -105,8 +105,9 @@ class Guard:
 def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = None,
               max_waiting: int = 256) -> FastAPI:
     async_engine = AsyncEngine(engine, max_waiting=max_waiting)
-    metrics = ServerMetrics(served_model_name)
+    metrics = ServerMetrics(served_model_name, engine.max_model_len)
     async_engine.on_finished = metrics.request_finished
+    async_engine.on_iteration = metrics.iteration
     serving = OpenAIServing(async_engine, served_model_name, metrics)
 
     @asynccontextmanager

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
@@ -241,9 +240,10 @@ class OpenAIServing:
                 jobs.append((len(jobs), p, one))
         return jobs
 
-    def admit(self, jobs: int) -> Reservation:
+    def admit(self, jobs: int, sp: SamplingParams) -> Reservation:
         """A request of ``jobs`` engine requests (prompts x n) must fit the waiting bound: one that
         never can is a 400 (retrying cannot help); one that cannot now is a 503."""
+        self.metrics.request_params(sp.n, sp.max_tokens)
         limit = self.engine.max_waiting
         if jobs > limit:
             raise APIError(400, f"this request needs {jobs} sequences (prompts x n) but the server queues at most "
@@ -260,7 +260,7 @@ class OpenAIServing:
         the engine (finish_reason "error") makes the whole answer a JSON 500."""
         base = uuid.uuid4().hex
         jobs = self._jobs(prompts, sp)
-        reservation = self.admit(len(jobs))
+        reservation = self.admit(len(jobs), sp)
 
         async def one(idx: int, p: Prompt, s: SamplingParams) -> RequestOutput:
             last = None
@@ -308,11 +308,10 @@ class OpenAIServing:
                 await q.put((idx, e))
 
         jobs = self._jobs(prompts, sp)
-        reservation = self.admit(len(jobs))
+        reservation = self.admit(len(jobs), sp)
         tasks = [asyncio.ensure_future(pump(*j)) for j in jobs]
         sent_text = [0] * len(jobs)
         sent_tok = [0] * len(jobs)
-        last_t = [time.monotonic()] * len(jobs)
         done = 0
         try:
             while done < len(jobs):
@@ -323,10 +322,6 @@ class OpenAIServing:
                 end = len(c.text) if out.finished else max(sent_text[idx], len(c.text) - hold)
                 text = c.text[sent_text[idx]:end]
                 new_tok = len(c.token_ids) - sent_tok[idx]
-                now = time.monotonic()
-                if sent_tok[idx] and new_tok:
-                    self.metrics.observe_itl(now - last_t[idx], new_tok)
-                last_t[idx] = now
                 sent_text[idx], sent_tok[idx] = end, len(c.token_ids)
                 done += out.finished
                 yield idx, out, text, new_tok

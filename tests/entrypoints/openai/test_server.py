@@ -198,12 +198,28 @@ def test_metrics_counters_match_usage(llama_dir):
     with make_server(llama_dir) as s:
         c = client(s)
         total = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
-        for p in PROMPTS[:4]:
+        prompt_tokens = 0
+        for p in PROMPTS[:4]:   # not streamed: the engine measures inter-token latency itself
             r = c.completions.create(model="tiny", prompt=p, max_tokens=30, temperature=0,
                                      extra_body={"ignore_eos": True})
             for k in total:
                 total[k] += r.usage.model_dump()["speculative"][k]
+            prompt_tokens += r.usage.prompt_tokens
         m = metric_values(s.url)
+        # vLLM's request families: token histograms, phases, params; the step family's tokens add up
+        assert m[("leapfrog:request_generation_tokens_sum", ())] == 120
+        assert m[("leapfrog:request_prompt_tokens_sum", ())] == prompt_tokens
+        assert m[("leapfrog:iteration_tokens_total_sum", ())] == prompt_tokens + 120
+        assert m[("leapfrog:request_params_max_tokens_sum", ())] == 120
+        assert m[("leapfrog:request_params_n_count", ())] == 4
+        for phase in ("queue", "prefill", "decode", "inference"):
+            assert m[(f"leapfrog:request_{phase}_time_seconds_count", ())] == 4
+        assert m[("leapfrog:request_inference_time_seconds_sum", ())] == pytest.approx(
+            m[("leapfrog:request_prefill_time_seconds_sum", ())] + m[("leapfrog:request_decode_time_seconds_sum", ())])
+        assert m[("leapfrog:request_time_per_output_token_seconds_count", ())] == 4
+        # one interval per verify step after the first token: between 30/(K+1) - 1 and 29 per request
+        itl = m[("leapfrog:inter_token_latency_seconds_count", ())]
+        assert 4 * (30 // 5 - 1) <= itl <= 4 * 29
         assert total["num_draft_tokens"] > 0
         for k, v in total.items():
             assert m[(f"leapfrog:spec_decode_{k}_total", ())] == v
