@@ -18,6 +18,11 @@ speculative config ("spec"), the same target checkpoint and dtype:
    The check fails if any p-value is below alpha / (number of tests) (Bonferroni), so on a
    correct engine the chance of a false alarm over the whole run is at most alpha.
 
+Sizes: the default (quick) run samples one prompt ``QUICK_SAMPLES`` times per setting and engine
+(about a minute on 2 cores for the built-in pair); ``--thorough`` samples two prompts
+``THOROUGH_SAMPLES`` times. ``detectable_shift`` says what a size can see: the probability mass
+that must move between two tokens for one test to catch it with 80 % power.
+
 The functions are usable from Python: ``check_greedy``, ``check_sampling``, ``run_check``;
 ``cmd_check`` is the command-line shell.
 """
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
@@ -54,6 +60,10 @@ DEFAULT_SETTINGS = [
     "temperature=1.0,top_p=0.9",
     "temperature=1.0,min_p=0.05",
 ]
+
+QUICK_SAMPLES, QUICK_POSITIONS = 400, 1
+THOROUGH_SAMPLES, THOROUGH_POSITIONS = 2000, 2
+POWER = 0.8
 
 _SETTING_KEYS = {"temperature": float, "top_k": int, "top_p": float, "min_p": float,
                  "repetition_penalty": float, "presence_penalty": float, "frequency_penalty": float}
@@ -113,6 +123,9 @@ class CheckReport:
     sampling_spec_metrics: dict[str, Any] = field(default_factory=dict)
     alpha: float = 1e-3
     threshold: float | None = None   # alpha / number of tests
+    detectable_shift: float | None = None   # see detectable_shift(), at the run's median dof
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
     @property
@@ -184,6 +197,17 @@ def _decode(llm, t: int | None) -> str | None:
     return tok.decode([t])
 
 
+def _generate(llm, inputs: list, sp: SamplingParams, bar=None, chunk: int = 128) -> list:
+    """llm.generate in chunks of ``chunk`` sequences, advancing ``bar`` after each."""
+    outs: list = []
+    for i in range(0, len(inputs), chunk):
+        part = inputs[i:i + chunk]
+        outs += llm.generate(part, sp, use_tqdm=False)
+        if bar is not None:
+            bar.update(len(part))
+    return outs
+
+
 def _metrics_delta(llm, before: dict[str, Any]) -> dict[str, Any]:
     now = llm.get_metrics()
     d = {k: now[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
@@ -207,15 +231,29 @@ def classify_margin(margin: float, scale: float, tie_tol: float) -> tuple[float,
     return rel, ("near-tie" if rel <= tie_tol else "MISMATCH")
 
 
+def detectable_shift(samples: int, threshold: float, dof: int = 5, power: float = POWER, base_p: float = 0.25) -> float:
+    """The smallest probability mass δ that, moved from one token to another (both near
+    ``base_p``), one two-sample chi-square test with ``samples`` draws per engine rejects with
+    probability ``power`` at level ``threshold``. Under that change the statistic is noncentral
+    chi-square with λ = (n/2) Σ (p1 - p2)² / p̄ = (n/2) · 2δ² / base_p (n = samples per engine)."""
+    from scipy.optimize import brentq
+    from scipy.stats import chi2, ncx2
+
+    crit = chi2.isf(threshold, dof)
+    lam = brentq(lambda x: ncx2.sf(crit, dof, x) - power, 1e-6, 1e6)
+    return float(np.sqrt(lam * base_p / samples))
+
+
 # ---------------------------------------------------------------------------------- greedy
 def check_greedy(base_llm, spec_llm, prompts: Sequence[Prompt], max_tokens: int = 64,
-                 tie_tol: float = 1e-3, ignore_eos: bool = True) -> list[Mismatch]:
+                 tie_tol: float = 1e-3, ignore_eos: bool = True, bar=None) -> list[Mismatch]:
     """Greedy outputs with and without speculation; one Mismatch per prompt that diverges (at its
-    first divergence: after it the two continuations have different prefixes)."""
+    first divergence: after it the two continuations have different prefixes). ``bar``: a
+    progress bar advanced by one per generated sequence."""
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
     inputs = [_prompt_input(p) for p in prompts]
-    base = base_llm.generate(inputs, sp, use_tqdm=False)
-    spec = spec_llm.generate(inputs, sp, use_tqdm=False)
+    base = _generate(base_llm, inputs, sp, bar)
+    spec = _generate(spec_llm, inputs, sp, bar)
     out = []
     for i, (b, s) in enumerate(zip(base, spec)):
         a, c = list(b.outputs[0].token_ids), list(s.outputs[0].token_ids)
@@ -274,10 +312,10 @@ def chi2_two_sample(a: np.ndarray, b: np.ndarray, min_expected: float = 5.0) -> 
 
 def check_sampling(base_llm, spec_llm, prompts: Prompt | Sequence[Prompt], setting: Any = "temperature=1.0",
                    samples: int = 2000, num_tokens: int = 3,
-                   prompt_indices: Sequence[int] | None = None) -> list[TestResult]:
+                   prompt_indices: Sequence[int] | None = None, bar=None) -> list[TestResult]:
     """Sample the first ``num_tokens`` tokens ``samples`` times per prompt with each engine and run one
     two-sample chi-square test per (prompt, position). ``setting``: 'temperature=0.7,top_k=20', a
-    dict or SamplingParams (its sampling fields)."""
+    dict or SamplingParams (its sampling fields). ``bar`` advances by one per sequence."""
     if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
         prompts = [prompts]  # one prompt
     prompts = list(prompts)
@@ -288,7 +326,7 @@ def check_sampling(base_llm, spec_llm, prompts: Prompt | Sequence[Prompt], setti
     results: list[TestResult] = []
     draws = []
     for llm in (base_llm, spec_llm):
-        outs = llm.generate(inputs, sp, use_tqdm=False)
+        outs = _generate(llm, inputs, sp, bar)
         draws.append([list(o.outputs[0].token_ids) for o in outs])
     V = base_llm.engine.vocab_size
     for i in range(len(prompts)):
@@ -306,19 +344,20 @@ def check_sampling(base_llm, spec_llm, prompts: Prompt | Sequence[Prompt], setti
 
 # ---------------------------------------------------------------------------------- the whole check
 def build_llms(model: str, speculative_config: dict[str, Any], *, dtype: str = "float32", seed: int = 0,
-               max_num_seqs: int = 256, max_model_len: int | None = None, **kw) -> tuple[Any, Any]:
-    """(base, spec) LLMs: same target and dtype, different engine seeds. The speculative engine's
-    rows are capped at disable_by_batch_size so that speculation is not switched off by the batch."""
+               max_num_seqs: int = 64, max_model_len: int | None = None, **kw) -> tuple[Any, Any]:
+    """(base, spec) LLMs: same target and dtype, different engine seeds. The speculative engine
+    runs with disable_by_batch_size lifted, so that every sequence of the check's large batches is
+    speculated (the switch only turns speculation off; what it turns off is what is checked)."""
     from leapfrog import LLM
     from leapfrog.spec_decode.config import SpeculativeConfig
 
     if not isinstance(speculative_config, dict):
         raise ConfigError("leapfrog check needs a speculative config (a JSON object), got "
                           f"{speculative_config!r}")
-    cfg = SpeculativeConfig.from_dict(speculative_config)  # validate before loading anything
-    spec_rows = min(max_num_seqs, cfg.disable_by_batch_size or max_num_seqs)
-    spec = LLM(model=model, dtype=dtype, seed=seed + 1, speculative_config=speculative_config,
-               max_num_seqs=spec_rows, max_model_len=max_model_len, **kw)
+    SpeculativeConfig.from_dict(speculative_config)  # validate before loading anything
+    spec = LLM(model=model, dtype=dtype, seed=seed + 1,
+               speculative_config={**speculative_config, "disable_by_batch_size": None},
+               max_num_seqs=max_num_seqs, max_model_len=max_model_len, **kw)
     base = LLM(model=model, dtype=dtype, seed=seed, speculative_config=None, max_num_seqs=max_num_seqs,
                max_model_len=max_model_len, **kw)
     return base, spec
@@ -327,36 +366,56 @@ def build_llms(model: str, speculative_config: dict[str, Any], *, dtype: str = "
 def run_check(base_llm, spec_llm, prompts: Sequence[Prompt], *, model: str = "", speculative_config=None,
               dtype: str = "", max_tokens: int = 64, settings: Sequence[Any] = tuple(DEFAULT_SETTINGS),
               positions: int = 2, samples: int = 2000, num_tokens: int = 3, alpha: float = 1e-3,
-              tie_tol: float = 1e-3, log=None) -> CheckReport:
-    """Both parts; ``settings`` empty or ``samples`` 0 skips the sampling part, ``max_tokens`` 0 the greedy one."""
+              tie_tol: float = 1e-3, log=None, progress: bool = False) -> CheckReport:
+    """Both parts; ``settings`` empty or ``samples`` 0 skips the sampling part, ``max_tokens`` 0 the
+    greedy one. ``progress``: one bar over every generated sequence (throttled when not a terminal)."""
+    from leapfrog.progress import progress_bar
+
+    t_start = time.perf_counter()
     rep = CheckReport(model=model, speculative_config=speculative_config or {}, dtype=dtype, alpha=alpha)
+    if (speculative_config or {}).get("disable_by_batch_size") is not None:
+        rep.notes.append("disable_by_batch_size was lifted so that every sequence was speculated")
     say = log or (lambda s: None)
+    chosen = list(range(min(positions, len(prompts))))
+    sampling = bool(settings and samples > 0 and chosen)
     if max_tokens > 0:
-        say(f"greedy: {len(prompts)} prompts x {max_tokens} tokens ...")
+        say(f"greedy: {len(prompts)} prompts x {max_tokens} tokens x 2 engines")
+    if sampling:
+        n_tests = len(settings) * len(chosen) * num_tokens
+        shift = detectable_shift(samples, alpha / n_tests)
+        say(f"sampling: {len(settings)} settings x {len(chosen)} prompts x {samples} samples x 2 engines; "
+            f"each of the {n_tests} tests catches (power {POWER:g}) about {shift:.2f} of probability moved "
+            "between two tokens of probability 0.25 (--thorough or --samples N for finer)")
+    total = 2 * len(prompts) * (max_tokens > 0) + 2 * len(settings) * len(chosen) * samples * sampling
+    bar = progress_bar(total=total, desc="leapfrog check", unit="seq", disable=not progress)
+    if max_tokens > 0:
         before = spec_llm.get_metrics()
-        rep.greedy_mismatches = check_greedy(base_llm, spec_llm, prompts, max_tokens, tie_tol)
+        rep.greedy_mismatches = check_greedy(base_llm, spec_llm, prompts, max_tokens, tie_tol, bar=bar)
         rep.greedy_spec_metrics = _metrics_delta(spec_llm, before)
         rep.greedy_prompts, rep.greedy_max_tokens = len(prompts), max_tokens
         rep.greedy_tokens_compared = len(prompts) * max_tokens - sum(
             max_tokens - (m.position - 1) for m in rep.greedy_mismatches)
         if not rep.greedy_spec_metrics["num_draft_tokens"]:
             rep.warnings.append("greedy part: the speculative engine drafted no tokens, so it tested nothing")
-    chosen = list(range(min(positions, len(prompts))))
-    if settings and samples > 0 and chosen:
+    if sampling:
         before = spec_llm.get_metrics()
         parsed = [parse_setting(s) for s in settings]
         for d in parsed:
-            say(f"sampling {setting_name(d)}: {len(chosen)} prompts x {samples} samples x 2 engines ...")
+            bar.set_postfix_str(setting_name(d), refresh=False)
             rep.sampling_tests += check_sampling(base_llm, spec_llm, [prompts[i] for i in chosen], d,
-                                                 samples, num_tokens, chosen)
+                                                 samples, num_tokens, chosen, bar=bar)
         rep.sampling_settings = [setting_name(d) for d in parsed]
         rep.sampling_prompts, rep.sampling_samples = chosen, samples
         rep.sampling_spec_metrics = _metrics_delta(spec_llm, before)
-        n = sum(1 for t in rep.sampling_tests if t.dof > 0)
-        rep.threshold = alpha / max(n, 1)
+        tested = [t for t in rep.sampling_tests if t.dof > 0]
+        rep.threshold = alpha / max(len(tested), 1)
+        if tested:
+            rep.detectable_shift = detectable_shift(samples, rep.threshold, int(np.median([t.dof for t in tested])))
         if not rep.sampling_spec_metrics["num_draft_tokens"]:
             rep.warnings.append("sampling part: the speculative engine drafted no tokens, so it tested nothing "
                                 "(try other --prompts-file prompts or more --sample-tokens)")
+    bar.close()
+    rep.seconds = time.perf_counter() - t_start
     return rep
 
 
@@ -396,6 +455,10 @@ def format_report(rep: CheckReport) -> str:
         L.append(f"  {n} two-sample chi-square tests; fail if p < alpha / {n} = {rep.threshold:.2g} (Bonferroni: "
                  f"on a correct engine a false alarm happens in at most {rep.alpha:g} of runs)")
         L.append("  token 1 comes from the prefill (never speculated); tokens 2+ from verification")
+        if rep.detectable_shift is not None:
+            L.append(f"  power: each test catches (in {POWER:.0%} of runs) {rep.detectable_shift:.3f} of probability "
+                     "moved between two tokens of probability 0.25; smaller differences can pass "
+                     "(--thorough, or more --samples, sees finer: the size shrinks as 1/sqrt(samples))")
         width = max(len(s) for s in rep.sampling_settings)
         by: dict[tuple[str, int], list[TestResult]] = {}
         for t in rep.sampling_tests:
@@ -407,10 +470,12 @@ def format_report(rep: CheckReport) -> str:
                               .ljust(8) for t in ts)
             L.append(f"  {s:<{width}}  {i:>6}  {cells.rstrip()}")
         L.append("  sampling: " + ("PASS" if rep.sampling_passed else "FAIL"))
+    for note in rep.notes:
+        L.append(f"\nnote: {note}")
     for w in rep.warnings:
         L.append(f"\nwarning: {w}")
     L.append("\nRESULT: " + ("PASS: speculation did not change the output" if rep.passed
-                             else "FAIL: speculation changed the output"))
+                             else "FAIL: speculation changed the output") + f"  ({rep.seconds:.0f} s)")
     return "\n".join(L)
 
 
@@ -443,9 +508,16 @@ def read_prompts(path: str | None) -> list[Prompt]:
 def cmd_check(args) -> int:
     from leapfrog.entrypoints.cli import _spec_arg
 
-    spec, _ = _spec_arg(args.speculative_config)
+    spec, given = _spec_arg(args.speculative_config)
+    model = args.model
+    if model is None:   # the built-in pair with the speculation `generate` uses
+        from leapfrog.demo import default_model
+        model, default_spec = default_model()
+        if not given:
+            spec = default_spec
+        print(f"[leapfrog] no --model given: using the built-in default model at {model}", file=sys.stderr)
     if spec is None:
-        raise ConfigError("leapfrog check needs --speculative-config (a JSON object), e.g. "
+        raise ConfigError("leapfrog check needs --speculative-config (a JSON object) with --model, e.g. "
                           '\'{"method": "ngram", "num_speculative_tokens": 4}\'')
     if not isinstance(spec, dict):
         raise ConfigError(f"--speculative-config must be a JSON object, got {type(spec).__name__}")
@@ -459,16 +531,15 @@ def cmd_check(args) -> int:
     if args.sample_tokens is None:
         from leapfrog.spec_decode.config import SpeculativeConfig
         args.sample_tokens = min(SpeculativeConfig.from_dict(spec).num_speculative_tokens + 2, 6)
+    if args.samples is None:
+        args.samples = THOROUGH_SAMPLES if args.thorough else QUICK_SAMPLES
+    if args.positions is None:
+        args.positions = THOROUGH_POSITIONS if args.thorough else QUICK_POSITIONS
     prompts = read_prompts(args.prompts_file)
     if args.num_prompts is not None:
         prompts = prompts[:args.num_prompts]
     if not prompts:
         raise ConfigError("no prompts to check")
-    model = args.model
-    if model is None:
-        from leapfrog.demo import default_model
-        model, _ = default_model()
-        print(f"[leapfrog] no --model given: using the built-in default model at {model}", file=sys.stderr)
     # Size the KV rows for the check: max_num_seqs rows of the longest prompt plus the new tokens.
     max_model_len = args.max_model_len
     if max_model_len is None:
@@ -484,7 +555,7 @@ def cmd_check(args) -> int:
     rep = run_check(base, spec_llm, prompts, model=str(model), speculative_config=spec, dtype=args.dtype,
                     max_tokens=args.max_tokens, settings=settings, positions=args.positions, samples=args.samples,
                     num_tokens=args.sample_tokens, alpha=args.alpha, tie_tol=args.tie_tol,
-                    log=lambda s: print(f"[leapfrog check] {s}", file=sys.stderr))
+                    log=lambda s: print(f"[leapfrog check] {s}", file=sys.stderr), progress=not args.no_progress)
     print(format_report(rep))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
@@ -494,8 +565,14 @@ def cmd_check(args) -> int:
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default=None, help="HF directory or hub id (default: the built-in demo model)")
-    p.add_argument("--speculative-config", default=None, required=True,
-                   help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    p.add_argument("--speculative-config", default=None,
+                   help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' (needed with --model; '
+                        "default without --model: the built-in pair's own speculation, as in `generate`)")
+    p.add_argument("--thorough", action="store_true",
+                   help=f"sample {THOROUGH_POSITIONS} prompts {THOROUGH_SAMPLES} times per setting and engine "
+                        f"(default: {QUICK_POSITIONS} prompt x {QUICK_SAMPLES}, about a minute on 2 cores for the "
+                        "built-in pair); finer differences show, in about 10x the time")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--tokenizer", default=None)
     p.add_argument("--skip-tokenizer-init", action="store_true",
                    help="token-id prompts only (JSONL lines with prompt_token_ids)")
@@ -503,8 +580,12 @@ def add_arguments(p) -> None:
                    help="one prompt per line, or JSONL with 'prompt' or 'prompt_token_ids' (default: built-in)")
     p.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
     p.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per prompt (0 skips the greedy part)")
-    p.add_argument("--samples", type=int, default=2000, help="samples per prompt and engine (0 skips sampling)")
-    p.add_argument("--positions", type=int, default=2, help="how many prompts (the first ones) the sampling part uses")
+    p.add_argument("--samples", type=int, default=None,
+                   help=f"samples per prompt and engine (0 skips sampling; default {QUICK_SAMPLES}, "
+                        f"{THOROUGH_SAMPLES} with --thorough)")
+    p.add_argument("--positions", type=int, default=None,
+                   help="how many prompts (the first ones) the sampling part uses (default "
+                        f"{QUICK_POSITIONS}, {THOROUGH_POSITIONS} with --thorough)")
     p.add_argument("--sample-tokens", type=int, default=None,
                    help="generated tokens tested per sample (default: K + 2, at most 6, so that the first "
                         "verification step carries all K drafts and a bonus token)")
@@ -518,7 +599,7 @@ def add_arguments(p) -> None:
                    help="run both engines batch-invariant (bf16 greedy outputs must then be identical)")
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0, help="engine seed (the speculative engine uses seed + 1)")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="KV rows (sampling batches)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="KV rows (sampling batches)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="default: longest prompt + max(--max-tokens, --sample-tokens) + 1")
     p.add_argument("--json", default=None, metavar="OUT", help="write the full report as JSON")

@@ -12,14 +12,16 @@ Sampling uses a tiny-vocabulary target (V = 12, as tests/spec_decode/test_sampli
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
 
 import leapfrog.engine.engine as engine_mod
 from leapfrog.demo import save_random_llama
-from leapfrog.entrypoints.check import (DEFAULT_PROMPTS, CheckReport, Mismatch, build_llms, check_greedy,
-                                        check_sampling, chi2_two_sample, classify_margin)
+from leapfrog.entrypoints.check import (DEFAULT_PROMPTS, QUICK_SAMPLES, CheckReport, Mismatch, build_llms,
+                                        check_greedy, check_sampling, chi2_two_sample, classify_margin,
+                                        detectable_shift)
 from leapfrog.entrypoints.cli import main
 from leapfrog.spec_decode.verify.greedy import greedy_accept
 from leapfrog.spec_decode.verify.rejection import rejection_accept
@@ -193,6 +195,37 @@ def test_cli_fails_on_broken_verifiers(tiny, tmp_path, capsys, monkeypatch):
     assert rc == 1, out
     assert "-> MISMATCH" in out and "greedy: FAIL" in out and "sampling: FAIL" in out
     assert "RESULT: FAIL" in out
+
+
+def test_cli_quick_defaults_catch_a_gross_bug(tiny, tmp_path, capsys, monkeypatch):
+    """The default (quick) sizes catch the bonus token drawn from q. (The subtler skip_residual
+    needs the larger sizes above on the tiny model's flat distributions: the quick run's stated
+    power is 0.15 of probability moved, and that bug moves less there.)"""
+    target, draft = tiny
+    monkeypatch.setattr(engine_mod, "rejection_accept", bonus_from_q)
+    spec = json.dumps(_spec("draft_model", draft, 2))
+    rc = main(["check", "--model", str(target), "--speculative-config", spec, "--skip-tokenizer-init",
+               "--prompts-file", str(_prompts_file(tmp_path)), "--max-tokens", "0", "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "sampling: FAIL" in out, out
+    assert f"{QUICK_SAMPLES} samples per engine" in out and "power: each test catches" in out
+
+
+def test_detectable_shift_shrinks_with_samples():
+    a, b = detectable_shift(400, 1e-4), detectable_shift(1600, 1e-4)
+    assert 0 < b < a < 0.5 and b == pytest.approx(a / 2, rel=1e-6)   # λ fixed: δ ∝ 1/sqrt(n)
+    assert detectable_shift(400, 1e-6) > a                          # a stricter level needs a larger shift
+
+
+@pytest.mark.slow
+def test_check_without_arguments_checks_the_builtin_pair(capsys):
+    t0 = time.perf_counter()
+    rc = main(["check", "--no-progress"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.out
+    assert "built-in default model" in captured.err and "RESULT: PASS" in captured.out
+    assert "8/8 prompts token-for-token identical" in captured.out and "drafted 0 tokens" not in captured.out
+    assert time.perf_counter() - t0 < 240   # about a minute on 2 cores; generous for slow CI machines
 
 
 def test_cli_bad_input_exit_2(tiny, tmp_path, capsys):
