@@ -5,7 +5,10 @@ temperature and batch size, after ``warmup`` untimed batches per contender, ever
 workload category by category in batches of ``batch_size``; each batch is run by every contender
 in turn (A B A B ..., the order rotated by one each repeat), so slow drift of the machine hits all
 contenders alike. Speedups are per-repeat ratios of tokens/s against "none" of the same repeat:
-the median is reported with a 95% t-interval over the repeats (on log ratios, so it stays > 0).
+the median is reported with a 95% t-interval over the repeats (on log ratios, so it stays > 0)
+when there are at least ``MIN_CI_REPEATS`` of them: with 2 the t quantile is 12.7 and the interval
+spans orders of magnitude, so fewer repeats get no interval (the table says so) and only the
+min-max range of the repeats, which the plots draw as whiskers.
 
 Predicted outputs: a contender ``{"prediction": "item"}`` passes each item's prediction
 (``WorkloadItem.prediction``: EditEval's input code, the rewrite workload's edited continuation);
@@ -114,11 +117,15 @@ def contender_name(spec: dict | None, taken: set[str]) -> str:
     return name
 
 
+#: fewer repeats give no confidence interval (with 2, t(0.975, 1) = 12.7: an interval like [0.0, 1.6e6])
+MIN_CI_REPEATS = 3
+
+
 def t_interval(ratios: Sequence[float], level: float = 0.95) -> tuple[float | None, float | None]:
     """Two-sided t-interval of the (geometric) mean ratio, computed on log ratios so that it stays
-    positive; (None, None) with fewer than 2 values."""
+    positive; (None, None) with fewer than MIN_CI_REPEATS values."""
     vals = [math.log(v) for v in ratios if v is not None and math.isfinite(v) and v > 0]
-    if len(vals) < 2:
+    if len(vals) < MIN_CI_REPEATS:
         return None, None
     from scipy import stats
     m = statistics.fmean(vals)
@@ -447,6 +454,9 @@ def format_table(result: BenchResult) -> str:
     head = (f"{'contender':<22} {'category':<14} {'temp':>4} {'bs':>3} {'tok/s':>8} {'speedup':>7} "
             f"{'95% CI':>13} {'accept':>6} {'mean len':>8} {'TTFT ms':>8} {'p50 ms':>8} {'p99 ms':>8} {'equal':>5}")
     L = [head, "-" * len(head)]
+    if result.rows and result.rows[0]["repeats"] < MIN_CI_REPEATS:
+        L.insert(0, f"(no 95% CI: {result.rows[0]['repeats']} repeat(s) are too few to give one; "
+                    f"--repeats {MIN_CI_REPEATS} or more for intervals)")
     for r in result.rows:
         ci = (f"[{r['speedup_ci_low']:.2f}, {r['speedup_ci_high']:.2f}]"
               if r["speedup_ci_low"] is not None else "-")
@@ -527,8 +537,15 @@ def _k_groups(contenders: dict[str, dict | None]) -> list[list[tuple[int, str]]]
     return [sorted(g) for g in groups.values() if len({k for k, _ in g}) >= 2]
 
 
+def _repeat_range(values: Sequence[float | None], y: float) -> tuple[float, float]:
+    """(min, max) of the repeats' values around ``y`` (the median), (y, y) when none."""
+    ok = [v for v in values if v is not None]
+    return (min(ok + [y]), max(ok + [y])) if ok else (y, y)
+
+
 def write_plots(result: BenchResult, out: Path) -> dict[str, str]:
     import matplotlib
+    import matplotlib.ticker
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -539,7 +556,7 @@ def write_plots(result: BenchResult, out: Path) -> dict[str, str]:
         if ylabel.startswith("speedup"):
             ax.axhline(1.0, color="k", lw=0.8, ls="--")
         ax.set_ylabel(ylabel)
-        ax.set_title(title)
+        ax.set_title(title, fontsize=10)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
         fig.tight_layout()
@@ -560,11 +577,12 @@ def write_plots(result: BenchResult, out: Path) -> dict[str, str]:
     width = 0.8 / max(1, len(spec_names))
     for i, n in enumerate(spec_names):
         ys = [get(n, c)["speedup"] or 0 for c in cats]
-        err = [[max(0.0, (y - (get(n, c)["speedup_ci_low"] or y))) for y, c in zip(ys, cats)],
-               [max(0.0, ((get(n, c)["speedup_ci_high"] or y) - y)) for y, c in zip(ys, cats)]]
+        spans = [_repeat_range(get(n, c)["speedup_repeats"], y) for y, c in zip(ys, cats)]
+        err = [[y - lo for y, (lo, _) in zip(ys, spans)], [hi - y for y, (_, hi) in zip(ys, spans)]]
         ax.bar([x + i * width for x in range(len(cats))], ys, width, yerr=err, label=n, capsize=2)
     ax.set_xticks([x + width * (len(spec_names) - 1) / 2 for x in range(len(cats))], cats, rotation=30)
-    save(fig, ax, "speedup_by_category", f"speedup by category (temp {t0:g}, batch {bs0})")
+    save(fig, ax, "speedup_by_category", f"speedup by category (temp {t0:g}, batch {bs0})\n"
+         "whiskers: min-max over the repeats")
 
     # speedup vs K
     groups = _k_groups(result.contenders)
@@ -574,6 +592,7 @@ def write_plots(result: BenchResult, out: Path) -> dict[str, str]:
             for b in result.settings["batch_sizes"]:
                 ax.plot([k for k, _ in g], [get(n, b=b)["speedup"] for _, n in g], marker="o",
                         label=f"{g[0][1].split('-k')[0]} batch {b}")
+        ax.set_xticks(sorted({k for g in groups for k, _ in g}))   # integers only: K is a count
         ax.set_xlabel("num_speculative_tokens (K)")
         save(fig, ax, "speedup_vs_k", f"speedup vs K (all categories, temp {t0:g})")
 
@@ -582,14 +601,22 @@ def write_plots(result: BenchResult, out: Path) -> dict[str, str]:
     bss = result.settings["batch_sizes"]
     for n in spec_names:
         ax.plot(bss, [get(n, b=b)["speedup"] for b in bss], marker="o", label=n)
+    if len(bss) > 1 and max(bss) / min(bss) >= 8:
+        ax.set_xscale("log", base=2)
+    ax.set_xticks(bss, [str(b) for b in bss])   # the batch sizes run, nothing in between
+    ax.minorticks_off()
     ax.set_xlabel("batch size")
     save(fig, ax, "speedup_vs_batch", f"speedup vs batch size (all categories, temp {t0:g})")
 
     # acceptance by position
     fig, ax = plt.subplots(figsize=(6, 4))
+    longest = 1
     for n in spec_names:
         pp = get(n)["acceptance_by_position"]
+        longest = max(longest, len(pp))
         ax.plot(range(1, len(pp) + 1), [np.nan if v is None else v for v in pp], marker="o", label=n)
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax.set_xlim(0.5, longest + 0.5)
     ax.set_xlabel("draft position")
     ax.set_ylim(0, 1.05)
     save(fig, ax, "acceptance_by_position", f"acceptance by position (all categories, temp {t0:g}, batch {bs0})",

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from leapfrog.bench.runner import CSV_FIELDS, format_peers, format_recommendation, format_table, run_bench
+from leapfrog.bench.runner import (CSV_FIELDS, MIN_CI_REPEATS, format_peers, format_recommendation, format_table,
+                                   run_bench, t_interval)
 from leapfrog.bench.workloads import WorkloadItem
 from leapfrog.entrypoints.cli import main
 
@@ -47,7 +48,8 @@ def test_outputs_and_fields(bench):
     for r in data["rows"]:
         assert r["tokens_per_s"] > 0 and r["speedup"] > 0
         assert r["latency_p50_s"] <= r["latency_p99_s"] and r["ttft_mean_s"] > 0
-        assert len(r["speedup_repeats"]) == 2 and r["speedup_ci_low"] <= r["speedup_ci_high"]
+        # 2 repeats are too few for a t-interval (t = 12.7): none is given
+        assert len(r["speedup_repeats"]) == 2 and r["speedup_ci_low"] is None and r["speedup_ci_high"] is None
         if r["contender"] == "none":
             assert r["speedup"] == 1.0 and r["acceptance_rate"] is None
     spec_all = res.row("ngram-k4", "all", 0.0, 1)
@@ -75,6 +77,7 @@ def test_table_and_recommendation_text(bench):
     res, _ = bench
     table = format_table(res)
     assert "ngram-k4" in table and "speedup" in table
+    assert "too few to give one" in table and f"--repeats {MIN_CI_REPEATS}" in table
     rec = format_recommendation(res)
     assert rec.startswith("Recommendation") and "none 12, ngram-k2 12, ngram-k4 12" in rec
 
@@ -155,3 +158,12 @@ def test_prediction_and_suffix_contenders(llama_dir, tmp_path):
     with pytest.raises(Exception, match="without a prediction"):
         run_bench(str(llama_dir), [{"prediction": "item"}], ITEMS[:1], max_tokens=4, repeats=1, warmup=0,
                   out_dir=None, dtype="float32", progress=False)
+
+
+def test_t_interval_needs_enough_repeats():
+    assert t_interval([1.5, 1.6]) == (None, None)
+    lo, hi = t_interval([1.5, 1.6, 1.55])
+    assert 1.4 < lo < 1.55 < hi < 1.7      # brackets the geometric mean, stays near it
+    lo2, hi2 = t_interval([1.5, 1.6, 1.55] * 4)
+    assert lo < lo2 < hi2 < hi             # more repeats, narrower
+    assert t_interval([1.5, None, float("nan"), 1.6]) == (None, None)   # bad values do not count
