@@ -103,6 +103,8 @@ def test_cli_train_draft(tmp_path, llama_dir, corpus_dir, capsys):
     assert rc == 0
     text = capsys.readouterr().out
     assert "acceptance at K=4" in text and "held-out KL" in text
+    hint = text[text.index("--speculative-config '") + len("--speculative-config '"):].split("'")[0]
+    assert json.loads(hint) == {"method": "draft_model", "model": str(out), "num_speculative_tokens": 4}
     assert (out / "model.safetensors").is_file()
     assert json.loads((tmp_path / "s.json").read_text())["steps"] == 4
     assert json.loads((out / "train_draft.json").read_text())["train_config"]["autocast_bf16"] is True
