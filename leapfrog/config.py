@@ -41,9 +41,14 @@ class EngineConfig:
     """Weight-only quantization of the target's decoder layers at load: "int8" (per output
     channel) or "int4" (per group of 32 inputs); model/quant.py. Speculation stays lossless
     relative to the quantized target."""
+    tensor_parallel_size: int = 1
+    """Shard the target over this many processes (parallel/): Megatron-style, heads, MLP channels
+    and vocabulary split, two all-reduces per layer. On one machine rank 0 spawns the workers;
+    under torchrun every process runs leapfrog and rank 0 serves. Eager only; drafters (draft
+    model, n-gram, suffix, predictions) run on rank 0, unsharded; EAGLE heads are not supported yet."""
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name}={v!r}: must be a positive integer")
@@ -57,6 +62,19 @@ class EngineConfig:
         if self.batch_invariant and not self.enforce_eager:
             raise ConfigError("batch_invariant=True runs eagerly (its kernels are picked per row tile); "
                               "leave enforce_eager=True")
+        if self.tensor_parallel_size > 1:
+            for bad, why in ((self.batch_invariant, "batch_invariant=True"),
+                             (not self.enforce_eager, "enforce_eager=False (the compiled fast path)"),
+                             (self.quantization is not None, f"quantization={self.quantization!r}")):
+                if bad:
+                    raise ConfigError(f"tensor_parallel_size={self.tensor_parallel_size} with {why} is not "
+                                      "supported yet; drop one of them")
+            method = (self.speculative_config or {}).get("method") if isinstance(self.speculative_config, dict) \
+                else None
+            if method in ("eagle", "eagle3"):
+                raise ConfigError(f"speculative_config.method={method!r} with tensor_parallel_size > 1 is not "
+                                  "supported yet (the head reads the target's sharded embedding); use draft_model, "
+                                  "ngram or suffix")
         from leapfrog.model.quant import QUANT_METHODS
         if self.quantization is not None and self.quantization not in QUANT_METHODS:
             raise ConfigError(f"quantization={self.quantization!r}: must be one of {list(QUANT_METHODS)} (or None)")

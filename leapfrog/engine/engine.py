@@ -13,6 +13,7 @@ One step (STYLE "one engine step"):
 from __future__ import annotations
 
 import logging
+import os
 import random
 import time
 from typing import Any, Callable
@@ -59,40 +60,103 @@ class LLMEngine:
         if not config.enforce_eager and (why := can_compile(self.device)):
             raise ConfigError(f"enforce_eager=False: cannot compile here: {why}; use enforce_eager=True")
         check_quantization(config.quantization, self.dtype, self.device)
-        # Compiled graphs freeze plain linear layers themselves; eager forwards use oneDNN-packed ones.
-        self.model = load_model(ckpt, self.dtype, self.device, self.max_model_len, config.allow_pickle,
-                                pack=config.enforce_eager, quantization=config.quantization)
-        if not config.enforce_eager:
-            self.model.pack_for_inference(pack_layers=False)
-        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or ckpt.path)
-        self.eos_ids = ckpt.eos_token_ids or (
-            (self.tokenizer.eos_token_id,) if self.tokenizer is not None and self.tokenizer.eos_token_id is not None
-            else ())
-        self.vocab_size = ckpt.args.vocab_size
-        self.kv = KVManager(config.max_num_seqs, self.max_model_len)
-        self.runner = ModelRunner(self.model, config.max_num_seqs, self.max_model_len,
-                                  batch_invariant=config.batch_invariant)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.requests: dict[str, Request] = {}
-        self._seed_rng = random.Random(config.seed)
-        self.spec_metrics = SpecMetrics()
-        self.iteration = IterationStats()   # the last step's (read by the server's /metrics after each step)
-        self.proposer: Any = None
-        #: drafts for requests that carry a prediction (SamplingParams.prediction), whatever the config
-        self.predictor = PredictionProposer()
-        self._grammars: Any = None   # structured outputs' GrammarCompiler, built at the first such request
-        #: test-only fault injection: called with the requests of every sampling call; raising
-        #: there simulates a failure in one request's sampling (tests/engine/test_isolation.py)
-        self.fault_injector: Callable[[list[Request]], None] | None = None
-        self._failed: list[RequestOutput] = []   # outputs of requests that failed this step
-        self.spec_controller: Any = None
-        if config.speculative_config is not None:
-            from leapfrog.spec_decode.setup import build_speculation
-            self.proposer, self.spec_controller = build_speculation(config.speculative_config, self)
-        #: which target states the proposer reads (EAGLE: "hidden" or aux layers), else None
-        self._target_states = getattr(self.proposer, "target_states", None)
-        if not config.enforce_eager:
-            self._compile()
+        #: tensor parallelism (parallel/): this rank's group and the worker processes it spawned
+        self.tp: Any = None
+        self._workers: Any = None
+        #: called (from a watchdog thread) with the reason when a tensor-parallel worker dies
+        self.on_worker_death: Callable[[str], None] | None = None
+        if config.tensor_parallel_size > 1:
+            self._start_tp(ckpt)
+        try:
+            # Compiled graphs freeze plain linear layers themselves; eager forwards use oneDNN-packed ones.
+            self.model = load_model(ckpt, self.dtype, self.device, self.max_model_len, config.allow_pickle,
+                                    pack=config.enforce_eager, quantization=config.quantization, tp=self.tp)
+            if not config.enforce_eager:
+                self.model.pack_for_inference(pack_layers=False)
+            self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or ckpt.path)
+            self.eos_ids = ckpt.eos_token_ids or (
+                (self.tokenizer.eos_token_id,) if self.tokenizer is not None and self.tokenizer.eos_token_id is not None
+                else ())
+            self.vocab_size = ckpt.args.vocab_size
+            self.kv = KVManager(config.max_num_seqs, self.max_model_len)
+            if self.tp is not None:
+                from leapfrog.parallel.worker import TPModelRunner
+                self.runner: ModelRunner = TPModelRunner(self.model, config.max_num_seqs, self.max_model_len, self.tp)
+            else:
+                self.runner = ModelRunner(self.model, config.max_num_seqs, self.max_model_len,
+                                          batch_invariant=config.batch_invariant)
+            self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+            self.requests: dict[str, Request] = {}
+            self._seed_rng = random.Random(config.seed)
+            self.spec_metrics = SpecMetrics()
+            self.iteration = IterationStats()   # the last step's (read by the server's /metrics after each step)
+            self.proposer: Any = None
+            #: drafts for requests that carry a prediction (SamplingParams.prediction), whatever the config
+            self.predictor = PredictionProposer()
+            self._grammars: Any = None   # structured outputs' GrammarCompiler, built at the first such request
+            #: test-only fault injection: called with the requests of every sampling call; raising
+            #: there simulates a failure in one request's sampling (tests/engine/test_isolation.py)
+            self.fault_injector: Callable[[list[Request]], None] | None = None
+            self._failed: list[RequestOutput] = []   # outputs of requests that failed this step
+            self.spec_controller: Any = None
+            if config.speculative_config is not None:
+                from leapfrog.spec_decode.setup import build_speculation
+                self.proposer, self.spec_controller = build_speculation(config.speculative_config, self)
+            #: which target states the proposer reads (EAGLE: "hidden" or aux layers), else None
+            self._target_states = getattr(self.proposer, "target_states", None)
+            if not config.enforce_eager:
+                self._compile()
+        except BaseException:
+            self.close()   # tensor-parallel workers must not outlive a failed start
+            raise
+
+    def _start_tp(self, ckpt) -> None:
+        """Start (spawn on this machine) or join (torchrun) the tensor-parallel group, then send
+        the workers what to load. Spawned ranks share this process's threads equally."""
+        from leapfrog.parallel.group import connect, launched_by_torchrun, make_group
+        from leapfrog.parallel.shard import check_divisible
+        from leapfrog.parallel.worker import WorkerSpec, spawn_workers
+        size = self.config.tensor_parallel_size
+        check_divisible(ckpt.args, size)
+        spec = WorkerSpec(str(ckpt.path), str(self.dtype).removeprefix("torch."), str(self.device),
+                          self.max_model_len, self.config.max_num_seqs, size, self.config.allow_pickle)
+        if launched_by_torchrun():
+            if int(os.environ["RANK"]) != 0:
+                raise ConfigError("LLMEngine runs on rank 0 only; the other torchrun ranks run "
+                                  "leapfrog.parallel.worker.run_worker (`leapfrog serve` does this itself)")
+            connect(size, 0, self.device)
+        else:
+            threads = max(1, torch.get_num_threads() // size)
+            self._workers, addr, port = spawn_workers(spec, threads)
+            torch.set_num_threads(threads)
+            log.info("tensor parallelism: %d ranks on this machine, %d thread(s) each", size, threads)
+            try:
+                connect(size, 0, self.device, addr, port)
+            except BaseException:
+                self._workers.join(1)
+                raise
+        self.tp = make_group(ckpt.args, size, self.device)
+        self.tp.broadcast(spec)
+        if self._workers is not None:
+            self._workers.watch(self.tp, lambda why: self.on_worker_death and self.on_worker_death(why))
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers and leave the process group (no-op without TP)."""
+        if self.tp is None:
+            if self._workers is not None:   # spawned, but the group never formed
+                self._workers.join(1)
+            return
+        import torch.distributed as dist
+        from leapfrog.parallel.worker import stop_workers
+        try:
+            stop_workers(self.tp)
+        except Exception:  # noqa: BLE001 - a dead group: the workers are gone or exit on the closed sockets
+            log.warning("tensor-parallel workers did not take the stop command")
+        if self._workers is not None:
+            self._workers.join()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.tp = None
 
     def _compile(self) -> None:
         """Compile the decode/verify graphs of the target and of a draft model (model/compiled.py):
@@ -582,8 +646,8 @@ class LLMEngine:
         column num_computed on, for proposers that read them (EAGLE)."""
         c = req.num_computed
         if tree_path:
-            self.runner.kv.move_cols(req.row, [c + 1 + j for j in tree_path],
-                                     list(range(c + 1, c + 1 + len(tree_path))))
+            self.runner.move_cols(req.row, [c + 1 + j for j in tree_path],
+                                  list(range(c + 1, c + 1 + len(tree_path))))
         if states is not None and self._proposer_of(req) is self.proposer:
             self.proposer.on_target_states(req, c, states)
         req.num_computed = length

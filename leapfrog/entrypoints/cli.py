@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -55,6 +56,20 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=None, choices=["int8", "int4"],
                    help="weight-only quantization of the target's decoder layers at load (speculation stays "
                         "lossless relative to the quantized target)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="shard the target over N processes (spawned here; under torchrun, one per rank: rank 0 "
+                        "serves, the others compute). Eager only; EAGLE heads not yet")
+
+
+def _torchrun_worker(args) -> int | None:
+    """Under torchrun every process runs the same command: ranks > 0 become tensor-parallel
+    workers here (-> their exit code); rank 0 (and any run outside torchrun) gets None and goes on."""
+    from leapfrog.parallel.group import launched_by_torchrun
+    if args.tensor_parallel_size <= 1 or not launched_by_torchrun() or int(os.environ["RANK"]) == 0:
+        return None
+    from leapfrog.config import resolve_device
+    from leapfrog.parallel.worker import run_worker
+    return run_worker(args.tensor_parallel_size, int(os.environ["RANK"]), str(resolve_device(args.device)))
 
 
 def _read_prompts(args) -> list[str]:
@@ -92,14 +107,17 @@ def cmd_generate(args) -> int:
                         stop=args.stop, stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos,
                         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
                         frequency_penalty=args.frequency_penalty)
+    if (code := _torchrun_worker(args)) is not None:
+        return code
     common = dict(tokenizer=args.tokenizer, dtype=args.dtype, seed=args.seed, device=args.device,
+                  tensor_parallel_size=args.tensor_parallel_size,
                   max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                   batch_invariant=args.batch_invariant, enforce_eager=args.enforce_eager,
                   quantization=args.quantization)
     model = args.model
     if model is None:
         from leapfrog.demo import default_model
-        model, default_spec = default_model()
+        model, default_spec = default_model(args.tensor_parallel_size)
         if not given:
             spec = default_spec
         if args.compare is None:
@@ -126,12 +144,14 @@ def cmd_generate(args) -> int:
         line += (f" | speculation {spec.get('method')}: acceptance rate {m['acceptance_rate']:.2f}, "
                  f"mean acceptance length {m['mean_acceptance_length']:.2f}")
     print(line)
-    if args.compare and spec is not None:
-        base = LLM(model=model, speculative_config=None, **common)
-        base.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-        t1 = time.perf_counter()
-        base_outs = base.generate(prompts, sp, use_tqdm=False)
-        bt = time.perf_counter() - t1
+    llm.close()   # tensor-parallel workers: one group at a time
+    from leapfrog.parallel.group import launched_by_torchrun
+    if args.compare and spec is not None and not (args.tensor_parallel_size > 1 and launched_by_torchrun()):
+        with LLM(model=model, speculative_config=None, **common) as base:   # torchrun's workers served one engine
+            base.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+            t1 = time.perf_counter()
+            base_outs = base.generate(prompts, sp, use_tqdm=False)
+            bt = time.perf_counter() - t1
         bn = sum(len(c.token_ids) for o in base_outs for c in o.outputs)
         same = all(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(outs, base_outs))
         print(f"[leapfrog] without speculation: {bn / bt:.1f} tokens/s; speedup {(n_tok / dt) / (bn / bt):.2f}x"
@@ -162,21 +182,22 @@ def _serve_parser(sub) -> None:
 
 
 def cmd_serve(args) -> int:
-    import os
-
     import uvicorn
 
     from leapfrog.config import EngineConfig
     from leapfrog.engine.engine import LLMEngine
     from leapfrog.entrypoints.openai.api_server import LeapfrogServer, build_app
 
+    if (code := _torchrun_worker(args)) is not None:
+        return code
     spec, given = _spec_arg(args.speculative_config)
     model = args.model
     if model is None:
         from leapfrog.demo import default_model
-        model, default_spec = default_model()
+        model, default_spec = default_model(args.tensor_parallel_size)
         spec = spec if given else default_spec
-    engine = LLMEngine(EngineConfig(model=str(model), tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
+    engine = LLMEngine(EngineConfig(tensor_parallel_size=args.tensor_parallel_size, model=str(model),
+                                    tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
                                     seed=args.seed, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                                     speculative_config=spec, batch_invariant=args.batch_invariant,
                                     enforce_eager=args.enforce_eager, quantization=args.quantization,
@@ -184,8 +205,23 @@ def cmd_serve(args) -> int:
     name = args.served_model_name or (args.model or "leapfrog-default")
     api_key = args.api_key or os.environ.get("LEAPFROG_API_KEY") or None
     app = build_app(engine, name, api_key=api_key, max_waiting=args.max_waiting)
-    LeapfrogServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                                  timeout_graceful_shutdown=5)).run()
+    server = LeapfrogServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                                           timeout_graceful_shutdown=5))
+    died: list[str] = []
+
+    def worker_died(why: str) -> None:   # a tensor-parallel rank is gone: end every request, exit with an error
+        died.append(why)
+        app.state.engine.begin_shutdown()
+        server.should_exit = True   # (not handle_exit: uvicorn would re-raise that signal and hide the code)
+
+    engine.on_worker_death = worker_died
+    try:
+        server.run()
+    finally:
+        engine.close()
+    if died:
+        print(f"[leapfrog serve] {died[0]}; the server stopped", file=sys.stderr)
+        return 1
     return 0
 
 

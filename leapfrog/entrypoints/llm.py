@@ -33,6 +33,8 @@ class LLM:
             layers at load (model/quant.py); speculation is lossless relative to it.
         logprobs_mode: what SamplingParams.logprobs reports: "raw_logprobs" (default),
             "raw_logits", "processed_logprobs" or "processed_logits" (vLLM's names).
+        tensor_parallel_size: shard the target over N processes (spawned on this machine, or
+            the torchrun group); see EngineConfig.tensor_parallel_size. ``close()`` stops them.
         max_model_len, max_num_seqs, max_num_batched_tokens, device, allow_pickle,
         skip_tokenizer_init: see EngineConfig.
     """
@@ -43,10 +45,10 @@ class LLM:
                  max_num_batched_tokens: int = 2048, device: str = "auto", allow_pickle: bool = False,
                  skip_tokenizer_init: bool = False, batch_invariant: bool = False,
                  enforce_eager: bool = True, quantization: str | None = None,
-                 logprobs_mode: str = "raw_logprobs") -> None:
+                 logprobs_mode: str = "raw_logprobs", tensor_parallel_size: int = 1) -> None:
         if model is None:
             from leapfrog.demo import default_model
-            model, default_spec = default_model()
+            model, default_spec = default_model(tensor_parallel_size)
             speculative_config = speculative_config if speculative_config is not None else default_spec
         if speculative_config is not None and not isinstance(speculative_config, dict):
             raise ConfigError(f"speculative_config must be a dict, got {type(speculative_config).__name__}")
@@ -56,9 +58,19 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, allow_pickle=allow_pickle,
             skip_tokenizer_init=skip_tokenizer_init, speculative_config=speculative_config,
             batch_invariant=batch_invariant, enforce_eager=enforce_eager, quantization=quantization,
-            logprobs_mode=logprobs_mode)
+            logprobs_mode=logprobs_mode, tensor_parallel_size=tensor_parallel_size)
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Release what outlives the object: tensor-parallel worker processes and the process group."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -26,6 +26,7 @@ activation in row tiles small enough to stay on one thread, attention once per t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,9 @@ from leapfrog.kv.cache import KVCache
 from leapfrog.model.args import LlamaArgs
 from leapfrog.model.rope import apply_rope, rope_table
 
+if TYPE_CHECKING:
+    from leapfrog.parallel.group import TPGroup
+
 
 @dataclass
 class ForwardOutput:
@@ -46,9 +50,12 @@ class ForwardOutput:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, a: LlamaArgs) -> None:
+    def __init__(self, a: LlamaArgs, tp: TPGroup | None = None) -> None:
+        """``a``: this layer's shapes (a tensor-parallel rank's share of the heads and channels);
+        ``tp``: the group whose partial sums of o_proj and down_proj are all-reduced."""
         super().__init__()
         self.a = a
+        self.tp = tp
         qkv_bias = a.attention_bias or a.model_type == "qwen2"
         o_bias = a.attention_bias and a.model_type == "llama"
         self.wqkv = nn.Linear(a.hidden_size, a.q_size + 2 * a.kv_size, bias=qkv_bias)
@@ -70,9 +77,13 @@ class DecoderLayer(nn.Module):
         k = apply_rope(k.view(B, S, a.num_key_value_heads, a.head_dim), cos, sin)
         v = v.view(B, S, a.num_key_value_heads, a.head_dim)
         o = attend(q, k, v, layer, kv, attn)  # [B, S, H, Dh]
-        x = x + self.wo(o.reshape(B, S, a.q_size))
+        x = x + self._reduce(self.wo(o.reshape(B, S, a.q_size)))
         h = F.rms_norm(x, (a.hidden_size,), self.mlp_norm, a.rms_norm_eps)
-        return x + self.w2(self._silu_mul(self.w13(h)))
+        return x + self._reduce(self.w2(self._silu_mul(self.w13(h))))
+
+    def _reduce(self, partial: Tensor) -> Tensor:
+        """Row-parallel output: the sum over ranks of each rank's partial product [B, S, D]."""
+        return partial if self.tp is None else self.tp.all_reduce(partial)
 
     def _silu_mul(self, gate_up: Tensor) -> Tensor:
         """silu(gate) * up. Vectorised and scalar exp round differently, and which elements take
@@ -92,14 +103,19 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, args: LlamaArgs, max_positions: int | None = None) -> None:
+    def __init__(self, args: LlamaArgs, max_positions: int | None = None, tp: TPGroup | None = None) -> None:
+        """``tp``: build this rank's shard (parallel/shard.py): its heads, KV heads, MLP channels
+        and vocabulary rows; ``args`` stays the whole model's, ``shard_args`` are the shard's."""
         super().__init__()
         self.args = args
-        self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(args) for _ in range(args.num_hidden_layers)])
+        self.tp = tp
+        self.shard_args = args if tp is None else tp.shard.local_args()
+        local = self.shard_args
+        self.embed = nn.Embedding(local.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(local, tp) for _ in range(args.num_hidden_layers)])
         self.norm = nn.Parameter(torch.ones(args.hidden_size))
         self.lm_head = None if args.tie_word_embeddings else nn.Linear(
-            args.hidden_size, args.vocab_size, bias=False)
+            args.hidden_size, local.vocab_size, bias=False)
         cos, sin = rope_table(args.rope, args.head_dim, args.max_position_embeddings,
                               max_positions or args.max_position_embeddings)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -121,7 +137,7 @@ class LlamaModel(nn.Module):
         if self.batch_invariant and attn is not None and attn.token_cols is None:
             raise ValueError("a batch-invariant model needs per-token attention metadata "
                              "(build_attn_meta(..., per_token=True))")
-        x = self.embed(token_ids)  # [B, S, D]
+        x = self._embed(token_ids)  # [B, S, D]
         cos = self.rope_cos[positions].to(x.dtype).unsqueeze(2)  # [B, S, 1, Dh]
         sin = self.rope_sin[positions].to(x.dtype).unsqueeze(2)
         aux: list[Tensor] = []
@@ -134,13 +150,26 @@ class LlamaModel(nn.Module):
         hidden = F.rms_norm(x.float(), (self.args.hidden_size,), self.norm.float(), self.args.rms_norm_eps)
         return ForwardOutput(hidden=hidden, aux=aux)
 
+    def _embed(self, token_ids: Tensor) -> Tensor:
+        if self.tp is None:
+            return self.embed(token_ids)
+        # vocabulary-parallel: each rank looks up the ids in its rows, zeros elsewhere; summed
+        n = self.shard_args.vocab_size
+        local = token_ids - self.tp.shard.vocab.start
+        inside = (local >= 0) & (local < n)
+        x = self.embed(local.clamp(0, n - 1)) * inside.unsqueeze(-1).to(self.embed.weight.dtype)
+        return self.tp.all_reduce(x)
+
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        """hidden [N, D] -> logits [N, V] float32, accumulated in float32."""
+        """hidden [N, D] -> logits [N, V] float32, accumulated in float32. Tensor-parallel: rank 0
+        gets the whole vocabulary (the slices gathered), the other ranks their own slice."""
         if self.head is not None:
             logits = self.head(hidden)
         else:  # training / reference path: differentiable, converts the weight on every call
             w = self.embed.weight if self.lm_head is None else self.lm_head.weight
             logits = F.linear(hidden.float(), w.float())
+        if self.tp is not None:
+            logits = self.tp.gather_vocab(logits)
         self.check_logits(logits)
         return logits
 

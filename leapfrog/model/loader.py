@@ -12,7 +12,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -22,6 +22,10 @@ from leapfrog.errors import CheckpointError
 from leapfrog.model.args import LlamaArgs, json_type, token_ids_field
 from leapfrog.model.llama import LlamaModel
 from leapfrog.model.rope import rope_table
+from leapfrog.parallel.shard import Shard
+
+if TYPE_CHECKING:
+    from leapfrog.parallel.group import TPGroup
 
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -199,6 +203,20 @@ class _TensorSource:
     def get(self, name: str) -> Tensor:
         return self._pickled[name] if self._pickled else self._from_file(name, shape_only=False)
 
+    def get_part(self, name: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None) -> Tensor:
+        """``name[rows[0]:rows[1]]`` or ``name[:, cols[0]:cols[1]]``: from a safetensors file only
+        that part is read (a tensor-parallel rank never holds the whole tensor)."""
+        index = (slice(*rows),) if rows is not None else (slice(None), slice(*cols)) if cols is not None else ()
+        if self._pickled:
+            return self._pickled[name][index]
+        f = self.files[name]
+        if f not in self._open:
+            self._open[f] = _safe_open(f)
+        try:
+            return self._open[f].get_slice(name)[index]  # type: ignore[attr-defined]
+        except SafetensorError as e:
+            raise CheckpointError(f"{f}: cannot read tensor {name!r} ({type(e).__name__}: {e})") from None
+
     def shape(self, name: str) -> tuple[int, ...]:
         """From the safetensors header: no data is read."""
         if not self._pickled:
@@ -241,18 +259,50 @@ def check_weights(ckpt: Checkpoint, allow_pickle: bool = False) -> None:
     _fill_plan(ckpt.args, src, {n: tuple(p.shape) for n, p in model.named_parameters()})
 
 
+def _shard_part(src: _TensorSource, ours: str, hf_names: list[str], shard: Shard) -> Tensor:
+    """This rank's part of parameter ``ours`` (parallel/shard.py), read slice by slice."""
+    a, hd = shard.args, shard.args.head_dim
+    leaf = ours.rsplit(".", 2)[-2:]
+    if ours in ("embed.weight", "lm_head.weight"):   # vocabulary rows, zero padding past the vocabulary
+        r = shard.vocab
+        part = src.get_part(hf_names[0], rows=(r.start, min(r.stop, a.vocab_size)))
+        return torch.cat([part, part.new_zeros(len(r) - part.shape[0], part.shape[1])])
+    if leaf[0] == "wqkv":   # column-parallel: this rank's query heads, then its KV heads' k and v
+        q, k, v = hf_names
+        kv = shard.rows(shard.kv_heads, hd)
+        return torch.cat([src.get_part(q, rows=shard.rows(shard.heads, hd)), src.get_part(k, rows=kv),
+                          src.get_part(v, rows=kv)])
+    if leaf[0] == "w13":   # column-parallel: gate rows, then up rows, of this rank's channels
+        i = (shard.intermediate.start, shard.intermediate.stop)
+        return torch.cat([src.get_part(n, rows=i) for n in hf_names])
+    if ours.endswith("wo.weight"):   # row-parallel: the input columns of this rank's heads
+        return src.get_part(hf_names[0], cols=shard.rows(shard.heads, hd))
+    if ours.endswith("wo.bias"):     # added once: by rank 0 (the others add zeros to the sum)
+        b = src.get(hf_names[0])
+        return b if shard.rank == 0 else torch.zeros_like(b)
+    if ours.endswith("w2.weight"):   # row-parallel: this rank's intermediate channels
+        return src.get_part(hf_names[0], cols=(shard.intermediate.start, shard.intermediate.stop))
+    return src.get(hf_names[0])      # norms: replicated
+
+
 def load_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, max_positions: int,
-               allow_pickle: bool = False, pack: bool = False, quantization: str | None = None) -> LlamaModel:
+               allow_pickle: bool = False, pack: bool = False, quantization: str | None = None,
+               tp: TPGroup | None = None) -> LlamaModel:
     """Build the model on ``meta``, then fill every parameter from the checkpoint, checking shapes;
-    ``quantization`` ("int8" / "int4", model/quant.py) quantizes the decoder layers' linears."""
+    ``quantization`` ("int8" / "int4", model/quant.py) quantizes the decoder layers' linears.
+    ``tp``: build and fill only this rank's shard (each tensor's part is read from the file alone)."""
     with torch.device("meta"):
-        model = LlamaModel(ckpt.args, max_positions=1)
-    model = model.to_empty(device=device).to(dtype)
+        whole = LlamaModel(ckpt.args, max_positions=1)
+        model = whole if tp is None else LlamaModel(ckpt.args, max_positions=1, tp=tp)
     src = _TensorSource(ckpt.path, _weight_files(ckpt.path, allow_pickle))
+    plan = _fill_plan(ckpt.args, src, {n: tuple(p.shape) for n, p in whole.named_parameters()})
+    model = model.to_empty(device=device).to(dtype)
     params = dict(model.named_parameters())
-    plan = _fill_plan(ckpt.args, src, {n: tuple(p.shape) for n, p in params.items()})
     with torch.no_grad():
         for ours, hf_names in plan.items():
+            if tp is not None:
+                params[ours].copy_(_shard_part(src, ours, hf_names, tp.shard).to(dtype))
+                continue
             parts = [src.get(n) for n in hf_names]
             params[ours].copy_((torch.cat(parts) if len(parts) > 1 else parts[0]).to(dtype))
     cos, sin = rope_table(ckpt.args.rope, ckpt.args.head_dim, ckpt.args.max_position_embeddings, max_positions)

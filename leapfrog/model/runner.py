@@ -74,7 +74,7 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, model: Any, num_rows: int, max_model_len: int, batch_invariant: bool = False) -> None:
-        a = model.args
+        a = getattr(model, "shard_args", model.args)   # a tensor-parallel rank caches its KV heads only
         self.model = model
         self.batch_invariant = batch_invariant
         if batch_invariant:
@@ -139,6 +139,10 @@ class ModelRunner:
         col = torch.tensor([ch.start + len(ch.token_ids) for ch in full], device=self.device)
         out = c(tok, posn, meta, feats, last, col)
         return ChainOutput(out.tokens[:B], out.logprobs[:B])
+
+    def move_cols(self, row: int, src: list[int], dst: list[int]) -> None:
+        """Copy a row's KV columns ``src`` to ``dst`` (an accepted tree path made contiguous)."""
+        self.kv.move_cols(row, src, dst)
 
     def run(self, chunks: list[SeqChunk]) -> Tensor:
         """-> logits [sum(num_logits), V] float32, chunk by chunk in order."""

@@ -116,6 +116,7 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
         yield
         # in-flight requests end as "abort" (see LeapfrogServer for signals); join off the event loop
         await asyncio.to_thread(async_engine.shutdown)
+        await asyncio.to_thread(engine.close)   # tensor-parallel workers exit with the server
 
     app = FastAPI(title="leapfrog", lifespan=lifespan, default_response_class=ASCIIJSONResponse)
     app.state.engine = async_engine

@@ -62,7 +62,8 @@ class DraftModelProposer:
         self.model = load_model(ckpt, dtype, target.device, target.max_model_len, target.allow_pickle)
         if cfg.draft_quantization is not None:  # layers and head: q only steers proposals
             self.model.quantize(cfg.draft_quantization, head=True)
-        if self_draft and target.model is not None and target.model.embed.weight.dtype == dtype:
+        if (self_draft and target.model is not None and target.model.tp is None
+                and target.model.embed.weight.dtype == dtype):
             self.model.embed = target.model.embed  # one copy of the shared embedding
         # q only steers proposals (verification uses the target's logits): a half-precision LM
         # head reads half the bytes per draft step (8% more tokens/s for the demo pair).

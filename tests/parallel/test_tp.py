@@ -1,0 +1,116 @@
+"""Tensor parallelism on CPU with gloo, 2 processes: the shard arithmetic, greedy output with TP=2
+equal to TP=1 (float32) on several shapes with and without speculation, the sampling law
+unchanged, and errors for shapes and options that cannot be sharded."""
+
+from __future__ import annotations
+
+import pytest
+
+from leapfrog import LLM, SamplingParams
+from leapfrog.entrypoints.check import check_sampling
+from leapfrog.errors import ConfigError
+from leapfrog.model.args import LlamaArgs
+from leapfrog.parallel.shard import Shard, check_divisible
+from tests.conftest import BASE, prompts_of, save_shapes
+
+SHAPES = {
+    # 4 query heads, 1 KV head: fewer KV heads than ranks, each rank holds a replica
+    "gqa_kv1": dict(arch="llama", num_key_value_heads=1, tie_word_embeddings=False),
+    "qwen2_bias": dict(arch="qwen2", tie_word_embeddings=False),
+    "tied": dict(arch="llama", tie_word_embeddings=True),
+    "odd_vocab": dict(arch="llama", vocab_size=331),   # not a multiple of 2: the last rank pads
+}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+
+
+def _args(**kw) -> LlamaArgs:
+    base = dict(model_type="llama", vocab_size=11, hidden_size=16, intermediate_size=12, num_hidden_layers=1,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=4, max_position_embeddings=32)
+    return LlamaArgs(**{**base, **kw})
+
+
+def test_shard_ranges():
+    a = _args()
+    s0, s1 = Shard(0, 2, a), Shard(1, 2, a)
+    assert (s0.heads, s1.heads) == (range(0, 2), range(2, 4))
+    assert (s0.kv_heads, s1.kv_heads) == (range(0, 1), range(1, 2))
+    assert (s0.intermediate, s1.intermediate) == (range(0, 6), range(6, 12))
+    assert (s0.vocab, s1.vocab) == (range(0, 6), range(6, 12))      # 11 padded to 12
+    assert s1.local_args().num_attention_heads == 2 and s1.local_args().vocab_size == 6
+    # 1 KV head, 4 ranks: every rank holds the one head; 2 KV heads, 4 ranks: ranks 0-1 head 0, 2-3 head 1
+    assert [Shard(r, 4, _args(num_key_value_heads=1)).kv_heads for r in range(4)] == [range(0, 1)] * 4
+    assert [Shard(r, 4, a).kv_heads.start for r in range(4)] == [0, 0, 1, 1]
+
+
+@pytest.mark.parametrize("kw, size, field", [
+    (dict(), 3, "num_attention_heads=4"),
+    (dict(num_attention_heads=6, num_key_value_heads=3), 2, "num_key_value_heads=3"),
+    (dict(num_attention_heads=6, num_key_value_heads=2, head_dim=4), 4, "num_attention_heads=6"),
+    (dict(intermediate_size=10), 4, "intermediate_size=10"),
+])
+def test_indivisible_shapes_are_refused(kw, size, field):
+    with pytest.raises(ConfigError, match=field):
+        check_divisible(_args(**kw), size)
+
+
+def test_unsupported_combinations_are_refused(llama_dir, draft_dir):
+    for kw, what in ((dict(batch_invariant=True), "batch_invariant"), (dict(enforce_eager=False), "enforce_eager"),
+                     (dict(quantization="int8"), "quantization"),
+                     (dict(speculative_config={"method": "eagle3", "model": str(draft_dir),
+                                               "num_speculative_tokens": 2}), "eagle3"),
+                     (dict(tensor_parallel_size=0), "tensor_parallel_size")):
+        with pytest.raises(ConfigError, match=what):
+            LLM(str(llama_dir), dtype="float32", **{"tensor_parallel_size": 2, **kw})
+    with pytest.raises(ConfigError, match="num_attention_heads=4 is not divisible by 3"):
+        LLM(str(llama_dir), dtype="float32", tensor_parallel_size=3)
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory, tokenizer):
+    return save_shapes(tmp_path_factory, tokenizer, SHAPES)
+
+
+def _greedy(model, prompts, spec=None, tp=1, max_tokens=24):
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    with LLM(str(model), dtype="float32", speculative_config=spec, tensor_parallel_size=tp, max_model_len=128,
+             max_num_seqs=4) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs], llm.get_metrics()
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_greedy_tp2_equals_tp1(shapes, tokenizer, name):
+    prompts = prompts_of(tokenizer, 4)
+    ref, _ = _greedy(shapes[name], prompts)
+    out, _ = _greedy(shapes[name], prompts, tp=2)
+    assert out == ref
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_greedy_tp2_with_speculation_equals_tp1_without(shapes, tokenizer, draft_dir, method):
+    prompts = prompts_of(tokenizer, 4)
+    spec = NGRAM if method == "ngram" else {"method": "draft_model", "model": str(draft_dir),
+                                            "num_speculative_tokens": 3}
+    ref, _ = _greedy(shapes["gqa_kv1"], prompts)
+    out, metrics = _greedy(shapes["gqa_kv1"], prompts, spec=spec, tp=2)
+    assert metrics["num_draft_tokens"] > 0
+    assert out == ref
+
+
+def test_sampling_law_unchanged(shapes, tokenizer):
+    """Chi-square, token by token: TP=1 without speculation vs TP=2 with n-gram drafts, on the odd
+    vocabulary (a padding logit that leaked into the sampler would show as a new token)."""
+    prompt = prompts_of(tokenizer, 4)[3] * 3   # repeated: prompt lookup finds drafts
+    with LLM(str(shapes["odd_vocab"]), dtype="float32", max_model_len=64, max_num_seqs=64) as base, \
+            LLM(str(shapes["odd_vocab"]), dtype="float32", max_model_len=64, max_num_seqs=64, seed=5,
+                tensor_parallel_size=2, speculative_config=NGRAM) as tp:
+        res = check_sampling(base, tp, [prompt], "temperature=1.0", samples=1500, num_tokens=3)
+        assert tp.get_metrics()["num_draft_tokens"] > 0
+        outs = tp.generate([{"prompt_token_ids": prompt}] * 200, SamplingParams(temperature=1.5, max_tokens=4),
+                           use_tqdm=False)
+    assert max(t for o in outs for t in o.outputs[0].token_ids) < 331   # never a padding id
+    assert min(r.p_value for r in res) > 1e-3 / len(res)
+
+
+def test_base_shapes_unchanged():
+    assert BASE["num_attention_heads"] == 4   # the shapes above assume 4 heads split over 2 ranks

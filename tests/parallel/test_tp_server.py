@@ -1,0 +1,89 @@
+"""`leapfrog serve --tensor-parallel-size 2` as users run it: the official openai client, streaming,
+a clean SIGTERM shutdown that takes the worker along, and a killed worker that ends the server
+with an error within seconds."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from leapfrog import LLM, SamplingParams
+from tests.entrypoints.openai.test_serve_cli import free_port
+
+SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def _serve(model) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "leapfrog", "serve", str(model), "--port", str(port),
+                             "--dtype", "float32", "--served-model-name", "tiny", "--tensor-parallel-size", "2",
+                             "--speculative-config", SPEC, "--max-model-len", "256"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while True:
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            pytest.fail("server did not come up:\n" + proc.stdout.read())
+        time.sleep(0.2)
+
+
+def test_tp2_server_answers_streams_and_stops_on_sigterm(llama_dir):
+    prompt = "def foo(x):\n    return"
+    with LLM(str(llama_dir), dtype="float32", max_model_len=256) as ref_llm:
+        ref = ref_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                               use_tqdm=False)[0].outputs[0].text
+    proc, url = _serve(llama_dir)
+    try:
+        workers = _children(proc.pid)
+        assert len(workers) == 1, workers
+        c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        r = c.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0,
+                                 extra_body={"ignore_eos": True})
+        assert r.choices[0].text == ref                       # TP=2 + ngram equals TP=1 without speculation
+        assert r.usage.model_dump()["speculative"]["num_draft_tokens"] > 0
+        stream = c.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0, stream=True,
+                                      extra_body={"ignore_eos": True})
+        assert "".join(ch.choices[0].text for ch in stream if ch.choices) == ref
+    finally:
+        t0 = time.time()
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode in (0, -signal.SIGTERM), out
+    assert time.time() - t0 < 30
+    for pid in workers:   # the worker went with it
+        assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
+
+
+def test_killed_worker_ends_the_server_with_an_error(llama_dir):
+    proc, url = _serve(llama_dir)
+    try:
+        workers = _children(proc.pid)
+        assert len(workers) == 1
+        os.kill(workers[0], signal.SIGKILL)
+        t0 = time.time()
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert time.time() - t0 < 20
+    assert proc.returncode == 1, out
+    assert "tensor-parallel worker rank 1 exited" in out
