@@ -136,7 +136,15 @@ class LLMEngine:
                 self._workers.join(1)
                 raise
         self.tp = make_group(ckpt.args, size, self.device)
+        shm = None
+        if self._workers is not None and self.device.type == "cpu":   # all ranks here: shared memory
+            from dataclasses import replace
+
+            from leapfrog.parallel.shm import ShmChannel
+            shm = ShmChannel(size, 0, alive=self.tp.check_alive)
+            spec = replace(spec, shm_name=shm.name)
         self.tp.broadcast(spec)
+        self.tp.shm = shm
         if self._workers is not None:
             self._workers.watch(self.tp, lambda why: self.on_worker_death and self.on_worker_death(why))
 
@@ -154,6 +162,8 @@ class LLMEngine:
             log.warning("tensor-parallel workers did not take the stop command")
         if self._workers is not None:
             self._workers.join()
+        if self.tp.shm is not None:
+            self.tp.shm.close()
         if dist.is_initialized():
             dist.destroy_process_group()
         self.tp = None

@@ -43,6 +43,7 @@ class WorkerSpec:
     num_rows: int
     size: int
     allow_pickle: bool = False
+    shm_name: str | None = None  # rank 0's shared-memory segment (same-machine CPU ranks)
 
 
 class TPModelRunner(ModelRunner):
@@ -53,8 +54,12 @@ class TPModelRunner(ModelRunner):
         self.tp = tp
 
     def step(self, chunks: list[SeqChunk], hidden: str | tuple[int, ...] | None = None) -> StepOutput:
+        t0 = time.perf_counter()
         self._send(Command("step", (chunks, hidden)))
-        return super().step(chunks, hidden)
+        out = super().step(chunks, hidden)
+        self.tp.stats.forwards += 1
+        self.tp.stats.forward_seconds += time.perf_counter() - t0
+        return out
 
     def move_cols(self, row: int, src: list[int], dst: list[int]) -> None:
         self._send(Command("move_cols", (row, src, dst)))
@@ -121,6 +126,9 @@ def run_worker(size: int, rank: int, device: str, master_addr: str | None = None
         dist.broadcast_object_list(box, src=0)
         spec: WorkerSpec = box[0]
         tp = make_group(read_checkpoint(spec.model).args, size, dev)
+        if spec.shm_name is not None:
+            from leapfrog.parallel.shm import ShmChannel
+            tp.shm = ShmChannel(size, rank, name=spec.shm_name)
         runner = build_shard(spec, tp)
         with torch.inference_mode():
             serve_steps(runner, tp)

@@ -4,6 +4,8 @@ unchanged, and errors for shapes and options that cannot be sharded."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from leapfrog import LLM, SamplingParams
@@ -84,6 +86,16 @@ def test_greedy_tp2_equals_tp1(shapes, tokenizer, name):
     ref, _ = _greedy(shapes[name], prompts)
     out, _ = _greedy(shapes[name], prompts, tp=2)
     assert out == ref
+
+
+def test_greedy_tp4_equals_tp1_and_leaves_no_segment(shapes, tokenizer):
+    """4 ranks on 2 KV heads (each replicated twice), 320-token vocabulary in 4 slices."""
+    prompts = prompts_of(tokenizer, 2)
+    ref, _ = _greedy(shapes["tied"], prompts, max_tokens=12)
+    out, _ = _greedy(shapes["tied"], prompts, tp=4, max_tokens=12)
+    assert out == ref
+    if os.path.isdir("/dev/shm"):   # the shared-memory segment went with the engine
+        assert not [f for f in os.listdir("/dev/shm") if f.startswith("leapfrog-")]
 
 
 @pytest.mark.parametrize("method", ["draft_model", "ngram"])

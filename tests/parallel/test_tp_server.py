@@ -22,8 +22,17 @@ SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_looku
 
 
 def _children(pid: int) -> list[int]:
+    """The tensor-parallel worker processes of ``pid`` (not, e.g., multiprocessing's resource tracker)."""
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
-    return [int(x) for x in out.split()]
+    kids = []
+    for x in out.split():
+        try:
+            cmd = open(f"/proc/{x}/cmdline", "rb").read()
+        except FileNotFoundError:
+            continue
+        if b"leapfrog.parallel.worker" in cmd:
+            kids.append(int(x))
+    return kids
 
 
 def _serve(model) -> tuple[subprocess.Popen, str]:
