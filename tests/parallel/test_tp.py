@@ -126,3 +126,30 @@ def test_sampling_law_unchanged(shapes, tokenizer):
 
 def test_base_shapes_unchanged():
     assert BASE["num_attention_heads"] == 4   # the shapes above assume 4 heads split over 2 ranks
+
+
+def test_each_rank_loads_only_its_slices(shapes):
+    """load_model(tp=...) builds the shard's shapes and fills them with the checkpoint's slices
+    (parts read with safetensors' get_slice; no process group is needed to load)."""
+    import torch
+
+    from leapfrog.model.loader import load_model, read_checkpoint
+    from leapfrog.parallel.group import TPGroup
+
+    ckpt = read_checkpoint(shapes["gqa_kv1"])
+    a = ckpt.args
+    full = load_model(ckpt, torch.float32, torch.device("cpu"), 64)
+    hd, inter = a.head_dim, a.intermediate_size // 2
+    for rank in range(2):
+        part = load_model(ckpt, torch.float32, torch.device("cpu"), 64, tp=TPGroup(Shard(rank, 2, a), "cpu"))
+        n = sum(p.numel() for p in part.parameters())
+        assert n < 0.6 * sum(p.numel() for p in full.parameters())
+        f, p = full.layers[0], part.layers[0]
+        q = slice(rank * 2 * hd, (rank + 1) * 2 * hd)                 # 2 of 4 query heads
+        assert torch.equal(p.wqkv.weight[:2 * hd], f.wqkv.weight[q])
+        assert torch.equal(p.wqkv.weight[2 * hd:], f.wqkv.weight[4 * hd:])   # the one KV head, replicated
+        assert torch.equal(p.wo.weight, f.wo.weight[:, q])
+        assert torch.equal(p.w13.weight[:inter], f.w13.weight[rank * inter:(rank + 1) * inter])
+        assert torch.equal(p.w2.weight, f.w2.weight[:, rank * inter:(rank + 1) * inter])
+        v = Shard(rank, 2, a).vocab
+        assert torch.equal(part.lm_head.weight[:len(v)], full.lm_head.weight[v.start:v.stop])

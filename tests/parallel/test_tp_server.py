@@ -96,3 +96,20 @@ def test_killed_worker_ends_the_server_with_an_error(llama_dir):
     assert time.time() - t0 < 20
     assert proc.returncode == 1, out
     assert "tensor-parallel worker rank 1 exited" in out
+
+
+def test_torchrun_launch_matches_one_process(llama_dir):
+    """The multi-machine path on one machine: torchrun starts 2 processes of the same command,
+    rank 0 generates (over gloo), rank 1 serves its forwards; the text equals a plain run's."""
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    if not os.path.exists(torchrun):
+        pytest.skip("torchrun is not installed next to this Python")
+    cmd = ["generate", "def f(x):", "--model", str(llama_dir), "--max-tokens", "12", "--dtype", "float32",
+           "--temperature", "0", "--ignore-eos"]
+    plain = subprocess.run([sys.executable, "-m", "leapfrog", *cmd], capture_output=True, text=True, timeout=120)
+    tr = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "leapfrog",
+                         *cmd, "--tensor-parallel-size", "2", "--speculative-config", SPEC],
+                        capture_output=True, text=True, timeout=180)
+    assert plain.returncode == 0 and tr.returncode == 0, tr.stderr[-2000:]
+    text = plain.stdout.split("\n--- [")[0]
+    assert text and tr.stdout.split("\n--- [")[0] == text
