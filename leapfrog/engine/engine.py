@@ -141,8 +141,11 @@ class LLMEngine:
             from dataclasses import replace
 
             from leapfrog.parallel.shm import ShmChannel
-            shm = ShmChannel(size, 0, alive=self.tp.check_alive)
-            spec = replace(spec, shm_name=shm.name)
+            try:
+                shm = ShmChannel(size, 0, alive=self.tp.check_alive)
+                spec = replace(spec, shm_name=shm.name)
+            except OSError as e:   # no /dev/shm, or too small: gloo carries everything (slower)
+                log.warning("tensor parallelism: no shared-memory segment (%s); collectives go through gloo", e)
         self.tp.broadcast(spec)
         self.tp.shm = shm
         if self._workers is not None:
