@@ -11,12 +11,11 @@ import subprocess
 import sys
 import time
 
-import httpx
 import openai
 import pytest
 
 from leapfrog import LLM, SamplingParams
-from tests.entrypoints.openai.test_serve_cli import free_port
+from tests.entrypoints.openai.test_serve_cli import free_port, start_serve
 
 SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
 
@@ -37,22 +36,9 @@ def _children(pid: int) -> list[int]:
 
 def _serve(model) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "leapfrog", "serve", str(model), "--port", str(port),
-                             "--dtype", "float32", "--served-model-name", "tiny", "--tensor-parallel-size", "2",
-                             "--speculative-config", SPEC, "--max-model-len", "256"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while True:
-        try:
-            if httpx.get(url + "/health").status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            pytest.fail("server did not come up:\n" + proc.stdout.read())
-        time.sleep(0.2)
+    proc = start_serve([str(model), "--dtype", "float32", "--served-model-name", "tiny", "--tensor-parallel-size",
+                        "2", "--speculative-config", SPEC, "--max-model-len", "256"], port)
+    return proc, f"http://127.0.0.1:{port}"
 
 
 def test_tp2_server_answers_streams_and_stops_on_sigterm(llama_dir):

@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
-import time
 
 import httpx
 import openai
 import pytest
 
-from tests.entrypoints.openai.test_serve_cli import free_port
+from tests.entrypoints.openai.test_serve_cli import free_port, start_serve
 
 SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
 
@@ -22,21 +19,9 @@ SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_looku
 @pytest.fixture(scope="module")
 def served(llama_dir):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "leapfrog", "serve", str(llama_dir), "--port", str(port),
-                             "--dtype", "float32", "--served-model-name", "tiny", "--speculative-config", SPEC,
-                             "--max-model-len", "256"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = start_serve([str(llama_dir), "--dtype", "float32", "--served-model-name", "tiny",
+                        "--speculative-config", SPEC, "--max-model-len", "256"], port)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while True:
-        try:
-            if httpx.get(url + "/health").status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            pytest.fail("server did not come up:\n" + proc.stdout.read())
-        time.sleep(0.2)
     yield url
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=60)

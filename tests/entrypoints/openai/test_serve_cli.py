@@ -56,7 +56,9 @@ def test_serve_bad_config_exits_2(llama_dir):
     assert r.returncode == 2 and "num_speculative_tokens" in r.stderr
 
 
-def _start(args: list[str], port: int) -> subprocess.Popen:
+def start_serve(args: list[str], port: int) -> subprocess.Popen:
+    """`leapfrog serve ARGS --port PORT` as a subprocess, once /health answers 200 (within 120 s);
+    a server that exits or never comes up fails the test with its output, and is killed."""
     proc = subprocess.Popen([sys.executable, "-m", "leapfrog", "serve", *args, "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 120
@@ -66,8 +68,9 @@ def _start(args: list[str], port: int) -> subprocess.Popen:
                 return proc
         except httpx.TransportError:
             pass
-        assert proc.poll() is None, proc.stdout.read()
-        assert time.time() < deadline, "server did not come up"
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            pytest.fail("server did not come up:\n" + proc.communicate()[0])
         time.sleep(0.2)
 
 
@@ -76,7 +79,7 @@ def test_sigterm_ends_every_stream_with_abort_and_done():
     finish_reason "abort" and then [DONE], and the process exits."""
     import asyncio
     port = free_port()
-    proc = _start(["--max-num-seqs", "8"], port)
+    proc = start_serve(["--max-num-seqs", "8"], port)
     url = f"http://127.0.0.1:{port}/v1/completions"
     ended: dict[int, float] = {}
     try:
@@ -125,7 +128,7 @@ def test_openai_clients_that_give_up_are_aborted():
     import openai
     from prometheus_client.parser import text_string_to_metric_families
     port = free_port()
-    proc = _start(["--max-num-seqs", "4"], port)
+    proc = start_serve(["--max-num-seqs", "4"], port)
     base = f"http://127.0.0.1:{port}"
 
     def gauges() -> dict[str, float]:
