@@ -95,10 +95,10 @@ def serve_steps(runner: ModelRunner, tp: TPGroup) -> None:
             raise RuntimeError(f"unknown tensor-parallel command {cmd.op!r}")
 
 
-def build_shard(spec: WorkerSpec, tp: TPGroup) -> ModelRunner:
-    """This rank's shard of the target, packed for inference, and its runner."""
-    from leapfrog.model.loader import load_model, read_checkpoint
-    ckpt = read_checkpoint(spec.model)
+def build_shard(ckpt: Any, spec: WorkerSpec, tp: TPGroup) -> ModelRunner:
+    """This rank's shard of the target (``ckpt``: spec.model's Checkpoint), packed for inference,
+    and its runner."""
+    from leapfrog.model.loader import load_model
     model = load_model(ckpt, getattr(torch, spec.dtype), tp.device, spec.max_model_len,
                        spec.allow_pickle, pack=True, tp=tp)
     return ModelRunner(model, spec.num_rows, spec.max_model_len)
@@ -125,11 +125,12 @@ def run_worker(size: int, rank: int, device: str, master_addr: str | None = None
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0)
         spec: WorkerSpec = box[0]
-        tp = make_group(read_checkpoint(spec.model).args, size, dev)
+        ckpt = read_checkpoint(spec.model)
+        tp = make_group(ckpt.args, size, dev)
         if spec.shm_name is not None:
             from leapfrog.parallel.shm import ShmChannel
             tp.shm = ShmChannel(size, rank, name=spec.shm_name)
-        runner = build_shard(spec, tp)
+        runner = build_shard(ckpt, spec, tp)
         with torch.inference_mode():
             serve_steps(runner, tp)
         dist.destroy_process_group()
