@@ -45,7 +45,8 @@ class EngineConfig:
     """Shard the target over this many processes (parallel/): Megatron-style, heads, MLP channels
     and vocabulary split, two all-reduces per layer. On one machine rank 0 spawns the workers;
     under torchrun every process runs leapfrog and rank 0 serves. Eager only; drafters (draft
-    model, n-gram, suffix, predictions) run on rank 0, unsharded; EAGLE heads are not supported yet."""
+    model, EAGLE head, n-gram, suffix, predictions) run on rank 0, unsharded (an EAGLE head gets
+    whole copies of the target's embedding and LM head there: parallel/replica.py)."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
@@ -69,12 +70,6 @@ class EngineConfig:
                 if bad:
                     raise ConfigError(f"tensor_parallel_size={self.tensor_parallel_size} with {why} is not "
                                       "supported yet; drop one of them")
-            method = (self.speculative_config or {}).get("method") if isinstance(self.speculative_config, dict) \
-                else None
-            if method in ("eagle", "eagle3"):
-                raise ConfigError(f"speculative_config.method={method!r} with tensor_parallel_size > 1 is not "
-                                  "supported yet (the head reads the target's sharded embedding); use draft_model, "
-                                  "ngram or suffix")
         from leapfrog.model.quant import QUANT_METHODS
         if self.quantization is not None and self.quantization not in QUANT_METHODS:
             raise ConfigError(f"quantization={self.quantization!r}: must be one of {list(QUANT_METHODS)} (or None)")

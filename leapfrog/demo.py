@@ -103,13 +103,13 @@ def demo_pair() -> tuple[Path, Path] | None:
 DEMO_EAGLE3 = {"method": "eagle3", "num_speculative_tokens": 5, "eagle_topk": 1, "disable_by_batch_size": 8}
 
 
-def default_model(tensor_parallel_size: int = 1) -> tuple[str, dict[str, Any] | None]:
-    """(model path, default speculative_config) of the built-in default model (with tensor
-    parallelism, which EAGLE heads do not support yet: its draft model)."""
+def default_model() -> tuple[str, dict[str, Any] | None]:
+    """(model path, default speculative_config) of the built-in default model (the same with
+    tensor parallelism)."""
     pair = demo_pair()
     if pair is not None:
         head = DEMO_DIR / "eagle3"
-        if (head / "config.json").is_file() and tensor_parallel_size == 1:
+        if (head / "config.json").is_file():
             return str(pair[0]), {**DEMO_EAGLE3, "model": str(head)}
         return str(pair[0]), {"method": "draft_model", "model": str(pair[1]), "num_speculative_tokens": 4}
     path = cache_dir() / "tiny-random-llama-v1"

@@ -117,7 +117,7 @@ def cmd_generate(args) -> int:
     model = args.model
     if model is None:
         from leapfrog.demo import default_model
-        model, default_spec = default_model(args.tensor_parallel_size)
+        model, default_spec = default_model()
         if not given:
             spec = default_spec
         if args.compare is None:
@@ -194,7 +194,7 @@ def cmd_serve(args) -> int:
     model = args.model
     if model is None:
         from leapfrog.demo import default_model
-        model, default_spec = default_model(args.tensor_parallel_size)
+        model, default_spec = default_model()
         spec = spec if given else default_spec
     engine = LLMEngine(EngineConfig(tensor_parallel_size=args.tensor_parallel_size, model=str(model),
                                     tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,

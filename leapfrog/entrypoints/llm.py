@@ -48,7 +48,7 @@ class LLM:
                  logprobs_mode: str = "raw_logprobs", tensor_parallel_size: int = 1) -> None:
         if model is None:
             from leapfrog.demo import default_model
-            model, default_spec = default_model(tensor_parallel_size)
+            model, default_spec = default_model()
             speculative_config = speculative_config if speculative_config is not None else default_spec
         if speculative_config is not None and not isinstance(speculative_config, dict):
             raise ConfigError(f"speculative_config must be a dict, got {type(speculative_config).__name__}")

@@ -315,6 +315,19 @@ def load_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, max_p
     return model
 
 
+def load_whole(ckpt: Checkpoint, names: tuple[str, ...], dtype: torch.dtype, device: torch.device,
+               allow_pickle: bool = False) -> dict[str, Tensor]:
+    """Some of the model's parameters, whole, by our names (e.g. "embed.weight", "lm_head.weight";
+    a name the architecture lacks, such as a tied model's LM head, is left out): what rank 0 of a
+    tensor-parallel group reads beside its shard for a drafter that needs the whole vocabulary."""
+    with torch.device("meta"):
+        whole = LlamaModel(ckpt.args, max_positions=1)
+    src = _TensorSource(ckpt.path, _weight_files(ckpt.path, allow_pickle))
+    shapes = {n: tuple(p.shape) for n, p in whole.named_parameters() if n in names}
+    return {ours: torch.cat([src.get(n) for n in hf]).to(dtype).to(device)
+            for ours, hf in _fill_plan(ckpt.args, src, shapes).items()}
+
+
 #: files a tokenizer is built from; one of them must be present (tokenizer_config.json alone is not enough).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "*.tiktoken")
 #: JSON files transformers reads for a tokenizer; checked first so a corrupt one is named.

@@ -72,12 +72,16 @@ def launched_by_torchrun() -> bool:
 @dataclass
 class CommStats:
     """Rank 0's counters: collectives, the bytes they carried from this rank, the time spent in
-    them (wire time plus waiting for the slower rank), and the target forwards they served."""
+    them (wire time plus waiting for the slower rank), and the target forwards they served.
+    ``commands``/``command_seconds``: the part of those that were rank 0's broadcast commands (the
+    chunks of a step, drafts included)."""
     calls: int = 0
     bytes: int = 0
     seconds: float = 0.0
     forwards: int = 0
     forward_seconds: float = 0.0
+    commands: int = 0
+    command_seconds: float = 0.0
 
     def add(self, nbytes: int, seconds: float) -> None:
         self.calls += 1
@@ -86,7 +90,8 @@ class CommStats:
 
     def snapshot(self) -> dict[str, float]:
         return {"calls": self.calls, "bytes": self.bytes, "seconds": self.seconds,
-                "forward_seconds": self.forward_seconds}
+                "forward_seconds": self.forward_seconds, "commands": self.commands,
+                "command_seconds": self.command_seconds}
 
 
 @dataclass
@@ -144,7 +149,10 @@ class TPGroup:
             box = [obj]
             dist.broadcast_object_list(box, src=0)
             obj = box[0]
-        self.stats.add(0, time.perf_counter() - t0)   # (pickled size unknown here: a few hundred bytes)
+        dt = time.perf_counter() - t0
+        self.stats.add(0, dt)   # (pickled size unknown here: a few hundred bytes)
+        self.stats.commands += 1
+        self.stats.command_seconds += dt
         return obj
 
     def check_alive(self) -> None:

@@ -55,11 +55,9 @@ def test_indivisible_shapes_are_refused(kw, size, field):
         check_divisible(_args(**kw), size)
 
 
-def test_unsupported_combinations_are_refused(llama_dir, draft_dir):
+def test_unsupported_combinations_are_refused(llama_dir):
     for kw, what in ((dict(batch_invariant=True), "batch_invariant"), (dict(enforce_eager=False), "enforce_eager"),
                      (dict(quantization="int8"), "quantization"),
-                     (dict(speculative_config={"method": "eagle3", "model": str(draft_dir),
-                                               "num_speculative_tokens": 2}), "eagle3"),
                      (dict(tensor_parallel_size=0), "tensor_parallel_size")):
         with pytest.raises(ConfigError, match=what):
             LLM(str(llama_dir), dtype="float32", **{"tensor_parallel_size": 2, **kw})
@@ -107,6 +105,91 @@ def test_greedy_tp2_with_speculation_equals_tp1_without(shapes, tokenizer, draft
     out, metrics = _greedy(shapes["gqa_kv1"], prompts, spec=spec, tp=2)
     assert metrics["num_draft_tokens"] > 0
     assert out == ref
+
+
+#: 3 layers (EAGLE-3 fuses three); EAGLE-1 on an untied head (the replica's own LM head), EAGLE-3 on a
+#: tied, odd vocabulary (the replica's embedding serves as head; padding ids must not leak into drafts)
+EAGLE_TARGETS = {"eagle": dict(arch="llama", num_key_value_heads=1, tie_word_embeddings=False, num_hidden_layers=3),
+                 "eagle3": dict(arch="llama", vocab_size=331, num_hidden_layers=3)}
+EAGLE_TREES = {"chain": {"num_speculative_tokens": 4, "eagle_topk": 1},
+               "dynamic": {"num_speculative_tokens": 3, "eagle_topk": 3, "num_draft_tokens": 8}}
+
+
+@pytest.fixture(scope="module")
+def eagle_pairs(tmp_path_factory, tokenizer):
+    from tests.spec_decode.test_eagle import make_head
+    targets = save_shapes(tmp_path_factory, tokenizer, EAGLE_TARGETS)
+    return {kind: (t, make_head(t, tmp_path_factory.mktemp(f"head-{kind}"), kind,
+                                **({"draft_vocab_size": 200} if kind == "eagle3" else {})))
+            for kind, t in targets.items()}
+
+
+@pytest.mark.parametrize("kind", list(EAGLE_TARGETS))
+def test_greedy_tp2_with_eagle_equals_tp1_without(eagle_pairs, tokenizer, kind):
+    """The head on rank 0 reads the sharded target's features and whole copies of its embedding
+    and LM head (parallel/replica.py); chains and dynamic trees, 4 ragged prompts in one batch."""
+    target, head = eagle_pairs[kind]
+    prompts = prompts_of(tokenizer, 4)
+    ref, _ = _greedy(target, prompts)
+    for tree, extra in EAGLE_TREES.items():
+        out, metrics = _greedy(target, prompts, spec={"method": kind, "model": str(head), **extra}, tp=2)
+        assert metrics["num_draft_tokens"] > 0 and metrics["num_accepted_tokens"] > 0, tree
+        assert out == ref, tree
+
+
+def test_vocab_replica_matches_the_whole_target(eagle_pairs):
+    """The replica's embedding rows and logits are the unsharded target's (no process group needed:
+    load_whole reads the checkpoint)."""
+    import torch
+
+    from leapfrog.model.loader import load_model, read_checkpoint
+    from leapfrog.parallel.replica import VocabReplica, unsharded_view
+    for kind in EAGLE_TARGETS:
+        ckpt = read_checkpoint(eagle_pairs[kind][0])
+        whole = load_model(ckpt, torch.float32, torch.device("cpu"), 64, pack=True)
+        assert unsharded_view(whole, ckpt) is whole
+        whole.tp = object()   # pretend it is a shard: the view now reads the tensors itself
+        view = unsharded_view(whole, ckpt)
+        whole.tp = None
+        assert isinstance(view, VocabReplica)
+        h = torch.randn(3, whole.args.hidden_size)
+        torch.testing.assert_close(view.compute_logits(h), whole.compute_logits(h), rtol=0, atol=0)
+        assert torch.equal(view.embed.weight, whole.embed.weight)
+
+
+def test_sampling_law_unchanged_with_drafters(eagle_pairs, draft_dir, tokenizer):
+    """Chi-square through the engine, TP=1 without speculation vs TP=2 with an EAGLE-1 tree (recursive
+    rejection sampling over sibling drafts) and with a draft model (rejection sampling against q)."""
+    target = eagle_pairs["eagle"][0]
+    prompt = prompts_of(tokenizer, 2)[1]
+    specs = {"eagle": {"method": "eagle", "model": str(eagle_pairs["eagle"][1]), **EAGLE_TREES["dynamic"]},
+             "draft_model": {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 3}}
+    with LLM(str(target), dtype="float32", max_model_len=64, max_num_seqs=64) as base:
+        for name, spec in specs.items():
+            with LLM(str(target), dtype="float32", max_model_len=64, max_num_seqs=64, seed=7,
+                     tensor_parallel_size=2, speculative_config=spec) as tp:
+                res = check_sampling(base, tp, [prompt], "temperature=0.8, top_k=50", samples=1200, num_tokens=3)
+                assert tp.get_metrics()["num_accepted_tokens"] > 0, name
+            assert min(r.p_value for r in res) > 1e-3 / len(res), (name, res)
+
+
+def test_seeded_output_alone_equals_in_a_batch(eagle_pairs, tokenizer):
+    """Same seed, same output, whatever else is in the batch and whatever was drafted: TP=2 with an
+    EAGLE-3 tree, each seeded request alone and then all together with unseeded neighbours."""
+    target, head = eagle_pairs["eagle3"]
+    prompts = prompts_of(tokenizer, 3)
+    seeded = [SamplingParams(temperature=0.9, top_p=0.95, seed=11 + i, max_tokens=16, ignore_eos=True)
+              for i in range(3)]
+    noise = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    spec = {"method": "eagle3", "model": str(head), **EAGLE_TREES["dynamic"]}
+    with LLM(str(target), dtype="float32", max_model_len=128, max_num_seqs=8, tensor_parallel_size=2,
+             speculative_config=spec) as llm:
+        alone = [llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0].outputs[0].token_ids
+                 for p, sp in zip(prompts, seeded)]
+        inputs = [{"prompt_token_ids": p} for p in prompts + prompts]
+        batch = llm.generate(inputs, seeded + [noise] * 3, use_tqdm=False)
+        assert llm.get_metrics()["num_accepted_tokens"] > 0
+    assert [list(o.outputs[0].token_ids) for o in batch[:3]] == [list(a) for a in alone]
 
 
 def test_sampling_law_unchanged(shapes, tokenizer):

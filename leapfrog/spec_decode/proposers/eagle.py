@@ -105,9 +105,12 @@ class EagleProposer:
     def __init__(self, cfg: SpeculativeConfig, target: TargetInfo) -> None:
         from leapfrog.model.eagle import load_eagle_head
         from leapfrog.model.loader import DTYPES
+        from leapfrog.parallel.replica import unsharded_view
 
         dtype = DTYPES[cfg.draft_dtype] if cfg.draft_dtype not in (None, "auto") else target.dtype
-        self.head = load_eagle_head(cfg.model, target.model, dtype, target.device, target.allow_pickle)
+        # a tensor-parallel target holds a vocabulary slice: the head (rank 0 only) gets whole copies
+        shared = unsharded_view(target.model, target.checkpoint, target.allow_pickle)
+        self.head = load_eagle_head(cfg.model, shared, dtype, target.device, target.allow_pickle)
         if self.head.kind != cfg.method:
             from leapfrog.errors import ConfigError
             raise ConfigError(f"speculative_config: method {cfg.method!r} but {cfg.model} is an "
