@@ -143,3 +143,31 @@ def test_engine_fast_path_is_lossless(llama_dir, tokenizer):
     want = [o.outputs[0].token_ids for o in base.generate(prompts, sp, use_tqdm=False)]
     assert got == want
     assert fast.get_metrics()["num_accepted_tokens"] > 0
+
+
+@pytest.mark.slow
+def test_fast_path_falls_back_for_big_trees_and_long_predictions(llama_dir, tokenizer):
+    """Suffix trees (up to 24 nodes) and prediction verifies (up to 65 tokens) fit no compiled
+    bucket: they run eagerly beside the graphs, with nothing compiled while serving; greedy output
+    equals eager output without speculation (float32), and a seeded request's output is the same
+    alone and in a batch."""
+    prompts = [p * 3 for p in prompts_of(tokenizer, 2)]   # repeated: the suffix trees find drafts
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    sp = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
+    base = LLM(model=str(llama_dir), dtype="float32", max_num_seqs=2, max_model_len=MAX_LEN * 3)
+    want = [list(o.outputs[0].token_ids) for o in base.generate(inputs, sp, use_tqdm=False)]
+    fast = LLM(model=str(llama_dir), dtype="float32", max_num_seqs=2, max_model_len=MAX_LEN * 3,
+               enforce_eager=False, speculative_config={"method": "suffix", "num_speculative_tokens": 24})
+    graphs = counters["stats"]["unique_graphs"]
+    got = [list(o.outputs[0].token_ids) for o in fast.generate(inputs, sp, use_tqdm=False)]
+    assert got == want
+    assert fast.get_metrics()["num_accepted_tokens"] > 0
+    with_pred = [SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True, prediction=w) for w in want]
+    outs = fast.generate(inputs, with_pred, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+    assert len(fast.engine.spec_metrics.num_draft_tokens_per_pos) == 64   # 65-token verifies ran
+    seeded = SamplingParams(temperature=0.8, seed=3, max_tokens=40, ignore_eos=True)
+    alone = fast.generate([inputs[0]], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    batch = fast.generate(inputs, [seeded, SamplingParams(temperature=1.0, max_tokens=40)], use_tqdm=False)
+    assert batch[0].outputs[0].token_ids == alone
+    assert counters["stats"]["unique_graphs"] == graphs
