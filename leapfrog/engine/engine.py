@@ -462,16 +462,18 @@ class LLMEngine:
         # compute: propose (each request's proposer), verify forward, accept
         groups = self._groups(reqs)
         parts = []
-        t0 = time.perf_counter()
+        t_draft = 0.0   # the configured proposer's drafting time (what the K controller weighs)
         for proposer, idx in groups:
+            t0 = time.perf_counter()
             sub = [reqs[i] for i in idx]
             if proposer is self.predictor:
                 ks = [cap_drafts(r, MAX_PREDICTION_DRAFT, self.max_model_len) for r in sub]
-            else:
-                ks = self.spec_controller.choose(sub)
+            else:   # the controller sizes drafts by the whole running batch (predictions included)
+                ks = self.spec_controller.choose(sub, batch_size=len(reqs))
             parts.append((idx, proposer.propose(sub, ks) if any(ks) else DraftBatch.empty(len(sub))))
+            if proposer is self.proposer:
+                t_draft = time.perf_counter() - t0
         drafts = DraftBatch.merge(parts, len(reqs)) if parts else DraftBatch.empty(len(reqs))
-        t_draft = time.perf_counter() - t0
         draft_lists = drafts.lists()
         tree = drafts.is_tree
         parent_lists = drafts.parent_lists() if tree else [None] * len(reqs)
@@ -504,7 +506,8 @@ class LLMEngine:
                     self._reset_proposer(req)
             if proposer is self.proposer:
                 try:
-                    self.spec_controller.observe(sub, part, sub_result, t_draft, t_verify)
+                    self.spec_controller.observe(sub, part, sub_result, t_draft, t_verify, batch_size=len(reqs),
+                                                 verify_tokens=max(drafts.num_draft, default=0) + 1)
                 except Exception:  # noqa: BLE001 - only the choice of K suffers
                     log.exception("speculation controller update failed")
         for b, (req, ids) in enumerate(zip(reqs, result.output_ids)):

@@ -88,8 +88,11 @@ class SpecController:
     def cap(self, req: Request, k: int) -> int:
         return cap_drafts(req, k, self.max_model_len, self.cfg.tree)
 
-    def choose(self, reqs: list[Request]) -> list[int]:
-        B = len(reqs)
+    def choose(self, reqs: list[Request], batch_size: int | None = None) -> list[int]:
+        """Draft lengths (tree sizes) for ``reqs``; ``batch_size``: the whole step's batch when
+        other proposers' requests (predictions) share it (the verify cost and
+        disable_by_batch_size go by it)."""
+        B = batch_size or len(reqs)
         if self.cfg.disable_by_batch_size is not None and B > self.cfg.disable_by_batch_size:
             k = 0
         elif (self.cfg.auto_tree or self.cfg.adaptive) and _bucket(B) in self.confirm:
@@ -199,11 +202,15 @@ class SpecController:
             self.calibration = (1 - _EMA) * self.calibration + _EMA * ratio
 
     def observe(self, reqs: list[Request], drafts: DraftBatch, result: AcceptanceResult,
-                t_draft: float, t_verify: float) -> None:
+                t_draft: float, t_verify: float, batch_size: int | None = None,
+                verify_tokens: int | None = None) -> None:
+        """One verified step of ``reqs`` (this controller's requests) with ``drafts``; ``t_verify``
+        timed the whole step's forward, of ``batch_size`` sequences (default: len(reqs)) and
+        ``verify_tokens`` tokens per sequence (default: these drafts' longest + 1)."""
         if self.cfg.auto_tree:
             self._observe_tree(drafts, result)
-        bucket = _bucket(len(reqs))
-        s = max(drafts.num_draft, default=0) + 1
+        bucket = _bucket(batch_size or len(reqs))
+        s = verify_tokens or max(drafts.num_draft, default=0) + 1
         table, first = self.verify_cost.setdefault(bucket, {}), self.first_verify.setdefault(bucket, {})
         if s in table:
             table[s] = (1 - _EMA) * table[s] + _EMA * t_verify
@@ -213,7 +220,8 @@ class SpecController:
                 del self.confirm[bucket]
         else:
             first[s] = t_verify
-            self.confirm[bucket] = s - 1
+            if s - 1 <= self.cfg.draft_budget:   # (a prediction's longer verify is recorded, not re-run)
+                self.confirm[bucket] = s - 1
         n_draft = drafts.total
         if n_draft:
             # sequential draft steps dominate; a tree's cost is per step (its size is free)

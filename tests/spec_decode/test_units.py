@@ -112,6 +112,21 @@ def test_controller_formula_and_caps():
     assert off.choose([_req(), _req()]) == [3, 3]
 
 
+def test_controller_sees_the_whole_step_beside_predictions():
+    """Requests with a prediction share the step with the configured method's: its batch-size rule
+    and cost table go by the whole batch and the whole verify width, and a prediction's long
+    verify is recorded without being re-run as this method's draft length."""
+    from leapfrog.spec_decode.verify.result import AcceptanceResult
+    off = SpecController(SpeculativeConfig(method="ngram", num_speculative_tokens=3, disable_by_batch_size=2), 64)
+    assert off.choose([_req()], batch_size=3) == [0]      # 1 own request, 2 with predictions
+    assert off.choose([_req()], batch_size=2) == [3]
+    c = SpecController(SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=True), 4096)
+    drafts = DraftBatch.from_lists([[5, 6]])
+    c.observe([_req()], drafts, AcceptanceResult([1], [[0, 0]], [1]), 0.001, 0.02, batch_size=3, verify_tokens=65)
+    assert c.verify_cost.get(4, {}) == {} and c.first_verify[4] == {65: 0.02}   # bucket of 3 sequences
+    assert 4 not in c.confirm                              # 64 is not a length this method drafts
+
+
 def test_draft_batch_layout():
     d = DraftBatch.from_lists([[1, 2], [], [3]])
     assert d.num_draft == [2, 0, 1] and d.offsets() == [0, 2, 2, 3]
