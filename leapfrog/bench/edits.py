@@ -4,6 +4,10 @@
   prediction the file's real continuation (``pred_lines`` lines) with ``changed`` lines edited
   (a renamed identifier, a deleted line, an inserted line), as a caller who knows the file and
   expects a small change would pass it.
+- ``rewrite-shown``: the same items, with the original lines (head and continuation) shown in
+  the prompt first and the head repeated after them: the text the model is asked to continue is
+  in its context, as when a caller asks for a rewrite of code it sends (OpenAI's predicted
+  outputs use case). What it measures is whether the model copies from its context.
 - ``variations``: the same functions requested several times with different argument names
   (the header and first lines of each function, its parameters renamed per variant), one
   variant after another, so that earlier outputs predict later ones (suffix decoding's global
@@ -25,7 +29,7 @@ from leapfrog.bench.workloads import WorkloadItem
 from leapfrog.errors import ConfigError
 from leapfrog.train.corpus import Document
 
-BUILTIN = ("rewrite", "variations")
+BUILTIN = ("rewrite", "rewrite-shown", "variations")
 
 
 def heldout_documents(model_dir: Path) -> list[Document]:
@@ -64,7 +68,7 @@ def edit_lines(lines: list[str], changed: int, rng: random.Random,
 
 
 def rewrite_items(docs: list[Document], n: int, changed: int = 2, prompt_lines: int = 24,
-                  pred_lines: int = 24, seed: int = 0) -> list[WorkloadItem]:
+                  pred_lines: int = 24, seed: int = 0, shown: bool = False) -> list[WorkloadItem]:
     rng = random.Random(seed)
     items = []
     for i in range(n):
@@ -73,10 +77,12 @@ def rewrite_items(docs: list[Document], n: int, changed: int = 2, prompt_lines: 
         start = (len(lines) * (1 + i // len(docs))) // (2 + n // len(docs))
         head = lines[start:start + prompt_lines]
         cont = lines[start + prompt_lines:start + prompt_lines + pred_lines]
-        if not head or not cont:
+        if not head or len(cont) < max(1, pred_lines // 2):   # a file too short to predict much of
             continue
         pred = "".join(edit_lines(cont, changed, rng))
-        items.append(WorkloadItem("rewrite", "".join(head), None, f"{d.name}:{start}", prediction=pred))
+        prompt = "".join(head + cont) + "\n\n" + "".join(head) if shown else "".join(head)
+        items.append(WorkloadItem("rewrite-shown" if shown else "rewrite", prompt, None, f"{d.name}:{start}",
+                                  prediction=pred))
     return items
 
 
@@ -108,10 +114,11 @@ def variations_items(docs: list[Document], n_functions: int, n_variants: int = 4
 
 
 def builtin_workload(name: str, model_dir: Path, limit: int | None = None, seed: int = 0) -> list[WorkloadItem]:
-    """``rewrite`` or ``variations`` (module docstring), ``limit`` items (12 / 6 functions x 4)."""
+    """``rewrite``, ``rewrite-shown`` or ``variations`` (module docstring), ``limit`` items (12 / 6
+    functions x 4)."""
     docs = heldout_documents(model_dir)
-    if name == "rewrite":
-        return rewrite_items(docs, limit or 12, seed=seed)
+    if name in ("rewrite", "rewrite-shown"):
+        return rewrite_items(docs, limit or 12, seed=seed, shown=name == "rewrite-shown")
     if name == "variations":
         return variations_items(docs, max(1, (limit or 24) // 4))
     raise ConfigError(f"unknown built-in workload {name!r}; choose from {list(BUILTIN)}")

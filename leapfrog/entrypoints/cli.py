@@ -246,7 +246,8 @@ def _bench_parser(sub) -> None:
     p.add_argument("--workload", action="extend", nargs="+", default=None,
                    help="JSONL workload (repeatable): Spec-Bench/MT-bench/EAGLE question.jsonl, HumanEval, GSM8K, "
                         "EditEval, or your own with 'prompt' or 'messages' (+ optional 'category'); or a built-in "
-                        "one made from the built-in model's held-out files: 'rewrite' (with predictions) or "
+                        "one made from the built-in model's held-out files: 'rewrite' (with predictions), "
+                        "'rewrite-shown' (the same with the original shown in the prompt) or "
                         "'variations' (functions repeated with renamed arguments)")
     p.add_argument("--limit", type=int, default=None, help="at most N items per category of each workload")
     p.add_argument("--temperature", type=float, nargs="+", default=[0.0], help="temperatures to measure (0 = greedy)")
