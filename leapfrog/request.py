@@ -79,6 +79,13 @@ class Request:
             return PositionKey(self.seed_key, len(self.output_ids) + j)
         return self.generator
 
+    @property
+    def raw_argmax(self) -> bool:
+        """Every row of this request, drafts included, is the argmax of the raw logits: greedy with
+        no penalties, token rules or grammar, and past min_tokens (or nothing to suppress)."""
+        p = self.params
+        return p.plain_argmax and self.grammar is None and (len(self.output_ids) >= p.min_tokens or not self.stop_ids)
+
     def row_spec(self, extra: list[int] = ()) -> RowSpec:  # type: ignore[assignment]
         """Sampling context of the row after output_ids + extra (drafts)."""
         out = self.output_ids + list(extra) if extra else self.output_ids

@@ -13,6 +13,7 @@ One step (STYLE "one engine step"):
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import time
@@ -594,6 +595,22 @@ class LLMEngine:
         tree = drafts.is_tree
         draft_lists = drafts.lists()
         parent_lists = drafts.parent_lists()
+
+        def match(target: list[int], sub: DraftBatch, sub_parents: list[int]) -> AcceptanceResult:
+            if tree:
+                return tree_match_accept(target, sub.token_ids.tolist(), sub_parents, sub.num_draft)
+            return greedy_accept(target, sub.token_ids.tolist(), sub.num_draft)
+
+        def checked(values: torch.Tensor, target: torch.Tensor) -> list[int]:
+            # max propagates NaN and +inf, so checking the chosen logits finds any non-finite row
+            # (isfinite over the whole [N, V] cost 70 us per step here)
+            if not all(map(math.isfinite, values.tolist())):
+                raise FloatingPointError("non-finite logits from the model (fp16 overflow? try bfloat16 or float32)")
+            return target.tolist()
+
+        flat_parents = [p for ps in parent_lists for p in ps]
+        if all(r.raw_argmax for r in reqs):   # nothing processes the logits: no sampler rows to build
+            return match(checked(*logits.max(dim=-1)), drafts, flat_parents)
         depth_lists = [depths(ps) for ps in parent_lists]
         specs, row_depth = [], []
         for r, d, ps, ds in zip(reqs, draft_lists, parent_lists, depth_lists):
@@ -603,20 +620,9 @@ class LLMEngine:
                 specs.append(r.row_spec([d[i] for i in path_to(ps, j)] if tree else d[:j + 1]))
                 row_depth.append(ds[j])
         rows = sampler.build_rows(specs, self.vocab_size)
-        flat_parents = [p for ps in parent_lists for p in ps]
-
-        def match(target: list[int], sub: DraftBatch, sub_parents: list[int]) -> AcceptanceResult:
-            if tree:
-                return tree_match_accept(target, sub.token_ids.tolist(), sub_parents, sub.num_draft)
-            return greedy_accept(target, sub.token_ids.tolist(), sub.num_draft)
-
         if rows.all_greedy:
             target = sampler.greedy_tokens(logits, rows)
-            # argmax propagates NaN and +inf, so checking the chosen logits finds any non-finite row
-            # (isfinite over the whole [N, V] cost 70 us per step here)
-            if not bool(torch.isfinite(logits.gather(1, target[:, None])).all()):
-                raise FloatingPointError("non-finite logits from the model (fp16 overflow? try bfloat16 or float32)")
-            return match(target.tolist(), drafts, flat_parents)
+            return match(checked(logits.gather(1, target[:, None]).flatten(), target), drafts, flat_parents)
         p = sampler.probs(logits, rows)  # [T + B, V]
         B = len(reqs)
         o = drafts.offsets()  # request b's drafts are o[b]..o[b+1]-1; its target rows o[b]+b..o[b+1]+b
