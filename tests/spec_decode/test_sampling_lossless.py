@@ -63,8 +63,8 @@ def assert_follows_target(target, spec: dict, sp: SamplingParams, seed: int, **e
     """N requests of PROMPT with speculation: tokens 2 and 3 follow the target's exact law (the
     target as the engine loaded it, e.g. quantized), and the drafts were neither all accepted nor
     all rejected. ``engine``: more LLM arguments. -> the engine's speculation metrics."""
-    llm = LLM(model=str(target), dtype="float32", skip_tokenizer_init=True, max_num_seqs=256, max_model_len=16,
-              seed=seed, speculative_config=spec, **engine)
+    llm = LLM(model=str(target), dtype="float32", skip_tokenizer_init=True, max_model_len=16,
+              seed=seed, speculative_config=spec, **{"max_num_seqs": 256, **engine})
     outs = llm.generate([{"prompt_token_ids": PROMPT}] * N, sp, use_tqdm=False)
     toks = np.array([o.outputs[0].token_ids for o in outs])
     m2, m3 = exact_marginals(llm, sp)
@@ -168,3 +168,12 @@ def test_quantized_self_draft_sampling_follows_target(tiny, quant):
     target, _ = tiny
     spec = {"method": "draft_model", "model": "self", "draft_quantization": "int4", "num_speculative_tokens": 1}
     assert_follows_target(target, spec, SETTINGS[0], seed=5, quantization=quant)
+
+
+@pytest.mark.slow
+def test_fast_path_sampling_follows_target(tiny):
+    """The compiled fast path (enforce_eager=False): sampled requests verify in padded bucket graphs
+    and draft step by step with the draft model's graphs; the law is still the target's."""
+    target, draft = tiny
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+    assert_follows_target(target, spec, SETTINGS[1], seed=4, enforce_eager=False, max_num_seqs=2)   # T=0.7
