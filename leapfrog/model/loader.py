@@ -303,8 +303,7 @@ def load_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, max_p
             if tp is not None:
                 params[ours].copy_(_shard_part(src, ours, hf_names, tp.shard).to(dtype))
                 continue
-            parts = [src.get(n) for n in hf_names]
-            params[ours].copy_((torch.cat(parts) if len(parts) > 1 else parts[0]).to(dtype))
+            params[ours].copy_(_read_whole(src, hf_names).to(dtype))
     cos, sin = rope_table(ckpt.args.rope, ckpt.args.head_dim, ckpt.args.max_position_embeddings, max_positions)
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
     model = model.eval().requires_grad_(False)
@@ -324,8 +323,14 @@ def load_whole(ckpt: Checkpoint, names: tuple[str, ...], dtype: torch.dtype, dev
         whole = LlamaModel(ckpt.args, max_positions=1)
     src = _TensorSource(ckpt.path, _weight_files(ckpt.path, allow_pickle))
     shapes = {n: tuple(p.shape) for n, p in whole.named_parameters() if n in names}
-    return {ours: torch.cat([src.get(n) for n in hf]).to(dtype).to(device)
+    return {ours: _read_whole(src, hf).to(device=device, dtype=dtype)
             for ours, hf in _fill_plan(ckpt.args, src, shapes).items()}
+
+
+def _read_whole(src: _TensorSource, hf_names: list[str]) -> Tensor:
+    """One parameter: its HF tensors fused along dim 0 (no copy for a single tensor)."""
+    parts = [src.get(n) for n in hf_names]
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 #: files a tokenizer is built from; one of them must be present (tokenizer_config.json alone is not enough).

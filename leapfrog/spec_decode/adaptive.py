@@ -78,6 +78,10 @@ class SpecController:
         self.verify_cost: dict[int, dict[int, float]] = {}   # bucket -> s -> seconds
         self.first_verify: dict[int, dict[int, float]] = {}  # bucket -> s -> first (cold) seconds
         self.confirm: dict[int, int] = {}                    # bucket -> size to run again (warm)
+        #: bucket -> whether its last step was widened by another proposer's longer drafts (a
+        #: prediction's): own drafts up to that width cost nothing extra, and that step's time says
+        #: nothing about this method's widths
+        self.widened: dict[int, bool] = {}
         self.draft_cost: dict[int, float] = {}               # bucket -> seconds per draft token
         self.draft_samples: dict[int, int] = {}              # bucket -> draft cost measurements
         self.steps = 0
@@ -128,8 +132,8 @@ class SpecController:
     def _adaptive_k(self, B: int) -> int:
         bucket = _bucket(B)
         t1 = self.verify_cost.get(bucket, {}).get(1)
-        if t1 is None:
-            return 0  # measure plain decode at this batch size first
+        if t1 is None:   # measure plain decode at this batch size first (unless drafting is free now)
+            return self.K if self.widened.get(bucket) else 0
         c_d = self.draft_cost.get(bucket, 0.0)
 
         def goodput(k: int) -> float:
@@ -144,8 +148,8 @@ class SpecController:
     def _auto_tree_size(self, B: int) -> int:
         bucket = _bucket(B)
         t1 = self.verify_cost.get(bucket, {}).get(1)
-        if t1 is None:
-            return 0  # measure plain decode at this batch size first
+        if t1 is None:   # measure plain decode at this batch size first (unless drafting is free now)
+            return self._probe_size(B) if self.widened.get(bucket) else 0
         if self.curve is None or bucket not in self.draft_cost:
             return self._probe_size(B)  # a first tree: the head's confidences and the costs
         c_d = self.draft_cost[bucket]
@@ -206,13 +210,18 @@ class SpecController:
                 verify_tokens: int | None = None) -> None:
         """One verified step of ``reqs`` (this controller's requests) with ``drafts``; ``t_verify``
         timed the whole step's forward, of ``batch_size`` sequences (default: len(reqs)) and
-        ``verify_tokens`` tokens per sequence (default: these drafts' longest + 1)."""
+        ``verify_tokens`` tokens per sequence (default: these drafts' longest + 1). A step widened
+        by another proposer's longer drafts updates acceptance and drafting cost, not the verify
+        costs of this method's widths."""
         if self.cfg.auto_tree:
             self._observe_tree(drafts, result)
         bucket = _bucket(batch_size or len(reqs))
-        s = verify_tokens or max(drafts.num_draft, default=0) + 1
+        s = max(drafts.num_draft, default=0) + 1
+        self.widened[bucket] = (verify_tokens or s) > s
         table, first = self.verify_cost.setdefault(bucket, {}), self.first_verify.setdefault(bucket, {})
-        if s in table:
+        if self.widened[bucket]:
+            pass
+        elif s in table:
             table[s] = (1 - _EMA) * table[s] + _EMA * t_verify
         elif s in first:
             table[s] = t_verify  # the second measurement replaces the cold first one
@@ -220,8 +229,7 @@ class SpecController:
                 del self.confirm[bucket]
         else:
             first[s] = t_verify
-            if s - 1 <= self.cfg.draft_budget:   # (a prediction's longer verify is recorded, not re-run)
-                self.confirm[bucket] = s - 1
+            self.confirm[bucket] = s - 1
         n_draft = drafts.total
         if n_draft:
             # sequential draft steps dominate; a tree's cost is per step (its size is free)

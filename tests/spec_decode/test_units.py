@@ -114,17 +114,25 @@ def test_controller_formula_and_caps():
 
 def test_controller_sees_the_whole_step_beside_predictions():
     """Requests with a prediction share the step with the configured method's: its batch-size rule
-    and cost table go by the whole batch and the whole verify width, and a prediction's long
-    verify is recorded without being re-run as this method's draft length."""
+    goes by the whole batch; a step widened by a prediction's longer verify teaches nothing about
+    this method's widths, and while steps are widened its own drafts are free, so it drafts."""
     from leapfrog.spec_decode.verify.result import AcceptanceResult
     off = SpecController(SpeculativeConfig(method="ngram", num_speculative_tokens=3, disable_by_batch_size=2), 64)
     assert off.choose([_req()], batch_size=3) == [0]      # 1 own request, 2 with predictions
     assert off.choose([_req()], batch_size=2) == [3]
     c = SpecController(SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=True), 4096)
-    drafts = DraftBatch.from_lists([[5, 6]])
-    c.observe([_req()], drafts, AcceptanceResult([1], [[0, 0]], [1]), 0.001, 0.02, batch_size=3, verify_tokens=65)
-    assert c.verify_cost.get(4, {}) == {} and c.first_verify[4] == {65: 0.02}   # bucket of 3 sequences
-    assert 4 not in c.confirm                              # 64 is not a length this method drafts
+    assert c.choose([_req()], batch_size=3) == [0]        # nothing measured: plain decode first
+    plain = AcceptanceResult([0], [[0]], [0])
+    for _ in range(5):   # every step widened to 65 tokens by a prediction: drafting costs nothing extra
+        c.observe([_req()], DraftBatch.empty(1), plain, 0.0, 0.02, batch_size=3, verify_tokens=65)
+        assert c.choose([_req()], batch_size=3) == [4]
+    assert c.verify_cost[4] == {} and not c.first_verify[4] and 4 not in c.confirm
+    c.observe([_req()], DraftBatch.from_lists([[5, 6, 7, 8]]), AcceptanceResult([2], [[0, 0, 0]], [2]), 0.001, 0.01,
+              batch_size=3, verify_tokens=5)   # the predictions are gone: this method's own width
+    assert c.first_verify[4] == {5: 0.01} and c.choose([_req()], batch_size=3) == [4]   # confirmed warm
+    c.observe([_req()], DraftBatch.from_lists([[5, 6, 7, 8]]), AcceptanceResult([2], [[0, 0, 0]], [2]), 0.001, 0.01,
+              batch_size=3, verify_tokens=5)
+    assert c.choose([_req()], batch_size=3) == [0]        # plain decode still unmeasured: measure it
 
 
 def test_draft_batch_layout():

@@ -135,7 +135,7 @@ class DraftModelProposer:
         it drafted (else nothing was done)."""
         chain = self.runner.chain
         if chain is None or max(ks[b] for b in active) > chain.steps or not all(
-                _plain_greedy(reqs[b]) for b in active):
+                reqs[b].raw_argmax for b in active):
             return False
         rs = [reqs[b] for b in active]
         self._catch_up(rs, keep=chain.max_tokens)
@@ -169,8 +169,3 @@ class DraftModelProposer:
             if r.request_id in self.computed:
                 self.computed[r.request_id] = min(self.computed[r.request_id], r.num_tokens + n_acc)
 
-
-def _plain_greedy(req: Request) -> bool:
-    """Greedy on the raw logits: no penalties or token rules, no min_tokens suppression of stop tokens."""
-    p = req.params
-    return p.plain_argmax and len(req.output_ids) >= p.min_tokens

@@ -108,9 +108,11 @@ class EagleProposer:
         from leapfrog.parallel.replica import unsharded_view
 
         dtype = DTYPES[cfg.draft_dtype] if cfg.draft_dtype not in (None, "auto") else target.dtype
-        # a tensor-parallel target holds a vocabulary slice: the head (rank 0 only) gets whole copies
-        shared = unsharded_view(target.model, target.checkpoint, target.allow_pickle)
-        self.head = load_eagle_head(cfg.model, shared, dtype, target.device, target.allow_pickle)
+        self.head = load_eagle_head(cfg.model, target.model, dtype, target.device, target.allow_pickle)
+        # a tensor-parallel target holds a vocabulary slice: the head (rank 0 only) gets whole
+        # copies of what it shares (its embedding unless it has one; EAGLE-1: the LM head)
+        self.head.bind_target(unsharded_view(target.model, target.checkpoint, target.allow_pickle,
+                                             need_embed=self.head.embed is None, need_head=self.head.kind == "eagle"))
         if self.head.kind != cfg.method:
             from leapfrog.errors import ConfigError
             raise ConfigError(f"speculative_config: method {cfg.method!r} but {cfg.model} is an "
