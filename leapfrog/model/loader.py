@@ -12,7 +12,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -190,18 +190,18 @@ class _TensorSource:
                 self._pickled.update(state)
                 self.files.update({k: f for k in state})
 
-    def _from_file(self, name: str, shape_only: bool):
+    def _from_file(self, name: str, read: Callable[[Any], Any]):
+        """``read(safe_open handle)`` for the file holding ``name``, opened once; a read error names it."""
         f = self.files[name]
         if f not in self._open:
             self._open[f] = _safe_open(f)
-        sf = self._open[f]
         try:
-            return sf.get_slice(name).get_shape() if shape_only else sf.get_tensor(name)  # type: ignore[attr-defined]
+            return read(self._open[f])
         except SafetensorError as e:  # not in this file (a wrong index), unreadable data
             raise CheckpointError(f"{f}: cannot read tensor {name!r} ({type(e).__name__}: {e})") from None
 
     def get(self, name: str) -> Tensor:
-        return self._pickled[name] if self._pickled else self._from_file(name, shape_only=False)
+        return self._pickled[name] if self._pickled else self._from_file(name, lambda sf: sf.get_tensor(name))
 
     def get_part(self, name: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None) -> Tensor:
         """``name[rows[0]:rows[1]]`` or ``name[:, cols[0]:cols[1]]``: from a safetensors file only
@@ -209,18 +209,12 @@ class _TensorSource:
         index = (slice(*rows),) if rows is not None else (slice(None), slice(*cols)) if cols is not None else ()
         if self._pickled:
             return self._pickled[name][index]
-        f = self.files[name]
-        if f not in self._open:
-            self._open[f] = _safe_open(f)
-        try:
-            return self._open[f].get_slice(name)[index]  # type: ignore[attr-defined]
-        except SafetensorError as e:
-            raise CheckpointError(f"{f}: cannot read tensor {name!r} ({type(e).__name__}: {e})") from None
+        return self._from_file(name, lambda sf: sf.get_slice(name)[index])
 
     def shape(self, name: str) -> tuple[int, ...]:
         """From the safetensors header: no data is read."""
         if not self._pickled:
-            return tuple(self._from_file(name, shape_only=True))
+            return tuple(self._from_file(name, lambda sf: sf.get_slice(name).get_shape()))
         t = self._pickled[name]
         if not isinstance(t, Tensor):
             raise CheckpointError(f"{self.files[name]}: entry {name!r} is a {type(t).__name__}, not a tensor")
@@ -250,13 +244,21 @@ def _fill_plan(args: LlamaArgs, src: _TensorSource, shapes: dict[str, tuple[int,
     return plan
 
 
+def _plan(ckpt: Checkpoint, allow_pickle: bool, names: tuple[str, ...] | None = None
+          ) -> tuple[_TensorSource, dict[str, list[str]]]:
+    """The checkpoint's tensors and the fill plan (``_fill_plan``) for the whole model's parameters,
+    or only ``names`` of them, checked against a model built on ``meta``."""
+    with torch.device("meta"):
+        whole = LlamaModel(ckpt.args, max_positions=1)
+    src = _TensorSource(ckpt.path, _weight_files(ckpt.path, allow_pickle))
+    shapes = {n: tuple(p.shape) for n, p in whole.named_parameters() if names is None or n in names}
+    return src, _fill_plan(ckpt.args, src, shapes)
+
+
 def check_weights(ckpt: Checkpoint, allow_pickle: bool = False) -> None:
     """Every tensor the model needs is present, readable and of the right shape (headers only: cheap).
     ``leapfrog train-draft`` runs it on the target before any training."""
-    with torch.device("meta"):
-        model = LlamaModel(ckpt.args, max_positions=1)
-    src = _TensorSource(ckpt.path, _weight_files(ckpt.path, allow_pickle))
-    _fill_plan(ckpt.args, src, {n: tuple(p.shape) for n, p in model.named_parameters()})
+    _plan(ckpt, allow_pickle)
 
 
 def _shard_part(src: _TensorSource, ours: str, hf_names: list[str], shard: Shard) -> Tensor:
@@ -273,7 +275,7 @@ def _shard_part(src: _TensorSource, ours: str, hf_names: list[str], shard: Shard
         return torch.cat([src.get_part(q, rows=shard.rows(shard.heads, hd)), src.get_part(k, rows=kv),
                           src.get_part(v, rows=kv)])
     if leaf[0] == "w13":   # column-parallel: gate rows, then up rows, of this rank's channels
-        i = (shard.intermediate.start, shard.intermediate.stop)
+        i = shard.rows(shard.intermediate, 1)
         return torch.cat([src.get_part(n, rows=i) for n in hf_names])
     if ours.endswith("wo.weight"):   # row-parallel: the input columns of this rank's heads
         return src.get_part(hf_names[0], cols=shard.rows(shard.heads, hd))
@@ -281,7 +283,7 @@ def _shard_part(src: _TensorSource, ours: str, hf_names: list[str], shard: Shard
         b = src.get(hf_names[0])
         return b if shard.rank == 0 else torch.zeros_like(b)
     if ours.endswith("w2.weight"):   # row-parallel: this rank's intermediate channels
-        return src.get_part(hf_names[0], cols=(shard.intermediate.start, shard.intermediate.stop))
+        return src.get_part(hf_names[0], cols=shard.rows(shard.intermediate, 1))
     return src.get(hf_names[0])      # norms: replicated
 
 
@@ -291,19 +293,15 @@ def load_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, max_p
     """Build the model on ``meta``, then fill every parameter from the checkpoint, checking shapes;
     ``quantization`` ("int8" / "int4", model/quant.py) quantizes the decoder layers' linears.
     ``tp``: build and fill only this rank's shard (each tensor's part is read from the file alone)."""
+    src, plan = _plan(ckpt, allow_pickle)   # checked against the whole model's shapes
     with torch.device("meta"):
-        whole = LlamaModel(ckpt.args, max_positions=1)
-        model = whole if tp is None else LlamaModel(ckpt.args, max_positions=1, tp=tp)
-    src = _TensorSource(ckpt.path, _weight_files(ckpt.path, allow_pickle))
-    plan = _fill_plan(ckpt.args, src, {n: tuple(p.shape) for n, p in whole.named_parameters()})
+        model = LlamaModel(ckpt.args, max_positions=1, tp=tp)
     model = model.to_empty(device=device).to(dtype)
     params = dict(model.named_parameters())
     with torch.no_grad():
         for ours, hf_names in plan.items():
-            if tp is not None:
-                params[ours].copy_(_shard_part(src, ours, hf_names, tp.shard).to(dtype))
-                continue
-            params[ours].copy_(_read_whole(src, hf_names).to(dtype))
+            part = _read_whole(src, hf_names) if tp is None else _shard_part(src, ours, hf_names, tp.shard)
+            params[ours].copy_(part.to(dtype))
     cos, sin = rope_table(ckpt.args.rope, ckpt.args.head_dim, ckpt.args.max_position_embeddings, max_positions)
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
     model = model.eval().requires_grad_(False)
@@ -319,12 +317,8 @@ def load_whole(ckpt: Checkpoint, names: tuple[str, ...], dtype: torch.dtype, dev
     """Some of the model's parameters, whole, by our names (e.g. "embed.weight", "lm_head.weight";
     a name the architecture lacks, such as a tied model's LM head, is left out): what rank 0 of a
     tensor-parallel group reads beside its shard for a drafter that needs the whole vocabulary."""
-    with torch.device("meta"):
-        whole = LlamaModel(ckpt.args, max_positions=1)
-    src = _TensorSource(ckpt.path, _weight_files(ckpt.path, allow_pickle))
-    shapes = {n: tuple(p.shape) for n, p in whole.named_parameters() if n in names}
-    return {ours: _read_whole(src, hf).to(device=device, dtype=dtype)
-            for ours, hf in _fill_plan(ckpt.args, src, shapes).items()}
+    src, plan = _plan(ckpt, allow_pickle, names)
+    return {ours: _read_whole(src, hf).to(device=device, dtype=dtype) for ours, hf in plan.items()}
 
 
 def _read_whole(src: _TensorSource, hf_names: list[str]) -> Tensor:
