@@ -26,24 +26,25 @@ class Shard:
     size: int
     args: LlamaArgs        # the whole model's
 
+    def _mine(self, per_rank: int) -> range:
+        """This rank's ``per_rank`` consecutive items of a dimension split evenly over the ranks."""
+        return range(self.rank * per_rank, (self.rank + 1) * per_rank)
+
     @property
     def heads(self) -> range:
-        n = self.args.num_attention_heads // self.size
-        return range(self.rank * n, (self.rank + 1) * n)
+        return self._mine(self.args.num_attention_heads // self.size)
 
     @property
     def kv_heads(self) -> range:
         kv = self.args.num_key_value_heads
         if kv >= self.size:
-            n = kv // self.size
-            return range(self.rank * n, (self.rank + 1) * n)
+            return self._mine(kv // self.size)
         first = self.rank * kv // self.size   # the head this rank's query heads read
         return range(first, first + 1)
 
     @property
     def intermediate(self) -> range:
-        n = self.args.intermediate_size // self.size
-        return range(self.rank * n, (self.rank + 1) * n)
+        return self._mine(self.args.intermediate_size // self.size)
 
     @property
     def vocab_per_rank(self) -> int:
@@ -52,8 +53,7 @@ class Shard:
     @property
     def vocab(self) -> range:
         """Vocabulary rows held, padding included (ids >= vocab_size are padding)."""
-        n = self.vocab_per_rank
-        return range(self.rank * n, (self.rank + 1) * n)
+        return self._mine(self.vocab_per_rank)
 
     def local_args(self) -> LlamaArgs:
         """The shapes of this rank's layers: its heads, KV heads, intermediate channels and vocab rows."""
@@ -62,7 +62,7 @@ class Shard:
                        intermediate_size=len(self.intermediate), vocab_size=self.vocab_per_rank)
 
     def rows(self, r: range, width: int) -> tuple[int, int]:
-        """Head range -> row range of a [heads * width, ...] tensor."""
+        """Range of heads (or channels, width 1) -> row range of a [heads * width, ...] tensor."""
         return r.start * width, r.stop * width
 
 
