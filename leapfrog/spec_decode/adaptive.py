@@ -219,17 +219,16 @@ class SpecController:
         s = max(drafts.num_draft, default=0) + 1
         self.widened[bucket] = (verify_tokens or s) > s
         table, first = self.verify_cost.setdefault(bucket, {}), self.first_verify.setdefault(bucket, {})
-        if self.widened[bucket]:
-            pass
-        elif s in table:
-            table[s] = (1 - _EMA) * table[s] + _EMA * t_verify
-        elif s in first:
-            table[s] = t_verify  # the second measurement replaces the cold first one
-            if self.confirm.get(bucket) == s - 1:
-                del self.confirm[bucket]
-        else:
-            first[s] = t_verify
-            self.confirm[bucket] = s - 1
+        if not self.widened[bucket]:
+            if s in table:
+                table[s] = (1 - _EMA) * table[s] + _EMA * t_verify
+            elif s in first:
+                table[s] = t_verify  # the second measurement replaces the cold first one
+                if self.confirm.get(bucket) == s - 1:
+                    del self.confirm[bucket]
+            else:
+                first[s] = t_verify
+                self.confirm[bucket] = s - 1
         n_draft = drafts.total
         if n_draft:
             # sequential draft steps dominate; a tree's cost is per step (its size is free)
