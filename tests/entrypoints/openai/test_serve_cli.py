@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,11 +11,7 @@ import time
 import httpx
 import pytest
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from leapfrog.parallel.group import free_port
 
 
 def test_serve_subprocess_answers_and_exits_on_sigterm(llama_dir):
