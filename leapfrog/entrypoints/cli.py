@@ -58,7 +58,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "lossless relative to the quantized target)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard the target over N processes (spawned here; under torchrun, one per rank: rank 0 "
-                        "serves, the others compute). Eager only; EAGLE heads not yet")
+                        "serves, the others compute). Eager only; drafters run on rank 0")
 
 
 def _torchrun_worker(args) -> int | None:

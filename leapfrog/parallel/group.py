@@ -165,6 +165,12 @@ def connect(size: int, rank: int, device: torch.device, master_addr: str | None 
     """Join the default process group as ``rank`` of ``size`` (from torchrun's environment when
     ``master_addr`` is None); -> this process's rank."""
     backend = backend_for(device)
+    # torch._dynamo must be imported before the group exists (building the model on "meta"
+    # imports it otherwise): imported after, it keeps references to the default group that
+    # destroy_process_group cannot drop, so gloo's threads outlive the interpreter and one that
+    # frees its last broadcast while Python finalizes aborts the process ("terminate called
+    # without an active exception", exit -6; about 1 torchrun run in 3).
+    import torch._dynamo  # noqa: F401
     if not dist.is_initialized():
         if master_addr is None:
             dist.init_process_group(backend, timeout=TIMEOUT)
