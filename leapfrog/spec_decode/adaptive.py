@@ -20,13 +20,16 @@ batch-size bucket. Unmeasured verify costs are interpolated linearly between mea
 (optimistically flat beyond them, so an unmeasured K gets tried once). Every
 ``adaptive_explore_interval`` steps the controller tries a neighbour of k* if its estimated
 goodput is within 15 % of k*'s, so close calls stay measured without paying for hopeless
-ones; while speculation is off it drafts one token every 8 intervals to keep alpha current.
+ones; while speculation is off it drafts one probe every 8 intervals to keep alpha current (and
+the costs: a transient that made speculation look bad must not turn it off for good).
 The first time of a forward shape includes one-off costs (kernel selection and packing for a
 new row count: the first 21-token verify of the demo target measured 11.7 ms, later ones about
 8), so a size's first measurement is only provisional: the next step runs the same size again
 and that measurement replaces it (the provisional one is never used in the estimates).
 Beyond the largest measured size the cost is extrapolated along the last measured slope (flat
-while only plain decode is measured, so the first probe happens).
+while only plain decode is measured, so the first probe happens). A sample counts for at most
+twice the current estimate, so one-off spikes (a drafter catching up on new prompts, a cold
+shape, the OS) move it by at most 20 %; lasting changes are followed within a few steps.
 
 Tree size (``num_draft_tokens: "auto"``, tree methods). The proposer grows its candidate tree
 at a cost that does not depend on how many nodes are verified, then keeps the n most confident.
@@ -35,10 +38,19 @@ probabilities along the path, ``DraftBatch.candidate_scores``), verifying the be
 about a * (c_1 + ... + c_n) tokens, where a calibrates the drafter's confidence against the
 measured acceptance (an exponential moving average of accepted / predicted). So
 
-    n* = argmax_{n in 0..N} (1 + a * C(n)) / (t_draft(B) + t_verify(B, n + 1)),  C(n) = sum_{i<=n} c_i
+    n* = argmax_{n in 0..N} (1 + a * C(n)) / (t_draft(B, L(n), W(n)) + t_verify(B, n + 1)),
+    C(n) = sum_{i<=n} c_i
 
 with C averaged over the batch's latest proposals, t_verify from the same measured table as
-above and n = 0 meaning no speculation (cost t_verify(B, 1), no drafting). The tree shrinks
+above and n = 0 meaning no speculation (cost t_verify(B, 1), no drafting). The tree grown for n
+nodes has L(n) levels of width W(n) (SpeculativeConfig.tree_shape: a chain of n levels up to the
+depth, wider beyond), and t_draft(B, L, W) is the measured drafting time of a step of that shape.
+A shape not yet measured borrows the nearest measured one's time, scaled up by levels (never
+down), so it gets tried. (A step's time includes the head's catch-up on the tokens just accepted,
+which does not shrink with the tree: scaled down to one level it made one-level trees look cheap,
+and those only ever show one candidate's confidence, so the tree never grew again.) a is the ratio of the
+moving averages of accepted and predicted tokens (not an average of per-step ratios, which
+single unlucky steps swing). The tree shrinks
 as verification stops being cheap (larger batches, slower CPUs) and as the drafter gets less
 sure; acceptance needs no exploration, only the verify-cost curve does (as for K).
 """
@@ -82,12 +94,16 @@ class SpecController:
         #: prediction's): own drafts up to that width cost nothing extra, and that step's time says
         #: nothing about this method's widths
         self.widened: dict[int, bool] = {}
+        self.fresh: dict[int, int] = {}   # bucket -> the probe size whose next measurements replace the estimates
         self.draft_cost: dict[int, float] = {}               # bucket -> seconds per draft token
-        self.draft_samples: dict[int, int] = {}              # bucket -> draft cost measurements
+        #: auto tree: bucket -> (levels, width) -> seconds per drafting step
+        self.tree_draft_cost: dict[int, dict[tuple[int, int], float]] = {}
+        self.draft_samples: dict[tuple, int] = {}           # (bucket, its key above) -> draft cost measurements
         self.steps = 0
         self.last_k = self.K
         self.curve: list[float] | None = None   # auto tree size: mean C(n), n = 1..K
         self.calibration = 1.0                   # auto tree size: measured accepted / predicted
+        self._accepted = self._predicted = 0.0   # their moving averages (per step)
 
     def cap(self, req: Request, k: int) -> int:
         return cap_drafts(req, k, self.max_model_len, self.cfg.tree)
@@ -143,38 +159,45 @@ class SpecController:
             return expected_tokens(self.alpha, k) / (k * c_d + t)
 
         best_k = max(range(self.K + 1), key=goodput)
-        return self._explore(best_k, goodput, min(self.K, best_k + 1), max(0, best_k - 1), 1)
+        return self._explore(bucket, best_k, goodput, min(self.K, best_k + 1), max(0, best_k - 1), 1)
 
     def _auto_tree_size(self, B: int) -> int:
         bucket = _bucket(B)
         t1 = self.verify_cost.get(bucket, {}).get(1)
         if t1 is None:   # measure plain decode at this batch size first (unless drafting is free now)
             return self._probe_size(B) if self.widened.get(bucket) else 0
-        if self.curve is None or bucket not in self.draft_cost:
+        if self.curve is None or not self.tree_draft_cost.get(bucket):
             return self._probe_size(B)  # a first tree: the head's confidences and the costs
-        c_d = self.draft_cost[bucket]
+        per_width = self.tree_draft_cost[bucket]
 
         def goodput(n: int) -> float:
             if n == 0:
                 return 1.0 / t1
+            levels, width = self.cfg.tree_shape(n)
+            near = min(per_width, key=lambda lw: (abs(lw[1] - width), abs(lw[0] - levels), lw))
+            t_draft = per_width[near] * max(1.0, levels / near[0])
             t = self._verify_time(bucket, n + 1) or t1
-            return (1.0 + self.calibration * self.curve[n - 1]) / (c_d + t)
+            return (1.0 + self.calibration * self.curve[n - 1]) / (t_draft + t)
 
         best = max(range(self.K + 1), key=goodput)
-        return self._explore(best, goodput, min(self.K, max(1, best * 2)), best // 2, self._probe_size(B))
+        return self._explore(bucket, best, goodput, min(self.K, max(1, best * 2)), best // 2, self._probe_size(B))
 
-    def _explore(self, best: int, goodput: Callable[[int], float], up: int, down: int, probe: int) -> int:
+    def _explore(self, bucket: int, best: int, goodput: Callable[[int], float], up: int, down: int,
+                 probe: int) -> int:
         """``best``, except every ``adaptive_explore_interval`` steps: a neighbour (``up`` and
         ``down`` in turn) if its estimated goodput is within 15 % of best's, so close calls stay
         measured; while speculation is off, ``probe`` every 8 intervals keeps acceptance (and a
-        tree's confidences and calibration) current."""
+        tree's confidences and calibration) current. A probe's measurements replace the estimates
+        of its size (they may be many steps old: averaging one fresh sample into them would keep
+        speculation off long after what turned it off is gone)."""
         interval = self.cfg.adaptive_explore_interval
         if self.steps and self.steps % interval == 0:
-            cand = up if (self.steps // interval) % 2 == 1 else down
-            if goodput(cand) >= _EXPLORE_MARGIN * goodput(best):
-                return cand
             if best == 0 and self.steps % (8 * interval) == 0:
+                self.fresh[bucket] = probe
                 return probe
+            cand = up if (self.steps // interval) % 2 == 1 else down
+            if cand != best and goodput(cand) >= _EXPLORE_MARGIN * goodput(best):
+                return cand
         return best
 
     def _probe_size(self, B: int) -> int:
@@ -184,7 +207,7 @@ class SpecController:
         verified (DraftBatch.candidate_scores); the probe only has to measure the costs."""
         return max(1, min(self.K, 16 // B))
 
-    def _observe_tree(self, drafts: DraftBatch, result: AcceptanceResult) -> None:
+    def _observe_tree(self, drafts: DraftBatch, result: AcceptanceResult, fresh: bool = False) -> None:
         scores = drafts.candidate_scores
         if not scores or not any(scores):
             return
@@ -202,8 +225,10 @@ class SpecController:
         mean = [sum(col) / len(curves) for col in zip(*curves)]
         self.curve = mean if self.curve is None else [(1 - _EMA) * a + _EMA * b for a, b in zip(self.curve, mean)]
         if predicted > 0:
-            ratio = sum(result.num_accepted) / predicted
-            self.calibration = (1 - _EMA) * self.calibration + _EMA * ratio
+            first = self._predicted == 0 or fresh
+            self._accepted = _ema(self._accepted, sum(result.num_accepted), first)
+            self._predicted = _ema(self._predicted, predicted, first)
+            self.calibration = self._accepted / self._predicted
 
     def observe(self, reqs: list[Request], drafts: DraftBatch, result: AcceptanceResult,
                 t_draft: float, t_verify: float, batch_size: int | None = None,
@@ -213,15 +238,16 @@ class SpecController:
         ``verify_tokens`` tokens per sequence (default: these drafts' longest + 1). A step widened
         by another proposer's longer drafts updates acceptance and drafting cost, not the verify
         costs of this method's widths."""
-        if self.cfg.auto_tree:
-            self._observe_tree(drafts, result)
         bucket = _bucket(batch_size or len(reqs))
         s = max(drafts.num_draft, default=0) + 1
+        fresh = self.fresh.pop(bucket, None) == s - 1 and s > 1
+        if self.cfg.auto_tree:
+            self._observe_tree(drafts, result, fresh)
         self.widened[bucket] = (verify_tokens or s) > s
         table, first = self.verify_cost.setdefault(bucket, {}), self.first_verify.setdefault(bucket, {})
         if not self.widened[bucket]:
             if s in table:
-                table[s] = (1 - _EMA) * table[s] + _EMA * t_verify
+                table[s] = t_verify if fresh else _ema(table[s], min(t_verify, 2 * table[s]))
             elif s in first:
                 table[s] = t_verify  # the second measurement replaces the cold first one
                 if self.confirm.get(bucket) == s - 1:
@@ -231,16 +257,24 @@ class SpecController:
                 self.confirm[bucket] = s - 1
         n_draft = drafts.total
         if n_draft:
-            # sequential draft steps dominate; a tree's cost is per step (its size is free)
-            per = t_draft if self.cfg.tree else t_draft / max(drafts.num_draft)
+            # sequential draft steps dominate: a chain's cost is per token; a tree's per step, at
+            # its width (how many nodes are verified out of those grown is free)
+            if self.cfg.auto_tree:
+                per, costs, key = t_draft, self.tree_draft_cost.setdefault(bucket, {}), self.cfg.tree_shape(s - 1)
+            else:
+                per, costs, key = t_draft / max(drafts.num_draft), self.draft_cost, bucket
             # the first drafting step also pays for catching up on the prompt (EAGLE's head, a
             # draft model's prefill) and for cold shapes: the second sample replaces it
-            seen = self.draft_samples.get(bucket, 0)
-            self.draft_samples[bucket] = seen + 1
-            old = self.draft_cost.get(bucket)
-            self.draft_cost[bucket] = per if old is None or seen < 2 else (1 - _EMA) * old + _EMA * per
+            seen = self.draft_samples.get((bucket, key), 0)
+            self.draft_samples[(bucket, key)] = seen + 1
+            old = costs.get(key)
+            costs[key] = per if old is None or seen < 2 or fresh else _ema(old, min(per, 2 * old))
             rate = sum(result.num_accepted) / n_draft
-            self.alpha = (1 - _EMA) * self.alpha + _EMA * rate
+            self.alpha = rate if fresh else _ema(self.alpha, rate)
+
+
+def _ema(old: float, sample: float, first: bool = False) -> float:
+    return sample if first else (1 - _EMA) * old + _EMA * sample
 
 
 def cap_drafts(req: Request, k: int, max_model_len: int, tree: bool = False) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import os
 from dataclasses import dataclass, fields
 from typing import Any
@@ -179,6 +181,14 @@ class SpeculativeConfig:
         """EAGLE tree size chosen per step by goodput (num_draft_tokens "auto", or adaptive with a tree)."""
         return self.method in EAGLE_METHODS and self.speculative_token_tree is None and (
             self.num_draft_tokens == "auto" or self.adaptive)
+
+    def tree_shape(self, n: int) -> tuple[int, int]:
+        """(levels, width) of the dynamic tree grown to verify ``n`` nodes: one level per node up
+        to the depth, and as many children per frontier node as n nodes over the depth can use,
+        at most eagle_topk (a chain for n <= depth). What drafting costs: ``levels`` head
+        forwards over ``width`` rows per request."""
+        depth = self.num_speculative_tokens
+        return max(1, min(depth, n)), max(1, min(self.eagle_topk, math.ceil(n / depth)))
 
     @property
     def draft_budget(self) -> int:

@@ -122,6 +122,7 @@ class EagleProposer:
         self.head.pack_for_inference(fp32_head=False, pack_layers=target.enforce_eager)
         #: what the engine hands over after every target forward (engine._commit)
         self.target_states = "hidden" if self.head.kind == "eagle" else tuple(self.head.target_layer_ids)
+        self.cfg = cfg
         self.depth = cfg.num_speculative_tokens
         self.topk = cfg.eagle_topk
         self.static = cfg.speculative_token_tree
@@ -356,13 +357,13 @@ class EagleProposer:
     def _levels(self, req: Request, k: int) -> int:
         """Tree levels drafted for a request asking for k nodes: the depth-1 candidates always,
         deeper levels up to k and to what the request may still generate (tree_depth_cap)."""
-        return max(1, min(self.depth, k, tree_depth_cap(req)))
+        return max(1, min(self.cfg.tree_shape(k)[0], tree_depth_cap(req)))
 
     def _width(self, k: int) -> int:
-        """Children per frontier node (and frontier size) for a tree of k nodes: eagle_topk, or as
-        many as k nodes over the tree's depth can use (a chain for k <= depth: "auto" sizes
-        below that grow, and pay for, one node per level)."""
-        return max(1, min(self.topk, math.ceil(k / self.depth)))
+        """Children per frontier node (and frontier size) for a tree of k nodes
+        (SpeculativeConfig.tree_shape: a chain for k <= depth, so "auto" sizes below that grow,
+        and pay for, one node per level)."""
+        return self.cfg.tree_shape(k)[1]
 
     def _children(self, ns: list[_Node], parent: int, score: float, depth: int, cand: _Cand,
                   state: torch.Tensor, width: int) -> list[int]:
