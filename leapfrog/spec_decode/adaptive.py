@@ -102,8 +102,12 @@ class SpecController:
         self.steps = 0
         self.last_k = self.K
         self.curve: list[float] | None = None   # auto tree size: mean C(n), n = 1..K
-        self.calibration = 1.0                   # auto tree size: measured accepted / predicted
-        self._accepted = self._predicted = 0.0   # their moving averages (per step)
+        self._accepted = self._predicted = 0.0   # auto tree size: moving averages per step (calibration)
+
+    @property
+    def calibration(self) -> float:
+        """Auto tree size: measured accepted / predicted tokens (1 until a tree is verified)."""
+        return self._accepted / self._predicted if self._predicted else 1.0
 
     def cap(self, req: Request, k: int) -> int:
         return cap_drafts(req, k, self.max_model_len, self.cfg.tree)
@@ -223,12 +227,11 @@ class SpecController:
             if drafts.num_draft[b]:
                 predicted += run[drafts.num_draft[b] - 1]
         mean = [sum(col) / len(curves) for col in zip(*curves)]
-        self.curve = mean if self.curve is None else [(1 - _EMA) * a + _EMA * b for a, b in zip(self.curve, mean)]
+        self.curve = mean if self.curve is None else [_ema(a, b) for a, b in zip(self.curve, mean)]
         if predicted > 0:
             first = self._predicted == 0 or fresh
             self._accepted = _ema(self._accepted, sum(result.num_accepted), first)
             self._predicted = _ema(self._predicted, predicted, first)
-            self.calibration = self._accepted / self._predicted
 
     def observe(self, reqs: list[Request], drafts: DraftBatch, result: AcceptanceResult,
                 t_draft: float, t_verify: float, batch_size: int | None = None,
@@ -247,7 +250,7 @@ class SpecController:
         table, first = self.verify_cost.setdefault(bucket, {}), self.first_verify.setdefault(bucket, {})
         if not self.widened[bucket]:
             if s in table:
-                table[s] = t_verify if fresh else _ema(table[s], min(t_verify, 2 * table[s]))
+                table[s] = t_verify if fresh else _bounded_ema(table[s], t_verify)
             elif s in first:
                 table[s] = t_verify  # the second measurement replaces the cold first one
                 if self.confirm.get(bucket) == s - 1:
@@ -268,13 +271,19 @@ class SpecController:
             seen = self.draft_samples.get((bucket, key), 0)
             self.draft_samples[(bucket, key)] = seen + 1
             old = costs.get(key)
-            costs[key] = per if old is None or seen < 2 or fresh else _ema(old, min(per, 2 * old))
+            costs[key] = per if old is None or seen < 2 or fresh else _bounded_ema(old, per)
             rate = sum(result.num_accepted) / n_draft
             self.alpha = rate if fresh else _ema(self.alpha, rate)
 
 
 def _ema(old: float, sample: float, first: bool = False) -> float:
     return sample if first else (1 - _EMA) * old + _EMA * sample
+
+
+def _bounded_ema(old: float, sample: float) -> float:
+    """A cost estimate's update: the sample counts for at most twice the estimate (one-off spikes
+    move it by at most 20 %)."""
+    return _ema(old, min(sample, 2 * old))
 
 
 def cap_drafts(req: Request, k: int, max_model_len: int, tree: bool = False) -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-
 import os
 from dataclasses import dataclass, fields
 from typing import Any
