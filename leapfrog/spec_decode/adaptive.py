@@ -41,7 +41,9 @@ measured acceptance (an exponential moving average of accepted / predicted). So
     n* = argmax_{n in 0..N} (1 + a * C(n)) / (t_draft(B, L(n), W(n)) + t_verify(B, n + 1)),
     C(n) = sum_{i<=n} c_i
 
-with C averaged over the batch's latest proposals, t_verify from the same measured table as
+with C(n) averaged over the latest proposals that grew at least n candidates (a small tree says
+nothing about a larger one's n-th candidate: padding C flat beyond what it grew made larger trees
+look worthless, and the tree never grew back), t_verify from the same measured table as
 above and n = 0 meaning no speculation (cost t_verify(B, 1), no drafting). The tree grown for n
 nodes has L(n) levels of width W(n) (SpeculativeConfig.tree_shape: a chain of n levels up to the
 depth, wider beyond), and t_draft(B, L, W) is the measured drafting time of a step of that shape.
@@ -57,6 +59,7 @@ sure; acceptance needs no exploration, only the verify-cost curve does (as for K
 
 from __future__ import annotations
 
+import itertools
 from typing import Callable
 
 from leapfrog.request import Request
@@ -212,22 +215,31 @@ class SpecController:
         return max(1, min(self.K, 16 // B))
 
     def _observe_tree(self, drafts: DraftBatch, result: AcceptanceResult, fresh: bool = False) -> None:
+        """Update the confidence curve and the calibration from one verified step. Position n of
+        the curve (C(n)) moves only with the proposals whose tree grew at least n candidates: a
+        small tree says nothing about a larger one's n-th candidate (padding its sum flat made
+        larger trees look worthless, so the tree never grew back)."""
         scores = drafts.candidate_scores
         if not scores or not any(scores):
             return
-        curves = []
+        sums: list[list[float]] = [[] for _ in range(self.K)]   # per position: C(n) of each proposal that grew n
         predicted = 0.0
         for b, sc in enumerate(scores):
-            run, acc = [], 0.0
-            for c in sc[:self.K]:
-                acc += c
-                run.append(acc)
-            run += [acc] * (self.K - len(run))
-            curves.append(run)
-            if drafts.num_draft[b]:
-                predicted += run[drafts.num_draft[b] - 1]
-        mean = [sum(col) / len(curves) for col in zip(*curves)]
-        self.curve = mean if self.curve is None else [_ema(a, b) for a, b in zip(self.curve, mean)]
+            run = list(itertools.accumulate(sc[:self.K]))
+            for i, c in enumerate(run):
+                sums[i].append(c)
+            if drafts.num_draft[b] and run:
+                predicted += run[min(drafts.num_draft[b], len(run)) - 1]
+        if self.curve is None:   # first proposal: positions it did not reach hold its total
+            flat = 0.0
+            self.curve = []
+            for col in sums:
+                flat = sum(col) / len(col) if col else flat
+                self.curve.append(flat)
+        else:
+            self.curve = [_ema(old, sum(col) / len(col)) if col else old for old, col in zip(self.curve, sums)]
+        for i in range(1, self.K):   # C is a cumulative sum: never decreasing in n
+            self.curve[i] = max(self.curve[i], self.curve[i - 1])
         if predicted > 0:
             first = self._predicted == 0 or fresh
             self._accepted = _ema(self._accepted, sum(result.num_accepted), first)

@@ -146,3 +146,26 @@ def test_speculation_turned_off_is_probed_and_comes_back():
             _step(ctl, n, conf, 0 if bad else min(n, 4), 0.3, t_verify)
     assert chosen[80:100].count(0) == 20               # off while it does not pay
     assert min(chosen[-50:]) >= 8                      # and back on once it does
+
+
+def _grown(n: int, conf: list[float]) -> list[float]:
+    """The candidates a proposer grows for n verified nodes: the tree of CFG.tree_shape(n)
+    (a chain of n levels, or W children per frontier node of width W)."""
+    levels, width = CFG.tree_shape(n)
+    return conf[:width + (levels - 1) * width * width]
+
+
+def test_small_trees_do_not_flatten_what_larger_trees_showed():
+    """A chain of 2 shows two candidates' confidences; the curve's later positions must keep what
+    the larger trees measured (padding them with the chain's total made every larger tree look
+    worthless, so the controller never grew the tree back)."""
+    ctl = SpecController(CFG, 4096)
+    conf = [0.9 ** (i // 4 + 1) for i in range(64)]
+    _step(ctl, 16, _grown(16, conf), 4, 0.3, 1.1)
+    big = list(ctl.curve)
+    for _ in range(30):
+        _step(ctl, 2, _grown(2, conf), 2, 0.1, 1.0)
+    assert len(_grown(2, conf)) == 2
+    assert abs(ctl.curve[1] - (conf[0] + conf[1])) < 1e-6
+    assert ctl.curve[15] == big[15] > ctl.curve[1] + 5
+
