@@ -9,7 +9,7 @@ SamplingParams and the token history that penalties and min_tokens read.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 from torch import Tensor
@@ -219,12 +219,17 @@ def noise(rngs: Sequence[Rng], vocab_size: int, device: torch.device | str = "cp
     """[N, V] float64 uniforms in (0, 1) per row (rows with no randomness get exp(-1): E = 1).
     float64: a float32 grid (2^-24) would under-sample tokens with p below ~1e-7."""
     u = torch.empty(len(rngs), vocab_size, dtype=torch.float64, device=device)
+    drawn: dict[PositionKey, int] = {}   # a tree's rows at one depth share their position's noise: drawn once
     for i, r in enumerate(rngs):
         if r is None:
             u[i] = 0.36787944117144233
+        elif isinstance(r, PositionKey) and r in drawn:
+            u[i] = u[drawn[r]]
         else:
             g = position_generator(r, device) if isinstance(r, PositionKey) else r
             torch.rand(vocab_size, generator=g, dtype=torch.float64, out=u[i])
+            if isinstance(r, PositionKey):
+                drawn[r] = i
     return u.clamp_(min=_TINY)   # U = 0 would give E = inf and let a p = 0 token win a 0-0 tie
 
 
@@ -237,8 +242,30 @@ def sample(p: Tensor, rngs: Sequence[Rng]) -> Tensor:
     independent of speculation (``spec/verify/greedy.py``). A point mass (greedy row) returns its
     token; E is finite, so a token with p > 0 always beats every token with p = 0.
     """
+    return _race(p, rngs).argmax(dim=-1)
+
+
+class RaceTop(NamedTuple):
+    values: Tensor    # [N, k] float64 p / E of each finisher (0 past the tokens with p > 0)
+    indices: Tensor   # [N, k] long, -1 past the tokens with p > 0
+
+
+def race_top(p: Tensor, rngs: Sequence[Rng], k: int) -> RaceTop:
+    """The first k finishers of ``sample``'s exponential race per row of p [N, V], best first
+    (column 0 is what ``sample`` draws with the same rngs).
+
+    Drafting for a seeded request: its target token at an output position is the race winner
+    under p with that position's noise, so the drafter's k best tokens under q with the same
+    noise are the k likeliest to be it (a tree's children: any of them may match)."""
+    r = _race(p, rngs)   # [N, V]
+    top = r.topk(min(k, r.shape[-1]), dim=-1)
+    return RaceTop(top.values, top.indices.masked_fill(top.values <= 0, -1))
+
+
+def _race(p: Tensor, rngs: Sequence[Rng]) -> Tensor:
+    """[N, V] float64 p / E: the race's finishing order (largest first)."""
     e = -torch.log(noise(rngs, p.shape[-1], p.device))   # [N, V] float64, in (0, 745]
-    return (p.double() / e).argmax(dim=-1)
+    return p.double() / e
 
 
 def uniforms(n: int, generator: torch.Generator, device: torch.device | str = "cpu") -> Tensor:

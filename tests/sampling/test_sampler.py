@@ -130,3 +130,27 @@ def test_seeded_sample_is_a_pure_function_of_key_and_position():
     c = sampler.sample(p, [PositionKey(seed_key(6), n) for n in range(4)])
     assert torch.equal(a, b) and not torch.equal(a, c)
     assert len({seed_key(s) for s in (0, -1, 1, 2**63, 2**64, -(2**64), 2**64 + 1, 10**40)}) == 8
+
+
+def test_race_top_starts_with_the_sampled_token_and_skips_impossible_ones():
+    """A seeded draft tree's children are the race's first finishers: the first must be the very
+    token ``sample`` draws with the same noise (else a one-child tree would couple worse than a
+    plain draw), the rest distinct, ordered, and never a token with q = 0."""
+    from leapfrog.sampling.sampler import PositionKey, seed_key
+    q = torch.softmax(torch.randn(6, 40), -1)
+    q[:, 30:] = 0.0
+    q[5, 3:] = 0.0                                    # only 3 possible tokens
+    q = q / q.sum(-1, keepdim=True)
+    rngs = [PositionKey(seed_key(9), n) for n in range(6)]
+    race = sampler.race_top(q, rngs, 4)
+    top = race.indices
+    assert race.values[5, 3] == 0 and bool((race.values[:, :-1] >= race.values[:, 1:]).all())
+    assert top[:, 0].tolist() == sampler.sample(q, rngs).tolist()
+    assert top[5, 3] == -1 and sorted(top[5, :3].tolist()) == [0, 1, 2]
+    for row, ids in zip(q, top[:5].tolist()):
+        assert len(set(ids)) == 4 and all(0 <= i < 30 and row[i] > 0 for i in ids)
+    # the first finishers: each beats the next under the same noise (p / E decreasing)
+    e = -torch.log(sampler.noise(rngs, 40))
+    r = q.double() / e
+    for i, ids in enumerate(top[:5].tolist()):
+        assert all(r[i, a] > r[i, b] for a, b in zip(ids, ids[1:]))

@@ -174,11 +174,11 @@ def test_failed_batch_keeps_drafting_for_the_others(shapes, tokenizer, where):
     assert eng.kv.num_free == eng.kv.num_rows
 
 
-def test_sampled_requests_draft_sampled_chains(shapes, tokenizer, monkeypatch):
-    """In a tree batch, greedy requests branch (top tokens, point masses) while sampled requests
-    draft one sampled token per level: unseeded ones with their q (rejection sampling needs it),
-    seeded ones drawn with the target's own (seed, position) noise, so the draft equals the
-    target's draw under q (the coupling that makes matching accept often)."""
+def test_sampled_requests_draft_sampled_chains_and_seeded_ones_race_trees(shapes, tokenizer, monkeypatch):
+    """In a tree batch, greedy requests branch (top tokens, point masses); unseeded sampled
+    requests draft one sampled token per level with their q (rejection sampling needs it); seeded
+    ones branch too, their children the first finishers of the race under q with the target's own
+    (seed, position) noise at each depth (the coupling that makes matching accept often)."""
     from leapfrog.sampling import sampler
     target, heads = shapes["llama_gqa_llama3"]
     prompts = prompts_of(tokenizer, 3)
@@ -186,13 +186,13 @@ def test_sampled_requests_draft_sampled_chains(shapes, tokenizer, monkeypatch):
     llm = LLM(model=str(target), dtype="float32", max_model_len=256, max_num_seqs=8, speculative_config=spec)
     eng, prop = llm.engine, llm.engine.proposer
     seen, seeded_positions, drafting = [], [], []
-    real, real_sample = prop.propose, sampler.sample
+    real, real_race = prop.propose, sampler.race_top
 
-    def sample(p, rngs):
+    def race_top(p, rngs, k):
         for r in rngs:
             if isinstance(r, sampler.PositionKey) and drafting:
                 seeded_positions[-1][1].append(r.position)
-        return real_sample(p, rngs)
+        return real_race(p, rngs, k)
 
     def propose(reqs, ks):
         r2 = [r for r in reqs if r.request_id == "r2"]
@@ -204,7 +204,7 @@ def test_sampled_requests_draft_sampled_chains(shapes, tokenizer, monkeypatch):
         seen.append(([r.request_id for r in reqs], drafts))
         return drafts
     prop.propose = propose
-    monkeypatch.setattr(sampler, "sample", sample)
+    monkeypatch.setattr(sampler, "race_top", race_top)
     sps = [SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True),
            SamplingParams(temperature=0.9, top_k=20, max_tokens=MAX, ignore_eos=True),
            SamplingParams(temperature=0.9, seed=5, max_tokens=MAX, ignore_eos=True)]
@@ -212,23 +212,25 @@ def test_sampled_requests_draft_sampled_chains(shapes, tokenizer, monkeypatch):
         eng.add_request(f"r{i}", None, p, sp)
     while eng.has_unfinished():
         eng.step()
-    branched = False
+    branched = {"r0": False, "r2": False}
     for ids, drafts in seen:
         o, parents = drafts.offsets(), drafts.parent_lists()
         for b, rid in enumerate(ids):
             n = drafts.num_draft[b]
-            if rid == "r0":
-                branched |= parents[b] != list(range(-1, n - 1))
+            if rid in branched:
+                branched[rid] |= parents[b] != list(range(-1, n - 1))
                 continue
             assert parents[b] == list(range(-1, n - 1)), parents[b]      # a chain
-            if rid == "r1" and n:
+            if n:
                 q = drafts.draft_probs[o[b]:o[b + 1]]                    # [n, V]
                 torch.testing.assert_close(q.sum(-1), torch.ones(n))
                 assert bool((q.gather(1, drafts.token_ids[o[b]:o[b + 1], None]) > 0).all())
                 assert int((q[0] > 0).sum()) <= 20                       # the request's top_k
-    assert branched and any(d.draft_probs is not None for _, d in seen)
-    # the seeded request's draft at depth d is drawn with the noise of output position n + d - 1
-    assert seeded_positions and all(p == list(range(n, n + len(p))) for n, p in seeded_positions)
+    assert all(branched.values()) and any(d.draft_probs is not None for _, d in seen)
+    # the seeded request's nodes at depth d race with the noise of output position n + d - 1
+    assert seeded_positions
+    for n, p in seeded_positions:
+        assert p == sorted(p) and sorted(set(p)) == list(range(n, n + len(set(p)))), (n, p)
 
 
 @pytest.mark.slow

@@ -22,12 +22,15 @@ One ``propose`` (per request, all requests in the same forwards):
      children, siblings best first.
 
 Greedy requests get point-mass drafts (the head's top tokens: deterministic given the context).
-Sampled requests get a *sampled chain* instead (one child per level, whatever the tree
-settings): x ~ q processed by the one sampler with the request's own settings (temperature,
-top-k/top-p, penalties over the drafted path), drawn with the randomness the target uses at
-that output position (``Request.rng``). Seeded requests are verified by matching, so drawing
-with the same (seed, position) noise couples x to the target's own draw (equal whenever the
-exponential race picks the same token under q and p). Unseeded ones hand q to lossless
+Sampled requests draft from q processed by the one sampler with the request's own settings
+(temperature, top-k/top-p, penalties over the drafted path), with the randomness the target
+uses at that output position (``Request.rng``). Seeded requests are verified by matching: the
+target's token at a position is the winner of the exponential race under p with that position's
+(seed, position) noise, so racing q with the same noise couples the draft to it, and a node's
+children are the race's first ``eagle_topk`` finishers under q (``sampler.race_top``): a tree
+like a greedy one, scored by log q, any of whose children may match (which children are drafted
+never changes the output, only how much of it one step accepts). Unseeded requests get a
+*sampled chain* (one child per level, whatever the tree settings): x ~ q, and q goes to lossless
 rejection sampling (accept with min(1, p/q): about sum min(p, q) per token, where a point mass
 on argmax q gets only p(argmax q), which a flat target at T = 0.7 keeps near 0.4). Siblings
 chosen by their sampled values would bias RRS (verify/tree.py), hence one child per level.
@@ -62,14 +65,14 @@ class _Node:
     feat: torch.Tensor | None  # [H] the feature it runs with: its parent's output state (None: a fused chain's)
     col: int = -1        # head KV column once the node has been run (expanded)
     q: torch.Tensor | None = None  # [V] the draft distribution it was sampled from (unseeded sampled chains)
-    sampled: bool = False          # drawn for a sampled request: a chain, one child per level
+    sampled: bool = False          # drawn for an unseeded sampled request: a chain, one child per level
 
 
 @dataclass
 class _Cand:
     """A node's candidate children: log q and token ids, best first (greedy requests: the top
-    tokens), or the one token drawn for a sampled request (``sampled``) with its q when the
-    verifier needs it (unseeded)."""
+    tokens; seeded sampled ones: the race's first finishers under q), or the one token drawn for
+    an unseeded sampled request (``sampled``) with the q the verifier needs."""
     vals: list[float]
     ids: list[int]
     q: torch.Tensor | None = None   # [V]
@@ -339,20 +342,34 @@ class EagleProposer:
         rows_q = sampler.build_rows(specs, logits.shape[-1])
         # [R', V] q as trained
         q = sampler.probs(logits[sampled] / self.head.cfg.greedy_logit_scale, rows_q, proposal=True)
-        x = sampler.sample(q, rngs).tolist()
+        race = sampler.race_top(q, rngs, self._want())   # column 0 ~ q
+        share = torch.log(race.values / race.values.sum(-1, keepdim=True)).tolist()   # [R', want]
+        ids_all = race.indices.tolist()
         for k, i in enumerate(sampled):
-            keep = rows[i][0].seed_key is None  # unseeded: rejection sampling needs q
-            # confidence 1 (log 0): q(x) of a sampled token says little about its acceptance (about
-            # sum min(p, q), near 1 when q matches p); the auto tree size calibrates it by measurement
-            out[i] = _Cand([0.0], [x[k]], q[k] if keep else None, sampled=True)
+            if rows[i][0].seed_key is None:
+                # unseeded: one token x ~ q, verified by rejection sampling (which needs q).
+                # Confidence 1 (log 0): q(x) says little about its acceptance (about sum min(p, q),
+                # near 1 when q matches p); the auto tree size calibrates it by measurement
+                out[i] = _Cand([0.0], [ids_all[k][0]], q[k], sampled=True)
+            else:
+                # seeded: verified by matching the target's draw under the same position noise, so
+                # the race's first finishers under q are the likeliest matches: a tree like a
+                # greedy one's (any children are lossless; they only change how many match),
+                # each child's confidence its share of the finishers' race values q / E (the
+                # winner's path ranks first; a close runner-up is a likely match where p and q differ)
+                n = sum(x >= 0 for x in ids_all[k])
+                out[i] = _Cand(share[k][:n], ids_all[k][:n])
         return out
 
     def _top(self, logits: torch.Tensor) -> tuple[list[list[float]], list[list[int]]]:
         """The most likely children of every row at once: log q and token ids, best first
         (enough for the widest rank the tree asks for); logits [R, V]."""
-        want = self.topk if self.static_children is None else self.max_rank + 1
-        top = torch.log_softmax(logits.float(), -1).topk(min(want, logits.shape[-1]))
+        top = torch.log_softmax(logits.float(), -1).topk(min(self._want(), logits.shape[-1]))
         return top.values.tolist(), top.indices.tolist()
+
+    def _want(self) -> int:
+        """Candidates per node: enough for the widest rank the tree asks for."""
+        return self.topk if self.static_children is None else self.max_rank + 1
 
     def _levels(self, req: Request, k: int) -> int:
         """Tree levels drafted for a request asking for k nodes: the depth-1 candidates always,
