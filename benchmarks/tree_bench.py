@@ -72,6 +72,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--only", nargs="*", default=None, help="contender indices to keep (0..4; none always runs)")
+    ap.add_argument("--request-seed", type=int, default=None,
+                    help="seed the requests (item i: this + i): sampled ones are verified by matching")
     ap.add_argument("--out", default="bench_tree")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -91,7 +93,7 @@ def main() -> None:
         specs = [specs[int(i)] for i in args.only]
     res = run_bench(args.target, specs, items, temperatures=args.temperatures, max_tokens=args.max_tokens,
                     batch_sizes=args.batch_sizes, repeats=args.repeats, warmup=1, out_dir=args.out,
-                    dtype=args.dtype, threads=args.threads)
+                    dtype=args.dtype, threads=args.threads, request_seed=args.request_seed)
     print(format_table(res))
     rows = [{k: r[k] for k in ("contender", "temperature", "batch_size", "tokens_per_s", "speedup", "speedup_ci_low",
                                "speedup_ci_high", "acceptance_rate", "mean_acceptance_length", "equal_rate")

@@ -163,8 +163,12 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
               repeats: int = 3, warmup: int = 1, out_dir: str | Path | None = "bench_out", dtype: str = "auto",
               threads: int | None = None, tokenizer: str | None = None, seed: int = 0,
               max_model_len: int | None = None, plots: bool = True, progress: bool = True,
-              log: Callable[[str], None] | None = None, backends: Sequence[str] = ("leapfrog",)) -> BenchResult:
+              log: Callable[[str], None] | None = None, backends: Sequence[str] = ("leapfrog",),
+              request_seed: int | None = None) -> BenchResult:
     """Benchmark each speculative config in ``specs`` against no speculation on ``items``; see the module doc.
+
+    ``request_seed``: sampled requests are seeded (item i with request_seed + i, the same in every
+    contender and repeat), so sampled outputs can be compared and seeded verification measured.
 
     ``backends`` containing "transformers" adds, per leapfrog contender, its transformers counterpart
     (``leapfrog.bench.hf_backend``) to the same interleaved rounds."""
@@ -250,9 +254,11 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
         for bs in batch_sizes:
             def params(n: str, idxs: list[int]) -> SamplingParams | list[SamplingParams]:
                 pred = predictions.get(n)
-                if pred is None:
+                if pred is None and request_seed is None:
                     return sp
-                return [SamplingParams(temperature=float(temp), max_tokens=max_tokens, prediction=pred[i])
+                return [SamplingParams(temperature=float(temp), max_tokens=max_tokens,
+                                       prediction=None if pred is None else pred[i],
+                                       seed=None if request_seed is None else request_seed + i)
                         for i in idxs]
 
             for _ in range(warmup):
@@ -289,7 +295,7 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
                     cats = categories if c == ALL else [c]
                     idxs = [i for cc in cats for i, _ in by_cat[cc]]
                     rows.append(_row(n, contenders[n], c, temp, bs, idxs, cats, repeats, toks, secs, outs,
-                                     predictions.get(n), tok))
+                                     predictions.get(n), tok, comparable=temp == 0 or request_seed is not None))
             for hn, n in peers.items():
                 for c in [*categories, ALL]:
                     cats = categories if c == ALL else [c]
@@ -303,7 +309,8 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
                          settings=dict(temperatures=list(temperatures), max_tokens=max_tokens,
                                        batch_sizes=list(batch_sizes), repeats=repeats, warmup=warmup, dtype=dtype,
                                        resolved_dtype=str(base.engine.dtype).replace("torch.", ""),
-                                       backends=list(backends), threads=threads, num_items=len(kept), categories=categories))
+                                       backends=list(backends), threads=threads, num_items=len(kept),
+                                       categories=categories, request_seed=request_seed))
     if out_dir is not None:
         write_outputs(result, Path(out_dir), plots=plots)
     return result
@@ -386,7 +393,8 @@ def _prediction_stats(outs, idxs, repeats, name, preds: list[str], tok) -> dict[
             "prediction_similarity": statistics.fmean(sims) if sims else None}
 
 
-def _row(name, spec, cat, temp, bs, idxs, cats, repeats, toks, secs, outs, preds=None, tok=None) -> dict[str, Any]:
+def _row(name, spec, cat, temp, bs, idxs, cats, repeats, toks, secs, outs, preds=None, tok=None,
+         comparable: bool = False) -> dict[str, Any]:
     tps, ratios = _rates(name, "none", cats, repeats, toks, secs)
     ratios_ok = [x for x in ratios if x is not None]
     lo, hi = t_interval(ratios_ok)
@@ -401,7 +409,7 @@ def _row(name, spec, cat, temp, bs, idxs, cats, repeats, toks, secs, outs, preds
                 ttft.append(o.metrics.time_to_first_token)
             if o.metrics.latency is not None:
                 lat.append(o.metrics.latency)
-            if temp == 0:
+            if comparable:   # greedy, or seeded: the output must equal none's
                 total += 1
                 same += o.outputs[0].token_ids == outs[(r, "none")][i].outputs[0].token_ids
     per_pos = [a / d if d else None for a, d in zip(spec_m.num_accepted_tokens_per_pos,

@@ -125,6 +125,18 @@ def test_transformers_backend_side_by_side(llama_dir, draft_dir, tmp_path):
     assert json.loads((tmp_path / "bench.json").read_text())["peer_ratios"]
 
 
+def test_seeded_requests_give_every_contender_the_same_sampled_output(llama_dir):
+    """request_seed: sampled requests are seeded per item, so speculation (verified by matching)
+    must reproduce the plain sampled output exactly; unseeded sampled outputs are not compared."""
+    kw = dict(temperatures=[0.9], max_tokens=8, batch_sizes=[2], repeats=1, warmup=0, out_dir=None, dtype="float32",
+              progress=False)
+    seeded = run_bench(str(llama_dir), [NG2], ITEMS, request_seed=7, **kw)
+    assert seeded.settings["request_seed"] == 7
+    assert all(r["equal_rate"] == 1.0 for r in seeded.rows), seeded.rows
+    unseeded = run_bench(str(llama_dir), [NG2], ITEMS, **kw)
+    assert all(r["equal_rate"] is None for r in unseeded.rows)
+
+
 def test_unknown_backend_is_an_error(llama_dir):
     from leapfrog.errors import ConfigError
     with pytest.raises(ConfigError, match="unknown backend"):
