@@ -20,8 +20,9 @@ batch-size bucket. Unmeasured verify costs are interpolated linearly between mea
 (optimistically flat beyond them, so an unmeasured K gets tried once). Every
 ``adaptive_explore_interval`` steps the controller tries a neighbour of k* if its estimated
 goodput is within 15 % of k*'s, so close calls stay measured without paying for hopeless
-ones; while speculation is off it drafts one probe every 8 intervals to keep alpha current (and
-the costs: a transient that made speculation look bad must not turn it off for good).
+ones; while speculation is off it drafts a probe (4 steps in a row) every 8 intervals to keep
+alpha current (and the costs: a transient that made speculation look bad must not turn it off for
+good).
 The first time of a forward shape includes one-off costs (kernel selection and packing for a
 new row count: the first 21-token verify of the demo target measured 11.7 ms, later ones about
 8), so a size's first measurement is only provisional: the next step runs the same size again
@@ -60,6 +61,7 @@ sure; acceptance needs no exploration, only the verify-cost curve does (as for K
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from typing import Callable
 
 from leapfrog.request import Request
@@ -68,6 +70,7 @@ from leapfrog.spec_decode.draft import DraftBatch
 from leapfrog.spec_decode.verify.result import AcceptanceResult
 
 _EMA = 0.2
+_PROBE_STEPS = 4   # a probe while speculation is off: this many steps in a row (one is too noisy to judge by)
 _EXPLORE_MARGIN = 0.85  # explore a neighbouring K only if it is estimated within 15 % of the best
 
 
@@ -97,7 +100,7 @@ class SpecController:
         #: prediction's): own drafts up to that width cost nothing extra, and that step's time says
         #: nothing about this method's widths
         self.widened: dict[int, bool] = {}
-        self.fresh: dict[int, int] = {}   # bucket -> the probe size whose next measurements replace the estimates
+        self.probes: dict[int, _Probe] = {}   # bucket -> the probe under way (its measurements replace the estimates)
         self.draft_cost: dict[int, float] = {}               # bucket -> seconds per draft token
         #: auto tree: bucket -> (levels, width) -> seconds per drafting step
         self.tree_draft_cost: dict[int, dict[tuple[int, int], float]] = {}
@@ -124,6 +127,9 @@ class SpecController:
             k = 0
         elif (self.cfg.auto_tree or self.cfg.adaptive) and _bucket(B) in self.confirm:
             k = self.confirm.pop(_bucket(B))  # a size measured once (cold): measure it warm
+        elif (probe := self.probes.get(_bucket(B))) is not None and probe.chosen < _PROBE_STEPS:
+            probe.chosen += 1
+            k = probe.size
         elif self.cfg.auto_tree:
             k = self._auto_tree_size(B)
         elif self.cfg.adaptive:
@@ -194,13 +200,16 @@ class SpecController:
         """``best``, except every ``adaptive_explore_interval`` steps: a neighbour (``up`` and
         ``down`` in turn) if its estimated goodput is within 15 % of best's, so close calls stay
         measured; while speculation is off, ``probe`` every 8 intervals keeps acceptance (and a
-        tree's confidences and calibration) current. A probe's measurements replace the estimates
-        of its size (they may be many steps old: averaging one fresh sample into them would keep
-        speculation off long after what turned it off is gone)."""
+        tree's confidences and calibration) current. A probe runs _PROBE_STEPS steps, and its
+        measurements replace the estimates of its size (they may be many steps old: averaging
+        fresh samples into them would keep speculation off long after what turned it off is gone):
+        verify cost from its first step, drafting cost from its second (the first also catches the
+        drafter up on every token since it last ran), acceptance from all of them together (one
+        step's acceptance is too noisy: at T = 0.7 one unlucky step turned speculation off again)."""
         interval = self.cfg.adaptive_explore_interval
         if self.steps and self.steps % interval == 0:
             if best == 0 and self.steps % (8 * interval) == 0:
-                self.fresh[bucket] = probe
+                self.probes[bucket] = _Probe(probe)
                 return probe
             cand = up if (self.steps // interval) % 2 == 1 else down
             if cand != best and goodput(cand) >= _EXPLORE_MARGIN * goodput(best):
@@ -214,7 +223,7 @@ class SpecController:
         verified (DraftBatch.candidate_scores); the probe only has to measure the costs."""
         return max(1, min(self.K, 16 // B))
 
-    def _observe_tree(self, drafts: DraftBatch, result: AcceptanceResult, fresh: bool = False) -> None:
+    def _observe_tree(self, drafts: DraftBatch, result: AcceptanceResult, probe: _Probe | None = None) -> None:
         """Update the confidence curve and the calibration from one verified step. Position n of
         the curve (C(n)) moves only with the proposals whose tree grew at least n candidates: a
         small tree says nothing about a larger one's n-th candidate (padding its sum flat made
@@ -241,9 +250,15 @@ class SpecController:
         for i in range(1, self.K):   # C is a cumulative sum: never decreasing in n
             self.curve[i] = max(self.curve[i], self.curve[i - 1])
         if predicted > 0:
-            first = self._predicted == 0 or fresh
-            self._accepted = _ema(self._accepted, sum(result.num_accepted), first)
-            self._predicted = _ema(self._predicted, predicted, first)
+            accepted = sum(result.num_accepted)
+            if probe is not None:   # a probe's steps replace the moving sums by their own means
+                probe.accepted += accepted
+                probe.predicted += predicted
+                self._accepted, self._predicted = probe.accepted / probe.seen, probe.predicted / probe.seen
+            else:
+                first = self._predicted == 0
+                self._accepted = _ema(self._accepted, accepted, first)
+                self._predicted = _ema(self._predicted, predicted, first)
 
     def observe(self, reqs: list[Request], drafts: DraftBatch, result: AcceptanceResult,
                 t_draft: float, t_verify: float, batch_size: int | None = None,
@@ -255,9 +270,18 @@ class SpecController:
         costs of this method's widths."""
         bucket = _bucket(batch_size or len(reqs))
         s = max(drafts.num_draft, default=0) + 1
-        fresh = self.fresh.pop(bucket, None) == s - 1 and s > 1
+        probe = self.probes.get(bucket)
+        if probe is not None and (probe.size != s - 1 or s == 1):   # cut short (e.g. the batch changed)
+            del self.probes[bucket]
+            probe = None
+        elif probe is not None:
+            probe.seen += 1
+            if probe.seen >= _PROBE_STEPS:
+                del self.probes[bucket]
+        fresh = probe is not None and probe.seen == 1         # verify cost, acceptance rate
+        fresh_draft = probe is not None and probe.seen == 2   # past the drafter's catch-up
         if self.cfg.auto_tree:
-            self._observe_tree(drafts, result, fresh)
+            self._observe_tree(drafts, result, probe)
         self.widened[bucket] = (verify_tokens or s) > s
         table, first = self.verify_cost.setdefault(bucket, {}), self.first_verify.setdefault(bucket, {})
         if not self.widened[bucket]:
@@ -283,7 +307,8 @@ class SpecController:
             seen = self.draft_samples.get((bucket, key), 0)
             self.draft_samples[(bucket, key)] = seen + 1
             old = costs.get(key)
-            costs[key] = per if old is None or seen < 2 or fresh else _bounded_ema(old, per)
+            if not fresh or old is None:   # a probe's first drafting step also catches up on what it skipped
+                costs[key] = per if old is None or seen < 2 or fresh_draft else _bounded_ema(old, per)
             rate = sum(result.num_accepted) / n_draft
             self.alpha = rate if fresh else _ema(self.alpha, rate)
 
@@ -312,3 +337,14 @@ def cap_drafts(req: Request, k: int, max_model_len: int, tree: bool = False) -> 
 def tree_depth_cap(req: Request) -> int:
     """The deepest draft worth verifying: one level per token still allowed after the bonus."""
     return max(0, req.max_tokens - len(req.output_ids) - 1)
+
+
+@dataclass
+class _Probe:
+    """A probe of ``size`` while speculation is off: steps chosen and observed so far, and the
+    tokens it accepted and predicted (auto tree size: the calibration)."""
+    size: int
+    chosen: int = 1
+    seen: int = 0
+    accepted: float = 0.0
+    predicted: float = 0.0

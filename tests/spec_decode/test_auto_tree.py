@@ -169,3 +169,26 @@ def test_small_trees_do_not_flatten_what_larger_trees_showed():
     assert abs(ctl.curve[1] - (conf[0] + conf[1])) < 1e-6
     assert ctl.curve[15] == big[15] > ctl.curve[1] + 5
 
+
+
+def test_one_unlucky_probe_step_does_not_keep_speculation_off():
+    """At T = 0.7 one step's acceptance swings from 0 to the whole tree: a probe must judge by
+    several steps, else an unlucky first step (and its drafter catching up on everything it
+    skipped) turns speculation off again for another 8 intervals."""
+    ctl = SpecController(CFG, 4096)
+    conf = [0.9 ** (i // 4 + 1) for i in range(64)]
+    chosen, probe_steps = [], 0
+    for step in range(400):
+        bad = step < 100
+        n = ctl.choose([_Req()])[0]
+        chosen.append(n)
+        t_verify = 1.0 + (0.5 if bad else 0.01) * n
+        if n == 0:
+            ctl.observe([_Req()], DraftBatch.empty(1), AcceptanceResult([0], [[0]], [0]), 0.0, t_verify)
+            probe_steps = 0
+            continue
+        probe_steps += 1
+        unlucky = probe_steps == 1 and not bad           # the first step of a run: nothing accepted, slow draft
+        _step(ctl, n, conf, 0 if bad or unlucky else min(n, 4), 3.0 if unlucky else 0.3, t_verify)
+    assert chosen[80:100].count(0) == 20               # off while it does not pay
+    assert min(chosen[-100:]) >= 8                     # back on at the first probe after the bad patch
