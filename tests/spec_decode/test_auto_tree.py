@@ -129,23 +129,43 @@ def test_calibration_weighs_steps_by_their_prediction():
     assert 0.8 < ctl.calibration < 0.95                # per-step ratios would average 0.5
 
 
-def test_speculation_turned_off_is_probed_and_comes_back():
-    """Verification got expensive (or the drafter unlucky) for a while and speculation went off;
-    when things improve, the periodic probe must notice and turn it back on."""
+def _bad_patch(steps: int, unlucky_first: bool = False) -> list[int]:
+    """Tree sizes chosen over ``steps`` steps when verification is expensive and the drafter gets
+    nothing for the first 100, then cheap with a confident drafter; ``unlucky_first``: after the
+    patch, the first step of every run of drafting steps accepts nothing and drafts slowly."""
     ctl = SpecController(CFG, 4096)
     conf = [0.9 ** (i // 4 + 1) for i in range(64)]
-    chosen = []
-    for step in range(600):
+    chosen, run = [], 0
+    for step in range(steps):
         bad = step < 100
         n = ctl.choose([_Req()])[0]
         chosen.append(n)
         t_verify = 1.0 + (0.5 if bad else 0.01) * n
         if n == 0:
             ctl.observe([_Req()], DraftBatch.empty(1), AcceptanceResult([0], [[0]], [0]), 0.0, t_verify)
-        else:
-            _step(ctl, n, conf, 0 if bad else min(n, 4), 0.3, t_verify)
+            run = 0
+            continue
+        run += 1
+        unlucky = unlucky_first and run == 1 and not bad
+        _step(ctl, n, conf, 0 if bad or unlucky else min(n, 4), 3.0 if unlucky else 0.3, t_verify)
+    return chosen
+
+
+def test_speculation_turned_off_is_probed_and_comes_back():
+    """Verification got expensive (or the drafter unlucky) for a while and speculation went off;
+    when things improve, the periodic probe must notice and turn it back on."""
+    chosen = _bad_patch(600)
     assert chosen[80:100].count(0) == 20               # off while it does not pay
     assert min(chosen[-50:]) >= 8                      # and back on once it does
+
+
+def test_one_unlucky_probe_step_does_not_keep_speculation_off():
+    """At T = 0.7 one step's acceptance swings from 0 to the whole tree: a probe must judge by
+    several steps, else an unlucky first step (and its drafter catching up on everything it
+    skipped) turns speculation off again for another 8 intervals."""
+    chosen = _bad_patch(400, unlucky_first=True)
+    assert chosen[80:100].count(0) == 20
+    assert min(chosen[-100:]) >= 8                     # back on at the first probe after the bad patch
 
 
 def _grown(n: int, conf: list[float]) -> list[float]:
@@ -170,25 +190,3 @@ def test_small_trees_do_not_flatten_what_larger_trees_showed():
     assert ctl.curve[15] == big[15] > ctl.curve[1] + 5
 
 
-
-def test_one_unlucky_probe_step_does_not_keep_speculation_off():
-    """At T = 0.7 one step's acceptance swings from 0 to the whole tree: a probe must judge by
-    several steps, else an unlucky first step (and its drafter catching up on everything it
-    skipped) turns speculation off again for another 8 intervals."""
-    ctl = SpecController(CFG, 4096)
-    conf = [0.9 ** (i // 4 + 1) for i in range(64)]
-    chosen, probe_steps = [], 0
-    for step in range(400):
-        bad = step < 100
-        n = ctl.choose([_Req()])[0]
-        chosen.append(n)
-        t_verify = 1.0 + (0.5 if bad else 0.01) * n
-        if n == 0:
-            ctl.observe([_Req()], DraftBatch.empty(1), AcceptanceResult([0], [[0]], [0]), 0.0, t_verify)
-            probe_steps = 0
-            continue
-        probe_steps += 1
-        unlucky = probe_steps == 1 and not bad           # the first step of a run: nothing accepted, slow draft
-        _step(ctl, n, conf, 0 if bad or unlucky else min(n, 4), 3.0 if unlucky else 0.3, t_verify)
-    assert chosen[80:100].count(0) == 20               # off while it does not pay
-    assert min(chosen[-100:]) >= 8                     # back on at the first probe after the bad patch
