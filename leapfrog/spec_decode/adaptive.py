@@ -123,12 +123,15 @@ class SpecController:
         other proposers' requests (predictions) share it (the verify cost and
         disable_by_batch_size go by it)."""
         B = batch_size or len(reqs)
+        for b in [b for b in self.probes if b != _bucket(B)]:   # the batch moved on: its probe is stale
+            del self.probes[b]
         if self.cfg.disable_by_batch_size is not None and B > self.cfg.disable_by_batch_size:
             k = 0
         elif (self.cfg.auto_tree or self.cfg.adaptive) and _bucket(B) in self.confirm:
             k = self.confirm.pop(_bucket(B))  # a size measured once (cold): measure it warm
         elif (probe := self.probes.get(_bucket(B))) is not None and probe.chosen < _PROBE_STEPS:
             probe.chosen += 1
+            probe.pending = True
             k = probe.size
         elif self.cfg.auto_tree:
             k = self._auto_tree_size(B)
@@ -271,14 +274,15 @@ class SpecController:
         bucket = _bucket(batch_size or len(reqs))
         s = max(drafts.num_draft, default=0) + 1
         probe = self.probes.get(bucket)
-        if probe is not None and (probe.size != s - 1 or s == 1):   # cut short (e.g. the batch changed)
+        if probe is not None and (not probe.pending or s == 1):   # not a probe step: the probe is cut short
             del self.probes[bucket]
             probe = None
-        elif probe is not None:
+        elif probe is not None:   # (its drafts may be fewer than asked for: capped, or sampled chains)
+            probe.pending = False
             probe.seen += 1
             if probe.seen >= _PROBE_STEPS:
                 del self.probes[bucket]
-        fresh = probe is not None and probe.seen == 1         # verify cost, acceptance rate
+        fresh = probe is not None and probe.seen == 1         # verify cost
         fresh_draft = probe is not None and probe.seen == 2   # past the drafter's catch-up
         if self.cfg.auto_tree:
             self._observe_tree(drafts, result, probe)
@@ -309,8 +313,12 @@ class SpecController:
             old = costs.get(key)
             if not fresh or old is None:   # a probe's first drafting step also catches up on what it skipped
                 costs[key] = per if old is None or seen < 2 or fresh_draft else _bounded_ema(old, per)
-            rate = sum(result.num_accepted) / n_draft
-            self.alpha = rate if fresh else _ema(self.alpha, rate)
+            if probe is not None:   # the probe's pooled rate replaces the estimate
+                probe.tokens += sum(result.num_accepted)
+                probe.drafted += n_draft
+                self.alpha = probe.tokens / probe.drafted
+            else:
+                self.alpha = _ema(self.alpha, sum(result.num_accepted) / n_draft)
 
 
 def _ema(old: float, sample: float, first: bool = False) -> float:
@@ -341,10 +349,14 @@ def tree_depth_cap(req: Request) -> int:
 
 @dataclass
 class _Probe:
-    """A probe of ``size`` while speculation is off: steps chosen and observed so far, and the
-    tokens it accepted and predicted (auto tree size: the calibration)."""
+    """A probe of ``size`` while speculation is off: steps chosen and observed so far (``pending``:
+    this step's choice was the probe), the tokens it accepted and predicted (auto tree size: the
+    calibration), and accepted of drafted (the acceptance rate)."""
     size: int
     chosen: int = 1
     seen: int = 0
+    pending: bool = True
     accepted: float = 0.0
     predicted: float = 0.0
+    tokens: int = 0
+    drafted: int = 0

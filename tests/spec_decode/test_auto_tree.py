@@ -129,10 +129,12 @@ def test_calibration_weighs_steps_by_their_prediction():
     assert 0.8 < ctl.calibration < 0.95                # per-step ratios would average 0.5
 
 
-def _bad_patch(steps: int, unlucky_first: bool = False) -> list[int]:
+def _bad_patch(steps: int, unlucky_first: bool = False, most: int = 64) -> list[int]:
     """Tree sizes chosen over ``steps`` steps when verification is expensive and the drafter gets
     nothing for the first 100, then cheap with a confident drafter; ``unlucky_first``: after the
-    patch, the first step of every run of drafting steps accepts nothing and drafts slowly."""
+    patch, the first step of every run of drafting steps accepts nothing and drafts slowly;
+    ``most``: the proposer drafts at most this many nodes whatever it is asked for (a sampled
+    chain)."""
     ctl = SpecController(CFG, 4096)
     conf = [0.9 ** (i // 4 + 1) for i in range(64)]
     chosen, run = [], 0
@@ -147,7 +149,8 @@ def _bad_patch(steps: int, unlucky_first: bool = False) -> list[int]:
             continue
         run += 1
         unlucky = unlucky_first and run == 1 and not bad
-        _step(ctl, n, conf, 0 if bad or unlucky else min(n, 4), 3.0 if unlucky else 0.3, t_verify)
+        n = min(n, most)
+        _step(ctl, n, conf[:n], 0 if bad or unlucky else min(n, 4), 3.0 if unlucky else 0.3, t_verify)
     return chosen
 
 
@@ -166,6 +169,10 @@ def test_one_unlucky_probe_step_does_not_keep_speculation_off():
     chosen = _bad_patch(400, unlucky_first=True)
     assert chosen[80:100].count(0) == 20
     assert min(chosen[-100:]) >= 8                     # back on at the first probe after the bad patch
+    # the same when the proposer drafts fewer nodes than the probe asks for (the probe still runs
+    # its four steps rather than being cut short after its unlucky first)
+    chosen = _bad_patch(400, unlucky_first=True, most=4)
+    assert min(chosen[-100:]) >= 4
 
 
 def _grown(n: int, conf: list[float]) -> list[float]:
