@@ -254,7 +254,7 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
         for bs in batch_sizes:
             def params(n: str, idxs: list[int]) -> SamplingParams | list[SamplingParams]:
                 pred = predictions.get(n)
-                if pred is None and request_seed is None:
+                if pred is None and (request_seed is None or n in peers):   # transformers: no leapfrog seeds
                     return sp
                 return [SamplingParams(temperature=float(temp), max_tokens=max_tokens,
                                        prediction=None if pred is None else pred[i],
@@ -295,7 +295,8 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
                     cats = categories if c == ALL else [c]
                     idxs = [i for cc in cats for i, _ in by_cat[cc]]
                     rows.append(_row(n, contenders[n], c, temp, bs, idxs, cats, repeats, toks, secs, outs,
-                                     predictions.get(n), tok, comparable=temp == 0 or request_seed is not None))
+                                     predictions.get(n), tok,
+                                     comparable=temp == 0 or (request_seed is not None and n not in peers)))
             for hn, n in peers.items():
                 for c in [*categories, ALL]:
                     cats = categories if c == ALL else [c]

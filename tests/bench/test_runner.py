@@ -135,6 +135,10 @@ def test_seeded_requests_give_every_contender_the_same_sampled_output(llama_dir)
     assert all(r["equal_rate"] == 1.0 for r in seeded.rows), seeded.rows
     unseeded = run_bench(str(llama_dir), [NG2], ITEMS, **kw)
     assert all(r["equal_rate"] is None for r in unseeded.rows)
+    # transformers peers run unseeded beside them (leapfrog's seeds mean nothing to them)
+    both = run_bench(str(llama_dir), [NG2], ITEMS[:2], request_seed=7, backends=["leapfrog", "transformers"], **kw)
+    assert {r["contender"]: r["equal_rate"] for r in both.rows if r["category"] == "all"} == {
+        "none": 1.0, "ngram-k2": 1.0, "hf-none": None, "hf-prompt_lookup-k2": None}
 
 
 def test_unknown_backend_is_an_error(llama_dir):
