@@ -49,12 +49,14 @@ above and n = 0 meaning no speculation (cost t_verify(B, 1), no drafting). The t
 nodes has L(n) levels of width W(n) (SpeculativeConfig.tree_shape: a chain of n levels up to the
 depth, wider beyond), and t_draft(B, L, W) is the measured drafting time of a step of that shape.
 A shape not yet measured borrows the nearest measured one's time, scaled up by levels (never
-down), so it gets tried. (A step's time includes the head's catch-up on the tokens just accepted,
-which does not shrink with the tree: scaled down to one level it made one-level trees look cheap,
-and those only ever show one candidate's confidence, so the tree never grew again.) a is the ratio of the
-moving averages of accepted and predicted tokens (not an average of per-step ratios, which
-single unlucky steps swing). The tree shrinks
-as verification stops being cheap (larger batches, slower CPUs) and as the drafter gets less
+down) and down by width when it is narrower than any measured one (a tree measured first must not
+make the chain look as dear as itself: at T = 0.7 the chain was then never tried), so it gets
+tried. (A step's time includes the head's catch-up on the tokens just accepted, which does not
+shrink with the tree: scaled down to one level it made one-level trees look cheap, and those only
+ever show one candidate's confidence, so the tree never grew again.) a is the ratio of the moving
+averages of accepted and predicted tokens (not an average of per-step ratios, which single unlucky
+steps swing). The tree shrinks as verification stops being cheap (larger batches, slower CPUs) and
+as the drafter gets less
 sure; acceptance needs no exploration, only the verify-cost curve does (as for K).
 """
 
@@ -192,6 +194,8 @@ class SpecController:
             levels, width = self.cfg.tree_shape(n)
             near = min(per_width, key=lambda lw: (abs(lw[1] - width), abs(lw[0] - levels), lw))
             t_draft = per_width[near] * max(1.0, levels / near[0])
+            if near[1] > width:   # unmeasured and narrower than any measured: optimistic, so it gets tried
+                t_draft *= width / near[1]
             t = self._verify_time(bucket, n + 1) or t1
             return (1.0 + self.calibration * self.curve[n - 1]) / (t_draft + t)
 

@@ -197,3 +197,21 @@ def test_small_trees_do_not_flatten_what_larger_trees_showed():
     assert ctl.curve[15] == big[15] > ctl.curve[1] + 5
 
 
+
+
+def test_a_chain_is_tried_when_only_wide_trees_were_measured():
+    """Only width-4 trees measured (dear to draft): the chain, unmeasured, must not borrow their
+    cost as is (it would never be tried); once tried and cheap, it is kept."""
+    ctl = SpecController(CFG, 4096)
+    for _ in range(2):
+        ctl.observe([_Req()], DraftBatch.empty(1), AcceptanceResult([0], [[0]], [0]), 0.0, 1.0)
+    conf = [0.8, 0.6, 0.4, 0.3] + [0.05] * 60
+    for _ in range(2):
+        _step(ctl, 16, conf, 2, 3.0, 1.0)
+    assert set(ctl.tree_draft_cost[1]) == {(4, 4)}
+    chosen = []
+    for _ in range(40):
+        n = ctl.choose([_Req()])[0]
+        chosen.append(n)
+        _step(ctl, n, conf[:n] if n <= 4 else conf, 2, 0.3 if n <= 4 else 3.0, 1.0)
+    assert 1 <= chosen[0] <= 4 and min(chosen[-10:]) >= 1 and max(chosen[-10:]) <= 4
