@@ -56,8 +56,8 @@ shrink with the tree: scaled down to one level it made one-level trees look chea
 ever show one candidate's confidence, so the tree never grew again.) a is the ratio of the moving
 averages of accepted and predicted tokens (not an average of per-step ratios, which single unlucky
 steps swing). The tree shrinks as verification stops being cheap (larger batches, slower CPUs) and
-as the drafter gets less
-sure; acceptance needs no exploration, only the verify-cost curve does (as for K).
+as the drafter gets less sure; acceptance needs no exploration, only the verify-cost curve does
+(as for K).
 """
 
 from __future__ import annotations
