@@ -125,13 +125,14 @@ class SpecController:
         other proposers' requests (predictions) share it (the verify cost and
         disable_by_batch_size go by it)."""
         B = batch_size or len(reqs)
-        for b in [b for b in self.probes if b != _bucket(B)]:   # the batch moved on: its probe is stale
+        bucket = _bucket(B)
+        for b in [b for b in self.probes if b != bucket]:   # the batch moved on: its probe is stale
             del self.probes[b]
         if self.cfg.disable_by_batch_size is not None and B > self.cfg.disable_by_batch_size:
             k = 0
-        elif (self.cfg.auto_tree or self.cfg.adaptive) and _bucket(B) in self.confirm:
-            k = self.confirm.pop(_bucket(B))  # a size measured once (cold): measure it warm
-        elif (probe := self.probes.get(_bucket(B))) is not None and probe.chosen < _PROBE_STEPS:
+        elif (self.cfg.auto_tree or self.cfg.adaptive) and bucket in self.confirm:
+            k = self.confirm.pop(bucket)  # a size measured once (cold): measure it warm
+        elif (probe := self.probes.get(bucket)) is not None and probe.chosen < _PROBE_STEPS:
             probe.chosen += 1
             probe.pending = True
             k = probe.size

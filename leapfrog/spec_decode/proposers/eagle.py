@@ -28,8 +28,9 @@ uses at that output position (``Request.rng``). Seeded requests are verified by 
 target's token at a position is the winner of the exponential race under p with that position's
 (seed, position) noise, so racing q with the same noise couples the draft to it, and a node's
 children are the race's first ``eagle_topk`` finishers under q (``sampler.race_top``): a tree
-like a greedy one, scored by log q, any of whose children may match (which children are drafted
-never changes the output, only how much of it one step accepts). Unseeded requests get a
+like a greedy one, each child scored by its share of the finishers' race values q / E, any of
+whose children may match (which children are drafted never changes the output, only how much of
+it one step accepts). Unseeded requests get a
 *sampled chain* (one child per level, whatever the tree settings): x ~ q, and q goes to lossless
 rejection sampling (accept with min(1, p/q): about sum min(p, q) per token, where a point mass
 on argmax q gets only p(argmax q), which a flat target at T = 0.7 keeps near 0.4). Siblings
