@@ -11,7 +11,7 @@ from torch._dynamo.utils import counters
 from leapfrog import LLM, SamplingParams
 from leapfrog.attention.metadata import build_attn_meta
 from leapfrog.errors import ConfigError
-from leapfrog.model.compiled import Bucket, CompiledForward, make_buckets
+from leapfrog.model.compiled import Bucket, CompiledForward, DirectCall, _spec, make_buckets
 from leapfrog.model.loader import load_model, read_checkpoint
 from leapfrog.model.runner import ModelRunner, SeqChunk
 from tests.conftest import prompts_of
@@ -89,6 +89,8 @@ def test_compiled_forwards_match_eager(llama_dir):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert counters["stats"]["unique_graphs"] == graphs
     assert fast.compiled is not None and fast.compiled.warmed == [Bucket(1, 1), Bucket(2, 3)]
+    # every graph call after warm-up went straight into inductor's code (no torch.compile wrappers)
+    assert {k: d.calls for k, d in fast.compiled.direct.items()} == {(1, 1): 2, (2, 3): 3}
 
 
 def test_compiled_chain_matches_step_by_step(llama_dir):
@@ -124,6 +126,19 @@ def test_compiled_chain_matches_step_by_step(llama_dir):
     assert fast.draft_chain([SeqChunk(0, MAX_LEN - 3, [5], 1)], steps) is not None  # the last draft fits
     assert fast.draft_chain([SeqChunk(0, MAX_LEN - 2, [5], 1)], steps) is None      # it would not
     assert counters["stats"]["unique_graphs"] == graphs
+    assert fast.chain is not None and fast.chain.direct[(2, 2)].calls == 3
+
+
+def test_direct_call_takes_only_the_warm_up_shapes_strides_and_dtypes():
+    """A direct call (no torch.compile wrappers) is made only for arguments laid out as at warm-up:
+    inductor's code assumed those strides and would read anything else wrongly."""
+    tok, mask = torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 1, 3, 8, dtype=torch.bool)
+    d = DirectCall(lambda inputs: inputs, [0, 1], _spec((tok, mask, None)))
+    assert d.matches((torch.ones(2, 3, dtype=torch.long), mask.clone(), None))
+    assert not d.matches((torch.zeros(3, 2, dtype=torch.long).t(), mask, None))   # same shape, other strides
+    assert not d.matches((tok.int(), mask, None))                                    # other dtype
+    assert not d.matches((tok, mask, torch.zeros(1)))                                # a feature where none was
+    assert not d.matches((tok, mask))
 
 
 @pytest.mark.slow
