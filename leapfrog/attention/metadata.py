@@ -72,8 +72,10 @@ def build_attn_meta(rows: list[int], cols: list[list[int]], scratch_row: int, de
         mask = tree_mask[:, None]
     elif graph_width is not None or not (B == 1 and S == 1 and sliding_window is None):
         # (a lone query without a window sees every column: no mask)
+        # (a graph's mask is graph_width columns wide: columns >= kv_len are past every query
+        # column, so comparing over the whole width gives the padded mask in one op)
         qc = torch.tensor(q_cols, device=device)[:, :, None]  # [B, S, 1]
-        kc = torch.arange(kv_len, device=device)[None, None, :]  # [1, 1, L]
+        kc = torch.arange(graph_width or kv_len, device=device)[None, None, :]  # [1, 1, L]
         allowed = kc <= qc
         if sliding_window is not None:
             allowed &= kc > qc - sliding_window
@@ -81,7 +83,8 @@ def build_attn_meta(rows: list[int], cols: list[list[int]], scratch_row: int, de
     graph_kv_len = None
     if graph_width is not None:
         assert mask is not None
-        mask = torch.nn.functional.pad(mask, (0, graph_width - kv_len))  # [B, 1, S, graph_width]
+        if mask.shape[-1] != graph_width:  # a tree mask
+            mask = torch.nn.functional.pad(mask, (0, graph_width - kv_len))  # [B, 1, S, graph_width]
         graph_kv_len = torch.tensor(kv_len)
     return AttnMeta(
         rows=torch.tensor(rows, device=device),

@@ -108,6 +108,11 @@ class ModelRunner:
         self.chain = CompiledChain(self.model, self.kv, buckets, steps, feature_width, next_width)
         return self.chain.warm_up(progress)
 
+    def graph_seconds(self) -> float:
+        """Seconds spent inside compiled graphs so far (their direct calls: model/compiled.py)."""
+        fwds = [*self.graphs, *([self.chain] if self.chain is not None else [])]
+        return sum(d.seconds for g in fwds for d in g.direct.values())
+
     def _check_compilable(self) -> None:
         if self.batch_invariant:
             raise ValueError("batch-invariant mode runs eagerly (its kernels are chosen per row tile)")

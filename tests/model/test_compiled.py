@@ -91,6 +91,7 @@ def test_compiled_forwards_match_eager(llama_dir):
     assert fast.compiled is not None and fast.compiled.warmed == [Bucket(1, 1), Bucket(2, 3)]
     # every graph call after warm-up went straight into inductor's code (no torch.compile wrappers)
     assert {k: d.calls for k, d in fast.compiled.direct.items()} == {(1, 1): 2, (2, 3): 3}
+    assert fast.graph_seconds() > 0 and eager.graph_seconds() == 0
 
 
 def test_compiled_chain_matches_step_by_step(llama_dir):
