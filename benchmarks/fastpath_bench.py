@@ -62,7 +62,7 @@ def run_once(llm: LLM, prompts: list[str], max_tokens: int) -> tuple[float, list
         decode += m.finished_time - m.first_token_time   # the first token comes from the (eager) prefill
         n += len(o.token_ids)
         outs.append(list(o.token_ids))
-    return n / t, outs, 1.0 - (graph_seconds(llm) - g0) / decode
+    return n / t, outs, 1.0 - (graph_seconds(llm) - g0) / max(decode, 1e-9)
 
 
 def _same(a: list[list[int]], b: list[list[int]]) -> str:

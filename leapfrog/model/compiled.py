@@ -33,6 +33,7 @@ weights. ``enforce_eager=True`` (vLLM's name) turns the fast path off.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -75,13 +76,13 @@ class DirectCall:
     strides and dtypes: a call whose arguments differ takes the torch.compile path."""
     fn: Callable[[list], list]              # inductor's compiled graph: flat inputs -> flat outputs
     plan: list[int | tuple[str, int]]       # per input: index of a call argument, or ("k" | "v", layer)
-    spec: list[tuple | None]                # per call argument: (shape, stride, dtype), None when None
+    spec: list[tuple | None]                # per call argument: (shape, stride, dtype, device), None when None
     calls: int = field(default=0)
     seconds: float = field(default=0.0)     # spent inside the graph (what the fast-path benchmark reports)
 
     def matches(self, args: tuple) -> bool:
         return len(args) == len(self.spec) and all(
-            (t is None) if s is None else (t is not None and (t.shape, t.stride(), t.dtype) == s)
+            (t is None) if s is None else (t is not None and (t.shape, t.stride(), t.dtype, t.device) == s)
             for t, s in zip(args, self.spec))
 
     def __call__(self, args: tuple, kv: KVCache) -> list[Tensor]:
@@ -94,27 +95,33 @@ class DirectCall:
 
 
 def _spec(args: tuple) -> list[tuple | None]:
-    return [None if t is None else (t.shape, t.stride(), t.dtype) for t in args]
+    return [None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in args]
+
+
+_CAPTURE_LOCK = threading.Lock()   # one warm-up capture at a time (it patches a class attribute)
 
 
 @contextmanager
 def _capture() -> Iterator[list]:
-    """Record every call of an inductor graph made inside: (graph, its inputs, its outputs)."""
+    """Record every call of an inductor graph made inside: (graph, its inputs, its outputs). Any
+    other graph called meanwhile (another engine's) is recorded too, and the capture then has more
+    than one call: no direct call is made from it."""
     from torch._inductor.output_code import CompiledFxGraph
     calls: list = []
-    call = CompiledFxGraph.__call__
+    with _CAPTURE_LOCK:
+        call = CompiledFxGraph.__call__
 
-    def record(graph, inputs):
-        flat = list(inputs)   # the compiled code clears its input list
-        out = call(graph, inputs)
-        calls.append((graph, flat, out))
-        return out
+        def record(graph, inputs):
+            flat = list(inputs)   # the compiled code clears its input list
+            out = call(graph, inputs)
+            calls.append((graph, flat, out))
+            return out
 
-    CompiledFxGraph.__call__ = record
-    try:
-        yield calls
-    finally:
-        CompiledFxGraph.__call__ = call
+        CompiledFxGraph.__call__ = record
+        try:
+            yield calls
+        finally:
+            CompiledFxGraph.__call__ = call
 
 
 @dataclass(frozen=True, order=True)
@@ -301,7 +308,7 @@ class CompiledForward:
         if d is not None:
             self.direct[(b.batch, b.tokens)] = d
         else:
-            log.info("graph %s runs through torch.compile's wrappers", b)
+            log.warning("graph %s runs through torch.compile's wrappers (no direct call: slower)", b)
 
     def _warm_extra(self, b: Bucket, kv_len: int, dev: torch.device) -> tuple[Tensor, ...]:
         return ()

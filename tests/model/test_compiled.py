@@ -48,6 +48,18 @@ def test_graph_metadata_has_fixed_shapes():
     assert meta.write_rows.tolist() == [2, 3, 3, 3] and meta.write_cols.tolist() == [7, 0, 1, 2]
 
 
+def test_graph_mask_with_a_sliding_window_is_the_padded_eager_mask():
+    """A graph's mask (full width, one comparison) equals the eager mask padded to the graph's
+    width: causal, inside the window, padding tokens on column 0 only."""
+    rows, cols = [0, 2], [[5, 6, 7], [9]]
+    eager = build_attn_meta(rows, cols, 3, "cpu", sliding_window=3)
+    graph = build_attn_meta(rows, cols, 3, "cpu", sliding_window=3, graph_width=MAX_LEN)
+    assert graph.mask.shape == (2, 1, 3, MAX_LEN) and int(graph.graph_kv_len) == eager.kv_len == 10
+    assert torch.equal(graph.mask, torch.nn.functional.pad(eager.mask, (0, MAX_LEN - eager.kv_len)))
+    assert graph.mask[0, 0, 2].nonzero().flatten().tolist() == [5, 6, 7]       # column 7, window 3
+    assert graph.mask[1, 0, 1:].nonzero()[:, 1].tolist() == [0, 0]             # padding tokens
+
+
 def test_bucket_choice(llama_dir):
     r = _runner(llama_dir, compiled=True)
     cf = CompiledForward(r.model, r.kv, [Bucket(1, 1), Bucket(2, 5), Bucket(4, 1)])
@@ -140,6 +152,7 @@ def test_direct_call_takes_only_the_warm_up_shapes_strides_and_dtypes():
     assert not d.matches((tok.int(), mask, None))                                    # other dtype
     assert not d.matches((tok, mask, torch.zeros(1)))                                # a feature where none was
     assert not d.matches((tok, mask))
+    assert not d.matches((tok, mask.to("meta"), None))                              # another device
 
 
 @pytest.mark.slow
