@@ -261,3 +261,7 @@ def test_fast_path_chains_draft_as_eager(shapes, tokenizer, kind, monkeypatch):
     m, e = fast.get_metrics(), eager.get_metrics()
     assert calls and m["num_draft_tokens"] > 0
     assert (m["num_draft_tokens"], m["num_accepted_tokens"]) == (e["num_draft_tokens"], e["num_accepted_tokens"])
+    # the head's chain graphs and the target's verify graphs were called directly (no torch.compile wrappers)
+    chain, verify = fast.engine.proposer.runner.chain, fast.engine.runner.compiled
+    assert sum(d.calls for d in chain.direct.values()) == len(calls)
+    assert sum(d.calls for d in verify.direct.values()) > 0
