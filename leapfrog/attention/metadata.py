@@ -83,7 +83,7 @@ def build_attn_meta(rows: list[int], cols: list[list[int]], scratch_row: int, de
     graph_kv_len = None
     if graph_width is not None:
         assert mask is not None
-        if mask.shape[-1] != graph_width:  # a tree mask
+        if tree_mask is not None:  # (the causal mask above is graph_width wide already)
             mask = torch.nn.functional.pad(mask, (0, graph_width - kv_len))  # [B, 1, S, graph_width]
         graph_kv_len = torch.tensor(kv_len)
     return AttnMeta(

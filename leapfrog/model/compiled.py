@@ -81,9 +81,7 @@ class DirectCall:
     seconds: float = field(default=0.0)     # spent inside the graph (what the fast-path benchmark reports)
 
     def matches(self, args: tuple) -> bool:
-        return len(args) == len(self.spec) and all(
-            (t is None) if s is None else (t is not None and (t.shape, t.stride(), t.dtype, t.device) == s)
-            for t, s in zip(args, self.spec))
+        return _spec(args) == self.spec
 
     def __call__(self, args: tuple, kv: KVCache) -> list[Tensor]:
         inputs = [args[p] if isinstance(p, int) else (kv.k if p[0] == "k" else kv.v)[p[1]] for p in self.plan]
@@ -300,15 +298,15 @@ class CompiledForward:
             args = self._args(tok, torch.tensor(cols, device=dev), meta, feats, *self._warm_extra(b, kv_len, dev))
             with _capture() as calls:
                 out = self._fn(*args)
+        d, error = None, None
         try:  # the second run compiled nothing: its one inductor call is the bucket's graph
             d = self._make_direct(args, calls, out)
-        except Exception:  # noqa: BLE001 - an inductor internal changed: keep the torch.compile path
-            log.warning("graph %s: no direct call", b, exc_info=True)
-            d = None
+        except Exception as e:  # noqa: BLE001 - an inductor internal changed: keep the torch.compile path
+            error = e
         if d is not None:
             self.direct[(b.batch, b.tokens)] = d
         else:
-            log.warning("graph %s runs through torch.compile's wrappers (no direct call: slower)", b)
+            log.warning("graph %s runs through torch.compile's wrappers (no direct call: slower)", b, exc_info=error)
 
     def _warm_extra(self, b: Bucket, kv_len: int, dev: torch.device) -> tuple[Tensor, ...]:
         return ()
