@@ -5,13 +5,15 @@ write the new k/v to the cache, attend over the first ``kv_len`` columns of each
 with the mask, scale 1/sqrt(Dh). A compiled graph calls it once per layer, and from C++ the
 call costs no Python frames.
 
-On CPU it is a direct kernel (``attend_cpu``): one work item per (sequence, token, head), split
-over PyTorch's intra-op threads; keys and values are read in place from the sequence's cache row
+On CPU it is a direct kernel (``attend_cpu``): one work item per (sequence, KV head), split
+over PyTorch's intra-op threads, its queries (tokens x heads sharing that KV head) reading each
+column once; keys and values are read in place from the sequence's cache row
 (no gathered copy for a batch, no padded query for a lone half-precision token) and accumulated in
 float32: scores q.k, a max pass, then exp and the weighted sum of values in column order.
 
 Row invariance: a token's output depends only on its query, the columns its mask lets it see and
-their contents. The dot product runs over Dh in 16 fixed lanes summed pairwise, and the value sum
+their contents. The dot product runs over Dh in the vector's fixed lanes (16 with AVX-512, 8 with
+AVX2) reduced in ATen's fixed tree, and the value sum
 goes column by column, whatever the batch size, the number of tokens per sequence, the padding or
 ``kv_len``. A token verified among drafts therefore gets bitwise the attention it gets when
 decoded alone (tests/attention/test_native.py). SDPA blocks its loops by the batch's shape, so
@@ -65,6 +67,12 @@ inline Vec load_f(const T* p) {   // Vec::size() elements as float32
   }
 }
 
+// exp of each lane: -inf (a masked column) gives 0 and NaN stays NaN (exp_u20 alone clamps it to
+// a finite value, which would hide a model's overflow from the engine's non-finite checks).
+inline Vec exp_lanes(const Vec& d) {
+  return Vec::blendv(Vec::blendv(d.exp_u20(), Vec(0.f), d == Vec(-INFINITY)), d, d != d);
+}
+
 // x[l] = exp(x[l] - mx) for l < n, vectorized (ATen's exp_u20, as its CPU flash attention uses);
 // -inf (a masked column) gives 0. Elementwise, so a column's weight does not depend on n.
 inline void exp_shifted(float* x, float mx, int64_t n) {
@@ -72,12 +80,10 @@ inline void exp_shifted(float* x, float mx, int64_t n) {
   const Vec vmx(mx);
   int64_t l = 0;
   for (; l + Vec::size() <= n; l += Vec::size()) {
-    const Vec d = Vec::loadu(x + l) - vmx;
-    Vec::blendv(d.exp_u20(), Vec(0.f), d == Vec(-INFINITY)).store(x + l);
+    exp_lanes(Vec::loadu(x + l) - vmx).store(x + l);
   }
   for (; l < n; ++l) {
-    const Vec d = Vec::loadu(x + l, 1) - vmx;
-    Vec::blendv(d.exp_u20(), Vec(0.f), d == Vec(-INFINITY)).store(x + l, 1);
+    exp_lanes(Vec::loadu(x + l, 1) - vmx).store(x + l, 1);
   }
 }
 
@@ -183,8 +189,16 @@ at::Tensor cached_attention_aten(const at::Tensor& q, const at::Tensor& k, const
     values = v_cache.slice(2, 0, L).index_select(0, rows);
   }
   at::Tensor m = mask.slice(3, 0, L);
+  at::Tensor qt = q.transpose(1, 2);
   const bool gqa = q.size(2) != k.size(2);
-  at::Tensor o = at::scaled_dot_product_attention(q.transpose(1, 2), keys, values, m, 0.0, false, std::nullopt, gqa);
+  at::Tensor o;
+  if (qt.size(2) == 1 && qt.is_cpu() && (qt.scalar_type() == at::kBFloat16 || qt.scalar_type() == at::kHalf)) {
+    // a lone half-precision CPU query runs as two rows (attention/backend.py: the one-row path is slower)
+    o = at::scaled_dot_product_attention(at::cat({qt, qt}, 2), keys, values, m.expand({-1, -1, 2, -1}),
+                                         0.0, false, std::nullopt, gqa).slice(2, 0, 1);
+  } else {
+    o = at::scaled_dot_product_attention(qt, keys, values, m, 0.0, false, std::nullopt, gqa);
+  }
   return o.transpose(1, 2).contiguous();
 }
 
@@ -203,7 +217,10 @@ at::Tensor cached_attention_cpu(const at::Tensor& q, const at::Tensor& k, const 
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type() &&
               k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
               "cached_attention: q, k, v and the caches must share a dtype");
-  TORCH_CHECK(H % Hkv == 0 && k_cache.size(1) == Hkv && k_cache.size(3) == Dh, "cached_attention: head shapes");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && Hkv > 0 && Dh > 0 && H % Hkv == 0 &&
+              k.sizes() == at::IntArrayRef({B, S, Hkv, Dh}) && v.sizes() == k.sizes() && k_cache.dim() == 4 &&
+              k_cache.size(1) == Hkv && k_cache.size(3) == Dh && v_cache.sizes() == k_cache.sizes(),
+              "cached_attention: q [B, S, H, Dh], k and v [B, S, Hkv, Dh], caches [rows, Hkv, max_len, Dh] alike");
   TORCH_CHECK(L >= 0 && L <= ML && mask.size(-1) == ML && mask.numel() == B * S * ML &&
               mask.scalar_type() == at::kBool, "cached_attention: mask [B, 1, S, max_len] bool, kv_len <= max_len");
   TORCH_CHECK(rows.numel() == B && write_rows.numel() == B * S && write_cols.numel() == B * S,
@@ -257,11 +274,18 @@ def load_native_attention() -> bool:
         try:
             from torch.utils.cpp_extension import load_inline
             isa = torch.backends.cpu.get_cpu_capability()
-            flags = _ISA_FLAGS.get(isa, [])
+            omp = ["-fopenmp"] if torch.backends.openmp.is_available() else []   # else at::parallel_for is serial
             log.info("loading leapfrog's native attention op (built once, about 30 s)")
-            load_inline(f"leapfrog_native_attention_{isa.lower() if flags else 'generic'}", cpp_sources=_SOURCE,
-                        is_python_module=False, extra_cflags=["-O3", "-fopenmp", *flags],
-                        extra_ldflags=["-fopenmp"])
+            try:
+                flags = _ISA_FLAGS.get(isa, [])
+                load_inline(f"leapfrog_native_attention_{isa.lower() if flags else 'generic'}", cpp_sources=_SOURCE,
+                            is_python_module=False, extra_cflags=["-O3", *omp, *flags], extra_ldflags=omp)
+            except Exception as e:  # noqa: BLE001 - e.g. a compiler without these ISA flags: a generic build
+                if not _ISA_FLAGS.get(isa):
+                    raise
+                log.warning("native attention op: %s build failed (%s); building it generic", isa, type(e).__name__)
+                load_inline("leapfrog_native_attention_generic", cpp_sources=_SOURCE, is_python_module=False,
+                            extra_cflags=["-O3", *omp], extra_ldflags=omp)
             torch.library.register_fake("leapfrog_native::cached_attention")(_fake)
             _STATE["ok"] = True
         except Exception as e:  # noqa: BLE001 - no compiler, headers, ...: the Python op serves

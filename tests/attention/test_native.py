@@ -37,6 +37,7 @@ def _case(dtype, B, S, H, hkv, D, L, seed):
     mask = torch.zeros(B, 1, S, ML, dtype=torch.bool)
     mask[..., :L] = torch.rand(B, 1, S, L, generator=g) > 0.3
     mask[..., 0] = True
+    mask[..., L:] = seed % 2 == 1   # columns past kv_len are never read, whatever the mask says there
     return q, k, v, caches, rows, write_rows, write_cols, mask, torch.tensor(L)
 
 
@@ -94,6 +95,16 @@ def test_native_op_fully_masked_query_gives_zeros(native):
     assert torch.equal(out[0, 1], torch.zeros_like(out[0, 1])) and out[0, 0].abs().sum() > 0
 
 
+def test_native_op_propagates_nan(native):
+    """A non-finite key (a model's overflow) gives NaN, as SDPA, for the engine's checks to catch."""
+    q, k, v, caches, rows, write_rows, write_cols, mask, kv_len = _case(torch.float32, 1, 1, 4, 4, 16, 40, 2)
+    caches[0][rows[0], :, 3] = float("nan")
+    out = native(q, k, v, *caches, rows, write_rows, write_cols, mask, kv_len)
+    assert torch.isnan(out).all() == bool(mask[0, 0, 0, 3])
+    mask[0, 0, 0, 3] = True
+    assert torch.isnan(native(q, k, v, *caches, rows, write_rows, write_cols, mask, kv_len)).all()
+
+
 def test_native_op_refuses_out_of_range_indices(native):
     q, k, v, caches, rows, write_rows, write_cols, mask, kv_len = _case(torch.float32, 1, 1, 4, 4, 16, 40, 0)
     with pytest.raises(RuntimeError, match="write_cols"):
@@ -102,3 +113,7 @@ def test_native_op_refuses_out_of_range_indices(native):
         native(q, k, v, *caches, torch.tensor([99]), write_rows, write_cols, mask, kv_len)
     with pytest.raises(RuntimeError, match="kv_len"):
         native(q, k, v, *caches, rows, write_rows, write_cols, mask, torch.tensor(ML + 1))
+    with pytest.raises(RuntimeError, match="caches"):
+        native(q, k, v[:, :, :2], *caches, rows, write_rows, write_cols, mask, kv_len)
+    with pytest.raises(RuntimeError, match="caches"):
+        native(q, k, v, caches[0], caches[1][:, :, :32], rows, write_rows, write_cols, mask, kv_len)
