@@ -73,17 +73,13 @@ inline Vec exp_lanes(const Vec& d) {
   return Vec::blendv(Vec::blendv(d.exp_u20(), Vec(0.f), d == Vec(-INFINITY)), d, d != d);
 }
 
-// x[l] = exp(x[l] - mx) for l < n, vectorized (ATen's exp_u20, as its CPU flash attention uses);
-// -inf (a masked column) gives 0. Elementwise, so a column's weight does not depend on n.
+// x[l] = exp(x[l] - mx) for l < n, vectorized (ATen's exp_u20, as its CPU flash attention uses).
+// Elementwise, so a column's weight does not depend on n.
 inline void exp_shifted(float* x, float mx, int64_t n) {
-  using Vec = at::vec::Vectorized<float>;
   const Vec vmx(mx);
-  int64_t l = 0;
-  for (; l + Vec::size() <= n; l += Vec::size()) {
-    exp_lanes(Vec::loadu(x + l) - vmx).store(x + l);
-  }
-  for (; l < n; ++l) {
-    exp_lanes(Vec::loadu(x + l, 1) - vmx).store(x + l, 1);
+  for (int64_t l = 0; l < n; l += Vec::size()) {
+    const int64_t c = std::min<int64_t>(Vec::size(), n - l);   // the last block may be partial
+    exp_lanes(Vec::loadu(x + l, c) - vmx).store(x + l, c);
   }
 }
 
@@ -276,16 +272,18 @@ def load_native_attention() -> bool:
             isa = torch.backends.cpu.get_cpu_capability()
             omp = ["-fopenmp"] if torch.backends.openmp.is_available() else []   # else at::parallel_for is serial
             log.info("loading leapfrog's native attention op (built once, about 30 s)")
-            try:
-                flags = _ISA_FLAGS.get(isa, [])
-                load_inline(f"leapfrog_native_attention_{isa.lower() if flags else 'generic'}", cpp_sources=_SOURCE,
-                            is_python_module=False, extra_cflags=["-O3", *omp, *flags], extra_ldflags=omp)
-            except Exception as e:  # noqa: BLE001 - e.g. a compiler without these ISA flags: a generic build
-                if not _ISA_FLAGS.get(isa):
-                    raise
-                log.warning("native attention op: %s build failed (%s); building it generic", isa, type(e).__name__)
-                load_inline("leapfrog_native_attention_generic", cpp_sources=_SOURCE, is_python_module=False,
-                            extra_cflags=["-O3", *omp], extra_ldflags=omp)
+            # this CPU's instruction set first; if the compiler refuses its flags, a generic build
+            builds = ([(isa.lower(), _ISA_FLAGS[isa])] if isa in _ISA_FLAGS else []) + [("generic", [])]
+            for i, (name, flags) in enumerate(builds):
+                try:
+                    load_inline(f"leapfrog_native_attention_{name}", cpp_sources=_SOURCE, is_python_module=False,
+                                extra_cflags=["-O3", *omp, *flags], extra_ldflags=omp)
+                    break
+                except Exception as e:  # noqa: BLE001 - the last build's error goes to the handler below
+                    if i == len(builds) - 1:
+                        raise
+                    log.warning("native attention op: %s build failed (%s); building it generic", name,
+                                type(e).__name__)
             torch.library.register_fake("leapfrog_native::cached_attention")(_fake)
             _STATE["ok"] = True
         except Exception as e:  # noqa: BLE001 - no compiler, headers, ...: the Python op serves
