@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -100,6 +101,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="fastpath.json")
+    ap.add_argument("--no-kernel-too", action="store_true",
+                    help="also run each contender with the bf16 linear kernel off (LEAPFROG_NATIVE_LINEAR=0)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -111,10 +114,14 @@ def main() -> None:
     max_len = args.prompt_tokens + args.max_tokens + 2 * args.k + 8
 
     llms, startup = {}, {}
-    for name, spec, eager in contenders(args.draft, args.k, args.head, args.eagle_depth):
-        if args.only is not None and name != "none eager" and name not in args.only:
-            continue
+    kept = [c for c in contenders(args.draft, args.k, args.head, args.eagle_depth)
+            if args.only is None or c[0] == "none eager" or c[0] in args.only]
+    variants = [(name, spec, eager, True) for name, spec, eager in kept]
+    if args.no_kernel_too:
+        variants += [(f"{name}, no bf16 kernel", spec, eager, False) for name, spec, eager in kept]
+    for name, spec, eager, kernel in variants:
         t0 = time.perf_counter()
+        os.environ["LEAPFROG_NATIVE_LINEAR"] = "1" if kernel else "0"  # read when the model is packed
         llms[name] = LLM(model=args.target, dtype=args.dtype, speculative_config=spec, max_num_seqs=1,
                          max_model_len=max_len, enforce_eager=eager)
         startup[name] = time.perf_counter() - t0
@@ -140,7 +147,7 @@ def main() -> None:
     curves = {}
     for name in [n for n in llms if n.startswith("draft_model")]:  # buckets 1 and K + 1 when compiled
         c = verify_curve(llms[name], sizes)
-        label = "compiled" if "compiled" in name else "eager"
+        label = ("compiled" if "compiled" in name else "eager") + name[name.find(", no bf16"):] * (", no bf16" in name)
         curves[label + " ms"] = {s: round(c[s], 3) for s in sizes}
         curves[label + " t(S)/t(1)"] = {s: round(c[s] / c[1], 2) for s in sizes}
 
@@ -149,7 +156,8 @@ def main() -> None:
           "outside graphs | start-up s |")
     print("|---|---:|---:|---|---|---:|---:|")
     for name in llms:
-        own_none = "none compiled" if "compiled" in name else "none eager"
+        suffix = ", no bf16 kernel" if ", no bf16" in name else ""
+        own_none = ("none compiled" if "compiled" in name else "none eager") + suffix
         row = {"contender": name, "tokens_per_s": round(statistics.median(speeds[name]), 1),
                "speedup": round(statistics.median(ratios[name]), 2),
                "identical": _same(outputs[name], outputs["none eager"]),

@@ -196,10 +196,12 @@ class LlamaModel(nn.Module):
         logits only steer proposals. ``pack_layers=False``: the head only (compiled graphs pack
         the layers' weights themselves; the head stays a plain linear too, which they compute
         in-graph). -> whether the linear layers were packed."""
-        from leapfrog.model.packed import can_pack, pack_linears
+        from leapfrog.model.packed import can_pack, native_linears, pack_linears
         packed = pack_layers and can_pack(self.dtype, self.device)
         if packed:
             pack_linears(self.layers)
+        else:  # compiled graphs: inductor prepacks the rest, the bf16 kernel (if any) is an op
+            native_linears(self.layers)
         self._make_head(fp32_head, pack=pack_layers)
         return packed
 
@@ -231,7 +233,8 @@ class LlamaModel(nn.Module):
         tile_linears(self.layers)
         self._make_head()
         assert self.head is not None
-        self.head.proj = row_tiled(self.head.proj)
+        if not getattr(self.head.proj, "row_invariant", False):  # NativeLinear is by construction
+            self.head.proj = row_tiled(self.head.proj)
         # 16384 elements per activation call: below the 32768-element grain at which PyTorch's
         # CPU elementwise kernels start splitting a range across threads.
         rows = max(1, 16384 // self.args.intermediate_size)
@@ -257,7 +260,8 @@ class LogitsHead(nn.Module):
     def __init__(self, weight: Tensor, fp32: bool = True, quantization: str | None = None,
                  pack: bool = True) -> None:
         super().__init__()
-        from leapfrog.model.packed import PackedLinear, can_pack, linear_like
+        from leapfrog.model.native_linear import NativeLinear
+        from leapfrog.model.packed import can_pack, inference_linear, linear_like
         from leapfrog.model.quant import QUANT_LINEARS
         w = weight.detach()
         if quantization is not None:
@@ -272,7 +276,10 @@ class LogitsHead(nn.Module):
             return
         self.in_dtype = torch.float32 if fp32 else w.dtype
         w = w.to(self.in_dtype)
-        self.proj = PackedLinear(w, None) if pack and can_pack(w.dtype, w.device) else linear_like(w, None)
+        if NativeLinear.fits(w):  # a half-precision head (drafts): the bf16 kernel, compiled or not
+            self.proj = NativeLinear(w, None)
+        else:
+            self.proj = inference_linear(w, None) if pack and can_pack(w.dtype, w.device) else linear_like(w, None)
 
     def forward(self, hidden: Tensor) -> Tensor:
         return self.proj(hidden.to(self.in_dtype)).float()

@@ -56,8 +56,25 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def pack_linears(module: nn.Module) -> int:
-    """Replace every nn.Linear under ``module`` by a PackedLinear (inference only). -> count."""
-    return replace_linears(module, PackedLinear)
+    """Replace every nn.Linear under ``module`` by its ``inference_linear`` (inference only). -> count."""
+    return replace_linears(module, inference_linear)
+
+
+def inference_linear(weight: Tensor, bias: Tensor | None) -> nn.Module:
+    """The fastest inference linear we have for this weight on CPU: the bf16 few-row kernel
+    (model/native_linear.py; AVX-512 BF16, row-invariant) where it serves, else oneDNN-packed."""
+    from leapfrog.model.native_linear import NativeLinear
+    return NativeLinear(weight, bias) if NativeLinear.fits(weight) else PackedLinear(weight, bias)
+
+
+def native_linears(module: nn.Module) -> int:
+    """Replace every nn.Linear under ``module`` that the bf16 kernel serves by a NativeLinear
+    (model/native_linear.py; compiled graphs call it as an op, prefill runs it eagerly). -> count."""
+    from leapfrog.model.native_linear import NativeLinear
+
+    def make(weight: Tensor, bias: Tensor | None) -> nn.Module:
+        return NativeLinear(weight, bias) if NativeLinear.fits(weight) else linear_like(weight, bias)
+    return replace_linears(module, make)
 
 
 def replace_linears(module: nn.Module, make: Callable[[Tensor, Tensor | None], nn.Module]) -> int:

@@ -1,0 +1,126 @@
+"""The few-row bf16 linear kernel (model/native_linear.py): values, row invariance, errors, graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from leapfrog.model.native_linear import NativeLinear, load_native_linear, pack_weight
+
+BF16 = torch.bfloat16
+needs_kernel = pytest.mark.skipif(not load_native_linear(), reason="needs AVX-512 BF16 and a C++ compiler")
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    y = x.double() @ w.double().t()
+    return y if b is None else y + b.double()
+
+
+def test_pack_weight_layout():
+    w = torch.arange(40 * 6, dtype=torch.float32).view(40, 6).to(BF16)  # exact in bf16 (< 256)
+    p = pack_weight(w)
+    assert p.shape == (2, 3, 32, 2)
+    for n in (0, 17, 31, 32, 39):
+        for j in range(3):
+            assert torch.equal(p[n // 32, j, n % 32], w[n, 2 * j:2 * j + 2])
+    assert not p[1, :, 8:].any()  # columns 40..63 are padding
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k,bias", [(64, 32, False), (50, 30, True), (96, 1408, True), (33, 6, False),
+                                      (8, 2, True)])
+@pytest.mark.parametrize("rows", [0, 1, 5, 8, 9, 21])
+def test_matches_float64_reference(n, k, bias, rows):
+    g = torch.Generator().manual_seed(n * 1000 + k + rows)
+    w = torch.randn(n, k, generator=g).to(BF16)
+    b = torch.randn(n, generator=g).to(BF16) if bias else None
+    x = torch.randn(rows, k, generator=g).to(BF16)
+    y = NativeLinear(w, b)(x)
+    assert y.shape == (rows, n) and y.dtype == BF16
+    ref = _reference(x, w, b)
+    # float32 sums, one rounding to bf16: within an ulp of bf16 of the largest term's scale
+    tol = (x.double().abs() @ w.double().abs().t() + (b.double().abs() if bias else 0)) * 2 ** -7 + 1e-6
+    assert bool(((y.double() - ref).abs() <= tol).all())
+
+
+@needs_kernel
+def test_batched_input_and_noncontiguous():
+    g = torch.Generator().manual_seed(1)
+    w, x = torch.randn(70, 64, generator=g).to(BF16), torch.randn(3, 4, 128, generator=g).to(BF16)
+    lin = NativeLinear(w, None)
+    xs = x[..., ::2]  # a strided view
+    y = lin(xs)
+    assert y.shape == (3, 4, 70)
+    assert torch.equal(y, lin(xs.contiguous().view(12, 64)).view(3, 4, 70))
+
+
+@needs_kernel
+def test_row_invariance():
+    """A row's output is bitwise the same alone, among any number of rows, at any thread count."""
+    g = torch.Generator().manual_seed(2)
+    w = (torch.randn(160, 1408, generator=g) * 0.05).to(BF16)
+    b = torch.randn(160, generator=g).to(BF16)
+    x = torch.randn(40, 1408, generator=g).to(BF16)
+    lin = NativeLinear(w, b)
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(40)])
+    threads = torch.get_num_threads()
+    try:
+        for t in {1, threads}:
+            torch.set_num_threads(t)
+            for size in (2, 5, 8, 13, 40):
+                for s in range(0, 40 - size + 1, size):
+                    assert torch.equal(lin(x[s:s + size]), alone[s:s + size]), (t, size, s)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernel
+def test_bad_input_raises():
+    lin = NativeLinear(torch.randn(32, 16).to(BF16), None)
+    with pytest.raises(RuntimeError, match="bf16 input"):
+        lin(torch.randn(2, 16))
+    with pytest.raises(RuntimeError, match="features"):
+        lin(torch.randn(2, 18).to(BF16))
+    with pytest.raises(RuntimeError, match="packed"):
+        torch.ops.leapfrog_gemm.linear_bf16(torch.randn(2, 16).to(BF16), torch.randn(32, 16).to(BF16), None, 32)
+    with pytest.raises(RuntimeError, match="do not fit"):
+        torch.ops.leapfrog_gemm.linear_bf16(torch.randn(2, 16).to(BF16), lin.packed, None, 40)
+
+
+@needs_kernel
+def test_op_registration_and_compiled_graph():
+    """The op's schema and fake (meta) function agree with it (torch.library.opcheck), and a
+    compiled graph calls it and gives the eager bits."""
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(48, 32, generator=g).to(BF16), torch.randn(48, generator=g).to(BF16)
+    x = torch.randn(5, 32, generator=g).to(BF16)
+    lin = NativeLinear(w, b)
+    torch.library.opcheck(torch.ops.leapfrog_gemm.linear_bf16.default, (x, lin.packed, lin.bias, 48),
+                          test_utils=("test_schema", "test_faketensor"))
+    model = nn.Sequential(lin, nn.SiLU())
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    with torch.inference_mode():
+        assert torch.equal(compiled(x), model(x))
+
+
+@needs_kernel
+def test_models_use_it_in_bf16(llama_dir):
+    """A bf16 model packed for inference (eager) or for compiled graphs runs its decoder linears
+    through the kernel, and its logits stay those of the unpacked model to bf16 rounding."""
+    from leapfrog.model.loader import load_model, read_checkpoint
+    ckpt = read_checkpoint(llama_dir)
+    ids, pos = torch.tensor([[5, 9, 13, 2, 7, 11]]), torch.arange(6)[None]
+    ref_model = load_model(ckpt, BF16, torch.device("cpu"), 64)
+    with torch.inference_mode():
+        ref = ref_model.compute_logits(ref_model(ids, pos).hidden[0])
+    for pack_layers in (True, False):
+        model = load_model(ckpt, BF16, torch.device("cpu"), 64)
+        model.pack_for_inference(pack_layers=pack_layers)
+        kinds = {type(m).__name__ for m in model.layers.modules()}
+        assert "NativeLinear" in kinds and "Linear" not in kinds and "PackedLinear" not in kinds
+        with torch.inference_mode():
+            logits = model.compute_logits(model(ids, pos).hidden[0])
+        assert (logits - ref).abs().max() < 0.05 * ref.abs().max()
+        assert torch.equal(logits.argmax(-1), ref.argmax(-1))
