@@ -57,13 +57,18 @@ _SOURCE = r"""
 namespace {
 
 constexpr int64_t BLOCK = 32;     // output columns per packed block (two 16-lane vectors)
-constexpr int64_t ROWS = 8;       // rows per register tile: 8 x 4 accumulators
+constexpr int64_t ROWS = 8;       // bf16 rows per register tile: 8 x 4 accumulators
+constexpr int64_t ROWS_F32 = 6;   // float32 rows per tile: 6 x 4 accumulators + 4 widened weights
 constexpr int64_t PREFETCH = 512; // bf16 elements ahead in the weight stream (1 KiB)
 
 inline __m512i pair(const uint16_t* p) {   // a k-pair of one row broadcast to the 16 lanes
   int32_t v;
   std::memcpy(&v, p, sizeof v);
   return _mm512_set1_epi32(v);
+}
+
+inline __mmask16 lanes(int64_t k) {   // the first k of 16 lanes
+  return k >= 16 ? (__mmask16)0xFFFF : k <= 0 ? (__mmask16)0 : (__mmask16)((1u << k) - 1);
 }
 
 inline __m512 dot(__m512 acc, __m512i a, __m512i w) {
@@ -103,9 +108,7 @@ void tile(const uint16_t* A, int64_t lda, const uint16_t* blk, int64_t K2, const
       c0[m] = dot(c0[m], a, w0); c1[m] = dot(c1[m], a, w1);
     }
   }
-  const __mmask16 lo_mask = cols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cols) - 1);
-  const __mmask16 hi_mask = cols >= 32 ? (__mmask16)0xFFFF : cols <= 16 ? (__mmask16)0
-                                       : (__mmask16)((1u << (cols - 16)) - 1);
+  const __mmask16 lo_mask = lanes(cols), hi_mask = lanes(cols - 16);
   const __m512 b_lo = bias ? _mm512_maskz_loadu_ps(lo_mask, bias) : _mm512_setzero_ps();
   const __m512 b_hi = bias ? _mm512_maskz_loadu_ps(hi_mask, bias + 16) : _mm512_setzero_ps();
   for (int m = 0; m < M; ++m) {
@@ -117,17 +120,61 @@ void tile(const uint16_t* A, int64_t lda, const uint16_t* blk, int64_t K2, const
   }
 }
 
+// C[m, 0:cols] = A[m, :] . block + bias for m < M, float32 rows: the bf16 weights widened to
+// float32 in registers (exact), products and sums in float32 (fused multiply-adds). Partial sums:
+// even k into c0/c1, odd k into c2/c3, added at the end.
+template <int M>
+void tile_f32(const float* A, int64_t lda, const uint16_t* blk, int64_t K2, const float* bias,
+              float* C, int64_t ldc, int64_t cols) {
+  __m512 c0[M], c1[M], c2[M], c3[M];
+  for (int m = 0; m < M; ++m) {
+    c0[m] = _mm512_setzero_ps(); c1[m] = _mm512_setzero_ps();
+    c2[m] = _mm512_setzero_ps(); c3[m] = _mm512_setzero_ps();
+  }
+  const __m512i high = _mm512_set1_epi32((int32_t)0xFFFF0000u);
+  for (int64_t kk = 0; kk < K2; ++kk) {
+    const uint16_t* w = blk + kk * 2 * BLOCK;
+    _mm_prefetch((const char*)(w + PREFETCH), _MM_HINT_T0);
+    _mm_prefetch((const char*)(w + PREFETCH + 32), _MM_HINT_T0);
+    const __m512i v0 = _mm512_loadu_si512(w), v1 = _mm512_loadu_si512(w + 32);
+    const __m512 e0 = _mm512_castsi512_ps(_mm512_slli_epi32(v0, 16));   // w[c, 2kk], c < 16
+    const __m512 e1 = _mm512_castsi512_ps(_mm512_slli_epi32(v1, 16));   // c >= 16
+    const __m512 o0 = _mm512_castsi512_ps(_mm512_and_si512(v0, high));  // w[c, 2kk + 1]
+    const __m512 o1 = _mm512_castsi512_ps(_mm512_and_si512(v1, high));
+    for (int m = 0; m < M; ++m) {
+      const __m512 a = _mm512_set1_ps(A[m * lda + 2 * kk]), b = _mm512_set1_ps(A[m * lda + 2 * kk + 1]);
+      c0[m] = _mm512_fmadd_ps(a, e0, c0[m]); c1[m] = _mm512_fmadd_ps(a, e1, c1[m]);
+      c2[m] = _mm512_fmadd_ps(b, o0, c2[m]); c3[m] = _mm512_fmadd_ps(b, o1, c3[m]);
+    }
+  }
+  const __mmask16 lo_mask = lanes(cols), hi_mask = lanes(cols - 16);
+  const __m512 b_lo = bias ? _mm512_maskz_loadu_ps(lo_mask, bias) : _mm512_setzero_ps();
+  const __m512 b_hi = bias ? _mm512_maskz_loadu_ps(hi_mask, bias + 16) : _mm512_setzero_ps();
+  for (int m = 0; m < M; ++m) {
+    __m512 lo = _mm512_add_ps(c0[m], c2[m]), hi = _mm512_add_ps(c1[m], c3[m]);
+    if (bias) { lo = _mm512_add_ps(lo, b_lo); hi = _mm512_add_ps(hi, b_hi); }
+    _mm512_mask_storeu_ps(C + m * ldc, lo_mask, lo);
+    _mm512_mask_storeu_ps(C + m * ldc + 16, hi_mask, hi);
+  }
+}
+
 using Tile = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, const float*, uint16_t*, int64_t, int64_t);
 constexpr Tile TILES[ROWS + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>, tile<7>, tile<8>};
+using TileF32 = void (*)(const float*, int64_t, const uint16_t*, int64_t, const float*, float*, int64_t, int64_t);
+constexpr TileF32 TILES_F32[ROWS_F32 + 1] = {nullptr, tile_f32<1>, tile_f32<2>, tile_f32<3>, tile_f32<4>, tile_f32<5>,
+                                             tile_f32<6>};
 
 }  // namespace
 
-// x [..., K] bf16, w [ceil(N/32), K/2, 32, 2] bf16 (pack_weight), bias [N] or None -> [..., N] bf16
+// x [..., K] bf16 or float32, w [ceil(N/32), K/2, 32, 2] bf16 (pack_weight), bias [N] or None
+// -> [..., N] in x's dtype
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                        int64_t n) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "linear_bf16: CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16,
-              "linear_bf16: bf16 input and weight, got ", x.scalar_type(), " and ", w.scalar_type());
+  const bool f32 = x.scalar_type() == at::kFloat;
+  TORCH_CHECK((f32 || x.scalar_type() == at::kBFloat16) && w.scalar_type() == at::kBFloat16,
+              "linear_bf16: bf16 or float32 input and a bf16 weight, got ", x.scalar_type(), " and ",
+              w.scalar_type());
   TORCH_CHECK(w.dim() == 4 && w.size(2) == BLOCK && w.size(3) == 2 && w.is_contiguous(),
               "linear_bf16: the weight must be packed by pack_weight, got shape ", w.sizes());
   const int64_t nblocks = w.size(0), K2 = w.size(1), K = 2 * K2;
@@ -144,30 +191,36 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
   const int64_t M = xc.numel() / K;
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
-  at::Tensor out = at::detail::empty_cpu(shape, at::kBFloat16, std::nullopt, std::nullopt, std::nullopt, std::nullopt);
-  const uint16_t* A = reinterpret_cast<const uint16_t*>(xc.data_ptr());
+  at::Tensor out = at::detail::empty_cpu(shape, x.scalar_type(), std::nullopt, std::nullopt, std::nullopt,
+                                         std::nullopt);
   const uint16_t* W = reinterpret_cast<const uint16_t*>(w.data_ptr());
-  uint16_t* C = reinterpret_cast<uint16_t*>(out.data_ptr());
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   // at least ~64 KiB of weights per thread: smaller products run on the calling thread
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / (K2 * 2 * BLOCK * 2));
-  if (M > 0) {
-    at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
-      for (int64_t nb = b0; nb < b1; ++nb) {     // each block once from memory, for all rows
-        const int64_t cols = std::min<int64_t>(BLOCK, n - nb * BLOCK);
-        for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
-          const int64_t rows = std::min<int64_t>(ROWS, M - m0);
-          TILES[rows](A + m0 * K, K, W + nb * K2 * 2 * BLOCK, K2, bp ? bp + nb * BLOCK : nullptr,
-                      C + m0 * n + nb * BLOCK, n, cols);
-        }
+  if (M == 0) return out;
+  at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t nb = b0; nb < b1; ++nb) {     // each block once from memory, for all rows
+      const int64_t cols = std::min<int64_t>(BLOCK, n - nb * BLOCK);
+      const uint16_t* blk = W + nb * K2 * 2 * BLOCK;
+      const float* bb = bp ? bp + nb * BLOCK : nullptr;
+      if (f32) {
+        const float* A = xc.data_ptr<float>();
+        float* C = out.data_ptr<float>();
+        for (int64_t m0 = 0; m0 < M; m0 += ROWS_F32)
+          TILES_F32[std::min<int64_t>(ROWS_F32, M - m0)](A + m0 * K, K, blk, K2, bb, C + m0 * n + nb * BLOCK, n, cols);
+      } else {
+        const uint16_t* A = reinterpret_cast<const uint16_t*>(xc.data_ptr());
+        uint16_t* C = reinterpret_cast<uint16_t*>(out.data_ptr());
+        for (int64_t m0 = 0; m0 < M; m0 += ROWS)
+          TILES[std::min<int64_t>(ROWS, M - m0)](A + m0 * K, K, blk, K2, bb, C + m0 * n + nb * BLOCK, n, cols);
       }
-    });
-  }
+    }
+  });
   return out;
 }
 
 TORCH_LIBRARY(leapfrog_gemm, m) {
-  m.def("linear_bf16(Tensor x, Tensor w, Tensor? bias, int n) -> Tensor");
+  m.def("linear_bf16(Tensor x, Tensor w, Tensor? bias, int n) -> Tensor");  // output in x's dtype
 }
 TORCH_LIBRARY_IMPL(leapfrog_gemm, CPU, m) { m.impl("linear_bf16", &linear_bf16); }
 """

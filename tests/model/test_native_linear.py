@@ -30,17 +30,21 @@ def test_pack_weight_layout():
 @needs_kernel
 @pytest.mark.parametrize("n,k,bias", [(64, 32, False), (50, 30, True), (96, 1408, True), (33, 6, False),
                                       (8, 2, True)])
-@pytest.mark.parametrize("rows", [0, 1, 5, 8, 9, 21])
-def test_matches_float64_reference(n, k, bias, rows):
+@pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 8, 9, 21])
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_matches_float64_reference(n, k, bias, rows, dtype):
+    """bf16 rows: float32 sums rounded once to bf16; float32 rows (an LM head's): the bf16
+    weights widened, float32 products and sums, float32 out."""
     g = torch.Generator().manual_seed(n * 1000 + k + rows)
     w = torch.randn(n, k, generator=g).to(BF16)
     b = torch.randn(n, generator=g).to(BF16) if bias else None
-    x = torch.randn(rows, k, generator=g).to(BF16)
+    x = torch.randn(rows, k, generator=g).to(dtype)
     y = NativeLinear(w, b)(x)
-    assert y.shape == (rows, n) and y.dtype == BF16
+    assert y.shape == (rows, n) and y.dtype == dtype
     ref = _reference(x, w, b)
-    # float32 sums, one rounding to bf16: within an ulp of bf16 of the largest term's scale
-    tol = (x.double().abs() @ w.double().abs().t() + (b.double().abs() if bias else 0)) * 2 ** -7 + 1e-6
+    # within an ulp of the output dtype of the largest term's scale
+    ulp = 2 ** -7 if dtype == BF16 else 2 ** -22
+    tol = (x.double().abs() @ w.double().abs().t() + (b.double().abs() if bias else 0)) * ulp + 1e-6
     assert bool(((y.double() - ref).abs() <= tol).all())
 
 
@@ -56,12 +60,13 @@ def test_batched_input_and_noncontiguous():
 
 
 @needs_kernel
-def test_row_invariance():
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_row_invariance(dtype):
     """A row's output is bitwise the same alone, among any number of rows, at any thread count."""
     g = torch.Generator().manual_seed(2)
     w = (torch.randn(160, 1408, generator=g) * 0.05).to(BF16)
     b = torch.randn(160, generator=g).to(BF16)
-    x = torch.randn(40, 1408, generator=g).to(BF16)
+    x = torch.randn(40, 1408, generator=g).to(dtype)
     lin = NativeLinear(w, b)
     alone = torch.cat([lin(x[i:i + 1]) for i in range(40)])
     threads = torch.get_num_threads()
@@ -78,8 +83,8 @@ def test_row_invariance():
 @needs_kernel
 def test_bad_input_raises():
     lin = NativeLinear(torch.randn(32, 16).to(BF16), None)
-    with pytest.raises(RuntimeError, match="bf16 input"):
-        lin(torch.randn(2, 16))
+    with pytest.raises(RuntimeError, match="bf16 or float32 input"):
+        lin(torch.randn(2, 16, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="features"):
         lin(torch.randn(2, 18).to(BF16))
     with pytest.raises(RuntimeError, match="packed"):
@@ -120,6 +125,11 @@ def test_models_use_it_in_bf16(llama_dir):
         model.pack_for_inference(pack_layers=pack_layers)
         kinds = {type(m).__name__ for m in model.layers.modules()}
         assert "NativeLinear" in kinds and "Linear" not in kinds and "PackedLinear" not in kinds
+        assert type(model.head.proj).__name__ == "NativeLinear" and model.head.in_dtype == torch.float32
+        # the float32 head: float32 rows times the bf16 weights, summed in float32 (no rounding)
+        h = torch.randn(3, ref_model.args.hidden_size)
+        w = ref_model.lm_head.weight if ref_model.lm_head is not None else ref_model.embed.weight
+        assert torch.allclose(model.head(h), h @ w.float().t(), rtol=1e-5, atol=1e-5)
         with torch.inference_mode():
             logits = model.compute_logits(model(ids, pos).hidden[0])
         assert (logits - ref).abs().max() < 0.05 * ref.abs().max()
