@@ -71,6 +71,25 @@ inline __mmask16 lanes(int64_t k) {   // the first k of 16 lanes
   return k >= 16 ? (__mmask16)0xFFFF : k <= 0 ? (__mmask16)0 : (__mmask16)((1u << k) - 1);
 }
 
+// A block's epilogue: the two partial sums of each half added, then the bias (float32); the
+// lanes of the block's valid columns (cols of 32).
+struct Block {
+  __mmask16 lo_mask, hi_mask;
+  __m512 b_lo, b_hi;
+  bool has_bias;
+  Block(const float* bias, int64_t cols)
+      : lo_mask(lanes(cols)), hi_mask(lanes(cols - 16)), has_bias(bias != nullptr) {
+    b_lo = bias ? _mm512_maskz_loadu_ps(lo_mask, bias) : _mm512_setzero_ps();
+    b_hi = bias ? _mm512_maskz_loadu_ps(hi_mask, bias + 16) : _mm512_setzero_ps();
+  }
+  __m512 lo(__m512 a, __m512 b) const { return sum(a, b, b_lo); }
+  __m512 hi(__m512 a, __m512 b) const { return sum(a, b, b_hi); }
+  __m512 sum(__m512 a, __m512 b, __m512 bias) const {
+    const __m512 s = _mm512_add_ps(a, b);
+    return has_bias ? _mm512_add_ps(s, bias) : s;
+  }
+};
+
 inline __m512 dot(__m512 acc, __m512i a, __m512i w) {
   return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)w);
 }
@@ -108,15 +127,12 @@ void tile(const uint16_t* A, int64_t lda, const uint16_t* blk, int64_t K2, const
       c0[m] = dot(c0[m], a, w0); c1[m] = dot(c1[m], a, w1);
     }
   }
-  const __mmask16 lo_mask = lanes(cols), hi_mask = lanes(cols - 16);
-  const __m512 b_lo = bias ? _mm512_maskz_loadu_ps(lo_mask, bias) : _mm512_setzero_ps();
-  const __m512 b_hi = bias ? _mm512_maskz_loadu_ps(hi_mask, bias + 16) : _mm512_setzero_ps();
+  const Block o(bias, cols);
   for (int m = 0; m < M; ++m) {
-    __m512 lo = _mm512_add_ps(c0[m], c2[m]), hi = _mm512_add_ps(c1[m], c3[m]);
-    if (bias) { lo = _mm512_add_ps(lo, b_lo); hi = _mm512_add_ps(hi, b_hi); }
-    const __m256i lo16 = (__m256i)_mm512_cvtneps_pbh(lo), hi16 = (__m256i)_mm512_cvtneps_pbh(hi);
-    _mm256_mask_storeu_epi16(C + m * ldc, lo_mask, lo16);
-    _mm256_mask_storeu_epi16(C + m * ldc + 16, hi_mask, hi16);
+    const __m256i lo = (__m256i)_mm512_cvtneps_pbh(o.lo(c0[m], c2[m]));
+    const __m256i hi = (__m256i)_mm512_cvtneps_pbh(o.hi(c1[m], c3[m]));
+    _mm256_mask_storeu_epi16(C + m * ldc, o.lo_mask, lo);
+    _mm256_mask_storeu_epi16(C + m * ldc + 16, o.hi_mask, hi);
   }
 }
 
@@ -147,14 +163,10 @@ void tile_f32(const float* A, int64_t lda, const uint16_t* blk, int64_t K2, cons
       c2[m] = _mm512_fmadd_ps(b, o0, c2[m]); c3[m] = _mm512_fmadd_ps(b, o1, c3[m]);
     }
   }
-  const __mmask16 lo_mask = lanes(cols), hi_mask = lanes(cols - 16);
-  const __m512 b_lo = bias ? _mm512_maskz_loadu_ps(lo_mask, bias) : _mm512_setzero_ps();
-  const __m512 b_hi = bias ? _mm512_maskz_loadu_ps(hi_mask, bias + 16) : _mm512_setzero_ps();
+  const Block o(bias, cols);
   for (int m = 0; m < M; ++m) {
-    __m512 lo = _mm512_add_ps(c0[m], c2[m]), hi = _mm512_add_ps(c1[m], c3[m]);
-    if (bias) { lo = _mm512_add_ps(lo, b_lo); hi = _mm512_add_ps(hi, b_hi); }
-    _mm512_mask_storeu_ps(C + m * ldc, lo_mask, lo);
-    _mm512_mask_storeu_ps(C + m * ldc + 16, hi_mask, hi);
+    _mm512_mask_storeu_ps(C + m * ldc, o.lo_mask, o.lo(c0[m], c2[m]));
+    _mm512_mask_storeu_ps(C + m * ldc + 16, o.hi_mask, o.hi(c1[m], c3[m]));
   }
 }
 
