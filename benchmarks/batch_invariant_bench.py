@@ -84,7 +84,8 @@ def bench_modes(rounds: int) -> dict:
 
 
 def bench_head(repeats: int) -> dict:
-    """fp32 head (what the engine uses) vs a bf16 head whose output is cast to float32 (the old one)."""
+    """The engine's float32-logits head (a float32 copy, or on AVX-512 BF16 the bf16 weights through
+    model/native_linear.py's kernel) vs a bf16 head whose output is cast to float32 (the old one)."""
     from leapfrog.model.packed import PackedLinear, can_pack
     from leapfrog.model.runner import SeqChunk
 
@@ -93,7 +94,7 @@ def bench_head(repeats: int) -> dict:
     fp32_head = model.head
     if model.dtype == torch.float32 or not can_pack(model.dtype, model.device):
         return {"skipped": f"model runs in {model.dtype}: no half-precision head to compare"}
-    # the engine's head holds only the fp32 copy: take the checkpoint's weight from an unpacked load
+    # the engine's head holds a packed form: take the checkpoint's weight from an unpacked load
     from leapfrog.model.loader import load_model, read_checkpoint
     plain = load_model(read_checkpoint(llm.config.model), model.dtype, model.device, 16, pack=False)
     w = (plain.embed.weight if plain.lm_head is None else plain.lm_head.weight).detach()

@@ -372,7 +372,8 @@ class EagleHead(nn.Module):
         dtype, and (EAGLE-3) the inference LM head, float32 logits unless ``fp32_head=False``.
         EAGLE-1's logits come from the target's head as the target was packed. The head can no
         longer be trained or saved afterwards. ``pack_layers=False``: plain linears and head (a
-        compiled graph prepacks them itself). -> whether the linear layers were packed."""
+        compiled graph prepacks them itself), except bf16 weights on AVX-512 BF16, which take the
+        linear kernel (model/native_linear.py). -> whether the linear layers were packed."""
         from leapfrog.model.native_linear import NativeLinear
         from leapfrog.model.packed import can_pack, inference_linear, native_linears, pack_linears
         packed = pack_layers and can_pack(self.dtype, self.device)

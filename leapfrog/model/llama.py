@@ -189,13 +189,15 @@ class LlamaModel(nn.Module):
                 "(same range as float32) or dtype='float32'")
 
     def pack_for_inference(self, fp32_head: bool = True, pack_layers: bool = True) -> bool:
-        """Prepare for inference: swap linear layers for oneDNN-packed ones when the CPU supports
-        the dtype, and give the model its inference LM head; the model can no longer be trained
-        afterwards. ``fp32_head=False`` keeps a half-precision head in the weights' dtype (its
-        logits rounded to that dtype, half the bytes to read per step): for a draft model, whose
-        logits only steer proposals. ``pack_layers=False``: the head only (compiled graphs pack
-        the layers' weights themselves; the head stays a plain linear too, which they compute
-        in-graph). -> whether the linear layers were packed."""
+        """Prepare for inference: swap linear layers for the fastest CPU kernel we have for the
+        dtype (packed.inference_linear: the bf16 kernel or oneDNN-packed), and give the model its
+        inference LM head; the model can no longer be trained afterwards. ``fp32_head=False``
+        keeps a half-precision head in the weights' dtype (its logits rounded to that dtype, half
+        the bytes to read per step): for a draft model, whose logits only steer proposals.
+        ``pack_layers=False`` (compiled graphs): the layers keep plain linears for inductor to
+        prepack, except bf16 weights on AVX-512 BF16, which take the linear kernel
+        (model/native_linear.py, an op in the graphs); the head likewise. -> whether the linear
+        layers were packed (oneDNN or the kernel, with pack_layers)."""
         from leapfrog.model.packed import can_pack, native_linears, pack_linears
         packed = pack_layers and can_pack(self.dtype, self.device)
         if packed:

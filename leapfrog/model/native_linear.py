@@ -8,11 +8,12 @@ and inductor's GEMMs reach 17-40 GB/s on those shapes here, and oneDNN's cost gr
 The kernel: the weight [N, K] is packed once, at load, into blocks of 32 output columns laid out
 for ``vdpbf16ps`` (``pack_weight``: [N/32, K/2, 32, 2], the two bf16 of a k-pair side by side),
 so one 64-byte load holds a k-pair for 16 columns and no horizontal sums are needed. Each block
-streams once through the registers of up to 8 rows at a time (rows past 8 reuse it from cache);
-blocks are split over PyTorch's intra-op threads. Products are exact (bf16 x bf16 fits float32),
-sums are float32 (four interleaved partial sums per column: k-pairs 0, 2, 4, ... and 1, 3, 5, ...
-for each half of the block, added at the end), then the bias in float32, then one rounding to
-bf16 (nearest-even).
+streams once through the registers of up to 8 bf16 rows (6 float32 rows) at a time (further rows
+reuse it from cache); blocks are split over PyTorch's intra-op threads. Products are exact (bf16 x
+bf16 fits float32), sums are float32 (two partial sums per column: k-pairs 0, 2, 4, ... and 1, 3,
+5, ..., added at the end), then the bias in float32, then one rounding to bf16 (nearest-even).
+Float32 rows (an LM head's): the bf16 weights widened to float32 in registers, fused
+multiply-adds, float32 out.
 
 Row invariance: a row's result depends only on that row and the weights: the summation order is
 fixed by K alone, whatever the number of rows, the batch or the thread count. A token verified
@@ -28,13 +29,14 @@ GB/s, the memory's pace); five tokens, still 213 us, and the whole verify step 2
 It is built once with ``torch.utils.cpp_extension.load_inline`` (about 20 s, cached under
 ``TORCH_EXTENSIONS_DIR``) where the CPU has AVX-512 BF16 (``/proc/cpuinfo``); elsewhere, or if
 the build fails (logged), callers keep their other linears; ``LEAPFROG_NATIVE_LINEAR=0`` turns it
-off.
+off, and so does ``ATEN_CPU_CAPABILITY`` capping PyTorch below AVX-512.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 from pathlib import Path
 
 import torch
@@ -190,6 +192,7 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
   TORCH_CHECK(w.dim() == 4 && w.size(2) == BLOCK && w.size(3) == 2 && w.is_contiguous(),
               "linear_bf16: the weight must be packed by pack_weight, got shape ", w.sizes());
   const int64_t nblocks = w.size(0), K2 = w.size(1), K = 2 * K2;
+  TORCH_CHECK(K2 > 0 && nblocks > 0, "linear_bf16: empty weight");
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "linear_bf16: input has ", x.size(-1), " features, the weight ", K);
   TORCH_CHECK(n > (nblocks - 1) * BLOCK && n <= nblocks * BLOCK, "linear_bf16: ", n,
               " output features do not fit ", nblocks, " packed blocks");
@@ -207,9 +210,10 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
                                          std::nullopt);
   const uint16_t* W = reinterpret_cast<const uint16_t*>(w.data_ptr());
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  // at least ~64 KiB of weights per thread: smaller products run on the calling thread
-  const int64_t grain = std::max<int64_t>(1, (64 << 10) / (K2 * 2 * BLOCK * 2));
   if (M == 0) return out;
+  // at least ~64 KiB of weights (per 8 rows) per thread: smaller products run on the calling thread
+  const int64_t tiles = (M + ROWS - 1) / ROWS;
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / (K2 * 2 * BLOCK * 2 * tiles));
   at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
     for (int64_t nb = b0; nb < b1; ++nb) {     // each block once from memory, for all rows
       const int64_t cols = std::min<int64_t>(BLOCK, n - nb * BLOCK);
@@ -240,9 +244,14 @@ TORCH_LIBRARY_IMPL(leapfrog_gemm, CPU, m) { m.impl("linear_bf16", &linear_bf16);
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-mavx2"]
 
 _STATE: dict[str, bool] = {}  # memo of load_native_linear (the op is process-wide once loaded)
+_LOCK = threading.Lock()       # one build at a time; callers wait for its result
 
 
 def cpu_has_avx512_bf16() -> bool:
+    """Whether this CPU has AVX-512 BF16 (``/proc/cpuinfo``), unless ATEN_CPU_CAPABILITY caps
+    PyTorch's kernels below AVX-512 (then ours step aside too)."""
+    if os.environ.get("ATEN_CPU_CAPABILITY", "").lower() in ("default", "avx2", "zvector"):
+        return False
     try:
         flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
     except OSError:
@@ -252,21 +261,27 @@ def cpu_has_avx512_bf16() -> bool:
 
 def load_native_linear() -> bool:
     """Build (once, cached on disk) and load the op where the CPU has AVX-512 BF16. -> available."""
-    if "ok" not in _STATE:
-        _STATE["ok"] = False
-        if cpu_has_avx512_bf16():
-            try:
-                from torch.utils.cpp_extension import load_inline
-                omp = ["-fopenmp"] if torch.backends.openmp.is_available() else []   # else serial
-                log.info("loading leapfrog's bf16 linear kernel (built once, about 20 s)")
-                load_inline("leapfrog_native_linear_avx512bf16", cpp_sources=_SOURCE, is_python_module=False,
-                            extra_cflags=[*_FLAGS, *omp], extra_ldflags=omp)
-                torch.library.register_fake("leapfrog_gemm::linear_bf16")(_fake)
-                _STATE["ok"] = True
-            except Exception as e:  # noqa: BLE001 - no compiler, old assembler, ...: other linears serve
-                log.warning("bf16 linear kernel unavailable (%s: %s); keeping oneDNN/inductor linears",
-                            type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+    with _LOCK:
+        if "ok" not in _STATE:
+            _STATE["ok"] = _load()
     return _STATE["ok"]
+
+
+def _load() -> bool:
+    if not cpu_has_avx512_bf16():
+        return False
+    try:
+        from torch.utils.cpp_extension import load_inline
+        omp = ["-fopenmp"] if torch.backends.openmp.is_available() else []   # else serial
+        log.info("loading leapfrog's bf16 linear kernel (built once, about 20 s)")
+        load_inline("leapfrog_native_linear_avx512bf16", cpp_sources=_SOURCE, is_python_module=False,
+                    extra_cflags=[*_FLAGS, *omp], extra_ldflags=omp)
+        torch.library.register_fake("leapfrog_gemm::linear_bf16")(_fake)
+        return True
+    except Exception as e:  # noqa: BLE001 - no compiler, old assembler, ...: other linears serve
+        log.warning("bf16 linear kernel unavailable (%s: %s); keeping oneDNN/inductor linears",
+                    type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+        return False
 
 
 def _fake(x, w, bias, n):
@@ -276,7 +291,7 @@ def _fake(x, w, bias, n):
 def native_linear_supported(dtype: torch.dtype, device: torch.device | str) -> bool:
     """Whether NativeLinear serves weights of this dtype on this device (read when a model is
     loaded: ``LEAPFROG_NATIVE_LINEAR=0`` in the environment turns the kernel off, e.g. to compare)."""
-    if os.environ.get("LEAPFROG_NATIVE_LINEAR", "1") == "0":
+    if os.environ.get("LEAPFROG_NATIVE_LINEAR", "1").strip().lower() in ("0", "false", "off", "no"):
         return False
     return dtype == torch.bfloat16 and torch.device(device).type == "cpu" and load_native_linear()
 
@@ -307,7 +322,8 @@ class NativeLinear(nn.Module):
 
     @staticmethod
     def fits(weight: Tensor) -> bool:
-        return weight.dim() == 2 and weight.shape[1] % 2 == 0 and native_linear_supported(weight.dtype, weight.device)
+        return (weight.dim() == 2 and weight.shape[0] > 0 and weight.shape[1] > 0 and weight.shape[1] % 2 == 0
+                and native_linear_supported(weight.dtype, weight.device))
 
     def forward(self, x: Tensor) -> Tensor:
         return torch.ops.leapfrog_gemm.linear_bf16(x, self.packed, self.bias, self.out_features)

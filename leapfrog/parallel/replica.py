@@ -6,9 +6,9 @@ ones would make every draft step a collective program (an all-reduce per embeddi
 gather per head call) that the workers would have to join. The head runs on rank 0 alone, so rank
 0 reads what the head uses whole from the checkpoint instead, no communication while drafting.
 Memory on rank 0: the [V, D] embedding in the model's dtype unless the head has its own, and for
-EAGLE-1 the target's LM head as the float32 copy the unsharded target's head keeps on CPU
-(V x D x 4 bytes, packed). The head binds to a ``VocabReplica`` exactly as it binds to an
-unsharded ``LlamaModel``.
+EAGLE-1 the target's LM head as the unsharded target's head keeps it on CPU (a float32 copy,
+V x D x 4 bytes, packed; bf16 weights through model/native_linear.py's kernel on AVX-512 BF16).
+The head binds to a ``VocabReplica`` exactly as it binds to an unsharded ``LlamaModel``.
 """
 
 from __future__ import annotations

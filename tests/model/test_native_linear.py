@@ -6,10 +6,11 @@ import pytest
 import torch
 from torch import nn
 
-from leapfrog.model.native_linear import NativeLinear, load_native_linear, pack_weight
+from leapfrog.model.native_linear import NativeLinear, native_linear_supported, pack_weight
 
 BF16 = torch.bfloat16
-needs_kernel = pytest.mark.skipif(not load_native_linear(), reason="needs AVX-512 BF16 and a C++ compiler")
+needs_kernel = pytest.mark.skipif(not native_linear_supported(BF16, "cpu"),
+                                  reason="needs AVX-512 BF16 and a C++ compiler (and LEAPFROG_NATIVE_LINEAR unset)")
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -56,6 +57,9 @@ def test_batched_input_and_noncontiguous():
     xs = x[..., ::2]  # a strided view
     y = lin(xs)
     assert y.shape == (3, 4, 70)
+    ref = _reference(xs, w, None)
+    tol = (xs.double().abs() @ w.double().abs().t()) * 2 ** -7 + 1e-6
+    assert bool(((y.double() - ref).abs() <= tol).all())
     assert torch.equal(y, lin(xs.contiguous().view(12, 64)).view(3, 4, 70))
 
 
@@ -134,3 +138,22 @@ def test_models_use_it_in_bf16(llama_dir):
             logits = model.compute_logits(model(ids, pos).hidden[0])
         assert (logits - ref).abs().max() < 0.05 * ref.abs().max()
         assert torch.equal(logits.argmax(-1), ref.argmax(-1))
+
+
+def test_kill_switch(monkeypatch):
+    """LEAPFROG_NATIVE_LINEAR=0 (or false/off) keeps the kernel out of newly packed models."""
+    w = torch.randn(64, 32).to(BF16)
+    for value in ("0", "off", "False"):
+        monkeypatch.setenv("LEAPFROG_NATIVE_LINEAR", value)
+        assert not native_linear_supported(BF16, "cpu") and not NativeLinear.fits(w)
+    monkeypatch.setenv("LEAPFROG_NATIVE_LINEAR", "0")
+    from leapfrog.model.packed import inference_linear
+    assert type(inference_linear(w, None)).__name__ == "PackedLinear"
+
+
+def test_only_bf16_cpu_weights_fit():
+    """float32 / fp16 weights, odd or empty input widths never take the kernel."""
+    assert not NativeLinear.fits(torch.randn(64, 32))
+    assert not NativeLinear.fits(torch.randn(64, 32).half())
+    assert not NativeLinear.fits(torch.randn(64, 33).to(BF16))
+    assert not NativeLinear.fits(torch.randn(0, 32).to(BF16))
