@@ -66,6 +66,14 @@ def run_once(llm: LLM, prompts: list[str], max_tokens: int) -> tuple[float, list
     return n / t, outs, 1.0 - (graph_seconds(llm) - g0) / max(decode, 1e-9)
 
 
+NO_KERNEL = ", no bf16 kernel"   # the name suffix of a contender loaded with the linear kernel off
+
+
+def _variant(name: str) -> str:
+    """The contender's variant suffix ("" or NO_KERNEL)."""
+    return NO_KERNEL if name.endswith(NO_KERNEL) else ""
+
+
 def _same(a: list[list[int]], b: list[list[int]]) -> str:
     """'k/n' prompts whose greedy tokens are identical."""
     return f"{sum(x == y for x, y in zip(a, b))}/{len(a)}"
@@ -118,7 +126,7 @@ def main() -> None:
             if args.only is None or c[0] == "none eager" or c[0] in args.only]
     variants = [(name, spec, eager, True) for name, spec, eager in kept]
     if args.no_kernel_too:
-        variants += [(f"{name}, no bf16 kernel", spec, eager, False) for name, spec, eager in kept]
+        variants += [(name + NO_KERNEL, spec, eager, False) for name, spec, eager in kept]
     for name, spec, eager, kernel in variants:
         t0 = time.perf_counter()
         saved = os.environ.get("LEAPFROG_NATIVE_LINEAR")
@@ -155,7 +163,7 @@ def main() -> None:
     curves = {}
     for name in [n for n in llms if n.startswith("draft_model")]:  # buckets 1 and K + 1 when compiled
         c = verify_curve(llms[name], sizes)
-        label = ("compiled" if "compiled" in name else "eager") + name[name.find(", no bf16"):] * (", no bf16" in name)
+        label = ("compiled" if "compiled" in name else "eager") + _variant(name)
         curves[label + " ms"] = {s: round(c[s], 3) for s in sizes}
         curves[label + " t(S)/t(1)"] = {s: round(c[s] / c[1], 2) for s in sizes}
 
@@ -164,7 +172,7 @@ def main() -> None:
           "outside graphs | start-up s |")
     print("|---|---:|---:|---|---|---:|---:|")
     for name in llms:
-        suffix = ", no bf16 kernel" if ", no bf16" in name else ""
+        suffix = _variant(name)
         own_none = ("none compiled" if "compiled" in name else "none eager") + suffix
         row = {"contender": name, "tokens_per_s": round(statistics.median(speeds[name]), 1),
                "speedup": round(statistics.median(ratios[name]), 2),   # all against eager none (kernel on)

@@ -34,6 +34,7 @@ Python op instead (logged).
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 
@@ -262,35 +263,41 @@ _ISA_FLAGS = {
 }
 
 _STATE: dict[str, bool] = {}  # memo of load_native_attention (the op is process-wide once loaded)
+_LOCK = threading.Lock()       # one build at a time; callers wait for its result
 
 
 def load_native_attention() -> bool:
     """Build (once, cached on disk) and load the C++ op. -> whether it is available."""
-    if "ok" not in _STATE:
-        try:
-            from torch.utils.cpp_extension import load_inline
-            isa = torch.backends.cpu.get_cpu_capability()
-            omp = ["-fopenmp"] if torch.backends.openmp.is_available() else []   # else at::parallel_for is serial
-            log.info("loading leapfrog's native attention op (built once, about 30 s)")
-            # this CPU's instruction set first; if the compiler refuses its flags, a generic build
-            builds = ([(isa.lower(), _ISA_FLAGS[isa])] if isa in _ISA_FLAGS else []) + [("generic", [])]
-            for i, (name, flags) in enumerate(builds):
-                try:
-                    load_inline(f"leapfrog_native_attention_{name}", cpp_sources=_SOURCE, is_python_module=False,
-                                extra_cflags=["-O3", *omp, *flags], extra_ldflags=omp)
-                    break
-                except Exception as e:  # noqa: BLE001 - the last build's error goes to the handler below
-                    if i == len(builds) - 1:
-                        raise
-                    log.warning("native attention op: %s build failed (%s); building it generic", name,
-                                type(e).__name__)
-            torch.library.register_fake("leapfrog_native::cached_attention")(_fake)
-            _STATE["ok"] = True
-        except Exception as e:  # noqa: BLE001 - no compiler, headers, ...: the Python op serves
-            log.warning("native attention op unavailable (%s: %s); compiled graphs call the Python op",
-                        type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
-            _STATE["ok"] = False
+    with _LOCK:
+        if "ok" not in _STATE:
+            _STATE["ok"] = _load()
     return _STATE["ok"]
+
+
+def _load() -> bool:
+    try:
+        from torch.utils.cpp_extension import load_inline
+        isa = torch.backends.cpu.get_cpu_capability()
+        omp = ["-fopenmp"] if torch.backends.openmp.is_available() else []   # else at::parallel_for is serial
+        log.info("loading leapfrog's native attention op (built once, about 30 s)")
+        # this CPU's instruction set first; if the compiler refuses its flags, a generic build
+        builds = ([(isa.lower(), _ISA_FLAGS[isa])] if isa in _ISA_FLAGS else []) + [("generic", [])]
+        for i, (name, flags) in enumerate(builds):
+            try:
+                load_inline(f"leapfrog_native_attention_{name}", cpp_sources=_SOURCE, is_python_module=False,
+                            extra_cflags=["-O3", *omp, *flags], extra_ldflags=omp)
+                break
+            except Exception as e:  # noqa: BLE001 - the last build's error goes to the handler below
+                if i == len(builds) - 1:
+                    raise
+                log.warning("native attention op: %s build failed (%s); building it generic", name,
+                            type(e).__name__)
+        torch.library.register_fake("leapfrog_native::cached_attention")(_fake)
+        return True
+    except Exception as e:  # noqa: BLE001 - no compiler, headers, ...: the Python op serves
+        log.warning("native attention op unavailable (%s: %s); compiled graphs call the Python op",
+                    type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+        return False
 
 
 def _fake(q, k, v, k_cache, v_cache, rows, write_rows, write_cols, mask, kv_len):

@@ -374,16 +374,14 @@ class EagleHead(nn.Module):
         longer be trained or saved afterwards. ``pack_layers=False``: plain linears and head (a
         compiled graph prepacks them itself), except bf16 weights on AVX-512 BF16, which take the
         linear kernel (model/native_linear.py). -> whether the linear layers were packed."""
-        from leapfrog.model.native_linear import NativeLinear
-        from leapfrog.model.packed import can_pack, inference_linear, native_linears, pack_linears
+        from leapfrog.model.packed import can_pack, graph_linear, inference_linear, native_linears, pack_linears
         packed = pack_layers and can_pack(self.dtype, self.device)
         if packed and not self.packed:
             pack_linears(self.layers)
             self.fc = inference_linear(self.fc.weight, self.fc.bias)
         elif not self.packed:  # compiled graphs: the bf16 kernel (if any) as an op
             native_linears(self.layers)
-            if NativeLinear.fits(self.fc.weight):
-                self.fc = NativeLinear(self.fc.weight, self.fc.bias)
+            self.fc = graph_linear(self.fc.weight, self.fc.bias)
         if self.lm_head is not None:
             self.head = LogitsHead(self.lm_head.weight, fp32_head, pack=pack_layers)
             self.lm_head = None

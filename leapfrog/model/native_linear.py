@@ -92,6 +92,15 @@ struct Block {
   }
 };
 
+// A tile's four accumulators per row (two partial sums for each half of the block), zeroed.
+template <int M>
+inline void zero(__m512 (&c0)[M], __m512 (&c1)[M], __m512 (&c2)[M], __m512 (&c3)[M]) {
+  for (int m = 0; m < M; ++m) {
+    c0[m] = _mm512_setzero_ps(); c1[m] = _mm512_setzero_ps();
+    c2[m] = _mm512_setzero_ps(); c3[m] = _mm512_setzero_ps();
+  }
+}
+
 inline __m512 dot(__m512 acc, __m512i a, __m512i w) {
   return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)w);
 }
@@ -102,10 +111,7 @@ template <int M>
 void tile(const uint16_t* A, int64_t lda, const uint16_t* blk, int64_t K2, const float* bias,
           uint16_t* C, int64_t ldc, int64_t cols) {
   __m512 c0[M], c1[M], c2[M], c3[M];
-  for (int m = 0; m < M; ++m) {
-    c0[m] = _mm512_setzero_ps(); c1[m] = _mm512_setzero_ps();
-    c2[m] = _mm512_setzero_ps(); c3[m] = _mm512_setzero_ps();
-  }
+  zero(c0, c1, c2, c3);
   int64_t kk = 0;
   for (; kk + 2 <= K2; kk += 2) {
     const uint16_t* w = blk + kk * 2 * BLOCK;
@@ -145,10 +151,7 @@ template <int M>
 void tile_f32(const float* A, int64_t lda, const uint16_t* blk, int64_t K2, const float* bias,
               float* C, int64_t ldc, int64_t cols) {
   __m512 c0[M], c1[M], c2[M], c3[M];
-  for (int m = 0; m < M; ++m) {
-    c0[m] = _mm512_setzero_ps(); c1[m] = _mm512_setzero_ps();
-    c2[m] = _mm512_setzero_ps(); c3[m] = _mm512_setzero_ps();
-  }
+  zero(c0, c1, c2, c3);
   const __m512i high = _mm512_set1_epi32((int32_t)0xFFFF0000u);
   for (int64_t kk = 0; kk < K2; ++kk) {
     const uint16_t* w = blk + kk * 2 * BLOCK;
@@ -318,7 +321,8 @@ class NativeLinear(nn.Module):
             raise RuntimeError("NativeLinear needs AVX-512 BF16 and a C++ compiler (see native_linear_supported)")
         self.out_features, self.in_features = weight.shape
         self.packed = pack_weight(weight)
-        self.bias = None if bias is None else bias.detach().clone()
+        # float32 once here: the kernel adds the bias in float32 (no conversion per call)
+        self.bias = None if bias is None else bias.detach().float()
 
     @staticmethod
     def fits(weight: Tensor) -> bool:

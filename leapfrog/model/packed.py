@@ -68,13 +68,15 @@ def inference_linear(weight: Tensor, bias: Tensor | None) -> nn.Module:
 
 
 def native_linears(module: nn.Module) -> int:
-    """Replace every nn.Linear under ``module`` that the bf16 kernel serves by a NativeLinear
-    (model/native_linear.py; compiled graphs call it as an op, prefill runs it eagerly). -> count."""
-    from leapfrog.model.native_linear import NativeLinear
+    """Replace every nn.Linear under ``module`` by its ``graph_linear`` (inference only). -> count."""
+    return replace_linears(module, graph_linear)
 
-    def make(weight: Tensor, bias: Tensor | None) -> nn.Module:
-        return NativeLinear(weight, bias) if NativeLinear.fits(weight) else linear_like(weight, bias)
-    return replace_linears(module, make)
+
+def graph_linear(weight: Tensor, bias: Tensor | None) -> nn.Module:
+    """A linear for compiled graphs: the bf16 few-row kernel where it serves (an op in the graphs,
+    run eagerly for prefill), else a plain nn.Linear over the same tensors for inductor to prepack."""
+    from leapfrog.model.native_linear import NativeLinear
+    return NativeLinear(weight, bias) if NativeLinear.fits(weight) else linear_like(weight, bias)
 
 
 def replace_linears(module: nn.Module, make: Callable[[Tensor, Tensor | None], nn.Module]) -> int:
