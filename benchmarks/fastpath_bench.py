@@ -38,9 +38,11 @@ from leapfrog.train.distill import heldout_prompts
 def contenders(draft: str, k: int, head: str, depth: int) -> list[tuple[str, dict | None, bool]]:
     spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
     eagle = {"method": "eagle3", "model": head, "num_speculative_tokens": depth, "eagle_topk": 1}
+    tree = {**eagle, "eagle_topk": 4, "num_draft_tokens": 16}
     return [("none eager", None, True), ("none compiled", None, False),
             (f"draft_model K={k} eager", spec, True), (f"draft_model K={k} compiled", spec, False),
-            (f"eagle3 chain {depth} eager", eagle, True), (f"eagle3 chain {depth} compiled", eagle, False)]
+            (f"eagle3 chain {depth} eager", eagle, True), (f"eagle3 chain {depth} compiled", eagle, False),
+            (f"eagle3 tree {depth}x4/16 eager", tree, True), (f"eagle3 tree {depth}x4/16 compiled", tree, False)]
 
 
 def graph_seconds(llm: LLM) -> float:

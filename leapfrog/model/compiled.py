@@ -377,3 +377,113 @@ class CompiledChain(CompiledForward):
     def _warm_extra(self, b: Bucket, kv_len: int, dev: torch.device) -> tuple[Tensor, ...]:
         last = torch.full((b.batch,), b.tokens - 1, dtype=torch.long, device=dev)
         return last, torch.full((b.batch,), kv_len, dtype=torch.long, device=dev)
+
+
+@dataclass
+class TreeOutput:
+    """A greedy dynamic draft tree per sequence (EAGLE-2), its best ``nodes`` nodes in verification
+    order: depth ascending, path confidence descending within a depth (parents before children)."""
+    tokens: Tensor     # [batch, nodes] long: target vocabulary ids
+    parents: Tensor    # [batch, nodes] long: parent's index in this order, -1 = the root
+    depths: Tensor     # [batch, nodes] long: 1 = a child of the root
+    ranks: Tensor      # [batch, nodes] long: rank by path confidence (0 = the most confident)
+    scores: Tensor     # [batch, grown] float32: every grown candidate's path confidence (log), best first
+
+
+class CompiledTree(CompiledChain):
+    """Greedy dynamic tree drafting (EAGLE-2) fused into one graph per bucket, the tree twin of
+    CompiledChain: the catch-up forward, then ``steps - 1`` levels, each one forward over the
+    ``topk`` frontier nodes of every sequence, then the reranking; no host sync in between.
+
+    Level 1: the ``topk`` most likely tokens after the last caught-up position are the depth-1
+    nodes and the first frontier. Level d (2..steps): the frontier's tokens run at columns
+    ``col + (d - 2) * topk + i``, position ``col + d - 2`` (its depth), each fed its parent's
+    output state and attending to the prefix (columns < col) and its ancestors' columns (a
+    [batch, topk, tree columns] ancestor mask carried from level to level); each frontier node
+    proposes its ``topk`` most likely children, scored by path confidence (sum of log q along the
+    path), and the ``topk`` best of those ``topk**2`` form the next frontier. Every node grown is
+    a candidate: ``topk + (steps - 1) * topk**2`` of them. Reranking keeps the ``nodes`` best by
+    path confidence (a stable sort: a child never outranks its parent, so the set is closed under
+    ancestors) and orders them by depth, then confidence. Same tree as the eager expansion
+    (spec_decode/proposers/eagle.py) up to the order of exact ties."""
+
+    def __init__(self, model: torch.nn.Module, kv: KVCache, buckets: list[Bucket], steps: int, topk: int,
+                 nodes: int, feature_width: int | None = None, next_width: int | None = None) -> None:
+        if model.args.sliding_window is not None:
+            raise ValueError("fused draft trees need a drafter without a sliding window")
+        if topk < 2 or steps < 2:
+            raise ValueError("a fused draft tree has topk >= 2 and at least 2 levels (else: CompiledChain)")
+        super().__init__(model, kv, buckets, steps, feature_width, next_width)
+        self.topk = topk
+        self.grown = topk + (steps - 1) * topk * topk
+        self.nodes = min(nodes, self.grown)
+        self._fn = torch.compile(self._tree, dynamic=False, fullgraph=True)
+
+    @property
+    def tree_cols(self) -> int:
+        """Cache columns the expansion writes after ``col`` (the frontier of levels 1..steps-1)."""
+        return (self.steps - 1) * self.topk
+
+    def _tree(self, tok: Tensor, pos: Tensor, mask: Tensor, rows: Tensor, write_rows: Tensor, write_cols: Tensor,
+              kv_len: Tensor, features: Tensor | None, last: Tensor, col: Tensor) -> TreeOutput:
+        B, S = tok.shape
+        k, T, dev = self.topk, self.tree_cols, tok.device
+        g = self._forward(tok, pos, mask, rows, write_rows, write_cols, kv_len, features)
+        at = torch.arange(B, device=dev) * S + last                               # [B] rows of the last tokens
+        lp = torch.log_softmax(g.logits[at].float(), -1)                          # [B, V]
+        score, x = lp.topk(k)                                                     # [B, k] frontier, best first
+        h = g.hidden.reshape(B * S, -1)[at][:, None].expand(B, k, -1)             # [B, k, H] their feature
+        ids = torch.arange(k, device=dev).expand(B, k)                            # [B, k] frontier node ids
+        toks, scores, parents = [x], [score], [torch.full((B, k), -1, dtype=torch.long, device=dev)]
+        depths = [torch.ones(B, k, dtype=torch.long, device=dev)]
+        anc = torch.zeros(B, k, T, dtype=torch.bool, device=dev)                 # [B, k, T] ancestors' columns
+        cols = torch.arange(mask.shape[-1], device=dev)                           # [W]
+        slots = torch.arange(k, device=dev)                                       # [k]
+        rel = cols[None, :] - col[:, None]                                        # [B, W] column - col
+        in_tree = (rel >= 0) & (rel < T)                                          # [B, W]
+        offset = k
+        for d in range(2, self.steps + 1):
+            t = (d - 2) * k + slots                                               # [k] tree columns of the frontier
+            sees = anc | torch.nn.functional.one_hot(t, T).bool()[None]           # [B, k, T] + itself
+            m = (rel < 0)[:, None, :] | (sees.gather(2, rel.clamp(0, T - 1)[:, None, :].expand(B, k, -1))
+                                         & in_tree[:, None, :])                   # [B, k, W]
+            c = col[:, None] + t[None, :]                                         # [B, k] columns written
+            p = (col + d - 2)[:, None].expand(B, k)                               # [B, k] positions (depth)
+            g = self._forward(x, p, m[:, None], rows, rows.repeat_interleave(k), c.reshape(-1), c.max() + 1,
+                              h if self.next_width is not None else None)
+            lp = torch.log_softmax(g.logits.float(), -1).reshape(B, k, -1)        # [B, k, V]
+            cs, cx = lp.topk(k)                                                   # [B, k, k] children
+            cs = (score[:, :, None] + cs).reshape(B, k * k)                       # [B, k*k] path confidence
+            cx = cx.reshape(B, k * k)
+            toks.append(cx)
+            scores.append(cs)
+            parents.append(ids[:, :, None].expand(B, k, k).reshape(B, k * k))
+            depths.append(torch.full((B, k * k), d, dtype=torch.long, device=dev))
+            if d == self.steps:
+                break
+            score, best = cs.topk(k)                                              # [B, k] next frontier
+            x = cx.gather(1, best)
+            slot = best // k                                                      # [B, k] its parent's slot
+            h = g.hidden.reshape(B, k, -1).gather(1, slot[:, :, None].expand(B, k, g.hidden.shape[-1]))
+            anc = sees.gather(1, slot[:, :, None].expand(B, k, T))                # parent's ancestors + parent
+            ids = offset + best
+            offset += k * k
+        tok_all, score_all = torch.cat(toks, 1), torch.cat(scores, 1)             # [B, M]
+        par_all, depth_all = torch.cat(parents, 1), torch.cat(depths, 1)          # [B, M]
+        ranked = score_all.sort(dim=1, descending=True, stable=True)                  # ties: shallower first
+        n = self.nodes
+        top = ranked.indices[:, :n]                                               # [B, n] by confidence
+        by_depth = depth_all.gather(1, top).sort(dim=1, stable=True).indices          # [B, n]
+        order = top.gather(1, by_depth)                                           # [B, n] depth, confidence
+        local = torch.full_like(tok_all, -1)                                      # [B, M] node -> its index
+        local.scatter_(1, order, torch.arange(n, device=dev).expand(B, n))
+        par = par_all.gather(1, order)                                            # [B, n] global parents
+        par_local = torch.where(par < 0, par, local.gather(1, par.clamp(min=0)))
+        return TreeOutput(tok_all.gather(1, order), par_local, depth_all.gather(1, order), by_depth,
+                          ranked.values)
+
+    def _flatten(self, out: TreeOutput) -> list[Tensor]:  # type: ignore[override]
+        return [out.tokens, out.parents, out.depths, out.ranks, out.scores]
+
+    def _unflatten(self, flat: list[Tensor]) -> TreeOutput:  # type: ignore[override]
+        return TreeOutput(*flat)

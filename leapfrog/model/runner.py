@@ -32,7 +32,7 @@ from torch import Tensor
 
 from leapfrog.attention.metadata import AttnMeta, build_attn_meta
 from leapfrog.kv.cache import KVCache
-from leapfrog.model.compiled import Bucket, ChainOutput, CompiledChain, CompiledForward
+from leapfrog.model.compiled import Bucket, ChainOutput, CompiledChain, CompiledForward, CompiledTree, TreeOutput
 
 
 @dataclass
@@ -84,6 +84,7 @@ class ModelRunner:
                           a.head_dim, model.dtype, self.device)
         self.graphs: list[CompiledForward] = []   # compiled forwards (per feature width)
         self.chain: CompiledChain | None = None    # fused greedy chain drafting (drafters)
+        self.tree: CompiledTree | None = None      # fused greedy tree drafting (EAGLE heads)
 
     @property
     def compiled(self) -> CompiledForward | None:
@@ -108,9 +109,18 @@ class ModelRunner:
         self.chain = CompiledChain(self.model, self.kv, buckets, steps, feature_width, next_width)
         return self.chain.warm_up(progress)
 
+    def compile_tree(self, buckets: list[Bucket], steps: int, topk: int, nodes: int, feature_width: int | None = None,
+                     next_width: int | None = None, progress: bool = True) -> float:
+        """Compile greedy dynamic tree drafting (``steps`` levels, ``topk`` children per frontier
+        node, the best ``nodes`` kept) as one graph per bucket (model/compiled.py CompiledTree;
+        ``draft_tree`` runs it). -> seconds taken."""
+        self._check_compilable()
+        self.tree = CompiledTree(self.model, self.kv, buckets, steps, topk, nodes, feature_width, next_width)
+        return self.tree.warm_up(progress)
+
     def graph_seconds(self) -> float:
         """Seconds spent inside compiled graphs so far (their direct calls: model/compiled.py)."""
-        fwds = [*self.graphs, *([self.chain] if self.chain is not None else [])]
+        fwds = [*self.graphs, *(g for g in (self.chain, self.tree) if g is not None)]
         return sum(d.seconds for g in fwds for d in g.direct.values())
 
     def _check_compilable(self) -> None:
@@ -125,25 +135,42 @@ class ModelRunner:
         [len(chunks), steps] in chunk order, or None when no warmed chain graph fits (the
         caller drafts step by step)."""
         c = self.chain
-        if c is None or steps > c.steps or any(ch.is_tree for ch in chunks):
+        if c is None or steps > c.steps:
+            return None
+        out = self._fused(c, chunks, c.steps - 1)   # the last draft's column must fit (all steps run)
+        return None if out is None else ChainOutput(out.tokens[:len(chunks)], out.logprobs[:len(chunks)])
+
+    @torch.inference_mode()
+    def draft_tree(self, chunks: list[SeqChunk]) -> TreeOutput | None:
+        """Greedy dynamic draft trees after each chunk (its pending tokens, as ``draft_chain``),
+        grown and reranked in one compiled graph (model/compiled.py CompiledTree). -> the best
+        nodes per chunk, or None when no warmed tree graph fits."""
+        t = self.tree
+        if t is None:
+            return None
+        out = self._fused(t, chunks, t.tree_cols)
+        return None if out is None else TreeOutput(*(x[:len(chunks)] for x in t._flatten(out)))
+
+    def _fused(self, g: CompiledChain, chunks: list[SeqChunk], after: int) -> Any:
+        """Run a fused drafting graph over chunks' pending tokens, padded to its bucket; ``after``:
+        cache columns it writes past the chunks. -> its output, or None when nothing fits."""
+        if any(ch.is_tree for ch in chunks):
             return None
         width = {None if ch.features is None else ch.features.shape[-1] for ch in chunks}
-        if width != {c.feature_width}:
+        if width != {g.feature_width}:
             return None
         kv_len = max(ch.start + len(ch.token_ids) for ch in chunks)
-        if kv_len + c.steps - 2 >= self.kv.max_model_len:  # the last draft's column must fit (all steps run)
+        if kv_len + after > self.kv.max_model_len:
             return None
-        bucket = c.bucket_for(len(chunks), max(len(ch.token_ids) for ch in chunks), kv_len)
+        bucket = g.bucket_for(len(chunks), max(len(ch.token_ids) for ch in chunks), kv_len)
         if bucket is None:
             return None
-        B = len(chunks)
-        full = chunks + [SeqChunk(self.kv.scratch_row, 0, [0], 1)] * (bucket.batch - B)
+        full = chunks + [SeqChunk(self.kv.scratch_row, 0, [0], 1)] * (bucket.batch - len(chunks))
         tok, posn, meta = self._inputs(full, bucket.tokens, kv_len, graph=True)
-        feats = self._pad_features(full, bucket.tokens) if c.feature_width is not None else None
+        feats = self._pad_features(full, bucket.tokens) if g.feature_width is not None else None
         last = torch.tensor([len(ch.token_ids) - 1 for ch in full], device=self.device)
         col = torch.tensor([ch.start + len(ch.token_ids) for ch in full], device=self.device)
-        out = c(tok, posn, meta, feats, last, col)
-        return ChainOutput(out.tokens[:B], out.logprobs[:B])
+        return g(tok, posn, meta, feats, last, col)
 
     def move_cols(self, row: int, src: list[int], dst: list[int]) -> None:
         """Copy a row's KV columns ``src`` to ``dst`` (an accepted tree path made contiguous)."""

@@ -106,21 +106,31 @@ def test_compiled_forwards_match_eager(llama_dir):
     assert fast.graph_seconds() > 0 and eager.graph_seconds() == 0
 
 
+#: the fused drafting graphs' first forwards after _prefilled: ragged at batch 2, and batch 1 padded
+FIRST_FORWARDS = ([SeqChunk(0, 20, _tokens(2, 2), 1), SeqChunk(1, 9, _tokens(1, 3), 1)],
+                  [SeqChunk(1, 10, _tokens(2, 4), 1)])
+
+
+def _prefilled(path, compile_fused) -> tuple[ModelRunner, ModelRunner, int]:
+    """An eager and a compiled runner (``compile_fused(fast)`` warms its fused graph), both with
+    prompts of 20 and 9 tokens in rows 0 and 1 -> (eager, fast, dynamo's graph count after warm-up)."""
+    eager, fast = _runner(path, False), _runner(path, True)
+    compile_fused(fast)
+    graphs = counters["stats"]["unique_graphs"]
+    prompts = [SeqChunk(0, 0, _tokens(20, 0), 0), SeqChunk(1, 0, _tokens(9, 1), 0)]
+    eager.run(prompts)
+    fast.run(prompts)
+    return eager, fast, graphs
+
+
 def test_compiled_chain_matches_step_by_step(llama_dir):
     """A fused greedy chain (one graph: a ragged first forward, then one-token steps fed the
     previous argmax) drafts what eager step-by-step argmax drafts, with the same log q, and
     writes the same KV; padding sequences leave the real rows alone; nothing compiles after
     warm-up."""
-    eager, fast = _runner(llama_dir, False), _runner(llama_dir, True)
     steps = 3
-    fast.compile_chain([Bucket(2, 2)], steps, progress=False)
-    graphs = counters["stats"]["unique_graphs"]
-    a, b = _tokens(20, 0), _tokens(9, 1)
-    prompts = [SeqChunk(0, 0, a, 0), SeqChunk(1, 0, b, 0)]
-    eager.run(prompts)
-    fast.run(prompts)
-    for first in ([SeqChunk(0, 20, _tokens(2, 2), 1), SeqChunk(1, 9, _tokens(1, 3), 1)],   # ragged, batch 2
-                  [SeqChunk(1, 10, _tokens(2, 4), 1)]):                                    # batch padded
+    eager, fast, graphs = _prefilled(llama_dir, lambda fast: fast.compile_chain([Bucket(2, 2)], steps, progress=False))
+    for first in FIRST_FORWARDS:
         got = fast.draft_chain(first, steps)
         assert got is not None
         want_tok, want_lp, chunks = [], [], first
@@ -140,6 +150,72 @@ def test_compiled_chain_matches_step_by_step(llama_dir):
     assert fast.draft_chain([SeqChunk(0, MAX_LEN - 2, [5], 1)], steps) is None      # it would not
     assert counters["stats"]["unique_graphs"] == graphs
     assert fast.chain is not None and fast.chain.direct[(2, 2)].calls == 3
+
+
+def _eager_tree(runner: ModelRunner, first: SeqChunk, steps: int, k: int, n: int):
+    """The reference EAGLE-2 expansion, level by level with eager forwards (as the proposer's
+    eager path): -> (tokens, parents, depths, ranks, sorted scores) of the best n nodes, in
+    depth-then-confidence order."""
+    col = first.start + len(first.token_ids)
+    lp = torch.log_softmax(runner.run([first])[-1], -1)
+    top = lp.topk(k)
+    nodes = [(int(t), -1, float(s), 1) for s, t in zip(top.values, top.indices)]   # token, parent, score, depth
+    frontier, cols = list(range(k)), {}
+    for d in range(2, steps + 1):
+        for i, j in enumerate(frontier):
+            cols[j] = col + (d - 2) * k + i
+        extra = []
+        for j in frontier:
+            anc, a = [], nodes[j][1]
+            while a >= 0:
+                anc.append(cols[a])
+                a = nodes[a][1]
+            extra.append(anc)
+        chunk = SeqChunk(first.row, col + (d - 2) * k, [nodes[j][0] for j in frontier], k, context=col,
+                         extra_cols=extra, first_pos=[col + d - 2] * k)
+        lp = torch.log_softmax(runner.run([chunk]), -1)
+        cand = []
+        for i, j in enumerate(frontier):
+            top = lp[i].topk(k)
+            for s, t in zip(top.values, top.indices):
+                nodes.append((int(t), j, nodes[j][2] + float(s), d))
+                cand.append(len(nodes) - 1)
+        frontier = sorted(cand, key=lambda j: -nodes[j][2])[:k]
+    ranked = sorted(range(len(nodes)), key=lambda j: -nodes[j][2])
+    best = ranked[:n]
+    order = sorted(best, key=lambda j: (nodes[j][3], -nodes[j][2]))
+    local = {j: i for i, j in enumerate(order)}
+    return ([nodes[j][0] for j in order], [local.get(nodes[j][1], -1) for j in order], [nodes[j][3] for j in order],
+            [best.index(j) for j in order], sorted((x[2] for x in nodes), reverse=True))
+
+
+def test_compiled_tree_matches_eager_expansion(llama_dir):
+    """A fused dynamic tree (one graph: the ragged first forward, then each level's frontier with
+    ancestor masks, then the reranking) drafts the tree the eager level-by-level expansion
+    drafts: same nodes, parents, depths, confidence ranks and scores, for ragged and padded
+    batches; nodes are closed under ancestors; the tree never fits past the cache; nothing
+    compiles after warm-up."""
+    steps, k, n = 3, 2, 5
+    eager, fast, graphs = _prefilled(llama_dir, lambda fast: fast.compile_tree([Bucket(2, 2)], steps, k, n,
+                                                                               progress=False))
+    for first in FIRST_FORWARDS:
+        got = fast.draft_tree(first)
+        assert got is not None and got.tokens.shape == (len(first), n)
+        for i, c in enumerate(first):
+            tokens, parents, depths, ranks, scores = _eager_tree(eager, c, steps, k, n)
+            assert got.tokens[i].tolist() == tokens
+            assert got.parents[i].tolist() == parents
+            assert got.depths[i].tolist() == depths
+            assert got.ranks[i].tolist() == ranks
+            torch.testing.assert_close(got.scores[i], torch.tensor(scores), rtol=1e-4, atol=1e-4)
+            assert all(p < j and depths[p] == depths[j] - 1 and ranks[p] < ranks[j]
+                       for j, p in enumerate(parents) if p >= 0)
+    assert fast.draft_tree([SeqChunk(0, 30, _tokens(3, 5), 1)]) is None       # 3 pending: no bucket
+    tree_cols = (steps - 1) * k
+    assert fast.draft_tree([SeqChunk(0, MAX_LEN - tree_cols - 1, [5], 1)]) is not None   # the frontier fits
+    assert fast.draft_tree([SeqChunk(0, MAX_LEN - tree_cols, [5], 1)]) is None           # it would not
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert fast.tree is not None and fast.tree.direct[(2, 2)].calls == 3
 
 
 def test_direct_call_takes_only_the_warm_up_shapes_strides_and_dtypes():

@@ -233,35 +233,57 @@ def test_sampled_requests_draft_sampled_chains_and_seeded_ones_race_trees(shapes
         assert p == sorted(p) and sorted(set(p)) == list(range(n, n + len(set(p)))), (n, p)
 
 
+def _recording(llm: LLM) -> list:
+    """Record every DraftBatch the LLM's proposer returns, as per-request (tokens, parents) lists."""
+    seen, propose = [], llm.engine.proposer.propose
+
+    def record(reqs, ks):
+        d = propose(reqs, ks)
+        seen.append((d.lists(), d.parent_lists()))
+        return d
+    llm.engine.proposer.propose = record
+    return seen
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
-def test_fast_path_chains_draft_as_eager(shapes, tokenizer, kind, monkeypatch):
-    """enforce_eager=False: greedy EAGLE chains come from the fused chain graph (one call per
-    step), draft exactly what the eager head drafts (same drafts and acceptances, float32) and
-    keep the output equal to no speculation; nothing compiles while serving."""
+@pytest.mark.parametrize("kind,tree", [("eagle3", "chain"), ("eagle", "dynamic"), ("eagle3", "dynamic"),
+                                       ("eagle3", "auto")])
+def test_fast_path_drafts_as_eager(shapes, tokenizer, kind, tree, monkeypatch):
+    """enforce_eager=False: greedy EAGLE chains and dynamic trees come from the fused graphs (one
+    call per step: CompiledChain / CompiledTree), draft exactly what the eager head drafts (the
+    same tokens and parents every step, float32) and keep the output equal to no speculation;
+    "auto" tree sizes (chains and trees by step, trees cut from the full fused tree) too; nothing
+    compiles while serving."""
     from torch._dynamo.utils import counters
 
     from leapfrog.model.compiled import CompiledChain
     target, heads = shapes["qwen2"]
-    prompts = prompts_of(tokenizer, 3)
+    inputs = [{"prompt_token_ids": p} for p in prompts_of(tokenizer, 3)]
     sp = SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)
-    spec = {"method": kind, "model": str(heads[kind]), **TREES["chain"]}
-    _, ref = _generate(target, None, prompts, sp)
-    eager, want = _generate(target, spec, prompts, sp)
-    fast = LLM(model=str(target), dtype="float32", max_model_len=256, max_num_seqs=2, speculative_config=spec,
-               enforce_eager=False)
+    spec = {"method": kind, "model": str(heads[kind]), **TREES[tree]}
+    _, ref = _generate(target, None, prompts_of(tokenizer, 3), sp)
+    llms = {eager: LLM(model=str(target), dtype="float32", max_model_len=256, max_num_seqs=2,
+                       speculative_config=spec, enforce_eager=eager) for eager in (True, False)}
+    drafts = {eager: _recording(llm) for eager, llm in llms.items()}
     calls = []
-    orig = CompiledChain.__call__
-    monkeypatch.setattr(CompiledChain, "__call__", lambda self, *a: calls.append(1) or orig(self, *a))
+    orig = CompiledChain.__call__   # (CompiledTree's too)
+    monkeypatch.setattr(CompiledChain, "__call__", lambda self, *a: calls.append(type(self).__name__) or orig(self, *a))
     graphs = counters["stats"]["unique_graphs"]
-    got = [o.outputs[0].token_ids for o in fast.generate([{"prompt_token_ids": p} for p in prompts], sp,
-                                                          use_tqdm=False)]
+    outs = {eager: [o.outputs[0].token_ids for o in llm.generate(inputs, sp, use_tqdm=False)]
+            for eager, llm in llms.items()}
     assert counters["stats"]["unique_graphs"] == graphs
-    assert got == want == ref
-    m, e = fast.get_metrics(), eager.get_metrics()
-    assert calls and m["num_draft_tokens"] > 0
-    assert (m["num_draft_tokens"], m["num_accepted_tokens"]) == (e["num_draft_tokens"], e["num_accepted_tokens"])
-    # the head's chain graphs and the target's verify graphs were called directly (no torch.compile wrappers)
-    chain, verify = fast.engine.proposer.runner.chain, fast.engine.runner.compiled
-    assert sum(d.calls for d in chain.direct.values()) == len(calls)
-    assert sum(d.calls for d in verify.direct.values()) > 0
+    assert outs[False] == outs[True] == ref
+    fast = llms[False]
+    assert fast.get_metrics()["num_draft_tokens"] > 0
+    runner = fast.engine.proposer.runner
+    fused = [g for g in (runner.chain, runner.tree) if g is not None]
+    if tree == "auto":   # the controller's sizes follow measured times: only the output is comparable
+        assert runner.chain is not None and runner.tree is not None and "CompiledTree" in calls
+    else:
+        assert len(fused) == 1 and set(calls) == {"CompiledChain" if tree == "chain" else "CompiledTree"}
+        assert drafts[False] == drafts[True]
+        branching = [p != list(range(-1, len(p) - 1)) for _, ps in drafts[False] for p in ps]
+        assert any(branching) == (tree == "dynamic")
+    # the head's fused graphs and the target's verify graphs were called directly (no torch.compile wrappers)
+    assert sum(d.calls for g in fused for d in g.direct.values()) == len(calls)
+    assert sum(d.calls for d in fast.engine.runner.compiled.direct.values()) > 0

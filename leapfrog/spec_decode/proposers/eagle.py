@@ -179,6 +179,9 @@ class EagleProposer:
     @torch.inference_mode()
     def propose(self, reqs: list[Request], ks: list[int]) -> DraftBatch:
         active = [b for b, k in enumerate(ks) if k > 0 and self._ready(reqs[b])]
+        fused = self._fused_tree(reqs, active, ks) if active else None
+        if fused is not None:
+            return fused
         nodes: dict[int, list[_Node]] = {b: [] for b in active}
         if active and not self._fused_chains(reqs, active, ks, nodes):
             roots = self._catch_up([reqs[b] for b in active])  # [A, V] logits, [A, H] states
@@ -207,14 +210,69 @@ class EagleProposer:
         return f is not None and f.start <= c and f.end >= req.num_tokens - 1
 
     def compile(self) -> None:
-        """enforce_eager=False: greedy chains (every request greedy, one child per level) are
-        drafted by one compiled graph per step (model/compiled.py CompiledChain: the catch-up
-        forward over up to depth + 1 new positions, then depth - 1 one-token levels); trees,
-        sampled chains and long catch-ups (a new prompt) run eagerly."""
+        """enforce_eager=False: greedy chains and greedy dynamic trees (every request greedy) are
+        drafted by one compiled graph per step (model/compiled.py CompiledChain / CompiledTree: the
+        catch-up forward over up to depth + 1 new positions, then the levels); static trees,
+        sampled requests and long catch-ups (a new prompt) run eagerly. A chain graph is compiled
+        when chains can be asked for (eagle_topk 1, or "auto" tree sizes up to the depth), a
+        tree graph for the full dynamic tree (depth x eagle_topk)."""
         from leapfrog.model.compiled import make_buckets
         width = self.head.cfg.target_hidden_size if self.head.kind == "eagle" else self.head.cfg.feature_size
-        self.runner.compile_chain(make_buckets(self.runner.kv.num_rows, [self.depth + 1]), self.depth,
-                                  feature_width=width, next_width=self.head.args.hidden_size)
+        buckets = make_buckets(self.runner.kv.num_rows, [self.depth + 1])
+        tree = self.static_children is None and self.topk > 1 and self.depth > 1 \
+            and self.head.args.sliding_window is None
+        if not tree or self.cfg.auto_tree:
+            self.runner.compile_chain(buckets, self.depth, feature_width=width, next_width=self.head.args.hidden_size)
+        if tree:
+            self.runner.compile_tree(buckets, self.depth, self.topk, self.budget, feature_width=width,
+                                     next_width=self.head.args.hidden_size)
+
+    def _pending(self, rs: list[Request], keep: int) -> list[SeqChunk]:
+        """The fused graphs' first forward: each request's pending head positions (after catching
+        up all but the last ``keep`` eagerly: a new prompt), with their target features."""
+        self._catch_up(rs, keep=keep)
+        chunks = []
+        for r in rs:
+            c, end = self.computed[r.request_id], r.num_tokens - 1   # positions c..end-1
+            f = self.feats[r.request_id]
+            chunks.append(SeqChunk(r.row, c, r.all_ids[c + 1:end + 1], 1, features=f.rows()[c - f.start:end - f.start]))
+        return chunks
+
+    def _consumed(self, rs: list[Request]) -> None:
+        """A fused graph ran the pending positions: they are the head's committed KV now."""
+        for r in rs:
+            self.computed[r.request_id] = r.num_tokens - 1
+            self.feats[r.request_id].drop_before(r.num_tokens - 2)
+
+    def _fused_tree(self, reqs: list[Request], active: list[int], ks: list[int]) -> DraftBatch | None:
+        """Greedy dynamic trees for every active request from the compiled tree graph (see
+        compile): the full tree (depth x eagle_topk) is grown whatever k, and each request keeps
+        its best ``min(k, budget)`` nodes (the graph's best nodes by rank: closed under ancestors,
+        a node's rank exceeds its parent's). Steps where every request asks for a chain take the
+        chain graph when there is one; a request near its end (fewer levels than the depth left
+        to generate: tree_depth_cap) sends the step to the eager expansion, which reranks the
+        shallower tree. -> None (nothing done) when the step does not qualify."""
+        tree = self.runner.tree
+        if tree is None or not all(reqs[b].params.greedy and tree_depth_cap(reqs[b]) >= self.depth for b in active) \
+                or (self.runner.chain is not None and all(self._width(ks[b]) == 1 for b in active)):
+            return None
+        rs = [reqs[b] for b in active]
+        out = self.runner.draft_tree(self._pending(rs, tree.max_tokens))
+        if out is None:
+            return None  # (the pending positions stay pending: the eager path catches them up)
+        self._consumed(rs)
+        toks, pars, ranks = (x.tolist() for x in (out.tokens, out.parents, out.ranks))
+        scores = out.scores.exp().tolist()
+        flat_t, flat_p, nums, cand = [], [], [0] * len(reqs), [[] for _ in reqs]
+        for i, b in enumerate(active):
+            n = min(ks[b], self.budget)
+            keep = [j for j in range(len(toks[i])) if ranks[i][j] < n]
+            local = {j: x for x, j in enumerate(keep)}
+            flat_t += [toks[i][j] for j in keep]
+            flat_p += [-1 if pars[i][j] < 0 else local[pars[i][j]] for j in keep]
+            nums[b], cand[b] = len(keep), scores[i]
+        return DraftBatch(torch.tensor(flat_t, dtype=torch.long), nums, None,
+                          torch.tensor(flat_p, dtype=torch.long), candidate_scores=cand)
 
     def _fused_chains(self, reqs: list[Request], active: list[int], ks: list[int],
                       nodes: dict[int, list[_Node]]) -> bool:
@@ -225,18 +283,10 @@ class EagleProposer:
                 or self.static_children is not None:
             return False
         rs = [reqs[b] for b in active]
-        self._catch_up(rs, keep=chain.max_tokens)  # a new prompt: all but the positions the graph takes
-        chunks = []
-        for r in rs:
-            c, end = self.computed[r.request_id], r.num_tokens - 1   # positions c..end-1
-            f = self.feats[r.request_id]
-            chunks.append(SeqChunk(r.row, c, r.all_ids[c + 1:end + 1], 1, features=f.rows()[c - f.start:end - f.start]))
-        out = self.runner.draft_chain(chunks, self.depth)
+        out = self.runner.draft_chain(self._pending(rs, chain.max_tokens), self.depth)
         if out is None:
             return False
-        for r in rs:
-            self.computed[r.request_id] = r.num_tokens - 1
-            self.feats[r.request_id].drop_before(r.num_tokens - 2)
+        self._consumed(rs)
         toks, lps = out.tokens.tolist(), out.logprobs.tolist()
         for i, b in enumerate(active):
             score = 0.0
