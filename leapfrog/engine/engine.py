@@ -174,10 +174,15 @@ class LLMEngine:
 
     def _compile(self) -> None:
         """Compile the decode/verify graphs of the target and of a draft model (model/compiled.py):
-        batch sizes 1, 2, 4, ... max_num_seqs, 1 token per sequence and 1 + the most drafts."""
+        batch sizes 1, 2, 4, ... max_num_seqs, 1 token per sequence and 1 + the most drafts; with
+        "auto" tree sizes also 1 + the depth, 8, 16 and 32 nodes (below the most), so that a small
+        tree is not verified padded to the largest one."""
         per_seq = [1]
         if self.spec_controller is not None:
-            per_seq.append(1 + self.spec_controller.cfg.draft_budget)
+            cfg = self.spec_controller.cfg
+            per_seq.append(1 + cfg.draft_budget)
+            if cfg.auto_tree:
+                per_seq += [1 + n for n in (cfg.num_speculative_tokens, 8, 16, 32) if n < cfg.draft_budget]
         buckets = make_buckets(self.config.max_num_seqs, per_seq)
         aux = self._target_states if isinstance(self._target_states, tuple) else ()
         self.runner.compile(buckets, aux)

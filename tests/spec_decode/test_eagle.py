@@ -279,6 +279,8 @@ def test_fast_path_drafts_as_eager(shapes, tokenizer, kind, tree, monkeypatch):
     fused = [g for g in (runner.chain, runner.tree) if g is not None]
     if tree == "auto":   # the controller's sizes follow measured times: only the output is comparable
         assert runner.chain is not None and runner.tree is not None and "CompiledTree" in calls
+        # verify buckets for small trees too (depth + 1, 9, 17, 33 tokens), not only the largest (40)
+        assert {b.tokens for b in fast.engine.runner.compiled.warmed} == {1, 4, 9, 17, 33, 40}
     else:
         assert len(fused) == 1 and set(calls) == {"CompiledChain" if tree == "chain" else "CompiledTree"}
         assert drafts[False] == drafts[True]
