@@ -2,8 +2,9 @@
 
 Contenders, each one LLM loaded once and run in interleaved rounds (A B C D A B C D ...), batch 1,
 greedy, on the demo's held-out standard-library code: no speculation, draft_model K=4 (the demo
-draft) and the built-in EAGLE-3 head drafting greedy chains of 5, each eager
-(``enforce_eager=True``) and compiled (``enforce_eager=False``: drafts are fused chain graphs). Per contender:
+draft), the built-in EAGLE-3 head drafting greedy chains of 5 and dynamic trees (``--trees``,
+default depth 5, top 4, 16 nodes), each eager (``enforce_eager=True``) and compiled
+(``enforce_eager=False``: drafts are fused chain and tree graphs). Per contender:
 median tokens/s over rounds, the median of per-round ratios to eager no-speculation, on how many
 prompts its greedy output equals eager no-speculation's and that of no speculation on the same
 path (bf16 compiled and eager graphs round differently), and its start-up time (compiling
@@ -35,14 +36,20 @@ from leapfrog.model.runner import SeqChunk
 from leapfrog.train.distill import heldout_prompts
 
 
-def contenders(draft: str, k: int, head: str, depth: int) -> list[tuple[str, dict | None, bool]]:
+def contenders(draft: str, k: int, head: str, depth: int,
+               trees: list[str] = ("5x4x16",)) -> list[tuple[str, dict | None, bool]]:
+    """trees: EAGLE-3 dynamic trees as "DEPTHxTOPKxNODES" (eager and compiled contenders each)."""
     spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
     eagle = {"method": "eagle3", "model": head, "num_speculative_tokens": depth, "eagle_topk": 1}
-    tree = {**eagle, "eagle_topk": 4, "num_draft_tokens": 16}
-    return [("none eager", None, True), ("none compiled", None, False),
-            (f"draft_model K={k} eager", spec, True), (f"draft_model K={k} compiled", spec, False),
-            (f"eagle3 chain {depth} eager", eagle, True), (f"eagle3 chain {depth} compiled", eagle, False),
-            (f"eagle3 tree {depth}x4/16 eager", tree, True), (f"eagle3 tree {depth}x4/16 compiled", tree, False)]
+    out = [("none eager", None, True), ("none compiled", None, False),
+           (f"draft_model K={k} eager", spec, True), (f"draft_model K={k} compiled", spec, False),
+           (f"eagle3 chain {depth} eager", eagle, True), (f"eagle3 chain {depth} compiled", eagle, False)]
+    for t in trees:
+        d, topk, n = (int(x) for x in t.split("x"))
+        tree = {**eagle, "num_speculative_tokens": d, "eagle_topk": topk, "num_draft_tokens": n}
+        name = f"eagle3 tree {d}x{topk}/{n}"
+        out += [(f"{name} eager", tree, True), (f"{name} compiled", tree, False)]
+    return out
 
 
 def graph_seconds(llm: LLM) -> float:
@@ -103,6 +110,8 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--head", default=str(DEMO_DIR / "eagle3"), help="EAGLE-3 head (greedy chain contenders)")
     ap.add_argument("--eagle-depth", type=int, default=5)
+    ap.add_argument("--trees", nargs="*", default=["5x4x16"],
+                    help="EAGLE-3 dynamic tree contenders as DEPTHxTOPKxNODES (default 5x4x16)")
     ap.add_argument("--only", nargs="*", default=None, help="contender names to keep (none eager always runs)")
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=64)
@@ -124,7 +133,7 @@ def main() -> None:
     max_len = args.prompt_tokens + args.max_tokens + 2 * args.k + 8
 
     llms, startup = {}, {}
-    kept = [c for c in contenders(args.draft, args.k, args.head, args.eagle_depth)
+    kept = [c for c in contenders(args.draft, args.k, args.head, args.eagle_depth, args.trees)
             if args.only is None or c[0] == "none eager" or c[0] in args.only]
     variants = [(name, spec, eager, True) for name, spec, eager in kept]
     if args.no_kernel_too:
@@ -170,9 +179,9 @@ def main() -> None:
         curves[label + " t(S)/t(1)"] = {s: round(c[s] / c[1], 2) for s in sizes}
 
     rows = []
-    print("| contender | tokens/s | vs eager none | same tokens as eager none | as its own none | "
-          "outside graphs | start-up s |")
-    print("|---|---:|---:|---|---|---:|---:|")
+    print("| contender | tokens/s | vs eager none | vs its own none | mean accepted per step | "
+          "same tokens as eager none | as its own none | outside graphs | start-up s |")
+    print("|---|---:|---:|---:|---:|---|---|---:|---:|")
     for name in llms:
         suffix = _variant(name)
         own_none = ("none compiled" if "compiled" in name else "none eager") + suffix
@@ -182,9 +191,15 @@ def main() -> None:
                "identical_own_none": _same(outputs[name], outputs.get(own_none, outputs["none eager"])),
                "outside_graphs": round(statistics.median(outside[name]), 3),
                "startup_s": round(startup[name], 1)}
+        if own_none in ratios:   # per-round ratio to no speculation on the same path
+            row["speedup_own_none"] = round(statistics.median(a / b for a, b in zip(ratios[name], ratios[own_none])), 2)
+        mal = llms[name].get_metrics().get("mean_acceptance_length")
+        row["mean_accepted"] = None if mal is None else round(mal, 2)
         rows.append(row)
-        print(f"| {name} | {row['tokens_per_s']} | {row['speedup']:.2f}x | {row['identical']} | "
-              f"{row['identical_own_none']} | {100 * row['outside_graphs']:.0f} % | {row['startup_s']} |")
+        own = f"{row['speedup_own_none']:.2f}x" if "speedup_own_none" in row else "-"
+        print(f"| {name} | {row['tokens_per_s']} | {row['speedup']:.2f}x | {own} | {row['mean_accepted'] or '-'} | "
+              f"{row['identical']} | {row['identical_own_none']} | {100 * row['outside_graphs']:.0f} % | "
+              f"{row['startup_s']} |")
     print("\ntarget step over S new tokens at context 128 (compiled: S padded up to the K+1 bucket):")
     print("| | " + " | ".join(f"S={s}" for s in sizes) + " |")
     print("|---|" + "---:|" * len(sizes))

@@ -7,7 +7,8 @@ chosen by goodput (num_draft_tokens "auto"). Prompts: code the models never trai
 the demo's held-out standard-library files (``--source heldout``, default) or third-party files
 from this Python's site-packages (``--source site-packages``).
 
-    python benchmarks/tree_bench.py --out bench_tree [--temperatures 0 0.7] [--batch-sizes 1 4 16 32]
+    python benchmarks/tree_bench.py --out bench_tree [--temperatures 0 0.7] [--batch-sizes 1 4 16 32] \
+        [--no-enforce-eager]
 
 Prints the table (tokens/s, speedup over none with its 95 % interval, acceptance, mean accepted
 tokens per step) and writes ``tree_summary.json`` + the bench CSV/plots to ``--out``.
@@ -74,6 +75,8 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=None, help="contender indices to keep (0..4; none always runs)")
     ap.add_argument("--request-seed", type=int, default=None,
                     help="seed the requests (item i: this + i): sampled ones are verified by matching")
+    ap.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
+                    help="--no-enforce-eager: every contender on the compiled fast path (fused draft chains and trees)")
     ap.add_argument("--out", default="bench_tree")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -93,13 +96,14 @@ def main() -> None:
         specs = [specs[int(i)] for i in args.only]
     res = run_bench(args.target, specs, items, temperatures=args.temperatures, max_tokens=args.max_tokens,
                     batch_sizes=args.batch_sizes, repeats=args.repeats, warmup=1, out_dir=args.out,
-                    dtype=args.dtype, threads=args.threads, request_seed=args.request_seed)
+                    dtype=args.dtype, threads=args.threads, request_seed=args.request_seed,
+                    enforce_eager=args.enforce_eager)
     print(format_table(res))
     rows = [{k: r[k] for k in ("contender", "temperature", "batch_size", "tokens_per_s", "speedup", "speedup_ci_low",
                                "speedup_ci_high", "acceptance_rate", "mean_acceptance_length", "equal_rate")
              if k in r} for r in res.rows if r["category"] == "all"]
     summary = {"source": args.source, "num_prompts": len(items), "max_tokens": args.max_tokens,
-               "dtype": res.settings["resolved_dtype"], "threads": args.threads,
+               "dtype": res.settings["resolved_dtype"], "threads": args.threads, "enforce_eager": args.enforce_eager,
                "contenders": res.contenders, "rows": rows}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "tree_summary.json").write_text(json.dumps(summary, indent=1, default=str))

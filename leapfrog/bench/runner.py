@@ -164,11 +164,14 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
               threads: int | None = None, tokenizer: str | None = None, seed: int = 0,
               max_model_len: int | None = None, plots: bool = True, progress: bool = True,
               log: Callable[[str], None] | None = None, backends: Sequence[str] = ("leapfrog",),
-              request_seed: int | None = None) -> BenchResult:
+              request_seed: int | None = None, enforce_eager: bool = True) -> BenchResult:
     """Benchmark each speculative config in ``specs`` against no speculation on ``items``; see the module doc.
 
     ``request_seed``: sampled requests are seeded (item i with request_seed + i, the same in every
     contender and repeat), so sampled outputs can be compared and seeded verification measured.
+
+    ``enforce_eager=False`` runs every leapfrog contender on the compiled fast path (model/compiled.py;
+    compiled at load, before any timing).
 
     ``backends`` containing "transformers" adds, per leapfrog contender, its transformers counterpart
     (``leapfrog.bench.hf_backend``) to the same interleaved rounds."""
@@ -207,7 +210,7 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
         say(f"loading {name} ...")
         llms[name] = LLM(model=str(model), tokenizer=tokenizer, dtype=dtype, seed=seed,
                          speculative_config=split_contender(spec)[0],
-                         max_num_seqs=max(batch_sizes), max_model_len=max_model_len)
+                         max_num_seqs=max(batch_sizes), max_model_len=max_model_len, enforce_eager=enforce_eager)
     base = llms["none"]
     peers: dict[str, str] = {}     # transformers contender -> the leapfrog contender it mirrors
     if "transformers" in backends:
@@ -311,7 +314,8 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
                                        batch_sizes=list(batch_sizes), repeats=repeats, warmup=warmup, dtype=dtype,
                                        resolved_dtype=str(base.engine.dtype).replace("torch.", ""),
                                        backends=list(backends), threads=threads, num_items=len(kept),
-                                       categories=categories, request_seed=request_seed))
+                                       categories=categories, request_seed=request_seed,
+                                       enforce_eager=enforce_eager))
     if out_dir is not None:
         write_outputs(result, Path(out_dir), plots=plots)
     return result

@@ -264,6 +264,8 @@ def _bench_parser(sub) -> None:
     p.add_argument("--request-seed", type=int, default=None,
                    help="seed every request (item i: this + i): sampled outputs comparable across contenders, "
                         "verified by matching (default: unseeded, rejection sampling)")
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
+                   help="--no-enforce-eager measures every contender on the compiled fast path (compiled at load)")
     p.add_argument("--out", default="bench_out", help="folder for bench.json, bench.csv and the plots")
     p.add_argument("--no-plots", action="store_true", help="skip the matplotlib plots")
     p.add_argument("--backend", action="append", default=None, choices=["leapfrog", "transformers"],
@@ -307,7 +309,8 @@ def cmd_bench(args) -> int:
                     batch_sizes=args.batch_size, repeats=args.repeats, warmup=args.warmup, out_dir=args.out,
                     dtype=args.dtype, threads=args.threads, tokenizer=args.tokenizer, seed=args.seed,
                     max_model_len=args.max_model_len, plots=not args.no_plots,
-                    backends=["leapfrog", *(args.backend or [])], request_seed=args.request_seed)
+                    backends=["leapfrog", *(args.backend or [])], request_seed=args.request_seed,
+                    enforce_eager=args.enforce_eager)
     print(format_table(res))
     if res.peer_ratios:
         print()

@@ -92,6 +92,7 @@ def test_cli_bench(llama_dir, tmp_path, capsys):
     text = capsys.readouterr().out
     assert "Recommendation" in text and "ngram-k2" in text
     assert (tmp_path / "out" / "bench.csv").exists()
+    assert json.loads((tmp_path / "out" / "bench.json").read_text())["settings"]["enforce_eager"] is True
 
 
 def test_cli_bad_input(llama_dir, tmp_path, capsys):
@@ -183,3 +184,22 @@ def test_t_interval_needs_enough_repeats():
     lo2, hi2 = t_interval([1.5, 1.6, 1.55] * 4)
     assert lo < lo2 < hi2 < hi             # more repeats, narrower
     assert t_interval([1.5, None, float("nan"), 1.6]) == (None, None)   # bad values do not count
+
+
+def test_no_enforce_eager_loads_every_contender_on_the_fast_path(llama_dir, tmp_path, monkeypatch):
+    """`leapfrog bench --no-enforce-eager` hands enforce_eager=False to every contender's LLM (the
+    LLM here records it and loads eagerly, to keep the test fast) and records it in bench.json."""
+    import leapfrog
+    seen, real = [], leapfrog.LLM
+
+    def recording(*args, enforce_eager=True, **kw):
+        seen.append(enforce_eager)
+        return real(*args, **kw)
+    monkeypatch.setattr(leapfrog, "LLM", recording)
+    wl = tmp_path / "mine.jsonl"
+    wl.write_text(json.dumps({"prompt": ITEMS[0].prompt}) + "\n")
+    rc = main(["bench", "--model", str(llama_dir), "--speculative-config", json.dumps(NG2), "--workload", str(wl),
+               "--max-tokens", "2", "--repeats", "1", "--warmup", "0", "--dtype", "float32", "--no-enforce-eager",
+               "--out", str(tmp_path / "out"), "--no-plots"])
+    assert rc == 0 and seen == [False, False]
+    assert json.loads((tmp_path / "out" / "bench.json").read_text())["settings"]["enforce_eager"] is False
