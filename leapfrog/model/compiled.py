@@ -15,11 +15,12 @@ attention, the one part that depends on the context length, is one opaque op per
 builds) that takes the length as a tensor and a mask as wide as the cache, so one graph serves
 every context length (a symbolic length would turn inductor's few-row GEMM kernels into generic
 ones: measured 2x slower). Everything else (prompt chunks, trees larger than a bucket, EAGLE
-heads' trees and sampled chains, batch-invariant mode) runs eagerly.
+heads' static trees and sampled drafts, batch-invariant mode) runs eagerly.
 
 Drafting (``CompiledChain``): a greedy chain of K draft tokens is one graph, the K forwards of
 the drafter (a draft model, an EAGLE head fed its own states) unrolled with the argmax between
-them, so drafting K tokens costs one call's framework time instead of K.
+them, so drafting K tokens costs one call's framework time instead of K. ``CompiledTree`` does
+the same for an EAGLE head's greedy dynamic tree (EAGLE-2: expansion level by level, reranking).
 All buckets are compiled at start-up (``warm_up``), and serving never compiles: a forward
 that fits no warmed bucket runs eagerly. Serving calls each warmed graph's inductor code directly
 (``DirectCall``: its inputs mapped at warm-up), skipping dynamo's frame hook and AOT autograd's

@@ -19,7 +19,8 @@ with it, so greedy output with speculation equals output without, and any batch 
 The fast path (``compile``, model/compiled.py): forwards that fit a warmed ``[batch, tokens]``
 bucket run as a compiled graph, padded up to the bucket with scratch-row sequences and tokens;
 the rest (prompt chunks, larger trees) run eagerly. Drafters also get ``draft_chain``: a greedy
-chain of K tokens in one compiled graph (CompiledChain).
+chain of K tokens in one compiled graph (CompiledChain), and EAGLE heads ``draft_tree``: a greedy
+dynamic tree in one graph (CompiledTree).
 """
 
 from __future__ import annotations
