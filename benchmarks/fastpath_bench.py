@@ -37,7 +37,7 @@ from leapfrog.train.distill import heldout_prompts
 
 
 def contenders(draft: str, k: int, head: str, depth: int,
-               trees: list[str] = ("5x4x16",)) -> list[tuple[str, dict | None, bool]]:
+               trees: tuple[str, ...] | list[str] = ("5x4x16",)) -> list[tuple[str, dict | None, bool]]:
     """trees: EAGLE-3 dynamic trees as "DEPTHxTOPKxNODES" (eager and compiled contenders each)."""
     spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
     eagle = {"method": "eagle3", "model": head, "num_speculative_tokens": depth, "eagle_topk": 1}

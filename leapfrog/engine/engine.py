@@ -180,9 +180,11 @@ class LLMEngine:
         per_seq = [1]
         if self.spec_controller is not None:
             cfg = self.spec_controller.cfg
-            per_seq.append(1 + cfg.draft_budget)
-            if cfg.auto_tree:
-                per_seq += [1 + n for n in (cfg.num_speculative_tokens, 8, 16, 32) if n < cfg.draft_budget]
+            most = cfg.draft_budget
+            if cfg.auto_tree:   # (EAGLE-2 grows topk + (depth - 1) topk^2 candidates at most)
+                most = min(most, cfg.eagle_topk + (cfg.num_speculative_tokens - 1) * cfg.eagle_topk ** 2)
+                per_seq += [1 + n for n in (cfg.num_speculative_tokens, 8, 16, 32) if n < most]
+            per_seq.append(1 + most)
         buckets = make_buckets(self.config.max_num_seqs, per_seq)
         aux = self._target_states if isinstance(self._target_states, tuple) else ()
         self.runner.compile(buckets, aux)

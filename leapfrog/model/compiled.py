@@ -454,7 +454,9 @@ class CompiledTree(CompiledChain):
                               h if self.next_width is not None else None)
             lp = torch.log_softmax(g.logits.float(), -1).reshape(B, k, -1)        # [B, k, V]
             cs, cx = lp.topk(k)                                                   # [B, k, k] children
-            cs = (score[:, :, None] + cs).reshape(B, k * k)                       # [B, k*k] path confidence
+            # [B, k*k] path confidence, never above the parent's (log q <= 0; kept exact so that the
+            # stable sort below ranks every parent before its children)
+            cs = torch.minimum(score[:, :, None] + cs, score[:, :, None]).reshape(B, k * k)
             cx = cx.reshape(B, k * k)
             toks.append(cx)
             scores.append(cs)

@@ -210,6 +210,7 @@ def test_compiled_tree_matches_eager_expansion(llama_dir):
             torch.testing.assert_close(got.scores[i], torch.tensor(scores), rtol=1e-4, atol=1e-4)
             assert all(p < j and depths[p] == depths[j] - 1 and ranks[p] < ranks[j]
                        for j, p in enumerate(parents) if p >= 0)
+            assert all((p < 0) == (d == 1) for p, d in zip(got.parents[i].tolist(), got.depths[i].tolist()))
     assert fast.draft_tree([SeqChunk(0, 30, _tokens(3, 5), 1)]) is None       # 3 pending: no bucket
     tree_cols = (steps - 1) * k
     assert fast.draft_tree([SeqChunk(0, MAX_LEN - tree_cols - 1, [5], 1)]) is not None   # the frontier fits

@@ -246,7 +246,7 @@ def _recording(llm: LLM) -> list:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,tree", [("eagle3", "chain"), ("eagle", "dynamic"), ("eagle3", "dynamic"),
+@pytest.mark.parametrize("kind,tree", [("eagle3", "chain"), ("eagle", "narrow"), ("eagle3", "dynamic"),
                                        ("eagle3", "auto")])
 def test_fast_path_drafts_as_eager(shapes, tokenizer, kind, tree, monkeypatch):
     """enforce_eager=False: greedy EAGLE chains and dynamic trees come from the fused graphs (one
@@ -260,7 +260,9 @@ def test_fast_path_drafts_as_eager(shapes, tokenizer, kind, tree, monkeypatch):
     target, heads = shapes["qwen2"]
     inputs = [{"prompt_token_ids": p} for p in prompts_of(tokenizer, 3)]
     sp = SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)
-    spec = {"method": kind, "model": str(heads[kind]), **TREES[tree]}
+    # narrow: 6 nodes over depth 4 use 2 of the 3 children per node (SpeculativeConfig.tree_shape)
+    shape = {"num_speculative_tokens": 4, "eagle_topk": 3, "num_draft_tokens": 6} if tree == "narrow" else TREES[tree]
+    spec = {"method": kind, "model": str(heads[kind]), **shape}
     _, ref = _generate(target, None, prompts_of(tokenizer, 3), sp)
     llms = {eager: LLM(model=str(target), dtype="float32", max_model_len=256, max_num_seqs=2,
                        speculative_config=spec, enforce_eager=eager) for eager in (True, False)}
@@ -279,13 +281,16 @@ def test_fast_path_drafts_as_eager(shapes, tokenizer, kind, tree, monkeypatch):
     fused = [g for g in (runner.chain, runner.tree) if g is not None]
     if tree == "auto":   # the controller's sizes follow measured times: only the output is comparable
         assert runner.chain is not None and runner.tree is not None and "CompiledTree" in calls
-        # verify buckets for small trees too (depth + 1, 9, 17, 33 tokens), not only the largest (40)
-        assert {b.tokens for b in fast.engine.runner.compiled.warmed} == {1, 4, 9, 17, 33, 40}
+        # verify buckets for small trees too (depth + 1, 9, 17 tokens), not only the largest: the
+        # 3 + 2 x 9 = 21 candidates a depth-3 top-3 tree grows, + 1
+        assert {b.tokens for b in fast.engine.runner.compiled.warmed} == {1, 4, 9, 17, 22}
     else:
         assert len(fused) == 1 and set(calls) == {"CompiledChain" if tree == "chain" else "CompiledTree"}
         assert drafts[False] == drafts[True]
         branching = [p != list(range(-1, len(p) - 1)) for _, ps in drafts[False] for p in ps]
-        assert any(branching) == (tree == "dynamic")
+        assert any(branching) == (tree != "chain")
+        if tree == "narrow":   # the graph grows the eager expansion's width, not eagle_topk
+            assert runner.tree.topk == 2
     # the head's fused graphs and the target's verify graphs were called directly (no torch.compile wrappers)
     assert sum(d.calls for g in fused for d in g.direct.values()) == len(calls)
     assert sum(d.calls for d in fast.engine.runner.compiled.direct.values()) > 0

@@ -214,17 +214,18 @@ class EagleProposer:
         drafted by one compiled graph per step (model/compiled.py CompiledChain / CompiledTree: the
         catch-up forward over up to depth + 1 new positions, then the levels); static trees,
         sampled requests and long catch-ups (a new prompt) run eagerly. A chain graph is compiled
-        when chains can be asked for (eagle_topk 1, or "auto" tree sizes up to the depth), a
-        tree graph for the full dynamic tree (depth x eagle_topk)."""
+        when chains can be asked for (a tree of width 1, or "auto" tree sizes up to the depth), a
+        tree graph for the configured tree (depth x the width ``num_draft_tokens`` uses, as the
+        eager expansion grows it; "auto": depth x eagle_topk, every size cut from it)."""
         from leapfrog.model.compiled import make_buckets
-        width = self.head.cfg.target_hidden_size if self.head.kind == "eagle" else self.head.cfg.feature_size
+        feats = self.head.cfg.target_hidden_size if self.head.kind == "eagle" else self.head.cfg.feature_size
         buckets = make_buckets(self.runner.kv.num_rows, [self.depth + 1])
-        tree = self.static_children is None and self.topk > 1 and self.depth > 1 \
-            and self.head.args.sliding_window is None
+        width = self.topk if self.cfg.auto_tree else self._width(self.budget)
+        tree = self.static_children is None and width > 1 and self.depth > 1 and self.head.args.sliding_window is None
         if not tree or self.cfg.auto_tree:
-            self.runner.compile_chain(buckets, self.depth, feature_width=width, next_width=self.head.args.hidden_size)
+            self.runner.compile_chain(buckets, self.depth, feature_width=feats, next_width=self.head.args.hidden_size)
         if tree:
-            self.runner.compile_tree(buckets, self.depth, self.topk, self.budget, feature_width=width,
+            self.runner.compile_tree(buckets, self.depth, width, self.budget, feature_width=feats,
                                      next_width=self.head.args.hidden_size)
 
     def _pending(self, rs: list[Request], keep: int) -> list[SeqChunk]:
@@ -246,7 +247,7 @@ class EagleProposer:
 
     def _fused_tree(self, reqs: list[Request], active: list[int], ks: list[int]) -> DraftBatch | None:
         """Greedy dynamic trees for every active request from the compiled tree graph (see
-        compile): the full tree (depth x eagle_topk) is grown whatever k, and each request keeps
+        compile): the configured tree is grown whatever k, and each request keeps
         its best ``min(k, budget)`` nodes (the graph's best nodes by rank: closed under ancestors,
         a node's rank exceeds its parent's). Steps where every request asks for a chain take the
         chain graph when there is one; a request near its end (fewer levels than the depth left
