@@ -181,8 +181,8 @@ class LLMEngine:
         if self.spec_controller is not None:
             cfg = self.spec_controller.cfg
             most = cfg.draft_budget
-            if cfg.auto_tree:   # (EAGLE-2 grows topk + (depth - 1) topk^2 candidates at most)
-                most = min(most, cfg.eagle_topk + (cfg.num_speculative_tokens - 1) * cfg.eagle_topk ** 2)
+            if cfg.auto_tree:   # (no tree verifies more candidates than it grows)
+                most = min(most, cfg.tree_candidates)
                 per_seq += [1 + n for n in (cfg.num_speculative_tokens, 8, 16, 32) if n < most]
             per_seq.append(1 + most)
         buckets = make_buckets(self.config.max_num_seqs, per_seq)

@@ -25,7 +25,7 @@ dynamic tree in one graph (CompiledTree).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -150,7 +150,7 @@ class ModelRunner:
         if t is None:
             return None
         out = self._fused(t, chunks, t.tree_cols)
-        return None if out is None else TreeOutput(*(x[:len(chunks)] for x in t._flatten(out)))
+        return None if out is None else TreeOutput(*(getattr(out, f.name)[:len(chunks)] for f in fields(out)))
 
     def _fused(self, g: CompiledChain, chunks: list[SeqChunk], after: int) -> Any:
         """Run a fused drafting graph over chunks' pending tokens, padded to its bucket; ``after``:

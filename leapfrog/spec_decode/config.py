@@ -190,6 +190,22 @@ class SpeculativeConfig:
         return max(1, min(depth, n)), max(1, min(self.eagle_topk, math.ceil(n / depth)))
 
     @property
+    def grown_tree_shape(self) -> tuple[int, int]:
+        """(levels, width) of the largest dynamic tree a step grows: the tree of draft_budget nodes
+        (tree_shape), or with "auto" sizes the full depth x eagle_topk tree (on the fast path every
+        size is cut from it)."""
+        if self.auto_tree:
+            return self.num_speculative_tokens, self.eagle_topk
+        return self.tree_shape(self.draft_budget)
+
+    @property
+    def tree_candidates(self) -> int:
+        """Candidates that tree grows (EAGLE-2: ``width`` children of the root, then ``width``
+        children of each of the ``width`` frontier nodes per deeper level)."""
+        levels, width = self.grown_tree_shape
+        return width + (levels - 1) * width ** 2
+
+    @property
     def draft_budget(self) -> int:
         """The most tokens one step drafts per request: tree nodes for EAGLE, else K."""
         if self.method not in EAGLE_METHODS:

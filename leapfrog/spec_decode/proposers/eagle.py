@@ -220,7 +220,7 @@ class EagleProposer:
         from leapfrog.model.compiled import make_buckets
         feats = self.head.cfg.target_hidden_size if self.head.kind == "eagle" else self.head.cfg.feature_size
         buckets = make_buckets(self.runner.kv.num_rows, [self.depth + 1])
-        width = self.topk if self.cfg.auto_tree else self._width(self.budget)
+        width = self.cfg.grown_tree_shape[1]
         tree = self.static_children is None and width > 1 and self.depth > 1 and self.head.args.sliding_window is None
         if not tree or self.cfg.auto_tree:
             self.runner.compile_chain(buckets, self.depth, feature_width=feats, next_width=self.head.args.hidden_size)
