@@ -25,6 +25,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -37,19 +38,27 @@ from leapfrog.train.distill import heldout_prompts
 
 
 def contenders(draft: str, k: int, head: str, depth: int,
-               trees: tuple[str, ...] | list[str] = ("5x4x16",)) -> list[tuple[str, dict | None, bool]]:
-    """trees: EAGLE-3 dynamic trees as "DEPTHxTOPKxNODES" (eager and compiled contenders each)."""
+               trees: Sequence[tuple[int, int, int]] = ((5, 4, 16),)) -> list[tuple[str, dict | None, bool]]:
+    """trees: EAGLE-3 dynamic trees as (depth, topk, nodes) (eager and compiled contenders each)."""
     spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
     eagle = {"method": "eagle3", "model": head, "num_speculative_tokens": depth, "eagle_topk": 1}
     out = [("none eager", None, True), ("none compiled", None, False),
            (f"draft_model K={k} eager", spec, True), (f"draft_model K={k} compiled", spec, False),
            (f"eagle3 chain {depth} eager", eagle, True), (f"eagle3 chain {depth} compiled", eagle, False)]
-    for t in trees:
-        d, topk, n = (int(x) for x in t.split("x"))
+    for d, topk, n in trees:
         tree = {**eagle, "num_speculative_tokens": d, "eagle_topk": topk, "num_draft_tokens": n}
         name = f"eagle3 tree {d}x{topk}/{n}"
         out += [(f"{name} eager", tree, True), (f"{name} compiled", tree, False)]
     return out
+
+
+def tree_arg(text: str) -> tuple[int, int, int]:
+    """"DEPTHxTOPKxNODES" -> (depth, topk, nodes); argparse shows the error for anything else."""
+    parts = text.split("x")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"expected DEPTHxTOPKxNODES with positive integers, e.g. 5x4x16, got {text!r}")
+    d, topk, n = (int(p) for p in parts)
+    return d, topk, n
 
 
 def graph_seconds(llm: LLM) -> float:
@@ -110,7 +119,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--head", default=str(DEMO_DIR / "eagle3"), help="EAGLE-3 head (greedy chain contenders)")
     ap.add_argument("--eagle-depth", type=int, default=5)
-    ap.add_argument("--trees", nargs="*", default=["5x4x16"],
+    ap.add_argument("--trees", nargs="*", default=[(5, 4, 16)], type=tree_arg,
                     help="EAGLE-3 dynamic tree contenders as DEPTHxTOPKxNODES (default 5x4x16)")
     ap.add_argument("--only", nargs="*", default=None, help="contender names to keep (none eager always runs)")
     ap.add_argument("--num-prompts", type=int, default=8)
