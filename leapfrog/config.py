@@ -10,6 +10,9 @@ import torch
 from leapfrog.errors import ConfigError
 
 
+LOAD_FORMATS = ("auto", "dummy")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
@@ -21,6 +24,11 @@ class EngineConfig:
     max_num_seqs: int = 16                 # KV rows: concurrent sequences
     max_num_batched_tokens: int = 2048     # prompt tokens computed per step (chunked prefill)
     allow_pickle: bool = False
+    load_format: str = "auto"
+    """How the target's weights are read (vLLM's name): "auto" (safetensors; pickled .bin files
+    with allow_pickle) or "dummy": no weight files, every weight random (normal, std =
+    config.json's initializer_range, norms 1) from config.json alone, for measuring a model shape
+    (benchmarks/gpu_bench.py). A draft model is always loaded from its files."""
     skip_tokenizer_init: bool = False
     speculative_config: dict[str, Any] | None = None
     batch_invariant: bool = False
@@ -70,6 +78,11 @@ class EngineConfig:
                 if bad:
                     raise ConfigError(f"tensor_parallel_size={self.tensor_parallel_size} with {why} is not "
                                       "supported yet; drop one of them")
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError(f"load_format={self.load_format!r}: must be one of {list(LOAD_FORMATS)}")
+        if self.load_format == "dummy" and self.tensor_parallel_size > 1:
+            raise ConfigError("load_format='dummy' with tensor_parallel_size > 1 is not supported yet "
+                              "(workers read their shards from files)")
         from leapfrog.model.quant import QUANT_METHODS
         if self.quantization is not None and self.quantization not in QUANT_METHODS:
             raise ConfigError(f"quantization={self.quantization!r}: must be one of {list(QUANT_METHODS)} (or None)")

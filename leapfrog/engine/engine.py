@@ -71,7 +71,8 @@ class LLMEngine:
         try:
             # Compiled graphs freeze plain linear layers themselves; eager forwards use oneDNN-packed ones.
             self.model = load_model(ckpt, self.dtype, self.device, self.max_model_len, config.allow_pickle,
-                                    pack=config.enforce_eager, quantization=config.quantization, tp=self.tp)
+                                    pack=config.enforce_eager, quantization=config.quantization, tp=self.tp,
+                                    load_format=config.load_format, seed=config.seed)
             if not config.enforce_eager:
                 self.model.pack_for_inference(pack_layers=False)
             self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or ckpt.path)

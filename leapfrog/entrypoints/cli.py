@@ -56,6 +56,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=None, choices=["int8", "int4"],
                    help="weight-only quantization of the target's decoder layers at load (speculation stays "
                         "lossless relative to the quantized target)")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights from config.json alone (measure a model shape without its files)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard the target over N processes (spawned here; under torchrun, one per rank: rank 0 "
                         "serves, the others compute). Eager only; drafters run on rank 0")
@@ -113,7 +115,7 @@ def cmd_generate(args) -> int:
                   tensor_parallel_size=args.tensor_parallel_size,
                   max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                   batch_invariant=args.batch_invariant, enforce_eager=args.enforce_eager,
-                  quantization=args.quantization)
+                  quantization=args.quantization, load_format=args.load_format)
     model = args.model
     if model is None:
         from leapfrog.demo import default_model
@@ -201,7 +203,8 @@ def cmd_serve(args) -> int:
                                     seed=args.seed, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                                     speculative_config=spec, batch_invariant=args.batch_invariant,
                                     enforce_eager=args.enforce_eager, quantization=args.quantization,
-                                    skip_tokenizer_init=args.skip_tokenizer_init, logprobs_mode=args.logprobs_mode))
+                                    load_format=args.load_format, skip_tokenizer_init=args.skip_tokenizer_init,
+                                    logprobs_mode=args.logprobs_mode))
     name = args.served_model_name or (args.model or "leapfrog-default")
     api_key = args.api_key or os.environ.get("LEAPFROG_API_KEY") or None
     app = build_app(engine, name, api_key=api_key, max_waiting=args.max_waiting)

@@ -35,6 +35,8 @@ class LLM:
             "raw_logits", "processed_logprobs" or "processed_logits" (vLLM's names).
         tensor_parallel_size: shard the target over N processes (spawned on this machine, or
             the torchrun group); see EngineConfig.tensor_parallel_size. ``close()`` stops them.
+        load_format: "auto" (the checkpoint's files) or "dummy" (random weights from config.json
+            alone, to measure a model shape; vLLM's name).
         max_model_len, max_num_seqs, max_num_batched_tokens, device, allow_pickle,
         skip_tokenizer_init: see EngineConfig.
     """
@@ -45,7 +47,8 @@ class LLM:
                  max_num_batched_tokens: int = 2048, device: str = "auto", allow_pickle: bool = False,
                  skip_tokenizer_init: bool = False, batch_invariant: bool = False,
                  enforce_eager: bool = True, quantization: str | None = None,
-                 logprobs_mode: str = "raw_logprobs", tensor_parallel_size: int = 1) -> None:
+                 logprobs_mode: str = "raw_logprobs", tensor_parallel_size: int = 1,
+                 load_format: str = "auto") -> None:
         if model is None:
             from leapfrog.demo import default_model
             model, default_spec = default_model()
@@ -58,7 +61,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, allow_pickle=allow_pickle,
             skip_tokenizer_init=skip_tokenizer_init, speculative_config=speculative_config,
             batch_invariant=batch_invariant, enforce_eager=enforce_eager, quantization=quantization,
-            logprobs_mode=logprobs_mode, tensor_parallel_size=tensor_parallel_size)
+            logprobs_mode=logprobs_mode, tensor_parallel_size=tensor_parallel_size, load_format=load_format)
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()
 

@@ -289,19 +289,27 @@ def _shard_part(src: _TensorSource, ours: str, hf_names: list[str], shard: Shard
 
 def load_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, max_positions: int,
                allow_pickle: bool = False, pack: bool = False, quantization: str | None = None,
-               tp: TPGroup | None = None) -> LlamaModel:
+               tp: TPGroup | None = None, load_format: str = "auto", seed: int = 0) -> LlamaModel:
     """Build the model on ``meta``, then fill every parameter from the checkpoint, checking shapes;
     ``quantization`` ("int8" / "int4", model/quant.py) quantizes the decoder layers' linears.
-    ``tp``: build and fill only this rank's shard (each tensor's part is read from the file alone)."""
-    src, plan = _plan(ckpt, allow_pickle)   # checked against the whole model's shapes
+    ``tp``: build and fill only this rank's shard (each tensor's part is read from the file alone).
+    ``load_format="dummy"``: no files read; random weights from ``seed`` (see ``fill_random``)."""
+    dummy = load_format == "dummy"
+    if dummy and tp is not None:
+        raise ValueError("load_format='dummy' builds a whole model (no tensor parallelism)")
+    if not dummy:
+        src, plan = _plan(ckpt, allow_pickle)   # checked against the whole model's shapes
     with torch.device("meta"):
         model = LlamaModel(ckpt.args, max_positions=1, tp=tp)
     model = model.to_empty(device=device).to(dtype)
     params = dict(model.named_parameters())
     with torch.no_grad():
-        for ours, hf_names in plan.items():
-            part = _read_whole(src, hf_names) if tp is None else _shard_part(src, ours, hf_names, tp.shard)
-            params[ours].copy_(part.to(dtype))
+        if dummy:
+            fill_random(params, float(ckpt.config.get("initializer_range", 0.02)), seed)
+        else:
+            for ours, hf_names in plan.items():
+                part = _read_whole(src, hf_names) if tp is None else _shard_part(src, ours, hf_names, tp.shard)
+                params[ours].copy_(part.to(dtype))
     cos, sin = rope_table(ckpt.args.rope, ckpt.args.head_dim, ckpt.args.max_position_embeddings, max_positions)
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
     model = model.eval().requires_grad_(False)
@@ -310,6 +318,19 @@ def load_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, max_p
     if pack:
         model.pack_for_inference()
     return model
+
+
+def fill_random(params: dict[str, Tensor], std: float, seed: int) -> None:
+    """Random weights in place (``load_format="dummy"``, a model shape without a checkpoint): the
+    norms' weights 1, every other parameter normal(0, std) (what Hugging Face's initialisation
+    gives a Llama), drawn on the parameters' device from a generator seeded with ``seed``."""
+    for name, p in sorted(params.items()):
+        if "norm" in name:
+            p.fill_(1.0)
+        else:
+            gen = torch.Generator(device=p.device).manual_seed(seed)
+            seed += 1
+            p.copy_(torch.randn(p.shape, generator=gen, device=p.device).mul_(std))
 
 
 def load_whole(ckpt: Checkpoint, names: tuple[str, ...], dtype: torch.dtype, device: torch.device,

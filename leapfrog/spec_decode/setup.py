@@ -18,5 +18,6 @@ def build_speculation(spec: dict[str, Any] | SpeculativeConfig, engine: Any) -> 
         max_model_len=engine.max_model_len, max_num_batched_tokens=engine.config.max_num_batched_tokens,
         model=engine.model, batch_invariant=engine.config.batch_invariant,
         enforce_eager=engine.config.enforce_eager,
-        allow_pickle=engine.config.allow_pickle, checkpoint=engine.checkpoint)
+        allow_pickle=engine.config.allow_pickle, checkpoint=engine.checkpoint,
+        load_format=engine.config.load_format, seed=engine.config.seed)
     return PROPOSERS[cfg.method](cfg, info), SpecController(cfg, engine.max_model_len)

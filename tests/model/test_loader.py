@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from leapfrog import LLM, SamplingParams
-from leapfrog.errors import CheckpointError
+from leapfrog.errors import CheckpointError, ConfigError
 from leapfrog.demo import save_random_llama
 from leapfrog.model.loader import load_model, read_checkpoint
 from tests.conftest import BASE
@@ -121,3 +121,33 @@ def test_generation_config_eos(tmp_path, llama_dir):
     d = copy(llama_dir, tmp_path)
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 17]}))
     assert 17 in read_checkpoint(d).eos_token_ids
+
+
+def test_dummy_load_format_needs_only_config_json(tmp_path, llama_dir):
+    """load_format="dummy": a model shape from config.json alone, random weights (seeded), the
+    HF initialisation's statistics; other formats are refused by name."""
+    only = tmp_path / "shape"
+    only.mkdir()
+    shutil.copy(llama_dir / "config.json", only / "config.json")
+    with pytest.raises(CheckpointError):   # no weights: the real loader refuses
+        load_model(read_checkpoint(only), torch.float32, torch.device("cpu"), 64)
+    ck = read_checkpoint(only)
+    a = load_model(ck, torch.float32, torch.device("cpu"), 64, load_format="dummy", seed=3)
+    b = load_model(ck, torch.float32, torch.device("cpu"), 64, load_format="dummy", seed=3)
+    c = load_model(ck, torch.float32, torch.device("cpu"), 64, load_format="dummy", seed=4)
+    pa, pb, pc = (dict(m.named_parameters()) for m in (a, b, c))
+    assert all(torch.equal(pa[n], pb[n]) for n in pa)           # same seed, same weights
+    assert not torch.equal(pa["embed.weight"], pc["embed.weight"])
+    std = ck.config.get("initializer_range", 0.02)
+    for n, p in pa.items():
+        if "norm" in n:
+            assert torch.all(p == 1), n
+        else:
+            assert abs(p.float().std().item() - std) < 0.2 * std, n
+    # layers differ from each other (each parameter its own draw)
+    assert not torch.equal(pa["layers.0.wo.weight"], pa["layers.1.wo.weight"])
+    llm = LLM(model=str(only), load_format="dummy", skip_tokenizer_init=True, dtype="float32")
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 6
+    with pytest.raises(ConfigError, match="load_format='pt'"):
+        LLM(model=str(only), load_format="pt", skip_tokenizer_init=True)

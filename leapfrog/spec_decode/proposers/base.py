@@ -48,6 +48,8 @@ class TargetInfo:
     enforce_eager: bool = True     # False: model proposers compile their forwards too (Proposer.compile)
     allow_pickle: bool = False     # draft checkpoints may be pickle files (the user said so)
     checkpoint: Any = None         # the target's loader.Checkpoint (draft_model "self")
+    load_format: str = "auto"      # how the target was loaded ("dummy": draft_model "self" draws the same weights)
+    seed: int = 0                  # the engine's seed (a dummy target's weights)
 
 
 class Proposer(Protocol):

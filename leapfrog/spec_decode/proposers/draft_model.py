@@ -59,7 +59,9 @@ class DraftModelProposer:
             check_compatible(target.tokenizer, load_tokenizer(ckpt.path) if target.tokenizer is not None else None,
                              target.vocab_size, ckpt.args.vocab_size, str(cfg.model))
         check_quantization(cfg.draft_quantization, dtype, target.device, "speculative_config.draft_quantization")
-        self.model = load_model(ckpt, dtype, target.device, target.max_model_len, target.allow_pickle)
+        # (a dummy target's self-draft draws the target's random weights again, from the same seed)
+        dummy = dict(load_format=target.load_format, seed=target.seed) if self_draft else {}
+        self.model = load_model(ckpt, dtype, target.device, target.max_model_len, target.allow_pickle, **dummy)
         if cfg.draft_quantization is not None:  # layers and head: q only steers proposals
             self.model.quantize(cfg.draft_quantization, head=True)
         if (self_draft and target.model is not None and target.model.tp is None
