@@ -18,12 +18,14 @@ invariance (every call of that token has the same shape) is kept.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from leapfrog.attention.metadata import AttnMeta
-from leapfrog.kv.cache import KVCache, write_and_read_layer
+from leapfrog.kv.cache import KVCache, write_and_read_layer, write_layer
 
 
 def attend(q: Tensor,      # [B, S, H, Dh] new queries (rotated)
@@ -80,12 +82,35 @@ def cached_attention(q: Tensor, k: Tensor, v: Tensor,  # [B, S, H | Hkv, Dh]
     """The padded attention path as one op for compiled graphs (model/compiled.py): every input
     has a fixed shape and the context length is a tensor, so a graph compiled for a bucket serves
     every context length and keeps the static shapes inductor's GEMM kernels need (a dynamic
-    context length turns its few-row GEMMs into generic ones)."""
-    L = int(kv_len)
-    meta = AttnMeta(rows=rows, write_rows=write_rows, write_cols=write_cols, kv_len=L, mask=mask[..., :L])
-    keys, values = write_and_read_layer(k_cache, v_cache, meta, k, v)
+    context length turns its few-row GEMMs into generic ones).
+
+    On CUDA the op reads no tensor on the host (a CUDA graph replays it: see model/compiled.py
+    ``GraphReplay``). With Triton, one kernel reads the rows in place and the first ``kv_len``
+    columns (attention/triton_decode.py). Without it, the rows are gathered by index and SDPA
+    attends over the cache's whole width, the mask hiding the columns past ``kv_len``: that
+    reads ``max_model_len`` columns per row and layer whatever the context."""
+    if k_cache.is_cuda:
+        meta = AttnMeta(rows=rows, write_rows=write_rows, write_cols=write_cols, kv_len=mask.shape[-1], mask=mask)
+        write_layer(k_cache, v_cache, meta, k, v)
+        if _triton_decode() is not None and _triton_decode().supported(q, k_cache):
+            return _triton_decode().decode_attention(q, k_cache, v_cache, rows, mask, kv_len)
+        keys, values = k_cache.index_select(0, rows), v_cache.index_select(0, rows)   # [B, Hkv, max_len, Dh]
+    else:
+        L = int(kv_len)
+        meta = AttnMeta(rows=rows, write_rows=write_rows, write_cols=write_cols, kv_len=L, mask=mask[..., :L])
+        keys, values = write_and_read_layer(k_cache, v_cache, meta, k, v)
     gqa = q.shape[2] != k.shape[2]
     return _sdpa(q.transpose(1, 2), keys, values, meta.mask, gqa).transpose(1, 2).contiguous()
+
+
+@functools.cache
+def _triton_decode():
+    """attention/triton_decode.py, or None where Triton is not installed (it comes with CUDA builds of torch)."""
+    try:
+        from leapfrog.attention import triton_decode
+        return triton_decode
+    except ImportError:
+        return None
 
 
 _LIB.impl("cached_attention", cached_attention, "CPU")

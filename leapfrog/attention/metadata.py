@@ -85,7 +85,7 @@ def build_attn_meta(rows: list[int], cols: list[list[int]], scratch_row: int, de
         assert mask is not None
         if tree_mask is not None:  # (the causal mask above is graph_width wide already)
             mask = torch.nn.functional.pad(mask, (0, graph_width - kv_len))  # [B, 1, S, graph_width]
-        graph_kv_len = torch.tensor(kv_len)
+        graph_kv_len = torch.tensor(kv_len, device=device)
     return AttnMeta(
         rows=torch.tensor(rows, device=device),
         write_rows=torch.tensor(write_rows, device=device),

@@ -173,11 +173,12 @@ at::Tensor cached_attention_aten(const at::Tensor& q, const at::Tensor& k, const
                                  at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& rows,
                                  const at::Tensor& write_rows, const at::Tensor& write_cols,
                                  const at::Tensor& mask, const at::Tensor& kv_len) {
-  const int64_t L = kv_len.item<int64_t>();
+  // On CUDA nothing is read on the host (the op runs inside CUDA graphs): the whole width, masked.
+  const int64_t L = k_cache.is_cuda() ? mask.size(3) : kv_len.item<int64_t>();
   k_cache.index_put_({write_rows, Slice(), write_cols}, k.flatten(0, 1));
   v_cache.index_put_({write_rows, Slice(), write_cols}, v.flatten(0, 1));
   at::Tensor keys, values;
-  if (rows.numel() == 1) {  // one row: a view
+  if (rows.numel() == 1 && k_cache.is_cpu()) {  // one row: a view
     const int64_t r = rows.item<int64_t>();
     keys = k_cache.slice(0, r, r + 1).slice(2, 0, L);
     values = v_cache.slice(0, r, r + 1).slice(2, 0, L);

@@ -48,7 +48,7 @@ from leapfrog.kv.cache import KVCache
 
 log = logging.getLogger("leapfrog.compile")
 
-#: inductor settings of the fast path (torch._inductor.config keys)
+#: inductor settings of the fast path on CPU (torch._inductor.config keys)
 INDUCTOR_OPTIONS = {
     "freezing": True,                        # weights become constants, prepacked once
     "cpp_wrapper": True,                     # the graph called from C++, not Python
@@ -57,6 +57,13 @@ INDUCTOR_OPTIONS = {
     "max_autotune_report_choices_stats": False,  # keep start-up to the progress line: no per-GEMM
     "autotune_num_choices_displayed": 0,         # autotuning tables on stderr
 }
+#: on CUDA: frozen weights, Triton for the fused elementwise ops, cuBLAS for the GEMMs (autotuning
+#: Triton GEMMs costs minutes per bucket, and the C++ wrapper's time is what the CUDA graph removes)
+CUDA_INDUCTOR_OPTIONS = {"freezing": True}
+
+
+def inductor_options(device: torch.device) -> dict:
+    return CUDA_INDUCTOR_OPTIONS if device.type == "cuda" else INDUCTOR_OPTIONS
 
 
 @dataclass
@@ -91,6 +98,52 @@ class DirectCall:
         self.seconds += time.perf_counter() - t0
         self.calls += 1
         return out
+
+
+@dataclass
+class GraphReplay:
+    """A warmed bucket's call captured as a CUDA graph (the GPU's fast path: one launch replays
+    the whole forward, where each of its kernels would cost a launch from Python). The call's
+    tensors are copied into the graph's own inputs, the graph replays, and its outputs are
+    copied out (the next replay overwrites them). Nothing inside reads a tensor on the host: the
+    attention op takes the context length as a tensor and attends over the cache's whole width
+    on CUDA (attention/backend.py ``cached_attention``)."""
+    graph: torch.cuda.CUDAGraph
+    inputs: tuple                           # the graph's own input tensors (None where the call has None)
+    outputs: list[Tensor]                   # the graph's own output tensors
+    spec: list[tuple | None]
+    calls: int = field(default=0)
+
+    def matches(self, args: tuple) -> bool:
+        return _spec(args) == self.spec
+
+    def __call__(self, args: tuple) -> list[Tensor]:
+        for mine, a in zip(self.inputs, args):
+            if mine is not None:
+                mine.copy_(a, non_blocking=True)
+        self.graph.replay()
+        self.calls += 1
+        return [o.clone() for o in self.outputs]
+
+
+def capture_graph(call: Callable[[tuple], list[Tensor]], args: tuple, pool) -> GraphReplay:
+    """Capture ``call(inputs)`` as a CUDA graph over copies of ``args`` (after two warm runs on a
+    side stream, as CUDA graph capture needs); ``pool``: a memory pool shared by a model's graphs
+    (they never run at the same time, and each replay's outputs are copied out)."""
+    host = [i for i, a in enumerate(args) if a is not None and not a.is_cuda]
+    if host:   # a graph would replay the value it had at capture
+        raise ValueError(f"CUDA graph inputs must be CUDA tensors (arguments {host} are not)")
+    inputs = tuple(None if a is None else a.clone() for a in args)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            call(inputs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = call(inputs)
+    return GraphReplay(graph, inputs, list(outputs), _spec(args))
 
 
 def _spec(args: tuple) -> list[tuple | None]:
@@ -170,10 +223,13 @@ class CompiledForward:
         self.model, self.kv, self.aux_layers = model, kv, aux_layers
         self.feature_width = feature_width
         from leapfrog.attention.native import load_native_attention
-        self.native = load_native_attention()  # the attention op in C++ (else the Python one)
+        # the attention op in C++ on CPU (else the Python one; on CUDA the Python one's Triton kernel)
+        self.native = kv.k[0].device.type == "cpu" and load_native_attention()
         self.buckets = sorted(buckets)
         self.warmed: list[Bucket] = []
         self.direct: dict[tuple[int, int], DirectCall] = {}   # by [batch, tokens]
+        self.replays: dict[tuple[int, int], GraphReplay] = {}  # CUDA graphs, by [batch, tokens]
+        self._pool = None                                      # their memory pool
         # One graph per bucket, all from this one function: dynamo's per-function limit on
         # compiled variants must hold them all (targets and drafts share the code object).
         limit = 4 * len(self.buckets) + 8
@@ -216,6 +272,9 @@ class CompiledForward:
         return self._serve(self._args(tok, pos, meta, features))
 
     def _serve(self, args: tuple):
+        r = self.replays.get(tuple(args[0].shape))
+        if r is not None and r.matches(args):
+            return self._unflatten(r(args))
         d = self.direct.get(tuple(args[0].shape))
         if d is not None and d.matches(args):
             return self._unflatten(d(args, self.kv))
@@ -276,8 +335,8 @@ class CompiledForward:
         dev = self.kv.k[0].device
         scratch = self.kv.scratch_row
         for b in self.buckets:
-            with torch._inductor.config.patch(INDUCTOR_OPTIONS):  # compile-time settings (not torch.compile's
-                self._warm(b, dev, scratch)                       # options=, which do not reach freezing)
+            with torch._inductor.config.patch(inductor_options(dev)):  # compile-time settings (not
+                self._warm(b, dev, scratch)                            # torch.compile's options=: no freezing)
             self.warmed.append(b)
             if bar is not None:
                 bar.update(1)
@@ -308,6 +367,12 @@ class CompiledForward:
             self.direct[(b.batch, b.tokens)] = d
         else:
             log.warning("graph %s runs through torch.compile's wrappers (no direct call: slower)", b, exc_info=error)
+        if dev.type == "cuda":
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            kv = self.kv
+            call = (lambda a: d(a, kv)) if d is not None else (lambda a: self._flatten(self._fn(*a)))
+            self.replays[(b.batch, b.tokens)] = capture_graph(call, args, self._pool)
 
     def _warm_extra(self, b: Bucket, kv_len: int, dev: torch.device) -> tuple[Tensor, ...]:
         return ()

@@ -1,0 +1,99 @@
+"""Attention over the KV cache for CUDA graphs, as one Triton kernel (the GPU's compiled path).
+
+The compiled graphs' attention op (attention/backend.py ``cached_attention``) must not read a
+tensor on the host inside a CUDA graph, so without this kernel it gathers each sequence's cache
+row (``index_select``: a copy of the row) and runs SDPA over the cache's whole width, masked:
+the cost grows with ``max_model_len`` and the batch, not with the context. This kernel reads the
+rows in place and only the first ``kv_len`` columns (a device tensor: the loop bound is loaded
+in the kernel), applying the graph's mask (causal, tree or sliding window) column by column.
+
+One program per (sequence, KV head, query token): the ``G = H / Hkv`` query heads that share the
+KV head are one tile (padded to 16 rows for ``tl.dot``), and the columns are visited in blocks
+of ``BLOCK_N`` with an online softmax in float32 (flash attention's recurrence). float32 inputs
+multiply in IEEE float32 (no TF32). A query row whose columns are all masked (a padding token)
+gets zeros; its result is never read.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _decode_kernel(Q, K, V, Out, ROWS, MASK, KVLEN,
+                   sq_b, sq_s, sq_h, sk_r, sk_h, sk_n, so_b, so_s, so_h, sm_b, sm_s,
+                   scale, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                   BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    pid = tl.program_id(0)
+    s = tl.program_id(1)
+    b = pid // HKV
+    h = pid % HKV
+    row = tl.load(ROWS + b)
+    L = tl.load(KVLEN)
+    g = tl.arange(0, GP)
+    d = tl.arange(0, D)
+    heads = h * G + g
+    q = tl.load(Q + b * sq_b + s * sq_s + heads[:, None] * sq_h + d[None, :],
+                mask=(g < G)[:, None], other=0.0)                                  # [GP, D]
+    k_base = K + row * sk_r + h * sk_h
+    v_base = V + row * sk_r + h * sk_h
+    m_base = MASK + b * sm_b + s * sm_s
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    for n0 in range(0, L, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        inb = n < L
+        allowed = (tl.load(m_base + n, mask=inb, other=0) != 0) & inb               # [BLOCK_N]
+        k = tl.load(k_base + n[:, None] * sk_n + d[None, :], mask=inb[:, None], other=0.0)   # [BLOCK_N, D]
+        v = tl.load(v_base + n[:, None] * sk_n + d[None, :], mask=inb[:, None], other=0.0)
+        if IEEE:
+            sc = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            sc = tl.dot(q, tl.trans(k))
+        sc = tl.where(allowed[None, :], sc * scale, float("-inf"))                # [GP, BLOCK_N]
+        m_new = tl.maximum(m_i, tl.max(sc, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(sc - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(Out + b * so_b + s * so_s + heads[:, None] * so_h + d[None, :], out.to(Out.dtype.element_ty),
+             mask=(g < G)[:, None])
+
+
+def supported(q: Tensor, k_cache: Tensor) -> bool:
+    """Head dims the kernel takes (a power of two, 16..256) on CUDA, contiguous caches."""
+    dh = q.shape[-1]
+    return (q.is_cuda and 16 <= dh <= 256 and dh & (dh - 1) == 0 and k_cache.is_contiguous()
+            and q.dtype in (torch.float32, torch.bfloat16, torch.float16))
+
+
+def decode_attention(q: Tensor,                        # [B, S, H, Dh]
+                     k_cache: Tensor, v_cache: Tensor,  # [rows, Hkv, W, Dh], one layer's cache
+                     rows: Tensor,                      # [B] long: each sequence's cache row
+                     mask: Tensor,                      # [B, 1, S, W] bool: the columns each query sees
+                     kv_len: Tensor) -> Tensor:         # [] long: columns to read -> [B, S, H, Dh]
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    B, S, H, D = q.shape
+    hkv = k_cache.shape[1]
+    G = H // hkv
+    out = torch.empty_like(q)
+    m = mask if mask.stride(-1) == 1 else mask.contiguous()
+    _decode_kernel[(B * hkv, S)](
+        q, k_cache, v_cache, out, rows, m, kv_len,
+        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        out.stride(0), out.stride(1), out.stride(2), m.stride(0), m.stride(2),
+        D ** -0.5, HKV=hkv, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BLOCK_N=64,
+        IEEE=q.dtype == torch.float32)
+    return out

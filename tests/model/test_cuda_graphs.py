@@ -1,0 +1,114 @@
+"""The fast path on CUDA: compiled forwards replayed as CUDA graphs (model/compiled.py GraphReplay).
+
+Skipped without a CUDA device (CI has none); run on a GPU machine with
+``python -m pytest tests/model/test_cuda_graphs.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from leapfrog import LLM, SamplingParams
+from tests.conftest import prompts_of
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _generate(llm: LLM, prompts, max_tokens: int = 24, **sp):
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **{"temperature": 0.0, **sp})
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _replays(llm: LLM) -> int:
+    return sum(r.calls for g in llm.engine.runner.graphs for r in g.replays.values())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_graphs_replay_and_match_eager(llama_dir, tokenizer, dtype):
+    """Every decode step replays a CUDA graph (none compiles while serving), and greedy output
+    equals the eager forwards' (fp32: token for token; bf16: most prompts, near-ties aside)."""
+    prompts = prompts_of(tokenizer, 4)
+    eager = LLM(model=str(llama_dir), dtype=dtype, device="cuda", max_model_len=128, max_num_seqs=4)
+    fast = LLM(model=str(llama_dir), dtype=dtype, device="cuda", max_model_len=128, max_num_seqs=4,
+               enforce_eager=False)
+    assert all(g.replays for g in fast.engine.runner.graphs)
+    frames = counters["stats"]["unique_graphs"]
+    want, got = _generate(eager, prompts), _generate(fast, prompts)
+    assert counters["stats"]["unique_graphs"] == frames   # nothing compiled while serving
+    assert _replays(fast) >= 20
+    same = sum(a == b for a, b in zip(want, got))
+    assert same == len(prompts) if dtype == "float32" else same >= len(prompts) - 1
+
+
+def test_speculation_on_graphs_is_lossless(llama_dir, draft_dir, tokenizer):
+    """draft_model and n-gram speculation on the CUDA fast path: greedy output equals plain
+    decoding's; sampled output is reproducible by seed."""
+    prompts = prompts_of(tokenizer, 4)
+    base = LLM(model=str(llama_dir), dtype="float32", device="cuda", max_model_len=128, max_num_seqs=4,
+               enforce_eager=False)
+    want = _generate(base, prompts)
+    for spec in ({"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 3},
+                 {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}):
+        llm = LLM(model=str(llama_dir), dtype="float32", device="cuda", max_model_len=128, max_num_seqs=4,
+                  enforce_eager=False, speculative_config=spec)
+        assert _generate(llm, prompts) == want, spec["method"]
+        a = _generate(llm, prompts, temperature=0.8, seed=5)
+        assert a == _generate(llm, prompts, temperature=0.8, seed=5), spec["method"]
+        assert _replays(llm) > 0
+
+
+def test_dummy_shape_on_cuda(tmp_path, llama_dir):
+    """load_format="dummy" builds the model on the GPU from config.json alone."""
+    import shutil
+    shutil.copy(llama_dir / "config.json", tmp_path / "config.json")
+    llm = LLM(model=str(tmp_path), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", device="cuda",
+              max_model_len=64, max_num_seqs=1, enforce_eager=False)
+    assert next(llm.engine.model.parameters()).is_cuda
+    assert len(_generate(llm, [[5, 6, 7]], max_tokens=8)[0]) == 8
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_linear_on_cuda_matches_its_reference(method):
+    """The CUDA weight-only kernels (tinygemm's int4 layout, int8) compute with the weight
+    quant.reference_weight describes, for one row and for a few."""
+    from leapfrog.model.quant import QUANT_LINEARS, reference_weight
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = (torch.randn(384, 1024, generator=g, device="cuda") * 0.05).to(torch.bfloat16)
+    layer = QUANT_LINEARS[method](w, None)
+    for rows in (1, 5):
+        x = torch.randn(rows, 1024, generator=g, device="cuda").to(torch.bfloat16)
+        want = x.float() @ reference_weight(method, w).T
+        got = layer(x).float()
+        assert ((got - want).norm() / want.norm()).item() < 2e-2, rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 1, 32, 8, 128, 3, 512, 70), (2, 5, 4, 4, 32, 4, 96, 33),
+                                   (3, 2, 6, 2, 64, 5, 64, 64)])
+def test_triton_decode_attention_matches_sdpa(dtype, shape):
+    """The graphs' attention kernel (rows read in place, kv_len columns, the mask applied) equals
+    SDPA over the gathered rows' first kv_len columns; fully masked (padding) queries give zeros."""
+    from leapfrog.attention.triton_decode import decode_attention
+    import torch.nn.functional as F
+    B, S, H, Hkv, D, R, W, L = shape
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(B, S, H, D, generator=g, device="cuda").to(dtype)
+    kc = torch.randn(R, Hkv, W, D, generator=g, device="cuda").to(dtype)
+    vc = torch.randn(R, Hkv, W, D, generator=g, device="cuda").to(dtype)
+    rows = torch.randperm(R, device="cuda")[:B]
+    mask = torch.rand(B, 1, S, W, generator=g, device="cuda") < 0.6
+    mask[..., L:] = False
+    mask[0, 0, S - 1, :] = False   # a padding query
+    mask[0, 0, S - 1, 0] = S == 1  # (a lone query keeps one column)
+    out = decode_attention(q, kc, vc, rows, mask, torch.tensor(L, device="cuda")).float()
+    G = H // Hkv
+    keys = kc[rows][:, :, :L].float().repeat_interleave(G, 1)
+    vals = vc[rows][:, :, :L].float().repeat_interleave(G, 1)
+    m = mask[..., :L]
+    ref = F.scaled_dot_product_attention(q.float().transpose(1, 2), keys, vals, attn_mask=m).transpose(1, 2)
+    real = m.any(-1)[:, 0]   # [B, S]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert ((out - ref)[real].norm() / ref[real].norm()).item() < tol
+    assert torch.all(out[~real] == 0)
