@@ -92,8 +92,11 @@ def cached_attention(q: Tensor, k: Tensor, v: Tensor,  # [B, S, H | Hkv, Dh]
     if k_cache.is_cuda:
         meta = AttnMeta(rows=rows, write_rows=write_rows, write_cols=write_cols, kv_len=mask.shape[-1], mask=mask)
         write_layer(k_cache, v_cache, meta, k, v)
-        if _triton_decode() is not None and _triton_decode().supported(q, k_cache):
-            return _triton_decode().decode_attention(q, k_cache, v_cache, rows, mask, kv_len)
+        tri = _triton_decode()
+        if tri is not None and tri.supported(q, k_cache):
+            out = tri.try_decode_attention(q, k_cache, v_cache, rows, mask, kv_len)
+            if out is not None:
+                return out
         keys, values = k_cache.index_select(0, rows), v_cache.index_select(0, rows)   # [B, Hkv, max_len, Dh]
     else:
         L = int(kv_len)

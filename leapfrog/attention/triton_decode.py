@@ -16,11 +16,15 @@ gets zeros; its result is never read.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import Tensor
 
 import triton
 import triton.language as tl
+
+log = logging.getLogger("leapfrog.attention")
 
 
 @triton.jit
@@ -73,10 +77,24 @@ def _decode_kernel(Q, K, V, Out, ROWS, MASK, KVLEN,
 
 
 def supported(q: Tensor, k_cache: Tensor) -> bool:
-    """Head dims the kernel takes (a power of two, 16..256) on CUDA, contiguous caches."""
+    """Head dims the kernel takes (a power of two, 16..256) on CUDA, contiguous caches; False
+    once the kernel failed to build here."""
     dh = q.shape[-1]
-    return (q.is_cuda and 16 <= dh <= 256 and dh & (dh - 1) == 0 and k_cache.is_contiguous()
+    return (not _FAILED and q.is_cuda and 16 <= dh <= 256 and dh & (dh - 1) == 0 and k_cache.is_contiguous()
             and q.dtype in (torch.float32, torch.bfloat16, torch.float16))
+
+
+_FAILED: list[str] = []   # why the kernel could not run here (then the caller's SDPA path serves)
+
+
+def try_decode_attention(*args: Tensor) -> Tensor | None:
+    """decode_attention, or None (logged once) when Triton cannot build or run it on this setup."""
+    try:
+        return decode_attention(*args)
+    except Exception as e:  # noqa: BLE001 - a Triton/driver version the kernel does not suit
+        _FAILED.append(f"{type(e).__name__}: {e}")
+        log.warning("Triton decode attention unavailable (%s); graphs use gathered rows and SDPA", _FAILED[0][:300])
+        return None
 
 
 def decode_attention(q: Tensor,                        # [B, S, H, Dh]
