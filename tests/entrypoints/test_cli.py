@@ -50,3 +50,16 @@ def test_default_model_fallback_without_the_demo_assets(tmp_path, monkeypatch, c
     assert "built-in default model" in out.err
     assert "speculation ngram" in out.out or "tokens/s" in out.out
     assert (tmp_path / "tiny-random-llama-v1" / "config.json").is_file()
+
+
+def test_load_format_dummy_needs_no_weight_files(llama_dir, tmp_path, capsys):
+    """--load-format dummy: config.json and tokenizer files, no weights, and generate runs."""
+    import shutil
+    for f in llama_dir.iterdir():
+        if not f.name.endswith(".safetensors") and f.is_file():
+            shutil.copy(f, tmp_path / f.name)
+    assert main(["generate", "x", "--model", str(tmp_path), "--max-tokens", "4", "--ignore-eos"]) == 2
+    assert "no weights" in capsys.readouterr().err
+    rc = main(["generate", "def foo(x):", "--model", str(tmp_path), "--load-format", "dummy", "--max-tokens", "4",
+               "--ignore-eos", "--speculative-config", "none"])
+    assert rc == 0 and "[4 tokens, finish_reason=length]" in capsys.readouterr().out
