@@ -80,6 +80,14 @@ class Request:
         return self.generator
 
     @property
+    def temperature_only(self) -> bool:
+        """Every row of this request, drafts included, is drawn from softmax(logits / temperature):
+        sampled with nothing else changing the logits, no grammar, past min_tokens."""
+        p = self.params
+        return (p.plain_temperature and self.grammar is None
+                and (len(self.output_ids) >= p.min_tokens or not self.stop_ids))
+
+    @property
     def raw_argmax(self) -> bool:
         """Every row of this request, drafts included, is the argmax of the raw logits: greedy with
         no penalties, token rules or grammar, and past min_tokens (or nothing to suppress)."""

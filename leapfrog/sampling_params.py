@@ -192,6 +192,13 @@ class SamplingParams:
                 or self.structured_outputs is not None)
 
     @property
+    def plain_temperature(self) -> bool:
+        """Sampled from softmax(logits / temperature) alone: no penalties, token rules, top-k,
+        top-p or min-p (min_tokens is per position, see Request)."""
+        return (not self.greedy and not self.has_penalties and not self.has_token_rules and self.top_k <= 0
+                and self.top_p >= 1.0 and self.min_p <= 0.0)
+
+    @property
     def plain_argmax(self) -> bool:
         """Greedy on the raw logits: nothing changes them (penalties, token rules; min_tokens is
         per position, see Request)."""

@@ -407,17 +407,30 @@ class CompiledChain(CompiledForward):
 
     def _chain(self, tok: Tensor, pos: Tensor, mask: Tensor, rows: Tensor, write_rows: Tensor, write_cols: Tensor,
                kv_len: Tensor, features: Tensor | None, last: Tensor, col: Tensor) -> ChainOutput:
+        toks, (lps,) = self._steps(tok, pos, mask, rows, write_rows, write_cols, kv_len, features, last, col)
+        return ChainOutput(toks, lps)
+
+    def _pick(self, logits: Tensor, j: int, *pick_args: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """Step j's token from its logits [B, V] -> [B] and what the graph returns with it (greedy:
+        the argmax and its log q)."""
+        lp, x = torch.log_softmax(logits.float(), -1).max(-1)                      # [B], [B]
+        return x, (lp,)
+
+    def _steps(self, tok: Tensor, pos: Tensor, mask: Tensor, rows: Tensor, write_rows: Tensor, write_cols: Tensor,
+               kv_len: Tensor, features: Tensor | None, last: Tensor, col: Tensor,
+               *pick_args: Tensor) -> tuple[Tensor, list[Tensor]]:
+        """The chain: -> tokens [B, steps] and each of ``_pick``'s outputs stacked [B, steps, ...]."""
         B, S = tok.shape
         g = self._forward(tok, pos, mask, rows, write_rows, write_cols, kv_len, features)
         at = torch.arange(B, device=tok.device) * S + last                        # [B] rows of the last tokens
         logits = g.logits[at]                                                      # [B, V]
         h = g.hidden.reshape(B * S, -1)[at]                                        # [B, H]
         cols = torch.arange(mask.shape[-1], device=tok.device)                     # [W]
-        toks, lps = [], []
+        toks, outs = [], []
         for j in range(self.steps):
-            lp, x = torch.log_softmax(logits.float(), -1).max(-1)                  # [B], [B]
+            x, out = self._pick(logits, j, *pick_args)
             toks.append(x)
-            lps.append(lp)
+            outs.append(out)
             if j == self.steps - 1:
                 break
             c = col + j                                                            # [B] this step's column
@@ -428,7 +441,7 @@ class CompiledChain(CompiledForward):
             g = self._forward(x[:, None], c[:, None], m, rows, rows, c, c.max() + 1,
                               h[:, None] if self.next_width is not None else None)
             logits, h = g.logits, g.hidden[:, 0]
-        return ChainOutput(torch.stack(toks, 1), torch.stack(lps, 1))
+        return torch.stack(toks, 1), [torch.stack(o, 1) for o in zip(*outs)]
 
     def __call__(self, tok: Tensor, pos: Tensor, meta: AttnMeta, features: Tensor | None,  # type: ignore[override]
                  last: Tensor, col: Tensor) -> ChainOutput:
@@ -443,6 +456,64 @@ class CompiledChain(CompiledForward):
     def _warm_extra(self, b: Bucket, kv_len: int, dev: torch.device) -> tuple[Tensor, ...]:
         last = torch.full((b.batch,), b.tokens - 1, dtype=torch.long, device=dev)
         return last, torch.full((b.batch,), kv_len, dtype=torch.long, device=dev)
+
+
+@dataclass
+class SampledChainOutput:
+    tokens: Tensor     # [batch, steps] long: drawn (sampled rows) or the argmax (greedy rows)
+    logprobs: Tensor   # [batch, steps] float32: log q of the argmax (greedy rows' scores)
+    shares: Tensor     # [batch, steps] float32: log of the drawn token's share of the race's first ``want``
+    q: Tensor          # [batch, steps, V] float32: the distribution each token was drawn from
+
+
+class CompiledSampledChain(CompiledChain):
+    """Sampled chain drafting in one graph per bucket, the sampled twin of CompiledChain (an
+    EAGLE head's chains at temperature > 0). Each step draws as the sampler does
+    (sampling/sampler.py ``sample``, an exponential race): q = softmax(logits / logit_scale / T)
+    and the token is argmax q / E, E = -log U, with the uniforms U [batch, steps, V] float64
+    drawn on the host from each request's randomness (its position noise when seeded, its
+    generator when not) and passed in, so the graph draws the tokens the eager drafter draws.
+    Rows with ``sampled`` False take the argmax, as CompiledChain. Only temperature: requests
+    with penalties, token rules, top-k/p or min-p draft eagerly."""
+
+    def __init__(self, model: torch.nn.Module, kv: KVCache, buckets: list[Bucket], steps: int, want: int,
+                 logit_scale: float = 1.0, feature_width: int | None = None, next_width: int | None = None) -> None:
+        super().__init__(model, kv, buckets, steps, feature_width, next_width)
+        self.want, self.logit_scale = want, logit_scale
+        self._fn = torch.compile(self._sampled_chain, dynamic=False, fullgraph=True)
+
+    def _sampled_chain(self, tok: Tensor, pos: Tensor, mask: Tensor, rows: Tensor, write_rows: Tensor,
+                       write_cols: Tensor, kv_len: Tensor, features: Tensor | None, last: Tensor, col: Tensor,
+                       temperature: Tensor, sampled: Tensor, u: Tensor) -> SampledChainOutput:
+        toks, (lps, shares, q) = self._steps(tok, pos, mask, rows, write_rows, write_cols, kv_len, features, last,
+                                             col, temperature, sampled, u)
+        return SampledChainOutput(toks, lps, shares, q)
+
+    def _pick(self, logits: Tensor, j: int, *pick_args: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
+        temperature, sampled, u = pick_args                                        # [B], [B] bool, [B, steps, V]
+        lf = logits.float()
+        lp, greedy = torch.log_softmax(lf, -1).max(-1)                             # [B], [B]
+        q = torch.softmax(lf / self.logit_scale / temperature[:, None], -1)        # [B, V] as the sampler's probs
+        top = (q.double() / -torch.log(u[:, j])).topk(self.want, -1)               # the race's first finishers
+        x = torch.where(sampled, top.indices[:, 0], greedy)
+        share = torch.log(top.values[:, 0] / top.values.sum(-1)).float()
+        return x, (lp, share, q)
+
+    def __call__(self, tok: Tensor, pos: Tensor, meta: AttnMeta, features: Tensor | None,  # type: ignore[override]
+                 last: Tensor, col: Tensor, temperature: Tensor, sampled: Tensor, u: Tensor) -> SampledChainOutput:
+        return self._serve(self._args(tok, pos, meta, features, last, col, temperature, sampled, u))
+
+    def _flatten(self, out: SampledChainOutput) -> list[Tensor]:  # type: ignore[override]
+        return [out.tokens, out.logprobs, out.shares, out.q]
+
+    def _unflatten(self, flat: list[Tensor]) -> SampledChainOutput:  # type: ignore[override]
+        return SampledChainOutput(*flat)
+
+    def _warm_extra(self, b: Bucket, kv_len: int, dev: torch.device) -> tuple[Tensor, ...]:
+        V = self.model.args.vocab_size
+        return (*super()._warm_extra(b, kv_len, dev), torch.full((b.batch,), 0.7, device=dev),
+                torch.ones(b.batch, dtype=torch.bool, device=dev),
+                torch.rand(b.batch, self.steps, V, dtype=torch.float64, device=dev).clamp_(min=1e-300))
 
 
 @dataclass

@@ -33,7 +33,8 @@ from torch import Tensor
 
 from leapfrog.attention.metadata import AttnMeta, build_attn_meta
 from leapfrog.kv.cache import KVCache
-from leapfrog.model.compiled import Bucket, ChainOutput, CompiledChain, CompiledForward, CompiledTree, TreeOutput
+from leapfrog.model.compiled import (Bucket, ChainOutput, CompiledChain, CompiledForward, CompiledSampledChain,
+                                     CompiledTree, SampledChainOutput, TreeOutput)
 
 
 @dataclass
@@ -86,6 +87,7 @@ class ModelRunner:
         self.graphs: list[CompiledForward] = []   # compiled forwards (per feature width)
         self.chain: CompiledChain | None = None    # fused greedy chain drafting (drafters)
         self.tree: CompiledTree | None = None      # fused greedy tree drafting (EAGLE heads)
+        self.sampled_chain: CompiledSampledChain | None = None   # fused sampled chain drafting (EAGLE heads)
 
     @property
     def compiled(self) -> CompiledForward | None:
@@ -110,6 +112,16 @@ class ModelRunner:
         self.chain = CompiledChain(self.model, self.kv, buckets, steps, feature_width, next_width)
         return self.chain.warm_up(progress)
 
+    def compile_sampled_chain(self, buckets: list[Bucket], steps: int, want: int, logit_scale: float = 1.0,
+                              feature_width: int | None = None, next_width: int | None = None,
+                              progress: bool = True) -> float:
+        """Compile sampled chain drafting (model/compiled.py CompiledSampledChain; ``draft_sampled_chain``
+        runs it). -> seconds taken."""
+        self._check_compilable()
+        self.sampled_chain = CompiledSampledChain(self.model, self.kv, buckets, steps, want, logit_scale,
+                                                  feature_width, next_width)
+        return self.sampled_chain.warm_up(progress)
+
     def compile_tree(self, buckets: list[Bucket], steps: int, topk: int, nodes: int, feature_width: int | None = None,
                      next_width: int | None = None, progress: bool = True) -> float:
         """Compile greedy dynamic tree drafting (``steps`` levels, ``topk`` children per frontier
@@ -121,7 +133,7 @@ class ModelRunner:
 
     def graph_seconds(self) -> float:
         """Seconds spent inside compiled graphs so far (their direct calls: model/compiled.py)."""
-        fwds = [*self.graphs, *(g for g in (self.chain, self.tree) if g is not None)]
+        fwds = [*self.graphs, *(g for g in (self.chain, self.sampled_chain, self.tree) if g is not None)]
         return sum(d.seconds for g in fwds for d in g.direct.values())
 
     def _check_compilable(self) -> None:
@@ -142,6 +154,18 @@ class ModelRunner:
         return None if out is None else ChainOutput(out.tokens[:len(chunks)], out.logprobs[:len(chunks)])
 
     @torch.inference_mode()
+    def draft_sampled_chain(self, chunks: list[SeqChunk], temperature: Tensor, sampled: Tensor,
+                            u: Tensor) -> SampledChainOutput | None:
+        """Chains of the sampled graph's ``steps`` tokens after each chunk (as ``draft_chain``):
+        temperature [n], sampled [n] bool (False: the argmax), u [n, steps, V] float64 the uniforms
+        each row's draws take, on the runner's device. -> per chunk, or None when no graph fits."""
+        c = self.sampled_chain
+        if c is None:
+            return None
+        out = self._fused(c, chunks, c.steps - 1, (temperature, sampled, u))
+        return None if out is None else SampledChainOutput(*(getattr(out, f.name)[:len(chunks)] for f in fields(out)))
+
+    @torch.inference_mode()
     def draft_tree(self, chunks: list[SeqChunk]) -> TreeOutput | None:
         """Greedy dynamic draft trees after each chunk (its pending tokens, as ``draft_chain``),
         grown and reranked in one compiled graph (model/compiled.py CompiledTree). -> the best
@@ -152,9 +176,10 @@ class ModelRunner:
         out = self._fused(t, chunks, t.tree_cols)
         return None if out is None else TreeOutput(*(getattr(out, f.name)[:len(chunks)] for f in fields(out)))
 
-    def _fused(self, g: CompiledChain, chunks: list[SeqChunk], after: int) -> Any:
+    def _fused(self, g: CompiledChain, chunks: list[SeqChunk], after: int, extra: tuple[Tensor, ...] = ()) -> Any:
         """Run a fused drafting graph over chunks' pending tokens, padded to its bucket; ``after``:
-        cache columns it writes past the chunks. -> its output, or None when nothing fits."""
+        cache columns it writes past the chunks; ``extra``: per-chunk inputs [n, ...] after the
+        graph's own (padding rows repeat the first). -> its output, or None when nothing fits."""
         if any(ch.is_tree for ch in chunks):
             return None
         width = {None if ch.features is None else ch.features.shape[-1] for ch in chunks}
@@ -171,7 +196,9 @@ class ModelRunner:
         feats = self._pad_features(full, bucket.tokens) if g.feature_width is not None else None
         last = torch.tensor([len(ch.token_ids) - 1 for ch in full], device=self.device)
         col = torch.tensor([ch.start + len(ch.token_ids) for ch in full], device=self.device)
-        return g(tok, posn, meta, feats, last, col)
+        pad = bucket.batch - len(chunks)
+        extra = tuple(torch.cat([x, x[:1].expand(pad, *x.shape[1:])]) if pad else x for x in extra)
+        return g(tok, posn, meta, feats, last, col, *extra)
 
     def move_cols(self, row: int, src: list[int], dst: list[int]) -> None:
         """Copy a row's KV columns ``src`` to ``dst`` (an accepted tree path made contiguous)."""

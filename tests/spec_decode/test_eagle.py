@@ -294,3 +294,54 @@ def test_fast_path_drafts_as_eager(shapes, tokenizer, kind, tree, monkeypatch):
     # the head's fused graphs and the target's verify graphs were called directly (no torch.compile wrappers)
     assert sum(d.calls for g in fused for d in g.direct.values()) == len(calls)
     assert sum(d.calls for d in fast.engine.runner.compiled.direct.values()) > 0
+
+
+@pytest.mark.slow
+def test_fast_path_samples_chains_as_eager(shapes, tokenizer, monkeypatch):
+    """enforce_eager=False at temperature > 0: an EAGLE head's chains come from the sampled chain
+    graph (CompiledSampledChain: one call per step) and draw exactly what the eager head draws,
+    seeded, engine-seeded and greedy requests in one batch (the same tokens, parents and draft
+    distributions every step, float32), so the outputs equal the eager engine's; a request with
+    top_k sends its steps to the eager expansion. Nothing compiles while serving."""
+    from torch._dynamo.utils import counters
+
+    from leapfrog.model.compiled import CompiledSampledChain
+    target, heads = shapes["llama_untied"]
+    prompts = prompts_of(tokenizer, 3)
+    spec = {"method": "eagle3", "model": str(heads["eagle3"]), **TREES["chain"]}
+    llms = {eager: LLM(model=str(target), dtype="float32", max_model_len=256, max_num_seqs=4, seed=11,
+                       speculative_config=spec, enforce_eager=eager) for eager in (True, False)}
+    seen = {eager: [] for eager in llms}
+    for eager, llm in llms.items():
+        propose = llm.engine.proposer.propose
+
+        def record(reqs, ks, propose=propose, out=seen[eager]):
+            d = propose(reqs, ks)
+            out.append((d.lists(), d.parent_lists(), None if d.draft_probs is None else d.draft_probs.clone()))
+            return d
+        llm.engine.proposer.propose = record
+    calls = []
+    orig = CompiledSampledChain.__call__
+    monkeypatch.setattr(CompiledSampledChain, "__call__", lambda self, *a: calls.append(1) or orig(self, *a))
+    batches = [[SamplingParams(temperature=0.8, seed=5, max_tokens=MAX, ignore_eos=True),
+                SamplingParams(temperature=0.7, max_tokens=MAX, ignore_eos=True),
+                SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)],
+               [SamplingParams(temperature=0.9, seed=6, max_tokens=MAX, ignore_eos=True),
+                SamplingParams(temperature=0.9, top_k=20, seed=7, max_tokens=MAX, ignore_eos=True)]]
+    graphs = counters["stats"]["unique_graphs"]
+    outs = {}
+    for eager, llm in llms.items():
+        outs[eager] = [[o.outputs[0].token_ids for o in llm.generate(
+            [{"prompt_token_ids": p} for p in prompts[:len(sps)]], sps, use_tqdm=False)] for sps in batches]
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert outs[False] == outs[True]
+    fast = llms[False]
+    assert fast.engine.proposer.runner.sampled_chain is not None and calls
+    assert len(seen[False]) == len(seen[True])
+    for (t0, p0, q0), (t1, p1, q1) in zip(seen[True], seen[False]):
+        assert (t0, p0) == (t1, p1)
+        assert (q0 is None) == (q1 is None)
+        if q0 is not None:   # (inductor's fused softmax rounds a few elements differently)
+            torch.testing.assert_close(q0, q1, rtol=1e-4, atol=1e-6)
+    assert any(q is not None for _, _, q in seen[False])   # unseeded draws carry their q
+    assert len(calls) < len(seen[False])                    # the top_k request's steps ran eagerly

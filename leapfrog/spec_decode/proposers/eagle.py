@@ -224,6 +224,9 @@ class EagleProposer:
         tree = self.static_children is None and width > 1 and self.depth > 1 and self.head.args.sliding_window is None
         if not tree or self.cfg.auto_tree:
             self.runner.compile_chain(buckets, self.depth, feature_width=feats, next_width=self.head.args.hidden_size)
+            if self.static_children is None:   # sampled chains (temperature-only requests)
+                self.runner.compile_sampled_chain(buckets, self.depth, self._want(), self.head.cfg.greedy_logit_scale,
+                                                  feature_width=feats, next_width=self.head.args.hidden_size)
         if tree:
             self.runner.compile_tree(buckets, self.depth, width, self.budget, feature_width=feats,
                                      next_width=self.head.args.hidden_size)
@@ -277,13 +280,17 @@ class EagleProposer:
 
     def _fused_chains(self, reqs: list[Request], active: list[int], ks: list[int],
                       nodes: dict[int, list[_Node]]) -> bool:
-        """Greedy chains for every active request from the compiled chain graph (see compile);
+        """Chains for every active request from a compiled chain graph (see compile): the greedy
+        graph when every request is greedy, else the sampled one (temperature-only requests);
         -> False (nothing done) when the step does not qualify."""
-        chain = self.runner.chain
-        if chain is None or not all(reqs[b].params.greedy and self._width(ks[b]) == 1 for b in active) \
-                or self.static_children is not None:
+        if self.static_children is not None or not all(self._width(ks[b]) == 1 for b in active):
             return False
         rs = [reqs[b] for b in active]
+        if not all(r.params.greedy for r in rs):
+            return self._fused_sampled_chains(reqs, active, ks, nodes)
+        chain = self.runner.chain
+        if chain is None:
+            return False
         out = self.runner.draft_chain(self._pending(rs, chain.max_tokens), self.depth)
         if out is None:
             return False
@@ -294,6 +301,40 @@ class EagleProposer:
             for d in range(self._levels(reqs[b], ks[b])):
                 score += lps[i][d]
                 nodes[b].append(_Node(toks[i][d], d - 1, score, d + 1, 0, None))
+        return True
+
+    def _fused_sampled_chains(self, reqs: list[Request], active: list[int], ks: list[int],
+                              nodes: dict[int, list[_Node]]) -> bool:
+        """Chains from the sampled chain graph (model/compiled.py CompiledSampledChain): each level
+        drawn as ``_candidates`` draws it, from the uniforms of the same randomness (the request's
+        position noise when seeded, its generator when not: drawn here, for the levels the eager
+        expansion would draw); greedy requests take the argmax."""
+        chain = self.runner.sampled_chain
+        rs = [reqs[b] for b in active]
+        if chain is None or not all(r.params.greedy or r.temperature_only for r in rs):
+            return False
+        levels = [self._levels(r, ks[b]) for b, r in zip(active, rs)]
+        dev, V = self.runner.device, chain.model.args.vocab_size
+        rngs = [r.rng(d) if d < n else None for r, n in zip(rs, levels) for d in range(chain.steps)]
+        u = sampler.noise(rngs, V, dev).view(len(rs), chain.steps, V)
+        temperature = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in rs], device=dev)
+        drawn = torch.tensor([not r.params.greedy for r in rs], device=dev)
+        out = self.runner.draft_sampled_chain(self._pending(rs, chain.max_tokens), temperature, drawn, u)
+        if out is None:
+            return False
+        self._consumed(rs)
+        toks, lps, shares = out.tokens.tolist(), out.logprobs.tolist(), out.shares.tolist()
+        for i, (b, r, n) in enumerate(zip(active, rs, levels)):
+            score = 0.0
+            for d in range(n):
+                q, unseeded = None, not r.params.greedy and r.seed_key is None
+                if r.params.greedy:
+                    score += lps[i][d]
+                elif unseeded:
+                    q = out.q[i, d]   # (confidence 1: see _candidates)
+                else:
+                    score += shares[i][d]
+                nodes[b].append(_Node(toks[i][d], d - 1, score, d + 1, 0, None, q=q, sampled=unseeded))
         return True
 
     def _catch_up(self, reqs: list[Request], keep: int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
