@@ -297,18 +297,21 @@ def test_fast_path_drafts_as_eager(shapes, tokenizer, kind, tree, monkeypatch):
 
 
 @pytest.mark.slow
-def test_fast_path_samples_chains_as_eager(shapes, tokenizer, monkeypatch):
+@pytest.mark.parametrize("tree", ["chain", "dynamic"])
+def test_fast_path_samples_chains_as_eager(shapes, tokenizer, tree, monkeypatch):
     """enforce_eager=False at temperature > 0: an EAGLE head's chains come from the sampled chain
     graph (CompiledSampledChain: one call per step) and draw exactly what the eager head draws,
     seeded, engine-seeded and greedy requests in one batch (the same tokens, parents and draft
     distributions every step, float32), so the outputs equal the eager engine's; a request with
-    top_k sends its steps to the eager expansion. Nothing compiles while serving."""
+    top_k sends its steps to the eager expansion. With a tree configured, unseeded requests (which
+    draft chains whatever the tree) use the graph, seeded ones grow trees eagerly. Nothing
+    compiles while serving."""
     from torch._dynamo.utils import counters
 
     from leapfrog.model.compiled import CompiledSampledChain
     target, heads = shapes["llama_untied"]
     prompts = prompts_of(tokenizer, 3)
-    spec = {"method": "eagle3", "model": str(heads["eagle3"]), **TREES["chain"]}
+    spec = {"method": "eagle3", "model": str(heads["eagle3"]), **TREES[tree]}
     llms = {eager: LLM(model=str(target), dtype="float32", max_model_len=256, max_num_seqs=4, seed=11,
                        speculative_config=spec, enforce_eager=eager) for eager in (True, False)}
     seen = {eager: [] for eager in llms}
@@ -328,6 +331,9 @@ def test_fast_path_samples_chains_as_eager(shapes, tokenizer, monkeypatch):
                 SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)],
                [SamplingParams(temperature=0.9, seed=6, max_tokens=MAX, ignore_eos=True),
                 SamplingParams(temperature=0.9, top_k=20, seed=7, max_tokens=MAX, ignore_eos=True)]]
+    if tree == "dynamic":   # unseeded requests alone (fused), then a seeded one's trees (eager)
+        batches = [[SamplingParams(temperature=t, max_tokens=MAX, ignore_eos=True) for t in (0.7, 0.9)],
+                   [SamplingParams(temperature=0.8, seed=5, max_tokens=MAX, ignore_eos=True)]]
     graphs = counters["stats"]["unique_graphs"]
     outs = {}
     for eager, llm in llms.items():

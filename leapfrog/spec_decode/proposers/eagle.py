@@ -212,8 +212,9 @@ class EagleProposer:
     def compile(self) -> None:
         """enforce_eager=False: greedy chains and greedy dynamic trees (every request greedy) are
         drafted by one compiled graph per step (model/compiled.py CompiledChain / CompiledTree: the
-        catch-up forward over up to depth + 1 new positions, then the levels); static trees,
-        sampled requests and long catch-ups (a new prompt) run eagerly. A chain graph is compiled
+        catch-up forward over up to depth + 1 new positions, then the levels), sampled chains by
+        CompiledSampledChain; static trees, seeded sampled trees and long catch-ups (a new prompt)
+        run eagerly. A chain graph is compiled
         when chains can be asked for (a tree of width 1, or "auto" tree sizes up to the depth), a
         tree graph for the configured tree (depth x the width ``num_draft_tokens`` uses, as the
         eager expansion grows it; "auto": depth x eagle_topk, every size cut from it)."""
@@ -224,9 +225,9 @@ class EagleProposer:
         tree = self.static_children is None and width > 1 and self.depth > 1 and self.head.args.sliding_window is None
         if not tree or self.cfg.auto_tree:
             self.runner.compile_chain(buckets, self.depth, feature_width=feats, next_width=self.head.args.hidden_size)
-            if self.static_children is None:   # sampled chains (temperature-only requests)
-                self.runner.compile_sampled_chain(buckets, self.depth, self._want(), self.head.cfg.greedy_logit_scale,
-                                                  feature_width=feats, next_width=self.head.args.hidden_size)
+        if self.static_children is None:   # sampled chains (temperature-only requests; unseeded ones in trees too)
+            self.runner.compile_sampled_chain(buckets, self.depth, self._want(), self.head.cfg.greedy_logit_scale,
+                                              feature_width=feats, next_width=self.head.args.hidden_size)
         if tree:
             self.runner.compile_tree(buckets, self.depth, width, self.budget, feature_width=feats,
                                      next_width=self.head.args.hidden_size)
@@ -281,14 +282,17 @@ class EagleProposer:
     def _fused_chains(self, reqs: list[Request], active: list[int], ks: list[int],
                       nodes: dict[int, list[_Node]]) -> bool:
         """Chains for every active request from a compiled chain graph (see compile): the greedy
-        graph when every request is greedy, else the sampled one (temperature-only requests);
+        graph when every request is greedy, else the sampled one (temperature-only requests; an
+        unseeded one drafts a chain whatever its tree size: ``_children``);
         -> False (nothing done) when the step does not qualify."""
-        if self.static_children is not None or not all(self._width(ks[b]) == 1 for b in active):
+        if self.static_children is not None:
             return False
         rs = [reqs[b] for b in active]
         if not all(r.params.greedy for r in rs):
             return self._fused_sampled_chains(reqs, active, ks, nodes)
         chain = self.runner.chain
+        if not all(self._width(ks[b]) == 1 for b in active):
+            return False
         if chain is None:
             return False
         out = self.runner.draft_chain(self._pending(rs, chain.max_tokens), self.depth)
@@ -311,7 +315,9 @@ class EagleProposer:
         expansion would draw); greedy requests take the argmax."""
         chain = self.runner.sampled_chain
         rs = [reqs[b] for b in active]
-        if chain is None or not all(r.params.greedy or r.temperature_only for r in rs):
+        if chain is None or not all((r.params.greedy or r.temperature_only)
+                                    and (self._width(ks[b]) == 1 or (not r.params.greedy and r.seed_key is None))
+                                    for b, r in zip(active, rs)):
             return False
         levels = [self._levels(r, ks[b]) for b, r in zip(active, rs)]
         dev, V = self.runner.device, chain.model.args.vocab_size
