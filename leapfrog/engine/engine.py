@@ -177,7 +177,8 @@ class LLMEngine:
         """Compile the decode/verify graphs of the target and of a draft model (model/compiled.py):
         batch sizes 1, 2, 4, ... max_num_seqs, 1 token per sequence and 1 + the most drafts; with
         "auto" tree sizes also 1 + the depth, 8, 16 and 32 nodes (below the most), so that a small
-        tree is not verified padded to the largest one."""
+        tree is not verified padded to the largest one; with a fixed dynamic tree also 1 + the
+        depth (unseeded sampled requests draft chains whatever the tree: proposers/eagle.py)."""
         per_seq = [1]
         if self.spec_controller is not None:
             cfg = self.spec_controller.cfg
@@ -185,6 +186,8 @@ class LLMEngine:
             if cfg.auto_tree:   # (no tree verifies more candidates than it grows)
                 most = min(most, cfg.tree_candidates)
                 per_seq += [1 + n for n in (cfg.num_speculative_tokens, 8, 16, 32) if n < most]
+            elif cfg.tree and cfg.speculative_token_tree is None and cfg.num_speculative_tokens < most:
+                per_seq.append(1 + cfg.num_speculative_tokens)
             per_seq.append(1 + most)
         buckets = make_buckets(self.config.max_num_seqs, per_seq)
         aux = self._target_states if isinstance(self._target_states, tuple) else ()
