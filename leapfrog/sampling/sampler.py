@@ -227,7 +227,10 @@ def noise(rngs: Sequence[Rng], vocab_size: int, device: torch.device | str = "cp
             u[i] = u[drawn[r]]
         else:
             g = position_generator(r, device) if isinstance(r, PositionKey) else r
-            torch.rand(vocab_size, generator=g, dtype=torch.float64, out=u[i])
+            if g.device.type == u.device.type:
+                torch.rand(vocab_size, generator=g, dtype=torch.float64, out=u[i])
+            else:   # a request's stream lives on the CPU: drawn there, copied to the logits' device
+                u[i] = torch.rand(vocab_size, generator=g, dtype=torch.float64, device=g.device)
             if isinstance(r, PositionKey):
                 drawn[r] = i
     return u.clamp_(min=_TINY)   # U = 0 would give E = inf and let a p = 0 token win a 0-0 tie
@@ -269,5 +272,6 @@ def _race(p: Tensor, rngs: Sequence[Rng]) -> Tensor:
 
 
 def uniforms(n: int, generator: torch.Generator, device: torch.device | str = "cpu") -> Tensor:
-    """[n] U(0, 1) draws from one request's generator (rejection sampling)."""
-    return torch.rand(n, generator=generator, device=device)
+    """[n] U(0, 1) draws from one request's generator (rejection sampling), on ``device``
+    (drawn on the generator's own device: a request's stream is a CPU generator)."""
+    return torch.rand(n, generator=generator, device=generator.device).to(device)

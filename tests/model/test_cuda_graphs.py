@@ -112,3 +112,17 @@ def test_triton_decode_attention_matches_sdpa(dtype, shape):
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert ((out - ref)[real].norm() / ref[real].norm()).item() < tol
     assert torch.all(out[~real] == 0)
+
+
+def test_unseeded_sampling_on_cuda(llama_dir, draft_dir, tokenizer):
+    """Requests without a seed of their own draw from a CPU generator stream (the engine's seed):
+    plain sampling and rejection sampling on CUDA take those draws (found on the H100: the noise was
+    drawn into a CUDA tensor with a CPU generator), reproducibly per engine seed."""
+    prompts = prompts_of(tokenizer, 2)
+    for spec in (None, {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 3}):
+        outs = []
+        for _ in range(2):
+            llm = LLM(model=str(llama_dir), dtype="float32", device="cuda", max_model_len=128, max_num_seqs=2,
+                      enforce_eager=False, speculative_config=spec, seed=3)
+            outs.append(_generate(llm, prompts, temperature=0.9))
+        assert outs[0] == outs[1] and all(len(o) == 24 for o in outs[0])
