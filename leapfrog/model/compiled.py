@@ -231,11 +231,11 @@ class CompiledForward:
         self.replays: dict[tuple[int, int], GraphReplay] = {}  # CUDA graphs, by [batch, tokens]
         self._pool = None                                      # their memory pool
         # One graph per bucket, all from this one function: dynamo's per-function limit on
-        # compiled variants must hold them all (targets and drafts share the code object).
+        # compiled variants must hold them all (targets, drafts and every engine of the process
+        # share the code objects: each instance adds its own to the limit)
         limit = 4 * len(self.buckets) + 8
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, limit)
-        torch._dynamo.config.accumulated_cache_size_limit = max(
-            torch._dynamo.config.accumulated_cache_size_limit, 4 * limit)
+        torch._dynamo.config.cache_size_limit += limit
+        torch._dynamo.config.accumulated_cache_size_limit += 4 * limit
         self._fn = torch.compile(self._forward, dynamic=False, fullgraph=True)
 
     def _forward(self, tok: Tensor, pos: Tensor, mask: Tensor, rows: Tensor, write_rows: Tensor,
