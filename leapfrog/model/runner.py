@@ -37,6 +37,12 @@ from leapfrog.model.compiled import (Bucket, ChainOutput, CompiledChain, Compile
                                      CompiledTree, SampledChainOutput, TreeOutput)
 
 
+
+def _first(out: Any, n: int) -> Any:
+    """A fused graph's output dataclass (ChainOutput, SampledChainOutput, TreeOutput) cut to its
+    first ``n`` sequences (the rest padded the bucket); None stays None."""
+    return None if out is None else type(out)(*(getattr(out, f.name)[:n] for f in fields(out)))
+
 @dataclass
 class SeqChunk:
     row: int               # KV cache row
@@ -151,7 +157,7 @@ class ModelRunner:
         if c is None or steps > c.steps:
             return None
         out = self._fused(c, chunks, c.steps - 1)   # the last draft's column must fit (all steps run)
-        return None if out is None else ChainOutput(out.tokens[:len(chunks)], out.logprobs[:len(chunks)])
+        return _first(out, len(chunks))
 
     @torch.inference_mode()
     def draft_sampled_chain(self, chunks: list[SeqChunk], temperature: Tensor, sampled: Tensor,
@@ -163,7 +169,7 @@ class ModelRunner:
         if c is None:
             return None
         out = self._fused(c, chunks, c.steps - 1, (temperature, sampled, u))
-        return None if out is None else SampledChainOutput(*(getattr(out, f.name)[:len(chunks)] for f in fields(out)))
+        return _first(out, len(chunks))
 
     @torch.inference_mode()
     def draft_tree(self, chunks: list[SeqChunk]) -> TreeOutput | None:
@@ -174,7 +180,7 @@ class ModelRunner:
         if t is None:
             return None
         out = self._fused(t, chunks, t.tree_cols)
-        return None if out is None else TreeOutput(*(getattr(out, f.name)[:len(chunks)] for f in fields(out)))
+        return _first(out, len(chunks))
 
     def _fused(self, g: CompiledChain, chunks: list[SeqChunk], after: int, extra: tuple[Tensor, ...] = ()) -> Any:
         """Run a fused drafting graph over chunks' pending tokens, padded to its bucket; ``after``:
