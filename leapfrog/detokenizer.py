@@ -34,17 +34,25 @@ class Detokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)  # type: ignore[attr-defined]
 
+    def add_many(self, token_ids: list[int]) -> None:
+        """Append several tokens with one window decode (no stop strings are checked: for requests
+        without any). The text is what adding them one by one gives: each window starts at the
+        last emitted text's end, so a longer window emits the same text at once; only when it ends
+        in an unfinished character are they added one by one (the ones before it have text now)."""
+        n = len(self._ids)
+        self._ids += token_ids
+        if self._emit() or len(token_ids) == 1:
+            return
+        del self._ids[n:]
+        for t in token_ids:
+            self._ids.append(t)
+            self._emit()
+
     def add(self, token_id: int, check_stop: bool = True) -> str | None:
         """Append one token; returns the stop string that matched (text is then truncated)."""
         self._ids.append(token_id)
-        prefix_text = self._decode(self._ids[self._prefix:self._read])
-        new_text = self._decode(self._ids[self._prefix:])
-        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
-            return None
         before = len(self.text)
-        self.text += new_text[len(prefix_text):]
-        self._prefix, self._read = self._read, len(self._ids)
-        if not (check_stop and self.stop):
+        if not self._emit() or not (check_stop and self.stop):
             return None
         longest = max(len(s) for s in self.stop)
         start = max(0, before - longest + 1)
@@ -58,3 +66,14 @@ class Detokenizer:
         i, s = best
         self.text = self.text[: i + len(s) if self.include_stop else i]
         return s
+
+    def _emit(self) -> bool:
+        """Decode the window past the last emitted text; -> whether text was emitted (not when the
+        window ends in an unfinished UTF-8 sequence, or adds nothing yet)."""
+        prefix_text = self._decode(self._ids[self._prefix:self._read])
+        new_text = self._decode(self._ids[self._prefix:])
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return False
+        self.text += new_text[len(prefix_text):]
+        self._prefix, self._read = self._read, len(self._ids)
+        return True
