@@ -37,14 +37,17 @@ from leapfrog.model.runner import SeqChunk
 from leapfrog.train.distill import heldout_prompts
 
 
-def contenders(draft: str, k: int, head: str, depth: int,
-               trees: Sequence[tuple[int, int, int]] = ((5, 4, 16),)) -> list[tuple[str, dict | None, bool]]:
-    """trees: EAGLE-3 dynamic trees as (depth, topk, nodes) (eager and compiled contenders each)."""
+def contenders(draft: str, k: int, head: str, depth: int, trees: Sequence[tuple[int, int, int]] = ((5, 4, 16),),
+               steps: int = 1) -> list[tuple[str, dict | None, bool]]:
+    """trees: EAGLE-3 dynamic trees as (depth, topk, nodes) (eager and compiled contenders each);
+    steps > 1: also compiled none with that many decode steps per engine step (num_scheduler_steps)."""
     spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
     eagle = {"method": "eagle3", "model": head, "num_speculative_tokens": depth, "eagle_topk": 1}
-    out = [("none eager", None, True), ("none compiled", None, False),
-           (f"draft_model K={k} eager", spec, True), (f"draft_model K={k} compiled", spec, False),
-           (f"eagle3 chain {depth} eager", eagle, True), (f"eagle3 chain {depth} compiled", eagle, False)]
+    out = [("none eager", None, True), ("none compiled", None, False)]
+    if steps > 1:
+        out.append((f"none compiled {steps} steps", None, False))
+    out += [(f"draft_model K={k} eager", spec, True), (f"draft_model K={k} compiled", spec, False),
+            (f"eagle3 chain {depth} eager", eagle, True), (f"eagle3 chain {depth} compiled", eagle, False)]
     for d, topk, n in trees:
         tree = {**eagle, "num_speculative_tokens": d, "eagle_topk": topk, "num_draft_tokens": n}
         name = f"eagle3 tree {d}x{topk}/{n}"
@@ -121,6 +124,8 @@ def main() -> None:
     ap.add_argument("--eagle-depth", type=int, default=5)
     ap.add_argument("--trees", nargs="*", default=[(5, 4, 16)], type=tree_arg,
                     help="EAGLE-3 dynamic tree contenders as DEPTHxTOPKxNODES (default 5x4x16)")
+    ap.add_argument("--steps", type=int, default=8,
+                    help="decode steps per engine step of the multi-step contender (1: no such contender)")
     ap.add_argument("--only", nargs="*", default=None, help="contender names to keep (none eager always runs)")
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=64)
@@ -142,7 +147,7 @@ def main() -> None:
     max_len = args.prompt_tokens + args.max_tokens + 2 * args.k + 8
 
     llms, startup = {}, {}
-    kept = [c for c in contenders(args.draft, args.k, args.head, args.eagle_depth, args.trees)
+    kept = [c for c in contenders(args.draft, args.k, args.head, args.eagle_depth, args.trees, args.steps)
             if args.only is None or c[0] == "none eager" or c[0] in args.only]
     variants = [(name, spec, eager, True) for name, spec, eager in kept]
     if args.no_kernel_too:
@@ -154,7 +159,8 @@ def main() -> None:
             os.environ["LEAPFROG_NATIVE_LINEAR"] = "0"  # read when the model is packed
         try:
             llms[name] = LLM(model=args.target, dtype=args.dtype, speculative_config=spec, max_num_seqs=1,
-                             max_model_len=max_len, enforce_eager=eager)
+                             max_model_len=max_len, enforce_eager=eager,
+                             num_scheduler_steps=args.steps if name.endswith(" steps") else 1)
         finally:
             if saved is None:
                 os.environ.pop("LEAPFROG_NATIVE_LINEAR", None)

@@ -41,6 +41,15 @@ class EngineConfig:
     model run as compiled graphs (model/compiled.py), compiled at start-up for batch sizes
     1, 2, 4, ... max_num_seqs and 1 or K + 1 tokens per sequence (10-30 s per graph on 2 CPU
     cores)."""
+    num_scheduler_steps: int = 1
+    """Decode steps per engine step (vLLM's multi-step scheduling): > 1 runs that many greedy
+    decode steps of the target as one compiled graph (model/compiled.py CompiledDecodeSteps)
+    whenever every decoding request is greedy on the raw logits, without logprobs, and nothing
+    drafts, so the engine's per-step work (scheduling, inputs, bookkeeping, detokenizing) is paid
+    once per that many tokens. Tokens then arrive that many at a time; a request that stops
+    mid-way drops the rest. Other steps (sampling, penalties, logprobs, prompts) run one token at
+    a time. Needs enforce_eager=False; not with speculative_config (speculation already makes
+    several tokens per step)."""
     logprobs_mode: str = "raw_logprobs"
     """What SamplingParams.logprobs reports (vLLM's names): "raw_logprobs" (log_softmax of the
     target's logits), "raw_logits", "processed_logprobs" (of the distribution the sampler draws
@@ -57,7 +66,7 @@ class EngineConfig:
     whole copies of the target's embedding and LM head there: parallel/replica.py)."""
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "num_scheduler_steps"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name}={v!r}: must be a positive integer")
@@ -71,6 +80,13 @@ class EngineConfig:
         if self.batch_invariant and not self.enforce_eager:
             raise ConfigError("batch_invariant=True runs eagerly (its kernels are picked per row tile); "
                               "leave enforce_eager=True")
+        if self.num_scheduler_steps > 1:
+            if self.enforce_eager:
+                raise ConfigError(f"num_scheduler_steps={self.num_scheduler_steps} needs the compiled fast path "
+                                  "(enforce_eager=False): the steps run as one graph")
+            if self.speculative_config is not None:
+                raise ConfigError(f"num_scheduler_steps={self.num_scheduler_steps} with speculative_config is not "
+                                  "supported (speculation already makes several tokens per step); drop one of them")
         if self.tensor_parallel_size > 1:
             for bad, why in ((self.batch_invariant, "batch_invariant=True"),
                              (not self.enforce_eager, "enforce_eager=False (the compiled fast path)"),

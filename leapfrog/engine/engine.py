@@ -192,6 +192,9 @@ class LLMEngine:
         buckets = make_buckets(self.config.max_num_seqs, per_seq)
         aux = self._target_states if isinstance(self._target_states, tuple) else ()
         self.runner.compile(buckets, aux)
+        if self.config.num_scheduler_steps > 1:
+            self.runner.compile_multi_step(make_buckets(self.config.max_num_seqs, [1]),
+                                           self.config.num_scheduler_steps)
         if hasattr(self.proposer, "compile"):
             self.proposer.compile()
 
@@ -473,6 +476,8 @@ class LLMEngine:
     def _decode(self, reqs: list[Request]) -> list[Request]:
         # compute: propose (each request's proposer), verify forward, accept
         groups = self._groups(reqs)
+        if not groups and self.runner.multi_step is not None and self._decode_steps(reqs):
+            return reqs
         parts = []
         t_draft = 0.0   # the configured proposer's drafting time (what the K controller weighs)
         for proposer, idx in groups:
@@ -526,6 +531,29 @@ class LLMEngine:
             if req.request_id in self.requests:
                 self._guarded(req, self._append, req, ids, result.logprobs[b] if result.logprobs else None)
         return reqs
+
+    def _decode_steps(self, reqs: list[Request]) -> bool:
+        """Multi-step decode (EngineConfig.num_scheduler_steps): when every request is greedy on the
+        raw logits without logprobs, the compiled graph decodes ``num_scheduler_steps`` tokens for
+        each (each the argmax of the target's logits given the ones before: what as many one-token
+        steps give). -> False when the step must run one token at a time instead (nothing done)."""
+        if not all(r.raw_argmax and r.params.logprobs is None for r in reqs):
+            return False
+        if self.fault_injector is not None:
+            self.fault_injector(reqs)
+        out = self.runner.decode_steps([SeqChunk(r.row, r.num_computed, [r.output_ids[-1]], 1) for r in reqs])
+        if out is None:   # no bucket fits (the last step would pass the cache's end)
+            return False
+        if not all(map(math.isfinite, out.logits.flatten().tolist())):
+            raise FloatingPointError("non-finite logits from the model (fp16 overflow? try bfloat16 or float32)")
+        steps = out.tokens.shape[1]
+        for req, ids in zip(reqs, out.tokens.tolist()):
+            # the cache holds the input token and all but the last new one; tokens past a stop are dropped
+            self._guarded(req, self._commit, req, req.num_computed + steps)
+            req.metrics.num_target_forwards += steps
+            if req.request_id in self.requests:
+                self._guarded(req, self._append, req, ids)
+        return True
 
     def _groups(self, reqs: list[Request]) -> list[tuple[Any, list[int]]]:
         """(proposer, indices into reqs) for each proposer that drafts for some of reqs."""
@@ -688,12 +716,16 @@ class LLMEngine:
 
     def _append(self, req: Request, token_ids: list[int], logprobs: list[PositionLogprobs] | None = None) -> None:
         """Append verified tokens (and their logprobs) one by one, ending at the first stop (the
-        rest are dropped)."""
+        rest are dropped). Without stop strings the text of the step's tokens is decoded at once
+        (Detokenizer.add_many: two tokenizer calls per step, not per token)."""
         p = req.params
         m, now = req.metrics, time.monotonic()
         if m.last_token_time is not None:
             self.iteration.inter_token_latencies.append(now - m.last_token_time)
         m.last_token_time = now
+        detok = req.detok
+        at_once = detok is not None and not detok.stop
+        text_ids: list[int] = []   # (at_once) the tokens whose text is due
         for i, t in enumerate(token_ids):
             req.output_ids.append(t)
             self.iteration.num_generation_tokens += 1
@@ -707,12 +739,15 @@ class LLMEngine:
             if req.grammar is not None and t not in req.stop_ids:
                 req.grammar.advance(t)
             if t in req.stop_ids:  # never sampled before min_tokens: the sampler suppresses them
-                if p.include_stop_str_in_output and req.detok is not None:
-                    req.detok.add(t, check_stop=False)   # its text (vLLM; none for special tokens when skipped)
+                if p.include_stop_str_in_output and detok is not None:
+                    # its text (vLLM; none for special tokens when skipped)
+                    text_ids.append(t) if at_once else detok.add(t, check_stop=False)
                 req.finish_reason = "stop"
                 req.stop_reason = t if t in (p.stop_token_ids or ()) else None
-            elif req.detok is not None:
-                matched = req.detok.add(t, check_stop=n >= p.min_tokens)
+            elif at_once:
+                text_ids.append(t)
+            elif detok is not None:
+                matched = detok.add(t, check_stop=n >= p.min_tokens)
                 if matched is not None:
                     req.finish_reason, req.stop_reason = "stop", matched
             if req.finish_reason is None and req.grammar is not None and req.grammar.finished:
@@ -720,8 +755,11 @@ class LLMEngine:
             if req.finish_reason is None and (n >= req.max_tokens or req.num_tokens >= self.max_model_len):
                 req.finish_reason = "length"
             if req.finish_reason is not None:
-                self._finish(req)
-                return
+                break
+        if text_ids:
+            detok.add_many(text_ids)
+        if req.finish_reason is not None:
+            self._finish(req)
 
     def _finish(self, req: Request) -> RequestOutput:
         req.metrics.finished_time = time.monotonic()

@@ -53,6 +53,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
                    help="--no-enforce-eager compiles the decode/verify forwards of the target and of a draft model "
                         "at start-up (the fast path; 10-30 s per graph on 2 CPU cores)")
+    p.add_argument("--num-scheduler-steps", type=int, default=1,
+                   help="greedy decode steps per engine step, as one compiled graph (with --no-enforce-eager and "
+                        "no speculation; tokens arrive that many at a time)")
     p.add_argument("--quantization", default=None, choices=["int8", "int4"],
                    help="weight-only quantization of the target's decoder layers at load (speculation stays "
                         "lossless relative to the quantized target)")
@@ -115,7 +118,8 @@ def cmd_generate(args) -> int:
                   tensor_parallel_size=args.tensor_parallel_size,
                   max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                   batch_invariant=args.batch_invariant, enforce_eager=args.enforce_eager,
-                  quantization=args.quantization, load_format=args.load_format)
+                  quantization=args.quantization, load_format=args.load_format,
+                  num_scheduler_steps=args.num_scheduler_steps)
     model = args.model
     if model is None:
         from leapfrog.demo import default_model
@@ -204,7 +208,8 @@ def cmd_serve(args) -> int:
                                     speculative_config=spec, batch_invariant=args.batch_invariant,
                                     enforce_eager=args.enforce_eager, quantization=args.quantization,
                                     load_format=args.load_format, skip_tokenizer_init=args.skip_tokenizer_init,
-                                    logprobs_mode=args.logprobs_mode))
+                                    logprobs_mode=args.logprobs_mode,
+                                    num_scheduler_steps=args.num_scheduler_steps))
     name = args.served_model_name or (args.model or "leapfrog-default")
     api_key = args.api_key or os.environ.get("LEAPFROG_API_KEY") or None
     app = build_app(engine, name, api_key=api_key, max_waiting=args.max_waiting)

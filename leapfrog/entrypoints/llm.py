@@ -37,6 +37,8 @@ class LLM:
             the torchrun group); see EngineConfig.tensor_parallel_size. ``close()`` stops them.
         load_format: "auto" (the checkpoint's files) or "dummy" (random weights from config.json
             alone, to measure a model shape; vLLM's name).
+        num_scheduler_steps: greedy decode steps per engine step, run as one compiled graph
+            (needs enforce_eager=False; vLLM's multi-step scheduling; see EngineConfig).
         max_model_len, max_num_seqs, max_num_batched_tokens, device, allow_pickle,
         skip_tokenizer_init: see EngineConfig.
     """
@@ -48,7 +50,7 @@ class LLM:
                  skip_tokenizer_init: bool = False, batch_invariant: bool = False,
                  enforce_eager: bool = True, quantization: str | None = None,
                  logprobs_mode: str = "raw_logprobs", tensor_parallel_size: int = 1,
-                 load_format: str = "auto") -> None:
+                 load_format: str = "auto", num_scheduler_steps: int = 1) -> None:
         if model is None:
             from leapfrog.demo import default_model
             model, default_spec = default_model()
@@ -61,7 +63,8 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, allow_pickle=allow_pickle,
             skip_tokenizer_init=skip_tokenizer_init, speculative_config=speculative_config,
             batch_invariant=batch_invariant, enforce_eager=enforce_eager, quantization=quantization,
-            logprobs_mode=logprobs_mode, tensor_parallel_size=tensor_parallel_size, load_format=load_format)
+            logprobs_mode=logprobs_mode, tensor_parallel_size=tensor_parallel_size, load_format=load_format,
+            num_scheduler_steps=num_scheduler_steps)
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()
 

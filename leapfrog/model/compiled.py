@@ -459,6 +459,41 @@ class CompiledChain(CompiledForward):
 
 
 @dataclass
+class DecodeStepsOutput:
+    tokens: Tensor     # [batch, steps] long: the argmax of the raw logits at each step
+    logits: Tensor     # [batch, steps] float32: its logit (the host checks that it is finite)
+
+
+class CompiledDecodeSteps(CompiledChain):
+    """Multi-step greedy decode of a target in one graph per bucket (vLLM's
+    ``num_scheduler_steps``): the chain of CompiledChain with the engine's own greedy rule at each
+    step, the argmax of the raw float32 logits (the first of equal maxima, as ``Tensor.max``),
+    so ``steps`` tokens cost one call's framework time and one pass of the engine's bookkeeping.
+    The engine uses it for decode steps where every request is greedy on the raw logits and
+    nothing drafts (engine/engine.py ``_decode_steps``)."""
+
+    def __init__(self, model: torch.nn.Module, kv: KVCache, buckets: list[Bucket], steps: int) -> None:
+        super().__init__(model, kv, buckets, steps)
+        self._fn = torch.compile(self._decode_steps, dynamic=False, fullgraph=True)
+
+    def _decode_steps(self, tok: Tensor, pos: Tensor, mask: Tensor, rows: Tensor, write_rows: Tensor,
+                      write_cols: Tensor, kv_len: Tensor, features: Tensor | None, last: Tensor,
+                      col: Tensor) -> DecodeStepsOutput:
+        toks, (values,) = self._steps(tok, pos, mask, rows, write_rows, write_cols, kv_len, features, last, col)
+        return DecodeStepsOutput(toks, values)
+
+    def _pick(self, logits: Tensor, j: int, *pick_args: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
+        value, x = logits.float().max(-1)                                          # [B], [B]
+        return x, (value,)
+
+    def _flatten(self, out: DecodeStepsOutput) -> list[Tensor]:  # type: ignore[override]
+        return [out.tokens, out.logits]
+
+    def _unflatten(self, flat: list[Tensor]) -> DecodeStepsOutput:  # type: ignore[override]
+        return DecodeStepsOutput(flat[0], flat[1])
+
+
+@dataclass
 class SampledChainOutput:
     tokens: Tensor     # [batch, steps] long: drawn (sampled rows) or the argmax (greedy rows)
     logprobs: Tensor   # [batch, steps] float32: log q of the argmax (greedy rows' scores)

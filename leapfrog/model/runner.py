@@ -33,15 +33,16 @@ from torch import Tensor
 
 from leapfrog.attention.metadata import AttnMeta, build_attn_meta
 from leapfrog.kv.cache import KVCache
-from leapfrog.model.compiled import (Bucket, ChainOutput, CompiledChain, CompiledForward, CompiledSampledChain,
-                                     CompiledTree, SampledChainOutput, TreeOutput)
-
+from leapfrog.model.compiled import (Bucket, ChainOutput, CompiledChain, CompiledDecodeSteps, CompiledForward,
+                                     CompiledSampledChain, CompiledTree, DecodeStepsOutput, SampledChainOutput,
+                                     TreeOutput)
 
 
 def _first(out: Any, n: int) -> Any:
-    """A fused graph's output dataclass (ChainOutput, SampledChainOutput, TreeOutput) cut to its
-    first ``n`` sequences (the rest padded the bucket); None stays None."""
+    """A fused graph's output dataclass (ChainOutput, SampledChainOutput, TreeOutput,
+    DecodeStepsOutput) cut to its first ``n`` sequences (the rest padded the bucket); None stays None."""
     return None if out is None else type(out)(*(getattr(out, f.name)[:n] for f in fields(out)))
+
 
 @dataclass
 class SeqChunk:
@@ -94,6 +95,7 @@ class ModelRunner:
         self.chain: CompiledChain | None = None    # fused greedy chain drafting (drafters)
         self.tree: CompiledTree | None = None      # fused greedy tree drafting (EAGLE heads)
         self.sampled_chain: CompiledSampledChain | None = None   # fused sampled chain drafting (EAGLE heads)
+        self.multi_step: CompiledDecodeSteps | None = None        # multi-step greedy decode (targets)
 
     @property
     def compiled(self) -> CompiledForward | None:
@@ -137,9 +139,17 @@ class ModelRunner:
         self.tree = CompiledTree(self.model, self.kv, buckets, steps, topk, nodes, feature_width, next_width)
         return self.tree.warm_up(progress)
 
+    def compile_multi_step(self, buckets: list[Bucket], steps: int, progress: bool = True) -> float:
+        """Compile multi-step greedy decode of ``steps`` tokens as one graph per bucket (model/compiled.py
+        CompiledDecodeSteps; ``decode_steps`` runs it). -> seconds taken."""
+        self._check_compilable()
+        self.multi_step = CompiledDecodeSteps(self.model, self.kv, buckets, steps)
+        return self.multi_step.warm_up(progress)
+
     def graph_seconds(self) -> float:
         """Seconds spent inside compiled graphs so far (their direct calls: model/compiled.py)."""
-        fwds = [*self.graphs, *(g for g in (self.chain, self.sampled_chain, self.tree) if g is not None)]
+        fused = (self.chain, self.sampled_chain, self.tree, self.multi_step)
+        fwds = [*self.graphs, *(g for g in fused if g is not None)]
         return sum(d.seconds for g in fwds for d in g.direct.values())
 
     def _check_compilable(self) -> None:
@@ -158,6 +168,16 @@ class ModelRunner:
             return None
         out = self._fused(c, chunks, c.steps - 1)   # the last draft's column must fit (all steps run)
         return _first(out, len(chunks))
+
+    @torch.inference_mode()
+    def decode_steps(self, chunks: list[SeqChunk]) -> DecodeStepsOutput | None:
+        """The multi-step graph's ``steps`` greedy tokens after each one-token chunk (the argmax of
+        the raw logits, each fed to the next step), or None when no warmed graph fits (batch, or
+        the last step's column past the cache)."""
+        g = self.multi_step
+        if g is None:
+            return None
+        return _first(self._fused(g, chunks, g.steps - 1), len(chunks))
 
     @torch.inference_mode()
     def draft_sampled_chain(self, chunks: list[SeqChunk], temperature: Tensor, sampled: Tensor,

@@ -37,6 +37,8 @@ def test_bad_input_clear_errors(llama_dir, capsys):
     assert main(["generate", "x", "--model", "/nonexistent/model/dir"]) == 2
     assert main(["generate", "x", "--model", str(llama_dir), "--temperature", "-1"]) == 2
     assert "temperature" in capsys.readouterr().err
+    assert main(["generate", "x", "--model", str(llama_dir), "--num-scheduler-steps", "4"]) == 2
+    assert "num_scheduler_steps=4 needs the compiled fast path" in capsys.readouterr().err
 
 
 def test_default_model_fallback_without_the_demo_assets(tmp_path, monkeypatch, capsys):

@@ -152,6 +152,32 @@ def test_compiled_chain_matches_step_by_step(llama_dir):
     assert fast.chain is not None and fast.chain.direct[(2, 2)].calls == 3
 
 
+def test_decode_steps_match_one_token_steps(llama_dir):
+    """Multi-step greedy decode (one graph, num_scheduler_steps): each sequence's tokens are what
+    one-token eager steps give, each the argmax of the raw logits fed to the next, with those
+    tokens' logits; the last step's column must fit the cache; nothing compiles after warm-up."""
+    steps = 4
+    eager, fast, graphs = _prefilled(llama_dir, lambda fast: fast.compile_multi_step([Bucket(2, 1)], steps,
+                                                                                    progress=False))
+    first = [SeqChunk(0, 20, _tokens(1, 2), 1), SeqChunk(1, 9, _tokens(1, 3), 1)]
+    got = fast.decode_steps(first)
+    assert got is not None and got.tokens.shape == (2, steps)
+    want_tok, want_val, chunks = [], [], first
+    for _ in range(steps):
+        v, x = eager.run(chunks).max(-1)
+        want_tok.append(x)
+        want_val.append(v)
+        chunks = [SeqChunk(c.row, c.start + 1, [int(t)], 1) for c, t in zip(chunks, x)]
+    assert got.tokens.tolist() == torch.stack(want_tok, 1).tolist()
+    torch.testing.assert_close(got.logits, torch.stack(want_val, 1), rtol=1e-4, atol=1e-4)
+    one = fast.decode_steps(first[1:])   # a batch of one runs padded in the same bucket
+    assert one is not None and one.tokens.tolist() == got.tokens[1:].tolist()
+    assert fast.decode_steps([SeqChunk(0, MAX_LEN - steps, [5], 1)]) is not None   # the last step fits
+    assert fast.decode_steps([SeqChunk(0, MAX_LEN - steps + 1, [5], 1)]) is None
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert fast.multi_step is not None and fast.multi_step.direct[(2, 1)].calls == 3
+
+
 def _eager_tree(runner: ModelRunner, first: SeqChunk, steps: int, k: int, n: int):
     """The reference EAGLE-2 expansion, level by level with eager forwards (as the proposer's
     eager path): -> (tokens, parents, depths, ranks, sorted scores) of the best n nodes, in

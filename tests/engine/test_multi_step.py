@@ -1,0 +1,88 @@
+"""Multi-step decode (EngineConfig.num_scheduler_steps): several greedy decode steps per engine
+step in one compiled graph give the tokens one-token steps give (float32), with stops, lengths,
+the cache's end and mixed batches handled as one-token steps handle them."""
+
+from __future__ import annotations
+
+import pytest
+from torch._dynamo.utils import counters
+
+from leapfrog import LLM, SamplingParams
+from leapfrog.errors import ConfigError
+from tests.conftest import prompts_of
+
+MAX_LEN = 96
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def multi(llama_dir):
+    return LLM(model=str(llama_dir), dtype="float32", max_model_len=MAX_LEN, max_num_seqs=2,
+               enforce_eager=False, num_scheduler_steps=STEPS)
+
+
+@pytest.fixture(scope="module")
+def base(llama_dir):
+    return LLM(model=str(llama_dir), dtype="float32", max_model_len=MAX_LEN, max_num_seqs=2)
+
+
+def _outs(llm, prompts, sp):
+    return [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)]
+
+
+def test_multi_step_output_equals_one_token_steps(multi, base, tokenizer):
+    """Greedy output, batched and ragged, with a max_tokens that is not a multiple of the steps,
+    equals one-token eager steps; the multi-step graph did the decoding; nothing compiled while
+    serving."""
+    prompts = prompts_of(tokenizer, 3)
+    sp = SamplingParams(temperature=0.0, max_tokens=23, ignore_eos=True)
+    graphs = counters["stats"]["unique_graphs"]
+    calls = multi.engine.runner.multi_step.direct[(2, 1)].calls
+    got = _outs(multi, prompts, sp)
+    want = _outs(base, prompts, sp)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.text for o in got] == [o.text for o in want]
+    assert all(len(o.token_ids) == 23 and o.finish_reason == "length" for o in got)
+    assert multi.engine.runner.multi_step.direct[(2, 1)].calls > calls
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_stops_inside_a_multi_step_end_the_output_there(multi, base, tokenizer):
+    """A stop token or stop string reached in the middle of a multi-step drops the tokens after it,
+    exactly as one-token steps stop."""
+    prompt = prompts_of(tokenizer, 1)[0]
+    free = _outs(base, [prompt], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))[0]
+    stop_id = free.token_ids[9]   # first reached at some index <= 9, whatever the step boundary
+    for sp in (SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop_token_ids=[stop_id]),
+               SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[free.text[-12:-6]])):
+        got, want = _outs(multi, [prompt], sp)[0], _outs(base, [prompt], sp)[0]
+        assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == \
+            (want.token_ids, want.text, want.finish_reason, want.stop_reason)
+        assert got.finish_reason == "stop" and len(got.token_ids) < 30
+
+
+def test_sampled_requests_and_the_cache_end_take_one_token_steps(multi, base, tokenizer):
+    """A sampled request in the batch sends the step to one-token decoding (a seeded request's
+    output is the same as alone on the eager engine), and the last steps before the context's end,
+    where the graph's last column would not fit, run one token at a time too."""
+    prompts = prompts_of(tokenizer, 2)
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.9, seed=5, max_tokens=20, ignore_eos=True)
+    outs = multi.generate([{"prompt_token_ids": p} for p in prompts], [greedy, seeded], use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == _outs(base, prompts[:1], greedy)[0].token_ids
+    assert outs[1].outputs[0].token_ids == _outs(base, prompts[1:], seeded)[0].token_ids
+    long = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)   # up to the context's end
+    got, want = _outs(multi, prompts[:1], long)[0], _outs(base, prompts[:1], long)[0]
+    assert got.token_ids == want.token_ids
+    assert len(got.token_ids) == MAX_LEN - len(prompts[0]) and got.finish_reason == "length"
+
+
+def test_multi_step_config_is_checked(llama_dir):
+    with pytest.raises(ConfigError, match="enforce_eager=False"):
+        LLM(model=str(llama_dir), num_scheduler_steps=4)
+    with pytest.raises(ConfigError, match="speculative_config"):
+        LLM(model=str(llama_dir), num_scheduler_steps=4, enforce_eager=False,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ConfigError, match="num_scheduler_steps"):
+            LLM(model=str(llama_dir), num_scheduler_steps=bad)
