@@ -499,7 +499,7 @@ class LLMEngine:
                   for r, d, ps in zip(reqs, draft_lists, parent_lists)]
         t1 = time.perf_counter()
         out = self.runner.step(chunks, hidden=self._target_states)
-        result = self.accept(reqs, out.logits, drafts)
+        result = self.accept(reqs, out.logits, drafts, out.top)
         t_verify = time.perf_counter() - t1
         # commit / roll back, then feedback and outputs. From here on nothing may raise for the
         # batch: a retry would verify again on advanced state. Every step is per request or caught.
@@ -574,11 +574,12 @@ class LLMEngine:
             else:
                 log.exception("request %s: bookkeeping failed after it finished", req.request_id)
 
-    def accept(self, reqs: list[Request], logits: torch.Tensor, drafts: DraftBatch) -> AcceptanceResult:
+    def accept(self, reqs: list[Request], logits: torch.Tensor, drafts: DraftBatch,
+               top: tuple[torch.Tensor, torch.Tensor] | None = None) -> AcceptanceResult:
         """Verify (``verify``), then the log-probabilities of every output token of the requests
         that ask for them: from the target's row of that token (the verify forward's, for
         accepted drafts), per the engine's logprobs_mode (sampling/logprobs.py)."""
-        result = self.verify(reqs, logits, drafts)
+        result = self.verify(reqs, logits, drafts, top)
         if any(r.params.logprobs is not None for r in reqs):
             result.logprobs = self._output_logprobs(reqs, logits, drafts, result)
         return result
@@ -621,8 +622,10 @@ class LLMEngine:
                 out[t] = Logprob(v, rank, text(t))
         return out
 
-    def verify(self, reqs: list[Request], logits: torch.Tensor, drafts: DraftBatch) -> AcceptanceResult:
-        """Verify drafts with the target's logits [T + B, V] (row layout: spec_decode/draft.py).
+    def verify(self, reqs: list[Request], logits: torch.Tensor, drafts: DraftBatch,
+               top: tuple[torch.Tensor, torch.Tensor] | None = None) -> AcceptanceResult:
+        """Verify drafts with the target's logits [T + B, V] (row layout: spec_decode/draft.py);
+        ``top``: ``logits.max(-1)`` when the compiled graph computed it (runner StepOutput.top).
 
         Greedy and seeded requests are verified by matching (verify/greedy.py, verify/tree.py):
         the target's own token at every row (argmax, or the seeded draw keyed by position) is
@@ -649,7 +652,7 @@ class LLMEngine:
 
         flat_parents = [p for ps in parent_lists for p in ps]
         if all(r.raw_argmax for r in reqs):   # nothing processes the logits: no sampler rows to build
-            return match(checked(*logits.max(dim=-1)), drafts, flat_parents)
+            return match(checked(*(top if top is not None else logits.max(dim=-1))), drafts, flat_parents)
         depth_lists = [depths(ps) for ps in parent_lists]
         specs, row_depth = [], []
         for r, d, ps, ds in zip(reqs, draft_lists, parent_lists, depth_lists):

@@ -79,6 +79,9 @@ class SeqChunk:
 class StepOutput:
     logits: Tensor         # [sum(num_logits), V] float32
     hidden: Tensor | None  # [sum(len(token_ids)), F] per real token, chunk by chunk (when asked)
+    # compiled graphs: each logits row's largest logit and its token ([sum(num_logits)] each,
+    # as logits.max(-1)), for greedy verification; None from eager forwards
+    top: tuple[Tensor, Tensor] | None = None
 
 
 class ModelRunner:
@@ -248,10 +251,10 @@ class ModelRunner:
         S = max(max(len(c.token_ids) for c in chunks), bucket[1].tokens if bucket is not None else 0)
         tok, posn, meta = self._inputs(chunks, S, kv_len, graph=bucket is not None)
         has_features = any(c.features is not None for c in chunks)
-        graph_logits = None
+        g = None
         if bucket is not None:
             g = bucket[0](tok, posn, meta, self._pad_features(chunks, S) if has_features else None)
-            out_hidden, out_aux, graph_logits = g.hidden, g.aux, g.logits
+            out_hidden, out_aux = g.hidden, g.aux
         else:
             kwargs = {}
             if has_features:
@@ -270,10 +273,10 @@ class ModelRunner:
                 for i in range(len(c.token_ids) - c.num_logits, len(c.token_ids))]
         if not rows:
             return StepOutput(torch.empty(0, self.model.args.vocab_size), feats)
-        if graph_logits is not None:
-            logits = _take(graph_logits, rows)
+        if g is not None:
+            logits = _take(g.logits, rows)
             self.model.check_logits(logits)
-            return StepOutput(logits.cpu(), feats)
+            return StepOutput(logits.cpu(), feats, (_take(g.top, rows).cpu(), _take(g.top_ids, rows).cpu()))
         return StepOutput(self.model.compute_logits(_take(flat, rows)).cpu(), feats)
 
     def _inputs(self, chunks: list[SeqChunk], S: int, kv_len: int, graph: bool) -> tuple[Tensor, Tensor, AttnMeta]:

@@ -82,8 +82,8 @@ def test_batch_invariant_runs_eagerly(llama_dir):
 
 def test_compiled_forwards_match_eager(llama_dir):
     """Decode, a padded ragged batch, a tree and a 2-token chunk, at growing context lengths:
-    compiled logits equal eager ones (float32, to rounding), prompts run eagerly, and nothing
-    compiles after warm-up."""
+    compiled logits equal eager ones (float32, to rounding), the graph's greedy rows are exactly
+    ``logits.max(-1)`` of its logits, prompts run eagerly, and nothing compiles after warm-up."""
     eager, fast = _runner(llama_dir, False), _runner(llama_dir, True)
     fast.compile([Bucket(1, 1), Bucket(2, 3)], progress=False)
     graphs = counters["stats"]["unique_graphs"]
@@ -96,9 +96,14 @@ def test_compiled_forwards_match_eager(llama_dir):
         [SeqChunk(1, 11, _tokens(2, 6), 2)],                              # 2 tokens padded to 3
         [SeqChunk(0, 24, _tokens(1, 7), 1)],                              # decode, longer context
     ]
-    for chunks in steps:
-        want, got = eager.run(chunks), fast.run(chunks)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for i, chunks in enumerate(steps):
+        want, out = eager.run(chunks), fast.step(chunks)
+        torch.testing.assert_close(out.logits, want, rtol=1e-4, atol=1e-4)
+        if i == 0:
+            assert out.top is None   # (eager)
+        else:
+            top, top_ids = out.logits.max(-1)
+            assert torch.equal(out.top[0], top) and torch.equal(out.top[1], top_ids)
     assert counters["stats"]["unique_graphs"] == graphs
     assert fast.compiled is not None and fast.compiled.warmed == [Bucket(1, 1), Bucket(2, 3)]
     # every graph call after warm-up went straight into inductor's code (no torch.compile wrappers)
