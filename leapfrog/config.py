@@ -42,14 +42,15 @@ class EngineConfig:
     1, 2, 4, ... max_num_seqs and 1 or K + 1 tokens per sequence (10-30 s per graph on 2 CPU
     cores)."""
     num_scheduler_steps: int = 1
-    """Decode steps per engine step (vLLM's multi-step scheduling): > 1 runs that many greedy
-    decode steps of the target as one compiled graph (model/compiled.py CompiledDecodeSteps)
-    whenever every decoding request is greedy on the raw logits, without logprobs, and nothing
-    drafts, so the engine's per-step work (scheduling, inputs, bookkeeping, detokenizing) is paid
-    once per that many tokens. Tokens then arrive that many at a time; a request that stops
-    mid-way drops the rest. Other steps (sampling, penalties, logprobs, prompts) run one token at
-    a time. Needs enforce_eager=False; not with speculative_config (speculation already makes
-    several tokens per step)."""
+    """Decode steps per engine step (vLLM's multi-step scheduling): > 1 runs that many decode
+    steps of the target as one compiled graph (model/compiled.py CompiledDecodeSteps) whenever
+    every decoding request is greedy on the raw logits or samples with temperature only, without
+    logprobs, and nothing drafts, so the engine's per-step work (scheduling, inputs, sampling,
+    bookkeeping, detokenizing) is paid once per that many tokens; each token is drawn as a
+    one-token step would draw it. Tokens then arrive that many at a time; a request that stops
+    mid-way drops the rest. Other steps (penalties, top-k/p, logprobs, prompts, the context's
+    end) run one token at a time. Needs enforce_eager=False; not with speculative_config
+    (speculation already makes several tokens per step)."""
     logprobs_mode: str = "raw_logprobs"
     """What SamplingParams.logprobs reports (vLLM's names): "raw_logprobs" (log_softmax of the
     target's logits), "raw_logits", "processed_logprobs" (of the distribution the sampler draws

@@ -96,6 +96,7 @@ class LLMEngine:
             #: drafts for requests that carry a prediction (SamplingParams.prediction), whatever the config
             self.predictor = PredictionProposer()
             self._grammars: Any = None   # structured outputs' GrammarCompiler, built at the first such request
+            self._ones: torch.Tensor | None = None   # multi-step decode's noise of greedy-only steps (_no_noise)
             #: test-only fault injection: called with the requests of every sampling call; raising
             #: there simulates a failure in one request's sampling (tests/engine/test_isolation.py)
             self.fault_injector: Callable[[list[Request]], None] | None = None
@@ -534,19 +535,32 @@ class LLMEngine:
 
     def _decode_steps(self, reqs: list[Request]) -> bool:
         """Multi-step decode (EngineConfig.num_scheduler_steps): when every request is greedy on the
-        raw logits without logprobs, the compiled graph decodes ``num_scheduler_steps`` tokens for
-        each (each the argmax of the target's logits given the ones before: what as many one-token
-        steps give). -> False when the step must run one token at a time instead (nothing done)."""
-        if not all(r.raw_argmax and r.params.logprobs is None for r in reqs):
+        raw logits or samples with temperature only, without logprobs, the compiled graph decodes
+        ``num_scheduler_steps`` tokens for each, each drawn as a one-token step would draw it (the
+        argmax, or the sampler's race with the randomness of that output position: its noise when
+        seeded, the next draws of its generator when not). -> False when the step must run one
+        token at a time instead (nothing done)."""
+        if not all((r.raw_argmax or r.temperature_only) and r.params.logprobs is None for r in reqs):
             return False
         if self.fault_injector is not None:
             self.fault_injector(reqs)
-        out = self.runner.decode_steps([SeqChunk(r.row, r.num_computed, [r.output_ids[-1]], 1) for r in reqs])
-        if out is None:   # no bucket fits (the last step would pass the cache's end)
-            return False
+        steps, dev = self.runner.multi_step.steps, self.device
+        chunks = [SeqChunk(r.row, r.num_computed, [r.output_ids[-1]], 1) for r in reqs]
+        kv_len = max(c.start + 1 for c in chunks)
+        if self.runner.multi_step.bucket_for(len(reqs), 1, kv_len + steps - 1) is None:
+            return False   # (before any randomness is drawn: the step runs one token at a time)
+        drawn = [not r.params.greedy for r in reqs]
+        temperature = torch.tensor([r.params.temperature if d else 1.0 for r, d in zip(reqs, drawn)], device=dev)
+        if any(drawn):
+            rngs = [r.rng(j) if d else None for r, d in zip(reqs, drawn) for j in range(steps)]
+            e = -torch.log(sampler.noise(rngs, self.vocab_size, dev)).view(len(reqs), steps, -1)
+        else:
+            e = self._no_noise(len(reqs), steps)
+        out = self.runner.decode_steps(chunks, temperature, torch.tensor(drawn, device=dev), e)
+        if out is None:
+            raise RuntimeError("multi-step decode: no graph for a step its bucket check admitted")
         if not all(map(math.isfinite, out.logits.flatten().tolist())):
             raise FloatingPointError("non-finite logits from the model (fp16 overflow? try bfloat16 or float32)")
-        steps = out.tokens.shape[1]
         for req, ids in zip(reqs, out.tokens.tolist()):
             # the cache holds the input token and all but the last new one; tokens past a stop are dropped
             self._guarded(req, self._commit, req, req.num_computed + steps)
@@ -554,6 +568,14 @@ class LLMEngine:
             if req.request_id in self.requests:
                 self._guarded(req, self._append, req, ids)
         return True
+
+    def _no_noise(self, batch: int, steps: int) -> torch.Tensor:
+        """[batch, steps, V] float64 exponentials of greedy-only multi-steps (ignored: no row draws),
+        a view of one buffer made at the first such step."""
+        if self._ones is None:
+            self._ones = torch.ones(self.config.max_num_seqs, steps, self.vocab_size, dtype=torch.float64,
+                                    device=self.device)
+        return self._ones[:batch]
 
     def _groups(self, reqs: list[Request]) -> list[tuple[Any, list[int]]]:
         """(proposer, indices into reqs) for each proposer that drafts for some of reqs."""

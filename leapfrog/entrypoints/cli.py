@@ -54,7 +54,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="--no-enforce-eager compiles the decode/verify forwards of the target and of a draft model "
                         "at start-up (the fast path; 10-30 s per graph on 2 CPU cores)")
     p.add_argument("--num-scheduler-steps", type=int, default=1,
-                   help="greedy decode steps per engine step, as one compiled graph (with --no-enforce-eager and "
+                   help="decode steps per engine step, as one compiled graph (with --no-enforce-eager and "
                         "no speculation; tokens arrive that many at a time)")
     p.add_argument("--quantization", default=None, choices=["int8", "int4"],
                    help="weight-only quantization of the target's decoder layers at load (speculation stays "

@@ -465,17 +465,20 @@ class CompiledChain(CompiledForward):
 
 @dataclass
 class DecodeStepsOutput:
-    tokens: Tensor     # [batch, steps] long: the argmax of the raw logits at each step
-    logits: Tensor     # [batch, steps] float32: its logit (the host checks that it is finite)
+    tokens: Tensor     # [batch, steps] long: each step's token (greedy rows: the argmax of the raw logits)
+    logits: Tensor     # [batch, steps] float32: the step's largest logit (the host checks that it is finite)
 
 
 class CompiledDecodeSteps(CompiledChain):
-    """Multi-step greedy decode of a target in one graph per bucket (vLLM's
-    ``num_scheduler_steps``): the chain of CompiledChain with the engine's own greedy rule at each
-    step, the argmax of the raw float32 logits (the first of equal maxima, as ``Tensor.max``),
-    so ``steps`` tokens cost one call's framework time and one pass of the engine's bookkeeping.
-    The engine uses it for decode steps where every request is greedy on the raw logits and
-    nothing drafts (engine/engine.py ``_decode_steps``)."""
+    """Multi-step decode of a target in one graph per bucket (vLLM's ``num_scheduler_steps``): the
+    chain of CompiledChain, each step's token picked by the engine's own rules, so ``steps``
+    tokens cost one call's framework time and one pass of the engine's bookkeeping. Greedy rows
+    take the argmax of the raw float32 logits (the first of equal maxima, as ``Tensor.max``);
+    sampled rows (``sampled`` True, temperature only) draw as the sampler does
+    (sampling/sampler.py ``sample``): q = softmax(logits / T), the token argmax q / E with
+    E = -log U [batch, steps, V] float64 computed on the host from each request's randomness for
+    those positions, so a step draws the token a one-token step would. The engine uses it for
+    decode steps where nothing drafts (engine/engine.py ``_decode_steps``)."""
 
     def __init__(self, model: torch.nn.Module, kv: KVCache, buckets: list[Bucket], steps: int) -> None:
         super().__init__(model, kv, buckets, steps)
@@ -483,19 +486,34 @@ class CompiledDecodeSteps(CompiledChain):
 
     def _decode_steps(self, tok: Tensor, pos: Tensor, mask: Tensor, rows: Tensor, write_rows: Tensor,
                       write_cols: Tensor, kv_len: Tensor, features: Tensor | None, last: Tensor,
-                      col: Tensor) -> DecodeStepsOutput:
-        toks, (values,) = self._steps(tok, pos, mask, rows, write_rows, write_cols, kv_len, features, last, col)
+                      col: Tensor, temperature: Tensor, sampled: Tensor, e: Tensor) -> DecodeStepsOutput:
+        toks, (values,) = self._steps(tok, pos, mask, rows, write_rows, write_cols, kv_len, features, last, col,
+                                      temperature, sampled, e)
         return DecodeStepsOutput(toks, values)
 
     def _pick(self, logits: Tensor, j: int, *pick_args: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
-        value, x = logits.float().max(-1)                                          # [B], [B]
-        return x, (value,)
+        temperature, sampled, e = pick_args                                        # [B], [B] bool, [B, steps, V]
+        lf = logits.float()
+        value, greedy = lf.max(-1)                                                 # [B], [B]
+        p = torch.softmax(lf / temperature[:, None], -1)                           # [B, V] the sampler's probs
+        drawn = (p.double() / e[:, j]).argmax(-1)                                  # [B] the race's winner
+        return torch.where(sampled, drawn, greedy), (value,)
+
+    def __call__(self, tok: Tensor, pos: Tensor, meta: AttnMeta, features: Tensor | None,  # type: ignore[override]
+                 last: Tensor, col: Tensor, temperature: Tensor, sampled: Tensor, e: Tensor) -> DecodeStepsOutput:
+        return self._serve(self._args(tok, pos, meta, features, last, col, temperature, sampled, e))
 
     def _flatten(self, out: DecodeStepsOutput) -> list[Tensor]:  # type: ignore[override]
         return [out.tokens, out.logits]
 
     def _unflatten(self, flat: list[Tensor]) -> DecodeStepsOutput:  # type: ignore[override]
         return DecodeStepsOutput(flat[0], flat[1])
+
+    def _warm_extra(self, b: Bucket, kv_len: int, dev: torch.device) -> tuple[Tensor, ...]:
+        V = self.model.args.vocab_size
+        return (*super()._warm_extra(b, kv_len, dev), torch.full((b.batch,), 0.7, device=dev),
+                torch.ones(b.batch, dtype=torch.bool, device=dev),
+                -torch.log(torch.rand(b.batch, self.steps, V, dtype=torch.float64, device=dev).clamp_(min=1e-300)))
 
 
 @dataclass

@@ -173,14 +173,17 @@ class ModelRunner:
         return _first(out, len(chunks))
 
     @torch.inference_mode()
-    def decode_steps(self, chunks: list[SeqChunk]) -> DecodeStepsOutput | None:
-        """The multi-step graph's ``steps`` greedy tokens after each one-token chunk (the argmax of
-        the raw logits, each fed to the next step), or None when no warmed graph fits (batch, or
-        the last step's column past the cache)."""
+    def decode_steps(self, chunks: list[SeqChunk], temperature: Tensor, sampled: Tensor,
+                     e: Tensor) -> DecodeStepsOutput | None:
+        """The multi-step graph's ``steps`` tokens after each one-token chunk, each fed to the next
+        (model/compiled.py CompiledDecodeSteps): temperature [n], sampled [n] bool (False: the argmax
+        of the raw logits), e [n, steps, V] float64 the race's exponentials (-log U) of sampled
+        rows, on the runner's device. -> None when no warmed graph fits (batch, or the last step's
+        column past the cache)."""
         g = self.multi_step
         if g is None:
             return None
-        return _first(self._fused(g, chunks, g.steps - 1), len(chunks))
+        return _first(self._fused(g, chunks, g.steps - 1, (temperature, sampled, e)), len(chunks))
 
     @torch.inference_mode()
     def draft_sampled_chain(self, chunks: list[SeqChunk], temperature: Tensor, sampled: Tensor,

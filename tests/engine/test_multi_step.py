@@ -1,6 +1,7 @@
-"""Multi-step decode (EngineConfig.num_scheduler_steps): several greedy decode steps per engine
-step in one compiled graph give the tokens one-token steps give (float32), with stops, lengths,
-the cache's end and mixed batches handled as one-token steps handle them."""
+"""Multi-step decode (EngineConfig.num_scheduler_steps): several decode steps per engine step in
+one compiled graph give the tokens one-token steps give (float32): greedy, seeded and unseeded
+sampling (the same draws of the same randomness), with stops, lengths, the cache's end and
+steps that must run one token at a time handled as one-token steps handle them."""
 
 from __future__ import annotations
 
@@ -61,20 +62,48 @@ def test_stops_inside_a_multi_step_end_the_output_there(multi, base, tokenizer):
         assert got.finish_reason == "stop" and len(got.token_ids) < 30
 
 
-def test_sampled_requests_and_the_cache_end_take_one_token_steps(multi, base, tokenizer):
-    """A sampled request in the batch sends the step to one-token decoding (a seeded request's
-    output is the same as alone on the eager engine), and the last steps before the context's end,
-    where the graph's last column would not fit, run one token at a time too."""
-    prompts = prompts_of(tokenizer, 2)
+def _run(llm, prompt, sp, generator_seed):
+    """Run one request alone on the engine, its generator (unseeded sampling) seeded as given."""
+    eng = llm.engine
+    req = eng.add_request(f"r{generator_seed}-{id(sp)}", None, prompt, sp)
+    req.generator.manual_seed(generator_seed)
+    while eng.has_unfinished():
+        eng.step()
+    return req.output_ids
+
+
+def test_sampling_draws_what_one_token_steps_draw(multi, base, tokenizer):
+    """Seeded and unseeded sampled requests (temperature only), alone and batched with a greedy
+    one, draw in the multi-step graph the tokens one-token steps draw with the same randomness
+    (the seeded request's position noise, the unseeded one's generator stream); a request with
+    top-k decodes one token at a time, with the same output as the eager engine's."""
+    prompts = prompts_of(tokenizer, 3)
     greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    seeded = SamplingParams(temperature=0.9, seed=5, max_tokens=20, ignore_eos=True)
-    outs = multi.generate([{"prompt_token_ids": p} for p in prompts], [greedy, seeded], use_tqdm=False)
+    seeded = SamplingParams(temperature=0.9, seed=5, max_tokens=21, ignore_eos=True)
+    calls = multi.engine.runner.multi_step.direct[(2, 1)].calls
+    outs = multi.generate([{"prompt_token_ids": p} for p in prompts[:2]], [greedy, seeded], use_tqdm=False)
+    assert multi.engine.runner.multi_step.direct[(2, 1)].calls > calls
     assert outs[0].outputs[0].token_ids == _outs(base, prompts[:1], greedy)[0].token_ids
-    assert outs[1].outputs[0].token_ids == _outs(base, prompts[1:], seeded)[0].token_ids
-    long = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)   # up to the context's end
-    got, want = _outs(multi, prompts[:1], long)[0], _outs(base, prompts[:1], long)[0]
-    assert got.token_ids == want.token_ids
-    assert len(got.token_ids) == MAX_LEN - len(prompts[0]) and got.finish_reason == "length"
+    assert outs[1].outputs[0].token_ids == _outs(base, prompts[1:2], seeded)[0].token_ids
+    unseeded = SamplingParams(temperature=1.3, max_tokens=19, ignore_eos=True)
+    got, want = _run(multi, prompts[2], unseeded, 11), _run(base, prompts[2], unseeded, 11)
+    assert got == want and len(got) == 19
+    assert _run(multi, prompts[2], unseeded, 12) != got   # (another stream, another output)
+    top_k = SamplingParams(temperature=0.9, top_k=5, seed=2, max_tokens=12, ignore_eos=True)
+    calls = multi.engine.runner.multi_step.direct[(1, 1)].calls
+    assert _outs(multi, prompts[:1], top_k)[0].token_ids == _outs(base, prompts[:1], top_k)[0].token_ids
+    assert multi.engine.runner.multi_step.direct[(1, 1)].calls == calls
+
+
+def test_the_cache_end_takes_one_token_steps(multi, base, tokenizer):
+    """The last steps before the context's end, where the graph's last column would not fit, run
+    one token at a time: output up to the end equals one-token steps'."""
+    prompt = prompts_of(tokenizer, 1)[0]
+    for sp in (SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True),
+               SamplingParams(temperature=0.8, seed=9, max_tokens=None, ignore_eos=True)):
+        got, want = _outs(multi, [prompt], sp)[0], _outs(base, [prompt], sp)[0]
+        assert got.token_ids == want.token_ids
+        assert len(got.token_ids) == MAX_LEN - len(prompt) and got.finish_reason == "length"
 
 
 def test_multi_step_config_is_checked(llama_dir):

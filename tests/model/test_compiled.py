@@ -158,27 +158,35 @@ def test_compiled_chain_matches_step_by_step(llama_dir):
 
 
 def test_decode_steps_match_one_token_steps(llama_dir):
-    """Multi-step greedy decode (one graph, num_scheduler_steps): each sequence's tokens are what
-    one-token eager steps give, each the argmax of the raw logits fed to the next, with those
-    tokens' logits; the last step's column must fit the cache; nothing compiles after warm-up."""
-    steps = 4
+    """Multi-step decode (one graph, num_scheduler_steps): each sequence's tokens are what
+    one-token eager steps give, each fed to the next: a greedy row the argmax of the raw logits
+    (with its logit), a sampled row the sampler's race, argmax softmax(logits / T) / E, with the
+    exponentials E given; the last step's column must fit the cache; nothing compiles after
+    warm-up."""
+    steps, V = 4, 320
     eager, fast, graphs = _prefilled(llama_dir, lambda fast: fast.compile_multi_step([Bucket(2, 1)], steps,
                                                                                     progress=False))
     first = [SeqChunk(0, 20, _tokens(1, 2), 1), SeqChunk(1, 9, _tokens(1, 3), 1)]
-    got = fast.decode_steps(first)
+    temperature, sampled = torch.tensor([1.0, 0.8]), torch.tensor([False, True])
+    e = -torch.log(torch.rand(2, steps, V, dtype=torch.float64, generator=torch.Generator().manual_seed(0)))
+    got = fast.decode_steps(first, temperature, sampled, e)
     assert got is not None and got.tokens.shape == (2, steps)
     want_tok, want_val, chunks = [], [], first
-    for _ in range(steps):
-        v, x = eager.run(chunks).max(-1)
+    for j in range(steps):
+        logits = eager.run(chunks)
+        v, x = logits.max(-1)
+        x[1] = (torch.softmax(logits[1] / 0.8, -1).double() / e[1, j]).argmax()
         want_tok.append(x)
         want_val.append(v)
         chunks = [SeqChunk(c.row, c.start + 1, [int(t)], 1) for c, t in zip(chunks, x)]
     assert got.tokens.tolist() == torch.stack(want_tok, 1).tolist()
     torch.testing.assert_close(got.logits, torch.stack(want_val, 1), rtol=1e-4, atol=1e-4)
-    one = fast.decode_steps(first[1:])   # a batch of one runs padded in the same bucket
+    one = fast.decode_steps(first[1:], temperature[1:], sampled[1:], e[1:])  # a batch of one, padded
     assert one is not None and one.tokens.tolist() == got.tokens[1:].tolist()
-    assert fast.decode_steps([SeqChunk(0, MAX_LEN - steps, [5], 1)]) is not None   # the last step fits
-    assert fast.decode_steps([SeqChunk(0, MAX_LEN - steps + 1, [5], 1)]) is None
+    end = [SeqChunk(0, MAX_LEN - steps, [5], 1)]
+    assert fast.decode_steps(end, temperature[:1], sampled[:1], e[:1]) is not None   # the last step fits
+    end = [SeqChunk(0, MAX_LEN - steps + 1, [5], 1)]
+    assert fast.decode_steps(end, temperature[:1], sampled[:1], e[:1]) is None
     assert counters["stats"]["unique_graphs"] == graphs
     assert fast.multi_step is not None and fast.multi_step.direct[(2, 1)].calls == 3
 
