@@ -675,19 +675,20 @@ class LLMEngine:
         flat_parents = [p for ps in parent_lists for p in ps]
         if all(r.raw_argmax for r in reqs):   # nothing processes the logits: no sampler rows to build
             return match(checked(*(top if top is not None else logits.max(dim=-1))), drafts, flat_parents)
-        depth_lists = [depths(ps) for ps in parent_lists]
-        specs, row_depth = [], []
-        for r, d, ps, ds in zip(reqs, draft_lists, parent_lists, depth_lists):
-            specs.append(r.row_spec())
-            row_depth.append(0)
-            for j in range(len(d)):
-                specs.append(r.row_spec([d[i] for i in path_to(ps, j)] if tree else d[:j + 1]))
-                row_depth.append(ds[j])
-        rows = sampler.build_rows(specs, self.vocab_size)
-        if rows.all_greedy:
-            target = sampler.greedy_tokens(logits, rows)
-            return match(checked(logits.gather(1, target[:, None]).flatten(), target), drafts, flat_parents)
-        p = sampler.probs(logits, rows)  # [T + B, V]
+        row_depth = [d for ps in parent_lists for d in (0, *depths(ps))]   # per target row
+        if all(r.raw_argmax or r.temperature_only for r in reqs):   # only temperatures: no sampler rows
+            p = sampler.temperature_probs(logits, [None if r.params.greedy else r.params.temperature
+                                                   for r, d in zip(reqs, draft_lists) for _ in range(len(d) + 1)])
+        else:
+            specs = []
+            for r, d, ps in zip(reqs, draft_lists, parent_lists):
+                specs.append(r.row_spec())
+                specs += [r.row_spec([d[i] for i in path_to(ps, j)] if tree else d[:j + 1]) for j in range(len(d))]
+            rows = sampler.build_rows(specs, self.vocab_size)
+            if rows.all_greedy:
+                target = sampler.greedy_tokens(logits, rows)
+                return match(checked(logits.gather(1, target[:, None]).flatten(), target), drafts, flat_parents)
+            p = sampler.probs(logits, rows)  # [T + B, V]
         B = len(reqs)
         o = drafts.offsets()  # request b's drafts are o[b]..o[b+1]-1; its target rows o[b]+b..o[b+1]+b
 
@@ -707,7 +708,11 @@ class LLMEngine:
                         [q for b in matched for q in parent_lists[b]])
             for i, b in enumerate(matched):
                 num_accepted[b], outputs[b], nodes[b] = res.num_accepted[i], res.output_ids[i], res.accepted(i)
-        if other:
+        if other and not any(drafts.num_draft[b] for b in other):   # nothing to verify: draw from p
+            final = sampler.sample(p_of(other), [reqs[b].generator for b in other]).tolist()
+            for j, b in enumerate(other):
+                outputs[b] = [final[j]]
+        elif other:
             sub = drafts.select(other)
             u = torch.cat([sampler.uniforms(drafts.num_draft[b], reqs[b].generator, self.device) for b in other])
             if tree:

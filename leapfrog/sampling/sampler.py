@@ -168,6 +168,23 @@ def probs(logits: Tensor, rows: RowBatch, proposal: bool = False) -> Tensor:
     return p
 
 
+def temperature_probs(logits: Tensor, temperatures: Sequence[float | None]) -> Tensor:
+    """``probs`` for rows that nothing but a temperature processes (SamplingParams.plain_temperature;
+    None: a greedy row on the raw logits, a point mass on its argmax), without building sampler
+    rows: softmax(logits / T), the same operations ``probs`` runs for such rows."""
+    t = torch.tensor([1.0 if x is None else x for x in temperatures], dtype=torch.float32, device=logits.device)
+    p = torch.softmax(logits / t[:, None], dim=-1)                                 # [N, V]
+    if not bool(torch.isfinite(p.sum(-1)).all()):
+        bad = (~torch.isfinite(p)).any(-1)
+        raise FloatingPointError(f"non-finite probabilities in sampler rows {bad.nonzero().flatten().tolist()} "
+                                 "(non-finite logits?)")
+    greedy = [i for i, x in enumerate(temperatures) if x is None]
+    if greedy:
+        idx = torch.tensor(greedy, device=logits.device)
+        p[idx] = torch.nn.functional.one_hot(logits[idx].argmax(-1), logits.shape[-1]).to(p.dtype)
+    return p
+
+
 def greedy_tokens(logits: Tensor, rows: RowBatch | None = None) -> Tensor:
     """[N] argmax of the penalised logits."""
     if rows is not None and (rows.penalties is not None or rows.masked is not None or rows.bias is not None):

@@ -154,3 +154,17 @@ def test_race_top_starts_with_the_sampled_token_and_skips_impossible_ones():
     r = q.double() / e
     for i, ids in enumerate(top[:5].tolist()):
         assert all(r[i, a] > r[i, b] for a, b in zip(ids, ids[1:]))
+
+
+def test_temperature_probs_equal_probs_for_temperature_only_rows():
+    """The engine's shortcut for batches of temperature-only and raw-greedy rows gives exactly
+    ``probs`` (bitwise), and refuses non-finite rows as ``probs`` does."""
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(3)) * 4
+    temps = [0.7, None, 1.3, None, 0.05]
+    specs = [RowSpec(SamplingParams(temperature=0.0 if t is None else t), [1, 2], [3]) for t in temps]
+    want = sampler.probs(logits, sampler.build_rows(specs, 50))
+    assert torch.equal(sampler.temperature_probs(logits, temps), want)
+    bad = logits.clone()
+    bad[2, 7] = float("nan")
+    with pytest.raises(FloatingPointError, match="rows \\[2\\]"):
+        sampler.temperature_probs(bad, temps)
