@@ -4,7 +4,9 @@ Contenders, each one LLM loaded once and run in interleaved rounds (A B C D A B 
 greedy, on the demo's held-out standard-library code: no speculation, draft_model K=4 (the demo
 draft), the built-in EAGLE-3 head drafting greedy chains of 5 and dynamic trees (``--trees``,
 default depth 5, top 4, 16 nodes), each eager (``enforce_eager=True``) and compiled
-(``enforce_eager=False``: drafts are fused chain and tree graphs). Per contender:
+(``enforce_eager=False``: drafts are fused chain and tree graphs), and compiled no speculation
+with ``--steps`` decode steps per engine step (multi-step decode, ``num_scheduler_steps``; default
+8, 1: no such contender). Per contender:
 median tokens/s over rounds, the median of per-round ratios to eager no-speculation, on how many
 prompts its greedy output equals eager no-speculation's and that of no speculation on the same
 path (bf16 compiled and eager graphs round differently), and its start-up time (compiling
