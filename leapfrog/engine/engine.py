@@ -546,8 +546,7 @@ class LLMEngine:
             self.fault_injector(reqs)
         steps, dev = self.runner.multi_step.steps, self.device
         chunks = [SeqChunk(r.row, r.num_computed, [r.output_ids[-1]], 1) for r in reqs]
-        kv_len = max(c.start + 1 for c in chunks)
-        if self.runner.multi_step.bucket_for(len(reqs), 1, kv_len + steps - 1) is None:
+        if not self.runner.fits_decode_steps(chunks):
             return False   # (before any randomness is drawn: the step runs one token at a time)
         drawn = [not r.params.greedy for r in reqs]
         temperature = torch.tensor([r.params.temperature if d else 1.0 for r, d in zip(reqs, drawn)], device=dev)

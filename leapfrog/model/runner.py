@@ -98,7 +98,7 @@ class ModelRunner:
         self.chain: CompiledChain | None = None    # fused greedy chain drafting (drafters)
         self.tree: CompiledTree | None = None      # fused greedy tree drafting (EAGLE heads)
         self.sampled_chain: CompiledSampledChain | None = None   # fused sampled chain drafting (EAGLE heads)
-        self.multi_step: CompiledDecodeSteps | None = None        # multi-step greedy decode (targets)
+        self.multi_step: CompiledDecodeSteps | None = None        # multi-step decode (targets)
 
     @property
     def compiled(self) -> CompiledForward | None:
@@ -143,7 +143,7 @@ class ModelRunner:
         return self.tree.warm_up(progress)
 
     def compile_multi_step(self, buckets: list[Bucket], steps: int, progress: bool = True) -> float:
-        """Compile multi-step greedy decode of ``steps`` tokens as one graph per bucket (model/compiled.py
+        """Compile multi-step decode of ``steps`` tokens as one graph per bucket (model/compiled.py
         CompiledDecodeSteps; ``decode_steps`` runs it). -> seconds taken."""
         self._check_compilable()
         self.multi_step = CompiledDecodeSteps(self.model, self.kv, buckets, steps)
@@ -172,14 +172,19 @@ class ModelRunner:
         out = self._fused(c, chunks, c.steps - 1)   # the last draft's column must fit (all steps run)
         return _first(out, len(chunks))
 
+    def fits_decode_steps(self, chunks: list[SeqChunk]) -> bool:
+        """Whether ``decode_steps`` has a warmed graph for these chunks (the batch, and the last
+        step's column inside the cache): callers check before drawing the steps' randomness."""
+        g = self.multi_step
+        return g is not None and self._fused_bucket(g, chunks, g.steps - 1) is not None
+
     @torch.inference_mode()
     def decode_steps(self, chunks: list[SeqChunk], temperature: Tensor, sampled: Tensor,
                      e: Tensor) -> DecodeStepsOutput | None:
         """The multi-step graph's ``steps`` tokens after each one-token chunk, each fed to the next
         (model/compiled.py CompiledDecodeSteps): temperature [n], sampled [n] bool (False: the argmax
         of the raw logits), e [n, steps, V] float64 the race's exponentials (-log U) of sampled
-        rows, on the runner's device. -> None when no warmed graph fits (batch, or the last step's
-        column past the cache)."""
+        rows, on the runner's device. -> None when no warmed graph fits (``fits_decode_steps``)."""
         g = self.multi_step
         if g is None:
             return None
@@ -208,10 +213,9 @@ class ModelRunner:
         out = self._fused(t, chunks, t.tree_cols)
         return _first(out, len(chunks))
 
-    def _fused(self, g: CompiledChain, chunks: list[SeqChunk], after: int, extra: tuple[Tensor, ...] = ()) -> Any:
-        """Run a fused drafting graph over chunks' pending tokens, padded to its bucket; ``after``:
-        cache columns it writes past the chunks; ``extra``: per-chunk inputs [n, ...] after the
-        graph's own (padding rows repeat the first). -> its output, or None when nothing fits."""
+    def _fused_bucket(self, g: CompiledChain, chunks: list[SeqChunk], after: int) -> Bucket | None:
+        """The bucket of fused graph ``g`` that chunks' pending tokens run in (``after``: cache
+        columns it writes past the chunks), or None when nothing fits."""
         if any(ch.is_tree for ch in chunks):
             return None
         width = {None if ch.features is None else ch.features.shape[-1] for ch in chunks}
@@ -220,9 +224,16 @@ class ModelRunner:
         kv_len = max(ch.start + len(ch.token_ids) for ch in chunks)
         if kv_len + after > self.kv.max_model_len:
             return None
-        bucket = g.bucket_for(len(chunks), max(len(ch.token_ids) for ch in chunks), kv_len)
+        return g.bucket_for(len(chunks), max(len(ch.token_ids) for ch in chunks), kv_len)
+
+    def _fused(self, g: CompiledChain, chunks: list[SeqChunk], after: int, extra: tuple[Tensor, ...] = ()) -> Any:
+        """Run a fused drafting graph over chunks' pending tokens, padded to its bucket; ``after``:
+        cache columns it writes past the chunks; ``extra``: per-chunk inputs [n, ...] after the
+        graph's own (padding rows repeat the first). -> its output, or None when nothing fits."""
+        bucket = self._fused_bucket(g, chunks, after)
         if bucket is None:
             return None
+        kv_len = max(ch.start + len(ch.token_ids) for ch in chunks)
         full = chunks + [SeqChunk(self.kv.scratch_row, 0, [0], 1)] * (bucket.batch - len(chunks))
         tok, posn, meta = self._inputs(full, bucket.tokens, kv_len, graph=True)
         feats = self._pad_features(full, bucket.tokens) if g.feature_width is not None else None
