@@ -154,18 +154,25 @@ def probs(logits: Tensor, rows: RowBatch, proposal: bool = False) -> Tensor:
     is lossless; the target rejects that token). Elsewhere such a row raises."""
     if rows.all_greedy:
         return torch.nn.functional.one_hot(greedy_tokens(logits, rows), logits.shape[-1]).float()
-    p = torch.softmax(processed_logits(logits, rows), dim=-1)
-    if not bool(torch.isfinite(p.sum(-1)).all()):  # one host sync; never draw from NaN (a row sum is NaN then)
-        bad = (~torch.isfinite(p)).any(-1)
-        if not proposal:
-            raise FloatingPointError(f"non-finite probabilities in sampler rows {bad.nonzero().flatten().tolist()} "
-                                     "(non-finite logits?)")
-        point = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(p.dtype)
-        p = torch.where(bad[:, None], point, p)
+    p = _finite(torch.softmax(processed_logits(logits, rows), dim=-1), logits, proposal)
     if rows.greedy.any():
         g = torch.nn.functional.one_hot(penalised_logits(logits, rows).argmax(-1), logits.shape[-1]).float()
         p = torch.where(rows.greedy[:, None], g, p)
     return p
+
+
+def _finite(p: Tensor, logits: Tensor, proposal: bool = False) -> Tensor:
+    """p [N, V] checked with one host sync (never draw from NaN: a row's sum is NaN then): a
+    non-finite row raises, or, for a drafter's q (``proposal``, see ``probs``), becomes a point
+    mass on its raw argmax."""
+    if bool(torch.isfinite(p.sum(-1)).all()):
+        return p
+    bad = (~torch.isfinite(p)).any(-1)
+    if not proposal:
+        raise FloatingPointError(f"non-finite probabilities in sampler rows {bad.nonzero().flatten().tolist()} "
+                                 "(non-finite logits?)")
+    point = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(p.dtype)
+    return torch.where(bad[:, None], point, p)
 
 
 def temperature_probs(logits: Tensor, temperatures: Sequence[float | None]) -> Tensor:
@@ -173,11 +180,7 @@ def temperature_probs(logits: Tensor, temperatures: Sequence[float | None]) -> T
     None: a greedy row on the raw logits, a point mass on its argmax), without building sampler
     rows: softmax(logits / T), the same operations ``probs`` runs for such rows."""
     t = torch.tensor([1.0 if x is None else x for x in temperatures], dtype=torch.float32, device=logits.device)
-    p = torch.softmax(logits / t[:, None], dim=-1)                                 # [N, V]
-    if not bool(torch.isfinite(p.sum(-1)).all()):
-        bad = (~torch.isfinite(p)).any(-1)
-        raise FloatingPointError(f"non-finite probabilities in sampler rows {bad.nonzero().flatten().tolist()} "
-                                 "(non-finite logits?)")
+    p = _finite(torch.softmax(logits / t[:, None], dim=-1), logits)             # [N, V]
     greedy = [i for i, x in enumerate(temperatures) if x is None]
     if greedy:
         idx = torch.tensor(greedy, device=logits.device)
