@@ -49,8 +49,12 @@ class EngineConfig:
     bookkeeping, detokenizing) is paid once per that many tokens; each token is drawn as a
     one-token step would draw it. Tokens then arrive that many at a time; a request that stops
     mid-way drops the rest. Other steps (penalties, top-k/p, logprobs, prompts, the context's
-    end) run one token at a time. Needs enforce_eager=False; not with speculative_config
-    (speculation already makes several tokens per step)."""
+    end) run one token at a time. Needs enforce_eager=False.
+
+    With speculative_config (method "draft_model", a fixed K: not "adaptive"), each engine step
+    runs that many speculation rounds (draft K, verify, accept) as one graph
+    (CompiledSpecRounds) whenever every request is greedy on the raw logits without logprobs and
+    drafts K; each round's tokens are what a one-round step accepts. Other steps run one round."""
     logprobs_mode: str = "raw_logprobs"
     """What SamplingParams.logprobs reports (vLLM's names): "raw_logprobs" (log_softmax of the
     target's logits), "raw_logits", "processed_logprobs" (of the distribution the sampler draws
@@ -85,9 +89,12 @@ class EngineConfig:
             if self.enforce_eager:
                 raise ConfigError(f"num_scheduler_steps={self.num_scheduler_steps} needs the compiled fast path "
                                   "(enforce_eager=False): the steps run as one graph")
-            if self.speculative_config is not None:
-                raise ConfigError(f"num_scheduler_steps={self.num_scheduler_steps} with speculative_config is not "
-                                  "supported (speculation already makes several tokens per step); drop one of them")
+            spec = self.speculative_config
+            if spec is not None and (not isinstance(spec, dict) or spec.get("method") != "draft_model"
+                                     or spec.get("adaptive")):
+                raise ConfigError(f"num_scheduler_steps={self.num_scheduler_steps} with speculative_config runs "
+                                  "rounds of a draft model's fixed K in one graph: it needs method 'draft_model' "
+                                  "without 'adaptive'; drop one of them")
         if self.tensor_parallel_size > 1:
             for bad, why in ((self.batch_invariant, "batch_invariant=True"),
                              (not self.enforce_eager, "enforce_eager=False (the compiled fast path)"),

@@ -193,11 +193,14 @@ class LLMEngine:
         buckets = make_buckets(self.config.max_num_seqs, per_seq)
         aux = self._target_states if isinstance(self._target_states, tuple) else ()
         self.runner.compile(buckets, aux)
-        if self.config.num_scheduler_steps > 1:
-            self.runner.compile_multi_step(make_buckets(self.config.max_num_seqs, [1]),
-                                           self.config.num_scheduler_steps)
+        steps = self.config.num_scheduler_steps
+        if steps > 1 and self.proposer is None:
+            self.runner.compile_multi_step(make_buckets(self.config.max_num_seqs, [1]), steps)
         if hasattr(self.proposer, "compile"):
             self.proposer.compile()
+        if steps > 1 and self.proposer is not None:   # (EngineConfig admits draft models only)
+            k = self.spec_controller.cfg.num_speculative_tokens
+            self.runner.compile_spec_round(self.proposer.runner, make_buckets(self.config.max_num_seqs, [k + 1]), k)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | None, prompt_ids: list[int] | None,
@@ -488,6 +491,8 @@ class LLMEngine:
                 ks = [cap_drafts(r, MAX_PREDICTION_DRAFT, self.max_model_len) for r in sub]
             else:   # the controller sizes drafts by the whole running batch (predictions included)
                 ks = self.spec_controller.choose(sub, batch_size=len(reqs))
+                if len(sub) == len(reqs) and self.runner.round is not None and self._spec_rounds(reqs, ks):
+                    return reqs
             parts.append((idx, proposer.propose(sub, ks) if any(ks) else DraftBatch.empty(len(sub))))
             if proposer is self.proposer:
                 t_draft = time.perf_counter() - t0
@@ -566,6 +571,48 @@ class LLMEngine:
             req.metrics.num_target_forwards += steps
             if req.request_id in self.requests:
                 self._guarded(req, self._append, req, ids)
+        return True
+
+    def _spec_rounds(self, reqs: list[Request], ks: list[int]) -> bool:
+        """Multi-step speculation (num_scheduler_steps with a draft model): when every request is
+        greedy on the raw logits, without logprobs, and drafts the configured K, the compiled graph
+        runs up to ``num_scheduler_steps`` rounds of draft, verify and accept for each, one
+        compiled graph per round fed the last one's outputs (model/compiled.py CompiledSpecRound;
+        no more rounds than the cache has room for, or than the longest request has tokens left
+        to make), and each round is accepted here as a one-round step would be (verify/greedy.py):
+        its tokens are committed, counted and appended in order, and tokens past a stop are
+        dropped. -> False when the step must run one round instead (nothing done)."""
+        g = self.runner.round
+        if any(k != g.k for k in ks) or not all(r.raw_argmax and r.params.logprobs is None for r in reqs):
+            return False
+        cols = [r.num_computed for r in reqs]   # each newest token's column (not yet in the target's cache)
+        if any(r.num_tokens != c + 1 for r, c in zip(reqs, cols)):
+            return False
+        rounds = min(self.config.num_scheduler_steps, self.runner.fits_spec_rounds(cols),
+                     max(map(_rounds_wanted, reqs)))
+        if rounds < 2:
+            return False
+        if self.fault_injector is not None:
+            self.fault_injector(reqs)
+        self.proposer.before_rounds(reqs)
+        out = self.runner.spec_rounds([r.row for r in reqs], [r.all_ids[c - 1:c + 1] for r, c in zip(reqs, cols)],
+                                      cols, rounds)
+        if not all(map(math.isfinite, out.top.flatten().tolist())):
+            raise FloatingPointError("non-finite logits from the model (fp16 overflow? try bfloat16 or float32)")
+        for req, drafts, target in zip(reqs, out.drafts.tolist(), out.target.tolist()):
+            for d, t in zip(drafts, target):
+                if req.request_id not in self.requests:
+                    break   # it stopped in an earlier round: the rest are dropped
+                res = greedy_accept(t, d, [g.k])
+                n = res.num_accepted[0]
+                self._guarded(req, self._commit, req, req.num_computed + 1 + n)
+                req.metrics.num_target_forwards += 1
+                req.metrics.spec.record(g.k, n, g.k)
+                self.spec_metrics.record(g.k, n, g.k)
+                if req.request_id in self.requests:
+                    self._guarded(req, self._append, req, res.output_ids[0])
+            if req.request_id in self.requests:
+                self.proposer.after_rounds(req)
         return True
 
     def _no_noise(self, batch: int, steps: int) -> torch.Tensor:
@@ -809,3 +856,13 @@ class LLMEngine:
 
     def get_metrics(self) -> dict:
         return self.spec_metrics.to_dict()
+
+
+def _rounds_wanted(req: Request) -> int:
+    """Speculation rounds a request is expected to need to reach its max_tokens, at the tokens per
+    round it has had so far (at least one each): rounds past its end would be computed and dropped."""
+    if req.params.max_tokens is None:
+        return 1 << 30
+    m = req.metrics.spec
+    per_round = 1 + m.num_accepted_tokens / m.num_drafts if m.num_drafts else 1.0
+    return max(1, math.ceil((req.params.max_tokens - len(req.output_ids)) / per_round))

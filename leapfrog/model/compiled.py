@@ -85,7 +85,7 @@ class DirectCall:
     bucket runs through torch.compile as before. Inductor assumed the warm-up inputs' shapes,
     strides and dtypes: a call whose arguments differ takes the torch.compile path."""
     fn: Callable[[list], list]              # inductor's compiled graph: flat inputs -> flat outputs
-    plan: list[int | tuple[str, int]]       # per input: index of a call argument, or ("k" | "v", layer)
+    plan: list[int | tuple[int, str, int]]  # per input: index of a call argument, or (cache, "k" | "v", layer)
     spec: list[tuple | None]                # per call argument: (shape, stride, dtype, device), None when None
     calls: int = field(default=0)
     seconds: float = field(default=0.0)     # spent inside the graph (what the fast-path benchmark reports)
@@ -93,8 +93,8 @@ class DirectCall:
     def matches(self, args: tuple) -> bool:
         return _spec(args) == self.spec
 
-    def __call__(self, args: tuple, kv: KVCache) -> list[Tensor]:
-        inputs = [args[p] if isinstance(p, int) else (kv.k if p[0] == "k" else kv.v)[p[1]] for p in self.plan]
+    def __call__(self, args: tuple, caches: tuple[KVCache, ...]) -> list[Tensor]:
+        inputs = [args[p] if isinstance(p, int) else _buffer(caches[p[0]], p[1], p[2]) for p in self.plan]
         t0 = time.perf_counter()
         out = self.fn(inputs)
         self.seconds += time.perf_counter() - t0
@@ -146,6 +146,10 @@ def capture_graph(call: Callable[[tuple], list[Tensor]], args: tuple, pool) -> G
     with torch.cuda.graph(graph, pool=pool):
         outputs = call(inputs)
     return GraphReplay(graph, inputs, list(outputs), _spec(args))
+
+
+def _buffer(kv: KVCache, name: str, layer: int) -> Tensor:
+    return (kv.k if name == "k" else kv.v)[layer]
 
 
 def _spec(args: tuple) -> list[tuple | None]:
@@ -223,6 +227,7 @@ class CompiledForward:
         if getattr(model, "head", None) is None and getattr(model, "kind", None) != "eagle":
             raise ValueError("compile a model after pack_for_inference(pack_layers=False) (it needs its head)")
         self.model, self.kv, self.aux_layers = model, kv, aux_layers
+        self.caches: tuple[KVCache, ...] = (kv,)   # every cache the graphs read and write (DirectCall)
         self.feature_width = feature_width
         from leapfrog.attention.native import load_native_attention
         # the attention op in C++ on CPU (else the Python one; on CUDA the Python one's Triton kernel)
@@ -276,13 +281,18 @@ class CompiledForward:
         them -> the bucket's hidden states, aux states and logits."""
         return self._serve(self._args(tok, pos, meta, features))
 
+    def _key(self, args: tuple) -> tuple[int, int]:
+        """The [batch, tokens] bucket of a call's arguments."""
+        return tuple(args[0].shape)
+
     def _serve(self, args: tuple):
-        r = self.replays.get(tuple(args[0].shape))
+        key = self._key(args)
+        r = self.replays.get(key)
         if r is not None and r.matches(args):
             return self._unflatten(r(args))
-        d = self.direct.get(tuple(args[0].shape))
+        d = self.direct.get(key)
         if d is not None and d.matches(args):
-            return self._unflatten(d(args, self.kv))
+            return self._unflatten(d(args, self.caches))
         # Every graph was compiled by warm_up: check only the guards that tell the warmed graphs
         # apart (bucket shapes, which model), not all of them (measured ~0.25 ms per call).
         with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
@@ -309,19 +319,19 @@ class CompiledForward:
         want = self._flatten(out)
         if not isinstance(raw, (list, tuple)) or len(raw) != len(want) or any(r is not w for r, w in zip(raw, want)):
             return None
-        plan: list[int | tuple[str, int]] = []
+        plan: list[int | tuple[int, str, int]] = []
         for t in inputs:
             hit = [i for i, a in enumerate(args) if a is t]
             if hit:
                 plan.append(hit[0])
                 continue
-            buf = [(name, layer) for layer, pair in enumerate(zip(self.kv.k, self.kv.v))
+            buf = [(c, name, layer) for c, kv in enumerate(self.caches) for layer, pair in enumerate(zip(kv.k, kv.v))
                    for name, x in zip("kv", pair) if x is t]
             if not buf:
                 return None
             plan.append(buf[0])
         d = DirectCall(graph.current_callable, plan, _spec(args))
-        again = d(args, self.kv)
+        again = d(args, self.caches)
         if any(not torch.equal(a, b) for a, b in zip(again, want)):
             return None
         d.calls, d.seconds = 0, 0.0
@@ -354,13 +364,7 @@ class CompiledForward:
     def _warm(self, b: Bucket, dev: torch.device, scratch: int) -> None:
         """Run bucket ``b`` at two context lengths on the scratch row (the second must not compile)."""
         for kv_len in (b.tokens + 1, b.tokens + 3):
-            cols = [list(range(kv_len - b.tokens, kv_len))] * b.batch
-            meta = build_attn_meta([scratch] * b.batch, cols, scratch, dev, graph_width=self.kv.max_model_len)
-            tok = torch.zeros(b.batch, b.tokens, dtype=torch.long, device=dev)
-            feats = None
-            if self.feature_width is not None:
-                feats = torch.zeros(b.batch, b.tokens, self.feature_width, dtype=self.model.dtype, device=dev)
-            args = self._args(tok, torch.tensor(cols, device=dev), meta, feats, *self._warm_extra(b, kv_len, dev))
+            args = self._warm_args(b, kv_len, dev, scratch)
             with _capture() as calls:
                 out = self._fn(*args)
         d, error = None, None
@@ -375,12 +379,31 @@ class CompiledForward:
         if dev.type == "cuda":
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
-            kv = self.kv
-            call = (lambda a: d(a, kv)) if d is not None else (lambda a: self._flatten(self._fn(*a)))
+            caches = self.caches
+            call = (lambda a: d(a, caches)) if d is not None else (lambda a: self._flatten(self._fn(*a)))
             self.replays[(b.batch, b.tokens)] = capture_graph(call, args, self._pool)
+
+    def _warm_args(self, b: Bucket, kv_len: int, dev: torch.device, scratch: int) -> tuple:
+        """The graph's arguments for a warm-up call of bucket ``b`` ending at column kv_len - 1."""
+        cols = [list(range(kv_len - b.tokens, kv_len))] * b.batch
+        meta = build_attn_meta([scratch] * b.batch, cols, scratch, dev, graph_width=self.kv.max_model_len)
+        tok = torch.zeros(b.batch, b.tokens, dtype=torch.long, device=dev)
+        feats = None
+        if self.feature_width is not None:
+            feats = torch.zeros(b.batch, b.tokens, self.feature_width, dtype=self.model.dtype, device=dev)
+        return self._args(tok, torch.tensor(cols, device=dev), meta, feats, *self._warm_extra(b, kv_len, dev))
 
     def _warm_extra(self, b: Bucket, kv_len: int, dev: torch.device) -> tuple[Tensor, ...]:
         return ()
+
+
+def causal_mask(cols: Tensor, q: Tensor, window: int | None) -> Tensor:
+    """A graph's attention mask built in the graph: cols [W] the cache's columns, q [B, S] each
+    query's column -> [B, 1, S, W] bool, causal by column (and inside a sliding window)."""
+    m = cols[None, None, :] <= q[:, :, None]                                       # [B, S, W]
+    if window is not None:
+        m &= cols[None, None, :] > q[:, :, None] - window
+    return m[:, None]
 
 
 @dataclass
@@ -439,10 +462,7 @@ class CompiledChain(CompiledForward):
             if j == self.steps - 1:
                 break
             c = col + j                                                            # [B] this step's column
-            m = cols[None, :] <= c[:, None]                                        # [B, W] causal
-            if self.window is not None:
-                m &= cols[None, :] > c[:, None] - self.window
-            m = m[:, None, None, :]                                                # [B, 1, 1, W]
+            m = causal_mask(cols, c[:, None], self.window)                         # [B, 1, 1, W]
             g = self._forward(x[:, None], c[:, None], m, rows, rows, c, c.max() + 1,
                               h[:, None] if self.next_width is not None else None)
             logits, h = g.logits, g.hidden[:, 0]
@@ -684,3 +704,84 @@ class CompiledTree(CompiledChain):
 
     def _unflatten(self, flat: list[Tensor]) -> TreeOutput:  # type: ignore[override]
         return TreeOutput(*flat)
+
+
+@dataclass
+class SpecRoundOutput:
+    drafts: Tensor     # [batch, K] long: the round's greedy draft chain
+    target: Tensor     # [batch, K + 1] long: the target's argmax at each verified row
+    top: Tensor        # [batch, K + 1] float32: its logit (the host checks that it is finite)
+    last2: Tensor      # [batch, 2] long: the next round's input: the tokens at columns col - 1, col
+    col: Tensor        # [batch] long: the next round's column (its newest token, not yet in the target's cache)
+
+
+class CompiledSpecRound(CompiledForward):
+    """A greedy speculation round (draft K, verify, accept) of a draft model and its target in one
+    graph per bucket, whose outputs are the next round's inputs: multi-step speculation
+    (``num_scheduler_steps`` with a draft model) calls it that many times back to back, with no
+    host work between the calls, so the engine's host work (inputs, sampling, bookkeeping) is paid
+    once per that many rounds, and one compiled round serves any number of them.
+
+    A round, for each sequence whose newest token ``tok`` sits at column ``col`` (not yet in the
+    target's cache) after ``prev`` at ``col - 1``: the draft model's chain (CompiledChain's steps,
+    over the draft's own cache) is fed [prev, tok] at columns col - 1, col (the first recomputed
+    when the draft had it: always two, so the shape is fixed) and drafts d_1..d_K; the target
+    verifies [tok, d_1..d_K] at columns col..col + K in one forward; n = the length of the
+    drafts' prefix equal to the target's argmax at their rows; the next round starts from
+    prev = the token at col + n (tok or d_n), tok = the target's argmax after it (the bonus),
+    col + n + 1. Rejected drafts' cache columns are overwritten later, as after a one-round step.
+    Every column and mask is computed in the graph from ``col``.
+
+    The host gets each round's drafts and the target's argmax at every row, and accepts them as a
+    one-round step would (verify/greedy.py): the output is exactly one-round speculation's, and so
+    the target's greedy output. The caller checks that ``col + K`` of every round fits both caches
+    (padding sequences: the scratch row from column 1; it advances at most K + 1 per round)."""
+
+    def __init__(self, model: torch.nn.Module, kv: KVCache, draft: torch.nn.Module, draft_kv: KVCache,
+                 buckets: list[Bucket], k: int) -> None:
+        if (draft_kv.scratch_row, draft_kv.max_model_len) != (kv.scratch_row, kv.max_model_len):
+            raise ValueError("multi-step speculation needs the draft's cache shaped as the target's "
+                             f"(rows {draft_kv.scratch_row} vs {kv.scratch_row}, "
+                             f"columns {draft_kv.max_model_len} vs {kv.max_model_len})")
+        super().__init__(model, kv, buckets)
+        self.draft = CompiledChain(draft, draft_kv, [], k)   # its chain's steps, traced into this graph
+        self.caches = (kv, draft_kv)
+        self.k = k
+        self.window = model.args.sliding_window
+        self._fn = torch.compile(self._round, dynamic=False, fullgraph=True)
+
+    def _round(self, last2: Tensor, col: Tensor, rows: Tensor) -> SpecRoundOutput:
+        """last2 [B, 2]: each sequence's tokens at columns col - 1 and col; col, rows [B]."""
+        B, K, dev = last2.shape[0], self.k, last2.device
+        cols = torch.arange(self.kv.max_model_len, device=dev)                    # [W]
+        ar = torch.arange(K + 1, device=dev)                                       # [K + 1]
+        dq = col[:, None] + ar[:2] - 1                                             # [B, 2] draft's pending columns
+        d, _ = self.draft._steps(last2, dq, causal_mask(cols, dq, self.draft.window), rows,
+                                 rows.repeat_interleave(2), dq.flatten(), col.max() + 1, None,
+                                 torch.ones_like(col), col + 1)                    # [B, K]
+        vq = col[:, None] + ar                                                     # [B, K + 1] verified columns
+        vtok = torch.cat([last2[:, 1:], d], 1)                                     # [B, K + 1]
+        g = self._forward(vtok, vq, causal_mask(cols, vq, self.window), rows, rows.repeat_interleave(K + 1),
+                          vq.flatten(), col.max() + K + 1)
+        top, ids = g.top.view(B, K + 1), g.top_ids.view(B, K + 1)                  # [B, K + 1]
+        n = (d == ids[:, :K]).long().cumprod(1).sum(1, keepdim=True)              # [B, 1] accepted drafts
+        nxt = torch.cat([vtok.gather(1, n), ids.gather(1, n)], 1)                  # [B, 2] d_n (or tok), bonus
+        return SpecRoundOutput(d, ids, top, nxt, col + n[:, 0] + 1)
+
+    def __call__(self, last2: Tensor, col: Tensor, rows: Tensor) -> SpecRoundOutput:  # type: ignore[override]
+        """last2 [batch, 2], col, rows [batch] of a warmed bucket (padding: the scratch row, column 1)."""
+        return self._serve((last2, col, rows))
+
+    def _key(self, args: tuple) -> tuple[int, int]:
+        return args[0].shape[0], self.k + 1
+
+    def _flatten(self, out: SpecRoundOutput) -> list[Tensor]:  # type: ignore[override]
+        return [out.drafts, out.target, out.top, out.last2, out.col]
+
+    def _unflatten(self, flat: list[Tensor]) -> SpecRoundOutput:  # type: ignore[override]
+        return SpecRoundOutput(*flat)
+
+    def _warm_args(self, b: Bucket, kv_len: int, dev: torch.device, scratch: int) -> tuple:
+        col = torch.full((b.batch,), kv_len - b.tokens, dtype=torch.long, device=dev)   # 1, then 3
+        return (torch.zeros(b.batch, 2, dtype=torch.long, device=dev), col,
+                torch.full((b.batch,), scratch, dtype=torch.long, device=dev))

@@ -34,14 +34,21 @@ from torch import Tensor
 from leapfrog.attention.metadata import AttnMeta, build_attn_meta
 from leapfrog.kv.cache import KVCache
 from leapfrog.model.compiled import (Bucket, ChainOutput, CompiledChain, CompiledDecodeSteps, CompiledForward,
-                                     CompiledSampledChain, CompiledTree, DecodeStepsOutput, SampledChainOutput,
-                                     TreeOutput)
+                                     CompiledSampledChain, CompiledSpecRound, CompiledTree, DecodeStepsOutput,
+                                     SampledChainOutput, TreeOutput)
 
 
 def _first(out: Any, n: int) -> Any:
     """A fused graph's output dataclass (ChainOutput, SampledChainOutput, TreeOutput,
     DecodeStepsOutput) cut to its first ``n`` sequences (the rest padded the bucket); None stays None."""
     return None if out is None else type(out)(*(getattr(out, f.name)[:n] for f in fields(out)))
+
+
+@dataclass
+class SpecRoundsOutput:
+    drafts: Tensor     # [batch, rounds, K] long: each round's greedy draft chain
+    target: Tensor     # [batch, rounds, K + 1] long: the target's argmax at each verified row
+    top: Tensor        # [batch, rounds, K + 1] float32: its logit (the host checks that it is finite)
 
 
 @dataclass
@@ -99,6 +106,7 @@ class ModelRunner:
         self.tree: CompiledTree | None = None      # fused greedy tree drafting (EAGLE heads)
         self.sampled_chain: CompiledSampledChain | None = None   # fused sampled chain drafting (EAGLE heads)
         self.multi_step: CompiledDecodeSteps | None = None        # multi-step decode (targets)
+        self.round: CompiledSpecRound | None = None               # multi-step speculation's round (targets)
 
     @property
     def compiled(self) -> CompiledForward | None:
@@ -149,9 +157,49 @@ class ModelRunner:
         self.multi_step = CompiledDecodeSteps(self.model, self.kv, buckets, steps)
         return self.multi_step.warm_up(progress)
 
+    def compile_spec_round(self, draft: "ModelRunner", buckets: list[Bucket], k: int, progress: bool = True) -> float:
+        """Compile a greedy speculation round of ``k`` drafts by ``draft``'s model as one graph per
+        bucket (model/compiled.py CompiledSpecRound; ``spec_rounds`` runs rounds of it). -> seconds."""
+        self._check_compilable()
+        draft._check_compilable()
+        self.round = CompiledSpecRound(self.model, self.kv, draft.model, draft.kv, buckets, k)
+        return self.round.warm_up(progress)
+
+    def fits_spec_rounds(self, cols: list[int]) -> int:
+        """How many rounds ``spec_rounds`` can run for sequences whose newest tokens are at ``cols``:
+        0 when no warmed graph fits the batch, else as many as keep every round's columns
+        inside the cache (each round advances a sequence by at most K + 1)."""
+        g = self.round
+        if g is None or g.bucket_for(len(cols), g.k + 1, 1) is None:
+            return 0
+        return max(0, (self.kv.max_model_len - max(cols)) // (g.k + 1))
+
+    @torch.inference_mode()
+    def spec_rounds(self, rows: list[int], last2: list[list[int]], cols: list[int], rounds: int) -> SpecRoundsOutput:
+        """``rounds`` rounds of multi-step speculation (``rounds`` <= fits_spec_rounds(cols)) for
+        sequences in cache ``rows`` whose tokens at columns col - 1 and col are ``last2`` (the newest
+        not yet in the target's cache; the draft's cache holding every column before col - 1),
+        each round's graph fed the last one's outputs. -> every round's drafts and the target's argmax."""
+        g = self.round
+        assert g is not None and 0 < rounds <= self.fits_spec_rounds(cols)
+        bucket = g.bucket_for(len(rows), g.k + 1, 1)
+        assert bucket is not None
+        pad = bucket.batch - len(rows)
+        state = (torch.tensor(last2 + [[0, 0]] * pad, device=self.device),   # padding: the scratch row
+                 torch.tensor(cols + [1] * pad, device=self.device))        # from column 1
+        rows_t = torch.tensor(rows + [self.kv.scratch_row] * pad, device=self.device)
+        outs = []
+        for _ in range(rounds):
+            out = g(*state, rows_t)
+            outs.append(out)
+            state = (out.last2, out.col)
+        n = len(rows)
+        return SpecRoundsOutput(*(torch.stack([getattr(o, name)[:n] for o in outs], 1)
+                                  for name in ("drafts", "target", "top")))
+
     def graph_seconds(self) -> float:
         """Seconds spent inside compiled graphs so far (their direct calls: model/compiled.py)."""
-        fused = (self.chain, self.sampled_chain, self.tree, self.multi_step)
+        fused = (self.chain, self.sampled_chain, self.tree, self.multi_step, self.round)
         fwds = [*self.graphs, *(g for g in fused if g is not None)]
         return sum(d.seconds for g in fwds for d in g.direct.values())
 

@@ -1,25 +1,35 @@
 """Multi-step decode (EngineConfig.num_scheduler_steps): several decode steps per engine step in
 one compiled graph give the tokens one-token steps give (float32): greedy, seeded and unseeded
 sampling (the same draws of the same randomness), with stops, lengths, the cache's end and
-steps that must run one token at a time handled as one-token steps handle them."""
+steps that must run one token at a time handled as one-token steps handle them. With a draft
+model, several speculation rounds per graph give the target's greedy output."""
 
 from __future__ import annotations
+
+from unittest.mock import patch
 
 import pytest
 from torch._dynamo.utils import counters
 
 from leapfrog import LLM, SamplingParams
 from leapfrog.errors import ConfigError
+from leapfrog.model import compiled
 from tests.conftest import prompts_of
 
 MAX_LEN = 96
 STEPS = 4
 
 
+# (the engines here compile with inductor's own GEMM choice: autotuning the C++ GEMM templates
+# would double their compile time; tests/model/test_compiled.py covers those)
+FAST_COMPILE = {"max_autotune": False}
+
+
 @pytest.fixture(scope="module")
 def multi(llama_dir):
-    return LLM(model=str(llama_dir), dtype="float32", max_model_len=MAX_LEN, max_num_seqs=2,
-               enforce_eager=False, num_scheduler_steps=STEPS)
+    with patch.dict(compiled.INDUCTOR_OPTIONS, FAST_COMPILE):
+        return LLM(model=str(llama_dir), dtype="float32", max_model_len=MAX_LEN, max_num_seqs=2,
+                   enforce_eager=False, num_scheduler_steps=STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -51,12 +61,16 @@ def test_multi_step_output_equals_one_token_steps(multi, base, tokenizer):
 def test_stops_inside_a_multi_step_end_the_output_there(multi, base, tokenizer):
     """A stop token or stop string reached in the middle of a multi-step drops the tokens after it,
     exactly as one-token steps stop."""
-    prompt = prompts_of(tokenizer, 1)[0]
+    _check_stops(multi, base, prompts_of(tokenizer, 1)[0], 9)
+
+
+def _check_stops(llm, base, prompt, at: int) -> None:
+    """A stop token first reached at some index <= ``at`` and a stop string end ``llm``'s greedy
+    output where they end ``base``'s."""
     free = _outs(base, [prompt], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))[0]
-    stop_id = free.token_ids[9]   # first reached at some index <= 9, whatever the step boundary
-    for sp in (SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop_token_ids=[stop_id]),
+    for sp in (SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop_token_ids=[free.token_ids[at]]),
                SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[free.text[-12:-6]])):
-        got, want = _outs(multi, [prompt], sp)[0], _outs(base, [prompt], sp)[0]
+        got, want = _outs(llm, [prompt], sp)[0], _outs(base, [prompt], sp)[0]
         assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == \
             (want.token_ids, want.text, want.finish_reason, want.stop_reason)
         assert got.finish_reason == "stop" and len(got.token_ids) < 30
@@ -109,9 +123,71 @@ def test_the_cache_end_takes_one_token_steps(multi, base, tokenizer):
 def test_multi_step_config_is_checked(llama_dir):
     with pytest.raises(ConfigError, match="enforce_eager=False"):
         LLM(model=str(llama_dir), num_scheduler_steps=4)
-    with pytest.raises(ConfigError, match="speculative_config"):
-        LLM(model=str(llama_dir), num_scheduler_steps=4, enforce_eager=False,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    for spec in ({"method": "ngram", "num_speculative_tokens": 2},
+                 {"method": "draft_model", "model": str(llama_dir), "num_speculative_tokens": 2, "adaptive": True}):
+        with pytest.raises(ConfigError, match="speculative_config"):
+            LLM(model=str(llama_dir), num_scheduler_steps=4, enforce_eager=False, speculative_config=spec)
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ConfigError, match="num_scheduler_steps"):
             LLM(model=str(llama_dir), num_scheduler_steps=bad)
+
+
+K = 3
+
+
+@pytest.fixture(scope="module")
+def rounds(llama_dir):
+    """Multi-step speculation: STEPS rounds of K drafts per graph. The draft is the target itself in
+    bfloat16: mostly the target's own tokens, sometimes not (rounds accept all, some or none)."""
+    spec = {"method": "draft_model", "model": str(llama_dir), "num_speculative_tokens": K, "draft_dtype": "bfloat16"}
+    with patch.dict(compiled.INDUCTOR_OPTIONS, FAST_COMPILE):
+        return LLM(model=str(llama_dir), dtype="float32", max_model_len=MAX_LEN, max_num_seqs=2,
+                   enforce_eager=False, num_scheduler_steps=STEPS, speculative_config=spec)
+
+
+def _round_calls(llm, batch):
+    return llm.engine.runner.round.direct[(batch, K + 1)].calls
+
+
+def test_speculation_rounds_give_the_target_greedy_output(rounds, base, tokenizer):
+    """Greedy output, batched and ragged, with a max_tokens inside a round, equals the target's
+    own (one-token eager steps); the rounds graph did the decoding, its rounds accepted all, some
+    and none of their drafts, and each round counts as one verification; nothing compiled while
+    serving."""
+    prompts = prompts_of(tokenizer, 3)
+    sp = SamplingParams(temperature=0.0, max_tokens=29, ignore_eos=True)
+    graphs = counters["stats"]["unique_graphs"]
+    calls = _round_calls(rounds, 2)
+    before = rounds.engine.spec_metrics.num_drafts
+    got = _outs(rounds, prompts, sp)
+    want = _outs(base, prompts, sp)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.text for o in got] == [o.text for o in want]
+    assert all(len(o.token_ids) == 29 and o.finish_reason == "length" for o in got)
+    assert _round_calls(rounds, 2) > calls
+    m = rounds.engine.spec_metrics
+    assert m.num_drafts - before >= _round_calls(rounds, 2) - calls   # each graph call: a verification
+    per_pos = m.num_accepted_tokens_per_pos
+    assert 0 < per_pos[-1] < per_pos[0] < m.num_drafts   # full, partial and empty acceptances
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_stops_and_other_requests_in_speculation_rounds(rounds, base, tokenizer):
+    """A stop token or string reached inside a round drops the tokens after it, as one-token steps
+    stop; a sampled request in the batch makes the step run one round (seeded: the eager engine's
+    output), and the cache's last rounds run one at a time up to the context's end."""
+    prompt = prompts_of(tokenizer, 1)[0]
+    calls = _round_calls(rounds, 1)
+    _check_stops(rounds, base, prompt, 13)
+    assert _round_calls(rounds, 1) > calls
+    prompts = prompts_of(tokenizer, 2)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.9, seed=3, max_tokens=12, ignore_eos=True)
+    calls = _round_calls(rounds, 2)
+    outs = rounds.generate([{"prompt_token_ids": p} for p in prompts], [greedy, seeded], use_tqdm=False)
+    assert _round_calls(rounds, 2) == calls
+    assert outs[0].outputs[0].token_ids == _outs(base, prompts[:1], greedy)[0].token_ids
+    assert outs[1].outputs[0].token_ids == _outs(base, prompts[1:], seeded)[0].token_ids
+    sp = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+    got, want = _outs(rounds, [prompt], sp)[0], _outs(base, [prompt], sp)[0]
+    assert got.token_ids == want.token_ids and len(got.token_ids) == MAX_LEN - len(prompt)

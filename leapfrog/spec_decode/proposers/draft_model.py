@@ -166,6 +166,15 @@ class DraftModelProposer:
                 return
             self.runner.run(chunks)
 
+    def before_rounds(self, reqs: list[Request]) -> None:
+        """Multi-step speculation (model/compiled.py CompiledSpecRounds) feeds each round the two
+        newest tokens: the draft's cache must hold every token before them."""
+        self._catch_up(reqs, keep=2)
+
+    def after_rounds(self, req: Request) -> None:
+        """After multi-step speculation the draft's cache holds every token but the two newest."""
+        self.computed[req.request_id] = req.num_tokens - 2
+
     def on_verified(self, reqs: list[Request], drafts: DraftBatch, result: AcceptanceResult) -> None:
         for r, n_acc in zip(reqs, result.num_accepted):
             if r.request_id in self.computed:
