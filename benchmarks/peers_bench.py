@@ -5,6 +5,7 @@ Contenders (``--contenders``, comma-separated; default: all that can run here):
   leapfrog-compiled no speculation, compiled fast path (enforce_eager=False)
   leapfrog-steps    no speculation, compiled, ``--steps`` decode steps per engine step (num_scheduler_steps)
   leapfrog-draft    draft_model K (``--draft``), compiled
+  leapfrog-draft-steps  draft_model K, compiled, ``--steps`` speculation rounds per engine step
   leapfrog-self     quantized self-draft K (int4 copy of the target), compiled
   leapfrog-eagle3   EAGLE-3 head (``--head``) drafting greedy chains of ``--eagle-depth``, compiled
   leapfrog-int8     no speculation, int8 weight-only target, compiled (a different model: listed apart)
@@ -49,7 +50,7 @@ from leapfrog.model.loader import load_tokenizer
 from leapfrog.train.distill import heldout_prompts
 
 ALL = ["llama.cpp", "llama.cpp-draft", "leapfrog", "leapfrog-compiled", "leapfrog-steps", "leapfrog-draft",
-       "leapfrog-self", "leapfrog-eagle3", "leapfrog-int8", "transformers"]
+       "leapfrog-draft-steps", "leapfrog-self", "leapfrog-eagle3", "leapfrog-int8", "transformers"]
 SHAPES = {"110M": (768, 12, 12, 2048)}  # dim, layers, heads, intermediate (stories110M)
 
 
@@ -176,6 +177,9 @@ def build(name: str, args, max_len: int):
         return LeapfrogContender(**lf, enforce_eager=False, num_scheduler_steps=args.steps)
     if name == "leapfrog-draft":
         return LeapfrogContender(**lf, enforce_eager=False, speculative_config=spec_draft)
+    if name == "leapfrog-draft-steps":
+        return LeapfrogContender(**lf, enforce_eager=False, speculative_config=spec_draft,
+                                 num_scheduler_steps=args.steps)
     if name == "leapfrog-self":
         return LeapfrogContender(**lf, enforce_eager=False, speculative_config=spec_self)
     if name == "leapfrog-eagle3":
@@ -207,7 +211,8 @@ def main() -> None:
     ap.add_argument("--draft-gguf", default=None)
     ap.add_argument("--contenders", default=None, help=f"comma-separated subset of {','.join(ALL)}")
     ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=8, help="decode steps per engine step of leapfrog-steps")
+    ap.add_argument("--steps", type=int, default=8,
+                    help="decode steps (speculation rounds) per engine step of leapfrog-steps (leapfrog-draft-steps)")
     ap.add_argument("--num-prompts", type=int, default=12)
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
