@@ -90,10 +90,10 @@ class EngineConfig:
                 raise ConfigError(f"num_scheduler_steps={self.num_scheduler_steps} needs the compiled fast path "
                                   "(enforce_eager=False): the steps run as one graph")
             spec = self.speculative_config
-            if spec is not None and (not isinstance(spec, dict) or spec.get("method") != "draft_model"
-                                     or spec.get("adaptive")):
+            if spec is not None and not _rounds_spec(spec):
                 raise ConfigError(f"num_scheduler_steps={self.num_scheduler_steps} with speculative_config runs "
-                                  "rounds of a draft model's fixed K in one graph: it needs method 'draft_model' "
+                                  "rounds of fixed-K greedy chains, one compiled graph each: it needs method "
+                                  "'draft_model', or 'eagle'/'eagle3' with \"eagle_topk\": 1 (and no tree), "
                                   "without 'adaptive'; drop one of them")
         if self.tensor_parallel_size > 1:
             for bad, why in ((self.batch_invariant, "batch_invariant=True"),
@@ -130,3 +130,15 @@ def resolve_device(device: str) -> torch.device:
     if str(device).startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"device={device!r} but CUDA is not available on this machine")
     return torch.device(device)
+
+
+def _rounds_spec(spec: Any) -> bool:
+    """Whether a speculative_config can run as multi-step speculation rounds (fixed-K chains of a
+    draft model or an EAGLE head: model/compiled.py CompiledSpecRound, CompiledEagleRound)."""
+    if not isinstance(spec, dict) or spec.get("adaptive"):
+        return False
+    if spec.get("method") == "draft_model":
+        return True
+    return (spec.get("method") in ("eagle", "eagle3") and spec.get("eagle_topk") == 1
+            and spec.get("speculative_token_tree") is None
+            and spec.get("num_draft_tokens") in (None, spec.get("num_speculative_tokens")))

@@ -592,11 +592,12 @@ class LLMEngine:
                      max(map(_rounds_wanted, reqs)))
         if rounds < 2:
             return False
+        state = self.proposer.round_state(reqs, g.k)   # (after its catch-up) the first round's input
+        if state is None:
+            return False
         if self.fault_injector is not None:
             self.fault_injector(reqs)
-        self.proposer.before_rounds(reqs)
-        out = self.runner.spec_rounds([r.row for r in reqs], [r.all_ids[c - 1:c + 1] for r, c in zip(reqs, cols)],
-                                      cols, rounds)
+        out = self.runner.spec_rounds([r.row for r in reqs], state, cols, rounds)
         if not all(map(math.isfinite, out.top.flatten().tolist())):
             raise FloatingPointError("non-finite logits from the model (fp16 overflow? try bfloat16 or float32)")
         for req, drafts, target in zip(reqs, out.drafts.tolist(), out.target.tolist()):
@@ -611,8 +612,9 @@ class LLMEngine:
                 self.spec_metrics.record(g.k, n, g.k)
                 if req.request_id in self.requests:
                     self._guarded(req, self._append, req, res.output_ids[0])
+        for b, req in enumerate(reqs):
             if req.request_id in self.requests:
-                self.proposer.after_rounds(req)
+                self._guarded(req, self.proposer.after_rounds, req, tuple(x[b] for x in out.state))
         return True
 
     def _no_noise(self, batch: int, steps: int) -> torch.Tensor:

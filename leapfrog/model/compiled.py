@@ -739,34 +739,51 @@ class CompiledSpecRound(CompiledForward):
 
     def __init__(self, model: torch.nn.Module, kv: KVCache, draft: torch.nn.Module, draft_kv: KVCache,
                  buckets: list[Bucket], k: int) -> None:
-        if (draft_kv.scratch_row, draft_kv.max_model_len) != (kv.scratch_row, kv.max_model_len):
-            raise ValueError("multi-step speculation needs the draft's cache shaped as the target's "
-                             f"(rows {draft_kv.scratch_row} vs {kv.scratch_row}, "
+        if draft_kv.scratch_row != kv.scratch_row or draft_kv.max_model_len < kv.max_model_len:
+            raise ValueError("multi-step speculation needs the draft's cache as wide as the target's, with the "
+                             f"same rows (rows {draft_kv.scratch_row} vs {kv.scratch_row}, "
                              f"columns {draft_kv.max_model_len} vs {kv.max_model_len})")
-        super().__init__(model, kv, buckets)
-        self.draft = CompiledChain(draft, draft_kv, [], k)   # its chain's steps, traced into this graph
+        super().__init__(model, kv, buckets, self._target_states(draft))
+        self.draft = self._drafter(draft, draft_kv, k)   # its chain's steps, traced into this graph
         self.caches = (kv, draft_kv)
         self.k = k
         self.window = model.args.sliding_window
         self._fn = torch.compile(self._round, dynamic=False, fullgraph=True)
 
+    @staticmethod
+    def _target_states(draft: torch.nn.Module) -> tuple[int, ...]:
+        return ()
+
+    @staticmethod
+    def _drafter(draft: torch.nn.Module, draft_kv: KVCache, k: int) -> CompiledChain:
+        return CompiledChain(draft, draft_kv, [], k)
+
     def _round(self, last2: Tensor, col: Tensor, rows: Tensor) -> SpecRoundOutput:
         """last2 [B, 2]: each sequence's tokens at columns col - 1 and col; col, rows [B]."""
-        B, K, dev = last2.shape[0], self.k, last2.device
-        cols = torch.arange(self.kv.max_model_len, device=dev)                    # [W]
-        ar = torch.arange(K + 1, device=dev)                                       # [K + 1]
-        dq = col[:, None] + ar[:2] - 1                                             # [B, 2] draft's pending columns
-        d, _ = self.draft._steps(last2, dq, causal_mask(cols, dq, self.draft.window), rows,
+        dev = last2.device
+        dq = col[:, None] + torch.arange(2, device=dev) - 1                        # [B, 2] draft's pending columns
+        d, _ = self.draft._steps(last2, dq, causal_mask(self._draft_cols(dev), dq, self.draft.window), rows,
                                  rows.repeat_interleave(2), dq.flatten(), col.max() + 1, None,
                                  torch.ones_like(col), col + 1)                    # [B, K]
-        vq = col[:, None] + ar                                                     # [B, K + 1] verified columns
+        g, ids, top, n = self._verify(last2[:, 1], d, col, rows)
         vtok = torch.cat([last2[:, 1:], d], 1)                                     # [B, K + 1]
-        g = self._forward(vtok, vq, causal_mask(cols, vq, self.window), rows, rows.repeat_interleave(K + 1),
-                          vq.flatten(), col.max() + K + 1)
-        top, ids = g.top.view(B, K + 1), g.top_ids.view(B, K + 1)                  # [B, K + 1]
-        n = (d == ids[:, :K]).long().cumprod(1).sum(1, keepdim=True)              # [B, 1] accepted drafts
         nxt = torch.cat([vtok.gather(1, n), ids.gather(1, n)], 1)                  # [B, 2] d_n (or tok), bonus
         return SpecRoundOutput(d, ids, top, nxt, col + n[:, 0] + 1)
+
+    def _draft_cols(self, dev: torch.device) -> Tensor:
+        return torch.arange(self.draft.kv.max_model_len, device=dev)              # [W'] the draft cache's columns
+
+    def _verify(self, tok: Tensor, d: Tensor, col: Tensor, rows: Tensor) -> tuple[GraphOutput, Tensor, Tensor, Tensor]:
+        """The target's forward over [tok, d_1..d_K] at columns col..col + K -> its output, the argmax
+        and its logit at every row [B, K + 1], and the accepted drafts n [B, 1]."""
+        B, K, dev = d.shape[0], self.k, d.device
+        cols = torch.arange(self.kv.max_model_len, device=dev)                    # [W]
+        vq = col[:, None] + torch.arange(K + 1, device=dev)                        # [B, K + 1] verified columns
+        g = self._forward(torch.cat([tok[:, None], d], 1), vq, causal_mask(cols, vq, self.window), rows,
+                          rows.repeat_interleave(K + 1), vq.flatten(), col.max() + K + 1)
+        top, ids = g.top.view(B, K + 1), g.top_ids.view(B, K + 1)                  # [B, K + 1]
+        n = (d == ids[:, :K]).long().cumprod(1).sum(1, keepdim=True)              # [B, 1] accepted drafts
+        return g, ids, top, n
 
     def __call__(self, last2: Tensor, col: Tensor, rows: Tensor) -> SpecRoundOutput:  # type: ignore[override]
         """last2 [batch, 2], col, rows [batch] of a warmed bucket (padding: the scratch row, column 1)."""
@@ -774,6 +791,17 @@ class CompiledSpecRound(CompiledForward):
 
     def _key(self, args: tuple) -> tuple[int, int]:
         return args[0].shape[0], self.k + 1
+
+    def pad(self, state: tuple[Tensor, ...], n: int) -> tuple[Tensor, ...]:
+        """A round's input state (the arguments before ``rows``) with ``n`` padding sequences
+        appended: token 0 from column 1 (on the scratch row)."""
+        last2, col = state
+        return torch.cat([last2, last2.new_zeros(n, 2)]), torch.cat([col, col.new_ones(n)])
+
+    @staticmethod
+    def carry(out: SpecRoundOutput) -> tuple[Tensor, ...]:
+        """The next round's input state from a round's output."""
+        return out.last2, out.col
 
     def _flatten(self, out: SpecRoundOutput) -> list[Tensor]:  # type: ignore[override]
         return [out.drafts, out.target, out.top, out.last2, out.col]
@@ -784,4 +812,79 @@ class CompiledSpecRound(CompiledForward):
     def _warm_args(self, b: Bucket, kv_len: int, dev: torch.device, scratch: int) -> tuple:
         col = torch.full((b.batch,), kv_len - b.tokens, dtype=torch.long, device=dev)   # 1, then 3
         return (torch.zeros(b.batch, 2, dtype=torch.long, device=dev), col,
+                torch.full((b.batch,), scratch, dtype=torch.long, device=dev))
+
+
+@dataclass
+class EagleRoundOutput:
+    drafts: Tensor     # [batch, K] long: the round's greedy draft chain
+    target: Tensor     # [batch, K + 1] long: the target's argmax at each verified row
+    top: Tensor        # [batch, K + 1] float32: its logit
+    tokens: Tensor     # [batch, K + 1] long: the next round's head input: the tokens after its pending positions
+    features: Tensor   # [batch, K + 1, F]: the target's features of those positions (the head's dtype)
+    last: Tensor       # [batch] long: the last real pending position's index (the rest pad)
+    start: Tensor      # [batch] long: the first pending position (a head cache column)
+
+
+class CompiledEagleRound(CompiledSpecRound):
+    """CompiledSpecRound with an EAGLE head drafting (``eagle_topk`` 1: chains): the head's input is
+    its pending positions, the positions whose target features it has not yet run (``start`` ..
+    ``start + last``, at most K + 1: ``tokens`` the token after each, ``features`` the target's
+    feature of each); the newest token is the last of ``tokens``, at target column
+    col = start + last + 1. After the target verifies [tok, d_1..d_K] with n drafts accepted, the
+    next round's pending positions are col..col + n (the target's features of its verified rows
+    0..n, tokens d_1..d_n and the bonus), padded to K + 1 (padding rows write head cache columns
+    that the chain's own steps overwrite before reading them, or that the next round does)."""
+
+    @staticmethod
+    def _target_states(draft: torch.nn.Module) -> tuple[int, ...]:
+        return tuple(draft.target_layer_ids)
+
+    @staticmethod
+    def _drafter(draft: torch.nn.Module, draft_kv: KVCache, k: int) -> CompiledChain:
+        width = draft.cfg.target_hidden_size if draft.kind == "eagle" else draft.cfg.feature_size
+        return CompiledChain(draft, draft_kv, [], k, width, draft.args.hidden_size)
+
+    def _round(self, tokens: Tensor, features: Tensor, last: Tensor, start: Tensor,  # type: ignore[override]
+               rows: Tensor) -> EagleRoundOutput:
+        """tokens [B, K + 1], features [B, K + 1, F], last, start, rows [B]."""
+        S, dev = tokens.shape[1], tokens.device
+        hq = start[:, None] + torch.arange(S, device=dev)                          # [B, K + 1] head columns
+        col = start + last + 1                                                     # [B] the newest token's column
+        d, _ = self.draft._steps(tokens, hq, causal_mask(self._draft_cols(dev), hq, self.draft.window), rows,
+                                 rows.repeat_interleave(S), hq.flatten(), hq.max() + 1, features, last, col)
+        tok = tokens.gather(1, last[:, None])[:, 0]                                # [B]
+        g, ids, top, n = self._verify(tok, d, col, rows)
+        feats = g.hidden if not self.aux_layers else torch.cat(g.aux, -1)          # [B, K + 1, F]
+        bonus = ids.gather(1, n)                                                   # [B, 1]
+        nxt = torch.cat([d, bonus], 1).scatter(1, n, bonus)                        # [B, K + 1] d_1..d_n, bonus
+        return EagleRoundOutput(d, ids, top, nxt, feats.to(features.dtype), n[:, 0], col)
+
+    def __call__(self, tokens: Tensor, features: Tensor, last: Tensor, start: Tensor,  # type: ignore[override]
+                 rows: Tensor) -> EagleRoundOutput:
+        return self._serve((tokens, features, last, start, rows))
+
+    def pad(self, state: tuple[Tensor, ...], n: int) -> tuple[Tensor, ...]:
+        tokens, features, last, start = state   # padding: one position at column 1
+        return (torch.cat([tokens, tokens.new_zeros(n, tokens.shape[1])]),
+                torch.cat([features, features.new_zeros(n, *features.shape[1:])]),
+                torch.cat([last, last.new_zeros(n)]), torch.cat([start, start.new_ones(n)]))
+
+    @staticmethod
+    def carry(out: EagleRoundOutput) -> tuple[Tensor, ...]:  # type: ignore[override]
+        return out.tokens, out.features, out.last, out.start
+
+    def _flatten(self, out: EagleRoundOutput) -> list[Tensor]:  # type: ignore[override]
+        return [out.drafts, out.target, out.top, out.tokens, out.features, out.last, out.start]
+
+    def _unflatten(self, flat: list[Tensor]) -> EagleRoundOutput:  # type: ignore[override]
+        return EagleRoundOutput(*flat)
+
+    def _warm_args(self, b: Bucket, kv_len: int, dev: torch.device, scratch: int) -> tuple:
+        S = self.k + 1
+        F = self.draft.feature_width
+        return (torch.zeros(b.batch, S, dtype=torch.long, device=dev),
+                torch.zeros(b.batch, S, F, dtype=self.draft.model.dtype, device=dev),
+                torch.full((b.batch,), S - 1, dtype=torch.long, device=dev),
+                torch.full((b.batch,), kv_len - b.tokens, dtype=torch.long, device=dev),   # 1, then 3
                 torch.full((b.batch,), scratch, dtype=torch.long, device=dev))

@@ -34,8 +34,8 @@ from torch import Tensor
 from leapfrog.attention.metadata import AttnMeta, build_attn_meta
 from leapfrog.kv.cache import KVCache
 from leapfrog.model.compiled import (Bucket, ChainOutput, CompiledChain, CompiledDecodeSteps, CompiledForward,
-                                     CompiledSampledChain, CompiledSpecRound, CompiledTree, DecodeStepsOutput,
-                                     SampledChainOutput, TreeOutput)
+                                     CompiledEagleRound, CompiledSampledChain, CompiledSpecRound, CompiledTree,
+                                     DecodeStepsOutput, SampledChainOutput, TreeOutput)
 
 
 def _first(out: Any, n: int) -> Any:
@@ -49,6 +49,7 @@ class SpecRoundsOutput:
     drafts: Tensor     # [batch, rounds, K] long: each round's greedy draft chain
     target: Tensor     # [batch, rounds, K + 1] long: the target's argmax at each verified row
     top: Tensor        # [batch, rounds, K + 1] float32: its logit (the host checks that it is finite)
+    state: tuple[Tensor, ...]   # the next round's input per sequence (the drafter's to keep)
 
 
 @dataclass
@@ -162,7 +163,9 @@ class ModelRunner:
         bucket (model/compiled.py CompiledSpecRound; ``spec_rounds`` runs rounds of it). -> seconds."""
         self._check_compilable()
         draft._check_compilable()
-        self.round = CompiledSpecRound(self.model, self.kv, draft.model, draft.kv, buckets, k)
+        eagle = getattr(draft.model, "kind", None) in ("eagle", "eagle3")
+        self.round = (CompiledEagleRound if eagle else CompiledSpecRound)(self.model, self.kv, draft.model, draft.kv,
+                                                                          buckets, k)
         return self.round.warm_up(progress)
 
     def fits_spec_rounds(self, cols: list[int]) -> int:
@@ -172,30 +175,31 @@ class ModelRunner:
         g = self.round
         if g is None or g.bucket_for(len(cols), g.k + 1, 1) is None:
             return 0
-        return max(0, (self.kv.max_model_len - max(cols)) // (g.k + 1))
+        return max(0, (self.kv.max_model_len - max(*cols, 2)) // (g.k + 1))   # (padding starts at column <= 2)
 
     @torch.inference_mode()
-    def spec_rounds(self, rows: list[int], last2: list[list[int]], cols: list[int], rounds: int) -> SpecRoundsOutput:
+    def spec_rounds(self, rows: list[int], state: tuple[Tensor, ...], cols: list[int], rounds: int) -> SpecRoundsOutput:
         """``rounds`` rounds of multi-step speculation (``rounds`` <= fits_spec_rounds(cols)) for
-        sequences in cache ``rows`` whose tokens at columns col - 1 and col are ``last2`` (the newest
-        not yet in the target's cache; the draft's cache holding every column before col - 1),
-        each round's graph fed the last one's outputs. -> every round's drafts and the target's argmax."""
+        sequences in cache ``rows`` whose newest tokens (not yet in the target's cache) are at
+        ``cols``; ``state``: the first round's input per sequence, as the drafter gives it
+        (CompiledSpecRound: the tokens at col - 1 and col; CompiledEagleRound: the head's pending
+        positions), each round's graph fed the last one's outputs. -> every round's drafts and the
+        target's argmax, and the state after the last round."""
         g = self.round
         assert g is not None and 0 < rounds <= self.fits_spec_rounds(cols)
         bucket = g.bucket_for(len(rows), g.k + 1, 1)
         assert bucket is not None
         pad = bucket.batch - len(rows)
-        state = (torch.tensor(last2 + [[0, 0]] * pad, device=self.device),   # padding: the scratch row
-                 torch.tensor(cols + [1] * pad, device=self.device))        # from column 1
+        state = g.pad(tuple(x.to(self.device) for x in state), pad)
         rows_t = torch.tensor(rows + [self.kv.scratch_row] * pad, device=self.device)
         outs = []
         for _ in range(rounds):
             out = g(*state, rows_t)
             outs.append(out)
-            state = (out.last2, out.col)
+            state = g.carry(out)
         n = len(rows)
         return SpecRoundsOutput(*(torch.stack([getattr(o, name)[:n] for o in outs], 1)
-                                  for name in ("drafts", "target", "top")))
+                                  for name in ("drafts", "target", "top")), tuple(x[:n] for x in state))
 
     def graph_seconds(self) -> float:
         """Seconds spent inside compiled graphs so far (their direct calls: model/compiled.py)."""

@@ -2,7 +2,7 @@
 one compiled graph give the tokens one-token steps give (float32): greedy, seeded and unseeded
 sampling (the same draws of the same randomness), with stops, lengths, the cache's end and
 steps that must run one token at a time handled as one-token steps handle them. With a draft
-model, several speculation rounds per graph give the target's greedy output."""
+model or an EAGLE head, several speculation rounds per engine step give the target's greedy output."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from torch._dynamo.utils import counters
 from leapfrog import LLM, SamplingParams
 from leapfrog.errors import ConfigError
 from leapfrog.model import compiled
-from tests.conftest import prompts_of
+from tests.conftest import prompts_of, save_shapes
+from tests.spec_decode.test_eagle import SHAPES, make_head
 
 MAX_LEN = 96
 STEPS = 4
@@ -146,7 +147,8 @@ def rounds(llama_dir):
 
 
 def _round_calls(llm, batch):
-    return llm.engine.runner.round.direct[(batch, K + 1)].calls
+    g = llm.engine.runner.round
+    return g.direct[(batch, g.k + 1)].calls
 
 
 def test_speculation_rounds_give_the_target_greedy_output(rounds, base, tokenizer):
@@ -191,3 +193,55 @@ def test_stops_and_other_requests_in_speculation_rounds(rounds, base, tokenizer)
     sp = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
     got, want = _outs(rounds, [prompt], sp)[0], _outs(base, [prompt], sp)[0]
     assert got.token_ids == want.token_ids and len(got.token_ids) == MAX_LEN - len(prompt)
+
+
+@pytest.fixture(scope="module")
+def eagle_target(tmp_path_factory, tokenizer):
+    """A target with the three layers EAGLE-3 fuses, and its engine without speculation."""
+    path = save_shapes(tmp_path_factory, tokenizer, {"t3": SHAPES["llama_gqa_llama3"]})["t3"]
+    return path, LLM(model=str(path), dtype="float32", max_model_len=MAX_LEN, max_num_seqs=2)
+
+
+@pytest.mark.parametrize("kind,seqs", [("eagle3", 1), pytest.param("eagle3", 2, marks=pytest.mark.slow),
+                                       pytest.param("eagle", 2, marks=pytest.mark.slow)])
+def test_eagle_rounds_give_the_target_greedy_output(eagle_target, tmp_path, tokenizer, kind, seqs):
+    """EAGLE heads' chains in speculation rounds (CompiledEagleRound: the head's pending positions
+    and the target's features of them carried from round to round): greedy output, batched and
+    ragged (``seqs`` 2), equals the target's own; the rounds graph ran, and the head went on from
+    the rounds' state in the one-round steps at the end; nothing compiles while serving."""
+    target, base = eagle_target
+    head = make_head(target, tmp_path / "h", kind, **({"draft_vocab_size": 200} if kind == "eagle3" else {}))
+    spec = {"method": kind, "model": str(head), "num_speculative_tokens": K, "eagle_topk": 1}
+    with patch.dict(compiled.INDUCTOR_OPTIONS, FAST_COMPILE):
+        llm = LLM(model=str(target), dtype="float32", max_model_len=MAX_LEN, max_num_seqs=seqs, enforce_eager=False,
+                  num_scheduler_steps=STEPS, speculative_config=spec)
+    graphs = counters["stats"]["unique_graphs"]
+    prompts = prompts_of(tokenizer, 3)
+    sp = SamplingParams(temperature=0.0, max_tokens=29, ignore_eos=True)
+    assert [o.token_ids for o in _outs(llm, prompts, sp)] == [o.token_ids for o in _outs(base, prompts, sp)]
+    calls = sum(_round_calls(llm, b) for b in range(1, seqs + 1))
+    assert _round_calls(llm, seqs) > 0 and llm.get_metrics()["num_draft_tokens"] >= K * calls
+    drafted = llm.get_metrics()["num_draft_tokens"]
+    sp = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)   # up to the cache's end:
+    got, want = _outs(llm, prompts[:1], sp)[0], _outs(base, prompts[:1], sp)[0]   # one-round steps there
+    assert got.token_ids == want.token_ids and len(got.token_ids) == MAX_LEN - len(prompts[0])
+    calls = sum(_round_calls(llm, b) for b in range(1, seqs + 1)) - calls
+    assert llm.get_metrics()["num_draft_tokens"] - drafted > K * calls   # (drafts outside the rounds too)
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+@pytest.mark.slow
+def test_builtin_eagle3_rounds_accept_and_stay_lossless(tokenizer):
+    """The built-in target and its trained EAGLE-3 head (float32), 8 rounds per engine step: the
+    rounds accept most drafts, and greedy output equals the target's own."""
+    from leapfrog.demo import DEMO_DIR
+    spec = {"method": "eagle3", "model": str(DEMO_DIR / "eagle3"), "num_speculative_tokens": 4, "eagle_topk": 1}
+    with patch.dict(compiled.INDUCTOR_OPTIONS, FAST_COMPILE):
+        llm = LLM(model=str(DEMO_DIR / "target"), dtype="float32", max_model_len=160, max_num_seqs=1,
+                  enforce_eager=False, num_scheduler_steps=8, speculative_config=spec)
+    base = LLM(model=str(DEMO_DIR / "target"), dtype="float32", max_model_len=160, max_num_seqs=1)
+    prompts = ["def quicksort(arr):", "import os\n\n\ndef main(", "class Stack:\n    def __init__(self"]
+    sp = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert got == [o.outputs[0].token_ids for o in base.generate(prompts, sp, use_tqdm=False)]
+    assert _round_calls(llm, 1) > 0 and llm.get_metrics()["acceptance_rate"] > 0.3

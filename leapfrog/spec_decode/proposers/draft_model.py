@@ -166,12 +166,14 @@ class DraftModelProposer:
                 return
             self.runner.run(chunks)
 
-    def before_rounds(self, reqs: list[Request]) -> None:
-        """Multi-step speculation (model/compiled.py CompiledSpecRounds) feeds each round the two
-        newest tokens: the draft's cache must hold every token before them."""
+    def round_state(self, reqs: list[Request], k: int) -> tuple[torch.Tensor, ...]:
+        """Multi-step speculation's first input (model/compiled.py CompiledSpecRound): each request's
+        two newest tokens [n, 2] and the newest one's column [n], after catching the draft's cache
+        up to every token before them."""
         self._catch_up(reqs, keep=2)
+        return (torch.tensor([r.all_ids[-2:] for r in reqs]), torch.tensor([r.num_tokens - 1 for r in reqs]))
 
-    def after_rounds(self, req: Request) -> None:
+    def after_rounds(self, req: Request, state: tuple[torch.Tensor, ...]) -> None:
         """After multi-step speculation the draft's cache holds every token but the two newest."""
         self.computed[req.request_id] = req.num_tokens - 2
 

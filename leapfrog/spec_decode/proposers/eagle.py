@@ -249,6 +249,29 @@ class EagleProposer:
             self.computed[r.request_id] = r.num_tokens - 1
             self.feats[r.request_id].drop_before(r.num_tokens - 2)
 
+    def round_state(self, reqs: list[Request], k: int) -> tuple[torch.Tensor, ...] | None:
+        """Multi-step speculation's first input (model/compiled.py CompiledEagleRound), after
+        catching the head up to all but its last k + 1 pending positions: per request those
+        positions' next tokens [n, k + 1] and target features [n, k + 1, F] (padded), the last
+        real one's index [n] and the first position [n]; None when a request is not ready."""
+        if not all(self._ready(r) for r in reqs):
+            return None
+        chunks = self._pending(reqs, k + 1)
+        S = k + 1
+        feats = torch.zeros(len(reqs), S, chunks[0].features.shape[-1], dtype=self.head.dtype)
+        for b, ch in enumerate(chunks):
+            feats[b, :len(ch.token_ids)] = ch.features
+        return (torch.tensor([ch.token_ids + [0] * (S - len(ch.token_ids)) for ch in chunks]), feats,
+                torch.tensor([len(ch.token_ids) - 1 for ch in chunks]), torch.tensor([ch.start for ch in chunks]))
+
+    def after_rounds(self, req: Request, state: tuple[torch.Tensor, ...]) -> None:
+        """After multi-step speculation: the head's cache holds every position before the last
+        round's pending ones, whose target features it keeps."""
+        _, feats, last, start = state
+        s, n = int(start), int(last) + 1
+        self.computed[req.request_id] = s
+        self.feats[req.request_id] = _Feats(s, [feats[:n]], n)
+
     def _fused_tree(self, reqs: list[Request], active: list[int], ks: list[int]) -> DraftBatch | None:
         """Greedy dynamic trees for every active request from the compiled tree graph (see
         compile): the configured tree is grown whatever k, and each request keeps
