@@ -4,9 +4,9 @@ Contenders, each one LLM loaded once and run in interleaved rounds (A B C D A B 
 greedy, on the demo's held-out standard-library code: no speculation, draft_model K=4 (the demo
 draft), the built-in EAGLE-3 head drafting greedy chains of 5 and dynamic trees (``--trees``,
 default depth 5, top 4, 16 nodes), each eager (``enforce_eager=True``) and compiled
-(``enforce_eager=False``: drafts are fused chain and tree graphs), and compiled no speculation
-and draft_model with ``--steps`` decode steps (speculation rounds) per engine step (multi-step
-decode, ``num_scheduler_steps``; default 8, 1: no such contenders). Per contender:
+(``enforce_eager=False``: drafts are fused chain and tree graphs), and compiled no speculation,
+draft_model and the eagle3 chain with ``--steps`` decode steps (speculation rounds) per engine
+step (multi-step decode, ``num_scheduler_steps``; default 8, 1: no such contenders). Per contender:
 median tokens/s over rounds, the median of per-round ratios to eager no-speculation, on how many
 prompts its greedy output equals eager no-speculation's and that of no speculation on the same
 path (bf16 compiled and eager graphs round differently), and its start-up time (compiling
@@ -42,8 +42,8 @@ from leapfrog.train.distill import heldout_prompts
 def contenders(draft: str, k: int, head: str, depth: int, trees: Sequence[tuple[int, int, int]] = ((5, 4, 16),),
                steps: int = 1) -> list[tuple[str, dict | None, bool]]:
     """trees: EAGLE-3 dynamic trees as (depth, topk, nodes) (eager and compiled contenders each);
-    steps > 1: also compiled none and draft_model with that many decode steps (speculation rounds) per
-    engine step (num_scheduler_steps)."""
+    steps > 1: also compiled none, draft_model and the eagle3 chain with that many decode steps
+    (speculation rounds) per engine step (num_scheduler_steps)."""
     spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
     eagle = {"method": "eagle3", "model": head, "num_speculative_tokens": depth, "eagle_topk": 1}
     out = [("none eager", None, True), ("none compiled", None, False)]
@@ -53,6 +53,8 @@ def contenders(draft: str, k: int, head: str, depth: int, trees: Sequence[tuple[
     if steps > 1:
         out.append((f"draft_model K={k} compiled {steps} steps", spec, False))
     out += [(f"eagle3 chain {depth} eager", eagle, True), (f"eagle3 chain {depth} compiled", eagle, False)]
+    if steps > 1:
+        out.append((f"eagle3 chain {depth} compiled {steps} steps", eagle, False))
     for d, topk, n in trees:
         tree = {**eagle, "num_speculative_tokens": d, "eagle_topk": topk, "num_draft_tokens": n}
         name = f"eagle3 tree {d}x{topk}/{n}"

@@ -8,6 +8,7 @@ Contenders (``--contenders``, comma-separated; default: all that can run here):
   leapfrog-draft-steps  draft_model K, compiled, ``--steps`` speculation rounds per engine step
   leapfrog-self     quantized self-draft K (int4 copy of the target), compiled
   leapfrog-eagle3   EAGLE-3 head (``--head``) drafting greedy chains of ``--eagle-depth``, compiled
+  leapfrog-eagle3-steps  the same, ``--steps`` speculation rounds per engine step
   leapfrog-int8     no speculation, int8 weight-only target, compiled (a different model: listed apart)
   transformers      ``generate``, float32 (its fast CPU path)
   llama.cpp         ``llama-completion`` on the GGUF of the same checkpoint (``--target-gguf``)
@@ -50,7 +51,8 @@ from leapfrog.model.loader import load_tokenizer
 from leapfrog.train.distill import heldout_prompts
 
 ALL = ["llama.cpp", "llama.cpp-draft", "leapfrog", "leapfrog-compiled", "leapfrog-steps", "leapfrog-draft",
-       "leapfrog-draft-steps", "leapfrog-self", "leapfrog-eagle3", "leapfrog-int8", "transformers"]
+       "leapfrog-draft-steps", "leapfrog-self", "leapfrog-eagle3", "leapfrog-eagle3-steps", "leapfrog-int8",
+       "transformers"]
 SHAPES = {"110M": (768, 12, 12, 2048)}  # dim, layers, heads, intermediate (stories110M)
 
 
@@ -182,9 +184,10 @@ def build(name: str, args, max_len: int):
                                  num_scheduler_steps=args.steps)
     if name == "leapfrog-self":
         return LeapfrogContender(**lf, enforce_eager=False, speculative_config=spec_self)
-    if name == "leapfrog-eagle3":
+    if name in ("leapfrog-eagle3", "leapfrog-eagle3-steps"):
         spec = {"method": "eagle3", "model": args.head, "num_speculative_tokens": args.eagle_depth, "eagle_topk": 1}
-        return LeapfrogContender(**lf, enforce_eager=False, speculative_config=spec)
+        return LeapfrogContender(**lf, enforce_eager=False, speculative_config=spec,
+                                 num_scheduler_steps=args.steps if name.endswith("-steps") else 1)
     if name == "leapfrog-int8":
         return LeapfrogContender(**lf, enforce_eager=False, quantization="int8")
     if name == "transformers":
@@ -212,7 +215,8 @@ def main() -> None:
     ap.add_argument("--contenders", default=None, help=f"comma-separated subset of {','.join(ALL)}")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--steps", type=int, default=8,
-                    help="decode steps (speculation rounds) per engine step of leapfrog-steps (leapfrog-draft-steps)")
+                    help="decode steps (speculation rounds) per engine step of leapfrog-steps, "
+                         "leapfrog-draft-steps and leapfrog-eagle3-steps")
     ap.add_argument("--num-prompts", type=int, default=12)
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -229,7 +233,8 @@ def main() -> None:
                                  tokenizer_dir)
     args.bin = Path(args.llama_cpp).expanduser() if args.llama_cpp else None
     names = args.contenders.split(",") if args.contenders else [
-        n for n in ALL if (args.shape is None or n not in ("leapfrog-draft", "leapfrog-eagle3", "llama.cpp-draft"))]
+        n for n in ALL if (args.shape is None or n not in ("leapfrog-draft", "leapfrog-draft-steps", "leapfrog-eagle3",
+                                                     "leapfrog-eagle3-steps", "llama.cpp-draft"))]
     for n in names:
         if n.startswith("llama.cpp") and (args.bin is None or not args.target_gguf):
             print(f"[peers] skipping {n}: give --llama-cpp (or LLAMA_CPP_BIN) and --target-gguf", file=sys.stderr)

@@ -51,10 +51,11 @@ class EngineConfig:
     mid-way drops the rest. Other steps (penalties, top-k/p, logprobs, prompts, the context's
     end) run one token at a time. Needs enforce_eager=False.
 
-    With speculative_config (method "draft_model", a fixed K: not "adaptive"), each engine step
-    runs that many speculation rounds (draft K, verify, accept) as one graph
-    (CompiledSpecRounds) whenever every request is greedy on the raw logits without logprobs and
-    drafts K; each round's tokens are what a one-round step accepts. Other steps run one round."""
+    With speculative_config (method "draft_model", or "eagle"/"eagle3" chains: "eagle_topk": 1;
+    a fixed K, not "adaptive"), each engine step runs up to that many speculation rounds (draft
+    K, verify, accept), a compiled graph each fed the last one's outputs (CompiledSpecRound,
+    CompiledEagleRound), whenever every request is greedy on the raw logits without logprobs
+    and drafts K; each round's tokens are what a one-round step accepts. Other steps run one round."""
     logprobs_mode: str = "raw_logprobs"
     """What SamplingParams.logprobs reports (vLLM's names): "raw_logprobs" (log_softmax of the
     target's logits), "raw_logits", "processed_logprobs" (of the distribution the sampler draws

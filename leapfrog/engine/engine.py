@@ -574,14 +574,16 @@ class LLMEngine:
         return True
 
     def _spec_rounds(self, reqs: list[Request], ks: list[int]) -> bool:
-        """Multi-step speculation (num_scheduler_steps with a draft model): when every request is
-        greedy on the raw logits, without logprobs, and drafts the configured K, the compiled graph
-        runs up to ``num_scheduler_steps`` rounds of draft, verify and accept for each, one
-        compiled graph per round fed the last one's outputs (model/compiled.py CompiledSpecRound;
+        """Multi-step speculation (num_scheduler_steps with a draft model or EAGLE chains): when
+        every request is greedy on the raw logits, without logprobs, and drafts the configured K,
+        up to ``num_scheduler_steps`` rounds of draft, verify and accept run for each, one
+        compiled graph per round fed the last one's outputs (model/compiled.py CompiledSpecRound,
+        CompiledEagleRound; the drafter gives the first round's state and keeps the last one's;
         no more rounds than the cache has room for, or than the longest request has tokens left
-        to make), and each round is accepted here as a one-round step would be (verify/greedy.py):
-        its tokens are committed, counted and appended in order, and tokens past a stop are
-        dropped. -> False when the step must run one round instead (nothing done)."""
+        to make), and each round is accepted here as a one-round step would be (verify/greedy.py);
+        the rounds' tokens are committed and appended in order at once (tokens past a stop are
+        dropped), and each round that made a kept token counts as a verification.
+        -> False when the step must run one round instead (nothing done)."""
         g = self.runner.round
         if any(k != g.k for k in ks) or not all(r.raw_argmax and r.params.logprobs is None for r in reqs):
             return False
@@ -601,17 +603,21 @@ class LLMEngine:
         if not all(map(math.isfinite, out.top.flatten().tolist())):
             raise FloatingPointError("non-finite logits from the model (fp16 overflow? try bfloat16 or float32)")
         for req, drafts, target in zip(reqs, out.drafts.tolist(), out.target.tolist()):
-            for d, t in zip(drafts, target):
-                if req.request_id not in self.requests:
-                    break   # it stopped in an earlier round: the rest are dropped
-                res = greedy_accept(t, d, [g.k])
+            results = [greedy_accept(t, d, [g.k]) for d, t in zip(drafts, target)]
+            ids = [x for res in results for x in res.output_ids[0]]
+            self._guarded(req, self._commit, req, req.num_computed + len(ids))
+            before = len(req.output_ids)
+            if req.request_id in self.requests:   # (one append: the text of all rounds' tokens at once)
+                self._guarded(req, self._append, req, ids)
+            kept = len(req.output_ids) - before   # up to a stop or max_tokens: later rounds are dropped
+            for res in results:
+                if kept <= 0:
+                    break
                 n = res.num_accepted[0]
-                self._guarded(req, self._commit, req, req.num_computed + 1 + n)
                 req.metrics.num_target_forwards += 1
                 req.metrics.spec.record(g.k, n, g.k)
                 self.spec_metrics.record(g.k, n, g.k)
-                if req.request_id in self.requests:
-                    self._guarded(req, self._append, req, res.output_ids[0])
+                kept -= n + 1
         for b, req in enumerate(reqs):
             if req.request_id in self.requests:
                 self._guarded(req, self.proposer.after_rounds, req, tuple(x[b] for x in out.state))

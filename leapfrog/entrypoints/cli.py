@@ -55,7 +55,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "at start-up (the fast path; 10-30 s per graph on 2 CPU cores)")
     p.add_argument("--num-scheduler-steps", type=int, default=1,
                    help="decode steps per engine step, as one compiled graph (with --no-enforce-eager; "
-                        "with a draft_model, that many speculation rounds, a graph each, back to back; "
+                        "with a draft_model or EAGLE chains, that many speculation rounds, a graph each, back to back; "
                         "tokens arrive that many steps at a time)")
     p.add_argument("--quantization", default=None, choices=["int8", "int4"],
                    help="weight-only quantization of the target's decoder layers at load (speculation stays "

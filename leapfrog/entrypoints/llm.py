@@ -37,8 +37,9 @@ class LLM:
             the torchrun group); see EngineConfig.tensor_parallel_size. ``close()`` stops them.
         load_format: "auto" (the checkpoint's files) or "dummy" (random weights from config.json
             alone, to measure a model shape; vLLM's name).
-        num_scheduler_steps: decode steps per engine step, run as one compiled graph
-            (needs enforce_eager=False; vLLM's multi-step scheduling; see EngineConfig).
+        num_scheduler_steps: decode steps per engine step, run as one compiled graph, or with a
+            draft model or EAGLE chains that many speculation rounds (needs enforce_eager=False;
+            vLLM's multi-step scheduling; see EngineConfig).
         max_model_len, max_num_seqs, max_num_batched_tokens, device, allow_pickle,
         skip_tokenizer_init: see EngineConfig.
     """
