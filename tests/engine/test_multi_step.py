@@ -202,8 +202,8 @@ def eagle_target(tmp_path_factory, tokenizer):
     return path, LLM(model=str(path), dtype="float32", max_model_len=MAX_LEN, max_num_seqs=2)
 
 
-@pytest.mark.parametrize("kind,seqs", [("eagle3", 1), pytest.param("eagle3", 2, marks=pytest.mark.slow),
-                                       pytest.param("eagle", 2, marks=pytest.mark.slow)])
+@pytest.mark.slow   # (a minute each: the default suite stays near 10 minutes)
+@pytest.mark.parametrize("kind,seqs", [("eagle3", 1), ("eagle3", 2), ("eagle", 2)])
 def test_eagle_rounds_give_the_target_greedy_output(eagle_target, tmp_path, tokenizer, kind, seqs):
     """EAGLE heads' chains in speculation rounds (CompiledEagleRound: the head's pending positions
     and the target's features of them carried from round to round): greedy output, batched and
