@@ -198,7 +198,7 @@ class LLMEngine:
             self.runner.compile_multi_step(make_buckets(self.config.max_num_seqs, [1]), steps)
         if hasattr(self.proposer, "compile"):
             self.proposer.compile()
-        if steps > 1 and self.proposer is not None:   # (EngineConfig admits draft models only)
+        if steps > 1 and self.proposer is not None:   # (EngineConfig admits draft models and EAGLE chains only)
             k = self.spec_controller.cfg.num_speculative_tokens
             self.runner.compile_spec_round(self.proposer.runner, make_buckets(self.config.max_num_seqs, [k + 1]), k)
 

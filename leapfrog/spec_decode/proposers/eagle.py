@@ -258,10 +258,8 @@ class EagleProposer:
             return None
         chunks = self._pending(reqs, k + 1)
         S = k + 1
-        feats = torch.zeros(len(reqs), S, chunks[0].features.shape[-1], dtype=self.head.dtype)
-        for b, ch in enumerate(chunks):
-            feats[b, :len(ch.token_ids)] = ch.features
-        return (torch.tensor([ch.token_ids + [0] * (S - len(ch.token_ids)) for ch in chunks]), feats,
+        return (torch.tensor([ch.token_ids + [0] * (S - len(ch.token_ids)) for ch in chunks]),
+                self.runner._pad_features(chunks, S),
                 torch.tensor([len(ch.token_ids) - 1 for ch in chunks]), torch.tensor([ch.start for ch in chunks]))
 
     def after_rounds(self, req: Request, state: tuple[torch.Tensor, ...]) -> None:
