@@ -125,7 +125,8 @@ def test_multi_step_config_is_checked(llama_dir):
     with pytest.raises(ConfigError, match="enforce_eager=False"):
         LLM(model=str(llama_dir), num_scheduler_steps=4)
     for spec in ({"method": "ngram", "num_speculative_tokens": 2},
-                 {"method": "draft_model", "model": str(llama_dir), "num_speculative_tokens": 2, "adaptive": True}):
+                 {"method": "draft_model", "model": str(llama_dir), "num_speculative_tokens": 2, "adaptive": True},
+                 {"method": "eagle3", "model": str(llama_dir), "num_speculative_tokens": 2, "eagle_topk": 4}):
         with pytest.raises(ConfigError, match="speculative_config"):
             LLM(model=str(llama_dir), num_scheduler_steps=4, enforce_eager=False, speculative_config=spec)
     for bad in (0, -1, 2.5, True):
