@@ -1,15 +1,16 @@
 """The compiled fast path against eager forwards, side by side in one run (issue: cut the cost of a step).
 
 Contenders, each one LLM loaded once and run in interleaved rounds (A B C D A B C D ...), batch 1,
-greedy, on the demo's held-out standard-library code: no speculation, draft_model K=4 (the demo
-draft), the built-in EAGLE-3 head drafting greedy chains of 5 and dynamic trees (``--trees``,
-default depth 5, top 4, 16 nodes), each eager (``enforce_eager=True``) and compiled
-(``enforce_eager=False``: drafts are fused chain and tree graphs), and compiled no speculation,
-draft_model and the eagle3 chain with ``--steps`` decode steps (speculation rounds) per engine
-step (multi-step decode, ``num_scheduler_steps``; default 8, 1: no such contenders). Per contender:
-median tokens/s over rounds, the median of per-round ratios to eager no-speculation, on how many
-prompts its greedy output equals eager no-speculation's and that of no speculation on the same
-path (bf16 compiled and eager graphs round differently), and its start-up time (compiling
+greedy (or sampled: ``--temperature``, ``--request-seed``), on the demo's held-out standard-library
+code: no speculation, draft_model K=4 (the demo draft), the built-in EAGLE-3 head drafting greedy
+chains of 5 and dynamic trees (``--trees``, default depth 5, top 4, 16 nodes), each eager
+(``enforce_eager=True``) and compiled (``enforce_eager=False``: drafts are fused chain and tree
+graphs), and compiled no speculation, draft_model and the eagle3 chain with ``--steps`` decode
+steps (speculation rounds) per engine step (multi-step decode, ``num_scheduler_steps``; default 8,
+1: no such contenders). Per contender: median tokens/s over rounds, the median of per-round ratios
+to eager no-speculation, on how many prompts its output (greedy, or seeded) equals eager
+no-speculation's and that of no speculation on the same path (bf16 compiled and eager graphs round
+differently), and its start-up time (compiling
 included). Then the
 verify-cost curve of the target, t(S)/t(1) for one forward step over S new tokens at context 128,
 eager and compiled (compiled: S = 2..K+1 all run in the K+1 bucket). "outside graphs": the share of
@@ -77,13 +78,16 @@ def graph_seconds(llm: LLM) -> float:
     return sum(r.graph_seconds() for r in runners if r is not None)
 
 
-def run_once(llm: LLM, prompts: list[str], max_tokens: int) -> tuple[float, list[list[int]], float]:
+def run_once(llm: LLM, prompts: list[str], max_tokens: int, temperature: float = 0.0,
+             request_seed: int | None = None) -> tuple[float, list[list[int]], float]:
     """-> tokens/s, the outputs, and the share of decode time spent outside compiled graphs
-    (engine work, drafting glue, eager forwards; 1.0 when eager)."""
-    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    (engine work, drafting glue, eager forwards; 1.0 when eager). ``request_seed``: prompt i's
+    request is seeded with request_seed + i (its output then depends on nothing but the target)."""
     n, outs, t, decode = 0, [], 0.0, 0.0
     g0 = graph_seconds(llm)
-    for p in prompts:  # batch 1
+    for i, p in enumerate(prompts):  # batch 1
+        sp = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True,
+                            seed=None if request_seed is None else request_seed + i)
         t0 = time.perf_counter()
         r = llm.generate([p], sp, use_tqdm=False)[0]
         t += time.perf_counter() - t0
@@ -103,7 +107,7 @@ def _variant(name: str) -> str:
 
 
 def _same(a: list[list[int]], b: list[list[int]]) -> str:
-    """'k/n' prompts whose greedy tokens are identical."""
+    """'k/n' prompts whose tokens are identical."""
     return f"{sum(x == y for x, y in zip(a, b))}/{len(a)}"
 
 
@@ -138,6 +142,9 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
+    ap.add_argument("--request-seed", type=int, default=None,
+                    help="seed prompt i's request with this + i (sampled outputs comparable across contenders)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="fastpath.json")
@@ -183,7 +190,8 @@ def main() -> None:
     outputs: dict[str, list[list[int]]] = {}
     for rnd in range(args.rounds):
         for name, llm in llms.items():
-            tps, outputs[name], out_share = run_once(llm, prompts, args.max_tokens)
+            tps, outputs[name], out_share = run_once(llm, prompts, args.max_tokens, args.temperature,
+                                                     args.request_seed)
             speeds[name].append(tps)
             outside[name].append(out_share)
         base = speeds["none eager"][-1]
@@ -228,6 +236,7 @@ def main() -> None:
     for name, c in curves.items():
         print(f"| {name} | " + " | ".join(str(c[s]) for s in sizes) + " |")
     summary = {"dtype": str(llms["none eager"].engine.dtype), "threads": args.threads, "rounds": args.rounds,
+               "temperature": args.temperature, "request_seed": args.request_seed,
                "num_prompts": len(prompts), "max_tokens": args.max_tokens, "rows": rows, "verify_ms": curves}
     Path(args.out).write_text(json.dumps(summary, indent=1))
 

@@ -200,7 +200,8 @@ class LLMEngine:
             self.proposer.compile()
         if steps > 1 and self.proposer is not None:   # (EngineConfig admits draft models and EAGLE chains only)
             k = self.spec_controller.cfg.num_speculative_tokens
-            self.runner.compile_spec_round(self.proposer.runner, make_buckets(self.config.max_num_seqs, [k + 1]), k)
+            self.runner.compile_spec_round(self.proposer.runner, make_buckets(self.config.max_num_seqs, [k + 1]), k,
+                                           steps)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | None, prompt_ids: list[int] | None,
@@ -575,22 +576,27 @@ class LLMEngine:
 
     def _spec_rounds(self, reqs: list[Request], ks: list[int]) -> bool:
         """Multi-step speculation (num_scheduler_steps with a draft model or EAGLE chains): when
-        every request is greedy on the raw logits, without logprobs, and drafts the configured K,
-        up to ``num_scheduler_steps`` rounds of draft, verify and accept run for each, one
-        compiled graph per round fed the last one's outputs (model/compiled.py CompiledSpecRound,
-        CompiledEagleRound; the drafter gives the first round's state and keeps the last one's;
-        no more rounds than the cache has room for, or than the longest request has tokens left
-        to make), and each round is accepted here as a one-round step would be (verify/greedy.py);
-        the rounds' tokens are committed and appended in order at once (tokens past a stop are
-        dropped), and each round that made a kept token counts as a verification.
-        -> False when the step must run one round instead (nothing done)."""
+        every request is greedy on the raw logits or samples with temperature only, without
+        logprobs, and drafts the configured K, up to ``num_scheduler_steps`` rounds of draft,
+        verify and accept run for each, one compiled graph per round fed the last one's outputs
+        (model/compiled.py CompiledSpecRound, CompiledEagleRound; the drafter gives the first
+        round's state and keeps the last one's; no more rounds than the cache has room for, or
+        than the longest request has tokens left to make), and each round is accepted here by
+        matching (verify/greedy.py): the target's token at a row is its argmax, or for a sampled
+        request the sampler's race winner under p with the noise of that output position (its
+        position noise when seeded, fresh draws of its generator when not), and its drafts were
+        drawn with the same noise. The rounds' tokens are committed and appended in order at once
+        (tokens past a stop are dropped), and each round that made a kept token counts as a
+        verification. -> False when the step must run one round instead (nothing done)."""
         g = self.runner.round
-        if any(k != g.k for k in ks) or not all(r.raw_argmax and r.params.logprobs is None for r in reqs):
+        if any(k != g.k for k in ks) or not all((r.raw_argmax or r.temperature_only) and r.params.logprobs is None
+                                                for r in reqs):
             return False
         cols = [r.num_computed for r in reqs]   # each newest token's column (not yet in the target's cache)
         if any(r.num_tokens != c + 1 for r, c in zip(reqs, cols)):
             return False
-        rounds = min(self.config.num_scheduler_steps, self.runner.fits_spec_rounds(cols),
+        drawn = [not r.params.greedy for r in reqs]
+        rounds = min(self.config.num_scheduler_steps, self.runner.fits_spec_rounds(cols, any(drawn)),
                      max(map(_rounds_wanted, reqs)))
         if rounds < 2:
             return False
@@ -599,7 +605,8 @@ class LLMEngine:
             return False
         if self.fault_injector is not None:
             self.fault_injector(reqs)
-        out = self.runner.spec_rounds([r.row for r in reqs], state, cols, rounds)
+        race = self._round_noise(reqs, drawn, rounds * (g.k + 1)) if any(drawn) else None
+        out = self.runner.spec_rounds([r.row for r in reqs], state, cols, rounds, race)
         if not all(map(math.isfinite, out.top.flatten().tolist())):
             raise FloatingPointError("non-finite logits from the model (fp16 overflow? try bfloat16 or float32)")
         for req, drafts, target in zip(reqs, out.drafts.tolist(), out.target.tolist()):
@@ -622,6 +629,16 @@ class LLMEngine:
             if req.request_id in self.requests:
                 self._guarded(req, self.proposer.after_rounds, req, tuple(x[b] for x in out.state))
         return True
+
+    def _round_noise(self, reqs: list[Request], drawn: list[bool], n: int) -> tuple[torch.Tensor, ...]:
+        """Sampled speculation rounds' race inputs (runner ``spec_rounds``): temperature, sampled and
+        the exponentials of each request's next ``n`` output positions (greedy requests', and the
+        positions past n of the graph's, are 1: unread)."""
+        P, dev = self.runner.sampled_round.positions, self.device
+        rngs = [r.rng(j) if d and j < n else None for r, d in zip(reqs, drawn) for j in range(P)]
+        e = -torch.log(sampler.noise(rngs, self.vocab_size, dev)).view(len(reqs), P, -1)
+        temperature = torch.tensor([r.params.temperature if d else 1.0 for r, d in zip(reqs, drawn)], device=dev)
+        return temperature, torch.tensor(drawn, device=dev), e
 
     def _no_noise(self, batch: int, steps: int) -> torch.Tensor:
         """[batch, steps, V] float64 exponentials of greedy-only multi-steps (ignored: no row draws),

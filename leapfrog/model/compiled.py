@@ -315,6 +315,9 @@ class CompiledForward:
         to give the torch.compile call's outputs bitwise; None when it cannot be built."""
         if len(calls) != 1:
             return None
+        given = [a for a in args if a is not None]
+        if len({id(a) for a in given}) != len(given):   # the plan could not tell them apart
+            raise ValueError(f"{type(self).__name__}: a warm-up call passes one tensor as two arguments")
         graph, inputs, raw = calls[0]
         want = self._flatten(out)
         if not isinstance(raw, (list, tuple)) or len(raw) != len(want) or any(r is not w for r, w in zip(raw, want)):
@@ -406,6 +409,17 @@ def causal_mask(cols: Tensor, q: Tensor, window: int | None) -> Tensor:
     return m[:, None]
 
 
+def race_draw(logits: Tensor, temperature: Tensor, e: Tensor, scale: float = 1.0) -> Tensor:
+    """The one sampler's draw inside a graph (sampling/sampler.py ``sample`` for a temperature-only
+    row): logits [B, ..., V] float32, temperature [B], e [B, ..., V] float64 the race's
+    exponentials E = -log U -> [B, ...] long argmax_v p(v) / E(v), p = softmax(logits / scale / T)
+    (``scale``: an EAGLE head's greedy calibration, which its sampled drafts divide out too)."""
+    if scale != 1.0:
+        logits = logits / scale
+    p = torch.softmax(logits / temperature.view(-1, *(1,) * (logits.dim() - 1)), -1)
+    return (p.double() / e).argmax(-1)
+
+
 @dataclass
 class ChainOutput:
     tokens: Tensor     # [batch, steps] long: the greedy chain (target vocabulary ids)
@@ -483,6 +497,24 @@ class CompiledChain(CompiledForward):
         return last, torch.full((b.batch,), kv_len, dtype=torch.long, device=dev)
 
 
+class RaceChain(CompiledChain):
+    """CompiledChain's steps drawing as the sampler does (``race_draw``): sampled rows take the
+    race's winner under q = softmax(logits / logit_scale / T) with the exponentials of their
+    step's position, the others the argmax; traced into the graphs of sampled speculation rounds
+    (CompiledSpecRound), which pass (temperature [B], sampled [B] bool, e [B, steps, V]) to
+    ``_steps``. Never compiled on its own."""
+
+    def __init__(self, model: torch.nn.Module, kv: KVCache, buckets: list[Bucket], steps: int,
+                 feature_width: int | None = None, next_width: int | None = None, logit_scale: float = 1.0) -> None:
+        super().__init__(model, kv, buckets, steps, feature_width, next_width)
+        self.logit_scale = logit_scale
+
+    def _pick(self, logits: Tensor, j: int, *pick_args: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
+        temperature, sampled, e = pick_args                                        # [B], [B] bool, [B, steps, V]
+        lf = logits.float()
+        return torch.where(sampled, race_draw(lf, temperature, e[:, j], self.logit_scale), lf.argmax(-1)), ()
+
+
 @dataclass
 class DecodeStepsOutput:
     tokens: Tensor     # [batch, steps] long: each step's token (greedy rows: the argmax of the raw logits)
@@ -515,9 +547,7 @@ class CompiledDecodeSteps(CompiledChain):
         temperature, sampled, e = pick_args                                        # [B], [B] bool, [B, steps, V]
         lf = logits.float()
         value, greedy = lf.max(-1)                                                 # [B], [B]
-        p = torch.softmax(lf / temperature[:, None], -1)                           # [B, V] the sampler's probs
-        drawn = (p.double() / e[:, j]).argmax(-1)                                  # [B] the race's winner
-        return torch.where(sampled, drawn, greedy), (value,)
+        return torch.where(sampled, race_draw(lf, temperature, e[:, j]), greedy), (value,)
 
     def __call__(self, tok: Tensor, pos: Tensor, meta: AttnMeta, features: Tensor | None,  # type: ignore[override]
                  last: Tensor, col: Tensor, temperature: Tensor, sampled: Tensor, e: Tensor) -> DecodeStepsOutput:
@@ -735,16 +765,27 @@ class CompiledSpecRound(CompiledForward):
     The host gets each round's drafts and the target's argmax at every row, and accepts them as a
     one-round step would (verify/greedy.py): the output is exactly one-round speculation's, and so
     the target's greedy output. The caller checks that ``col + K`` of every round fits both caches
-    (padding sequences: the scratch row from column 1; it advances at most K + 1 per round)."""
+    (padding sequences: the scratch row from column 1; it advances at most K + 1 per round).
+
+    Sampled rounds (``positions`` set: a second graph, for batches with temperature-only sampled
+    requests) take four more inputs, the same for every round of a step: temperature [B], sampled
+    [B] bool, e [B, positions, V] float64 the exponentials E = -log U of the tokens at columns
+    col0 + 1, col0 + 2, ... and col0 [B] (the first round's ``col``). A sampled sequence's drafts
+    and the target's token at every verified row are then the sampler's race winners under q and
+    p with the noise of their column (``race_draw``), and drafts are accepted while they equal
+    the target's: verification by matching, lossless and drafter-invariant as a seeded request's
+    one-round step (verify/greedy.py), so a seeded request's output is the one it gets without
+    speculation."""
 
     def __init__(self, model: torch.nn.Module, kv: KVCache, draft: torch.nn.Module, draft_kv: KVCache,
-                 buckets: list[Bucket], k: int) -> None:
+                 buckets: list[Bucket], k: int, positions: int | None = None) -> None:
         if draft_kv.scratch_row != kv.scratch_row or draft_kv.max_model_len < kv.max_model_len:
             raise ValueError("multi-step speculation needs the draft's cache as wide as the target's, with the "
                              f"same rows (rows {draft_kv.scratch_row} vs {kv.scratch_row}, "
                              f"columns {draft_kv.max_model_len} vs {kv.max_model_len})")
         super().__init__(model, kv, buckets, self._target_states(draft))
-        self.draft = self._drafter(draft, draft_kv, k)   # its chain's steps, traced into this graph
+        self.positions = positions
+        self.draft = self._drafter(draft, draft_kv, k, positions is not None)   # its chain's steps, traced here
         self.caches = (kv, draft_kv)
         self.k = k
         self.window = model.args.sliding_window
@@ -755,17 +796,19 @@ class CompiledSpecRound(CompiledForward):
         return ()
 
     @staticmethod
-    def _drafter(draft: torch.nn.Module, draft_kv: KVCache, k: int) -> CompiledChain:
-        return CompiledChain(draft, draft_kv, [], k)
+    def _drafter(draft: torch.nn.Module, draft_kv: KVCache, k: int, sampled: bool) -> CompiledChain:
+        return (RaceChain if sampled else CompiledChain)(draft, draft_kv, [], k)
 
-    def _round(self, last2: Tensor, col: Tensor, rows: Tensor) -> SpecRoundOutput:
-        """last2 [B, 2]: each sequence's tokens at columns col - 1 and col; col, rows [B]."""
+    def _round(self, last2: Tensor, col: Tensor, rows: Tensor, *race: Tensor) -> SpecRoundOutput:
+        """last2 [B, 2]: each sequence's tokens at columns col - 1 and col; col, rows [B]; race:
+        nothing (greedy rounds) or temperature, sampled, e, col0 (sampled rounds, above)."""
         dev = last2.device
+        pick = self._noise(col, race)
         dq = col[:, None] + torch.arange(2, device=dev) - 1                        # [B, 2] draft's pending columns
         d, _ = self.draft._steps(last2, dq, causal_mask(self._draft_cols(dev), dq, self.draft.window), rows,
                                  rows.repeat_interleave(2), dq.flatten(), col.max() + 1, None,
-                                 torch.ones_like(col), col + 1)                    # [B, K]
-        g, ids, top, n = self._verify(last2[:, 1], d, col, rows)
+                                 torch.ones_like(col), col + 1, *pick)             # [B, K]
+        g, ids, top, n = self._verify(last2[:, 1], d, col, rows, pick)
         vtok = torch.cat([last2[:, 1:], d], 1)                                     # [B, K + 1]
         nxt = torch.cat([vtok.gather(1, n), ids.gather(1, n)], 1)                  # [B, 2] d_n (or tok), bonus
         return SpecRoundOutput(d, ids, top, nxt, col + n[:, 0] + 1)
@@ -773,21 +816,45 @@ class CompiledSpecRound(CompiledForward):
     def _draft_cols(self, dev: torch.device) -> Tensor:
         return torch.arange(self.draft.kv.max_model_len, device=dev)              # [W'] the draft cache's columns
 
-    def _verify(self, tok: Tensor, d: Tensor, col: Tensor, rows: Tensor) -> tuple[GraphOutput, Tensor, Tensor, Tensor]:
-        """The target's forward over [tok, d_1..d_K] at columns col..col + K -> its output, the argmax
-        and its logit at every row [B, K + 1], and the accepted drafts n [B, 1]."""
+    def _noise(self, col: Tensor, race: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        """The picks' arguments of a round whose newest tokens are at ``col`` [B]: () for greedy
+        rounds, else temperature, sampled and E [B, K + 1, V] of the K + 1 tokens the round may
+        draw (columns col + 1 .. col + K + 1: draft j and the target's row j share E[:, j])."""
+        if not race:
+            return ()
+        temperature, sampled, e, col0 = race
+        i = (col - col0)[:, None] + torch.arange(self.k + 1, device=col.device)   # [B, K + 1] rows of e
+        i = i.clamp(0, e.shape[1] - 1)   # (padding sequences; real ones stay inside: the caller sizes e)
+        return temperature, sampled, e.gather(1, i[:, :, None].expand(-1, -1, e.shape[2]))
+
+    def _verify(self, tok: Tensor, d: Tensor, col: Tensor, rows: Tensor,
+                pick: tuple[Tensor, ...] = ()) -> tuple[GraphOutput, Tensor, Tensor, Tensor]:
+        """The target's forward over [tok, d_1..d_K] at columns col..col + K -> its output, its token
+        at every row [B, K + 1] (the argmax; with ``pick``, ``_noise``'s, the race's winner for
+        sampled rows) and the largest logit, and the accepted drafts n [B, 1]."""
         B, K, dev = d.shape[0], self.k, d.device
         cols = torch.arange(self.kv.max_model_len, device=dev)                    # [W]
         vq = col[:, None] + torch.arange(K + 1, device=dev)                        # [B, K + 1] verified columns
         g = self._forward(torch.cat([tok[:, None], d], 1), vq, causal_mask(cols, vq, self.window), rows,
                           rows.repeat_interleave(K + 1), vq.flatten(), col.max() + K + 1)
         top, ids = g.top.view(B, K + 1), g.top_ids.view(B, K + 1)                  # [B, K + 1]
+        if pick:
+            temperature, sampled, e = pick
+            drawn = race_draw(g.logits.float().view(B, K + 1, -1), temperature, e)  # [B, K + 1]
+            ids = torch.where(sampled[:, None], drawn, ids)
         n = (d == ids[:, :K]).long().cumprod(1).sum(1, keepdim=True)              # [B, 1] accepted drafts
         return g, ids, top, n
 
-    def __call__(self, last2: Tensor, col: Tensor, rows: Tensor) -> SpecRoundOutput:  # type: ignore[override]
-        """last2 [batch, 2], col, rows [batch] of a warmed bucket (padding: the scratch row, column 1)."""
-        return self._serve((last2, col, rows))
+    def __call__(self, *args: Tensor) -> SpecRoundOutput:  # type: ignore[override]
+        """The round's state (``pad``), rows [batch] of a warmed bucket (padding: the scratch row,
+        column 1) and, for sampled rounds, the race's inputs (``race_args``)."""
+        return self._serve(args)
+
+    def race_args(self, temperature: Tensor, sampled: Tensor, e: Tensor, col0: Tensor, n: int) -> tuple[Tensor, ...]:
+        """A sampled round's last four inputs (above) with ``n`` padding sequences appended (greedy,
+        their exponentials those of the first sequence)."""
+        return (torch.cat([temperature, temperature.new_ones(n)]), torch.cat([sampled, sampled.new_zeros(n)]),
+                torch.cat([e, e[:1].expand(n, *e.shape[1:])]), torch.cat([col0, col0.new_ones(n)]))
 
     def _key(self, args: tuple) -> tuple[int, int]:
         return args[0].shape[0], self.k + 1
@@ -812,7 +879,15 @@ class CompiledSpecRound(CompiledForward):
     def _warm_args(self, b: Bucket, kv_len: int, dev: torch.device, scratch: int) -> tuple:
         col = torch.full((b.batch,), kv_len - b.tokens, dtype=torch.long, device=dev)   # 1, then 3
         return (torch.zeros(b.batch, 2, dtype=torch.long, device=dev), col,
-                torch.full((b.batch,), scratch, dtype=torch.long, device=dev))
+                torch.full((b.batch,), scratch, dtype=torch.long, device=dev), *self._warm_race(b, col))
+
+    def _warm_race(self, b: Bucket, col: Tensor) -> tuple[Tensor, ...]:
+        if self.positions is None:
+            return ()
+        dev, V = col.device, self.model.args.vocab_size
+        u = torch.rand(b.batch, self.positions, V, dtype=torch.float64, device=dev).clamp_(min=1e-300)
+        return (torch.full((b.batch,), 0.7, device=dev), torch.ones(b.batch, dtype=torch.bool, device=dev),
+                -torch.log(u), col.clone())   # (its own tensor: DirectCall maps inputs by identity)
 
 
 @dataclass
@@ -841,28 +916,27 @@ class CompiledEagleRound(CompiledSpecRound):
         return tuple(draft.target_layer_ids)
 
     @staticmethod
-    def _drafter(draft: torch.nn.Module, draft_kv: KVCache, k: int) -> CompiledChain:
+    def _drafter(draft: torch.nn.Module, draft_kv: KVCache, k: int, sampled: bool) -> CompiledChain:
         width = draft.cfg.target_hidden_size if draft.kind == "eagle" else draft.cfg.feature_size
+        if sampled:   # (as the head's eager sampled drafts: q = softmax(logits / greedy_logit_scale / T))
+            return RaceChain(draft, draft_kv, [], k, width, draft.args.hidden_size, draft.cfg.greedy_logit_scale)
         return CompiledChain(draft, draft_kv, [], k, width, draft.args.hidden_size)
 
     def _round(self, tokens: Tensor, features: Tensor, last: Tensor, start: Tensor,  # type: ignore[override]
-               rows: Tensor) -> EagleRoundOutput:
-        """tokens [B, K + 1], features [B, K + 1, F], last, start, rows [B]."""
+               rows: Tensor, *race: Tensor) -> EagleRoundOutput:
+        """tokens [B, K + 1], features [B, K + 1, F], last, start, rows [B]; race: as CompiledSpecRound."""
         S, dev = tokens.shape[1], tokens.device
         hq = start[:, None] + torch.arange(S, device=dev)                          # [B, K + 1] head columns
         col = start + last + 1                                                     # [B] the newest token's column
+        pick = self._noise(col, race)
         d, _ = self.draft._steps(tokens, hq, causal_mask(self._draft_cols(dev), hq, self.draft.window), rows,
-                                 rows.repeat_interleave(S), hq.flatten(), hq.max() + 1, features, last, col)
+                                 rows.repeat_interleave(S), hq.flatten(), hq.max() + 1, features, last, col, *pick)
         tok = tokens.gather(1, last[:, None])[:, 0]                                # [B]
-        g, ids, top, n = self._verify(tok, d, col, rows)
+        g, ids, top, n = self._verify(tok, d, col, rows, pick)
         feats = g.hidden if not self.aux_layers else torch.cat(g.aux, -1)          # [B, K + 1, F]
         bonus = ids.gather(1, n)                                                   # [B, 1]
         nxt = torch.cat([d, bonus], 1).scatter(1, n, bonus)                        # [B, K + 1] d_1..d_n, bonus
         return EagleRoundOutput(d, ids, top, nxt, feats.to(features.dtype), n[:, 0], col)
-
-    def __call__(self, tokens: Tensor, features: Tensor, last: Tensor, start: Tensor,  # type: ignore[override]
-                 rows: Tensor) -> EagleRoundOutput:
-        return self._serve((tokens, features, last, start, rows))
 
     def pad(self, state: tuple[Tensor, ...], n: int) -> tuple[Tensor, ...]:
         tokens, features, last, start = state   # padding: one position at column 1
@@ -883,8 +957,8 @@ class CompiledEagleRound(CompiledSpecRound):
     def _warm_args(self, b: Bucket, kv_len: int, dev: torch.device, scratch: int) -> tuple:
         S = self.k + 1
         F = self.draft.feature_width
+        start = torch.full((b.batch,), kv_len - b.tokens, dtype=torch.long, device=dev)   # 1, then 3
         return (torch.zeros(b.batch, S, dtype=torch.long, device=dev),
                 torch.zeros(b.batch, S, F, dtype=self.draft.model.dtype, device=dev),
-                torch.full((b.batch,), S - 1, dtype=torch.long, device=dev),
-                torch.full((b.batch,), kv_len - b.tokens, dtype=torch.long, device=dev),   # 1, then 3
-                torch.full((b.batch,), scratch, dtype=torch.long, device=dev))
+                torch.full((b.batch,), S - 1, dtype=torch.long, device=dev), start,
+                torch.full((b.batch,), scratch, dtype=torch.long, device=dev), *self._warm_race(b, start + S))

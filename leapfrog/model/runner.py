@@ -37,6 +37,9 @@ from leapfrog.model.compiled import (Bucket, ChainOutput, CompiledChain, Compile
                                      CompiledEagleRound, CompiledSampledChain, CompiledSpecRound, CompiledTree,
                                      DecodeStepsOutput, SampledChainOutput, TreeOutput)
 
+#: the largest batch whose speculation rounds run with sampled requests (compile_spec_round)
+SAMPLED_ROUNDS_MAX_BATCH = 8
+
 
 def _first(out: Any, n: int) -> Any:
     """A fused graph's output dataclass (ChainOutput, SampledChainOutput, TreeOutput,
@@ -108,6 +111,7 @@ class ModelRunner:
         self.sampled_chain: CompiledSampledChain | None = None   # fused sampled chain drafting (EAGLE heads)
         self.multi_step: CompiledDecodeSteps | None = None        # multi-step decode (targets)
         self.round: CompiledSpecRound | None = None               # multi-step speculation's round (targets)
+        self.sampled_round: CompiledSpecRound | None = None       # its twin for batches with sampled requests
 
     @property
     def compiled(self) -> CompiledForward | None:
@@ -158,43 +162,54 @@ class ModelRunner:
         self.multi_step = CompiledDecodeSteps(self.model, self.kv, buckets, steps)
         return self.multi_step.warm_up(progress)
 
-    def compile_spec_round(self, draft: "ModelRunner", buckets: list[Bucket], k: int, progress: bool = True) -> float:
-        """Compile a greedy speculation round of ``k`` drafts by ``draft``'s model as one graph per
-        bucket (model/compiled.py CompiledSpecRound; ``spec_rounds`` runs rounds of it). -> seconds."""
+    def compile_spec_round(self, draft: "ModelRunner", buckets: list[Bucket], k: int, steps: int,
+                           progress: bool = True) -> float:
+        """Compile a speculation round of ``k`` drafts by ``draft``'s model as one graph per bucket
+        (model/compiled.py CompiledSpecRound; ``spec_rounds`` runs up to ``steps`` rounds of it):
+        greedy rounds, and sampled rounds for the buckets of at most SAMPLED_ROUNDS_MAX_BATCH
+        sequences (their host work grows with the batch: the race's noise, steps x (k + 1) x V
+        float64 per sequence). -> seconds."""
         self._check_compilable()
         draft._check_compilable()
         eagle = getattr(draft.model, "kind", None) in ("eagle", "eagle3")
-        self.round = (CompiledEagleRound if eagle else CompiledSpecRound)(self.model, self.kv, draft.model, draft.kv,
-                                                                          buckets, k)
-        return self.round.warm_up(progress)
+        kind = CompiledEagleRound if eagle else CompiledSpecRound
+        self.round = kind(self.model, self.kv, draft.model, draft.kv, buckets, k)
+        small = [b for b in buckets if b.batch <= SAMPLED_ROUNDS_MAX_BATCH]
+        self.sampled_round = kind(self.model, self.kv, draft.model, draft.kv, small, k, steps * (k + 1))
+        return self.round.warm_up(progress) + self.sampled_round.warm_up(progress)
 
-    def fits_spec_rounds(self, cols: list[int]) -> int:
-        """How many rounds ``spec_rounds`` can run for sequences whose newest tokens are at ``cols``:
-        0 when no warmed graph fits the batch, else as many as keep every round's columns
-        inside the cache (each round advances a sequence by at most K + 1)."""
-        g = self.round
+    def fits_spec_rounds(self, cols: list[int], sampled: bool = False) -> int:
+        """How many rounds ``spec_rounds`` can run for sequences whose newest tokens are at ``cols``
+        (``sampled``: in the sampled rounds' graph): 0 when no warmed graph fits the batch, else as
+        many as keep every round's columns inside the cache (each advances at most K + 1)."""
+        g = self.sampled_round if sampled else self.round
         if g is None or g.bucket_for(len(cols), g.k + 1, 1) is None:
             return 0
-        return max(0, (self.kv.max_model_len - max(*cols, 2)) // (g.k + 1))   # (padding starts at column <= 2)
+        fit = (self.kv.max_model_len - max(*cols, 2)) // (g.k + 1)   # (padding starts at column <= 2)
+        return max(0, fit if g.positions is None else min(fit, g.positions // (g.k + 1)))
 
     @torch.inference_mode()
-    def spec_rounds(self, rows: list[int], state: tuple[Tensor, ...], cols: list[int], rounds: int) -> SpecRoundsOutput:
+    def spec_rounds(self, rows: list[int], state: tuple[Tensor, ...], cols: list[int], rounds: int,
+                    race: tuple[Tensor, Tensor, Tensor] | None = None) -> SpecRoundsOutput:
         """``rounds`` rounds of multi-step speculation (``rounds`` <= fits_spec_rounds(cols)) for
         sequences in cache ``rows`` whose newest tokens (not yet in the target's cache) are at
         ``cols``; ``state``: the first round's input per sequence, as the drafter gives it
         (CompiledSpecRound: the tokens at col - 1 and col; CompiledEagleRound: the head's pending
-        positions), each round's graph fed the last one's outputs. -> every round's drafts and the
-        target's argmax, and the state after the last round."""
-        g = self.round
-        assert g is not None and 0 < rounds <= self.fits_spec_rounds(cols)
+        positions), each round's graph fed the last one's outputs; ``race``: for batches with
+        sampled requests, (temperature [n], sampled [n] bool, e [n, positions, V] float64 the
+        race's exponentials of the tokens after ``cols``, on the runner's device). -> every round's
+        drafts and the target's token (argmax, or the race's winner), and the state after the last round."""
+        g = self.round if race is None else self.sampled_round
+        assert g is not None and 0 < rounds <= self.fits_spec_rounds(cols, race is not None)
         bucket = g.bucket_for(len(rows), g.k + 1, 1)
         assert bucket is not None
         pad = bucket.batch - len(rows)
         state = g.pad(tuple(x.to(self.device) for x in state), pad)
         rows_t = torch.tensor(rows + [self.kv.scratch_row] * pad, device=self.device)
+        extra = () if race is None else g.race_args(*race, torch.tensor(cols, device=self.device), pad)
         outs = []
         for _ in range(rounds):
-            out = g(*state, rows_t)
+            out = g(*state, rows_t, *extra)
             outs.append(out)
             state = g.carry(out)
         n = len(rows)
@@ -203,7 +218,7 @@ class ModelRunner:
 
     def graph_seconds(self) -> float:
         """Seconds spent inside compiled graphs so far (their direct calls: model/compiled.py)."""
-        fused = (self.chain, self.sampled_chain, self.tree, self.multi_step, self.round)
+        fused = (self.chain, self.sampled_chain, self.tree, self.multi_step, self.round, self.sampled_round)
         fwds = [*self.graphs, *(g for g in fused if g is not None)]
         return sum(d.seconds for g in fwds for d in g.direct.values())
 

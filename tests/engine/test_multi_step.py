@@ -147,8 +147,8 @@ def rounds(llama_dir):
                    enforce_eager=False, num_scheduler_steps=STEPS, speculative_config=spec)
 
 
-def _round_calls(llm, batch):
-    g = llm.engine.runner.round
+def _round_calls(llm, batch, sampled=False):
+    g = llm.engine.runner.sampled_round if sampled else llm.engine.runner.round
     return g.direct[(batch, g.k + 1)].calls
 
 
@@ -177,23 +177,55 @@ def test_speculation_rounds_give_the_target_greedy_output(rounds, base, tokenize
 
 def test_stops_and_other_requests_in_speculation_rounds(rounds, base, tokenizer):
     """A stop token or string reached inside a round drops the tokens after it, as one-token steps
-    stop; a sampled request in the batch makes the step run one round (seeded: the eager engine's
-    output), and the cache's last rounds run one at a time up to the context's end."""
+    stop; a request with top-k in the batch makes the step run one round (seeded: the eager
+    engine's output), and the cache's last rounds run one at a time up to the context's end."""
     prompt = prompts_of(tokenizer, 1)[0]
     calls = _round_calls(rounds, 1)
     _check_stops(rounds, base, prompt, 13)
     assert _round_calls(rounds, 1) > calls
     prompts = prompts_of(tokenizer, 2)
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    seeded = SamplingParams(temperature=0.9, seed=3, max_tokens=12, ignore_eos=True)
-    calls = _round_calls(rounds, 2)
-    outs = rounds.generate([{"prompt_token_ids": p} for p in prompts], [greedy, seeded], use_tqdm=False)
-    assert _round_calls(rounds, 2) == calls
+    top_k = SamplingParams(temperature=0.9, top_k=4, seed=3, max_tokens=12, ignore_eos=True)
+    calls = _round_calls(rounds, 2), _round_calls(rounds, 2, sampled=True)
+    outs = rounds.generate([{"prompt_token_ids": p} for p in prompts], [greedy, top_k], use_tqdm=False)
+    assert (_round_calls(rounds, 2), _round_calls(rounds, 2, sampled=True)) == calls
     assert outs[0].outputs[0].token_ids == _outs(base, prompts[:1], greedy)[0].token_ids
-    assert outs[1].outputs[0].token_ids == _outs(base, prompts[1:], seeded)[0].token_ids
+    assert outs[1].outputs[0].token_ids == _outs(base, prompts[1:], top_k)[0].token_ids
     sp = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
     got, want = _outs(rounds, [prompt], sp)[0], _outs(base, [prompt], sp)[0]
     assert got.token_ids == want.token_ids and len(got.token_ids) == MAX_LEN - len(prompt)
+
+
+def test_sampled_speculation_rounds_draw_the_targets_tokens(rounds, base, tokenizer):
+    """Temperature-only sampled requests run in the sampled rounds' graph, alone and batched with a
+    greedy one: a seeded request's output is exactly its output without speculation (the target's
+    race winner with its position noise at every output position, whatever was drafted), up to the
+    cache's end too; an unseeded one's tokens come from its own generator (another stream, another
+    output), and the rounds accepted some drafts and rejected others."""
+    prompts = prompts_of(tokenizer, 3)
+    greedy = SamplingParams(temperature=0.0, max_tokens=26, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.8, seed=5, max_tokens=27, ignore_eos=True)
+    graphs = counters["stats"]["unique_graphs"]
+    calls = _round_calls(rounds, 2, sampled=True)
+    m = rounds.engine.spec_metrics
+    before = m.num_drafts, m.num_accepted_tokens, m.num_draft_tokens
+    outs = rounds.generate([{"prompt_token_ids": p} for p in prompts[:2]], [greedy, seeded], use_tqdm=False)
+    assert _round_calls(rounds, 2, sampled=True) > calls
+    assert outs[0].outputs[0].token_ids == _outs(base, prompts[:1], greedy)[0].token_ids
+    assert outs[1].outputs[0].token_ids == _outs(base, prompts[1:2], seeded)[0].token_ids
+    accepted, drafted = m.num_accepted_tokens - before[1], m.num_draft_tokens - before[2]
+    assert 0 < accepted < drafted
+    calls = _round_calls(rounds, 1, sampled=True)
+    for sp in (SamplingParams(temperature=1.1, seed=8, max_tokens=None, ignore_eos=True),
+               SamplingParams(temperature=0.6, seed=2, max_tokens=18, ignore_eos=True, stop_token_ids=[])):
+        got, want = _outs(rounds, prompts[2:], sp)[0], _outs(base, prompts[2:], sp)[0]
+        assert got.token_ids == want.token_ids
+    assert len(got.token_ids) == 18 and _round_calls(rounds, 1, sampled=True) > calls
+    unseeded = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
+    a, b = _run(rounds, prompts[2], unseeded, 11), _run(rounds, prompts[2], unseeded, 12)
+    assert len(a) == len(b) == 20 and a != b
+    assert _run(rounds, prompts[2], unseeded, 11) == a   # (the same stream, the same draws)
+    assert counters["stats"]["unique_graphs"] == graphs
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +241,8 @@ def test_eagle_rounds_give_the_target_greedy_output(eagle_target, tmp_path, toke
     """EAGLE heads' chains in speculation rounds (CompiledEagleRound: the head's pending positions
     and the target's features of them carried from round to round): greedy output, batched and
     ragged (``seqs`` 2), equals the target's own; the rounds graph ran, and the head went on from
-    the rounds' state in the one-round steps at the end; nothing compiles while serving."""
+    the rounds' state in the one-round steps at the end; seeded sampled output in the sampled
+    rounds' graph equals the target's own; nothing compiles while serving."""
     target, base = eagle_target
     head = make_head(target, tmp_path / "h", kind, **({"draft_vocab_size": 200} if kind == "eagle3" else {}))
     spec = {"method": kind, "model": str(head), "num_speculative_tokens": K, "eagle_topk": 1}
@@ -228,6 +261,10 @@ def test_eagle_rounds_give_the_target_greedy_output(eagle_target, tmp_path, toke
     assert got.token_ids == want.token_ids and len(got.token_ids) == MAX_LEN - len(prompts[0])
     calls = sum(_round_calls(llm, b) for b in range(1, seqs + 1)) - calls
     assert llm.get_metrics()["num_draft_tokens"] - drafted > K * calls   # (drafts outside the rounds too)
+    seeded = SamplingParams(temperature=0.8, seed=4, max_tokens=25, ignore_eos=True)   # sampled rounds:
+    calls = _round_calls(llm, seqs, sampled=True)                                        # the seeded draws
+    assert [o.token_ids for o in _outs(llm, prompts, seeded)] == [o.token_ids for o in _outs(base, prompts, seeded)]
+    assert _round_calls(llm, seqs, sampled=True) > calls
     assert counters["stats"]["unique_graphs"] == graphs
 
 

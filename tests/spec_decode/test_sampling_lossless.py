@@ -59,13 +59,16 @@ def exact_marginals(llm, sp: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
     return m2.numpy(), m3.numpy()
 
 
-def assert_follows_target(target, spec: dict, sp: SamplingParams, seed: int, **engine) -> dict:
+def assert_follows_target(target, spec: dict, sp: SamplingParams, seed: int, after=None, **engine) -> dict:
     """N requests of PROMPT with speculation: tokens 2 and 3 follow the target's exact law (the
     target as the engine loaded it, e.g. quantized), and the drafts were neither all accepted nor
-    all rejected. ``engine``: more LLM arguments. -> the engine's speculation metrics."""
+    all rejected. ``engine``: more LLM arguments; ``after(llm)``: more checks after the run.
+    -> the engine's speculation metrics."""
     llm = LLM(model=str(target), dtype="float32", skip_tokenizer_init=True, max_model_len=16,
               seed=seed, speculative_config=spec, **{"max_num_seqs": 256, **engine})
     outs = llm.generate([{"prompt_token_ids": PROMPT}] * N, sp, use_tqdm=False)
+    if after is not None:
+        after(llm)
     toks = np.array([o.outputs[0].token_ids for o in outs])
     m2, m3 = exact_marginals(llm, sp)
     m = llm.get_metrics()
@@ -177,3 +180,19 @@ def test_fast_path_sampling_follows_target(tiny):
     target, draft = tiny
     spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
     assert_follows_target(target, spec, SETTINGS[1], seed=4, enforce_eager=False, max_num_seqs=2)   # T=0.7
+
+
+@pytest.mark.slow
+def test_sampled_speculation_rounds_follow_target(tiny):
+    """Multi-step speculation with unseeded sampled requests (num_scheduler_steps: rounds of draft,
+    verify and accept in one graph each, verified by matching the target's race winner under
+    fresh noise of the request's generator): tokens 2 and 3 follow the target's law."""
+    target, draft = tiny
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 1}
+
+    def ran_rounds(llm):
+        g = llm.engine.runner.sampled_round
+        assert sum(d.calls for d in g.direct.values()) >= N // 2   # (max_tokens 3: two rounds for most)
+
+    assert_follows_target(target, spec, SETTINGS[1], seed=6, after=ran_rounds, enforce_eager=False, max_num_seqs=2,
+                          num_scheduler_steps=3)
