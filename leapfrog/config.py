@@ -54,8 +54,11 @@ class EngineConfig:
     With speculative_config (method "draft_model", or "eagle"/"eagle3" chains: "eagle_topk": 1;
     a fixed K, not "adaptive"), each engine step runs up to that many speculation rounds (draft
     K, verify, accept), a compiled graph each fed the last one's outputs (CompiledSpecRound,
-    CompiledEagleRound), whenever every request is greedy on the raw logits without logprobs
-    and drafts K; each round's tokens are what a one-round step accepts. Other steps run one round."""
+    CompiledEagleRound), whenever every request is greedy on the raw logits or samples with
+    temperature only (batches of up to 8 sequences then), without logprobs, and drafts K. Rounds
+    verify by matching: the target's token at a row is its argmax or its race winner under the
+    sampler's noise of that output position, which the drafts were drawn with too; a greedy or
+    seeded request's tokens are what a one-round step gives. Other steps run one round."""
     logprobs_mode: str = "raw_logprobs"
     """What SamplingParams.logprobs reports (vLLM's names): "raw_logprobs" (log_softmax of the
     target's logits), "raw_logits", "processed_logprobs" (of the distribution the sampler draws
@@ -93,7 +96,7 @@ class EngineConfig:
             spec = self.speculative_config
             if spec is not None and not _rounds_spec(spec):
                 raise ConfigError(f"num_scheduler_steps={self.num_scheduler_steps} with speculative_config runs "
-                                  "rounds of fixed-K greedy chains, one compiled graph each: it needs method "
+                                  "rounds of fixed-K chains, one compiled graph each: it needs method "
                                   "'draft_model', or 'eagle'/'eagle3' with \"eagle_topk\": 1 (and no tree), "
                                   "without 'adaptive'; drop one of them")
         if self.tensor_parallel_size > 1:
