@@ -11,6 +11,8 @@ from leapfrog.errors import ConfigError
 
 
 LOAD_FORMATS = ("auto", "dummy")
+#: the most decode steps (or speculation rounds) per engine step (num_scheduler_steps)
+MAX_SCHEDULER_STEPS = 32
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,10 @@ class EngineConfig:
         if self.batch_invariant and not self.enforce_eager:
             raise ConfigError("batch_invariant=True runs eagerly (its kernels are picked per row tile); "
                               "leave enforce_eager=True")
+        if self.num_scheduler_steps > MAX_SCHEDULER_STEPS:
+            raise ConfigError(f"num_scheduler_steps={self.num_scheduler_steps}: at most {MAX_SCHEDULER_STEPS} "
+                              "(multi-step decode unrolls the steps into one compiled graph, whose compile time "
+                              "grows with them: 8 steps take about 80 s per batch bucket on 2 CPU cores)")
         if self.num_scheduler_steps > 1:
             if self.enforce_eager:
                 raise ConfigError(f"num_scheduler_steps={self.num_scheduler_steps} needs the compiled fast path "

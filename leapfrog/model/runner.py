@@ -37,8 +37,10 @@ from leapfrog.model.compiled import (Bucket, ChainOutput, CompiledChain, Compile
                                      CompiledEagleRound, CompiledSampledChain, CompiledSpecRound, CompiledTree,
                                      DecodeStepsOutput, SampledChainOutput, TreeOutput)
 
-#: the largest batch whose speculation rounds run with sampled requests (compile_spec_round)
+#: the largest batch whose speculation rounds run with sampled requests (compile_spec_round), and
+#: the most bytes of race noise (float64, steps x (K + 1) x V per sequence) such a batch may take
 SAMPLED_ROUNDS_MAX_BATCH = 8
+SAMPLED_ROUNDS_MAX_NOISE_BYTES = 256 << 20
 
 
 def _first(out: Any, n: int) -> Any:
@@ -167,16 +169,23 @@ class ModelRunner:
         """Compile a speculation round of ``k`` drafts by ``draft``'s model as one graph per bucket
         (model/compiled.py CompiledSpecRound; ``spec_rounds`` runs up to ``steps`` rounds of it):
         greedy rounds, and sampled rounds for the buckets of at most SAMPLED_ROUNDS_MAX_BATCH
-        sequences (their host work grows with the batch: the race's noise, steps x (k + 1) x V
-        float64 per sequence). -> seconds."""
+        sequences whose race noise (steps x (k + 1) x V float64 per sequence, drawn on the host
+        each engine step) fits SAMPLED_ROUNDS_MAX_NOISE_BYTES; none fits: no sampled rounds
+        (sampled steps run one round). -> seconds."""
         self._check_compilable()
         draft._check_compilable()
         eagle = getattr(draft.model, "kind", None) in ("eagle", "eagle3")
         kind = CompiledEagleRound if eagle else CompiledSpecRound
         self.round = kind(self.model, self.kv, draft.model, draft.kv, buckets, k)
-        small = [b for b in buckets if b.batch <= SAMPLED_ROUNDS_MAX_BATCH]
-        self.sampled_round = kind(self.model, self.kv, draft.model, draft.kv, small, k, steps * (k + 1))
-        return self.round.warm_up(progress) + self.sampled_round.warm_up(progress)
+        took = self.round.warm_up(progress)
+        positions = steps * (k + 1)
+        per_seq = positions * self.model.args.vocab_size * 8
+        small = [b for b in buckets if b.batch <= SAMPLED_ROUNDS_MAX_BATCH
+                 and b.batch * per_seq <= SAMPLED_ROUNDS_MAX_NOISE_BYTES]
+        if small:
+            self.sampled_round = kind(self.model, self.kv, draft.model, draft.kv, small, k, positions)
+            took += self.sampled_round.warm_up(progress)
+        return took
 
     def fits_spec_rounds(self, cols: list[int], sampled: bool = False) -> int:
         """How many rounds ``spec_rounds`` can run for sequences whose newest tokens are at ``cols``

@@ -13,7 +13,7 @@ from torch._dynamo.utils import counters
 
 from leapfrog import LLM, SamplingParams
 from leapfrog.errors import ConfigError
-from leapfrog.model import compiled
+from leapfrog.model import compiled, runner
 from tests.conftest import prompts_of, save_shapes
 from tests.spec_decode.test_eagle import SHAPES, make_head
 
@@ -129,9 +129,9 @@ def test_multi_step_config_is_checked(llama_dir):
                  {"method": "eagle3", "model": str(llama_dir), "num_speculative_tokens": 2, "eagle_topk": 4}):
         with pytest.raises(ConfigError, match="speculative_config"):
             LLM(model=str(llama_dir), num_scheduler_steps=4, enforce_eager=False, speculative_config=spec)
-    for bad in (0, -1, 2.5, True):
+    for bad in (0, -1, 2.5, True, 33):
         with pytest.raises(ConfigError, match="num_scheduler_steps"):
-            LLM(model=str(llama_dir), num_scheduler_steps=bad)
+            LLM(model=str(llama_dir), num_scheduler_steps=bad, enforce_eager=False)
 
 
 K = 3
@@ -226,6 +226,20 @@ def test_sampled_speculation_rounds_draw_the_targets_tokens(rounds, base, tokeni
     assert len(a) == len(b) == 20 and a != b
     assert _run(rounds, prompts[2], unseeded, 11) == a   # (the same stream, the same draws)
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+@pytest.mark.slow
+def test_no_sampled_rounds_when_their_noise_would_not_fit(llama_dir, base, tokenizer):
+    """Sampled rounds whose race noise (steps x (K + 1) x V float64 per sequence) exceeds the
+    budget are not compiled: sampled steps run one round, with the same seeded output."""
+    spec = {"method": "draft_model", "model": str(llama_dir), "num_speculative_tokens": K, "draft_dtype": "bfloat16"}
+    with patch.dict(compiled.INDUCTOR_OPTIONS, FAST_COMPILE), patch.object(runner, "SAMPLED_ROUNDS_MAX_NOISE_BYTES", 1):
+        llm = LLM(model=str(llama_dir), dtype="float32", max_model_len=MAX_LEN, max_num_seqs=1,
+                  enforce_eager=False, num_scheduler_steps=STEPS, speculative_config=spec)
+    assert llm.engine.runner.round is not None and llm.engine.runner.sampled_round is None
+    prompt = prompts_of(tokenizer, 1)
+    seeded = SamplingParams(temperature=0.8, seed=5, max_tokens=20, ignore_eos=True)
+    assert _outs(llm, prompt, seeded)[0].token_ids == _outs(base, prompt, seeded)[0].token_ids
 
 
 @pytest.fixture(scope="module")
