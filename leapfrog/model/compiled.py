@@ -853,6 +853,8 @@ class CompiledSpecRound(CompiledForward):
     def race_args(self, temperature: Tensor, sampled: Tensor, e: Tensor, col0: Tensor, n: int) -> tuple[Tensor, ...]:
         """A sampled round's last four inputs (above) with ``n`` padding sequences appended (greedy,
         their exponentials those of the first sequence)."""
+        if n == 0:   # (e is a few MB: not copied for nothing)
+            return temperature, sampled, e, col0
         return (torch.cat([temperature, temperature.new_ones(n)]), torch.cat([sampled, sampled.new_zeros(n)]),
                 torch.cat([e, e[:1].expand(n, *e.shape[1:])]), torch.cat([col0, col0.new_ones(n)]))
 
