@@ -555,7 +555,8 @@ class LLMEngine:
         if not self.runner.fits_decode_steps(chunks):
             return False   # (before any randomness is drawn: the step runs one token at a time)
         drawn = [not r.params.greedy for r in reqs]
-        temperature = torch.tensor([r.params.temperature if d else 1.0 for r, d in zip(reqs, drawn)], device=dev)
+        temperature = torch.tensor([r.params.temperature if d else 1.0 for r, d in zip(reqs, drawn)],
+                                   dtype=torch.float32, device=dev)   # (an int temperature: still the graph's dtype)
         if any(drawn):
             rngs = [r.rng(j) if d else None for r, d in zip(reqs, drawn) for j in range(steps)]
             e = -torch.log(sampler.noise(rngs, self.vocab_size, dev)).view(len(reqs), steps, -1)
@@ -637,7 +638,8 @@ class LLMEngine:
         P, dev = self.runner.sampled_round.positions, self.device
         rngs = [r.rng(j) if d and j < n else None for r, d in zip(reqs, drawn) for j in range(P)]
         e = -torch.log(sampler.noise(rngs, self.vocab_size, dev)).view(len(reqs), P, -1)
-        temperature = torch.tensor([r.params.temperature if d else 1.0 for r, d in zip(reqs, drawn)], device=dev)
+        temperature = torch.tensor([r.params.temperature if d else 1.0 for r, d in zip(reqs, drawn)],
+                                   dtype=torch.float32, device=dev)   # (an int temperature: still the graph's dtype)
         return temperature, torch.tensor(drawn, device=dev), e
 
     def _no_noise(self, batch: int, steps: int) -> torch.Tensor:

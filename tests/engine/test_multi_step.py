@@ -100,7 +100,7 @@ def test_sampling_draws_what_one_token_steps_draw(multi, base, tokenizer):
     assert multi.engine.runner.multi_step.direct[(2, 1)].calls > calls
     assert outs[0].outputs[0].token_ids == _outs(base, prompts[:1], greedy)[0].token_ids
     assert outs[1].outputs[0].token_ids == _outs(base, prompts[1:2], seeded)[0].token_ids
-    unseeded = SamplingParams(temperature=1.3, max_tokens=19, ignore_eos=True)
+    unseeded = SamplingParams(temperature=2, max_tokens=19, ignore_eos=True)   # (an int temperature)
     got, want = _run(multi, prompts[2], unseeded, 11), _run(base, prompts[2], unseeded, 11)
     assert got == want and len(got) == 19
     assert _run(multi, prompts[2], unseeded, 12) != got   # (another stream, another output)
@@ -216,7 +216,7 @@ def test_sampled_speculation_rounds_draw_the_targets_tokens(rounds, base, tokeni
     accepted, drafted = m.num_accepted_tokens - before[1], m.num_draft_tokens - before[2]
     assert 0 < accepted < drafted
     calls = _round_calls(rounds, 1, sampled=True)
-    for sp in (SamplingParams(temperature=1.1, seed=8, max_tokens=None, ignore_eos=True),
+    for sp in (SamplingParams(temperature=1, seed=8, max_tokens=None, ignore_eos=True),   # (an int temperature)
                SamplingParams(temperature=0.6, seed=2, max_tokens=18, ignore_eos=True, stop_token_ids=[])):
         got, want = _outs(rounds, prompts[2:], sp)[0], _outs(base, prompts[2:], sp)[0]
         assert got.token_ids == want.token_ids
