@@ -57,7 +57,8 @@ class EngineConfig:
     a fixed K, not "adaptive"), each engine step runs up to that many speculation rounds (draft
     K, verify, accept), a compiled graph each fed the last one's outputs (CompiledSpecRound,
     CompiledEagleRound), whenever every request is greedy on the raw logits or samples with
-    temperature only (batches of up to 8 sequences then), without logprobs, and drafts K. Rounds
+    temperature only (batches of up to 8 sequences and 256 MiB of race noise then: runner.py
+    SAMPLED_ROUNDS_*), without logprobs, and drafts K. At most MAX_SCHEDULER_STEPS. Rounds
     verify by matching: the target's token at a row is its argmax or its race winner under the
     sampler's noise of that output position, which the drafts were drawn with too; a greedy or
     seeded request's tokens are what a one-round step gives. Other steps run one round."""

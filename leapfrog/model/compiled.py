@@ -738,15 +738,15 @@ class CompiledTree(CompiledChain):
 
 @dataclass
 class SpecRoundOutput:
-    drafts: Tensor     # [batch, K] long: the round's greedy draft chain
-    target: Tensor     # [batch, K + 1] long: the target's argmax at each verified row
+    drafts: Tensor     # [batch, K] long: the round's draft chain (greedy, or drawn: sampled rounds)
+    target: Tensor     # [batch, K + 1] long: the target's token at each verified row (argmax or race winner)
     top: Tensor        # [batch, K + 1] float32: its logit (the host checks that it is finite)
     last2: Tensor      # [batch, 2] long: the next round's input: the tokens at columns col - 1, col
     col: Tensor        # [batch] long: the next round's column (its newest token, not yet in the target's cache)
 
 
 class CompiledSpecRound(CompiledForward):
-    """A greedy speculation round (draft K, verify, accept) of a draft model and its target in one
+    """A speculation round (draft K, verify, accept) of a draft model and its target in one
     graph per bucket, whose outputs are the next round's inputs: multi-step speculation
     (``num_scheduler_steps`` with a draft model) calls it that many times back to back, with no
     host work between the calls, so the engine's host work (inputs, sampling, bookkeeping) is paid
@@ -894,8 +894,8 @@ class CompiledSpecRound(CompiledForward):
 
 @dataclass
 class EagleRoundOutput:
-    drafts: Tensor     # [batch, K] long: the round's greedy draft chain
-    target: Tensor     # [batch, K + 1] long: the target's argmax at each verified row
+    drafts: Tensor     # [batch, K] long: the round's draft chain (greedy, or drawn: sampled rounds)
+    target: Tensor     # [batch, K + 1] long: the target's token at each verified row (argmax or race winner)
     top: Tensor        # [batch, K + 1] float32: its logit
     tokens: Tensor     # [batch, K + 1] long: the next round's head input: the tokens after its pending positions
     features: Tensor   # [batch, K + 1, F]: the target's features of those positions (the head's dtype)

@@ -51,8 +51,8 @@ def _first(out: Any, n: int) -> Any:
 
 @dataclass
 class SpecRoundsOutput:
-    drafts: Tensor     # [batch, rounds, K] long: each round's greedy draft chain
-    target: Tensor     # [batch, rounds, K + 1] long: the target's argmax at each verified row
+    drafts: Tensor     # [batch, rounds, K] long: each round's draft chain
+    target: Tensor     # [batch, rounds, K + 1] long: the target's token at each verified row
     top: Tensor        # [batch, rounds, K + 1] float32: its logit (the host checks that it is finite)
     state: tuple[Tensor, ...]   # the next round's input per sequence (the drafter's to keep)
 

@@ -11,6 +11,7 @@ draft is accepted.
 from __future__ import annotations
 
 import itertools
+from unittest.mock import patch
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ import torch
 
 from leapfrog import LLM, SamplingParams
 from leapfrog.demo import save_random_llama
+from leapfrog.model import compiled
 from leapfrog.sampling import sampler
 from leapfrog.sampling.sampler import RowSpec
 from leapfrog.spec_decode.draft import DraftBatch
@@ -186,13 +188,22 @@ def test_fast_path_sampling_follows_target(tiny):
 def test_sampled_speculation_rounds_follow_target(tiny):
     """Multi-step speculation with unseeded sampled requests (num_scheduler_steps: rounds of draft,
     verify and accept in one graph each, verified by matching the target's race winner under
-    fresh noise of the request's generator): tokens 2 and 3 follow the target's law."""
+    fresh noise of the request's generator): tokens 2 and 3 follow the target's law; seeded
+    requests batched and padded to a larger bucket give what each gives alone."""
     target, draft = tiny
     spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 1}
 
     def ran_rounds(llm):
         g = llm.engine.runner.sampled_round
-        assert sum(d.calls for d in g.direct.values()) >= N // 2   # (max_tokens 3: two rounds for most)
+        assert sum(d.calls for d in g.direct.values()) >= N // 4   # (max_tokens 3: two rounds for most)
+        batches, run = [], llm.engine.runner.spec_rounds   # each rounds step's batch size, on its way
+        llm.engine.runner.spec_rounds = lambda rows, *a, **kw: batches.append(len(rows)) or run(rows, *a, **kw)
+        sps = [SamplingParams(temperature=0.7, seed=s, max_tokens=8, ignore_eos=True) for s in range(3)]
+        together = llm.generate([{"prompt_token_ids": PROMPT}] * 3, sps, use_tqdm=False)
+        assert 3 in batches   # (three sequences padded to the bucket of four)
+        alone = [llm.generate([{"prompt_token_ids": PROMPT}], sp, use_tqdm=False)[0] for sp in sps]
+        assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]
 
-    assert_follows_target(target, spec, SETTINGS[1], seed=6, after=ran_rounds, enforce_eager=False, max_num_seqs=2,
-                          num_scheduler_steps=3)
+    with patch.dict(compiled.INDUCTOR_OPTIONS, {"max_autotune": False}):
+        assert_follows_target(target, spec, SETTINGS[1], seed=6, after=ran_rounds, enforce_eager=False,
+                              max_num_seqs=4, num_scheduler_steps=3)
