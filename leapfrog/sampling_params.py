@@ -104,6 +104,7 @@ class SamplingParams:
                 raise bad(name, "must be finite")
             if not (lo < v if lo_open else lo <= v) or v > hi:
                 raise bad(name, f"must be in {'(' if lo_open else '['}{lo:g}, {hi:g}]{note}")
+            setattr(self, name, float(v))   # (an int would make integer tensors downstream)
         for name in ("n", "top_k", "min_tokens"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):

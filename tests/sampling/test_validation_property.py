@@ -67,3 +67,12 @@ def test_the_property_reached_the_sampler():
     test_accepted_params_never_break_the_sampler()
     greedy = sum(REACHED)
     assert greedy >= 3 and len(REACHED) - greedy >= 10, (greedy, len(REACHED))
+
+
+def test_integer_values_of_float_fields_are_stored_as_floats():
+    """SamplingParams(temperature=1) keeps 1.0: tensors built from the fields are float ones (an
+    int64 temperature tensor matched no compiled graph and failed the request)."""
+    sp = SamplingParams(temperature=2, top_p=1, min_p=0, repetition_penalty=1, presence_penalty=-1, frequency_penalty=0)
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+        assert type(getattr(sp, name)) is float
+    assert torch.tensor([sp.temperature]).dtype == torch.float32
