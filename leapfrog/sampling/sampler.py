@@ -240,19 +240,26 @@ def noise(rngs: Sequence[Rng], vocab_size: int, device: torch.device | str = "cp
     float64: a float32 grid (2^-24) would under-sample tokens with p below ~1e-7."""
     u = torch.empty(len(rngs), vocab_size, dtype=torch.float64, device=device)
     drawn: dict[PositionKey, int] = {}   # a tree's rows at one depth share their position's noise: drawn once
-    for i, r in enumerate(rngs):
+    i = 0
+    while i < len(rngs):
+        r, j = rngs[i], i + 1
         if r is None:
             u[i] = 0.36787944117144233
         elif isinstance(r, PositionKey) and r in drawn:
             u[i] = u[drawn[r]]
         else:
-            g = position_generator(r, device) if isinstance(r, PositionKey) else r
-            if g.device.type == u.device.type:
-                torch.rand(vocab_size, generator=g, dtype=torch.float64, out=u[i])
-            else:   # a request's stream lives on the CPU: drawn there, copied to the logits' device
-                u[i] = torch.rand(vocab_size, generator=g, dtype=torch.float64, device=g.device)
             if isinstance(r, PositionKey):
+                g = position_generator(r, device)
                 drawn[r] = i
+            else:   # consecutive rows of one stream in one call (the same draws as row by row)
+                g = r
+                while j < len(rngs) and rngs[j] is r:
+                    j += 1
+            if g.device.type == u.device.type:
+                torch.rand(j - i, vocab_size, generator=g, dtype=torch.float64, out=u[i:j])
+            else:   # a request's stream lives on the CPU: drawn there, copied to the logits' device
+                u[i:j] = torch.rand(j - i, vocab_size, generator=g, dtype=torch.float64, device=g.device)
+        i = j
     return u.clamp_(min=_TINY)   # U = 0 would give E = inf and let a p = 0 token win a 0-0 tie
 
 

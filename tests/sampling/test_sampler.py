@@ -168,3 +168,25 @@ def test_temperature_probs_equal_probs_for_temperature_only_rows():
     bad[2, 7] = float("nan")
     with pytest.raises(FloatingPointError, match="rows \\[2\\]"):
         sampler.temperature_probs(bad, temps)
+
+
+def test_noise_draws_each_stream_in_order_whatever_the_runs():
+    """Consecutive rows of one generator are drawn in one call: the rows equal drawing them one by
+    one from the same stream (greedy rows and seeded positions between them, a position's noise
+    shared by its rows), and the streams advance by the rows they gave."""
+    V = 50
+
+    def gen(seed):
+        g = torch.Generator()
+        g.manual_seed(seed)
+        return g
+
+    a, b, pk = gen(1), gen(2), sampler.PositionKey(7, 3)
+    got = sampler.noise([a, a, None, a, pk, pk, b, b, a], V)
+    ra, rb = gen(1), gen(2)
+    row = lambda g: torch.rand(V, generator=g, dtype=torch.float64)   # noqa: E731
+    want = torch.stack([row(ra), row(ra), torch.full((V,), 0.36787944117144233, dtype=torch.float64), row(ra),
+                        row(sampler.position_generator(pk)), row(sampler.position_generator(pk)),
+                        row(rb), row(rb), row(ra)]).clamp(min=torch.finfo(torch.float64).tiny)
+    assert torch.equal(got, want)
+    assert torch.equal(torch.rand(3, generator=a), torch.rand(3, generator=ra))
