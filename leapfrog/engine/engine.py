@@ -633,14 +633,14 @@ class LLMEngine:
 
     def _round_noise(self, reqs: list[Request], drawn: list[bool], n: int) -> tuple[torch.Tensor, ...]:
         """Sampled speculation rounds' race inputs (runner ``spec_rounds``): temperature, sampled and
-        the exponentials of each request's next ``n`` output positions (greedy requests', and the
-        positions past n of the graph's, are 1: unread)."""
+        the uniforms of each request's next ``n`` output positions (greedy requests', and the
+        positions past n of the graph's, are exp(-1): unread). The graph takes their logs."""
         P, dev = self.runner.sampled_round.positions, self.device
         rngs = [r.rng(j) if d and j < n else None for r, d in zip(reqs, drawn) for j in range(P)]
-        e = -torch.log(sampler.noise(rngs, self.vocab_size, dev)).view(len(reqs), P, -1)
+        u = sampler.noise(rngs, self.vocab_size, dev).view(len(reqs), P, -1)
         temperature = torch.tensor([r.params.temperature if d else 1.0 for r, d in zip(reqs, drawn)],
                                    dtype=torch.float32, device=dev)   # (an int temperature: still the graph's dtype)
-        return temperature, torch.tensor(drawn, device=dev), e
+        return temperature, torch.tensor(drawn, device=dev), u
 
     def _no_noise(self, batch: int, steps: int) -> torch.Tensor:
         """[batch, steps, V] float64 exponentials of greedy-only multi-steps (ignored: no row draws),

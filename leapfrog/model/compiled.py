@@ -769,7 +769,8 @@ class CompiledSpecRound(CompiledForward):
 
     Sampled rounds (``positions`` set: a second graph, for batches with temperature-only sampled
     requests) take four more inputs, the same for every round of a step: temperature [B], sampled
-    [B] bool, e [B, positions, V] float64 the exponentials E = -log U of the tokens at columns
+    [B] bool, u [B, positions, V] float64 the race's uniforms U (E = -log U, taken in the graph for
+    the rows a round reads) of the tokens at columns
     col0 + 1, col0 + 2, ... and col0 [B] (the first round's ``col``). A sampled sequence's drafts
     and the target's token at every verified row are then the sampler's race winners under q and
     p with the noise of their column (``race_draw``), and drafts are accepted while they equal
@@ -801,7 +802,7 @@ class CompiledSpecRound(CompiledForward):
 
     def _round(self, last2: Tensor, col: Tensor, rows: Tensor, *race: Tensor) -> SpecRoundOutput:
         """last2 [B, 2]: each sequence's tokens at columns col - 1 and col; col, rows [B]; race:
-        nothing (greedy rounds) or temperature, sampled, e, col0 (sampled rounds, above)."""
+        nothing (greedy rounds) or temperature, sampled, u, col0 (sampled rounds, above)."""
         dev = last2.device
         pick = self._noise(col, race)
         dq = col[:, None] + torch.arange(2, device=dev) - 1                        # [B, 2] draft's pending columns
@@ -822,10 +823,10 @@ class CompiledSpecRound(CompiledForward):
         draw (columns col + 1 .. col + K + 1: draft j and the target's row j share E[:, j])."""
         if not race:
             return ()
-        temperature, sampled, e, col0 = race
-        i = (col - col0)[:, None] + torch.arange(self.k + 1, device=col.device)   # [B, K + 1] rows of e
-        i = i.clamp(0, e.shape[1] - 1)   # (padding sequences; real ones stay inside: the caller sizes e)
-        return temperature, sampled, e.gather(1, i[:, :, None].expand(-1, -1, e.shape[2]))
+        temperature, sampled, u, col0 = race
+        i = (col - col0)[:, None] + torch.arange(self.k + 1, device=col.device)   # [B, K + 1] rows of u
+        i = i.clamp(0, u.shape[1] - 1)   # (padding sequences; real ones stay inside: the caller sizes u)
+        return temperature, sampled, -torch.log(u.gather(1, i[:, :, None].expand(-1, -1, u.shape[2])))
 
     def _verify(self, tok: Tensor, d: Tensor, col: Tensor, rows: Tensor,
                 pick: tuple[Tensor, ...] = ()) -> tuple[GraphOutput, Tensor, Tensor, Tensor]:
@@ -850,13 +851,13 @@ class CompiledSpecRound(CompiledForward):
         column 1) and, for sampled rounds, the race's inputs (``race_args``)."""
         return self._serve(args)
 
-    def race_args(self, temperature: Tensor, sampled: Tensor, e: Tensor, col0: Tensor, n: int) -> tuple[Tensor, ...]:
+    def race_args(self, temperature: Tensor, sampled: Tensor, u: Tensor, col0: Tensor, n: int) -> tuple[Tensor, ...]:
         """A sampled round's last four inputs (above) with ``n`` padding sequences appended (greedy,
-        their exponentials those of the first sequence)."""
-        if n == 0:   # (e is a few MB: not copied for nothing)
-            return temperature, sampled, e, col0
+        their uniforms those of the first sequence)."""
+        if n == 0:   # (u is a few MB: not copied for nothing)
+            return temperature, sampled, u, col0
         return (torch.cat([temperature, temperature.new_ones(n)]), torch.cat([sampled, sampled.new_zeros(n)]),
-                torch.cat([e, e[:1].expand(n, *e.shape[1:])]), torch.cat([col0, col0.new_ones(n)]))
+                torch.cat([u, u[:1].expand(n, *u.shape[1:])]), torch.cat([col0, col0.new_ones(n)]))
 
     def _key(self, args: tuple) -> tuple[int, int]:
         return args[0].shape[0], self.k + 1
@@ -889,7 +890,7 @@ class CompiledSpecRound(CompiledForward):
         dev, V = col.device, self.model.args.vocab_size
         u = torch.rand(b.batch, self.positions, V, dtype=torch.float64, device=dev).clamp_(min=1e-300)
         return (torch.full((b.batch,), 0.7, device=dev), torch.ones(b.batch, dtype=torch.bool, device=dev),
-                -torch.log(u), col.clone())   # (its own tensor: DirectCall maps inputs by identity)
+                u, col.clone())   # (its own tensor: DirectCall maps inputs by identity)
 
 
 @dataclass

@@ -205,8 +205,8 @@ class ModelRunner:
         ``cols``; ``state``: the first round's input per sequence, as the drafter gives it
         (CompiledSpecRound: the tokens at col - 1 and col; CompiledEagleRound: the head's pending
         positions), each round's graph fed the last one's outputs; ``race``: for batches with
-        sampled requests, (temperature [n], sampled [n] bool, e [n, positions, V] float64 the
-        race's exponentials of the tokens after ``cols``, on the runner's device). -> every round's
+        sampled requests, (temperature [n], sampled [n] bool, u [n, positions, V] float64 the
+        race's uniforms of the tokens after ``cols``, on the runner's device). -> every round's
         drafts and the target's token (argmax, or the race's winner), and the state after the last round."""
         g = self.round if race is None else self.sampled_round
         assert g is not None and 0 < rounds <= self.fits_spec_rounds(cols, race is not None)
