@@ -555,8 +555,7 @@ class LLMEngine:
         if not self.runner.fits_decode_steps(chunks):
             return False   # (before any randomness is drawn: the step runs one token at a time)
         drawn = [not r.params.greedy for r in reqs]
-        temperature = torch.tensor([r.params.temperature if d else 1.0 for r, d in zip(reqs, drawn)],
-                                   dtype=torch.float32, device=dev)   # (an int temperature: still the graph's dtype)
+        temperature = self._race_temperatures(reqs, drawn)
         if any(drawn):
             rngs = [r.rng(j) if d else None for r, d in zip(reqs, drawn) for j in range(steps)]
             e = -torch.log(sampler.noise(rngs, self.vocab_size, dev)).view(len(reqs), steps, -1)
@@ -638,9 +637,13 @@ class LLMEngine:
         P, dev = self.runner.sampled_round.positions, self.device
         rngs = [r.rng(j) if d and j < n else None for r, d in zip(reqs, drawn) for j in range(P)]
         u = sampler.noise(rngs, self.vocab_size, dev).view(len(reqs), P, -1)
-        temperature = torch.tensor([r.params.temperature if d else 1.0 for r, d in zip(reqs, drawn)],
-                                   dtype=torch.float32, device=dev)   # (an int temperature: still the graph's dtype)
+        temperature = self._race_temperatures(reqs, drawn)
         return temperature, torch.tensor(drawn, device=dev), u
+
+    def _race_temperatures(self, reqs: list[Request], drawn: list[bool]) -> torch.Tensor:
+        """[len(reqs)] float32 temperatures of the graphs' races (1 for rows that do not draw)."""
+        return torch.tensor([r.params.temperature if d else 1.0 for r, d in zip(reqs, drawn)],
+                            dtype=torch.float32, device=self.device)
 
     def _no_noise(self, batch: int, steps: int) -> torch.Tensor:
         """[batch, steps, V] float64 exponentials of greedy-only multi-steps (ignored: no row draws),
