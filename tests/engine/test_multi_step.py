@@ -9,6 +9,7 @@ from __future__ import annotations
 from unittest.mock import patch
 
 import pytest
+import torch
 from torch._dynamo.utils import counters
 
 from leapfrog import LLM, SamplingParams
@@ -173,6 +174,26 @@ def test_speculation_rounds_give_the_target_greedy_output(rounds, base, tokenize
     per_pos = m.num_accepted_tokens_per_pos
     assert 0 < per_pos[-1] < per_pos[0] < m.num_drafts   # full, partial and empty acceptances
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_chained_rounds_equal_rounds_called_one_by_one(rounds):
+    """The rounds' lean loop (direct calls whose inputs are built once, only the carried state
+    swapped in) gives what calling the graph round by round through ``_serve`` gives, from the
+    same state on the same (scratch) row, and counts its graph calls."""
+    g, kv = rounds.engine.runner.round, rounds.engine.runner.kv
+    args = (torch.tensor([[5, 6]]), torch.tensor([3]), torch.tensor([kv.scratch_row]))
+    d = g.direct[(1, g.k + 1)]
+    calls = d.calls
+    with torch.inference_mode():
+        chained = g.rounds(args, 3)
+        assert d.calls == calls + 3
+        one_by_one, a = [], args
+        for _ in range(3):
+            one_by_one.append(g._flatten(g(*a)))
+            a = (*(one_by_one[-1][i] for i in g.carried), a[-1])
+    for x, y in zip(chained, one_by_one):
+        assert len(x) == len(y) and all(torch.equal(s, t) for s, t in zip(x, y))
+    assert int(chained[-1][4]) >= 3 + 3   # (each round advanced the column)
 
 
 def test_stops_and_other_requests_in_speculation_rounds(rounds, base, tokenizer):
