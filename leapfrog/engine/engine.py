@@ -476,7 +476,33 @@ class LLMEngine:
                 req.metrics.first_token_time = now
                 if req.request_id in self.requests:
                     self._guarded(req, self._append, req, ids, result.logprobs[b] if result.logprobs else None)
+            running = [r for r in done if r.request_id in self.requests]
+            if self._drafters_prefill(running):   # (the caller gets the first token when the step returns)
+                now = time.monotonic()
+                for req in running:
+                    req.metrics.first_token_time = req.metrics.last_token_time = now
         return done
+
+    def _drafters_prefill(self, reqs: list[Request]) -> bool:
+        """Drafters that run their own forward over the prompt (a draft model, an EAGLE head) do it
+        now, in the step that prefilled the target, as vLLM and SGLang run the draft's prefill with
+        the target's: else the first decode step pays for it (a spike in inter-token latency, and
+        host work outside the decode graphs). A failure resets the drafter's state for these
+        requests, which then catch up while decoding. -> whether any drafter ran."""
+        ran = False
+        for proposer, idx in self._groups(reqs):
+            prefill = getattr(proposer, "prefill", None)
+            if prefill is None:
+                continue
+            ran = True
+            sub = [reqs[i] for i in idx]
+            try:
+                prefill(sub)
+            except Exception:  # noqa: BLE001 - the drafter restarts these requests from scratch
+                log.exception("drafter prefill failed; resetting its state for %d requests", len(sub))
+                for req in sub:
+                    self._reset_proposer(req)
+        return ran
 
     def _decode(self, reqs: list[Request]) -> list[Request]:
         # compute: propose (each request's proposer), verify forward, accept

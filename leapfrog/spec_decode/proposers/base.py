@@ -11,6 +11,9 @@ Lifecycle (called explicitly by the engine):
                                     (default: finish + start, rebuilding from the tokens)
     compile()                       (optional) enforce_eager=False: compile the proposer's own
                                     forwards at start-up (model/compiled.py)
+    prefill(reqs)                   (optional) the target has just prefilled these prompts (their
+                                    first token appended): run the proposer's own forward over them
+                                    now, not in the first decode step
 
 Proposers that read the target's own states (EAGLE) set ``target_states`` ("hidden" or a tuple
 of layer indices, see ModelRunner.step) and get ``on_target_states(req, start, states [n, F])``

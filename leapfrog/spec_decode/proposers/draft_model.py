@@ -166,6 +166,12 @@ class DraftModelProposer:
                 return
             self.runner.run(chunks)
 
+    @torch.inference_mode()
+    def prefill(self, reqs: list[Request]) -> None:
+        """The draft's cache over each new prompt (all but the newest token, which every drafting
+        path feeds itself), in the target's prefill step (engine: _drafters_prefill)."""
+        self._catch_up(reqs, keep=1)
+
     def round_state(self, reqs: list[Request], k: int) -> tuple[torch.Tensor, ...]:
         """Multi-step speculation's first input (model/compiled.py CompiledSpecRound): each request's
         two newest tokens [n, 2] and the newest one's column [n], after catching the draft's cache

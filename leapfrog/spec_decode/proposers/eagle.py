@@ -249,6 +249,14 @@ class EagleProposer:
             self.computed[r.request_id] = r.num_tokens - 1
             self.feats[r.request_id].drop_before(r.num_tokens - 2)
 
+    @torch.inference_mode()
+    def prefill(self, reqs: list[Request]) -> None:
+        """The head's cache over each new prompt's positions but the last (which every drafting
+        path runs itself, for its logits), in the target's prefill step (engine: _drafters_prefill)."""
+        ready = [r for r in reqs if self._ready(r)]
+        if ready:
+            self._catch_up(ready, keep=1)
+
     def round_state(self, reqs: list[Request], k: int) -> tuple[torch.Tensor, ...] | None:
         """Multi-step speculation's first input (model/compiled.py CompiledEagleRound), after
         catching the head up to all but its last k + 1 pending positions: per request those

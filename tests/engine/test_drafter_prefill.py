@@ -1,0 +1,59 @@
+"""Drafters with a forward of their own (a draft model, an EAGLE head) run it over a new prompt in
+the step that prefills the target (engine: _drafters_prefill), so the first decode step does not
+carry it; the first token's time is when that step ends. A drafter prefill that fails resets the
+drafter for those requests, which catch up while decoding: the output is the same either way."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from leapfrog import LLM, SamplingParams
+from tests.conftest import prompts_of, save_shapes
+from tests.spec_decode.test_eagle import SHAPES, make_head
+
+
+@pytest.fixture(scope="module")
+def target_and_head(tmp_path_factory, tokenizer):
+    target = save_shapes(tmp_path_factory, tokenizer, {"llama_untied": SHAPES["llama_untied"]})["llama_untied"]
+    return target, make_head(target, tmp_path_factory.mktemp("eagle3"), "eagle3", draft_vocab_size=200)
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
+@pytest.mark.parametrize("fail", [False, True])
+def test_drafters_prefill_in_the_targets_prefill_step(target_and_head, tokenizer, method, fail):
+    target, head = target_and_head
+    spec = {"method": method, "model": str(target if method == "draft_model" else head), "num_speculative_tokens": 3,
+            **({"eagle_topk": 1} if method == "eagle3" else {})}
+    prompts = prompts_of(tokenizer, 2)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    base = LLM(model=str(target), dtype="float32", max_model_len=128, max_num_seqs=2)
+    want = [o.outputs[0].token_ids for o in base.generate([{"prompt_token_ids": p} for p in prompts], sp,
+                                                          use_tqdm=False)]
+    llm = LLM(model=str(target), dtype="float32", max_model_len=128, max_num_seqs=2, speculative_config=spec)
+    eng, prop = llm.engine, llm.engine.proposer
+    real, ended = prop.prefill, []
+
+    def prefill(reqs):
+        if fail:
+            raise RuntimeError("injected fault")
+        real(reqs)
+        ended.append(time.monotonic())
+    prop.prefill = prefill
+    reqs = [eng.add_request(f"r{i}", None, p, sp) for i, p in enumerate(prompts)]
+    eng.step()   # both prompts prefilled (and, without the fault, the drafter's over them)
+    for req, p in zip(reqs, prompts):
+        assert len(req.output_ids) == 1
+        # the draft model's cache: every prompt token; the head's: every prompt position but the last
+        caught_up = 0 if fail else len(p) - (method == "eagle3")
+        assert prop.computed[req.request_id] == caught_up
+        if not fail:
+            assert req.metrics.first_token_time >= ended[-1]
+    outs = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o.outputs[0].token_ids
+    assert [outs[f"r{i}"] for i in range(2)] == want
+    assert llm.get_metrics()["num_draft_tokens"] > 0
