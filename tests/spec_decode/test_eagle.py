@@ -5,16 +5,19 @@ enumeration) with branching trees; clear errors for mismatched heads."""
 
 from __future__ import annotations
 
+from unittest.mock import patch
+
 import pytest
 import torch
 
 from leapfrog import LLM, SamplingParams
 from leapfrog.demo import save_random_llama
 from leapfrog.errors import ConfigError
+from leapfrog.model import compiled
 from leapfrog.model.eagle import init_eagle_head, save_eagle_head
 from leapfrog.model.loader import load_model, read_checkpoint
 from tests.conftest import BASE, CONFIGS, prompts_of, save_shapes
-from tests.spec_decode.test_sampling_lossless import SETTINGS, SMALL, assert_follows_target
+from tests.spec_decode.test_sampling_lossless import N, SETTINGS, SMALL, assert_follows_target
 
 MAX = 32
 # 3 layers: EAGLE-3 fuses three target layers
@@ -81,6 +84,25 @@ def test_sampling_follows_target(tiny3, tmp_path, kind, i):
     sp = [SETTINGS[0], SamplingParams(temperature=1.6, top_p=0.98, max_tokens=3, ignore_eos=True)][i]
     assert_follows_target(target, {"method": kind, "model": str(head), "num_speculative_tokens": 2,
                                    "eagle_topk": 3, "num_draft_tokens": 6}, sp, seed=i)
+
+
+HOT = SamplingParams(temperature=1.6, max_tokens=3, ignore_eos=True)   # flat: noise reused between tokens would show
+
+
+@pytest.mark.slow
+def test_sampled_eagle_rounds_follow_target(tiny3, tmp_path):
+    """Multi-step speculation with an EAGLE-3 chain and unseeded sampled requests (rounds verified
+    by matching the target's race winner under fresh noise of each request's generator; a draft
+    vocabulary of 9 of the 12 tokens): tokens 2 and 3 follow the target's exact law."""
+    head = make_head(tiny3, tmp_path / "h", "eagle3", seed=2, draft_vocab_size=9)
+
+    def ran_rounds(llm):
+        g = llm.engine.runner.sampled_round
+        assert sum(d.calls for d in g.direct.values()) >= N // 4   # (max_tokens 3: two rounds for most)
+    with patch.dict(compiled.INDUCTOR_OPTIONS, {"max_autotune": False}):
+        assert_follows_target(tiny3, {"method": "eagle3", "model": str(head), "num_speculative_tokens": 1,
+                                      "eagle_topk": 1}, HOT, seed=7, after=ran_rounds,
+                              enforce_eager=False, max_num_seqs=4, num_scheduler_steps=3)
 
 
 def test_errors(shapes, tmp_path):

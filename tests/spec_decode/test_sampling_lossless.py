@@ -1,8 +1,8 @@
 """Sampling with speculation follows the target's distribution, through the whole engine.
 
 A tiny-vocabulary target (V = 12) lets us compute the exact distribution of the 2nd and 3rd
-generated tokens by enumeration, and compare the engine's samples with chi-square tests
-(false-alarm rate 1e-3 per test). Drafts: an unrelated random draft model, an n-gram
+generated tokens (each, and jointly) by enumeration, and compare the engine's samples with
+chi-square tests (false-alarm rate 1e-3 per test). Drafts: an unrelated random draft model, an n-gram
 (point-mass) proposer, and an adversarial proposer whose q over-predicts the target's
 unlikely tokens. K = 1 with max_tokens = 3 makes the 3rd token a bonus token whenever the
 draft is accepted.
@@ -41,8 +41,9 @@ def tiny(tmp_path_factory):
     return t, d
 
 
-def exact_marginals(llm, sp: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
-    """P(token 2), P(token 3) under the target with sp's processing, by enumeration."""
+def exact_law(llm, sp: SamplingParams) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """P(token 2) [V], P(token 3) [V] and their joint law P(token 2, token 3) [V, V] under the
+    target with sp's processing, by enumeration."""
     model = llm.engine.model
 
     def dist(prefixes: list[list[int]]) -> torch.Tensor:
@@ -56,9 +57,18 @@ def exact_marginals(llm, sp: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
     p1 = dist([[]])[0]
     p2 = dist([[a] for a in range(V)])                              # [V(t1), V(t2)]
     p3 = dist([[a, b] for a, b in itertools.product(range(V), range(V))]).view(V, V, V)
-    m2 = (p1[:, None] * p2).sum(0)
-    m3 = (p1[:, None, None] * p2[:, :, None] * p3).sum((0, 1))
-    return m2.numpy(), m3.numpy()
+    joint = (p1[:, None, None] * p2[:, :, None] * p3).sum(0)         # [V(t2), V(t3)]
+    return joint.sum(1).numpy(), joint.sum(0).numpy(), joint.numpy()
+
+
+def assert_tokens_follow(llm, sp: SamplingParams, toks: np.ndarray) -> None:
+    """Generated tokens [n, >= 3] of PROMPT: tokens 2 and 3, each and jointly (a pair of V x V
+    cells: noise reused between the two positions leaves the marginals right but not this),
+    follow the target's exact law (chi-square, false-alarm rate 1e-3 each)."""
+    m2, m3, joint = exact_law(llm, sp)
+    assert chisq_pvalue(np.bincount(toks[:, 1], minlength=V), m2) > 1e-3
+    assert chisq_pvalue(np.bincount(toks[:, 2], minlength=V), m3) > 1e-3
+    assert chisq_pvalue(np.bincount(toks[:, 1] * V + toks[:, 2], minlength=V * V), joint.flatten()) > 1e-3
 
 
 def assert_follows_target(target, spec: dict, sp: SamplingParams, seed: int, after=None, **engine) -> dict:
@@ -71,12 +81,9 @@ def assert_follows_target(target, spec: dict, sp: SamplingParams, seed: int, aft
     outs = llm.generate([{"prompt_token_ids": PROMPT}] * N, sp, use_tqdm=False)
     if after is not None:
         after(llm)
-    toks = np.array([o.outputs[0].token_ids for o in outs])
-    m2, m3 = exact_marginals(llm, sp)
     m = llm.get_metrics()
     assert 0 < m["num_accepted_tokens"] < m["num_draft_tokens"]
-    assert chisq_pvalue(np.bincount(toks[:, 1], minlength=V), m2) > 1e-3
-    assert chisq_pvalue(np.bincount(toks[:, 2], minlength=V), m3) > 1e-3
+    assert_tokens_follow(llm, sp, np.array([o.outputs[0].token_ids for o in outs]))
     return m
 
 
@@ -133,15 +140,12 @@ def test_speculative_sampling_follows_target(tiny, kind, i):
     llm = LLM(model=str(target), dtype="float32", skip_tokenizer_init=True, max_num_seqs=256, max_model_len=16,
               seed=i, speculative_config=_spec(kind, draft))
     outs = llm.generate([{"prompt_token_ids": PROMPT}] * N, sp, use_tqdm=False)
-    toks = np.array([o.outputs[0].token_ids for o in outs])
-    m2, m3 = exact_marginals(llm, sp)
     metrics = llm.get_metrics()
     assert metrics["num_draft_tokens"] > 0
     assert metrics["num_accepted_tokens"] < metrics["num_draft_tokens"]  # the residual path ran
     if i == 0:  # unfiltered distributions overlap: the bonus path ran too
         assert metrics["num_accepted_tokens"] > 0
-    assert chisq_pvalue(np.bincount(toks[:, 1], minlength=V), m2) > 1e-3
-    assert chisq_pvalue(np.bincount(toks[:, 2], minlength=V), m3) > 1e-3
+    assert_tokens_follow(llm, sp, np.array([o.outputs[0].token_ids for o in outs]))
 
 
 def test_verifier_p_is_the_samplers_probs(tiny):
