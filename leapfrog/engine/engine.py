@@ -25,7 +25,7 @@ from leapfrog.config import EngineConfig
 from leapfrog.detokenizer import Detokenizer
 from leapfrog.errors import ConfigError, RequestError
 from leapfrog.kv.manager import KVManager
-from leapfrog.model.compiled import can_compile, make_buckets
+from leapfrog.model.compiled import RoundRace, can_compile, make_buckets
 from leapfrog.model.loader import load_model, load_tokenizer, read_checkpoint, resolve_dtype
 from leapfrog.model.quant import check_quantization
 from leapfrog.model.runner import ModelRunner, SeqChunk
@@ -97,6 +97,7 @@ class LLMEngine:
             self.predictor = PredictionProposer()
             self._grammars: Any = None   # structured outputs' GrammarCompiler, built at the first such request
             self._ones: torch.Tensor | None = None   # multi-step decode's noise of greedy-only steps (_no_noise)
+            self._unread: torch.Tensor | None = None  # sampled rounds' race uniforms where none races
             #: test-only fault injection: called with the requests of every sampling call; raising
             #: there simulates a failure in one request's sampling (tests/engine/test_isolation.py)
             self.fault_injector: Callable[[list[Request]], None] | None = None
@@ -608,12 +609,13 @@ class LLMEngine:
         (model/compiled.py CompiledSpecRound, CompiledEagleRound; the drafter gives the first
         round's state and keeps the last one's; no more rounds than the cache has room for, or
         than the longest request has tokens left to make), and each round is accepted here by
-        matching (verify/greedy.py): the target's token at a row is its argmax, or for a sampled
-        request the sampler's race winner under p with the noise of that output position (its
-        position noise when seeded, fresh draws of its generator when not), and its drafts were
-        drawn with the same noise. The rounds' tokens are committed and appended in order at once
-        (tokens past a stop are dropped), and each round that made a kept token counts as a
-        verification. -> False when the step must run one round instead (nothing done)."""
+        matching (verify/greedy.py) against the target's token at every row, which the graph
+        picked: its argmax; for a seeded request the sampler's race winner under p with the noise
+        of that output position, its drafts drawn with the same noise; for an unseeded one the
+        accepted drafts and then rejection sampling's token (drawn with three uniforms per
+        position from its generator; model/compiled.py CompiledSpecRound). The rounds' tokens
+        are committed and appended in order at once (tokens past a stop are dropped), and each
+        round that made a kept token counts as a verification. -> False when the step must run one round instead (nothing done)."""
         g = self.runner.round
         if any(k != g.k for k in ks) or not all((r.raw_argmax or r.temperature_only) and r.params.logprobs is None
                                                 for r in reqs):
@@ -656,15 +658,35 @@ class LLMEngine:
                 self._guarded(req, self.proposer.after_rounds, req, tuple(x[b] for x in out.state))
         return True
 
-    def _round_noise(self, reqs: list[Request], drawn: list[bool], n: int) -> tuple[torch.Tensor, ...]:
-        """Sampled speculation rounds' race inputs (runner ``spec_rounds``): temperature, sampled and
-        the uniforms of each request's next ``n`` output positions (greedy requests', and the
-        positions past n of the graph's, are exp(-1): unread). The graph takes their logs."""
-        P, dev = self.runner.sampled_round.positions, self.device
-        rngs = [r.rng(j) if d and j < n else None for r, d in zip(reqs, drawn) for j in range(P)]
-        u = sampler.noise(rngs, self.vocab_size, dev).view(len(reqs), P, -1)
-        temperature = self._race_temperatures(reqs, drawn)
-        return temperature, torch.tensor(drawn, device=dev), u
+    def _round_noise(self, reqs: list[Request], drawn: list[bool], n: int) -> RoundRace:
+        """Sampled speculation rounds' randomness (runner ``spec_rounds``) for each request's next
+        ``n`` output positions: a seeded request's race uniforms (its position noise: verified by
+        matching, its output is the one without speculation), an unseeded one's three uniforms per
+        position from its generator (verified by rejection sampling). The race's uniforms of
+        rows that do not race, and of a batch where none does, are exp(-1) (unread; one buffer)."""
+        P, V, dev = self.runner.sampled_round.positions, self.vocab_size, self.device
+        reject = [d and r.seed_key is None for r, d in zip(reqs, drawn)]
+        if all(r == d for r, d in zip(reject, drawn)):
+            u = self._unread_uniforms(len(reqs), P)
+        else:
+            races = [d and not x for d, x in zip(drawn, reject)]
+            rngs = [r.rng(j) if c and j < n else None for r, c in zip(reqs, races) for j in range(P)]
+            u = sampler.noise(rngs, V, dev).view(len(reqs), P, V)
+        w = torch.zeros(len(reqs), P, 3, dtype=torch.float64, device=dev)
+        for b, r in enumerate(reqs):
+            if reject[b]:
+                w[b, :n] = sampler.uniforms(3 * n, r.generator, dev, torch.float64).view(n, 3)
+        return RoundRace(self._race_temperatures(reqs, drawn), torch.tensor(drawn, device=dev), u,
+                         torch.tensor(reject, device=dev), w)
+
+    def _unread_uniforms(self, batch: int, positions: int) -> torch.Tensor:
+        """[batch, positions, V] float64 exp(-1) (E = 1): the race uniforms of a sampled rounds
+        step where no row races, a view of one buffer made at the first such step."""
+        if self._unread is None or self._unread.shape[0] < batch:
+            most = max(b.batch for b in self.runner.sampled_round.warmed)
+            self._unread = torch.full((most, positions, self.vocab_size),
+                                      0.36787944117144233, dtype=torch.float64, device=self.device)
+        return self._unread[:batch]
 
     def _race_temperatures(self, reqs: list[Request], drawn: list[bool]) -> torch.Tensor:
         """[len(reqs)] float32 temperatures of the graphs' races (1 for rows that do not draw)."""

@@ -443,15 +443,52 @@ def causal_mask(cols: Tensor, q: Tensor, window: int | None) -> Tensor:
     return m[:, None]
 
 
-def race_draw(logits: Tensor, temperature: Tensor, e: Tensor, scale: float = 1.0) -> Tensor:
-    """The one sampler's draw inside a graph (sampling/sampler.py ``sample`` for a temperature-only
-    row): logits [B, ..., V] float32, temperature [B], e [B, ..., V] float64 the race's
-    exponentials E = -log U -> [B, ...] long argmax_v p(v) / E(v), p = softmax(logits / scale / T)
-    (``scale``: an EAGLE head's greedy calibration, which its sampled drafts divide out too)."""
+def race_probs(logits: Tensor, temperature: Tensor, scale: float = 1.0) -> Tensor:
+    """The one sampler's distribution of a temperature-only row inside a graph (sampling/sampler.py
+    ``temperature_probs``): logits [B, ..., V] float32, temperature [B] -> p = softmax(logits /
+    scale / T) [B, ..., V] (``scale``: an EAGLE head's greedy calibration, which its sampled drafts
+    divide out too)."""
     if scale != 1.0:
         logits = logits / scale
-    p = torch.softmax(logits / temperature.view(-1, *(1,) * (logits.dim() - 1)), -1)
-    return (p.double() / e).argmax(-1)
+    return torch.softmax(logits / temperature.view(-1, *(1,) * (logits.dim() - 1)), -1)
+
+
+def race_draw(logits: Tensor, temperature: Tensor, e: Tensor, scale: float = 1.0) -> Tensor:
+    """The one sampler's draw inside a graph (sampling/sampler.py ``sample`` for a temperature-only
+    row): e [B, ..., V] float64 the race's exponentials E = -log U -> [B, ...] long argmax_v
+    p(v) / E(v), p = ``race_probs``."""
+    return (race_probs(logits, temperature, scale).double() / e).argmax(-1)
+
+
+def inverse_cdf_draw(mass: Tensor, w: Tensor) -> Tensor:
+    """A draw from the distribution proportional to ``mass`` [..., V] (non-negative, any total)
+    with one uniform w [...] float64 in [0, 1) per row -> [...] long: the first token whose
+    cumulative mass (float64 sums) exceeds w x the total, so each token's probability is its
+    share to float rounding (as ``torch.multinomial``), and a token of zero mass is never drawn
+    (where rounding would reach past the last token, the row's most likely token)."""
+    cdf = mass.double().cumsum(-1)                                                 # [..., V]
+    x = (cdf <= (w * cdf[..., -1])[..., None]).sum(-1).clamp(max=mass.shape[-1] - 1)
+    return torch.where(mass.gather(-1, x[..., None])[..., 0] > 0, x, mass.argmax(-1))
+
+
+def rejection_tokens(p: Tensor, q: Tensor, d: Tensor, w: Tensor) -> Tensor:
+    """Speculative sampling of a draft chain inside a graph (Leviathan et al. 2023; Chen et al.
+    2023; verify/rejection.py on the host): p [B, K + 1, V] the target's distributions at the
+    verified rows, q [B, K, V] the drafts', d [B, K] the drafts (x_j ~ q_j), w [B, K + 1, 3]
+    float64 uniforms per row (1: the acceptance tests, 2: the draws) -> [B, K + 1] long: the
+    accepted drafts d_1..d_n (accepted while w[j, 1] q_j(d_j) < p_j(d_j)), then at row n a draw
+    from norm(max(p_n - q_n, 0)), or after K accepted drafts from p_K (later rows: never read).
+    The drawn token is never the rejected draft (max(p - q, 0) is 0 there), so matching the
+    drafts against these tokens gives n back. A residual of no mass (p = q to rounding) draws from p."""
+    K = d.shape[1]
+    pd = p[:, :K].gather(-1, d[..., None])[..., 0].double()                       # [B, K] p_j(d_j)
+    qd = q.gather(-1, d[..., None])[..., 0].double()                               # [B, K] q_j(d_j)
+    n = (w[:, :K, 1] * qd < pd).long().cumprod(1).sum(1, keepdim=True)            # [B, 1] accepted drafts
+    residual = torch.cat([(p[:, :K] - q).clamp(min=0), p[:, K:]], 1)              # [B, K + 1, V]
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
+    y = inverse_cdf_draw(residual, w[..., 2])                                      # [B, K + 1]
+    j = torch.arange(K + 1, device=d.device)
+    return torch.where(j < n, torch.cat([d, y[:, K:]], 1), y)
 
 
 @dataclass
@@ -532,10 +569,12 @@ class CompiledChain(CompiledForward):
 
 
 class RaceChain(CompiledChain):
-    """CompiledChain's steps drawing as the sampler does (``race_draw``): sampled rows take the
-    race's winner under q = softmax(logits / logit_scale / T) with the exponentials of their
-    step's position, the others the argmax; traced into the graphs of sampled speculation rounds
-    (CompiledSpecRound), which pass (temperature [B], sampled [B] bool, e [B, steps, V]) to
+    """CompiledChain's steps drawing from q = softmax(logits / logit_scale / T) (``race_probs``):
+    sampled rows take the race's winner under q with the exponentials of their step's position
+    (``race_draw``), or, rows verified by rejection sampling (``reject``), an inverse-CDF draw
+    with their step's first uniform; the others the argmax. Each step also returns q [B, V].
+    Traced into the graphs of sampled speculation rounds (CompiledSpecRound), which pass
+    (temperature [B], sampled [B] bool, e [B, steps, V], reject [B] bool, w [B, steps, 3]) to
     ``_steps``. Never compiled on its own."""
 
     def __init__(self, model: torch.nn.Module, kv: KVCache, buckets: list[Bucket], steps: int,
@@ -544,9 +583,11 @@ class RaceChain(CompiledChain):
         self.logit_scale = logit_scale
 
     def _pick(self, logits: Tensor, j: int, *pick_args: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
-        temperature, sampled, e = pick_args                                        # [B], [B] bool, [B, steps, V]
+        temperature, sampled, e, reject, w = pick_args   # [B], [B] bool, [B, steps, V], [B] bool, [B, steps, 3]
         lf = logits.float()
-        return torch.where(sampled, race_draw(lf, temperature, e[:, j], self.logit_scale), lf.argmax(-1)), ()
+        q = race_probs(lf, temperature, self.logit_scale)                          # [B, V]
+        drawn = torch.where(reject, inverse_cdf_draw(q, w[:, j, 0]), (q.double() / e[:, j]).argmax(-1))
+        return torch.where(sampled, drawn, lf.argmax(-1)), (q,)
 
 
 @dataclass
@@ -771,6 +812,16 @@ class CompiledTree(CompiledChain):
 
 
 @dataclass
+class RoundRace:
+    """The randomness of a step of sampled speculation rounds (CompiledSpecRound), per sequence."""
+    temperature: Tensor   # [B] float32 (1 for rows that do not draw)
+    sampled: Tensor       # [B] bool: the row draws (else the argmax)
+    u: Tensor             # [B, positions, V] float64: the race's uniforms of the next output positions (matching)
+    reject: Tensor        # [B] bool: the row is verified by rejection sampling, with ...
+    w: Tensor             # [B, positions, 3] float64: ... three uniforms per output position
+
+
+@dataclass
 class SpecRoundOutput:
     drafts: Tensor     # [batch, K] long: the round's draft chain (greedy, or drawn: sampled rounds)
     target: Tensor     # [batch, K + 1] long: the target's token at each verified row (argmax or race winner)
@@ -802,15 +853,28 @@ class CompiledSpecRound(CompiledForward):
     (padding sequences: the scratch row from column 1; it advances at most K + 1 per round).
 
     Sampled rounds (``positions`` set: a second graph, for batches with temperature-only sampled
-    requests) take four more inputs, the same for every round of a step: temperature [B], sampled
-    [B] bool, u [B, positions, V] float64 the race's uniforms U (E = -log U, taken in the graph for
-    the rows a round reads) of the tokens at columns
-    col0 + 1, col0 + 2, ... and col0 [B] (the first round's ``col``). A sampled sequence's drafts
-    and the target's token at every verified row are then the sampler's race winners under q and
-    p with the noise of their column (``race_draw``), and drafts are accepted while they equal
-    the target's: verification by matching, lossless and drafter-invariant as a seeded request's
-    one-round step (verify/greedy.py), so a seeded request's output is the one it gets without
-    speculation."""
+    requests) take six more inputs, the same for every round of a step (``RoundRace``):
+    temperature [B], sampled [B] bool, u [B, positions, V] float64 the race's uniforms U (E =
+    -log U, taken in the graph for the rows a round reads) of the tokens at columns col0 + 1,
+    col0 + 2, ..., col0 [B] (the first round's ``col``), reject [B] bool and w [B, positions, 3]
+    float64, three uniforms per column. Two lossless verifications, chosen per sequence:
+
+    - **Matching** (sampled, not ``reject``: seeded requests). The drafts and the target's token
+      at every verified row are the sampler's race winners under q and p with the noise of their
+      column (``race_draw``), and drafts are accepted while they equal the target's: lossless and
+      drafter-invariant as a seeded request's one-round step (verify/greedy.py), so a seeded
+      request's output is the one it gets without speculation.
+    - **Rejection sampling** (``reject``: unseeded requests; Leviathan et al. 2023, Chen et al.
+      2023, as verify/rejection.py). Draft x_j ~ q_j by inverse CDF with w[j, 0]; accepted while
+      w[j, 1] q_j(x_j) < p_j(x_j); at the first rejected row j the token is drawn from
+      norm(max(p_j - q_j, 0)) with w[j, 2], after K accepted drafts from p_{K+1}. It accepts
+      1 - TV(p, q) per draft, more than matching's coupling, and needs three uniforms per column
+      where the race needs V. A round's output depends only on its columns up to the one it ends
+      at; the next round starts after it, so every decision takes fresh uniforms.
+
+    The round returns the target's token at every row either way (rejection rows: the accepted
+    drafts, then the drawn token, which never equals the rejected draft: max(p - q, 0) is 0
+    there), so the host accepts every row by matching."""
 
     def __init__(self, model: torch.nn.Module, kv: KVCache, draft: torch.nn.Module, draft_kv: KVCache,
                  buckets: list[Bucket], k: int, positions: int | None = None) -> None:
@@ -840,10 +904,10 @@ class CompiledSpecRound(CompiledForward):
         dev = last2.device
         pick = self._noise(col, race)
         dq = col[:, None] + torch.arange(2, device=dev) - 1                        # [B, 2] draft's pending columns
-        d, _ = self.draft._steps(last2, dq, causal_mask(self._draft_cols(dev), dq, self.draft.window), rows,
+        d, q = self.draft._steps(last2, dq, causal_mask(self._draft_cols(dev), dq, self.draft.window), rows,
                                  rows.repeat_interleave(2), dq.flatten(), col.max() + 1, None,
-                                 torch.ones_like(col), col + 1, *pick)             # [B, K]
-        g, ids, top, n = self._verify(last2[:, 1], d, col, rows, pick)
+                                 torch.ones_like(col), col + 1, *pick)             # [B, K], ([B, K, V] q)
+        g, ids, top, n = self._verify(last2[:, 1], d, col, rows, pick, q)
         vtok = torch.cat([last2[:, 1:], d], 1)                                     # [B, K + 1]
         nxt = torch.cat([vtok.gather(1, n), ids.gather(1, n)], 1)                  # [B, 2] d_n (or tok), bonus
         return SpecRoundOutput(d, ids, top, nxt, col + n[:, 0] + 1)
@@ -853,20 +917,23 @@ class CompiledSpecRound(CompiledForward):
 
     def _noise(self, col: Tensor, race: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         """The picks' arguments of a round whose newest tokens are at ``col`` [B]: () for greedy
-        rounds, else temperature, sampled and E [B, K + 1, V] of the K + 1 tokens the round may
-        draw (columns col + 1 .. col + K + 1: draft j and the target's row j share E[:, j])."""
+        rounds, else temperature, sampled, E [B, K + 1, V], reject and w [B, K + 1, 3] of the K + 1
+        tokens the round may draw (columns col + 1 .. col + K + 1: draft j and the target's row j
+        share E[:, j] and w[:, j])."""
         if not race:
             return ()
-        temperature, sampled, u, col0 = race
-        i = (col - col0)[:, None] + torch.arange(self.k + 1, device=col.device)   # [B, K + 1] rows of u
+        temperature, sampled, u, col0, reject, w = race
+        i = (col - col0)[:, None] + torch.arange(self.k + 1, device=col.device)   # [B, K + 1] rows of u, w
         i = i.clamp(0, u.shape[1] - 1)   # (padding sequences; real ones stay inside: the caller sizes u)
-        return temperature, sampled, -torch.log(u.gather(1, i[:, :, None].expand(-1, -1, u.shape[2])))
+        e = -torch.log(u.gather(1, i[:, :, None].expand(-1, -1, u.shape[2])))     # [B, K + 1, V]
+        return temperature, sampled, e, reject, w.gather(1, i[:, :, None].expand(-1, -1, 3))
 
-    def _verify(self, tok: Tensor, d: Tensor, col: Tensor, rows: Tensor,
-                pick: tuple[Tensor, ...] = ()) -> tuple[GraphOutput, Tensor, Tensor, Tensor]:
+    def _verify(self, tok: Tensor, d: Tensor, col: Tensor, rows: Tensor, pick: tuple[Tensor, ...] = (),
+                q: list[Tensor] | tuple = ()) -> tuple[GraphOutput, Tensor, Tensor, Tensor]:
         """The target's forward over [tok, d_1..d_K] at columns col..col + K -> its output, its token
-        at every row [B, K + 1] (the argmax; with ``pick``, ``_noise``'s, the race's winner for
-        sampled rows) and the largest logit, and the accepted drafts n [B, 1]."""
+        at every row [B, K + 1] (the argmax; with ``pick``, ``_noise``'s: the race's winner for
+        sampled rows, for ``reject`` rows the accepted drafts and then the drawn token, from the
+        drafts' q [B, K, V]) and the largest logit, and the accepted drafts n [B, 1]."""
         B, K, dev = d.shape[0], self.k, d.device
         cols = torch.arange(self.kv.max_model_len, device=dev)                    # [W]
         vq = col[:, None] + torch.arange(K + 1, device=dev)                        # [B, K + 1] verified columns
@@ -874,9 +941,10 @@ class CompiledSpecRound(CompiledForward):
                           rows.repeat_interleave(K + 1), vq.flatten(), col.max() + K + 1)
         top, ids = g.top.view(B, K + 1), g.top_ids.view(B, K + 1)                  # [B, K + 1]
         if pick:
-            temperature, sampled, e = pick
-            drawn = race_draw(g.logits.float().view(B, K + 1, -1), temperature, e)  # [B, K + 1]
-            ids = torch.where(sampled[:, None], drawn, ids)
+            temperature, sampled, e, reject, w = pick
+            p = race_probs(g.logits.float().view(B, K + 1, -1), temperature)       # [B, K + 1, V]
+            ids = torch.where(sampled[:, None], (p.double() / e).argmax(-1), ids)
+            ids = torch.where(reject[:, None], rejection_tokens(p, q[0], d, w), ids)
         n = (d == ids[:, :K]).long().cumprod(1).sum(1, keepdim=True)              # [B, 1] accepted drafts
         return g, ids, top, n
 
@@ -885,13 +953,15 @@ class CompiledSpecRound(CompiledForward):
         column 1) and, for sampled rounds, the race's inputs (``race_args``)."""
         return self._serve(args)
 
-    def race_args(self, temperature: Tensor, sampled: Tensor, u: Tensor, col0: Tensor, n: int) -> tuple[Tensor, ...]:
-        """A sampled round's last four inputs (above) with ``n`` padding sequences appended (greedy,
+    def race_args(self, race: "RoundRace", col0: Tensor, n: int) -> tuple[Tensor, ...]:
+        """A sampled round's last six inputs (above) with ``n`` padding sequences appended (greedy,
         their uniforms those of the first sequence)."""
+        r = race
         if n == 0:   # (u is a few MB: not copied for nothing)
-            return temperature, sampled, u, col0
-        return (torch.cat([temperature, temperature.new_ones(n)]), torch.cat([sampled, sampled.new_zeros(n)]),
-                torch.cat([u, u[:1].expand(n, *u.shape[1:])]), torch.cat([col0, col0.new_ones(n)]))
+            return r.temperature, r.sampled, r.u, col0, r.reject, r.w
+        return (torch.cat([r.temperature, r.temperature.new_ones(n)]), torch.cat([r.sampled, r.sampled.new_zeros(n)]),
+                torch.cat([r.u, r.u[:1].expand(n, *r.u.shape[1:])]), torch.cat([col0, col0.new_ones(n)]),
+                torch.cat([r.reject, r.reject.new_zeros(n)]), torch.cat([r.w, r.w[:1].expand(n, *r.w.shape[1:])]))
 
     def _key(self, args: tuple) -> tuple[int, int]:
         return args[0].shape[0], self.k + 1
@@ -926,8 +996,10 @@ class CompiledSpecRound(CompiledForward):
             return ()
         dev, V = col.device, self.model.args.vocab_size
         u = torch.rand(b.batch, self.positions, V, dtype=torch.float64, device=dev).clamp_(min=1e-300)
+        reject = torch.arange(b.batch, device=dev) % 2 == 1   # (both verifications run)
         return (torch.full((b.batch,), 0.7, device=dev), torch.ones(b.batch, dtype=torch.bool, device=dev),
-                u, col.clone())   # (its own tensor: DirectCall maps inputs by identity)
+                u, col.clone(),   # (its own tensor: DirectCall maps inputs by identity)
+                reject, torch.rand(b.batch, self.positions, 3, dtype=torch.float64, device=dev))
 
 
 @dataclass
@@ -969,10 +1041,10 @@ class CompiledEagleRound(CompiledSpecRound):
         hq = start[:, None] + torch.arange(S, device=dev)                          # [B, K + 1] head columns
         col = start + last + 1                                                     # [B] the newest token's column
         pick = self._noise(col, race)
-        d, _ = self.draft._steps(tokens, hq, causal_mask(self._draft_cols(dev), hq, self.draft.window), rows,
+        d, q = self.draft._steps(tokens, hq, causal_mask(self._draft_cols(dev), hq, self.draft.window), rows,
                                  rows.repeat_interleave(S), hq.flatten(), hq.max() + 1, features, last, col, *pick)
         tok = tokens.gather(1, last[:, None])[:, 0]                                # [B]
-        g, ids, top, n = self._verify(tok, d, col, rows, pick)
+        g, ids, top, n = self._verify(tok, d, col, rows, pick, q)
         feats = g.hidden if not self.aux_layers else torch.cat(g.aux, -1)          # [B, K + 1, F]
         bonus = ids.gather(1, n)                                                   # [B, 1]
         nxt = torch.cat([d, bonus], 1).scatter(1, n, bonus)                        # [B, K + 1] d_1..d_n, bonus

@@ -35,7 +35,7 @@ from leapfrog.attention.metadata import AttnMeta, build_attn_meta
 from leapfrog.kv.cache import KVCache
 from leapfrog.model.compiled import (Bucket, ChainOutput, CompiledChain, CompiledDecodeSteps, CompiledForward,
                                      CompiledEagleRound, CompiledSampledChain, CompiledSpecRound, CompiledTree,
-                                     DecodeStepsOutput, SampledChainOutput, TreeOutput)
+                                     DecodeStepsOutput, RoundRace, SampledChainOutput, TreeOutput)
 
 #: the largest batch whose speculation rounds run with sampled requests (compile_spec_round), and
 #: the most bytes of race noise (float64, steps x (K + 1) x V per sequence) such a batch may take
@@ -199,15 +199,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def spec_rounds(self, rows: list[int], state: tuple[Tensor, ...], cols: list[int], rounds: int,
-                    race: tuple[Tensor, Tensor, Tensor] | None = None) -> SpecRoundsOutput:
+                    race: RoundRace | None = None) -> SpecRoundsOutput:
         """``rounds`` rounds of multi-step speculation (``rounds`` <= fits_spec_rounds(cols)) for
         sequences in cache ``rows`` whose newest tokens (not yet in the target's cache) are at
         ``cols``; ``state``: the first round's input per sequence, as the drafter gives it
         (CompiledSpecRound: the tokens at col - 1 and col; CompiledEagleRound: the head's pending
         positions), each round's graph fed the last one's outputs; ``race``: for batches with
-        sampled requests, (temperature [n], sampled [n] bool, u [n, positions, V] float64 the
-        race's uniforms of the tokens after ``cols``, on the runner's device). -> every round's
-        drafts and the target's token (argmax, or the race's winner), and the state after the last round."""
+        sampled requests, the randomness of the tokens after ``cols`` (model/compiled.py
+        RoundRace, on the runner's device). -> every round's drafts and the target's token
+        (argmax, the race's winner, or rejection sampling's), and the state after the last round."""
         g = self.round if race is None else self.sampled_round
         assert g is not None and 0 < rounds <= self.fits_spec_rounds(cols, race is not None)
         bucket = g.bucket_for(len(rows), g.k + 1, 1)
@@ -218,7 +218,7 @@ class ModelRunner:
         state = tuple(x.to(self.device) for x in state) if self.device.type != "cpu" else state
         state = g.pad(state, pad) if pad else state
         rows_t = torch.tensor(rows + [self.kv.scratch_row] * pad, device=self.device)
-        extra = () if race is None else g.race_args(*race, torch.tensor(cols, device=self.device), pad)
+        extra = () if race is None else g.race_args(race, torch.tensor(cols, device=self.device), pad)
         flats = g.rounds((*state, rows_t, *extra), rounds)
         n = len(rows)
         drafts, target, top = (torch.stack([f[i] for f in flats], 1) for i in range(3))

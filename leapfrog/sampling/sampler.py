@@ -298,7 +298,8 @@ def _race(p: Tensor, rngs: Sequence[Rng]) -> Tensor:
     return p.double() / e
 
 
-def uniforms(n: int, generator: torch.Generator, device: torch.device | str = "cpu") -> Tensor:
+def uniforms(n: int, generator: torch.Generator, device: torch.device | str = "cpu",
+             dtype: torch.dtype = torch.float32) -> Tensor:
     """[n] U(0, 1) draws from one request's generator (rejection sampling), on ``device``
     (drawn on the generator's own device: a request's stream is a CPU generator)."""
-    return torch.rand(n, generator=generator, device=generator.device).to(device)
+    return torch.rand(n, generator=generator, device=generator.device, dtype=dtype).to(device)

@@ -13,10 +13,12 @@ from torch._dynamo.utils import counters
 from leapfrog import LLM, SamplingParams
 from leapfrog.attention.metadata import build_attn_meta
 from leapfrog.errors import ConfigError
-from leapfrog.model.compiled import INDUCTOR_OPTIONS, Bucket, CompiledForward, DirectCall, _spec, make_buckets
+from leapfrog.model.compiled import (INDUCTOR_OPTIONS, Bucket, CompiledForward, DirectCall, _spec, inverse_cdf_draw,
+                                     make_buckets, rejection_tokens)
 from leapfrog.model.loader import load_model, read_checkpoint
 from leapfrog.model.runner import ModelRunner, SeqChunk
 from tests.conftest import prompts_of
+from tests.stats import chisq_pvalue
 
 F32 = torch.float32
 MAX_LEN = 128
@@ -321,3 +323,38 @@ def test_fast_path_falls_back_for_big_trees_and_long_predictions(llama_dir, toke
     batch = fast.generate(inputs, [seeded, SamplingParams(temperature=1.0, max_tokens=40)], use_tqdm=False)
     assert batch[0].outputs[0].token_ids == alone
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_inverse_cdf_draw_follows_the_mass_and_never_draws_zero_mass():
+    """Draws with many uniforms follow the normalized mass (chi-square), a zero-mass token is
+    never drawn, and a uniform at the top of [0, 1) still draws a token with mass."""
+    mass = torch.tensor([0.0, 3.0, 0.0, 1.0, 0.5, 0.0, 0.5])
+    g = torch.Generator().manual_seed(0)
+    w = torch.rand(20_000, generator=g, dtype=torch.float64)
+    x = inverse_cdf_draw(mass.expand(len(w), -1), w)
+    counts = torch.bincount(x, minlength=len(mass)).numpy()
+    assert counts[mass.numpy() == 0].sum() == 0
+    assert chisq_pvalue(counts, (mass / mass.sum()).numpy()) > 1e-3
+    top = torch.tensor([1 - 2.0 ** -53], dtype=torch.float64)
+    assert int(inverse_cdf_draw(mass[None], top)) == 6
+
+
+def test_rejection_tokens_are_lossless_and_accept_equal_drafts():
+    """Speculative sampling in a graph (``rejection_tokens``) on fixed p and q: the first token
+    (accepted draft or residual draw) follows p_1, and the second, when the first draft was
+    accepted, follows p_2 (chi-square over 40000 draws); drafts equal to a q = p are all accepted,
+    and the token after a rejected draft is never that draft."""
+    V, K, N = 6, 2, 40_000
+    g = torch.Generator().manual_seed(1)
+    p = torch.softmax(torch.randn(K + 1, V, generator=g) * 1.5, -1)              # [K + 1, V]
+    q = torch.softmax(torch.randn(K, V, generator=g) * 1.5, -1)                  # [K, V]
+    d = torch.stack([torch.multinomial(q[j], N, replacement=True, generator=g) for j in range(K)], 1)  # [N, K]
+    w = torch.rand(N, K + 1, 3, generator=g, dtype=torch.float64)
+    out = rejection_tokens(p.expand(N, -1, -1), q.expand(N, -1, -1), d, w)     # [N, K + 1]
+    assert chisq_pvalue(torch.bincount(out[:, 0], minlength=V).numpy(), p[0].double().numpy()) > 1e-3
+    first = out[:, 0] == d[:, 0]                                                 # the first draft accepted
+    assert torch.equal(first, w[:, 0, 1] * q[0, d[:, 0]].double() < p[0, d[:, 0]].double())
+    assert 0 < first.float().mean() < 1
+    assert chisq_pvalue(torch.bincount(out[first, 1], minlength=V).numpy(), p[1].double().numpy()) > 1e-3
+    same = rejection_tokens(p[None, :].expand(N, -1, -1), p[:K].expand(N, -1, -1), d, w)
+    assert torch.equal(same[:, :K], d)
