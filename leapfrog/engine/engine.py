@@ -615,7 +615,8 @@ class LLMEngine:
         accepted drafts and then rejection sampling's token (drawn with three uniforms per
         position from its generator; model/compiled.py CompiledSpecRound). The rounds' tokens
         are committed and appended in order at once (tokens past a stop are dropped), and each
-        round that made a kept token counts as a verification. -> False when the step must run one round instead (nothing done)."""
+        round that made a kept token counts as a verification. -> False when the step must run
+        one round instead (nothing done)."""
         g = self.runner.round
         if any(k != g.k for k in ks) or not all((r.raw_argmax or r.temperature_only) and r.params.logprobs is None
                                                 for r in reqs):
