@@ -97,7 +97,6 @@ class LLMEngine:
             self.predictor = PredictionProposer()
             self._grammars: Any = None   # structured outputs' GrammarCompiler, built at the first such request
             self._ones: torch.Tensor | None = None   # multi-step decode's noise of greedy-only steps (_no_noise)
-            self._unread: torch.Tensor | None = None  # sampled rounds' race uniforms where none races
             #: test-only fault injection: called with the requests of every sampling call; raising
             #: there simulates a failure in one request's sampling (tests/engine/test_isolation.py)
             self.fault_injector: Callable[[list[Request]], None] | None = None
@@ -664,12 +663,11 @@ class LLMEngine:
         ``n`` output positions: a seeded request's race uniforms (its position noise: verified by
         matching, its output is the one without speculation), an unseeded one's three uniforms per
         position from its generator (verified by rejection sampling). The race's uniforms of
-        rows that do not race, and of a batch where none does, are exp(-1) (unread; one buffer)."""
+        rows that do not race are exp(-1) (unread), and None where none does."""
         P, V, dev = self.runner.sampled_round.positions, self.vocab_size, self.device
         reject = [d and r.seed_key is None for r, d in zip(reqs, drawn)]
-        if all(r == d for r, d in zip(reject, drawn)):
-            u = self._unread_uniforms(len(reqs), P)
-        else:
+        u = None   # (no row races: the graph's own buffer of unread uniforms)
+        if not all(r == d for r, d in zip(reject, drawn)):
             races = [d and not x for d, x in zip(drawn, reject)]
             rngs = [r.rng(j) if c and j < n else None for r, c in zip(reqs, races) for j in range(P)]
             u = sampler.noise(rngs, V, dev).view(len(reqs), P, V)
@@ -679,15 +677,6 @@ class LLMEngine:
                 w[b, :n] = sampler.uniforms(3 * n, r.generator, dev, torch.float64).view(n, 3)
         return RoundRace(self._race_temperatures(reqs, drawn), torch.tensor(drawn, device=dev), u,
                          torch.tensor(reject, device=dev), w)
-
-    def _unread_uniforms(self, batch: int, positions: int) -> torch.Tensor:
-        """[batch, positions, V] float64 exp(-1) (E = 1): the race uniforms of a sampled rounds
-        step where no row races, a view of one buffer made at the first such step."""
-        if self._unread is None or self._unread.shape[0] < batch:
-            most = max(b.batch for b in self.runner.sampled_round.warmed)
-            self._unread = torch.full((most, positions, self.vocab_size),
-                                      0.36787944117144233, dtype=torch.float64, device=self.device)
-        return self._unread[:batch]
 
     def _race_temperatures(self, reqs: list[Request], drawn: list[bool]) -> torch.Tensor:
         """[len(reqs)] float32 temperatures of the graphs' races (1 for rows that do not draw)."""

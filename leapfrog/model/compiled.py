@@ -816,7 +816,8 @@ class RoundRace:
     """The randomness of a step of sampled speculation rounds (CompiledSpecRound), per sequence."""
     temperature: Tensor   # [B] float32 (1 for rows that do not draw)
     sampled: Tensor       # [B] bool: the row draws (else the argmax)
-    u: Tensor             # [B, positions, V] float64: the race's uniforms of the next output positions (matching)
+    u: Tensor | None      # [B, positions, V] float64: the race's uniforms of the next output positions
+                          # (matching; None: no row races, the graph gets exp(-1) from one buffer)
     reject: Tensor        # [B] bool: the row is verified by rejection sampling, with ...
     w: Tensor             # [B, positions, 3] float64: ... three uniforms per output position
 
@@ -884,6 +885,7 @@ class CompiledSpecRound(CompiledForward):
                              f"columns {draft_kv.max_model_len} vs {kv.max_model_len})")
         super().__init__(model, kv, buckets, self._target_states(draft))
         self.positions = positions
+        self._unread_u: Tensor | None = None   # (``_unread``)
         self.draft = self._drafter(draft, draft_kv, k, positions is not None)   # its chain's steps, traced here
         self.caches = (kv, draft_kv)
         self.k = k
@@ -957,11 +959,23 @@ class CompiledSpecRound(CompiledForward):
         """A sampled round's last six inputs (above) with ``n`` padding sequences appended (greedy,
         their uniforms those of the first sequence)."""
         r = race
+        u = self._unread(len(col0) + n, col0.device) if r.u is None else r.u
         if n == 0:   # (u is a few MB: not copied for nothing)
-            return r.temperature, r.sampled, r.u, col0, r.reject, r.w
+            return r.temperature, r.sampled, u, col0, r.reject, r.w
+        if r.u is not None:
+            u = torch.cat([u, u[:1].expand(n, *u.shape[1:])])
         return (torch.cat([r.temperature, r.temperature.new_ones(n)]), torch.cat([r.sampled, r.sampled.new_zeros(n)]),
-                torch.cat([r.u, r.u[:1].expand(n, *r.u.shape[1:])]), torch.cat([col0, col0.new_ones(n)]),
+                u, torch.cat([col0, col0.new_ones(n)]),
                 torch.cat([r.reject, r.reject.new_zeros(n)]), torch.cat([r.w, r.w[:1].expand(n, *r.w.shape[1:])]))
+
+    def _unread(self, batch: int, dev: torch.device) -> Tensor:
+        """[batch, positions, V] float64 exp(-1) (E = 1): the race's uniforms of a step where no
+        sequence races (RoundRace.u None), rows of one buffer made at the first such step."""
+        if self._unread_u is None:
+            most = max(b.batch for b in self.warmed)
+            self._unread_u = torch.full((most, self.positions, self.model.args.vocab_size), 0.36787944117144233,
+                                        dtype=torch.float64, device=dev)
+        return self._unread_u[:batch]
 
     def _key(self, args: tuple) -> tuple[int, int]:
         return args[0].shape[0], self.k + 1
