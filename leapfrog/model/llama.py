@@ -252,9 +252,9 @@ class LogitsHead(nn.Module):
     """hidden [N, D] -> logits [N, V] float32, with float32 accumulation and (``fp32``) no
     rounding on the way: on CPU a float32 copy of the weight (packed with oneDNN when it can be;
     bf16 and fp16 values are exact in float32, so with a bf16-valued input this is bf16 products
-    summed in float32; with bf16 weights on a CPU with AVX-512 BF16, model/native_linear.py's
-    kernel reads the bf16 weights and widens them in registers: the same products and float32
-    sums, half the bytes); on CUDA bf16/fp16 weights stay as they are and
+    summed in float32; with bf16 weights, or float32 weights of bf16 values, on a CPU with AVX-512
+    BF16 or AVX2, model/native_linear.py's kernel reads the weights as bf16 and widens them in
+    registers: the same products and float32 sums, half the bytes); on CUDA bf16/fp16 weights stay as they are and
     ``torch.mm(out_dtype=float32)`` accumulates in float32 (the hidden state is rounded to the
     weights' dtype first). ``fp32=False``: the weights' dtype throughout, logits rounded to it
     (the pre-float32 head, half the bytes; measured 8% faster per token for the demo draft).
@@ -279,7 +279,7 @@ class LogitsHead(nn.Module):
             self.in_dtype = w.dtype
             return
         self.in_dtype = torch.float32 if fp32 else w.dtype
-        if NativeLinear.fits(w):  # bf16 weights on AVX-512 BF16: the kernel takes float32 rows too
+        if NativeLinear.fits(w):  # bf16 (or bf16-valued float32) weights: the kernel takes float32 rows too
             self.proj = NativeLinear(w, None)
             return
         w = w.to(self.in_dtype)

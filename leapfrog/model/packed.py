@@ -21,6 +21,7 @@ shows even after rounding to bf16 (products that cancel in pairs).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -43,7 +44,9 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
+@functools.lru_cache(maxsize=None)
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether oneDNN packs and runs linears of this dtype here (tried once per dtype and device)."""
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     try:
@@ -62,9 +65,12 @@ def pack_linears(module: nn.Module) -> int:
 
 def inference_linear(weight: Tensor, bias: Tensor | None) -> nn.Module:
     """The fastest inference linear we have for this weight on CPU: the bf16 few-row kernel
-    (model/native_linear.py; AVX-512 BF16, row-invariant) where it serves, else oneDNN-packed."""
+    (model/native_linear.py; AVX-512 BF16 or AVX2, row-invariant) where it serves, else oneDNN-packed
+    where oneDNN takes the dtype, else a plain linear."""
     from leapfrog.model.native_linear import NativeLinear
-    return NativeLinear(weight, bias) if NativeLinear.fits(weight) else PackedLinear(weight, bias)
+    if NativeLinear.fits(weight):
+        return NativeLinear(weight, bias)
+    return PackedLinear(weight, bias) if can_pack(weight.dtype, weight.device) else linear_like(weight, bias)
 
 
 def native_linears(module: nn.Module) -> int:

@@ -6,11 +6,12 @@ import pytest
 import torch
 from torch import nn
 
-from leapfrog.model.native_linear import NativeLinear, native_linear_supported, pack_weight
+from leapfrog.model.native_linear import NativeLinear, bf16_exact, kernel_isa, native_linear_supported, pack_weight
 
 BF16 = torch.bfloat16
 needs_kernel = pytest.mark.skipif(not native_linear_supported(BF16, "cpu"),
-                                  reason="needs AVX-512 BF16 and a C++ compiler (and LEAPFROG_NATIVE_LINEAR unset)")
+                                  reason="needs AVX-512 BF16 or AVX2 and a C++ compiler (and LEAPFROG_NATIVE_LINEAR "
+                                         "unset)")
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -147,13 +148,71 @@ def test_kill_switch(monkeypatch):
         monkeypatch.setenv("LEAPFROG_NATIVE_LINEAR", value)
         assert not native_linear_supported(BF16, "cpu") and not NativeLinear.fits(w)
     monkeypatch.setenv("LEAPFROG_NATIVE_LINEAR", "0")
-    from leapfrog.model.packed import inference_linear
-    assert type(inference_linear(w, None)).__name__ == "PackedLinear"
+    from leapfrog.model.packed import can_pack, inference_linear
+    want = "PackedLinear" if can_pack(BF16, torch.device("cpu")) else "Linear"   # (oneDNN bf16: AVX-512 only)
+    assert type(inference_linear(w, None)).__name__ == want
 
 
 def test_only_bf16_cpu_weights_fit():
-    """float32 / fp16 weights, odd or empty input widths never take the kernel."""
+    """float32 weights with values bf16 cannot hold, fp16 weights, odd or empty input widths never
+    take the kernel."""
     assert not NativeLinear.fits(torch.randn(64, 32))
     assert not NativeLinear.fits(torch.randn(64, 32).half())
     assert not NativeLinear.fits(torch.randn(64, 33).to(BF16))
     assert not NativeLinear.fits(torch.randn(0, 32).to(BF16))
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 4, 7])
+def test_float32_weights_of_bf16_values(rows):
+    """A bf16 checkpoint run in float32: its float32 weights are bf16 values, so the kernel serves
+    them (read as bf16, exactly) with float32 rows: float32 products and sums, float32 out, row
+    by row what one row alone gives."""
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(80, 96, generator=g).to(BF16).float()
+    b = torch.randn(80, generator=g)   # (a float32 bias is added in float32 as it is)
+    assert bf16_exact(w) and not bf16_exact(w + 1e-3) and NativeLinear.fits(w)
+    x = torch.randn(rows, 96, generator=g)
+    lin = NativeLinear(w, b)
+    y = lin(x)
+    assert y.dtype == torch.float32
+    tol = (x.double().abs() @ w.double().abs().t() + b.double().abs()) * 2 ** -22 + 1e-6
+    assert bool(((y.double() - _reference(x, w, b)).abs() <= tol).all())
+    assert torch.equal(y, torch.cat([lin(x[i:i + 1]) for i in range(rows)]))
+
+
+@needs_kernel
+def test_float32_models_of_bf16_values_use_it(tmp_path, llama_dir):
+    """A checkpoint saved in bf16 and loaded in float32 runs its decoder linears and its head
+    through the kernel, with the unpacked float32 model's logits (float32 rounding apart)."""
+    from leapfrog.demo import save_random_llama
+    from leapfrog.model.loader import load_model, read_checkpoint
+    d = save_random_llama(tmp_path / "bf16", None, seed=3, dtype="bfloat16", vocab_size=128)
+    ckpt = read_checkpoint(d)
+    ids, pos = torch.tensor([[5, 9, 13, 2, 7, 11]]), torch.arange(6)[None]
+    ref_model = load_model(ckpt, torch.float32, torch.device("cpu"), 64)
+    with torch.inference_mode():
+        ref = ref_model.compute_logits(ref_model(ids, pos).hidden[0])
+    model = load_model(ckpt, torch.float32, torch.device("cpu"), 64)
+    model.pack_for_inference()
+    kinds = {type(m).__name__ for m in model.layers.modules()}
+    assert "NativeLinear" in kinds and "PackedLinear" not in kinds
+    assert type(model.head.proj).__name__ == "NativeLinear"
+    with torch.inference_mode():
+        logits = model.compute_logits(model(ids, pos).hidden[0])
+    assert logits.dtype == torch.float32 and torch.allclose(logits, ref, rtol=1e-4, atol=1e-4)
+    # a float32 checkpoint of values bf16 cannot hold keeps oneDNN's float32 linears
+    fp32 = load_model(read_checkpoint(llama_dir), torch.float32, torch.device("cpu"), 64)
+    fp32.pack_for_inference()
+    assert "NativeLinear" not in {type(m).__name__ for m in fp32.layers.modules()}
+
+
+def test_kernel_isa(monkeypatch):
+    """The build follows the CPU, and ATEN_CPU_CAPABILITY caps it as it caps PyTorch's kernels."""
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    best = kernel_isa()
+    assert best in ("avx512_bf16", "avx2", None)
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+    assert kernel_isa() is None
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert kernel_isa() == (None if best is None else "avx2")
