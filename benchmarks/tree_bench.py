@@ -77,6 +77,9 @@ def main() -> None:
                     help="seed the requests (item i: this + i): sampled ones are verified by matching")
     ap.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
                     help="--no-enforce-eager: every contender on the compiled fast path (fused draft chains and trees)")
+    ap.add_argument("--num-scheduler-steps", type=int, default=1,
+                    help="with --no-enforce-eager: decode steps (speculation rounds) per engine step for none and "
+                         "the contenders that can run rounds (draft_model, the chain, auto); others run one round")
     ap.add_argument("--out", default="bench_tree")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -97,13 +100,14 @@ def main() -> None:
     res = run_bench(args.target, specs, items, temperatures=args.temperatures, max_tokens=args.max_tokens,
                     batch_sizes=args.batch_sizes, repeats=args.repeats, warmup=1, out_dir=args.out,
                     dtype=args.dtype, threads=args.threads, request_seed=args.request_seed,
-                    enforce_eager=args.enforce_eager)
+                    enforce_eager=args.enforce_eager, num_scheduler_steps=args.num_scheduler_steps)
     print(format_table(res))
     rows = [{k: r[k] for k in ("contender", "temperature", "batch_size", "tokens_per_s", "speedup", "speedup_ci_low",
                                "speedup_ci_high", "acceptance_rate", "mean_acceptance_length", "equal_rate")
              if k in r} for r in res.rows if r["category"] == "all"]
     summary = {"source": args.source, "num_prompts": len(items), "max_tokens": args.max_tokens,
                "dtype": res.settings["resolved_dtype"], "threads": args.threads, "enforce_eager": args.enforce_eager,
+               "num_scheduler_steps": args.num_scheduler_steps, "multi_step": res.settings["multi_step"],
                "contenders": res.contenders, "rows": rows}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "tree_summary.json").write_text(json.dumps(summary, indent=1, default=str))

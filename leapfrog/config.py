@@ -53,12 +53,15 @@ class EngineConfig:
     mid-way drops the rest. Other steps (penalties, top-k/p, logprobs, prompts, the context's
     end) run one token at a time. Needs enforce_eager=False.
 
-    With speculative_config (method "draft_model", or "eagle"/"eagle3" chains: "eagle_topk": 1;
-    a fixed K, not "adaptive"), each engine step runs up to that many speculation rounds (draft
+    With speculative_config (method "draft_model", or "eagle"/"eagle3" chains: "eagle_topk": 1,
+    or "num_draft_tokens": "auto"), each engine step runs up to that many speculation rounds (draft
     K, verify, accept), a compiled graph each fed the last one's outputs (CompiledSpecRound,
     CompiledEagleRound), whenever every request is greedy on the raw logits or samples with
     temperature only (batches of up to 8 sequences and 256 MiB of race noise then: runner.py
-    SAMPLED_ROUNDS_*), without logprobs, and drafts K. At most MAX_SCHEDULER_STEPS. Rounds
+    SAMPLED_ROUNDS_*), without logprobs, and drafts K (num_speculative_tokens: with "adaptive" K
+    or "auto" tree sizes, when the controller picks K, or the chain of the depth; it weighs the
+    rounds by their measured tokens per second: spec_decode/adaptive.py). At most
+    MAX_SCHEDULER_STEPS. Rounds
     verify by matching: the target's token at a row is its argmax or its race winner under the
     sampler's noise of that output position, which the drafts were drawn with too; a greedy or
     seeded request's tokens are what a one-round step gives. Other steps run one round."""
@@ -101,11 +104,11 @@ class EngineConfig:
                 raise ConfigError(f"num_scheduler_steps={self.num_scheduler_steps} needs the compiled fast path "
                                   "(enforce_eager=False): the steps run as one graph")
             spec = self.speculative_config
-            if spec is not None and not _rounds_spec(spec):
+            if spec is not None and not supports_rounds(spec):
                 raise ConfigError(f"num_scheduler_steps={self.num_scheduler_steps} with speculative_config runs "
-                                  "rounds of fixed-K chains, one compiled graph each: it needs method "
-                                  "'draft_model', or 'eagle'/'eagle3' with \"eagle_topk\": 1 (and no tree), "
-                                  "without 'adaptive'; drop one of them")
+                                  "rounds of chains, one compiled graph each: it needs method 'draft_model', "
+                                  "or 'eagle'/'eagle3' with \"eagle_topk\": 1 or \"num_draft_tokens\": \"auto\" "
+                                  "(no fixed or static tree); drop one of them")
         if self.tensor_parallel_size > 1:
             for bad, why in ((self.batch_invariant, "batch_invariant=True"),
                              (not self.enforce_eager, "enforce_eager=False (the compiled fast path)"),
@@ -143,13 +146,17 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def _rounds_spec(spec: Any) -> bool:
-    """Whether a speculative_config can run as multi-step speculation rounds (fixed-K chains of a
-    draft model or an EAGLE head: model/compiled.py CompiledSpecRound, CompiledEagleRound)."""
-    if not isinstance(spec, dict) or spec.get("adaptive"):
+def supports_rounds(spec: Any) -> bool:
+    """Whether a speculative_config can run multi-step speculation rounds (chains of a draft model
+    or an EAGLE head: model/compiled.py CompiledSpecRound, CompiledEagleRound): a draft model's K
+    (fixed, or "adaptive": rounds when the controller picks K), an EAGLE chain of the depth, or
+    EAGLE "auto" tree sizes (rounds when the controller picks the chain of the depth)."""
+    if not isinstance(spec, dict):
         return False
     if spec.get("method") == "draft_model":
         return True
-    return (spec.get("method") in ("eagle", "eagle3") and spec.get("eagle_topk") == 1
-            and spec.get("speculative_token_tree") is None
-            and spec.get("num_draft_tokens") in (None, spec.get("num_speculative_tokens")))
+    if spec.get("method") not in ("eagle", "eagle3") or spec.get("speculative_token_tree") is not None:
+        return False
+    n = spec.get("num_draft_tokens")
+    return n == "auto" or bool(spec.get("adaptive")) or (
+        spec.get("eagle_topk") == 1 and n in (None, spec.get("num_speculative_tokens")))

@@ -164,7 +164,8 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
               threads: int | None = None, tokenizer: str | None = None, seed: int = 0,
               max_model_len: int | None = None, plots: bool = True, progress: bool = True,
               log: Callable[[str], None] | None = None, backends: Sequence[str] = ("leapfrog",),
-              request_seed: int | None = None, enforce_eager: bool = True) -> BenchResult:
+              request_seed: int | None = None, enforce_eager: bool = True,
+              num_scheduler_steps: int = 1) -> BenchResult:
     """Benchmark each speculative config in ``specs`` against no speculation on ``items``; see the module doc.
 
     ``request_seed``: sampled requests are seeded (item i with request_seed + i, the same in every
@@ -172,6 +173,11 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
 
     ``enforce_eager=False`` runs every leapfrog contender on the compiled fast path (model/compiled.py;
     compiled at load, before any timing).
+
+    ``num_scheduler_steps`` > 1 (with ``enforce_eager=False``): no speculation runs multi-step
+    decode, and every contender that can (config.supports_rounds: draft models, EAGLE chains and
+    "auto" tree sizes) multi-step speculation rounds; the others run one round per step
+    (``settings["multi_step"]`` lists who ran with the steps).
 
     ``backends`` containing "transformers" adds, per leapfrog contender, its transformers counterpart
     (``leapfrog.bench.hf_backend``) to the same interleaved rounds."""
@@ -205,12 +211,17 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
         contenders[contender_name(s, set(contenders))] = s
     names = list(contenders)
 
-    llms = {}
+    from leapfrog.config import supports_rounds
+    llms, multi_step = {}, []
     for name, spec in contenders.items():
-        say(f"loading {name} ...")
+        engine_spec = split_contender(spec)[0]
+        steps = num_scheduler_steps if engine_spec is None or supports_rounds(engine_spec) else 1
+        say(f"loading {name}" + (f" ({steps} steps per engine step)" if steps > 1 else "") + " ...")
         llms[name] = LLM(model=str(model), tokenizer=tokenizer, dtype=dtype, seed=seed,
-                         speculative_config=split_contender(spec)[0],
-                         max_num_seqs=max(batch_sizes), max_model_len=max_model_len, enforce_eager=enforce_eager)
+                         speculative_config=engine_spec, max_num_seqs=max(batch_sizes), max_model_len=max_model_len,
+                         enforce_eager=enforce_eager, num_scheduler_steps=steps)
+        if steps > 1:
+            multi_step.append(name)
     base = llms["none"]
     peers: dict[str, str] = {}     # transformers contender -> the leapfrog contender it mirrors
     if "transformers" in backends:
@@ -315,7 +326,8 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
                                        resolved_dtype=str(base.engine.dtype).replace("torch.", ""),
                                        backends=list(backends), threads=threads, num_items=len(kept),
                                        categories=categories, request_seed=request_seed,
-                                       enforce_eager=enforce_eager))
+                                       enforce_eager=enforce_eager, num_scheduler_steps=num_scheduler_steps,
+                                       multi_step=multi_step))
     if out_dir is not None:
         write_outputs(result, Path(out_dir), plots=plots)
     return result

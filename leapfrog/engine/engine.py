@@ -199,9 +199,10 @@ class LLMEngine:
         if hasattr(self.proposer, "compile"):
             self.proposer.compile()
         if steps > 1 and self.proposer is not None:   # (EngineConfig admits draft models and EAGLE chains only)
-            k = self.spec_controller.cfg.num_speculative_tokens
+            k = self.spec_controller.cfg.num_speculative_tokens   # (K, or the depth: the chain of "auto" sizes)
             self.runner.compile_spec_round(self.proposer.runner, make_buckets(self.config.max_num_seqs, [k + 1]), k,
                                            steps)
+            self.spec_controller.round_k = k
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | None, prompt_ids: list[int] | None,
@@ -628,6 +629,7 @@ class LLMEngine:
                      max(map(_rounds_wanted, reqs)))
         if rounds < 2:
             return False
+        t0 = time.perf_counter()
         state = self.proposer.round_state(reqs, g.k)   # (after its catch-up) the first round's input
         if state is None:
             return False
@@ -637,6 +639,7 @@ class LLMEngine:
         out = self.runner.spec_rounds([r.row for r in reqs], state, cols, rounds, race)
         if not all(map(math.isfinite, out.top.flatten().tolist())):
             raise FloatingPointError("non-finite logits from the model (fp16 overflow? try bfloat16 or float32)")
+        accepted = drafted = 0
         for req, drafts, target in zip(reqs, out.drafts.tolist(), out.target.tolist()):
             results = [greedy_accept(t, d, [g.k]) for d, t in zip(drafts, target)]
             ids = [x for res in results for x in res.output_ids[0]]
@@ -652,10 +655,15 @@ class LLMEngine:
                 req.metrics.num_target_forwards += 1
                 req.metrics.spec.record(g.k, n, g.k)
                 self.spec_metrics.record(g.k, n, g.k)
+                accepted, drafted = accepted + n, drafted + g.k
                 kept -= n + 1
         for b, req in enumerate(reqs):
             if req.request_id in self.requests:
                 self._guarded(req, self.proposer.after_rounds, req, tuple(x[b] for x in out.state))
+        try:   # (an adaptive K or "auto" tree size weighs the rounds by their measured rate)
+            self.spec_controller.observe_rounds(len(reqs), rounds, time.perf_counter() - t0, accepted, drafted)
+        except Exception:  # noqa: BLE001 - only the choice of K suffers
+            log.exception("speculation controller update failed")
         return True
 
     def _round_noise(self, reqs: list[Request], drawn: list[bool], n: int) -> RoundRace:

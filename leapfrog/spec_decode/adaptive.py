@@ -58,6 +58,19 @@ averages of accepted and predicted tokens (not an average of per-step ratios, wh
 steps swing). The tree shrinks as verification stops being cheap (larger batches, slower CPUs) and
 as the drafter gets less sure; acceptance needs no exploration, only the verify-cost curve does
 (as for K).
+
+Speculation rounds (num_scheduler_steps > 1 on the compiled fast path: engine ``_spec_rounds``).
+When the engine has a rounds graph for a chain of ``round_k`` drafts (K, or the chain of the
+depth for "auto" tree sizes) and the controller picks that size, the step runs up to
+num_scheduler_steps rounds in one go, paying the host work once: a cost the one-round model above
+does not see. So that size's goodput is its expected tokens per round (the same acceptance model:
+E[tokens](K), or 1 + a * C(depth)) over the rounds' own measured time per round, t_round(B)
+(``observe_rounds``: the whole step's time over its rounds; the first measurement at a batch size
+is provisional and replaced by the second, later ones move it like the costs above), once
+measured at that batch size; until then the rounds are tried (at most _ROUND_TRIES times: they
+may not fit the batch). The rounds' acceptance updates alpha, or the calibration a (predicted:
+C(depth) per round). (A measured rate of whole rounds steps, tokens over time, swung 3x from
+one stretch of text to the next: acceptance is the noisy part, and it is better averaged.)
 """
 
 from __future__ import annotations
@@ -74,6 +87,7 @@ from leapfrog.spec_decode.verify.result import AcceptanceResult
 _EMA = 0.2
 _PROBE_STEPS = 4   # a probe while speculation is off: this many steps in a row (one is too noisy to judge by)
 _EXPLORE_MARGIN = 0.85  # explore a neighbouring K only if it is estimated within 15 % of the best
+_ROUND_TRIES = 3   # picks of the rounds' size at a batch size before giving up on measuring rounds there
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -111,6 +125,11 @@ class SpecController:
         self.last_k = self.K
         self.curve: list[float] | None = None   # auto tree size: mean C(n), n = 1..K
         self._accepted = self._predicted = 0.0   # auto tree size: moving averages per step (calibration)
+        #: speculation rounds: the drafts per round of the engine's rounds graph (None: none compiled)
+        self.round_k: int | None = None
+        self.round_time: dict[int, float] = {}   # bucket -> seconds per round of rounds steps
+        self.round_samples: dict[int, int] = {}  # bucket -> rounds steps measured
+        self.round_tries: dict[int, int] = {}    # bucket -> times the rounds' size was picked to measure it
 
     @property
     def calibration(self) -> float:
@@ -136,6 +155,9 @@ class SpecController:
             probe.chosen += 1
             probe.pending = True
             k = probe.size
+        elif (self.cfg.auto_tree or self.cfg.adaptive) and self._round_unmeasured(bucket):
+            k = self.round_k   # (rounds at this batch size: measure them before weighing them)
+            self.round_tries[bucket] = self.round_tries.get(bucket, 0) + 1
         elif self.cfg.auto_tree:
             k = self._auto_tree_size(B)
         elif self.cfg.adaptive:
@@ -145,6 +167,47 @@ class SpecController:
         self.steps += 1
         self.last_k = k
         return [self.cap(r, k) for r in reqs]
+
+    def _round_unmeasured(self, bucket: int) -> bool:
+        """Whether rounds are compiled but not yet measured (twice) at this batch size, plain decode
+        is, and they have not been tried _ROUND_TRIES times already."""
+        return (self.round_k is not None and self.round_samples.get(bucket, 0) < 2
+                and 1 in self.verify_cost.get(bucket, {}) and self.round_tries.get(bucket, 0) < _ROUND_TRIES)
+
+    def _rounds_goodput(self, bucket: int, k: int) -> float | None:
+        """Expected tokens per round over the measured time per round, when ``k`` is the rounds'
+        size and their time is measured at this batch size."""
+        if k != self.round_k or self.round_samples.get(bucket, 0) < 2:
+            return None
+        if self.cfg.auto_tree:
+            if self.curve is None:
+                return None
+            tokens = 1.0 + self.calibration * self.curve[k - 1]
+        else:
+            tokens = expected_tokens(self.alpha, k)
+        return tokens / self.round_time[bucket]
+
+    def observe_rounds(self, batch_size: int, rounds: int, seconds: float, accepted: int, drafted: int) -> None:
+        """One engine step of ``rounds`` speculation rounds (engine ``_spec_rounds``) over
+        ``batch_size`` sequences in ``seconds``, whose kept rounds accepted ``accepted`` of
+        ``drafted`` draft tokens (all sequences)."""
+        bucket = _bucket(batch_size)
+        self.probes.pop(bucket, None)   # (a probe's size ran as rounds: the rounds stand for it)
+        if rounds < 1 or seconds <= 0:
+            return
+        per, seen, old = seconds / rounds, self.round_samples.get(bucket, 0), self.round_time.get(bucket)
+        self.round_samples[bucket] = seen + 1
+        # the first step is provisional (the drafter's catch-up, cold caches)
+        self.round_time[bucket] = per if old is None or seen < 2 else _bounded_ema(old, per)
+        if not drafted or self.round_k is None:
+            return
+        if not self.cfg.auto_tree:
+            self.alpha = _ema(self.alpha, accepted / drafted)
+        elif self.curve is not None:   # predicted: the chain's mean confidence sum per kept round
+            predicted = self.curve[self.round_k - 1] * drafted / self.round_k
+            first = self._predicted == 0
+            self._accepted = _ema(self._accepted, accepted, first)
+            self._predicted = _ema(self._predicted, predicted, first)
 
     def _verify_time(self, bucket: int, s: int) -> float | None:
         table = self.verify_cost.get(bucket, {})
@@ -174,6 +237,8 @@ class SpecController:
         def goodput(k: int) -> float:
             if k == 0:
                 return 1.0 / t1
+            if (rounds := self._rounds_goodput(bucket, k)) is not None:
+                return rounds
             t = self._verify_time(bucket, k + 1) or t1
             return expected_tokens(self.alpha, k) / (k * c_d + t)
 
@@ -192,6 +257,8 @@ class SpecController:
         def goodput(n: int) -> float:
             if n == 0:
                 return 1.0 / t1
+            if (rounds := self._rounds_goodput(bucket, n)) is not None:
+                return rounds
             levels, width = self.cfg.tree_shape(n)
             near = min(per_width, key=lambda lw: (abs(lw[1] - width), abs(lw[0] - levels), lw))
             t_draft = per_width[near] * max(1.0, levels / near[0])

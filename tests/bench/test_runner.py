@@ -192,14 +192,22 @@ def test_no_enforce_eager_loads_every_contender_on_the_fast_path(llama_dir, tmp_
     import leapfrog
     seen, real = [], leapfrog.LLM
 
-    def recording(*args, enforce_eager=True, **kw):
-        seen.append(enforce_eager)
+    def recording(*args, enforce_eager=True, num_scheduler_steps=1, **kw):
+        seen.append((enforce_eager, num_scheduler_steps))
         return real(*args, **kw)
     monkeypatch.setattr(leapfrog, "LLM", recording)
     wl = tmp_path / "mine.jsonl"
     wl.write_text(json.dumps({"prompt": ITEMS[0].prompt}) + "\n")
-    rc = main(["bench", "--model", str(llama_dir), "--speculative-config", json.dumps(NG2), "--workload", str(wl),
-               "--max-tokens", "2", "--repeats", "1", "--warmup", "0", "--dtype", "float32", "--no-enforce-eager",
-               "--out", str(tmp_path / "out"), "--no-plots"])
-    assert rc == 0 and seen == [False, False]
+    args = ["bench", "--model", str(llama_dir), "--speculative-config", json.dumps(NG2), "--workload", str(wl),
+            "--max-tokens", "2", "--repeats", "1", "--warmup", "0", "--dtype", "float32", "--no-enforce-eager",
+            "--out", str(tmp_path / "out"), "--no-plots"]
+    assert main(args) == 0 and seen == [(False, 1), (False, 1)]
     assert json.loads((tmp_path / "out" / "bench.json").read_text())["settings"]["enforce_eager"] is False
+    # with --num-scheduler-steps: none and the contenders that can run rounds (a draft model) get
+    # it, the others (ngram) run one round per step
+    seen.clear()
+    draft = {"method": "draft_model", "model": str(llama_dir), "num_speculative_tokens": 2}
+    assert main(args + ["--speculative-config", json.dumps(draft), "--num-scheduler-steps", "4"]) == 0
+    assert seen == [(False, 4), (False, 1), (False, 4)]
+    settings = json.loads((tmp_path / "out" / "bench.json").read_text())["settings"]
+    assert settings["num_scheduler_steps"] == 4 and settings["multi_step"] == ["none", "draft_model-k2"]

@@ -126,8 +126,9 @@ def test_multi_step_config_is_checked(llama_dir):
     with pytest.raises(ConfigError, match="enforce_eager=False"):
         LLM(model=str(llama_dir), num_scheduler_steps=4)
     for spec in ({"method": "ngram", "num_speculative_tokens": 2},
-                 {"method": "draft_model", "model": str(llama_dir), "num_speculative_tokens": 2, "adaptive": True},
-                 {"method": "eagle3", "model": str(llama_dir), "num_speculative_tokens": 2, "eagle_topk": 4}):
+                 {"method": "eagle3", "model": str(llama_dir), "num_speculative_tokens": 2, "eagle_topk": 4},
+                 {"method": "eagle3", "model": str(llama_dir), "num_speculative_tokens": 2, "eagle_topk": 2,
+                  "num_draft_tokens": "auto", "speculative_token_tree": "[(0,), (1,)]"}):
         with pytest.raises(ConfigError, match="speculative_config"):
             LLM(model=str(llama_dir), num_scheduler_steps=4, enforce_eager=False, speculative_config=spec)
     for bad in (0, -1, 2.5, True, 33):
@@ -194,6 +195,24 @@ def test_chained_rounds_equal_rounds_called_one_by_one(rounds):
     for x, y in zip(chained, one_by_one):
         assert len(x) == len(y) and all(torch.equal(s, t) for s, t in zip(x, y))
     assert int(chained[-1][4]) >= 3 + 3   # (each round advanced the column)
+
+
+def test_adaptive_k_runs_rounds_when_it_picks_k(llama_dir, base, tokenizer):
+    """An adaptive K with speculation rounds: the controller measures plain decode, then tries the
+    rounds (K) and weighs them by their measured rate; greedy output equals the target's own."""
+    spec = {"method": "draft_model", "model": str(llama_dir), "num_speculative_tokens": K, "draft_dtype": "bfloat16",
+            "adaptive": True}
+    with patch.dict(compiled.INDUCTOR_OPTIONS, FAST_COMPILE):
+        llm = LLM(model=str(llama_dir), dtype="float32", max_model_len=MAX_LEN, max_num_seqs=1,
+                  enforce_eager=False, num_scheduler_steps=STEPS, speculative_config=spec)
+    ctl = llm.engine.spec_controller
+    assert ctl.round_k == K
+    prompts = prompts_of(tokenizer, 2)
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    got = [o.token_ids for o in _outs(llm, prompts, sp)]
+    assert got == [o.token_ids for o in _outs(base, prompts, sp)]
+    assert _round_calls(llm, 1) > 0 and ctl.round_samples[1] >= 2 and ctl.round_time[1] > 0
+    assert ctl.verify_cost[1].get(1) is not None   # (plain decode measured too)
 
 
 def test_stops_and_other_requests_in_speculation_rounds(rounds, base, tokenizer):
@@ -301,6 +320,26 @@ def test_eagle_rounds_give_the_target_greedy_output(eagle_target, tmp_path, toke
     assert [o.token_ids for o in _outs(llm, prompts, seeded)] == [o.token_ids for o in _outs(base, prompts, seeded)]
     assert _round_calls(llm, seqs, sampled=True) > calls
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+@pytest.mark.slow
+def test_auto_tree_sizes_run_chain_rounds(eagle_target, tmp_path, tokenizer):
+    """EAGLE "auto" tree sizes with speculation rounds: when the controller picks the chain of the
+    depth, the rounds graph runs it (several rounds per engine step); trees run one round; greedy
+    output equals the target's own."""
+    target, base = eagle_target
+    head = make_head(target, tmp_path / "h", "eagle3", draft_vocab_size=200)
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": K, "eagle_topk": 2,
+            "num_draft_tokens": "auto"}
+    with patch.dict(compiled.INDUCTOR_OPTIONS, FAST_COMPILE):
+        llm = LLM(model=str(target), dtype="float32", max_model_len=MAX_LEN, max_num_seqs=1, enforce_eager=False,
+                  num_scheduler_steps=STEPS, speculative_config=spec)
+    ctl = llm.engine.spec_controller
+    assert ctl.round_k == K and llm.engine.runner.round.k == K
+    prompts = prompts_of(tokenizer, 2)
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    assert [o.token_ids for o in _outs(llm, prompts, sp)] == [o.token_ids for o in _outs(base, prompts, sp)]
+    assert _round_calls(llm, 1) > 0 and ctl.round_samples[1] >= 1
 
 
 @pytest.mark.slow

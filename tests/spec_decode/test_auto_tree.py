@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from leapfrog.spec_decode.adaptive import SpecController
+from leapfrog.spec_decode.adaptive import SpecController, expected_tokens
 from leapfrog.spec_decode.config import SpeculativeConfig
 from leapfrog.spec_decode.draft import DraftBatch
 from leapfrog.spec_decode.verify.result import AcceptanceResult
@@ -215,3 +215,52 @@ def test_a_chain_is_tried_when_only_wide_trees_were_measured():
         chosen.append(n)
         _step(ctl, n, conf[:n] if n <= 4 else conf, 2, 0.3 if n <= 4 else 3.0, 1.0)
     assert 1 <= chosen[0] <= 4 and min(chosen[-10:]) >= 1 and max(chosen[-10:]) <= 4
+
+
+def _rounds_run(t_round: float, rounds_run: bool = True, steps: int = 40) -> tuple[SpecController, list[int]]:
+    """Sizes chosen when the engine has speculation rounds for the chain of the depth (4), which
+    take ``t_round`` per round when they run (8 rounds, 3 of 4 drafts accepted in each); a plain
+    step takes 1, a tree of n nodes 0.3 to draft and 1 + 0.1 n to verify. ``rounds_run`` False:
+    the rounds never fit the batch (the engine ran a one-round step of the chain instead)."""
+    ctl = SpecController(CFG, 4096)
+    ctl.round_k = 4
+    # path confidences: 4 siblings per depth, the first child 0.85 likely, each level 0.8 as sure
+    conf = sorted((0.8 ** d * p for d in range(1, 5) for p in (0.85, 0.08, 0.04, 0.03)), reverse=True)
+    chosen = []
+    for _ in range(steps):
+        n = ctl.choose([_Req()])[0]
+        chosen.append(n)
+        if n == 0:
+            ctl.observe([_Req()], DraftBatch.empty(1), AcceptanceResult([0], [[0]], [0]), 0.0, 1.0)
+        elif n == 4 and rounds_run:
+            ctl.observe_rounds(1, 8, 8 * t_round, 24, 32)
+        else:
+            _step(ctl, n, conf[:n], min(n, 3), 0.3, 1.0 + 0.1 * n)
+    return ctl, chosen
+
+
+def test_rounds_are_weighed_by_their_measured_time():
+    """Speculation rounds (num_scheduler_steps with "auto" sizes) run when the controller picks the
+    chain of the depth: it tries them once plain decode is measured, weighs them by their expected
+    tokens per round over their measured time per round (the first measurement provisional), keeps
+    them while they are the fastest and leaves them for trees or no speculation when they are
+    not; their acceptance feeds the calibration; rounds that never run stop being tried."""
+    ctl, chosen = _rounds_run(1.2)     # about 4 tokens per 1.2
+    assert chosen[:4] == [0, 0, 4, 4] and ctl.round_samples[1] >= 2 and abs(ctl.round_time[1] - 1.2) < 1e-9
+    assert chosen[-20:].count(4) >= 16
+    assert 2.5 < ctl._rounds_goodput(1, 4) < 4.0 and ctl._rounds_goodput(1, 5) is None
+    assert 1.3 < ctl.calibration < 1.7   # (fed by the rounds: 3 accepted per 4-node chain of C(4) = 2.0)
+    ctl, chosen = _rounds_run(6.0)     # slower than plain decode and than trees
+    assert chosen[:4] == [0, 0, 4, 4] and chosen[-20:].count(4) <= 4
+    ctl, chosen = _rounds_run(1.2, rounds_run=False)
+    assert chosen[2:5] == [4, 4, 4] and ctl.round_tries[1] == 3 and 1 not in ctl.round_time
+    assert not ctl._round_unmeasured(1)   # (the one-round chain's measured cost decides from here on)
+
+
+def test_rounds_update_the_acceptance_of_an_adaptive_k():
+    ctl = SpecController(SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=True), 4096)
+    ctl.round_k = 4
+    for _ in range(30):
+        ctl.observe_rounds(2, 8, 0.016, 2 * 8 * 1, 2 * 8 * 4)   # 1 of 4 accepted per round
+    assert abs(ctl.alpha - 0.25) < 0.01 and abs(ctl.round_time[2] - 0.002) < 1e-9
+    assert abs(ctl._rounds_goodput(2, 4) - expected_tokens(ctl.alpha, 4) / 0.002) < 1e-6
