@@ -3,9 +3,10 @@
 Contenders (interleaved by ``leapfrog bench``: A B C ... A B C ...): no speculation, draft_model
 K=4 (the demo draft), ngram K=4, the built-in EAGLE-3 head as a chain (eagle_topk 1), as a fixed
 dynamic tree (EAGLE-2: depth 5, top-4 per level, best 16 nodes verified) and with the tree size
-chosen by goodput (num_draft_tokens "auto"). Prompts: code the models never trained on, either
-the demo's held-out standard-library files (``--source heldout``, default) or third-party files
-from this Python's site-packages (``--source site-packages``).
+chosen by goodput (num_draft_tokens "auto"), and draft_model with an adaptive K (index 5).
+Prompts: code the models never trained on, either the demo's held-out standard-library files
+(``--source heldout``, default) or third-party files from this Python's site-packages
+(``--source site-packages``).
 
     python benchmarks/tree_bench.py --out bench_tree [--temperatures 0 0.7] [--batch-sizes 1 4 16 32] \
         [--no-enforce-eager]
@@ -54,6 +55,7 @@ def contenders(draft: str, head: str, k: int) -> list[dict]:
         {**e3, "num_speculative_tokens": 5, "eagle_topk": 1},
         {**e3, "num_speculative_tokens": 5, "eagle_topk": 4, "num_draft_tokens": 16},
         {**e3, "num_speculative_tokens": 5, "eagle_topk": 4, "num_draft_tokens": "auto"},
+        {"method": "draft_model", "model": draft, "num_speculative_tokens": k, "adaptive": True},
     ]
 
 
@@ -72,7 +74,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--only", nargs="*", default=None, help="contender indices to keep (0..4; none always runs)")
+    ap.add_argument("--only", nargs="*", default=None, help="contender indices to keep (0..5; none always runs)")
     ap.add_argument("--request-seed", type=int, default=None,
                     help="seed the requests (item i: this + i): sampled ones are verified by matching")
     ap.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,

@@ -194,7 +194,12 @@ class LLMEngine:
         aux = self._target_states if isinstance(self._target_states, tuple) else ()
         self.runner.compile(buckets, aux)
         steps = self.config.num_scheduler_steps
-        if steps > 1 and self.proposer is None:
+        ctl = self.spec_controller
+        # multi-step decode: without speculation, and where the controller may turn it off (an
+        # adaptive size, or disable_by_batch_size) for a drafter that reads no target states (an
+        # EAGLE head needs the target's features of every position: its off steps run one token)
+        if steps > 1 and (self.proposer is None or self._target_states is None and (
+                ctl.cfg.adaptive or ctl.cfg.auto_tree or ctl.cfg.disable_by_batch_size is not None)):
             self.runner.compile_multi_step(make_buckets(self.config.max_num_seqs, [1]), steps)
         if hasattr(self.proposer, "compile"):
             self.proposer.compile()
@@ -202,7 +207,8 @@ class LLMEngine:
             k = self.spec_controller.cfg.num_speculative_tokens   # (K, or the depth: the chain of "auto" sizes)
             self.runner.compile_spec_round(self.proposer.runner, make_buckets(self.config.max_num_seqs, [k + 1]), k,
                                            steps)
-            self.spec_controller.round_k = k
+            ctl.round_k = k
+            ctl.round_sizes = (k,) + ((0,) if self.runner.multi_step is not None else ())
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | None, prompt_ids: list[int] | None,
@@ -521,6 +527,8 @@ class LLMEngine:
                 ks = self.spec_controller.choose(sub, batch_size=len(reqs))
                 if len(sub) == len(reqs) and self.runner.round is not None and self._spec_rounds(reqs, ks):
                     return reqs
+                if len(sub) == len(reqs) and not any(ks) and self._plain_steps(reqs):
+                    return reqs
             parts.append((idx, proposer.propose(sub, ks) if any(ks) else DraftBatch.empty(len(sub))))
             if proposer is self.proposer:
                 t_draft = time.perf_counter() - t0
@@ -599,6 +607,22 @@ class LLMEngine:
             req.metrics.num_target_forwards += steps
             if req.request_id in self.requests:
                 self._guarded(req, self._append, req, ids)
+        return True
+
+    def _plain_steps(self, reqs: list[Request]) -> bool:
+        """A step the controller runs without drafts, as multi-step decode where the engine has it
+        (num_scheduler_steps with an adaptive size or disable_by_batch_size), timed for the
+        controller. -> False when it must run one token (nothing done)."""
+        ctl = self.spec_controller
+        if self.runner.multi_step is None or not ctl.plain_steps_ready(len(reqs)):
+            return False
+        t0 = time.perf_counter()
+        if not self._decode_steps(reqs):
+            return False
+        try:
+            ctl.observe_rounds(len(reqs), self.runner.multi_step.steps, time.perf_counter() - t0, size=0)
+        except Exception:  # noqa: BLE001 - only the choice of K suffers
+            log.exception("speculation controller update failed")
         return True
 
     def _spec_rounds(self, reqs: list[Request], ks: list[int]) -> bool:

@@ -68,8 +68,11 @@ E[tokens](K), or 1 + a * C(depth)) over the rounds' own measured time per round,
 (``observe_rounds``: the whole step's time over its rounds; the first measurement at a batch size
 is provisional and replaced by the second, later ones move it like the costs above), once
 measured at that batch size; until then the rounds are tried (at most _ROUND_TRIES times: they
-may not fit the batch). The rounds' acceptance updates alpha, or the calibration a (predicted:
-C(depth) per round). (A measured rate of whole rounds steps, tokens over time, swung 3x from
+may not fit the batch). Likewise no speculation (size 0) where the engine has multi-step decode
+(``round_sizes``; not for EAGLE heads, which need the target's features of every position): its
+goodput is 1 over its measured time per decode step (one-token steps measure t_verify(B, 1)
+first: the verify-cost curve starts from it). The rounds' acceptance updates alpha, or the
+calibration a (predicted: C(depth) per round). (A measured rate of whole rounds steps, tokens over time, swung 3x from
 one stretch of text to the next: acceptance is the noisy part, and it is better averaged.)
 """
 
@@ -127,9 +130,11 @@ class SpecController:
         self._accepted = self._predicted = 0.0   # auto tree size: moving averages per step (calibration)
         #: speculation rounds: the drafts per round of the engine's rounds graph (None: none compiled)
         self.round_k: int | None = None
-        self.round_time: dict[int, float] = {}   # bucket -> seconds per round of rounds steps
-        self.round_samples: dict[int, int] = {}  # bucket -> rounds steps measured
-        self.round_tries: dict[int, int] = {}    # bucket -> times the rounds' size was picked to measure it
+        #: the sizes the engine runs as rounds: round_k, and 0 where it has multi-step decode
+        self.round_sizes: tuple[int, ...] = ()
+        self.round_time: dict[tuple[int, int], float] = {}   # (bucket, size) -> seconds per round (decode step)
+        self.round_samples: dict[tuple[int, int], int] = {}  # (bucket, size) -> rounds steps measured
+        self.round_tries: dict[tuple[int, int], int] = {}    # (bucket, size) -> picks to measure it
 
     @property
     def calibration(self) -> float:
@@ -155,9 +160,9 @@ class SpecController:
             probe.chosen += 1
             probe.pending = True
             k = probe.size
-        elif (self.cfg.auto_tree or self.cfg.adaptive) and self._round_unmeasured(bucket):
-            k = self.round_k   # (rounds at this batch size: measure them before weighing them)
-            self.round_tries[bucket] = self.round_tries.get(bucket, 0) + 1
+        elif (self.cfg.auto_tree or self.cfg.adaptive) and (size := self._round_unmeasured(bucket)) is not None:
+            k = size   # (rounds at this batch size: measure them before weighing them)
+            self.round_tries[(bucket, k)] = self.round_tries.get((bucket, k), 0) + 1
         elif self.cfg.auto_tree:
             k = self._auto_tree_size(B)
         elif self.cfg.adaptive:
@@ -168,37 +173,49 @@ class SpecController:
         self.last_k = k
         return [self.cap(r, k) for r in reqs]
 
-    def _round_unmeasured(self, bucket: int) -> bool:
-        """Whether rounds are compiled but not yet measured (twice) at this batch size, plain decode
-        is, and they have not been tried _ROUND_TRIES times already."""
-        return (self.round_k is not None and self.round_samples.get(bucket, 0) < 2
-                and 1 in self.verify_cost.get(bucket, {}) and self.round_tries.get(bucket, 0) < _ROUND_TRIES)
+    def _round_unmeasured(self, bucket: int) -> int | None:
+        """A size the engine runs as rounds that is not yet measured (twice) at this batch size and
+        has not been tried _ROUND_TRIES times already, once a plain one-token step is measured."""
+        if not self.plain_steps_ready(bucket):
+            return None
+        return next((k for k in self.round_sizes if self.round_samples.get((bucket, k), 0) < 2
+                     and self.round_tries.get((bucket, k), 0) < _ROUND_TRIES), None)
+
+    def plain_steps_ready(self, batch_size: int) -> bool:
+        """Whether a step without drafts may run as multi-step decode: with an adaptive size, not
+        while a one-token step at this batch size is still to be measured (t_verify(B, 1): the
+        verify-cost curve starts from it)."""
+        return not (self.cfg.auto_tree or self.cfg.adaptive) or 1 in self.verify_cost.get(_bucket(batch_size), {})
 
     def _rounds_goodput(self, bucket: int, k: int) -> float | None:
         """Expected tokens per round over the measured time per round, when ``k`` is the rounds'
         size and their time is measured at this batch size."""
-        if k != self.round_k or self.round_samples.get(bucket, 0) < 2:
+        if k not in self.round_sizes or self.round_samples.get((bucket, k), 0) < 2:
             return None
+        if k == 0:
+            return 1.0 / self.round_time[(bucket, 0)]
         if self.cfg.auto_tree:
             if self.curve is None:
                 return None
             tokens = 1.0 + self.calibration * self.curve[k - 1]
         else:
             tokens = expected_tokens(self.alpha, k)
-        return tokens / self.round_time[bucket]
+        return tokens / self.round_time[(bucket, k)]
 
-    def observe_rounds(self, batch_size: int, rounds: int, seconds: float, accepted: int, drafted: int) -> None:
-        """One engine step of ``rounds`` speculation rounds (engine ``_spec_rounds``) over
-        ``batch_size`` sequences in ``seconds``, whose kept rounds accepted ``accepted`` of
-        ``drafted`` draft tokens (all sequences)."""
-        bucket = _bucket(batch_size)
-        self.probes.pop(bucket, None)   # (a probe's size ran as rounds: the rounds stand for it)
+    def observe_rounds(self, batch_size: int, rounds: int, seconds: float, accepted: int = 0, drafted: int = 0,
+                       size: int | None = None) -> None:
+        """One engine step of ``rounds`` speculation rounds of ``size`` drafts (default round_k;
+        0: ``rounds`` steps of multi-step decode) over ``batch_size`` sequences in ``seconds``,
+        whose kept rounds accepted ``accepted`` of ``drafted`` draft tokens (all sequences)."""
+        bucket, key = _bucket(batch_size), (_bucket(batch_size), self.round_k if size is None else size)
+        if key[1]:
+            self.probes.pop(bucket, None)   # (a probe's size ran as rounds: the rounds stand for it)
         if rounds < 1 or seconds <= 0:
             return
-        per, seen, old = seconds / rounds, self.round_samples.get(bucket, 0), self.round_time.get(bucket)
-        self.round_samples[bucket] = seen + 1
+        per, seen, old = seconds / rounds, self.round_samples.get(key, 0), self.round_time.get(key)
+        self.round_samples[key] = seen + 1
         # the first step is provisional (the drafter's catch-up, cold caches)
-        self.round_time[bucket] = per if old is None or seen < 2 else _bounded_ema(old, per)
+        self.round_time[key] = per if old is None or seen < 2 else _bounded_ema(old, per)
         if not drafted or self.round_k is None:
             return
         if not self.cfg.auto_tree:
@@ -235,10 +252,10 @@ class SpecController:
         c_d = self.draft_cost.get(bucket, 0.0)
 
         def goodput(k: int) -> float:
-            if k == 0:
-                return 1.0 / t1
             if (rounds := self._rounds_goodput(bucket, k)) is not None:
                 return rounds
+            if k == 0:
+                return 1.0 / t1
             t = self._verify_time(bucket, k + 1) or t1
             return expected_tokens(self.alpha, k) / (k * c_d + t)
 
@@ -255,10 +272,10 @@ class SpecController:
         per_width = self.tree_draft_cost[bucket]
 
         def goodput(n: int) -> float:
-            if n == 0:
-                return 1.0 / t1
             if (rounds := self._rounds_goodput(bucket, n)) is not None:
                 return rounds
+            if n == 0:
+                return 1.0 / t1
             levels, width = self.cfg.tree_shape(n)
             near = min(per_width, key=lambda lw: (abs(lw[1] - width), abs(lw[0] - levels), lw))
             t_draft = per_width[near] * max(1.0, levels / near[0])

@@ -199,20 +199,22 @@ def test_chained_rounds_equal_rounds_called_one_by_one(rounds):
 
 def test_adaptive_k_runs_rounds_when_it_picks_k(llama_dir, base, tokenizer):
     """An adaptive K with speculation rounds: the controller measures plain decode, then tries the
-    rounds (K) and weighs them by their measured rate; greedy output equals the target's own."""
+    rounds (K) and multi-step decode (no speculation) and weighs them by their measured times;
+    greedy output equals the target's own."""
     spec = {"method": "draft_model", "model": str(llama_dir), "num_speculative_tokens": K, "draft_dtype": "bfloat16",
             "adaptive": True}
     with patch.dict(compiled.INDUCTOR_OPTIONS, FAST_COMPILE):
         llm = LLM(model=str(llama_dir), dtype="float32", max_model_len=MAX_LEN, max_num_seqs=1,
                   enforce_eager=False, num_scheduler_steps=STEPS, speculative_config=spec)
     ctl = llm.engine.spec_controller
-    assert ctl.round_k == K
+    assert ctl.round_k == K and ctl.round_sizes == (K, 0)   # (no speculation: multi-step decode)
     prompts = prompts_of(tokenizer, 2)
     sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     got = [o.token_ids for o in _outs(llm, prompts, sp)]
     assert got == [o.token_ids for o in _outs(base, prompts, sp)]
-    assert _round_calls(llm, 1) > 0 and ctl.round_samples[1] >= 2 and ctl.round_time[1] > 0
-    assert ctl.verify_cost[1].get(1) is not None   # (plain decode measured too)
+    assert _round_calls(llm, 1) > 0 and ctl.round_samples[(1, K)] >= 2 and ctl.round_time[(1, K)] > 0
+    assert llm.engine.runner.multi_step.direct[(1, 1)].calls > 0 and ctl.round_samples[(1, 0)] >= 1
+    assert ctl.verify_cost[1].get(1) is not None   # (one-token plain steps measured first)
 
 
 def test_stops_and_other_requests_in_speculation_rounds(rounds, base, tokenizer):
@@ -336,10 +338,11 @@ def test_auto_tree_sizes_run_chain_rounds(eagle_target, tmp_path, tokenizer):
                   num_scheduler_steps=STEPS, speculative_config=spec)
     ctl = llm.engine.spec_controller
     assert ctl.round_k == K and llm.engine.runner.round.k == K
+    assert llm.engine.runner.multi_step is None and ctl.round_sizes == (K,)   # (the head reads target states)
     prompts = prompts_of(tokenizer, 2)
     sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     assert [o.token_ids for o in _outs(llm, prompts, sp)] == [o.token_ids for o in _outs(base, prompts, sp)]
-    assert _round_calls(llm, 1) > 0 and ctl.round_samples[1] >= 1
+    assert _round_calls(llm, 1) > 0 and ctl.round_samples[(1, K)] >= 1
 
 
 @pytest.mark.slow

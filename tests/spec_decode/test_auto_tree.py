@@ -223,7 +223,7 @@ def _rounds_run(t_round: float, rounds_run: bool = True, steps: int = 40) -> tup
     step takes 1, a tree of n nodes 0.3 to draft and 1 + 0.1 n to verify. ``rounds_run`` False:
     the rounds never fit the batch (the engine ran a one-round step of the chain instead)."""
     ctl = SpecController(CFG, 4096)
-    ctl.round_k = 4
+    ctl.round_k, ctl.round_sizes = 4, (4,)
     # path confidences: 4 siblings per depth, the first child 0.85 likely, each level 0.8 as sure
     conf = sorted((0.8 ** d * p for d in range(1, 5) for p in (0.85, 0.08, 0.04, 0.03)), reverse=True)
     chosen = []
@@ -246,21 +246,46 @@ def test_rounds_are_weighed_by_their_measured_time():
     them while they are the fastest and leaves them for trees or no speculation when they are
     not; their acceptance feeds the calibration; rounds that never run stop being tried."""
     ctl, chosen = _rounds_run(1.2)     # about 4 tokens per 1.2
-    assert chosen[:4] == [0, 0, 4, 4] and ctl.round_samples[1] >= 2 and abs(ctl.round_time[1] - 1.2) < 1e-9
+    assert chosen[:4] == [0, 0, 4, 4] and ctl.round_samples[(1, 4)] >= 2 and abs(ctl.round_time[(1, 4)] - 1.2) < 1e-9
     assert chosen[-20:].count(4) >= 16
     assert 2.5 < ctl._rounds_goodput(1, 4) < 4.0 and ctl._rounds_goodput(1, 5) is None
     assert 1.3 < ctl.calibration < 1.7   # (fed by the rounds: 3 accepted per 4-node chain of C(4) = 2.0)
     ctl, chosen = _rounds_run(6.0)     # slower than plain decode and than trees
     assert chosen[:4] == [0, 0, 4, 4] and chosen[-20:].count(4) <= 4
     ctl, chosen = _rounds_run(1.2, rounds_run=False)
-    assert chosen[2:5] == [4, 4, 4] and ctl.round_tries[1] == 3 and 1 not in ctl.round_time
+    assert chosen[2:5] == [4, 4, 4] and ctl.round_tries[(1, 4)] == 3 and (1, 4) not in ctl.round_time
     assert not ctl._round_unmeasured(1)   # (the one-round chain's measured cost decides from here on)
 
 
 def test_rounds_update_the_acceptance_of_an_adaptive_k():
     ctl = SpecController(SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=True), 4096)
-    ctl.round_k = 4
+    ctl.round_k, ctl.round_sizes = 4, (4,)
     for _ in range(30):
         ctl.observe_rounds(2, 8, 0.016, 2 * 8 * 1, 2 * 8 * 4)   # 1 of 4 accepted per round
-    assert abs(ctl.alpha - 0.25) < 0.01 and abs(ctl.round_time[2] - 0.002) < 1e-9
+    assert abs(ctl.alpha - 0.25) < 0.01 and abs(ctl.round_time[(2, 4)] - 0.002) < 1e-9
     assert abs(ctl._rounds_goodput(2, 4) - expected_tokens(ctl.alpha, 4) / 0.002) < 1e-6
+
+
+def test_multi_step_decode_is_weighed_as_no_speculation():
+    """Where the engine also has multi-step decode (size 0 in round_sizes), no speculation is
+    weighed by its measured time per decode step once measured (after one-token steps gave
+    t_verify(B, 1)): rounds of 4 tokens per 3.0 lose to decode steps of 0.5."""
+    ctl = SpecController(SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=True), 4096)
+    ctl.round_k, ctl.round_sizes = 4, (4, 0)
+    assert not ctl.plain_steps_ready(1)
+    chosen = []
+    for _ in range(40):
+        k = ctl.choose([_Req()])[0]
+        chosen.append(k)
+        if k == 4:
+            ctl.observe_rounds(1, 8, 8 * 3.0, 8 * 3, 8 * 4)
+        elif k == 0 and ctl.plain_steps_ready(1):
+            ctl.observe_rounds(1, 8, 8 * 0.5, size=0)
+        elif k == 0:
+            ctl.observe([_Req()], DraftBatch.empty(1), AcceptanceResult([0], [[0]], [0]), 0.0, 1.0)
+        else:
+            ctl.observe([_Req()], DraftBatch.from_lists([[5] * k]), AcceptanceResult([k - 1], [[0] * k], [k]),
+                        0.1 * k, 1.0 + 0.2 * k)
+    assert chosen[:6] == [0, 0, 4, 4, 0, 0] and ctl.plain_steps_ready(1)
+    assert abs(ctl.round_time[(1, 0)] - 0.5) < 1e-9 and ctl._rounds_goodput(1, 0) == 2.0
+    assert chosen[-20:].count(0) >= 16
