@@ -61,7 +61,9 @@ class EngineConfig:
     SAMPLED_ROUNDS_*), without logprobs, and drafts K (num_speculative_tokens: with "adaptive" K
     or "auto" tree sizes, when the controller picks K, or the chain of the depth; it weighs the
     rounds by their measured tokens per second: spec_decode/adaptive.py). At most
-    MAX_SCHEDULER_STEPS. Rounds
+    MAX_SCHEDULER_STEPS. Where the controller may turn speculation off (an adaptive size, "auto",
+    disable_by_batch_size), steps without drafts run as multi-step decode (handing an EAGLE head
+    the target's states of every step). Rounds
     verify by matching: the target's token at a row is its argmax or its race winner under the
     sampler's noise of that output position, which the drafts were drawn with too; a greedy or
     seeded request's tokens are what a one-round step gives. Other steps run one round."""

@@ -196,11 +196,10 @@ class LLMEngine:
         steps = self.config.num_scheduler_steps
         ctl = self.spec_controller
         # multi-step decode: without speculation, and where the controller may turn it off (an
-        # adaptive size, or disable_by_batch_size) for a drafter that reads no target states (an
-        # EAGLE head needs the target's features of every position: its off steps run one token)
-        if steps > 1 and (self.proposer is None or self._target_states is None and (
-                ctl.cfg.adaptive or ctl.cfg.auto_tree or ctl.cfg.disable_by_batch_size is not None)):
-            self.runner.compile_multi_step(make_buckets(self.config.max_num_seqs, [1]), steps)
+        # adaptive size, or disable_by_batch_size), handing an EAGLE head the target's states
+        if steps > 1 and (self.proposer is None or ctl.cfg.adaptive or ctl.cfg.auto_tree
+                          or ctl.cfg.disable_by_batch_size is not None):
+            self.runner.compile_multi_step(make_buckets(self.config.max_num_seqs, [1]), steps, self._target_states)
         if hasattr(self.proposer, "compile"):
             self.proposer.compile()
         if steps > 1 and self.proposer is not None:   # (EngineConfig admits draft models and EAGLE chains only)
@@ -601,9 +600,10 @@ class LLMEngine:
             raise RuntimeError("multi-step decode: no graph for a step its bucket check admitted")
         if not all(map(math.isfinite, out.logits.flatten().tolist())):
             raise FloatingPointError("non-finite logits from the model (fp16 overflow? try bfloat16 or float32)")
-        for req, ids in zip(reqs, out.tokens.tolist()):
+        for b, (req, ids) in enumerate(zip(reqs, out.tokens.tolist())):
             # the cache holds the input token and all but the last new one; tokens past a stop are dropped
-            self._guarded(req, self._commit, req, req.num_computed + steps)
+            self._guarded(req, self._commit, req, req.num_computed + steps, None,
+                          None if out.states is None else out.states[b])
             req.metrics.num_target_forwards += steps
             if req.request_id in self.requests:
                 self._guarded(req, self._append, req, ids)

@@ -538,12 +538,13 @@ class CompiledChain(CompiledForward):
         at = torch.arange(B, device=tok.device) * S + last                        # [B] rows of the last tokens
         logits = g.logits[at]                                                      # [B, V]
         h = g.hidden.reshape(B * S, -1)[at]                                        # [B, H]
+        state = self._state(g, at)
         cols = torch.arange(mask.shape[-1], device=tok.device)                     # [W]
         toks, outs = [], []
         for j in range(self.steps):
             x, out = self._pick(logits, j, *pick_args)
             toks.append(x)
-            outs.append(out)
+            outs.append(out if state is None else (*out, state))
             if j == self.steps - 1:
                 break
             c = col + j                                                            # [B] this step's column
@@ -551,7 +552,14 @@ class CompiledChain(CompiledForward):
             g = self._forward(x[:, None], c[:, None], m, rows, rows, c, c.max() + 1,
                               h[:, None] if self.next_width is not None else None)
             logits, h = g.logits, g.hidden[:, 0]
+            state = self._state(g, None)
         return torch.stack(toks, 1), [torch.stack(o, 1) for o in zip(*outs)]
+
+    def _state(self, g: GraphOutput, at: Tensor | None) -> Tensor | None:
+        """A step's per-sequence state the graph returns beside its pick (after ``_pick``'s
+        outputs), from its forward ``g`` (``at``: the rows of the first forward's last tokens):
+        none for chains."""
+        return None
 
     def __call__(self, tok: Tensor, pos: Tensor, meta: AttnMeta, features: Tensor | None,  # type: ignore[override]
                  last: Tensor, col: Tensor) -> ChainOutput:
@@ -594,6 +602,7 @@ class RaceChain(CompiledChain):
 class DecodeStepsOutput:
     tokens: Tensor     # [batch, steps] long: each step's token (greedy rows: the argmax of the raw logits)
     logits: Tensor     # [batch, steps] float32: the step's largest logit (the host checks that it is finite)
+    states: Tensor | None = None   # [batch, steps, F]: the target's state of each step's input token (EAGLE's)
 
 
 class CompiledDecodeSteps(CompiledChain):
@@ -605,18 +614,30 @@ class CompiledDecodeSteps(CompiledChain):
     (sampling/sampler.py ``sample``): q = softmax(logits / T), the token argmax q / E with
     E = -log U [batch, steps, V] float64 computed on the host from each request's randomness for
     those positions, so a step draws the token a one-token step would. The engine uses it for
-    decode steps where nothing drafts (engine/engine.py ``_decode_steps``)."""
+    decode steps where nothing drafts (engine/engine.py ``_decode_steps``). ``states``: the graph
+    also returns the target's state of every step's input token, as ``ModelRunner.step`` does
+    ("hidden": the final-norm state, EAGLE-1's; a tuple of layer ids: those layers' outputs
+    concatenated, EAGLE-3's), so an EAGLE head can draft after multi-step decode."""
 
-    def __init__(self, model: torch.nn.Module, kv: KVCache, buckets: list[Bucket], steps: int) -> None:
+    def __init__(self, model: torch.nn.Module, kv: KVCache, buckets: list[Bucket], steps: int,
+                 states: str | tuple[int, ...] | None = None) -> None:
         super().__init__(model, kv, buckets, steps)
+        self.aux_layers = states if isinstance(states, tuple) else ()
+        self.states = states is not None
         self._fn = torch.compile(self._decode_steps, dynamic=False, fullgraph=True)
 
     def _decode_steps(self, tok: Tensor, pos: Tensor, mask: Tensor, rows: Tensor, write_rows: Tensor,
                       write_cols: Tensor, kv_len: Tensor, features: Tensor | None, last: Tensor,
                       col: Tensor, temperature: Tensor, sampled: Tensor, e: Tensor) -> DecodeStepsOutput:
-        toks, (values,) = self._steps(tok, pos, mask, rows, write_rows, write_cols, kv_len, features, last, col,
-                                      temperature, sampled, e)
-        return DecodeStepsOutput(toks, values)
+        toks, outs = self._steps(tok, pos, mask, rows, write_rows, write_cols, kv_len, features, last, col,
+                                 temperature, sampled, e)
+        return DecodeStepsOutput(toks, outs[0], outs[1] if self.states else None)
+
+    def _state(self, g: GraphOutput, at: Tensor | None) -> Tensor | None:
+        if not self.states:
+            return None
+        f = g.hidden if not self.aux_layers else torch.cat(g.aux, -1)              # [B, S, F]
+        return f.reshape(-1, f.shape[-1])[at] if at is not None else f[:, 0]       # [B, F]
 
     def _pick(self, logits: Tensor, j: int, *pick_args: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
         temperature, sampled, e = pick_args                                        # [B], [B] bool, [B, steps, V]
@@ -629,10 +650,10 @@ class CompiledDecodeSteps(CompiledChain):
         return self._serve(self._args(tok, pos, meta, features, last, col, temperature, sampled, e))
 
     def _flatten(self, out: DecodeStepsOutput) -> list[Tensor]:  # type: ignore[override]
-        return [out.tokens, out.logits]
+        return [out.tokens, out.logits] + ([] if out.states is None else [out.states])
 
     def _unflatten(self, flat: list[Tensor]) -> DecodeStepsOutput:  # type: ignore[override]
-        return DecodeStepsOutput(flat[0], flat[1])
+        return DecodeStepsOutput(flat[0], flat[1], flat[2] if len(flat) > 2 else None)
 
     def _warm_extra(self, b: Bucket, kv_len: int, dev: torch.device) -> tuple[Tensor, ...]:
         V = self.model.args.vocab_size

@@ -46,7 +46,8 @@ SAMPLED_ROUNDS_MAX_NOISE_BYTES = 256 << 20
 def _first(out: Any, n: int) -> Any:
     """A fused graph's output dataclass (ChainOutput, SampledChainOutput, TreeOutput,
     DecodeStepsOutput) cut to its first ``n`` sequences (the rest padded the bucket); None stays None."""
-    return None if out is None else type(out)(*(getattr(out, f.name)[:n] for f in fields(out)))
+    return None if out is None else type(out)(*(None if (x := getattr(out, f.name)) is None else x[:n]
+                                                for f in fields(out)))
 
 
 @dataclass
@@ -157,11 +158,13 @@ class ModelRunner:
         self.tree = CompiledTree(self.model, self.kv, buckets, steps, topk, nodes, feature_width, next_width)
         return self.tree.warm_up(progress)
 
-    def compile_multi_step(self, buckets: list[Bucket], steps: int, progress: bool = True) -> float:
+    def compile_multi_step(self, buckets: list[Bucket], steps: int, states: str | tuple[int, ...] | None = None,
+                           progress: bool = True) -> float:
         """Compile multi-step decode of ``steps`` tokens as one graph per bucket (model/compiled.py
-        CompiledDecodeSteps; ``decode_steps`` runs it). -> seconds taken."""
+        CompiledDecodeSteps; ``decode_steps`` runs it; ``states``: also every step's state, as
+        ``step``'s ``hidden``). -> seconds taken."""
         self._check_compilable()
-        self.multi_step = CompiledDecodeSteps(self.model, self.kv, buckets, steps)
+        self.multi_step = CompiledDecodeSteps(self.model, self.kv, buckets, steps, states)
         return self.multi_step.warm_up(progress)
 
     def compile_spec_round(self, draft: "ModelRunner", buckets: list[Bucket], k: int, steps: int,

@@ -69,11 +69,12 @@ E[tokens](K), or 1 + a * C(depth)) over the rounds' own measured time per round,
 is provisional and replaced by the second, later ones move it like the costs above), once
 measured at that batch size; until then the rounds are tried (at most _ROUND_TRIES times: they
 may not fit the batch). Likewise no speculation (size 0) where the engine has multi-step decode
-(``round_sizes``; not for EAGLE heads, which need the target's features of every position): its
+(``round_sizes``; the graph hands EAGLE heads the target's features of every step): its
 goodput is 1 over its measured time per decode step (one-token steps measure t_verify(B, 1)
 first: the verify-cost curve starts from it). The rounds' acceptance updates alpha, or the
-calibration a (predicted: C(depth) per round). (A measured rate of whole rounds steps, tokens over time, swung 3x from
-one stretch of text to the next: acceptance is the noisy part, and it is better averaged.)
+calibration a (predicted: C(depth) per round). (A measured rate of whole rounds steps, tokens
+over time, swung 3x from one stretch of text to the next: acceptance is the noisy part, and it
+is better averaged.)
 """
 
 from __future__ import annotations

@@ -327,7 +327,8 @@ def test_eagle_rounds_give_the_target_greedy_output(eagle_target, tmp_path, toke
 @pytest.mark.slow
 def test_auto_tree_sizes_run_chain_rounds(eagle_target, tmp_path, tokenizer):
     """EAGLE "auto" tree sizes with speculation rounds: when the controller picks the chain of the
-    depth, the rounds graph runs it (several rounds per engine step); trees run one round; greedy
+    depth, the rounds graph runs it (several rounds per engine step); trees run one round; steps
+    without drafts run as multi-step decode, which hands the head the target's states; greedy
     output equals the target's own."""
     target, base = eagle_target
     head = make_head(target, tmp_path / "h", "eagle3", draft_vocab_size=200)
@@ -337,12 +338,24 @@ def test_auto_tree_sizes_run_chain_rounds(eagle_target, tmp_path, tokenizer):
         llm = LLM(model=str(target), dtype="float32", max_model_len=MAX_LEN, max_num_seqs=1, enforce_eager=False,
                   num_scheduler_steps=STEPS, speculative_config=spec)
     ctl = llm.engine.spec_controller
-    assert ctl.round_k == K and llm.engine.runner.round.k == K
-    assert llm.engine.runner.multi_step is None and ctl.round_sizes == (K,)   # (the head reads target states)
+    assert ctl.round_k == K and llm.engine.runner.round.k == K and ctl.round_sizes == (K, 0)
+    ready: list[bool] = []   # after each multi-step decode: whether the head can draft for its requests
+    decode_steps, proposer = llm.engine._decode_steps, llm.engine.proposer
+
+    def recording(reqs):
+        ran = decode_steps(reqs)
+        if ran:
+            ready.extend(proposer._ready(r) for r in reqs if r.request_id in llm.engine.requests)
+        return ran
+    llm.engine._decode_steps = recording
     prompts = prompts_of(tokenizer, 2)
     sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     assert [o.token_ids for o in _outs(llm, prompts, sp)] == [o.token_ids for o in _outs(base, prompts, sp)]
     assert _round_calls(llm, 1) > 0 and ctl.round_samples[(1, K)] >= 1
+    # multi-step decode (no speculation) ran and handed the head the target's states of its steps:
+    # the head can draft after it (without them it could not, for good)
+    assert llm.engine.runner.multi_step.direct[(1, 1)].calls > 0 and ctl.round_samples[(1, 0)] >= 1
+    assert ready and all(ready)
 
 
 @pytest.mark.slow

@@ -198,6 +198,25 @@ def test_decode_steps_match_one_token_steps(llama_dir):
     assert fast.multi_step is not None and fast.multi_step.direct[(2, 1)].calls == 3
 
 
+def test_decode_steps_hand_over_the_target_states(llama_dir):
+    """Multi-step decode with ``states`` (an EAGLE-3 head's layers): every step's input token's
+    state is what a one-token eager step gives with ``hidden`` set (the layers' outputs
+    concatenated), so an EAGLE head drafts after multi-step decode as after one-token steps."""
+    steps, layers, V = 3, (0, 1), 320
+    eager, fast, _ = _prefilled(llama_dir, lambda fast: fast.compile_multi_step([Bucket(1, 1)], steps, layers,
+                                                                              progress=False))
+    first = [SeqChunk(1, 9, _tokens(1, 3), 1)]
+    got = fast.decode_steps(first, torch.tensor([1.0]), torch.tensor([False]), torch.ones(1, steps, V,
+                                                                                         dtype=torch.float64))
+    want, chunks = [], first
+    for _ in range(steps):
+        out = eager.step(chunks, hidden=layers)
+        want.append(out.hidden[0])
+        chunks = [SeqChunk(1, chunks[0].start + 1, [int(out.logits[0].argmax())], 1)]
+    assert got is not None and got.states is not None and got.states.shape == (1, steps, want[0].shape[-1])
+    torch.testing.assert_close(got.states[0].float(), torch.stack(want).float(), rtol=1e-4, atol=1e-4)
+
+
 def _eager_tree(runner: ModelRunner, first: SeqChunk, steps: int, k: int, n: int):
     """The reference EAGLE-2 expansion, level by level with eager forwards (as the proposer's
     eager path): -> (tokens, parents, depths, ranks, sorted scores) of the best n nodes, in
