@@ -60,7 +60,7 @@ class EngineConfig:
     temperature only (batches of up to 8 sequences and 256 MiB of race noise then: runner.py
     SAMPLED_ROUNDS_*), without logprobs, and drafts K (num_speculative_tokens: with "adaptive" K
     or "auto" tree sizes, when the controller picks K, or the chain of the depth; it weighs the
-    rounds by their measured tokens per second: spec_decode/adaptive.py). At most
+    rounds by their measured time per round: spec_decode/adaptive.py). At most
     MAX_SCHEDULER_STEPS. Where the controller may turn speculation off (an adaptive size, "auto",
     disable_by_batch_size), steps without drafts run as multi-step decode (handing an EAGLE head
     the target's states of every step). Rounds

@@ -563,11 +563,8 @@ class LLMEngine:
                 for req in sub:
                     self._reset_proposer(req)
             if proposer is self.proposer:
-                try:
-                    self.spec_controller.observe(sub, part, sub_result, t_draft, t_verify, batch_size=len(reqs),
-                                                 verify_tokens=max(drafts.num_draft, default=0) + 1)
-                except Exception:  # noqa: BLE001 - only the choice of K suffers
-                    log.exception("speculation controller update failed")
+                self._tell_controller(self.spec_controller.observe, sub, part, sub_result, t_draft, t_verify,
+                                      batch_size=len(reqs), verify_tokens=max(drafts.num_draft, default=0) + 1)
         for b, (req, ids) in enumerate(zip(reqs, result.output_ids)):
             if req.request_id in self.requests:
                 self._guarded(req, self._append, req, ids, result.logprobs[b] if result.logprobs else None)
@@ -619,11 +616,17 @@ class LLMEngine:
         t0 = time.perf_counter()
         if not self._decode_steps(reqs):
             return False
+        self._tell_controller(ctl.observe_rounds, len(reqs), self.runner.multi_step.steps, time.perf_counter() - t0,
+                              size=0)
+        return True
+
+    def _tell_controller(self, observe: Callable, *args, **kwargs) -> None:
+        """Hand the speculation controller a step's measurements; a failure there only costs the
+        choice of K (logged), never the batch."""
         try:
-            ctl.observe_rounds(len(reqs), self.runner.multi_step.steps, time.perf_counter() - t0, size=0)
+            observe(*args, **kwargs)
         except Exception:  # noqa: BLE001 - only the choice of K suffers
             log.exception("speculation controller update failed")
-        return True
 
     def _spec_rounds(self, reqs: list[Request], ks: list[int]) -> bool:
         """Multi-step speculation (num_scheduler_steps with a draft model or EAGLE chains): when
@@ -684,10 +687,9 @@ class LLMEngine:
         for b, req in enumerate(reqs):
             if req.request_id in self.requests:
                 self._guarded(req, self.proposer.after_rounds, req, tuple(x[b] for x in out.state))
-        try:   # (an adaptive K or "auto" tree size weighs the rounds by their measured rate)
-            self.spec_controller.observe_rounds(len(reqs), rounds, time.perf_counter() - t0, accepted, drafted)
-        except Exception:  # noqa: BLE001 - only the choice of K suffers
-            log.exception("speculation controller update failed")
+        # (an adaptive K or "auto" tree size weighs the rounds by their measured time per round)
+        self._tell_controller(self.spec_controller.observe_rounds, len(reqs), rounds, time.perf_counter() - t0,
+                              accepted, drafted)
         return True
 
     def _round_noise(self, reqs: list[Request], drawn: list[bool], n: int) -> RoundRace:

@@ -208,7 +208,8 @@ class SpecController:
         """One engine step of ``rounds`` speculation rounds of ``size`` drafts (default round_k;
         0: ``rounds`` steps of multi-step decode) over ``batch_size`` sequences in ``seconds``,
         whose kept rounds accepted ``accepted`` of ``drafted`` draft tokens (all sequences)."""
-        bucket, key = _bucket(batch_size), (_bucket(batch_size), self.round_k if size is None else size)
+        bucket = _bucket(batch_size)
+        key = (bucket, self.round_k if size is None else size)
         if key[1]:
             self.probes.pop(bucket, None)   # (a probe's size ran as rounds: the rounds stand for it)
         if rounds < 1 or seconds <= 0:
@@ -222,10 +223,13 @@ class SpecController:
         if not self.cfg.auto_tree:
             self.alpha = _ema(self.alpha, accepted / drafted)
         elif self.curve is not None:   # predicted: the chain's mean confidence sum per kept round
-            predicted = self.curve[self.round_k - 1] * drafted / self.round_k
-            first = self._predicted == 0
-            self._accepted = _ema(self._accepted, accepted, first)
-            self._predicted = _ema(self._predicted, predicted, first)
+            self._calibrate(accepted, self.curve[self.round_k - 1] * drafted / self.round_k)
+
+    def _calibrate(self, accepted: float, predicted: float) -> None:
+        """Move the calibration's moving averages of accepted and predicted tokens by one step's."""
+        first = self._predicted == 0
+        self._accepted = _ema(self._accepted, accepted, first)
+        self._predicted = _ema(self._predicted, predicted, first)
 
     def _verify_time(self, bucket: int, s: int) -> float | None:
         table = self.verify_cost.get(bucket, {})
@@ -349,9 +353,7 @@ class SpecController:
                 probe.predicted += predicted
                 self._accepted, self._predicted = probe.accepted / probe.seen, probe.predicted / probe.seen
             else:
-                first = self._predicted == 0
-                self._accepted = _ema(self._accepted, accepted, first)
-                self._predicted = _ema(self._predicted, predicted, first)
+                self._calibrate(accepted, predicted)
 
     def observe(self, reqs: list[Request], drafts: DraftBatch, result: AcceptanceResult,
                 t_draft: float, t_verify: float, batch_size: int | None = None,
