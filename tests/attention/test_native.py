@@ -87,6 +87,34 @@ def test_native_op_is_row_invariant(native, dtype):
     assert torch.equal(batch[1:2, :1], alone)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D", [32, 64, 128, 48])
+def test_native_op_full_blocks_reduce_as_the_tail(native, dtype, D):
+    """The kernel reads keys in blocks of 8 or 16 columns (the vector's lanes) and reduces a full
+    block's scores at once, a shorter tail column by column: the same query, seeing the same
+    columns (a mask with gaps), gets bitwise the same output whether kv_len puts its last
+    columns in the tail (21, 35) or in full blocks (32, 48, 64). D = 48 takes the kernel's
+    generic head-dim path."""
+    g = torch.Generator().manual_seed(D)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    H = hkv = 2
+    caches = [rand(1, hkv, ML, D) for _ in range(2)]
+    q, k, v = rand(1, 1, H, D), rand(1, 1, hkv, D), rand(1, 1, hkv, D)
+    for visible in (21, 35):
+        mask = torch.zeros(1, 1, 1, ML, dtype=torch.bool)
+        mask[..., :visible] = torch.rand(visible, generator=g) > 0.2
+        mask[..., visible - 1] = True   # its own column (written below)
+        outs = []
+        for kv_len in sorted({visible, 32, 48, 64} - set(range(visible))):
+            c = [x.clone() for x in caches]
+            outs.append(native(q, k, v, *c, torch.tensor([0]), torch.tensor([0]), torch.tensor([visible - 1]),
+                               mask, torch.tensor(kv_len)))
+        assert len(outs) >= 3 and all(torch.equal(o, outs[0]) for o in outs[1:])
+
+
 def test_native_op_fully_masked_query_gives_zeros(native):
     """As SDPA: a query that sees no column (none in the engine's masks) gets zeros, not NaN."""
     q, k, v, caches, rows, write_rows, write_cols, mask, kv_len = _case(torch.float32, 1, 2, 4, 4, 16, 40, 1)
