@@ -91,13 +91,19 @@ inline void exp_shifted(float* x, float mx, int64_t n) {
   }
 }
 
-// src [N, Hkv, Dh] -> cache[write_rows[i], :, write_cols[i]] (cache [rows + 1, Hkv, ML, Dh])
+// src [B, S, Hkv, Dh] (strides st[0..2] of its first three dims, Dh contiguous) ->
+// cache[write_rows[i], :, write_cols[i]] for token i = b * S + s (cache [rows + 1, Hkv, ML, Dh]).
+// A verify chunk's values are a strided view of the fused qkv projection: read in place.
 template <typename T>
-void write_cache(const T* src, T* cache, const int64_t* wr, const int64_t* wc, int64_t N, int64_t Hkv,
-                 int64_t Dh, int64_t ML) {
-  for (int64_t i = 0; i < N; ++i)
-    for (int64_t h = 0; h < Hkv; ++h)
-      std::memcpy(cache + ((wr[i] * Hkv + h) * ML + wc[i]) * Dh, src + (i * Hkv + h) * Dh, Dh * sizeof(T));
+void write_cache(const T* src, const int64_t* st, T* cache, const int64_t* wr, const int64_t* wc, int64_t B,
+                 int64_t S, int64_t Hkv, int64_t Dh, int64_t ML) {
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t i = b * S + s;
+      for (int64_t h = 0; h < Hkv; ++h)
+        std::memcpy(cache + ((wr[i] * Hkv + h) * ML + wc[i]) * Dh, src + b * st[0] + s * st[1] + h * st[2],
+                    Dh * sizeof(T));
+    }
 }
 
 // Column blocks: keys and values are read BL columns at a time (converted to float32 once per
@@ -375,14 +381,15 @@ at::Tensor cached_attention_cpu(const at::Tensor& q, const at::Tensor& k, const 
   check_index(r, k_cache.size(0), "rows");
   check_index(wr, k_cache.size(0), "write_rows");
   check_index(wc, ML, "write_cols");
-  const at::Tensor qc = q.contiguous(), kk = k.contiguous(), vv = v.contiguous();
+  const at::Tensor qc = q.contiguous();
+  const at::Tensor kk = k.stride(3) == 1 ? k : k.contiguous(), vv = v.stride(3) == 1 ? v : v.contiguous();
   at::Tensor out = at::empty_like(qc);
   auto run = [&](auto tag) {
     using T = decltype(tag);
     const int64_t* wrp = wr.data_ptr<int64_t>();
     const int64_t* wcp = wc.data_ptr<int64_t>();
-    write_cache(kk.data_ptr<T>(), k_cache.data_ptr<T>(), wrp, wcp, B * S, Hkv, Dh, ML);
-    write_cache(vv.data_ptr<T>(), v_cache.data_ptr<T>(), wrp, wcp, B * S, Hkv, Dh, ML);
+    write_cache(kk.data_ptr<T>(), kk.strides().data(), k_cache.data_ptr<T>(), wrp, wcp, B, S, Hkv, Dh, ML);
+    write_cache(vv.data_ptr<T>(), vv.strides().data(), v_cache.data_ptr<T>(), wrp, wcp, B, S, Hkv, Dh, ML);
     attend_cpu(qc.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), out.data_ptr<T>(),
                r.data_ptr<int64_t>(), m.data_ptr<bool>(), B, S, H, Hkv, Dh, ML, L);
   };
