@@ -111,19 +111,22 @@ def _same(a: list[list[int]], b: list[list[int]]) -> str:
     return f"{sum(x == y for x, y in zip(a, b))}/{len(a)}"
 
 
-def verify_curve(llm: LLM, sizes: list[int], ctx: int = 128, n: int = 100) -> dict[int, float]:
-    """ms per target forward step over S new tokens at context ``ctx`` (row 0, rewritten each time)."""
+def verify_curve(llm: LLM, sizes: list[int], ctx: int = 128, n: int = 30, rounds: int = 20) -> dict[int, float]:
+    """ms per target forward step over S new tokens at context ``ctx`` (row 0, rewritten each
+    time): ``rounds`` interleaved rounds of ``n`` steps per size (S = 1, 2, ... , 1, 2, ...: the
+    machine's drifts hit every size alike), the median per size."""
     r = llm.engine.runner
-    out = {}
-    for s in sizes:
-        chunk = [SeqChunk(0, ctx, [5] * s, s)]
-        for _ in range(10):
-            r.step(chunk)
-        t0 = time.perf_counter()
-        for _ in range(n):
-            r.step(chunk)
-        out[s] = (time.perf_counter() - t0) / n * 1e3
-    return out
+    times: dict[int, list[float]] = {s: [] for s in sizes}
+    for _ in range(rounds):
+        for s in sizes:
+            chunk = [SeqChunk(0, ctx, [5] * s, s)]
+            for _ in range(3):
+                r.step(chunk)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                r.step(chunk)
+            times[s].append((time.perf_counter() - t0) / n * 1e3)
+    return {s: statistics.median(t) for s, t in times.items()}
 
 
 def main() -> None:
@@ -142,6 +145,8 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--curve-rounds", type=int, default=20,
+                    help="interleaved rounds of the verify-cost curve (30 steps per size each)")
     ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
     ap.add_argument("--request-seed", type=int, default=None,
                     help="seed prompt i's request with this + i (sampled outputs comparable across contenders)")
@@ -203,7 +208,7 @@ def main() -> None:
     sizes = list(range(1, args.k + 2))
     curves = {}
     for name in [n for n in llms if n.startswith("draft_model")]:  # buckets 1 and K + 1 when compiled
-        c = verify_curve(llms[name], sizes)
+        c = verify_curve(llms[name], sizes, rounds=args.curve_rounds)
         label = ("compiled" if "compiled" in name else "eager") + _variant(name)
         curves[label + " ms"] = {s: round(c[s], 3) for s in sizes}
         curves[label + " t(S)/t(1)"] = {s: round(c[s] / c[1], 2) for s in sizes}
