@@ -3,7 +3,9 @@
 Same contract as the Python op ``torch.ops.leapfrog.cached_attention`` (attention/backend.py):
 write the new k/v to the cache, attend over the first ``kv_len`` columns of each sequence's row
 with the mask, scale 1/sqrt(Dh). A compiled graph calls it once per layer, and from C++ the
-call costs no Python frames.
+call costs no Python frames. Eager forwards on CPU call it too for chunks of a few tokens per
+sequence (model/runner.py ``_native_attention``: decode, verification, trees); longer prefill
+chunks take SDPA.
 
 On CPU it is a direct kernel (``attend_cpu``): one work item per (sequence, KV head), split
 over PyTorch's intra-op threads, its queries (tokens x heads sharing that KV head) reading each
