@@ -55,6 +55,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from leapfrog.utils import env_off
+
 log = logging.getLogger("leapfrog.model")
 
 BLOCK = 32  # output columns per packed block
@@ -382,7 +384,7 @@ def _fake(x, w, bias, n):
 def native_linear_supported(dtype: torch.dtype, device: torch.device | str) -> bool:
     """Whether NativeLinear serves weights of this dtype on this device (read when a model is
     loaded: ``LEAPFROG_NATIVE_LINEAR=0`` in the environment turns the kernel off, e.g. to compare)."""
-    if os.environ.get("LEAPFROG_NATIVE_LINEAR", "1").strip().lower() in ("0", "false", "off", "no"):
+    if env_off("LEAPFROG_NATIVE_LINEAR"):
         return False
     return dtype == torch.bfloat16 and torch.device(device).type == "cpu" and load_native_linear()
 

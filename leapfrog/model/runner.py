@@ -25,7 +25,6 @@ dynamic tree in one graph (CompiledTree).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -38,6 +37,7 @@ from leapfrog.kv.cache import KVCache
 from leapfrog.model.compiled import (Bucket, ChainOutput, CompiledChain, CompiledDecodeSteps, CompiledForward,
                                      CompiledEagleRound, CompiledSampledChain, CompiledSpecRound, CompiledTree,
                                      DecodeStepsOutput, RoundRace, SampledChainOutput, TreeOutput)
+from leapfrog.utils import env_off
 
 #: the largest batch whose speculation rounds run with sampled requests (compile_spec_round), and
 #: the most bytes of race noise (float64, steps x (K + 1) x V per sequence) such a batch may take
@@ -121,10 +121,10 @@ class ModelRunner:
         self.multi_step: CompiledDecodeSteps | None = None        # multi-step decode (targets)
         self.round: CompiledSpecRound | None = None               # multi-step speculation's round (targets)
         self.sampled_round: CompiledSpecRound | None = None       # its twin for batches with sampled requests
-        off = os.environ.get("LEAPFROG_NATIVE_ATTENTION", "1").strip().lower() in ("0", "false", "off", "no")
         # eager forwards call the C++ attention op (_native_attention; None: not built yet)
         plain = self.device.type == "cpu" and model.dtype in (torch.float32, torch.bfloat16, torch.float16)
-        self._native: bool | None = None if plain and not (off or batch_invariant) else False
+        wanted = plain and not batch_invariant and not env_off("LEAPFROG_NATIVE_ATTENTION")
+        self._native: bool | None = None if wanted else False
 
     @property
     def compiled(self) -> CompiledForward | None:
