@@ -181,8 +181,19 @@ inline void dots_block(const float* qj, const float* kb, float* sj) {
 #endif
 }
 
-// sj[c] = visible ? sj[c] * scale : -inf for a block's BL columns -> max(m, the visible scores):
-// the tail loop's arithmetic (a NaN score is skipped by the max there too: std::max(m, NaN) = m).
+// sj[c] = visible ? sj[c] * scale : -inf for columns c < n -> max(m, the visible scores) (a NaN
+// score is skipped: std::max(m, NaN) = m); the running max in a register (through memory, each
+// column waited on the last one's store).
+inline float scale_mask(float* sj, const bool* vj, int64_t n, float scale, float m) {
+  for (int64_t c = 0; c < n; ++c) {
+    const float sc = vj[c] ? sj[c] * scale : -INFINITY;
+    if (vj[c]) m = std::max(m, sc);
+    sj[c] = sc;
+  }
+  return m;
+}
+
+// scale_mask over a full block of BL columns, vectorized with AVX-512 (the same arithmetic).
 inline float scale_mask_block(float* sj, const bool* vj, float scale, float m) {
 #if defined(CPU_CAPABILITY_AVX512)
   const __mmask16 mk = _mm_test_epi8_mask(_mm_loadu_si128(reinterpret_cast<const __m128i*>(vj)), _mm_set1_epi8(1));
@@ -191,12 +202,7 @@ inline float scale_mask_block(float* sj, const bool* vj, float scale, float m) {
   const __m512 vm = _mm512_set1_ps(m);
   return _mm512_reduce_max_ps(_mm512_mask_max_ps(vm, mk, sc, vm));   // vmaxps(NaN, m) = m
 #else
-  for (int c = 0; c < BL; ++c) {
-    const float sc = vj[c] ? sj[c] * scale : -INFINITY;
-    if (vj[c]) m = std::max(m, sc);
-    sj[c] = sc;
-  }
-  return m;
+  return scale_mask(sj, vj, BL, scale, m);
 #endif
 }
 
@@ -275,17 +281,7 @@ void attend_cpu(const T* q, const T* kc, const T* vc, T* out, const int64_t* row
           else if (nb == BL && nv == 2) dots_block<2>(qj, blk.data(), sj);
           else for (int64_t c = 0; c < nb; ++c) sj[c] = dot_col(qj, blk.data() + c * Dh, nv);
           const bool* vj = vis[j] + l0;
-          if (nb == BL) {
-            mx[j] = scale_mask_block(sj, vj, scale, mx[j]);
-            continue;
-          }
-          float m = mx[j];   // in a register: through memory, each column waited on the last one's store
-          for (int64_t c = 0; c < nb; ++c) {
-            const float sc = vj[c] ? sj[c] * scale : -INFINITY;
-            if (vj[c]) m = std::max(m, sc);
-            sj[c] = sc;
-          }
-          mx[j] = m;
+          mx[j] = nb == BL ? scale_mask_block(sj, vj, scale, mx[j]) : scale_mask(sj, vj, nb, scale, mx[j]);
         }
       }
       for (int64_t j = 0; j < nq; ++j) exp_shifted(score.data() + j * Lc, mx[j], L);
