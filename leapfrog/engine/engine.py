@@ -493,13 +493,16 @@ class LLMEngine:
         """Drafters that run their own forward over the prompt (a draft model, an EAGLE head) do it
         now, in the step that prefilled the target, as vLLM and SGLang run the draft's prefill with
         the target's: else the first decode step pays for it (a spike in inter-token latency, and
-        host work outside the decode graphs). A failure resets the drafter's state for these
-        requests, which then catch up while decoding. -> whether any drafter ran."""
+        host work outside the decode graphs). Not while the speculation controller drafts nothing
+        at this batch size (``drafting_off``): the drafter catches up when it drafts again. A
+        failure resets the drafter's state for these requests, which then catch up while
+        decoding. -> whether any drafter ran."""
         ran = False
         for proposer, idx in self._groups(reqs):
             prefill = getattr(proposer, "prefill", None)
-            if prefill is None:
-                continue
+            if prefill is None or (proposer is self.proposer
+                                   and self.spec_controller.drafting_off(len(self.scheduler.running))):
+                continue   # (no drafting at this batch size for now: it catches up when it drafts again)
             ran = True
             sub = [reqs[i] for i in idx]
             try:

@@ -75,6 +75,13 @@ first: the verify-cost curve starts from it). The rounds' acceptance updates alp
 calibration a (predicted: C(depth) per round). (A measured rate of whole rounds steps, tokens
 over time, swung 3x from one stretch of text to the next: acceptance is the noisy part, and it
 is better averaged.)
+
+Larger batches. A batch size where nothing has been drafted yet, above one where the estimates
+settled on no speculation, starts with none too (``_inherits_off``: speculation's costs only grow
+with the batch, acceptance does not depend on it), measuring only what it runs, until its first
+probe. While speculation is off at a batch size (this, disable_by_batch_size, or estimates
+favouring none) a new request's drafter prefill waits (``drafting_off``): the drafter catches up
+on the whole request when it next drafts.
 """
 
 from __future__ import annotations
@@ -136,6 +143,7 @@ class SpecController:
         self.round_time: dict[tuple[int, int], float] = {}   # (bucket, size) -> seconds per round (decode step)
         self.round_samples: dict[tuple[int, int], int] = {}  # (bucket, size) -> rounds steps measured
         self.round_tries: dict[tuple[int, int], int] = {}    # (bucket, size) -> picks to measure it
+        self.best: dict[int, int] = {}   # bucket -> the size the estimates favour there (exploration aside)
 
     @property
     def calibration(self) -> float:
@@ -174,19 +182,50 @@ class SpecController:
         self.last_k = k
         return [self.cap(r, k) for r in reqs]
 
+    def drafting_off(self, batch_size: int) -> bool:
+        """Whether this controller drafts nothing at ``batch_size`` for now (disable_by_batch_size,
+        or an adaptive size that settled on no speculation there): a new request's drafter prefill
+        can wait (the drafter catches up on the whole request when it next drafts, and if it never
+        does, it is never paid; a batch of 32 new 64-token prompts paid 5 % of its run for it)."""
+        if self.cfg.disable_by_batch_size is not None and batch_size > self.cfg.disable_by_batch_size:
+            return True
+        bucket = _bucket(batch_size)
+        return (self.cfg.auto_tree or self.cfg.adaptive) and (self.best.get(bucket) == 0 or self._inherits_off(bucket))
+
     def _round_unmeasured(self, bucket: int) -> int | None:
         """A size the engine runs as rounds that is not yet measured (twice) at this batch size and
         has not been tried _ROUND_TRIES times already, once a plain one-token step is measured."""
         if not self.plain_steps_ready(bucket):
             return None
-        return next((k for k in self.round_sizes if self.round_samples.get((bucket, k), 0) < 2
+        off = self._inherits_off(bucket)   # (then only multi-step decode is measured)
+        return next((k for k in self.round_sizes if not (k and off) and self.round_samples.get((bucket, k), 0) < 2
                      and self.round_tries.get((bucket, k), 0) < _ROUND_TRIES), None)
 
     def plain_steps_ready(self, batch_size: int) -> bool:
         """Whether a step without drafts may run as multi-step decode: with an adaptive size, not
         while a one-token step at this batch size is still to be measured (t_verify(B, 1): the
         verify-cost curve starts from it)."""
-        return not (self.cfg.auto_tree or self.cfg.adaptive) or 1 in self.verify_cost.get(_bucket(batch_size), {})
+        bucket = _bucket(batch_size)
+        return (not (self.cfg.auto_tree or self.cfg.adaptive) or 1 in self.verify_cost.get(bucket, {})
+                or self._inherits_off(bucket))
+
+    def _inherits_off(self, bucket: int) -> bool:
+        """No drafting measured at this batch size yet, and a smaller one settled on no
+        speculation: then so does this one until its first probe (costs only grow with the batch,
+        as verification turns arithmetic-bound; acceptance does not depend on it), without first
+        measuring what a smaller batch already ruled out (at a new batch of 32 that cost 16 % of a
+        64-token run: two one-token steps, rounds, trees)."""
+        if (bucket in self.draft_cost or self.tree_draft_cost.get(bucket)
+                or any(size and b == bucket for b, size in self.round_samples)):
+            return False
+        return any(b < bucket and best == 0 for b, best in self.best.items())
+
+    def _inherited_off(self, bucket: int) -> int:
+        """The choice at a batch size that inherits no speculation (_inherits_off): 0, and a
+        probe every 8 exploration intervals as for any batch size where speculation is off (its
+        measurements end the inheritance)."""
+        probe = 1 if self.cfg.adaptive else self._probe_size(bucket)
+        return self._explore(bucket, 0, lambda k: 0.0 if k else 1.0, 0, 0, probe)
 
     def _rounds_goodput(self, bucket: int, k: int) -> float | None:
         """Expected tokens per round over the measured time per round, when ``k`` is the rounds'
@@ -251,6 +290,8 @@ class SpecController:
 
     def _adaptive_k(self, B: int) -> int:
         bucket = _bucket(B)
+        if self._inherits_off(bucket) and not self.widened.get(bucket):
+            return self._inherited_off(bucket)
         t1 = self.verify_cost.get(bucket, {}).get(1)
         if t1 is None:   # measure plain decode at this batch size first (unless drafting is free now)
             return self.K if self.widened.get(bucket) else 0
@@ -269,6 +310,8 @@ class SpecController:
 
     def _auto_tree_size(self, B: int) -> int:
         bucket = _bucket(B)
+        if self._inherits_off(bucket) and not self.widened.get(bucket):
+            return self._inherited_off(bucket)
         t1 = self.verify_cost.get(bucket, {}).get(1)
         if t1 is None:   # measure plain decode at this batch size first (unless drafting is free now)
             return self._probe_size(B) if self.widened.get(bucket) else 0
@@ -304,6 +347,7 @@ class SpecController:
         drafter up on every token since it last ran), acceptance from all of them together (one
         step's acceptance is too noisy: at T = 0.7 one unlucky step turned speculation off again)."""
         interval = self.cfg.adaptive_explore_interval
+        self.best[bucket] = best
         if self.steps and self.steps % interval == 0:
             if best == 0 and self.steps % (8 * interval) == 0:
                 self.probes[bucket] = _Probe(probe)

@@ -20,6 +20,16 @@ def target_and_head(tmp_path_factory, tokenizer):
     return target, make_head(target, tmp_path_factory.mktemp("eagle3"), "eagle3", draft_vocab_size=200)
 
 
+def _drain(eng) -> dict[str, list[int]]:
+    """Step the engine until every request ends: request id -> output token ids."""
+    outs = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o.outputs[0].token_ids
+    return outs
+
+
 @pytest.mark.parametrize("method", ["draft_model", "eagle3"])
 @pytest.mark.parametrize("fail", [False, True])
 def test_drafters_prefill_in_the_targets_prefill_step(target_and_head, tokenizer, method, fail):
@@ -50,10 +60,29 @@ def test_drafters_prefill_in_the_targets_prefill_step(target_and_head, tokenizer
         assert prop.computed[req.request_id] == caught_up
         if not fail:
             assert req.metrics.first_token_time >= ended[-1]
-    outs = {}
-    while eng.has_unfinished():
-        for o in eng.step():
-            if o.finished:
-                outs[o.request_id] = o.outputs[0].token_ids
+    outs = _drain(eng)
     assert [outs[f"r{i}"] for i in range(2)] == want
     assert llm.get_metrics()["num_draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
+def test_drafters_prefill_waits_while_speculation_is_off(target_and_head, tokenizer, method):
+    """Above disable_by_batch_size nothing is drafted, so a new prompt's drafter prefill waits;
+    when the batch shrinks the drafter catches up on the whole request and drafts, and the
+    output is the target's alone."""
+    target, head = target_and_head
+    spec = {"method": method, "model": str(target if method == "draft_model" else head), "num_speculative_tokens": 3,
+            "disable_by_batch_size": 1, **({"eagle_topk": 1} if method == "eagle3" else {})}
+    prompts = prompts_of(tokenizer, 2)
+    sps = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 16)]
+    base = LLM(model=str(target), dtype="float32", max_model_len=128, max_num_seqs=2)
+    want = [o.outputs[0].token_ids for o in base.generate([{"prompt_token_ids": p} for p in prompts], sps,
+                                                          use_tqdm=False)]
+    llm = LLM(model=str(target), dtype="float32", max_model_len=128, max_num_seqs=2, speculative_config=spec)
+    eng, prop = llm.engine, llm.engine.proposer
+    reqs = [eng.add_request(f"r{i}", None, p, sp) for i, (p, sp) in enumerate(zip(prompts, sps))]
+    eng.step()   # both prompts prefilled: a batch of 2 drafts nothing, so the drafter has not run
+    assert all(prop.computed.get(r.request_id, 0) == 0 for r in reqs)
+    outs = _drain(eng)
+    assert [outs[f"r{i}"] for i in range(2)] == want
+    assert llm.get_metrics()["num_draft_tokens"] > 0   # r1 drafted alone, after catching up

@@ -98,8 +98,10 @@ def test_controller_formula_and_caps():
     c.alpha, c.verify_cost, c.draft_cost = 0.9, {1: {1: 1.0, 5: 1.05}}, {1: 0.0}
     assert c.choose(reqs) == [4]
     # verification cost grows with every token and acceptance is low -> off
+    assert not c.drafting_off(1)
     c.alpha, c.verify_cost = 0.1, {1: {1: 1.0, 2: 2.0, 5: 5.0}}
     assert c.choose(reqs) == [0]
+    assert c.drafting_off(1)   # (a new request's drafter prefill waits)
     # caps: max_tokens left, and the per-request limit
     fixed = SpecController(SpeculativeConfig(method="ngram", num_speculative_tokens=8), max_model_len=64)
     r = _req(max_tokens=5)
@@ -110,6 +112,26 @@ def test_controller_formula_and_caps():
     off = SpecController(SpeculativeConfig(method="ngram", num_speculative_tokens=3, disable_by_batch_size=2), 64)
     assert off.choose([_req(), _req(), _req()]) == [0, 0, 0]
     assert off.choose([_req(), _req()]) == [3, 3]
+    assert off.drafting_off(3) and not off.drafting_off(2)
+
+
+def test_controller_larger_batches_inherit_no_speculation():
+    """Where a smaller batch settled on no speculation, a larger one starts without it: no
+    one-token step to measure first (plain steps may run as multi-step decode), no drafter
+    prefill, and its first probe (every 8 exploration intervals) ends the inheritance."""
+    from leapfrog.spec_decode.verify.result import AcceptanceResult
+    c = SpecController(SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=True,
+                                         adaptive_explore_interval=2), max_model_len=64)
+    assert c.choose([_req()] * 4) == [0] * 4 and not c.plain_steps_ready(4)   # nothing known: measure plain decode
+    c.alpha, c.verify_cost, c.draft_cost = 0.1, {1: {1: 1.0, 2: 2.0, 5: 5.0}}, {1: 0.0}
+    assert c.choose([_req()]) == [0]                   # batch 1 settles on none
+    assert c.plain_steps_ready(4) and c.drafting_off(4) and c.drafting_off(3)
+    ks = [c.choose([_req()] * 4)[0] for _ in range(16)]
+    assert 1 in ks and set(ks) == {0, 1}               # a probe of one draft token, nothing else
+    c.observe([_req()] * 4, DraftBatch.from_lists([[5]] * 4), AcceptanceResult([1] * 4, [[0, 0]] * 4, [1] * 4),
+              0.004, 0.5)
+    assert not c.plain_steps_ready(4)   # measured: its own estimates from here on (plain decode's cost first)
+    assert c.choose([_req()] * 4) == [1] * 4 and not c._inherits_off(4)   # (the probe goes on: 4 steps)
 
 
 def test_controller_sees_the_whole_step_beside_predictions():
