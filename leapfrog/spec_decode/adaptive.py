@@ -20,9 +20,10 @@ batch-size bucket. Unmeasured verify costs are interpolated linearly between mea
 (optimistically flat beyond them, so an unmeasured K gets tried once). Every
 ``adaptive_explore_interval`` steps the controller tries a neighbour of k* if its estimated
 goodput is within 15 % of k*'s, so close calls stay measured without paying for hopeless
-ones; while speculation is off it drafts a probe (4 steps in a row) every 8 intervals to keep
-alpha current (and the costs: a transient that made speculation look bad must not turn it off for
-good).
+ones; while speculation is off it drafts a probe (4 steps in a row) after 8 intervals of decode
+steps (tokens per sequence) times the batch-size bucket to keep alpha current (and the costs: a transient that made
+speculation look bad must not turn it off for good), twice as long after each probe that leaves it
+off (up to 8 times: at large batches it never pays, and probes cost).
 The first time of a forward shape includes one-off costs (kernel selection and packing for a
 new row count: the first 21-token verify of the demo target measured 11.7 ms, later ones about
 8), so a size's first measurement is only provisional: the next step runs the same size again
@@ -99,6 +100,7 @@ _EMA = 0.2
 _PROBE_STEPS = 4   # a probe while speculation is off: this many steps in a row (one is too noisy to judge by)
 _EXPLORE_MARGIN = 0.85  # explore a neighbouring K only if it is estimated within 15 % of the best
 _ROUND_TRIES = 3   # picks of the rounds' size at a batch size before giving up on measuring rounds there
+_PROBE_BACKOFF = 8   # a probe that finds speculation still not paying doubles the wait, up to this many times
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -144,6 +146,10 @@ class SpecController:
         self.round_samples: dict[tuple[int, int], int] = {}  # (bucket, size) -> rounds steps measured
         self.round_tries: dict[tuple[int, int], int] = {}    # (bucket, size) -> picks to measure it
         self.best: dict[int, int] = {}   # bucket -> the size the estimates favour there (exploration aside)
+        #: while speculation is off: bucket -> decode steps since it went off or was last probed, and
+        #: the decode steps to wait before the next probe
+        self.off_steps: dict[int, int] = {}
+        self.probe_wait: dict[int, int] = {}
 
     @property
     def calibration(self) -> float:
@@ -222,8 +228,8 @@ class SpecController:
 
     def _inherited_off(self, bucket: int) -> int:
         """The choice at a batch size that inherits no speculation (_inherits_off): 0, and a
-        probe every 8 exploration intervals as for any batch size where speculation is off (its
-        measurements end the inheritance)."""
+        probe as at any batch size where speculation is off (its measurements end the
+        inheritance)."""
         probe = 1 if self.cfg.adaptive else self._probe_size(bucket)
         return self._explore(bucket, 0, lambda k: 0.0 if k else 1.0, 0, 0, probe)
 
@@ -251,6 +257,8 @@ class SpecController:
         key = (bucket, self.round_k if size is None else size)
         if key[1]:
             self.probes.pop(bucket, None)   # (a probe's size ran as rounds: the rounds stand for it)
+        else:
+            self.off_steps[bucket] = self.off_steps.get(bucket, 0) + max(rounds, 0)
         if rounds < 1 or seconds <= 0:
             return
         per, seen, old = seconds / rounds, self.round_samples.get(key, 0), self.round_time.get(key)
@@ -339,8 +347,8 @@ class SpecController:
                  probe: int) -> int:
         """``best``, except every ``adaptive_explore_interval`` steps: a neighbour (``up`` and
         ``down`` in turn) if its estimated goodput is within 15 % of best's, so close calls stay
-        measured; while speculation is off, ``probe`` every 8 intervals keeps acceptance (and a
-        tree's confidences and calibration) current. A probe runs _PROBE_STEPS steps, and its
+        measured; while speculation is off, ``probe`` when one is due (_probe_due) keeps acceptance
+        (and a tree's confidences and calibration) current. A probe runs _PROBE_STEPS steps, and its
         measurements replace the estimates of its size (they may be many steps old: averaging
         fresh samples into them would keep speculation off long after what turned it off is gone):
         verify cost from its first step, drafting cost from its second (the first also catches the
@@ -348,14 +356,34 @@ class SpecController:
         step's acceptance is too noisy: at T = 0.7 one unlucky step turned speculation off again)."""
         interval = self.cfg.adaptive_explore_interval
         self.best[bucket] = best
+        if best == 0 and self._probe_due(bucket):
+            self.probes[bucket] = _Probe(probe)
+            return probe
+        if best:
+            self.off_steps.pop(bucket, None)
+            self.probe_wait.pop(bucket, None)
         if self.steps and self.steps % interval == 0:
-            if best == 0 and self.steps % (8 * interval) == 0:
-                self.probes[bucket] = _Probe(probe)
-                return probe
             cand = up if (self.steps // interval) % 2 == 1 else down
             if cand != best and goodput(cand) >= _EXPLORE_MARGIN * goodput(best):
                 return cand
         return best
+
+    def _probe_due(self, bucket: int) -> bool:
+        """Whether speculation, off at this batch size, is due a probe: after 8 exploration intervals
+        of decode steps (tokens per sequence: a multi-step decode step counts its steps, so a probe
+        comes as soon after a bad stretch of text as with one-token steps; counted in engine steps,
+        8 steps each, a draft model's adaptive K sat out 1000 tokens of prompts it drafted well at
+        0.84x fixed K) times the batch-size bucket (the same number of tokens in all: a probe's
+        steps and the drafter's catch-up cost grow with the batch, and large batches are where
+        speculation pays least), twice as long after each probe that leaves it off (up to
+        _PROBE_BACKOFF times)."""
+        base = 8 * self.cfg.adaptive_explore_interval * bucket
+        wait = self.probe_wait.get(bucket, base)
+        if self.off_steps.get(bucket, 0) < wait:
+            return False
+        self.off_steps[bucket] = 0
+        self.probe_wait[bucket] = min(2 * wait, _PROBE_BACKOFF * base)
+        return True
 
     def _probe_size(self, B: int) -> int:
         """The tree size tried before any is measured at this batch size: 16 nodes per sequence
@@ -423,6 +451,8 @@ class SpecController:
         if self.cfg.auto_tree:
             self._observe_tree(drafts, result, probe)
         self.widened[bucket] = (verify_tokens or s) > s
+        if s == 1:
+            self.off_steps[bucket] = self.off_steps.get(bucket, 0) + 1
         table, first = self.verify_cost.setdefault(bucket, {}), self.first_verify.setdefault(bucket, {})
         if not self.widened[bucket]:
             if s in table:

@@ -118,7 +118,8 @@ def test_controller_formula_and_caps():
 def test_controller_larger_batches_inherit_no_speculation():
     """Where a smaller batch settled on no speculation, a larger one starts without it: no
     one-token step to measure first (plain steps may run as multi-step decode), no drafter
-    prefill, and its first probe (every 8 exploration intervals) ends the inheritance."""
+    prefill, and its first probe (after 8 exploration intervals of decode steps x the batch) ends
+    the inheritance."""
     from leapfrog.spec_decode.verify.result import AcceptanceResult
     c = SpecController(SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=True,
                                          adaptive_explore_interval=2), max_model_len=64)
@@ -126,12 +127,37 @@ def test_controller_larger_batches_inherit_no_speculation():
     c.alpha, c.verify_cost, c.draft_cost = 0.1, {1: {1: 1.0, 2: 2.0, 5: 5.0}}, {1: 0.0}
     assert c.choose([_req()]) == [0]                   # batch 1 settles on none
     assert c.plain_steps_ready(4) and c.drafting_off(4) and c.drafting_off(3)
-    ks = [c.choose([_req()] * 4)[0] for _ in range(16)]
-    assert 1 in ks and set(ks) == {0, 1}               # a probe of one draft token, nothing else
+    ks = []
+    for _ in range(9):   # multi-step decode, 8 tokens each: a probe after 64 (8 intervals of 2, x batch 4)
+        ks.append(c.choose([_req()] * 4)[0])
+        if ks[-1] == 0:
+            c.observe_rounds(4, 8, 0.01, size=0)
+    assert ks == [0] * 8 + [1]                         # a probe of one draft token, nothing before it
     c.observe([_req()] * 4, DraftBatch.from_lists([[5]] * 4), AcceptanceResult([1] * 4, [[0, 0]] * 4, [1] * 4),
               0.004, 0.5)
     assert not c.plain_steps_ready(4)   # measured: its own estimates from here on (plain decode's cost first)
     assert c.choose([_req()] * 4) == [1] * 4 and not c._inherits_off(4)   # (the probe goes on: 4 steps)
+
+
+def test_controller_probes_back_off_while_speculation_never_pays():
+    """While speculation is off, a probe comes after 8 exploration intervals of decode steps (at
+    batch 1), and twice as late after each probe that leaves it off, up to 8 times as late."""
+    from leapfrog.spec_decode.verify.result import AcceptanceResult
+    c = SpecController(SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=True,
+                                         adaptive_explore_interval=2), max_model_len=4096)
+    c.alpha, c.verify_cost, c.draft_cost = 0.1, {1: {1: 1.0, 2: 2.0, 5: 5.0}}, {1: 0.0}
+    starts, prev = [], 0
+    for i in range(700):
+        k = c.choose([_req()])[0]
+        if k and not prev:
+            starts.append(i)
+        prev = k
+        if k:   # nothing accepted, verification dear: speculation stays off
+            c.observe([_req()], DraftBatch.from_lists([[5] * k]), AcceptanceResult([0], [[0]], [k]), 0.01, 2.0)
+        else:
+            c.observe([_req()], DraftBatch.empty(1), AcceptanceResult([0], [[0]], [0]), 0.0, 1.0)
+    gaps = [b - a - 4 for a, b in zip(starts, starts[1:])]   # off steps between probes (4 steps each)
+    assert gaps[:5] == [32, 64, 128, 128, 128] and starts[0] == 16
 
 
 def test_controller_sees_the_whole_step_beside_predictions():
