@@ -21,9 +21,9 @@ batch-size bucket. Unmeasured verify costs are interpolated linearly between mea
 ``adaptive_explore_interval`` steps the controller tries a neighbour of k* if its estimated
 goodput is within 15 % of k*'s, so close calls stay measured without paying for hopeless
 ones; while speculation is off it drafts a probe (4 steps in a row) after 8 intervals of decode
-steps (tokens per sequence) times the batch-size bucket to keep alpha current (and the costs: a transient that made
-speculation look bad must not turn it off for good), twice as long after each probe that leaves it
-off (up to 8 times: at large batches it never pays, and probes cost).
+steps (tokens per sequence) times the batch-size bucket to keep alpha current (and the costs: a
+transient that made speculation look bad must not turn it off for good), twice as long after each
+probe that leaves it off (up to 8 times: at large batches it never pays, and probes cost).
 The first time of a forward shape includes one-off costs (kernel selection and packing for a
 new row count: the first 21-token verify of the demo target measured 11.7 ms, later ones about
 8), so a size's first measurement is only provisional: the next step runs the same size again
@@ -88,6 +88,7 @@ on the whole request when it next drafts.
 from __future__ import annotations
 
 import itertools
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable
 
@@ -148,7 +149,7 @@ class SpecController:
         self.best: dict[int, int] = {}   # bucket -> the size the estimates favour there (exploration aside)
         #: while speculation is off: bucket -> decode steps since it went off or was last probed, and
         #: the decode steps to wait before the next probe
-        self.off_steps: dict[int, int] = {}
+        self.off_steps: defaultdict[int, int] = defaultdict(int)
         self.probe_wait: dict[int, int] = {}
 
     @property
@@ -178,6 +179,8 @@ class SpecController:
         elif (self.cfg.auto_tree or self.cfg.adaptive) and (size := self._round_unmeasured(bucket)) is not None:
             k = size   # (rounds at this batch size: measure them before weighing them)
             self.round_tries[(bucket, k)] = self.round_tries.get((bucket, k), 0) + 1
+        elif (self.cfg.auto_tree or self.cfg.adaptive) and self._inherits_off(bucket) and not self.widened.get(bucket):
+            k = self._inherited_off(bucket)
         elif self.cfg.auto_tree:
             k = self._auto_tree_size(B)
         elif self.cfg.adaptive:
@@ -258,7 +261,7 @@ class SpecController:
         if key[1]:
             self.probes.pop(bucket, None)   # (a probe's size ran as rounds: the rounds stand for it)
         else:
-            self.off_steps[bucket] = self.off_steps.get(bucket, 0) + max(rounds, 0)
+            self.off_steps[bucket] += max(rounds, 0)
         if rounds < 1 or seconds <= 0:
             return
         per, seen, old = seconds / rounds, self.round_samples.get(key, 0), self.round_time.get(key)
@@ -298,8 +301,6 @@ class SpecController:
 
     def _adaptive_k(self, B: int) -> int:
         bucket = _bucket(B)
-        if self._inherits_off(bucket) and not self.widened.get(bucket):
-            return self._inherited_off(bucket)
         t1 = self.verify_cost.get(bucket, {}).get(1)
         if t1 is None:   # measure plain decode at this batch size first (unless drafting is free now)
             return self.K if self.widened.get(bucket) else 0
@@ -318,8 +319,6 @@ class SpecController:
 
     def _auto_tree_size(self, B: int) -> int:
         bucket = _bucket(B)
-        if self._inherits_off(bucket) and not self.widened.get(bucket):
-            return self._inherited_off(bucket)
         t1 = self.verify_cost.get(bucket, {}).get(1)
         if t1 is None:   # measure plain decode at this batch size first (unless drafting is free now)
             return self._probe_size(B) if self.widened.get(bucket) else 0
@@ -379,7 +378,7 @@ class SpecController:
         _PROBE_BACKOFF times)."""
         base = 8 * self.cfg.adaptive_explore_interval * bucket
         wait = self.probe_wait.get(bucket, base)
-        if self.off_steps.get(bucket, 0) < wait:
+        if self.off_steps[bucket] < wait:
             return False
         self.off_steps[bucket] = 0
         self.probe_wait[bucket] = min(2 * wait, _PROBE_BACKOFF * base)
@@ -452,7 +451,7 @@ class SpecController:
             self._observe_tree(drafts, result, probe)
         self.widened[bucket] = (verify_tokens or s) > s
         if s == 1:
-            self.off_steps[bucket] = self.off_steps.get(bucket, 0) + 1
+            self.off_steps[bucket] += 1
         table, first = self.verify_cost.setdefault(bucket, {}), self.first_verify.setdefault(bucket, {})
         if not self.widened[bucket]:
             if s in table:
