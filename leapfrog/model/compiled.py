@@ -33,6 +33,8 @@ weights. ``enforce_eager=True`` (vLLM's name) turns the fast path off.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
 import threading
 import time
@@ -64,6 +66,29 @@ CUDA_INDUCTOR_OPTIONS = {"freezing": True}
 
 def inductor_options(device: torch.device) -> dict:
     return CUDA_INDUCTOR_OPTIONS if device.type == "cuda" else INDUCTOR_OPTIONS
+
+
+@functools.cache
+def native_ops_tag() -> str:
+    """A hash of the C++ sources of leapfrog's own ops (the linear and attention kernels), put in
+    torch.compile's cache keys while graphs compile (``torch.compiler.config.cache_key_tag``).
+    Inductor's on-disk cache keys a graph by its ops' schemas, not their code: a graph compiled
+    against an earlier build of an op was reused after the op changed, and failed inside the op
+    (a test's draft chain graph hit a day-old entry and raised in ``cached_attention``)."""
+    from leapfrog.attention import native
+    from leapfrog.model import native_linear
+    sources = [native._SOURCE, native_linear._HEADER, native_linear._AVX512_BF16, native_linear._AVX2,
+               native_linear._OP]
+    return "leapfrog-ops-" + hashlib.sha256("\0".join(sources).encode()).hexdigest()[:16]
+
+
+@contextmanager
+def compile_settings(device: torch.device) -> Iterator[None]:
+    """The settings graphs compile under: inductor's options (``inductor_options``; patched, not
+    torch.compile's options=, which would turn freezing off) and the ops' cache key tag."""
+    with torch._inductor.config.patch(inductor_options(device)), \
+            torch.compiler.config.patch(cache_key_tag=native_ops_tag()):
+        yield
 
 
 @dataclass
@@ -387,8 +412,8 @@ class CompiledForward:
         dev = self.kv.k[0].device
         scratch = self.kv.scratch_row
         for b in self.buckets:
-            with torch._inductor.config.patch(inductor_options(dev)):  # compile-time settings (not
-                self._warm(b, dev, scratch)                            # torch.compile's options=: no freezing)
+            with compile_settings(dev):
+                self._warm(b, dev, scratch)
             self.warmed.append(b)
             if bar is not None:
                 bar.update(1)

@@ -13,8 +13,8 @@ from torch._dynamo.utils import counters
 from leapfrog import LLM, SamplingParams
 from leapfrog.attention.metadata import build_attn_meta
 from leapfrog.errors import ConfigError
-from leapfrog.model.compiled import (INDUCTOR_OPTIONS, Bucket, CompiledForward, DirectCall, _spec, inverse_cdf_draw,
-                                     make_buckets, rejection_tokens)
+from leapfrog.model.compiled import (INDUCTOR_OPTIONS, Bucket, CompiledForward, DirectCall, _spec, compile_settings,
+                                     inverse_cdf_draw, make_buckets, native_ops_tag, rejection_tokens)
 from leapfrog.model.loader import load_model, read_checkpoint
 from leapfrog.model.runner import ModelRunner, SeqChunk
 from tests.conftest import prompts_of
@@ -33,6 +33,23 @@ def _runner(path, compiled: bool) -> ModelRunner:
 
 def _tokens(n: int, seed: int) -> list[int]:
     return torch.randint(3, 320, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_graphs_compile_under_a_tag_of_the_ops_sources(monkeypatch):
+    """Graphs compile with a hash of leapfrog's C++ op sources in torch.compile's cache keys: a
+    changed op never runs a graph compiled on disk against its earlier build."""
+    from leapfrog.attention import native
+    tag = native_ops_tag()
+    with compile_settings(torch.device("cpu")):
+        assert torch.compiler.config.cache_key_tag == tag
+        assert torch._inductor.config.freezing and torch._inductor.config.cpp_wrapper
+    assert torch.compiler.config.cache_key_tag != tag
+    native_ops_tag.cache_clear()
+    try:
+        monkeypatch.setattr(native, "_SOURCE", native._SOURCE + "// changed\n")
+        assert native_ops_tag() != tag
+    finally:
+        native_ops_tag.cache_clear()
 
 
 def test_buckets_cover_powers_of_two_up_to_max_seqs():
