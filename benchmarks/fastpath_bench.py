@@ -101,9 +101,23 @@ def run_once(llm: LLM, prompts: list[str], max_tokens: int, temperature: float =
 NO_KERNEL = ", no bf16 kernel"   # the name suffix of a contender loaded with the linear kernel off
 
 
-def _variant(name: str) -> str:
-    """The contender's variant suffix ("" or NO_KERNEL)."""
-    return NO_KERNEL if name.endswith(NO_KERNEL) else ""
+def env_variants(no_kernel: bool, env_too: Sequence[str]) -> list[tuple[str, dict[str, str]]]:
+    """The load-time variants every contender runs in: (name suffix, environment at load); the
+    first is as the environment is."""
+    out: list[tuple[str, dict[str, str]]] = [("", {})]
+    if no_kernel:
+        out.append((NO_KERNEL, {"LEAPFROG_NATIVE_LINEAR": "0"}))
+    for item in env_too:
+        var, sep, value = item.partition("=")
+        if not sep or not var:
+            raise SystemExit(f"--env-too takes VAR=VALUE, got {item!r}")
+        out.append((f", {var}={value}", {var: value}))
+    return out
+
+
+def _variant(name: str, suffixes: Sequence[str]) -> str:
+    """The contender's variant suffix (one of ``suffixes``, or "")."""
+    return next((s for s in suffixes if s and name.endswith(s)), "")
 
 
 def _same(a: list[list[int]], b: list[list[int]]) -> str:
@@ -155,6 +169,9 @@ def main() -> None:
     ap.add_argument("--out", default="fastpath.json")
     ap.add_argument("--no-kernel-too", action="store_true",
                     help="also run each contender with the bf16 linear kernel off (LEAPFROG_NATIVE_LINEAR=0)")
+    ap.add_argument("--env-too", nargs="*", default=[], metavar="VAR=VALUE",
+                    help="also run each contender loaded with this environment setting, e.g. "
+                         "LEAPFROG_BF16_HEAD_ROWS=0 (a bf16 target's LM head on float32 rows)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -168,23 +185,23 @@ def main() -> None:
     llms, startup = {}, {}
     kept = [c for c in contenders(args.draft, args.k, args.head, args.eagle_depth, args.trees, args.steps)
             if args.only is None or c[0] == "none eager" or c[0] in args.only]
-    variants = [(name, spec, eager, True) for name, spec, eager in kept]
-    if args.no_kernel_too:
-        variants += [(name + NO_KERNEL, spec, eager, False) for name, spec, eager in kept]
-    for name, spec, eager, kernel in variants:
+    envs = env_variants(args.no_kernel_too, args.env_too)
+    suffixes = [suffix for suffix, _ in envs]
+    for (suffix, env), (base, spec, eager) in [(v, c) for v in envs for c in kept]:
+        name = base + suffix
         t0 = time.perf_counter()
-        saved = os.environ.get("LEAPFROG_NATIVE_LINEAR")
-        if not kernel:
-            os.environ["LEAPFROG_NATIVE_LINEAR"] = "0"  # read when the model is packed
+        saved = {var: os.environ.get(var) for var in env}
+        os.environ.update(env)   # read when the model is loaded and packed
         try:
             llms[name] = LLM(model=args.target, dtype=args.dtype, speculative_config=spec, max_num_seqs=1,
                              max_model_len=max_len, enforce_eager=eager,
-                             num_scheduler_steps=args.steps if name.endswith(" steps") else 1)
+                             num_scheduler_steps=args.steps if base.endswith(" steps") else 1)
         finally:
-            if saved is None:
-                os.environ.pop("LEAPFROG_NATIVE_LINEAR", None)
-            else:
-                os.environ["LEAPFROG_NATIVE_LINEAR"] = saved
+            for var, value in saved.items():
+                if value is None:
+                    os.environ.pop(var, None)
+                else:
+                    os.environ[var] = value
         startup[name] = time.perf_counter() - t0
         run_once(llms[name], prompts[:1], 8)  # warm-up
         print(f"[fastpath] loaded {name} in {startup[name]:.1f} s", file=sys.stderr)
@@ -209,7 +226,7 @@ def main() -> None:
     curves = {}
     for name in [n for n in llms if n.startswith("draft_model")]:  # buckets 1 and K + 1 when compiled
         c = verify_curve(llms[name], sizes, rounds=args.curve_rounds)
-        label = ("compiled" if "compiled" in name else "eager") + _variant(name)
+        label = ("compiled" if "compiled" in name else "eager") + _variant(name, suffixes)
         curves[label + " ms"] = {s: round(c[s], 3) for s in sizes}
         curves[label + " t(S)/t(1)"] = {s: round(c[s] / c[1], 2) for s in sizes}
 
@@ -218,7 +235,7 @@ def main() -> None:
           "same tokens as eager none | as its own none | outside graphs | start-up s |")
     print("|---|---:|---:|---:|---:|---|---|---:|---:|")
     for name in llms:
-        suffix = _variant(name)
+        suffix = _variant(name, suffixes)
         own_none = ("none compiled" if "compiled" in name else "none eager") + suffix
         row = {"contender": name, "tokens_per_s": round(statistics.median(speeds[name]), 1),
                "speedup": round(statistics.median(ratios[name]), 2),   # all against eager none (kernel on)

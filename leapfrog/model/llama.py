@@ -12,8 +12,11 @@ matmuls is what keeps the per-token framework overhead low on a CPU.
 
 Logits are accumulated and returned in float32 whatever the weights' dtype (the final norm
 runs in float32 too): a bf16 LM head rounds logits to 8 significant bits, which turns close
-logits into exact ties that break differently from one batch shape to another. (A draft model,
-whose logits only steer proposals, may keep a half-precision head: pack_for_inference.)
+logits into exact ties that break differently from one batch shape to another. A half-precision
+model's head reads the final hidden state rounded to the model's dtype, as transformers and vLLM
+do (LogitsHead): bf16 x bf16 products are exact in float32, so only the input is rounded, never
+the sums or the logits. (A draft model, whose logits only steer proposals, may keep a
+half-precision head: pack_for_inference.)
 
 Batch invariance (``make_batch_invariant``, opt-in): every token's hidden state and logits
 come out bitwise the same whatever else is in the forward (other sequences, drafts, padding,
@@ -38,6 +41,7 @@ from leapfrog.errors import ConfigError
 from leapfrog.kv.cache import KVCache
 from leapfrog.model.args import LlamaArgs
 from leapfrog.model.rope import apply_rope, rope_table
+from leapfrog.utils import env_off
 
 if TYPE_CHECKING:
     from leapfrog.parallel.group import TPGroup
@@ -250,14 +254,19 @@ class LlamaModel(nn.Module):
 
 class LogitsHead(nn.Module):
     """hidden [N, D] -> logits [N, V] float32, with float32 accumulation and (``fp32``) no
-    rounding on the way: on CPU a float32 copy of the weight (packed with oneDNN when it can be;
-    bf16 and fp16 values are exact in float32, so with a bf16-valued input this is bf16 products
-    summed in float32; with bf16 weights, or float32 weights of bf16 values, on a CPU with AVX-512
-    BF16 or AVX2, model/native_linear.py's kernel reads the weights as bf16 and widens them in
-    registers: the same products and float32 sums, half the bytes); on CUDA bf16/fp16 weights stay as they are and
-    ``torch.mm(out_dtype=float32)`` accumulates in float32 (the hidden state is rounded to the
-    weights' dtype first). ``fp32=False``: the weights' dtype throughout, logits rounded to it
-    (the pre-float32 head, half the bytes; measured 8% faster per token for the demo draft).
+    rounding of sums or logits: bf16 weights on a CPU with AVX-512 BF16 or AVX2 take
+    model/native_linear.py's kernel with bf16 rows (the hidden state rounded to bf16, as on CUDA)
+    and float32 outputs: exact products, float32 sums, half the multiply-add instructions of
+    float32 rows (the built-in target's head at 17 rows, a tree's verify: 0.46 against 0.78 ms);
+    float32 weights of bf16 values (a bf16 checkpoint run in float32)
+    take it with float32 rows, the weights widened in registers (float32 products and sums, half
+    the bytes of a float32 copy); otherwise a float32 copy of the weight (packed with oneDNN when
+    it can be); on CUDA bf16/fp16 weights stay as they are and ``torch.mm(out_dtype=float32)``
+    accumulates in float32 (the hidden state is rounded to the weights' dtype first).
+    ``LEAPFROG_BF16_HEAD_ROWS=0`` (read at load) keeps float32 rows for bf16 weights on CPU (the
+    head before bf16 rows: the hidden state not rounded; logits move by float rounding).
+    ``fp32=False``: the weights' dtype throughout, logits rounded to it (the pre-float32 head,
+    half the bytes; measured 8% faster per token for the demo draft).
     ``quantization`` (drafts only, with fp32=False): a weight-only int8/int4 head (model/quant.py).
     ``pack=False``: a plain linear (compiled graphs prepack it themselves)."""
 
@@ -280,7 +289,9 @@ class LogitsHead(nn.Module):
             return
         self.in_dtype = torch.float32 if fp32 else w.dtype
         if NativeLinear.fits(w):  # bf16 (or bf16-valued float32) weights: the kernel takes float32 rows too
-            self.proj = NativeLinear(w, None)
+            if fp32 and w.dtype == torch.bfloat16 and not env_off("LEAPFROG_BF16_HEAD_ROWS"):
+                self.in_dtype = w.dtype   # bf16 rows, float32 logits
+            self.proj = NativeLinear(w, None, f32_out=fp32)
             return
         w = w.to(self.in_dtype)
         self.proj = inference_linear(w, None) if pack and can_pack(w.dtype, w.device) else linear_like(w, None)

@@ -51,6 +51,23 @@ def test_matches_float64_reference(n, k, bias, rows, dtype):
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows", [1, 5, 8, 9, 17])
+def test_bf16_rows_float32_out(rows):
+    """f32_out: bf16 rows, float32 outputs: the bf16 output's float32 sums before their rounding
+    (within float32 rounding of the float64 reference), row-invariant like the bf16 output."""
+    g = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(70, 96, generator=g).to(BF16), torch.randn(70, generator=g).to(BF16)
+    x = torch.randn(rows, 96, generator=g).to(BF16)
+    lin, lin32 = NativeLinear(w, b), NativeLinear(w, b, f32_out=True)
+    y = lin32(x)
+    assert y.dtype == torch.float32 and y.shape == (rows, 70)
+    tol = (x.double().abs() @ w.double().abs().t() + b.double().abs()) * 2 ** -22 + 1e-6
+    assert bool(((y.double() - _reference(x, w, b)).abs() <= tol).all())
+    assert torch.equal(y.to(BF16), lin(x))   # the same sums, rounded once
+    assert torch.equal(torch.cat([lin32(x[i:i + 1]) for i in range(rows)]), y)
+
+
+@needs_kernel
 def test_batched_input_and_noncontiguous():
     g = torch.Generator().manual_seed(1)
     w, x = torch.randn(70, 64, generator=g).to(BF16), torch.randn(3, 4, 128, generator=g).to(BF16)
@@ -106,8 +123,9 @@ def test_op_registration_and_compiled_graph():
     w, b = torch.randn(48, 32, generator=g).to(BF16), torch.randn(48, generator=g).to(BF16)
     x = torch.randn(5, 32, generator=g).to(BF16)
     lin = NativeLinear(w, b)
-    torch.library.opcheck(torch.ops.leapfrog_gemm.linear_bf16.default, (x, lin.packed, lin.bias, 48),
-                          test_utils=("test_schema", "test_faketensor"))
+    for f32_out in (False, True):
+        torch.library.opcheck(torch.ops.leapfrog_gemm.linear_bf16.default, (x, lin.packed, lin.bias, 48, f32_out),
+                              test_utils=("test_schema", "test_faketensor"))
     model = nn.Sequential(lin, nn.SiLU())
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True)
@@ -130,15 +148,34 @@ def test_models_use_it_in_bf16(llama_dir):
         model.pack_for_inference(pack_layers=pack_layers)
         kinds = {type(m).__name__ for m in model.layers.modules()}
         assert "NativeLinear" in kinds and "Linear" not in kinds and "PackedLinear" not in kinds
-        assert type(model.head.proj).__name__ == "NativeLinear" and model.head.in_dtype == torch.float32
-        # the float32 head: float32 rows times the bf16 weights, summed in float32 (no rounding)
+        assert type(model.head.proj).__name__ == "NativeLinear" and model.head.in_dtype == BF16
+        # the head: the hidden state rounded to bf16, exact products summed in float32, float32 logits
         h = torch.randn(3, ref_model.args.hidden_size)
         w = ref_model.lm_head.weight if ref_model.lm_head is not None else ref_model.embed.weight
-        assert torch.allclose(model.head(h), h @ w.float().t(), rtol=1e-5, atol=1e-5)
+        logits = model.head(h)
+        assert logits.dtype == torch.float32
+        assert torch.allclose(logits, h.to(BF16).float() @ w.float().t(), rtol=1e-5, atol=1e-5)
+        assert not torch.equal(logits, logits.to(BF16).float())   # not rounded to bf16
         with torch.inference_mode():
             logits = model.compute_logits(model(ids, pos).hidden[0])
         assert (logits - ref).abs().max() < 0.05 * ref.abs().max()
         assert torch.equal(logits.argmax(-1), ref.argmax(-1))
+
+
+@needs_kernel
+def test_bf16_head_rows_switch(monkeypatch):
+    """A bf16 target's head reads bf16 rows (float32 logits); LEAPFROG_BF16_HEAD_ROWS=0 keeps
+    float32 rows (the hidden state not rounded); a draft's half-precision head is unaffected."""
+    from leapfrog.model.llama import LogitsHead
+    g = torch.Generator().manual_seed(4)
+    w, h = torch.randn(64, 32, generator=g).to(BF16), torch.randn(3, 32, generator=g)
+    assert LogitsHead(w).in_dtype == BF16
+    assert torch.allclose(LogitsHead(w)(h), h.to(BF16).float() @ w.float().t(), rtol=1e-5, atol=1e-5)
+    monkeypatch.setenv("LEAPFROG_BF16_HEAD_ROWS", "0")
+    head = LogitsHead(w)
+    assert head.in_dtype == torch.float32 and head(h).dtype == torch.float32
+    assert torch.allclose(head(h), h @ w.float().t(), rtol=1e-5, atol=1e-5)
+    assert LogitsHead(w, fp32=False)(h).dtype == torch.float32 and LogitsHead(w, fp32=False).in_dtype == BF16
 
 
 def test_kill_switch(monkeypatch):
