@@ -187,7 +187,8 @@ def main() -> None:
             if args.only is None or c[0] == "none eager" or c[0] in args.only]
     envs = env_variants(args.no_kernel_too, args.env_too)
     suffixes = [suffix for suffix, _ in envs]
-    for (suffix, env), (base, spec, eager) in [(v, c) for v in envs for c in kept]:
+    # a contender's variants side by side in each round (the machine's pace drifts within a round)
+    for (base, spec, eager), (suffix, env) in [(c, v) for c in kept for v in envs]:
         name = base + suffix
         t0 = time.perf_counter()
         saved = {var: os.environ.get(var) for var in env}
