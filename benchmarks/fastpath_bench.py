@@ -1,8 +1,9 @@
 """The compiled fast path against eager forwards, side by side in one run (issue: cut the cost of a step).
 
-Contenders, each one LLM loaded once and run in interleaved rounds (A B C D A B C D ...), batch 1,
-greedy (or sampled: ``--temperature``, ``--request-seed``), on the demo's held-out standard-library
-code: no speculation, draft_model K=4 (the demo draft), the built-in EAGLE-3 head drafting greedy
+Contenders, each one LLM loaded once and run in interleaved rounds (A B C D A B C D ...), batch 1
+(``--batch-size B``: the prompts decoded B at a time, max_num_seqs B), greedy (or sampled:
+``--temperature``, ``--request-seed``), on the demo's held-out standard-library code: no
+speculation, draft_model K=4 (the demo draft), the built-in EAGLE-3 head drafting greedy
 chains of 5 and dynamic trees (``--trees``, default depth 5, top 4, 16 nodes), each eager
 (``enforce_eager=True``) and compiled (``enforce_eager=False``: drafts are fused chain and tree
 graphs), and compiled no speculation, draft_model and the eagle3 chain with ``--steps`` decode
@@ -79,22 +80,26 @@ def graph_seconds(llm: LLM) -> float:
 
 
 def run_once(llm: LLM, prompts: list[str], max_tokens: int, temperature: float = 0.0,
-             request_seed: int | None = None) -> tuple[float, list[list[int]], float]:
+             request_seed: int | None = None, batch_size: int = 1) -> tuple[float, list[list[int]], float]:
     """-> tokens/s, the outputs, and the share of decode time spent outside compiled graphs
     (engine work, drafting glue, eager forwards; 1.0 when eager). ``request_seed``: prompt i's
-    request is seeded with request_seed + i (its output then depends on nothing but the target)."""
+    request is seeded with request_seed + i (its output then depends on nothing but the target).
+    ``batch_size``: the prompts go in groups of that many, one generate call each (the LLM's
+    max_num_seqs)."""
     n, outs, t, decode = 0, [], 0.0, 0.0
     g0 = graph_seconds(llm)
-    for i, p in enumerate(prompts):  # batch 1
-        sp = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True,
-                            seed=None if request_seed is None else request_seed + i)
+    for i in range(0, len(prompts), batch_size):
+        group = prompts[i:i + batch_size]
+        sps = [SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True,
+                              seed=None if request_seed is None else request_seed + i + j) for j in range(len(group))]
         t0 = time.perf_counter()
-        r = llm.generate([p], sp, use_tqdm=False)[0]
+        rs = llm.generate(group, sps, use_tqdm=False)
         t += time.perf_counter() - t0
-        o, m = r.outputs[0], r.metrics
-        decode += m.finished_time - m.first_token_time   # the first token comes from the (eager) prefill
-        n += len(o.token_ids)
-        outs.append(list(o.token_ids))
+        # the first tokens come from the (eager) prefills
+        decode += max(r.metrics.finished_time for r in rs) - min(r.metrics.first_token_time for r in rs)
+        for r in rs:
+            n += len(r.outputs[0].token_ids)
+            outs.append(list(r.outputs[0].token_ids))
     return n / t, outs, 1.0 - (graph_seconds(llm) - g0) / max(decode, 1e-9)
 
 
@@ -166,6 +171,8 @@ def main() -> None:
                     help="seed prompt i's request with this + i (sampled outputs comparable across contenders)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch-size", type=int, default=1,
+                    help="sequences decoded together (max_num_seqs; the prompts go in groups of this many)")
     ap.add_argument("--out", default="fastpath.json")
     ap.add_argument("--no-kernel-too", action="store_true",
                     help="also run each contender with the bf16 linear kernel off (LEAPFROG_NATIVE_LINEAR=0)")
@@ -194,7 +201,7 @@ def main() -> None:
         saved = {var: os.environ.get(var) for var in env}
         os.environ.update(env)   # read when the model is loaded and packed
         try:
-            llms[name] = LLM(model=args.target, dtype=args.dtype, speculative_config=spec, max_num_seqs=1,
+            llms[name] = LLM(model=args.target, dtype=args.dtype, speculative_config=spec, max_num_seqs=args.batch_size,
                              max_model_len=max_len, enforce_eager=eager,
                              num_scheduler_steps=args.steps if base.endswith(" steps") else 1)
         finally:
@@ -214,7 +221,7 @@ def main() -> None:
     for rnd in range(args.rounds):
         for name, llm in llms.items():
             tps, outputs[name], out_share = run_once(llm, prompts, args.max_tokens, args.temperature,
-                                                     args.request_seed)
+                                                     args.request_seed, args.batch_size)
             speeds[name].append(tps)
             outside[name].append(out_share)
         base = speeds["none eager"][-1]
