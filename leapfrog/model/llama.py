@@ -258,9 +258,9 @@ class LogitsHead(nn.Module):
     model/native_linear.py's kernel with bf16 rows (the hidden state rounded to bf16, as on CUDA)
     and float32 outputs: exact products, float32 sums, half the multiply-add instructions of
     float32 rows (the built-in target's head at 17 rows, a tree's verify: 0.46 against 0.78 ms);
-    float32 weights of bf16 values (a bf16 checkpoint run in float32)
-    take it with float32 rows, the weights widened in registers (float32 products and sums, half
-    the bytes of a float32 copy); otherwise a float32 copy of the weight (packed with oneDNN when
+    float32 weights of bf16 values (a bf16 checkpoint run in float32) take it with float32 rows,
+    the weights widened in registers (float32 products and sums, half the bytes of a float32
+    copy); otherwise a float32 copy of the weight (packed with oneDNN when
     it can be); on CUDA bf16/fp16 weights stay as they are and ``torch.mm(out_dtype=float32)``
     accumulates in float32 (the hidden state is rounded to the weights' dtype first).
     ``LEAPFROG_BF16_HEAD_ROWS=0`` (read at load) keeps float32 rows for bf16 weights on CPU (the
