@@ -31,6 +31,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from unittest.mock import patch
 
 import torch
 
@@ -198,18 +199,10 @@ def main() -> None:
     for (base, spec, eager), (suffix, env) in [(c, v) for c in kept for v in envs]:
         name = base + suffix
         t0 = time.perf_counter()
-        saved = {var: os.environ.get(var) for var in env}
-        os.environ.update(env)   # read when the model is loaded and packed
-        try:
+        with patch.dict(os.environ, env):   # read when the model is loaded and packed
             llms[name] = LLM(model=args.target, dtype=args.dtype, speculative_config=spec, max_num_seqs=args.batch_size,
                              max_model_len=max_len, enforce_eager=eager,
                              num_scheduler_steps=args.steps if base.endswith(" steps") else 1)
-        finally:
-            for var, value in saved.items():
-                if value is None:
-                    os.environ.pop(var, None)
-                else:
-                    os.environ[var] = value
         startup[name] = time.perf_counter() - t0
         run_once(llms[name], prompts[:1], 8)  # warm-up
         print(f"[fastpath] loaded {name} in {startup[name]:.1f} s", file=sys.stderr)

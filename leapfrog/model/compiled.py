@@ -77,8 +77,7 @@ def native_ops_tag() -> str:
     (a test's draft chain graph hit a day-old entry and raised in ``cached_attention``)."""
     from leapfrog.attention import native
     from leapfrog.model import native_linear
-    sources = [native._SOURCE, native_linear._HEADER, native_linear._AVX512_BF16, native_linear._AVX2,
-               native_linear._OP]
+    sources = [native._SOURCE, *(source for source, _flags in native_linear._BUILDS.values())]
     return "leapfrog-ops-" + hashlib.sha256("\0".join(sources).encode()).hexdigest()[:16]
 
 
