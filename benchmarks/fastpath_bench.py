@@ -181,6 +181,8 @@ def main() -> None:
                     help="also run each contender loaded with this environment setting, e.g. "
                          "LEAPFROG_BF16_HEAD_ROWS=0 (a bf16 target's LM head on float32 rows)")
     args = ap.parse_args()
+    if args.batch_size < 1:
+        ap.error(f"--batch-size must be at least 1, got {args.batch_size}")
     torch.set_num_threads(args.threads)
 
     sys.path.insert(0, str(Path(__file__).parent))
