@@ -252,11 +252,19 @@ void attend_cpu(const T* q, const T* kc, const T* vc, T* out, const int64_t* row
   at::parallel_for(0, B * Hkv, 1, [&, scale](int64_t begin, int64_t end) {   // scale by value: a register
     std::vector<float> qf(nq * Dh), acc(nq * Dh), score(nq * Lc), mx(nq), sum(nq), blk(BL * Dh);
     std::vector<const bool*> vis(nq);
-    // a block of BL key (value) columns [l0, l0 + nb) as float32 rows of Dh
-    auto load_block = [&](const T* src, int64_t l0, int64_t nb) {
-      for (int64_t c = 0; c < nb; ++c)
-        for (int64_t u = 0; u < nv; ++u)
-          load_f(src + (l0 + c) * Dh + u * Vec::size()).store(blk.data() + c * Dh + u * Vec::size());
+    // a block of BL key (value) columns [l0, l0 + nb) as float32 rows of Dh: float32 caches are
+    // read in place, others converted once into blk (a cache row's columns are contiguous, so
+    // the block is nb * Dh contiguous values; one flat loop with its bounds in registers)
+    auto load_block = [&blk, Dh](const T* src, int64_t l0, int64_t nb) -> const float* {
+      if constexpr (std::is_same_v<T, float>) {
+        return src + l0 * Dh;
+      } else {
+        const T* from = src + l0 * Dh;
+        float* to = blk.data();
+        const int64_t n = nb * Dh;
+        for (int64_t i = 0; i < n; i += Vec::size()) load_f(from + i).store(to + i);
+        return to;
+      }
     };
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / Hkv, hk = item % Hkv;
@@ -272,14 +280,14 @@ void attend_cpu(const T* q, const T* kc, const T* vc, T* out, const int64_t* row
       }
       for (int64_t l0 = 0; l0 < L; l0 += BL) {
         const int64_t nb = std::min<int64_t>(BL, L - l0);
-        load_block(K, l0, nb);
+        const float* kb = load_block(K, l0, nb);
         for (int64_t j = 0; j < nq; ++j) {
           const float* qj = qf.data() + j * Dh;
           float* sj = score.data() + j * Lc + l0;
-          if (nb == BL && nv == 4) dots_block<4>(qj, blk.data(), sj);
-          else if (nb == BL && nv == 8) dots_block<8>(qj, blk.data(), sj);
-          else if (nb == BL && nv == 2) dots_block<2>(qj, blk.data(), sj);
-          else for (int64_t c = 0; c < nb; ++c) sj[c] = dot_col(qj, blk.data() + c * Dh, nv);
+          if (nb == BL && nv == 4) dots_block<4>(qj, kb, sj);
+          else if (nb == BL && nv == 8) dots_block<8>(qj, kb, sj);
+          else if (nb == BL && nv == 2) dots_block<2>(qj, kb, sj);
+          else for (int64_t c = 0; c < nb; ++c) sj[c] = dot_col(qj, kb + c * Dh, nv);
           const bool* vj = vis[j] + l0;
           mx[j] = nb == BL ? scale_mask_block(sj, vj, scale, mx[j]) : scale_mask(sj, vj, nb, scale, mx[j]);
         }
@@ -289,14 +297,14 @@ void attend_cpu(const T* q, const T* kc, const T* vc, T* out, const int64_t* row
       std::fill(sum.begin(), sum.end(), 0.f);
       for (int64_t l0 = 0; l0 < L; l0 += BL) {
         const int64_t nb = std::min<int64_t>(BL, L - l0);
-        load_block(V, l0, nb);
+        const float* vb = load_block(V, l0, nb);
         for (int64_t j = 0; j < nq; ++j) {
           const float* pj = score.data() + j * Lc + l0;
           const bool* vj = vis[j] + l0;
           float* aj = acc.data() + j * Dh;
-          if (nv == 4) values_block<4>(pj, vj, blk.data(), nb, aj, sum[j]);
-          else if (nv == 8) values_block<8>(pj, vj, blk.data(), nb, aj, sum[j]);
-          else values_block_any(pj, vj, blk.data(), nb, nv, aj, sum[j]);
+          if (nv == 4) values_block<4>(pj, vj, vb, nb, aj, sum[j]);
+          else if (nv == 8) values_block<8>(pj, vj, vb, nb, aj, sum[j]);
+          else values_block_any(pj, vj, vb, nb, nv, aj, sum[j]);
         }
       }
       for (int64_t j = 0; j < nq; ++j) {
