@@ -408,9 +408,14 @@ at::Tensor cached_attention_cpu(const at::Tensor& q, const at::Tensor& k, const 
   return out;
 }
 
+// flexible_layout: the kernel takes any strides (it makes what it needs contiguous itself), so
+// inductor passes every layer the same buffers. Under the default (needs_exact_strides) a graph
+// that computes its metadata (the rounds graphs: masks, write columns from ``col``) got a fresh
+// copy per call, each recomputed: 6 x [6, 2048] masks per verify, ~25 us per layer.
 TORCH_LIBRARY(leapfrog_native, m) {
   m.def("cached_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-        "Tensor rows, Tensor write_rows, Tensor write_cols, Tensor mask, Tensor kv_len) -> Tensor");
+        "Tensor rows, Tensor write_rows, Tensor write_cols, Tensor mask, Tensor kv_len) -> Tensor",
+        {at::Tag::flexible_layout});
 }
 TORCH_LIBRARY_IMPL(leapfrog_native, CPU, m) { m.impl("cached_attention", &cached_attention_cpu); }
 TORCH_LIBRARY_IMPL(leapfrog_native, CUDA, m) { m.impl("cached_attention", &cached_attention_aten); }
@@ -462,4 +467,5 @@ def _load() -> bool:
 
 
 def _fake(q, k, v, k_cache, v_cache, rows, write_rows, write_cols, mask, kv_len):
-    return torch.empty_like(q)
+    # contiguous, as the kernel returns it (with flexible_layout, q may come in with other strides)
+    return q.new_empty(q.shape)

@@ -162,3 +162,33 @@ def test_native_op_refuses_out_of_range_indices(native):
         native(q, k, v[:, :, :2], *caches, rows, write_rows, write_cols, mask, kv_len)
     with pytest.raises(RuntimeError, match="caches"):
         native(q, k, v, caches[0], caches[1][:, :, :32], rows, write_rows, write_cols, mask, kv_len)
+
+
+def test_native_op_shares_metadata_buffers_in_graphs(native):
+    """The op is flexible_layout: a compiled graph that computes the metadata itself (rounds
+    graphs: masks and write columns from ``col``) passes every layer the same buffers instead of a
+    recomputed copy each (6 x a [6, 2048] mask per verify). Its inputs may then come strided: the
+    compiled calls give the eager ones' outputs and cache writes bitwise."""
+    from leapfrog.model.compiled import INDUCTOR_OPTIONS, causal_mask
+    assert torch.Tag.flexible_layout in native.default.tags
+    H, hkv, D, K = 4, 2, 16, 3
+
+    def layers(qt, col, rows, c0, c1, c2, c3):   # qt [B, H, S, D]: the queries come transposed
+        vq = col[:, None] + torch.arange(K + 1)                                   # [B, K + 1]
+        mask = causal_mask(torch.arange(ML), vq, None)                            # [B, 1, K + 1, ML]
+        wr, wc, L = rows.repeat_interleave(K + 1), vq.flatten(), col.max() + K + 1
+        q = qt.transpose(1, 2)                                                    # [B, S, H, D] strided
+        kv = q[:, :, :hkv]
+        o = native(q, kv, kv, c0, c1, rows, wr, wc, mask, L)
+        return native(o, o[:, :, :hkv], o[:, :, hkv:], c2, c3, rows, wr, wc, mask, L)
+
+    g = torch.Generator().manual_seed(0)
+    qt = torch.randn(2, H, K + 1, D, generator=g)
+    col, rows = torch.tensor([7, 20]), torch.tensor([1, 0])
+    caches = [torch.randn(3, hkv, ML, D, generator=g) for _ in range(4)]
+    ref_caches = [c.clone() for c in caches]
+    ref = layers(qt, col, rows, *ref_caches)
+    opts = {k: v for k, v in INDUCTOR_OPTIONS.items() if "autotune" not in k}
+    with torch._inductor.config.patch(opts):
+        out = torch.compile(layers, fullgraph=True, dynamic=False)(qt, col, rows, *caches)
+    assert torch.equal(out, ref) and all(torch.equal(a, b) for a, b in zip(caches, ref_caches))
