@@ -68,9 +68,13 @@ def _per_token(q: Tensor, layer: int, kv: KVCache, meta: AttnMeta, gqa: bool) ->
 
 # Registered with torch.library's low-level API: the kernel is called straight from the
 # dispatcher (torch.library.custom_op's Python wrapper costs about 100 us per call).
+# flexible_layout, as the C++ op (attention/native.py): every path takes inputs of any strides and
+# returns a contiguous output, so inductor passes a graph's in-graph metadata (masks, write
+# columns: computed once per round or draft step) to every layer as is, instead of a copy per layer.
 _LIB = torch.library.Library("leapfrog", "FRAGMENT")
 _LIB.define("cached_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-            "Tensor rows, Tensor write_rows, Tensor write_cols, Tensor mask, Tensor kv_len) -> Tensor")
+            "Tensor rows, Tensor write_rows, Tensor write_cols, Tensor mask, Tensor kv_len) -> Tensor",
+            tags=(torch.Tag.flexible_layout,))
 
 
 def cached_attention(q: Tensor, k: Tensor, v: Tensor,  # [B, S, H | Hkv, Dh]
@@ -122,7 +126,7 @@ _LIB.impl("cached_attention", cached_attention, "CUDA")
 
 @torch.library.register_fake("leapfrog::cached_attention", lib=_LIB)
 def _(q, k, v, k_cache, v_cache, rows, write_rows, write_cols, mask, kv_len):
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)   # contiguous, as every path returns it (q may come strided)
 
 
 def _sdpa(q: Tensor,            # [B, H, S, Dh]

@@ -164,12 +164,16 @@ def test_native_op_refuses_out_of_range_indices(native):
         native(q, k, v, caches[0], caches[1][:, :, :32], rows, write_rows, write_cols, mask, kv_len)
 
 
-def test_native_op_shares_metadata_buffers_in_graphs(native):
-    """The op is flexible_layout: a compiled graph that computes the metadata itself (rounds
-    graphs: masks and write columns from ``col``) passes every layer the same buffers instead of a
-    recomputed copy each (6 x a [6, 2048] mask per verify). Its inputs may then come strided: the
+@pytest.mark.parametrize("which", ["native", "python"])
+def test_attention_ops_share_metadata_buffers_in_graphs(which, request):
+    """Both attention ops (this C++ one; the Python one of attention/backend.py, which CUDA graphs
+    use) are flexible_layout: a compiled graph that computes the metadata itself (rounds graphs:
+    masks and write columns from ``col``) passes every layer the same buffers instead of a
+    recomputed copy each (6 x a [6, 2048] mask per verify). Their inputs may then come strided: the
     compiled calls give the eager ones' outputs and cache writes bitwise."""
+    import leapfrog.attention.backend  # noqa: F401  (registers torch.ops.leapfrog.cached_attention)
     from leapfrog.model.compiled import INDUCTOR_OPTIONS, causal_mask
+    native = request.getfixturevalue("native") if which == "native" else torch.ops.leapfrog.cached_attention
     assert torch.Tag.flexible_layout in native.default.tags
     H, hkv, D, K = 4, 2, 16, 3
 
