@@ -8,7 +8,9 @@ chains of 5 and dynamic trees (``--trees``, default depth 5, top 4, 16 nodes), e
 (``enforce_eager=True``) and compiled (``enforce_eager=False``: drafts are fused chain and tree
 graphs), and compiled no speculation, draft_model and the eagle3 chain with ``--steps`` decode
 steps (speculation rounds) per engine step (multi-step decode, ``num_scheduler_steps``; default 8,
-1: no such contenders). Per contender: median tokens/s over rounds, the median of per-round ratios
+1: no such contenders). ``--head-too HEAD ...`` runs other EAGLE-3 heads' contenders beside the
+built-in one's, ``--eagle-depth 5 6`` chains of several lengths.
+Per contender: median tokens/s over rounds, the median of per-round ratios
 to eager no-speculation, on how many prompts its output (greedy, or seeded) equals eager
 no-speculation's and that of no speculation on the same path (bf16 compiled and eager graphs round
 differently), and its start-up time (compiling
@@ -42,26 +44,37 @@ from leapfrog.model.runner import SeqChunk
 from leapfrog.train.distill import heldout_prompts
 
 
-def contenders(draft: str, k: int, head: str, depth: int, trees: Sequence[tuple[int, int, int]] = ((5, 4, 16),),
+HEAD_TAG = ", head "   # the name suffix of the contenders of a second (third, ...) EAGLE-3 head
+
+
+def contenders(draft: str, k: int, heads: Sequence[str], depths: Sequence[int],
+               trees: Sequence[tuple[int, int, int]] = ((5, 4, 16),),
                steps: int = 1) -> list[tuple[str, dict | None, bool]]:
-    """trees: EAGLE-3 dynamic trees as (depth, topk, nodes) (eager and compiled contenders each);
-    steps > 1: also compiled none, draft_model and the eagle3 chain with that many decode steps
-    (speculation rounds) per engine step (num_scheduler_steps)."""
+    """heads: EAGLE-3 heads (the contenders of the second and later ones are named with
+    ``HEAD_TAG`` and their place, from 2); depths: their greedy chains' lengths; trees: EAGLE-3
+    dynamic trees as (depth, topk, nodes) (eager and compiled contenders each); steps > 1: also
+    compiled none, draft_model and the eagle3 chains with that many decode steps (speculation
+    rounds) per engine step (num_scheduler_steps)."""
     spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
-    eagle = {"method": "eagle3", "model": head, "num_speculative_tokens": depth, "eagle_topk": 1}
     out = [("none eager", None, True), ("none compiled", None, False)]
     if steps > 1:
         out.append((f"none compiled {steps} steps", None, False))
     out += [(f"draft_model K={k} eager", spec, True), (f"draft_model K={k} compiled", spec, False)]
     if steps > 1:
         out.append((f"draft_model K={k} compiled {steps} steps", spec, False))
-    out += [(f"eagle3 chain {depth} eager", eagle, True), (f"eagle3 chain {depth} compiled", eagle, False)]
-    if steps > 1:
-        out.append((f"eagle3 chain {depth} compiled {steps} steps", eagle, False))
-    for d, topk, n in trees:
-        tree = {**eagle, "num_speculative_tokens": d, "eagle_topk": topk, "num_draft_tokens": n}
-        name = f"eagle3 tree {d}x{topk}/{n}"
-        out += [(f"{name} eager", tree, True), (f"{name} compiled", tree, False)]
+    for i, head in enumerate(heads):
+        tag = f"{HEAD_TAG}{i + 1}" if i else ""
+        for depth in depths:
+            eagle = {"method": "eagle3", "model": head, "num_speculative_tokens": depth, "eagle_topk": 1}
+            out += [(f"eagle3 chain {depth} eager{tag}", eagle, True),
+                    (f"eagle3 chain {depth} compiled{tag}", eagle, False)]
+            if steps > 1:
+                out.append((f"eagle3 chain {depth} compiled {steps} steps{tag}", eagle, False))
+        for d, topk, n in trees:
+            tree = {"method": "eagle3", "model": head, "num_speculative_tokens": d, "eagle_topk": topk,
+                    "num_draft_tokens": n}
+            name = f"eagle3 tree {d}x{topk}/{n}"
+            out += [(f"{name} eager{tag}", tree, True), (f"{name} compiled{tag}", tree, False)]
     return out
 
 
@@ -155,12 +168,16 @@ def main() -> None:
     ap.add_argument("--draft", default=str(DEMO_DIR / "draft"))
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--head", default=str(DEMO_DIR / "eagle3"), help="EAGLE-3 head (greedy chain contenders)")
-    ap.add_argument("--eagle-depth", type=int, default=5)
+    ap.add_argument("--head-too", nargs="*", default=[], metavar="HEAD",
+                    help="more EAGLE-3 heads, run as the first one's contenders (named ', head 2', ...): "
+                         "a retrained head against the built-in one in the same rounds")
+    ap.add_argument("--eagle-depth", type=int, nargs="+", default=[5], help="the eagle3 chains' lengths")
     ap.add_argument("--trees", nargs="*", default=[(5, 4, 16)], type=tree_arg,
                     help="EAGLE-3 dynamic tree contenders as DEPTHxTOPKxNODES (default 5x4x16)")
     ap.add_argument("--steps", type=int, default=8,
                     help="decode steps per engine step of the multi-step contender (1: no such contender)")
-    ap.add_argument("--only", nargs="*", default=None, help="contender names to keep (none eager always runs)")
+    ap.add_argument("--only", nargs="*", default=None,
+                    help="names to keep (none eager always runs; --head-too heads' contenders by these names)")
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=96)
@@ -193,8 +210,9 @@ def main() -> None:
     max_len = args.prompt_tokens + args.max_tokens + 2 * args.k + 8
 
     llms, startup = {}, {}
-    kept = [c for c in contenders(args.draft, args.k, args.head, args.eagle_depth, args.trees, args.steps)
-            if args.only is None or c[0] == "none eager" or c[0] in args.only]
+    kept = [c for c in contenders(args.draft, args.k, [args.head, *args.head_too], args.eagle_depth, args.trees,
+                                  args.steps)
+            if args.only is None or c[0] == "none eager" or c[0].split(HEAD_TAG)[0] in args.only]
     envs = env_variants(args.no_kernel_too, args.env_too)
     suffixes = [suffix for suffix, _ in envs]
     # a contender's variants side by side in each round (the machine's pace drifts within a round)
