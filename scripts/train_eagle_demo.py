@@ -40,12 +40,12 @@ OUT = DEMO / "eagle3"
 SEED = 0
 HELDOUT_FRACTION = 0.02          # scripts/train_demo.py's split
 DATA = EagleData(mode="generate", heldout_fraction=HELDOUT_FRACTION, split_seed=SEED, gen_tokens=128,
-                 gen_temperature=0.0, gen_prompt_tokens=32, gen_prompts_per_doc=3, gen_max_num_seqs=64)
+                 gen_temperature=0.0, gen_prompt_tokens=32, gen_prompts_per_doc=6, gen_max_num_seqs=64)
 RECIPE = EagleRecipe(ttt_steps=4, step_decay=0.8, draft_vocab_size=4096, intermediate_size=704,
                      num_key_value_heads=2)
 # batch_size counts samples (prompt + continuation, about 160 tokens each, trained from position 0);
-# 320 steps = about 20 minutes of training on 2 AVX-512 cores
-TRAIN = TrainConfig(steps=320, batch_size=24, seq_len=256, lr=4e-3, warmup_steps=15, min_lr_ratio=0.05,
+# 800 steps = about 45 minutes of training on 2 AVX-512 cores
+TRAIN = TrainConfig(steps=800, batch_size=24, seq_len=256, lr=4e-3, warmup_steps=30, min_lr_ratio=0.05,
                     weight_decay=0.0, grad_clip=1.0, seed=SEED, checkpoint_every=10, eval_every=40,
                     autocast_bf16=True)
 #: the acceptance test: held-out prompts (distill.heldout_prompts: 32 tokens at a line start of each
