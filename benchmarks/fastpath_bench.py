@@ -222,7 +222,7 @@ def main() -> None:
         with patch.dict(os.environ, env):   # read when the model is loaded and packed
             llms[name] = LLM(model=args.target, dtype=args.dtype, speculative_config=spec, max_num_seqs=args.batch_size,
                              max_model_len=max_len, enforce_eager=eager,
-                             num_scheduler_steps=args.steps if base.endswith(" steps") else 1)
+                             num_scheduler_steps=args.steps if base.split(HEAD_TAG)[0].endswith(" steps") else 1)
         startup[name] = time.perf_counter() - t0
         run_once(llms[name], prompts[:1], 8)  # warm-up
         print(f"[fastpath] loaded {name} in {startup[name]:.1f} s", file=sys.stderr)
