@@ -32,6 +32,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from unittest.mock import patch
 
@@ -44,37 +45,47 @@ from leapfrog.model.runner import SeqChunk
 from leapfrog.train.distill import heldout_prompts
 
 
-HEAD_TAG = ", head "   # the name suffix of the contenders of a second (third, ...) EAGLE-3 head
+@dataclass(frozen=True)
+class Contender:
+    base: str                   # its name without the head's tag (what --only matches)
+    spec: dict | None           # speculative_config (None: no speculation)
+    eager: bool                 # enforce_eager
+    steps: int = 1              # num_scheduler_steps
+    tag: str = ""               # ", head N" for the N-th EAGLE-3 head (N >= 2), else ""
+
+    @property
+    def name(self) -> str:
+        return self.base + self.tag
 
 
 def contenders(draft: str, k: int, heads: Sequence[str], depths: Sequence[int],
-               trees: Sequence[tuple[int, int, int]] = ((5, 4, 16),),
-               steps: int = 1) -> list[tuple[str, dict | None, bool]]:
-    """heads: EAGLE-3 heads (the contenders of the second and later ones are named with
-    ``HEAD_TAG`` and their place, from 2); depths: their greedy chains' lengths; trees: EAGLE-3
-    dynamic trees as (depth, topk, nodes) (eager and compiled contenders each); steps > 1: also
-    compiled none, draft_model and the eagle3 chains with that many decode steps (speculation
-    rounds) per engine step (num_scheduler_steps)."""
+               trees: Sequence[tuple[int, int, int]] = ((5, 4, 16),), steps: int = 1) -> list[Contender]:
+    """heads: EAGLE-3 heads (the contenders of the second and later ones are tagged ", head N",
+    N their place from 2); depths: their greedy chains' lengths; trees: EAGLE-3 dynamic trees as
+    (depth, topk, nodes) (eager and compiled contenders each); steps > 1: also compiled none,
+    draft_model and the eagle3 chains with that many decode steps (speculation rounds) per engine
+    step (num_scheduler_steps)."""
     spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
-    out = [("none eager", None, True), ("none compiled", None, False)]
+    out = [Contender("none eager", None, True), Contender("none compiled", None, False)]
     if steps > 1:
-        out.append((f"none compiled {steps} steps", None, False))
-    out += [(f"draft_model K={k} eager", spec, True), (f"draft_model K={k} compiled", spec, False)]
+        out.append(Contender(f"none compiled {steps} steps", None, False, steps))
+    out += [Contender(f"draft_model K={k} eager", spec, True), Contender(f"draft_model K={k} compiled", spec, False)]
     if steps > 1:
-        out.append((f"draft_model K={k} compiled {steps} steps", spec, False))
+        out.append(Contender(f"draft_model K={k} compiled {steps} steps", spec, False, steps))
     for i, head in enumerate(heads):
-        tag = f"{HEAD_TAG}{i + 1}" if i else ""
+        tag = f", head {i + 1}" if i else ""
         for depth in depths:
             eagle = {"method": "eagle3", "model": head, "num_speculative_tokens": depth, "eagle_topk": 1}
-            out += [(f"eagle3 chain {depth} eager{tag}", eagle, True),
-                    (f"eagle3 chain {depth} compiled{tag}", eagle, False)]
+            out += [Contender(f"eagle3 chain {depth} eager", eagle, True, tag=tag),
+                    Contender(f"eagle3 chain {depth} compiled", eagle, False, tag=tag)]
             if steps > 1:
-                out.append((f"eagle3 chain {depth} compiled {steps} steps{tag}", eagle, False))
+                out.append(Contender(f"eagle3 chain {depth} compiled {steps} steps", eagle, False, steps, tag))
         for d, topk, n in trees:
             tree = {"method": "eagle3", "model": head, "num_speculative_tokens": d, "eagle_topk": topk,
                     "num_draft_tokens": n}
             name = f"eagle3 tree {d}x{topk}/{n}"
-            out += [(f"{name} eager{tag}", tree, True), (f"{name} compiled{tag}", tree, False)]
+            out += [Contender(f"{name} eager", tree, True, tag=tag),
+                    Contender(f"{name} compiled", tree, False, tag=tag)]
     return out
 
 
@@ -212,17 +223,17 @@ def main() -> None:
     llms, startup = {}, {}
     kept = [c for c in contenders(args.draft, args.k, [args.head, *args.head_too], args.eagle_depth, args.trees,
                                   args.steps)
-            if args.only is None or c[0] == "none eager" or c[0].split(HEAD_TAG)[0] in args.only]
+            if args.only is None or c.base == "none eager" or c.base in args.only]
     envs = env_variants(args.no_kernel_too, args.env_too)
     suffixes = [suffix for suffix, _ in envs]
     # a contender's variants side by side in each round (the machine's pace drifts within a round)
-    for (base, spec, eager), (suffix, env) in [(c, v) for c in kept for v in envs]:
-        name = base + suffix
+    for c, (suffix, env) in [(c, v) for c in kept for v in envs]:
+        name = c.name + suffix
         t0 = time.perf_counter()
         with patch.dict(os.environ, env):   # read when the model is loaded and packed
-            llms[name] = LLM(model=args.target, dtype=args.dtype, speculative_config=spec, max_num_seqs=args.batch_size,
-                             max_model_len=max_len, enforce_eager=eager,
-                             num_scheduler_steps=args.steps if base.split(HEAD_TAG)[0].endswith(" steps") else 1)
+            llms[name] = LLM(model=args.target, dtype=args.dtype, speculative_config=c.spec,
+                             max_num_seqs=args.batch_size, max_model_len=max_len, enforce_eager=c.eager,
+                             num_scheduler_steps=c.steps)
         startup[name] = time.perf_counter() - t0
         run_once(llms[name], prompts[:1], 8)  # warm-up
         print(f"[fastpath] loaded {name} in {startup[name]:.1f} s", file=sys.stderr)

@@ -173,8 +173,8 @@ def test_attention_ops_share_metadata_buffers_in_graphs(which, request):
     compiled calls give the eager ones' outputs and cache writes bitwise."""
     import leapfrog.attention.backend  # noqa: F401  (registers torch.ops.leapfrog.cached_attention)
     from leapfrog.model.compiled import INDUCTOR_OPTIONS, causal_mask
-    native = request.getfixturevalue("native") if which == "native" else torch.ops.leapfrog.cached_attention
-    assert torch.Tag.flexible_layout in native.default.tags
+    op = request.getfixturevalue("native") if which == "native" else torch.ops.leapfrog.cached_attention
+    assert torch.Tag.flexible_layout in op.default.tags
     H, hkv, D, K = 4, 2, 16, 3
 
     def layers(qt, col, rows, c0, c1, c2, c3):   # qt [B, H, S, D]: the queries come transposed
@@ -183,8 +183,8 @@ def test_attention_ops_share_metadata_buffers_in_graphs(which, request):
         wr, wc, L = rows.repeat_interleave(K + 1), vq.flatten(), col.max() + K + 1
         q = qt.transpose(1, 2)                                                    # [B, S, H, D] strided
         kv = q[:, :, :hkv]
-        o = native(q, kv, kv, c0, c1, rows, wr, wc, mask, L)
-        return native(o, o[:, :, :hkv], o[:, :, hkv:], c2, c3, rows, wr, wc, mask, L)
+        o = op(q, kv, kv, c0, c1, rows, wr, wc, mask, L)
+        return op(o, o[:, :, :hkv], o[:, :, hkv:], c2, c3, rows, wr, wc, mask, L)
 
     g = torch.Generator().manual_seed(0)
     qt = torch.randn(2, H, K + 1, D, generator=g)
