@@ -6,6 +6,11 @@ decodes a short window ``ids[prefix_offset:]`` and emits the text beyond the win
 earlier decode ``ids[prefix_offset:read_offset]``; a trailing U+FFFD (an unfinished UTF-8
 sequence) waits for the next token. The window starts with a few prompt tokens so that the
 first generated token gets its leading space.
+
+Without stop strings nothing needs the text before someone reads it: ``add_many`` only queues
+the tokens, and reading ``text`` decodes everything queued with one window decode (a request
+whose outputs are read only when it finishes, as ``LLM.generate``'s, is decoded once, not once
+per step; measured 40 us of a 1.3 ms one-token step of the built-in target).
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ class Detokenizer:
     skip_special_tokens: bool = True
     stop: list[str] = field(default_factory=list)
     include_stop: bool = False
-    text: str = ""
+    _text: str = ""
+    _pending: list[int] = field(default_factory=list)   # queued by add_many, decoded when text is read
     _ids: list[int] = field(default_factory=list)
     _prefix: int = 0
     _read: int = 0
@@ -34,11 +40,24 @@ class Detokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)  # type: ignore[attr-defined]
 
+    @property
+    def text(self) -> str:
+        """The text of every token added so far (the queued ones decoded now)."""
+        if self._pending:
+            self._flush()
+        return self._text
+
     def add_many(self, token_ids: list[int]) -> None:
-        """Append several tokens with one window decode (no stop strings are checked: for requests
-        without any). The text is what adding them one by one gives: each window starts at the
-        last emitted text's end, so a longer window emits the same text at once; only when it ends
-        in an unfinished character are they added one by one (the ones before it have text now)."""
+        """Append several tokens, decoded when ``text`` is next read (no stop strings are checked:
+        for requests without any)."""
+        self._pending += token_ids
+
+    def _flush(self) -> None:
+        """Decode the queued tokens with one window decode. The text is what adding them one by
+        one gives: each window starts at the last emitted text's end, so a longer window emits the
+        same text at once; only when it ends in an unfinished character are they added one by one
+        (the ones before it have text now)."""
+        token_ids, self._pending = self._pending, []
         n = len(self._ids)
         self._ids += token_ids
         if self._emit() or len(token_ids) == 1:
@@ -50,21 +69,23 @@ class Detokenizer:
 
     def add(self, token_id: int, check_stop: bool = True) -> str | None:
         """Append one token; returns the stop string that matched (text is then truncated)."""
+        if self._pending:
+            self._flush()
         self._ids.append(token_id)
-        before = len(self.text)
+        before = len(self._text)
         if not self._emit() or not (check_stop and self.stop):
             return None
         longest = max(len(s) for s in self.stop)
         start = max(0, before - longest + 1)
         best: tuple[int, str] | None = None
         for s in self.stop:
-            i = self.text.find(s, start)
+            i = self._text.find(s, start)
             if i >= 0 and (best is None or i < best[0]):
                 best = (i, s)
         if best is None:
             return None
         i, s = best
-        self.text = self.text[: i + len(s) if self.include_stop else i]
+        self._text = self._text[: i + len(s) if self.include_stop else i]
         return s
 
     def _emit(self) -> bool:
@@ -74,6 +95,6 @@ class Detokenizer:
         new_text = self._decode(self._ids[self._prefix:])
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return False
-        self.text += new_text[len(prefix_text):]
+        self._text += new_text[len(prefix_text):]
         self._prefix, self._read = self._read, len(self._ids)
         return True

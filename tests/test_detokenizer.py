@@ -36,3 +36,36 @@ def test_adding_tokens_at_once_gives_the_text_of_one_by_one(tokenizer, picks, cu
         i, c = i + n, c + 1
     assert many.text == one.text
     assert "\ufffd" not in one.text or "\ufffd" in tokenizer.decode(ids, skip_special_tokens=skip)
+
+
+class _Counting:
+    """The tokenizer, counting its decode calls."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.calls = tokenizer, 0
+
+    def decode(self, ids, **kw):
+        self.calls += 1
+        return self.tokenizer.decode(ids, **kw)
+
+
+def test_queued_tokens_are_decoded_only_when_the_text_is_read(tokenizer):
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    prompt = tokenizer.encode("x = 1\n")
+    counting = _Counting(tokenizer)
+    lazy = Detokenizer(counting, prompt)
+    for i in range(0, len(ids), 3):
+        lazy.add_many(ids[i:i + 3])
+    assert counting.calls == 0          # nothing decoded per step
+    one = Detokenizer(tokenizer, prompt)
+    for t in ids:
+        one.add(t)
+    assert lazy.text == one.text
+    calls = counting.calls
+    assert lazy.text == one.text and counting.calls == calls   # decoded once, not again
+    # a single add (the stop-string path) after queued tokens keeps the order
+    mixed = Detokenizer(tokenizer, prompt)
+    mixed.add_many(ids[:5])
+    for t in ids[5:]:
+        mixed.add(t)
+    assert mixed.text == one.text

@@ -372,13 +372,17 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # ------------------------------------------------------------------ the step
-    def step(self) -> list[RequestOutput]:
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
         """One engine step. Isolation by construction: the step first computes everything for the
         whole batch (KV writes beyond committed lengths and proposer state are the only side
         effects, both redone safely), then commits request by request. If the batched compute
         raises, every scheduled request is retried alone; one that still fails ends with
         finish_reason "error" and the others go on as if nothing happened (with seeded and
-        greedy requests their output is the same: their randomness is keyed by position)."""
+        greedy requests their output is the same: their randomness is keyed by position).
+
+        ``final_only``: outputs of the requests that finished (or failed) in this step only, for
+        callers that read nothing else (``LLM.generate``, vLLM's FINAL_ONLY output kind): running
+        requests' text is then not decoded every step (detokenizer.py)."""
         sched = self.scheduler.schedule()
         self.iteration = IterationStats()
         self._failed = []
@@ -389,7 +393,7 @@ class LLMEngine:
             updated += self._isolated(self._decode, sched.decode, lambda r: r)
         outs: list[RequestOutput] = []
         for r in updated:
-            if r.finish_reason != "error":
+            if r.finish_reason != "error" and not (final_only and r.finish_reason is None):
                 self._guarded(r, lambda r=r: outs.append(self._output(r)))
         failed, self._failed = self._failed, []
         return failed + outs

@@ -165,7 +165,7 @@ class LLM:
         done_groups = 0
         try:
             while len(finished) < total:
-                for out in self.engine.step():
+                for out in self.engine.step(final_only=True):
                     if out.request_id not in mine:
                         continue
                     if out.outputs[0].finish_reason == "error":

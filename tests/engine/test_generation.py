@@ -134,3 +134,25 @@ def test_more_requests_than_rows_queue(llama_dir):
     single = [llm.generate({"prompt_token_ids": [i + 1, i + 2]}, sp, use_tqdm=False)[0] for i in range(7)]
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in single]
     assert llm.engine.kv.num_free == 2
+
+
+def test_final_only_steps_give_each_request_once_when_it_ends(llm):
+    """LLMEngine.step(final_only=True) (LLM.generate's loop): only finished requests' outputs, with
+    the text and tokens that stepping with every output gives."""
+    def run(final_only: bool) -> dict:
+        eng = llm.engine
+        for i, n in enumerate((3, 9)):
+            eng.add_request(f"fo-{final_only}-{i}", None, [5 + i, 6, 7], SamplingParams(
+                temperature=0, max_tokens=n, ignore_eos=True))
+        last, seen = {}, []
+        while eng.has_unfinished():
+            for out in eng.step(final_only=final_only):
+                seen.append(out.finished)
+                last[out.request_id.rsplit("-", 1)[1]] = (out.outputs[0].text, out.outputs[0].token_ids)
+        return last, seen
+
+    every, seen_every = run(False)
+    final, seen_final = run(True)
+    assert not all(seen_every)                  # stepping with every output shows running requests
+    assert seen_final == [True, True]           # final_only: each request once, when it ends
+    assert final == every and len(final["1"][1]) == 9
