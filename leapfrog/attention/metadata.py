@@ -44,7 +44,7 @@ class AttnMeta:
 def build_attn_meta(rows: list[int], cols: list[list[int]], scratch_row: int, device: torch.device | str,
                     sliding_window: int | None = None, tree_mask: Tensor | None = None,
                     per_token: bool = False, pad_to: int | None = None,
-                    graph_width: int | None = None) -> AttnMeta:
+                    graph_width: int | None = None, columns: Tensor | None = None) -> AttnMeta:
     """Metadata for sequences ``rows`` whose new tokens go to columns ``cols[b]`` (ragged).
 
     The default mask is causal by cache column. ``tree_mask`` ([B, S, kv_len] bool), when
@@ -53,6 +53,8 @@ def build_attn_meta(rows: list[int], cols: list[list[int]], scratch_row: int, de
     more than the longest sequence (a compiled graph's bucket). ``graph_width``: metadata for a
     compiled graph (model/compiled.py): a mask ``graph_width`` columns wide whatever kv_len,
     kv_len as a tensor, index writes and reads (no int the graph would be specialized on).
+    ``columns``: arange(graph_width) on ``device``, when the caller keeps one (a step's host work
+    is a few small tensors: each one made fresh costs microseconds).
     """
     B = len(rows)
     S = max(max(len(c) for c in cols), pad_to or 0)
@@ -63,6 +65,10 @@ def build_attn_meta(rows: list[int], cols: list[list[int]], scratch_row: int, de
         write_rows += [r] * len(c) + [scratch_row] * pad
         write_cols += list(c) + list(range(pad))
         q_cols.append(list(c) + [0] * pad)
+    # every integer input from one tensor (on a step's host path each tensor made costs microseconds):
+    # rows [B], write_rows [B*S], write_cols [B*S], query columns [B*S], kv_len
+    BS = B * S
+    ints = torch.tensor(rows + write_rows + write_cols + [c for q in q_cols for c in q] + [kv_len], device=device)
     contiguous = rows == list(range(rows[0], rows[0] + B))
     single_span = B == 1 and cols[0] == list(range(cols[0][0], cols[0][0] + S))
     mask = token_cols = None
@@ -74,8 +80,10 @@ def build_attn_meta(rows: list[int], cols: list[list[int]], scratch_row: int, de
         # (a lone query without a window sees every column: no mask)
         # (a graph's mask is graph_width columns wide: columns >= kv_len are past every query
         # column, so comparing over the whole width gives the padded mask in one op)
-        qc = torch.tensor(q_cols, device=device)[:, :, None]  # [B, S, 1]
-        kc = torch.arange(graph_width or kv_len, device=device)[None, None, :]  # [1, 1, L]
+        qc = ints[B + 2 * BS:B + 3 * BS].view(B, S, 1)  # [B, S, 1]
+        if columns is None or graph_width is None:
+            columns = torch.arange(graph_width or kv_len, device=device)
+        kc = columns[None, None, :]  # [1, 1, L]
         allowed = kc <= qc
         if sliding_window is not None:
             allowed &= kc > qc - sliding_window
@@ -85,11 +93,11 @@ def build_attn_meta(rows: list[int], cols: list[list[int]], scratch_row: int, de
         assert mask is not None
         if tree_mask is not None:  # (the causal mask above is graph_width wide already)
             mask = torch.nn.functional.pad(mask, (0, graph_width - kv_len))  # [B, 1, S, graph_width]
-        graph_kv_len = torch.tensor(kv_len, device=device)
+        graph_kv_len = ints[-1]
     return AttnMeta(
-        rows=torch.tensor(rows, device=device),
-        write_rows=torch.tensor(write_rows, device=device),
-        write_cols=torch.tensor(write_cols, device=device),
+        rows=ints[:B],
+        write_rows=ints[B:B + BS],
+        write_cols=ints[B + BS:B + 2 * BS],
         kv_len=kv_len,
         mask=mask,
         row_range=(rows[0], rows[0] + B) if contiguous and graph_width is None else None,

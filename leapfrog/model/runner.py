@@ -125,6 +125,10 @@ class ModelRunner:
         plain = self.device.type == "cpu" and model.dtype in (torch.float32, torch.bfloat16, torch.float16)
         wanted = plain and not batch_invariant and not env_off("LEAPFROG_NATIVE_ATTENTION")
         self._native: bool | None = None if wanted else False
+        # a compiled graph's logits are checked for float16 overflow (check_logits), only in fp16
+        # models (the check's dtype lookup alone cost 10 us per step, once the graph had run)
+        self._fp16 = model.dtype == torch.float16
+        self._cols: Tensor | None = None   # (_columns)
 
     @property
     def compiled(self) -> CompiledForward | None:
@@ -368,21 +372,21 @@ class ModelRunner:
                 kwargs["aux_layers"] = hidden
             out = self.model(token_ids=tok, positions=posn, kv=self.kv, attn=meta, **kwargs)
             out_hidden, out_aux = out.hidden, out.aux
-        flat = out_hidden.reshape(B * S, -1)
-        real = [b * S + i for b, c in enumerate(chunks) for i in range(len(c.token_ids))]
         feats = None
         if hidden is not None:
-            src = flat if hidden == "hidden" else torch.cat(out_aux, dim=-1).reshape(B * S, -1)
-            feats = _take(src, real)
+            real = [b * S + i for b, c in enumerate(chunks) for i in range(len(c.token_ids))]
+            src = out_hidden if hidden == "hidden" else torch.cat(out_aux, dim=-1)
+            feats = _take(src.reshape(B * S, -1), real)
         rows = [b * S + i for b, c in enumerate(chunks)
                 for i in range(len(c.token_ids) - c.num_logits, len(c.token_ids))]
         if not rows:
             return StepOutput(torch.empty(0, self.model.args.vocab_size), feats)
         if g is not None:
             logits = _take(g.logits, rows)
-            self.model.check_logits(logits)
+            if self._fp16:
+                self.model.check_logits(logits)
             return StepOutput(logits.cpu(), feats, (_take(g.top, rows).cpu(), _take(g.top_ids, rows).cpu()))
-        return StepOutput(self.model.compute_logits(_take(flat, rows)).cpu(), feats)
+        return StepOutput(self.model.compute_logits(_take(out_hidden.reshape(B * S, -1), rows)).cpu(), feats)
 
     def _inputs(self, chunks: list[SeqChunk], S: int, kv_len: int, graph: bool) -> tuple[Tensor, Tensor, AttnMeta]:
         """Padded token ids and positions [B, S] and the attention metadata (``graph``: for a
@@ -397,11 +401,18 @@ class ModelRunner:
         native = not graph and S <= NATIVE_EAGER_TOKENS and self._native_attention()
         meta = build_attn_meta([c.row for c in chunks], cols, self.kv.scratch_row, self.device,
                                self.model.args.sliding_window, tree_mask=tree, per_token=self.batch_invariant,
-                               pad_to=S, graph_width=self.kv.max_model_len if graph or native else None)
+                               pad_to=S, graph_width=self.kv.max_model_len if graph or native else None,
+                               columns=self._columns())
         meta.native = native
         tok = torch.tensor(tokens, dtype=torch.long, device=self.device)
         posn = torch.tensor(positions, dtype=torch.long, device=self.device)
         return tok, posn, meta
+
+    def _columns(self) -> Tensor:
+        """arange(max_model_len) on the device: the cache's columns, for graph masks (made once)."""
+        if self._cols is None:
+            self._cols = torch.arange(self.kv.max_model_len, device=self.device)
+        return self._cols
 
     def _native_attention(self) -> bool:
         """Whether eager forwards call the compiled graphs' C++ attention op (attention/native.py)

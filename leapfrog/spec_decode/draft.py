@@ -88,6 +88,8 @@ class DraftBatch:
         return out
 
     def lists(self) -> list[list[int]]:
+        if not any(self.num_draft):   # (plain decode: no tensor to read)
+            return [[] for _ in self.num_draft]
         flat = self.token_ids.tolist()
         o = self.offsets()
         return [flat[o[b]:o[b + 1]] for b in range(len(self.num_draft))]
