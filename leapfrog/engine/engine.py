@@ -27,6 +27,7 @@ from leapfrog.errors import ConfigError, RequestError
 from leapfrog.kv.manager import KVManager
 from leapfrog.model.compiled import RoundRace, can_compile, make_buckets
 from leapfrog.model.loader import load_model, load_tokenizer, read_checkpoint, resolve_dtype
+from leapfrog.model.native_linear import set_streaming
 from leapfrog.model.quant import check_quantization
 from leapfrog.model.runner import ModelRunner, SeqChunk
 from leapfrog.outputs import IterationStats, Logprob, PositionLogprobs, RequestOutput, SpecMetrics
@@ -105,6 +106,12 @@ class LLMEngine:
             if config.speculative_config is not None:
                 from leapfrog.spec_decode.setup import build_speculation
                 self.proposer, self.spec_controller = build_speculation(config.speculative_config, self)
+                if getattr(self.proposer, "runner", None) is not None:
+                    # a drafter model: a target larger than the cache streams its weights past it,
+                    # so the drafter's stay cached between draft steps (model/native_linear.py)
+                    n = set_streaming(self.model)
+                    if n:
+                        log.info("target weights stream non-temporally (%d linears) beside the drafter", n)
             #: which target states the proposer reads (EAGLE: "hidden" or aux layers), else None
             self._target_states = getattr(self.proposer, "target_states", None)
             if not config.enforce_eager:

@@ -40,11 +40,14 @@ float32 (22.5 of the machine's ~25 GB/s), five rows 3.6 ms against 19.2; the bui
 decodes eagerly in float32 at 267 tokens/s against 171 with oneDNN's float32 linears, with the
 same greedy tokens.
 
-Software prefetch (AVX-512): 4 KiB ahead into L2 (``_MM_HINT_T1``). Against 1 KiB ahead into L1,
-the first choice, the built-in target's linears streaming from memory (47 MB, 2 threads, medians of
-40 interleaved rounds, three runs) took 0.79-0.91x the time for one row and 0.92-0.93x for six; in
-three alternating engine runs (``fastpath_bench.py``), one-token compiled decode ran 1.06-1.36x
-faster and 8-round EAGLE-3 chains within the noise (0.95-1.09x).
+Software prefetch (AVX-512; ``kernel_source``): 4 KiB ahead into L2 (``_MM_HINT_T1``). Against
+1 KiB ahead into L1, the first choice, the built-in target's linears streaming from memory (47 MB,
+2 threads, medians of 40 interleaved rounds, three runs) took 0.79-0.91x the time for one row and
+0.92-0.93x for six. A target larger than the last-level cache that runs beside a drafter model
+prefetches non-temporally instead (``NativeLinear.stream``, ``set_streaming``): its weights then
+pass through without evicting the drafter's, which stay cached from one draft step to the next
+(an EAGLE-3 head or a small draft model is re-read at every draft step). Same arithmetic either
+way (tested bitwise).
 
 It is built once per instruction set with ``torch.utils.cpp_extension.load_inline`` (about 20 s,
 cached under ``TORCH_EXTENSIONS_DIR``) for the CPU's best (``/proc/cpuinfo``: AVX-512 BF16, else
@@ -89,9 +92,16 @@ namespace {
 constexpr int64_t BLOCK = 32;     // output columns per packed block (two 16-lane vectors)
 constexpr int64_t ROWS = 8;       // bf16 rows per register tile: 8 x 4 accumulators
 constexpr int64_t ROWS_F32 = 6;   // float32 rows per tile: 6 x 4 accumulators + 4 widened weights
-// bf16 elements ahead in the weight stream (4 KiB), fetched into L2 (T1), not L1 (module docstring)
-constexpr int64_t PREFETCH = 2048;
-#define LEAPFROG_PREFETCH_HINT _MM_HINT_T1
+constexpr int64_t PREFETCH = @PREFETCH@;   // bf16 elements ahead in the weight stream (kernel_source)
+
+// The weight stream's software prefetch: kernel_source's hint, or with STREAM non-temporal (a
+// model larger than the last-level cache: its weights pass through without evicting what stays,
+// such as a drafter's weights; NativeLinear.stream)
+template <bool STREAM>
+inline void prefetch(const uint16_t* p) {
+  if constexpr (STREAM) _mm_prefetch((const char*)p, _MM_HINT_NTA);
+  else @PREFETCH_CALL@;
+}
 
 inline __m512i pair(const uint16_t* p) {   // a k-pair of one row broadcast to the 16 lanes
   int32_t v;
@@ -138,7 +148,7 @@ inline __m512 dot(__m512 acc, __m512i a, __m512i w) {
 // C[m, 0:cols] = A[m, :] . block + bias for m < M.  A: bf16 rows (stride lda); blk: one packed
 // block [K2][32][2]; C: bf16 (stride ldc), or float32 with F32OUT (the sums not rounded: an LM
 // head's logits); cols <= 32 valid columns of the block.
-template <int M, bool F32OUT>
+template <int M, bool F32OUT, bool STREAM>
 void tile(const uint16_t* A, int64_t lda, const uint16_t* blk, int64_t K2, const float* bias,
           void* Cv, int64_t ldc, int64_t cols) {
   __m512 c0[M], c1[M], c2[M], c3[M];
@@ -146,10 +156,10 @@ void tile(const uint16_t* A, int64_t lda, const uint16_t* blk, int64_t K2, const
   int64_t kk = 0;
   for (; kk + 2 <= K2; kk += 2) {
     const uint16_t* w = blk + kk * 2 * BLOCK;
-    _mm_prefetch((const char*)(w + PREFETCH), LEAPFROG_PREFETCH_HINT);
-    _mm_prefetch((const char*)(w + PREFETCH + 32), LEAPFROG_PREFETCH_HINT);
-    _mm_prefetch((const char*)(w + PREFETCH + 64), LEAPFROG_PREFETCH_HINT);
-    _mm_prefetch((const char*)(w + PREFETCH + 96), LEAPFROG_PREFETCH_HINT);
+    prefetch<STREAM>(w + PREFETCH);
+    prefetch<STREAM>(w + PREFETCH + 32);
+    prefetch<STREAM>(w + PREFETCH + 64);
+    prefetch<STREAM>(w + PREFETCH + 96);
     const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 32);
     const __m512i w2 = _mm512_loadu_si512(w + 64), w3 = _mm512_loadu_si512(w + 96);
     for (int m = 0; m < M; ++m) {
@@ -183,7 +193,7 @@ void tile(const uint16_t* A, int64_t lda, const uint16_t* blk, int64_t K2, const
 // C[m, 0:cols] = A[m, :] . block + bias for m < M, float32 rows: the bf16 weights widened to
 // float32 in registers (exact), products and sums in float32 (fused multiply-adds). Partial sums:
 // even k into c0/c1, odd k into c2/c3, added at the end.
-template <int M>
+template <int M, bool STREAM>
 void tile_f32(const float* A, int64_t lda, const uint16_t* blk, int64_t K2, const float* bias,
               float* C, int64_t ldc, int64_t cols) {
   __m512 c0[M], c1[M], c2[M], c3[M];
@@ -191,8 +201,8 @@ void tile_f32(const float* A, int64_t lda, const uint16_t* blk, int64_t K2, cons
   const __m512i high = _mm512_set1_epi32((int32_t)0xFFFF0000u);
   for (int64_t kk = 0; kk < K2; ++kk) {
     const uint16_t* w = blk + kk * 2 * BLOCK;
-    _mm_prefetch((const char*)(w + PREFETCH), LEAPFROG_PREFETCH_HINT);
-    _mm_prefetch((const char*)(w + PREFETCH + 32), LEAPFROG_PREFETCH_HINT);
+    prefetch<STREAM>(w + PREFETCH);
+    prefetch<STREAM>(w + PREFETCH + 32);
     const __m512i v0 = _mm512_loadu_si512(w), v1 = _mm512_loadu_si512(w + 32);
     const __m512 e0 = _mm512_castsi512_ps(_mm512_slli_epi32(v0, 16));   // w[c, 2kk], c < 16
     const __m512 e1 = _mm512_castsi512_ps(_mm512_slli_epi32(v1, 16));   // c >= 16
@@ -212,14 +222,16 @@ void tile_f32(const float* A, int64_t lda, const uint16_t* blk, int64_t K2, cons
 }
 
 using Tile = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, const float*, void*, int64_t, int64_t);
-constexpr Tile TILES[2][ROWS + 1] = {   // [F32OUT][rows]
-    {nullptr, tile<1, false>, tile<2, false>, tile<3, false>, tile<4, false>, tile<5, false>, tile<6, false>,
-     tile<7, false>, tile<8, false>},
-    {nullptr, tile<1, true>, tile<2, true>, tile<3, true>, tile<4, true>, tile<5, true>, tile<6, true>,
-     tile<7, true>, tile<8, true>}};
+#define LEAPFROG_TILES(F, S) \
+  {nullptr, tile<1, F, S>, tile<2, F, S>, tile<3, F, S>, tile<4, F, S>, tile<5, F, S>, tile<6, F, S>, \
+   tile<7, F, S>, tile<8, F, S>}
+constexpr Tile TILES[2][2][ROWS + 1] = {   // [STREAM][F32OUT][rows]
+    {LEAPFROG_TILES(false, false), LEAPFROG_TILES(true, false)},
+    {LEAPFROG_TILES(false, true), LEAPFROG_TILES(true, true)}};
 using TileF32 = void (*)(const float*, int64_t, const uint16_t*, int64_t, const float*, float*, int64_t, int64_t);
-constexpr TileF32 TILES_F32[ROWS_F32 + 1] = {nullptr, tile_f32<1>, tile_f32<2>, tile_f32<3>, tile_f32<4>, tile_f32<5>,
-                                             tile_f32<6>};
+#define LEAPFROG_TILES_F32(S) \
+  {nullptr, tile_f32<1, S>, tile_f32<2, S>, tile_f32<3, S>, tile_f32<4, S>, tile_f32<5, S>, tile_f32<6, S>}
+constexpr TileF32 TILES_F32[2][ROWS_F32 + 1] = {LEAPFROG_TILES_F32(false), LEAPFROG_TILES_F32(true)};  // [STREAM][rows]
 
 }  // namespace
 """
@@ -269,7 +281,9 @@ void tile_f32(const float* A, int64_t lda, const uint16_t* blk, int64_t K2, cons
 }
 
 using TileF32 = void (*)(const float*, int64_t, const uint16_t*, int64_t, const float*, float*, int64_t, int64_t);
-constexpr TileF32 TILES_F32[ROWS_F32 + 1] = {nullptr, tile_f32<1>, tile_f32<2>, tile_f32<3>};
+// [STREAM][rows]: AVX2 builds prefetch alike either way
+constexpr TileF32 TILES_F32[2][ROWS_F32 + 1] = {{nullptr, tile_f32<1>, tile_f32<2>, tile_f32<3>},
+                                                {nullptr, tile_f32<1>, tile_f32<2>, tile_f32<3>}};
 
 }  // namespace
 """
@@ -279,7 +293,7 @@ _OP = r"""
 // x [..., K] bf16 or float32, w [ceil(N/32), K/2, 32, 2] bf16 (pack_weight), bias [N] or None
 // -> [..., N] in x's dtype, or float32 with f32_out (bf16 rows: the float32 sums not rounded)
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
-                       int64_t n, bool f32_out) {
+                       int64_t n, bool f32_out, bool stream) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "linear_bf16: CPU tensors only");
   const bool f32 = x.scalar_type() == at::kFloat;
   TORCH_CHECK((f32 || x.scalar_type() == at::kBFloat16) && w.scalar_type() == at::kBFloat16,
@@ -302,7 +316,7 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
   const at::Tensor xc = x.is_contiguous() ? x : x.contiguous();
 #else   // bf16 rows: widened (exact), float32 sums, rounded once to bf16 at the end
   if (!f32) {
-    const at::Tensor y = linear_bf16(x.to(at::kFloat), w, bias, n, true);
+    const at::Tensor y = linear_bf16(x.to(at::kFloat), w, bias, n, true, stream);
     return f32_out ? y : y.to(at::kBFloat16);
   }
   const at::Tensor xc = x.is_contiguous() ? x : x.contiguous();
@@ -327,14 +341,15 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
         const float* A = xc.data_ptr<float>();
         float* C = out.data_ptr<float>();
         for (int64_t m0 = 0; m0 < M; m0 += ROWS_F32)
-          TILES_F32[std::min<int64_t>(ROWS_F32, M - m0)](A + m0 * K, K, blk, K2, bb, C + m0 * n + nb * BLOCK, n, cols);
+          TILES_F32[stream][std::min<int64_t>(ROWS_F32, M - m0)](A + m0 * K, K, blk, K2, bb, C + m0 * n + nb * BLOCK,
+                                                                 n, cols);
       } else {
 #if LEAPFROG_BF16_ROWS
         const uint16_t* A = reinterpret_cast<const uint16_t*>(xc.data_ptr());
         char* C = static_cast<char*>(out.data_ptr());
         const int64_t esize = f32_out ? 4 : 2;
         for (int64_t m0 = 0; m0 < M; m0 += ROWS)
-          TILES[f32_out][std::min<int64_t>(ROWS, M - m0)](A + m0 * K, K, blk, K2, bb,
+          TILES[stream][f32_out][std::min<int64_t>(ROWS, M - m0)](A + m0 * K, K, blk, K2, bb,
                                                           C + (m0 * n + nb * BLOCK) * esize, n, cols);
 #endif
       }
@@ -344,15 +359,54 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
 }
 
 TORCH_LIBRARY(leapfrog_gemm, m) {
-  m.def("linear_bf16(Tensor x, Tensor w, Tensor? bias, int n, bool f32_out=False) -> Tensor");
+  m.def("linear_bf16(Tensor x, Tensor w, Tensor? bias, int n, bool f32_out=False, bool stream=False) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(leapfrog_gemm, CPU, m) { m.impl("linear_bf16", &linear_bf16); }
 """
 
+#: the AVX-512 build's software prefetch: bytes ahead in the weight stream, and the hint (the cache
+#: level it fills: "T0" L1, "T1" L2, "T2", "NTA", or "none": no software prefetch; module docstring)
+PREFETCH_BYTES = 4096
+PREFETCH_HINT = "T1"
+_FLAGS = {"avx512_bf16": ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",
+                          "-mavx2"],
+          "avx2": ["-O3", "-mavx2", "-mfma"]}
+
+
+def kernel_source(isa: str, prefetch_bytes: int = PREFETCH_BYTES, hint: str = PREFETCH_HINT,
+                  namespace: str = "leapfrog_gemm") -> tuple[str, list[str]]:
+    """The kernel's C++ source and compiler flags for ``isa`` ("avx512_bf16" or "avx2"). The
+    AVX-512 build's software prefetch and the op's namespace are parameters so that variants can
+    be built and timed side by side (benchmarks/linear_bench.py); the engine uses the defaults."""
+    if hint not in ("T0", "T1", "T2", "NTA", "none"):
+        raise ValueError(f"prefetch hint {hint!r}: use T0, T1, T2, NTA or none")
+    if prefetch_bytes <= 0 or prefetch_bytes % 2:
+        raise ValueError(f"prefetch distance {prefetch_bytes}: a positive even number of bytes")
+    if isa == "avx512_bf16":
+        call = "((void)0)" if hint == "none" else f"_mm_prefetch((const char*)(p), _MM_HINT_{hint})"
+        body = _AVX512_BF16.replace("@PREFETCH@", str(prefetch_bytes // 2)).replace("@PREFETCH_CALL@", call)
+    else:
+        body = _AVX2
+    source = _HEADER + body + _OP
+    if namespace != "leapfrog_gemm":
+        source = source.replace("TORCH_LIBRARY(leapfrog_gemm,", f"TORCH_LIBRARY({namespace},").replace(
+            "TORCH_LIBRARY_IMPL(leapfrog_gemm,", f"TORCH_LIBRARY_IMPL({namespace},")
+    return source, list(_FLAGS[isa])
+
+
+def load_variant(prefetch_bytes: int, hint: str, namespace: str):
+    """Build and load the AVX-512 kernel with another software prefetch under op namespace
+    ``namespace`` (about 20 s, once; for timing variants side by side). -> its op."""
+    from torch.utils.cpp_extension import load_inline
+    source, flags = kernel_source("avx512_bf16", prefetch_bytes, hint, namespace)
+    omp = ["-fopenmp"] if torch.backends.openmp.is_available() else []
+    load_inline(f"{namespace}_{hint.lower()}_{prefetch_bytes}", cpp_sources=source, is_python_module=False,
+                extra_cflags=[*flags, *omp], extra_ldflags=omp)
+    return getattr(torch.ops, namespace).linear_bf16
+
+
 #: per instruction set: the kernel's source and compiler flags
-_BUILDS = {"avx512_bf16": (_HEADER + _AVX512_BF16 + _OP, ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
-                                                          "-mavx512bf16", "-mfma", "-mavx2"]),
-           "avx2": (_HEADER + _AVX2 + _OP, ["-O3", "-mavx2", "-mfma"])}
+_BUILDS = {isa: kernel_source(isa) for isa in _FLAGS}
 
 _STATE: dict[str, bool] = {}  # memo of load_native_linear (the op is process-wide once loaded)
 _LOCK = threading.Lock()       # one build at a time; callers wait for its result
@@ -402,7 +456,7 @@ def _load() -> bool:
         return False
 
 
-def _fake(x, w, bias, n, f32_out=False):
+def _fake(x, w, bias, n, f32_out=False, stream=False):
     return x.new_empty((*x.shape[:-1], n), dtype=torch.float32 if f32_out else x.dtype)
 
 
@@ -417,6 +471,34 @@ def native_linear_supported(dtype: torch.dtype, device: torch.device | str) -> b
 def bf16_exact(weight: Tensor) -> bool:
     """Whether every value of a float32 tensor is a bf16 value (then bf16 holds it exactly)."""
     return bool(torch.equal(weight.detach().to(torch.bfloat16).float(), weight.detach()))
+
+
+def last_level_cache_bytes() -> int | None:
+    """The size of the CPU's largest cache (sysfs: the L3 a core shares), or None where unknown."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = f.read_text().strip().upper()
+            sizes.append(int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[text[-1]]
+                         if text[-1] in "KMG" else int(text))
+        except (OSError, ValueError, KeyError, IndexError):
+            continue
+    return max(sizes, default=None)
+
+
+def set_streaming(model: nn.Module) -> int:
+    """Prefetch the weights of ``model``'s bf16 linears non-temporally when together they exceed
+    the last-level cache (a target run beside a drafter: the target's weights pass through without
+    evicting the drafter's, which then stay cached from one draft step to the next); a model that
+    fits keeps the default prefetch. ``LEAPFROG_STREAM_WEIGHTS=0`` (read here) keeps it always.
+    -> how many linears stream."""
+    linears = [m for m in model.modules() if isinstance(m, NativeLinear)]
+    cache = last_level_cache_bytes()
+    total = sum(m.packed.numel() * m.packed.element_size() for m in linears)
+    on = not env_off("LEAPFROG_STREAM_WEIGHTS") and cache is not None and total > cache
+    for m in linears:
+        m.stream = on
+    return len(linears) if on else 0
 
 
 def pack_weight(weight: Tensor) -> Tensor:
@@ -446,6 +528,9 @@ class NativeLinear(nn.Module):
         self.bias = None if bias is None else bias.detach().float()
         #: bf16 rows give float32 outputs, the sums not rounded (an LM head's logits)
         self.f32_out = f32_out
+        #: prefetch the weight non-temporally (set_streaming: a target too large for the cache,
+        #: speculating with a drafter whose weights should stay cached)
+        self.stream = False
 
     @staticmethod
     def fits(weight: Tensor) -> bool:
@@ -459,4 +544,5 @@ class NativeLinear(nn.Module):
         return native_linear_supported(weight.dtype, weight.device)
 
     def forward(self, x: Tensor) -> Tensor:
-        return torch.ops.leapfrog_gemm.linear_bf16(x, self.packed, self.bias, self.out_features, self.f32_out)
+        return torch.ops.leapfrog_gemm.linear_bf16(x, self.packed, self.bias, self.out_features, self.f32_out,
+                                                   self.stream)

@@ -124,13 +124,72 @@ def test_op_registration_and_compiled_graph():
     x = torch.randn(5, 32, generator=g).to(BF16)
     lin = NativeLinear(w, b)
     for f32_out in (False, True):
-        torch.library.opcheck(torch.ops.leapfrog_gemm.linear_bf16.default, (x, lin.packed, lin.bias, 48, f32_out),
-                              test_utils=("test_schema", "test_faketensor"))
+        for stream in (False, True):
+            torch.library.opcheck(torch.ops.leapfrog_gemm.linear_bf16.default,
+                                  (x, lin.packed, lin.bias, 48, f32_out, stream),
+                                  test_utils=("test_schema", "test_faketensor"))
     model = nn.Sequential(lin, nn.SiLU())
-    torch._dynamo.reset()
-    compiled = torch.compile(model, fullgraph=True)
-    with torch.inference_mode():
-        assert torch.equal(compiled(x), model(x))
+    for stream in (False, True):   # (the streaming prefetch inside a graph too)
+        lin.stream = stream
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=True)
+        with torch.inference_mode():
+            assert torch.equal(compiled(x), model(x))
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 6, 9, 17])
+def test_streaming_prefetch_gives_the_same_bits(rows):
+    """NativeLinear.stream only changes the weights' prefetch: bf16 rows, float32 out and float32
+    rows give bitwise what the default prefetch gives."""
+    g = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(100, 96, generator=g).to(BF16), torch.randn(100, generator=g).to(BF16)
+    for lin, dtype in ((NativeLinear(w, b), BF16), (NativeLinear(w, b, f32_out=True), BF16),
+                       (NativeLinear(w, None), torch.float32)):
+        x = torch.randn(rows, 96, generator=g).to(dtype)
+        lin.stream = False
+        want = lin(x)
+        lin.stream = True
+        assert torch.equal(lin(x), want)
+
+
+@needs_kernel
+def test_set_streaming_policy(monkeypatch):
+    """A model's linears stream when their packed weights exceed the last-level cache, not when
+    they fit, the cache size is unknown, or LEAPFROG_STREAM_WEIGHTS=0."""
+    from leapfrog.model import native_linear as nl
+    model = nn.Sequential(NativeLinear(torch.randn(64, 32).to(BF16), None),
+                          NativeLinear(torch.randn(32, 64).to(BF16), None))   # 8 KiB packed
+    size = nl.last_level_cache_bytes()   # (this machine's, from sysfs)
+    assert size is None or size >= 1 << 16
+    for cache, env, want in ((4096, None, 2), (1 << 20, None, 0), (None, None, 0), (4096, "0", 0)):
+        monkeypatch.setattr(nl, "last_level_cache_bytes", lambda cache=cache: cache)
+        if env is None:
+            monkeypatch.delenv("LEAPFROG_STREAM_WEIGHTS", raising=False)
+        else:
+            monkeypatch.setenv("LEAPFROG_STREAM_WEIGHTS", env)
+        assert nl.set_streaming(model) == want
+        assert [m.stream for m in model] == [bool(want)] * 2
+
+
+@needs_kernel
+def test_target_streams_beside_a_drafter_and_stays_lossless(monkeypatch, llama_dir, draft_dir, tokenizer):
+    """With a drafter model, a target larger than the cache (here: a cache of 1 KiB) streams its
+    weights; greedy bf16 output is the plain engine's, token for token."""
+    from leapfrog import LLM, SamplingParams
+    from leapfrog.model import native_linear as nl
+    monkeypatch.setattr(nl, "last_level_cache_bytes", lambda: 1024)
+    prompts = ["def parse(text):", "import os\nfor name in"]
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = LLM(model=str(llama_dir), dtype="bfloat16", max_model_len=128)
+    assert not any(getattr(m, "stream", False) for m in plain.engine.model.modules())
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, sp)]
+    spec = LLM(model=str(llama_dir), dtype="bfloat16", max_model_len=128,
+               speculative_config={"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 3})
+    linears = [m for m in spec.engine.model.modules() if isinstance(m, NativeLinear)]
+    assert linears and all(m.stream for m in linears)
+    assert not any(getattr(m, "stream", False) for m in spec.engine.proposer.runner.model.modules())
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, sp)] == want
 
 
 @needs_kernel
@@ -253,3 +312,35 @@ def test_kernel_isa(monkeypatch):
     assert kernel_isa() is None
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
     assert kernel_isa() == (None if best is None else "avx2")
+
+
+def test_kernel_source_prefetch_and_namespace():
+    """The engine's source carries the default prefetch; variants change only the prefetch and the
+    op's namespace, and bad settings are refused."""
+    from leapfrog.model import native_linear as nl
+    default, flags = nl.kernel_source("avx512_bf16")
+    assert (default, flags) == nl._BUILDS["avx512_bf16"]
+    assert f"PREFETCH = {nl.PREFETCH_BYTES // 2};" in default and f"_MM_HINT_{nl.PREFETCH_HINT}" in default
+    off, _ = nl.kernel_source("avx512_bf16", 1024, "none", namespace="lf_test_ns")
+    assert "_mm_prefetch((const char*)(p)" not in off and "PREFETCH = 512;" in off
+    assert "TORCH_LIBRARY(lf_test_ns," in off and "TORCH_LIBRARY_IMPL(lf_test_ns," in off
+    assert "leapfrog_gemm" not in off   # (else loading it would clash with the engine's op)
+    for bad in ({"hint": "L1"}, {"prefetch_bytes": 0}, {"prefetch_bytes": 7}):
+        with pytest.raises(ValueError):
+            nl.kernel_source("avx512_bf16", **bad)
+
+
+@needs_kernel
+@pytest.mark.slow
+@pytest.mark.skipif(kernel_isa() != "avx512_bf16", reason="prefetch variants are of the AVX-512 build")
+def test_prefetch_variant_gives_the_same_bits():
+    """A prefetch variant (load_variant, which benchmarks/linear_bench.py times) is the same
+    arithmetic under its own namespace: bitwise the engine's kernel."""
+    from leapfrog.model.native_linear import load_variant
+    op = load_variant(2048, "NTA", "leapfrog_gemm_test_variant")
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(100, 96, generator=g).to(BF16)
+    lin = NativeLinear(w, None)
+    for rows in (1, 6, 9):
+        x = torch.randn(rows, 96, generator=g).to(BF16)
+        assert torch.equal(op(x, lin.packed, None, 100, False), lin(x))

@@ -1,0 +1,156 @@
+"""Weight streaming of few-row linears against this machine's memory bandwidth (issue 12, item 3).
+
+Decode and verification multiply 1-16 rows by every weight of the model, so a step's linears
+cost what reading their weights costs. This script streams the linears of a checkpoint's shapes
+(its config.json: every decoder layer's qkv, o, gate_up and down, then the LM head; random bf16
+weights) through each contender for M rows, over and over, so the weights come from memory as
+they do in a step once the set is larger than the last-level cache. Contenders are interleaved
+in a fresh random order every round (this machine's pace drifts), and each reports its median
+GB/s and the median of its per-round time ratios against the first contender.
+
+Contenders: leapfrog's bf16 kernel as the engine builds it (``NativeLinear``), its software
+prefetch variants (``--prefetch HINT:BYTES``, each built under its own op namespace: about 20 s
+each, once), and ``torch.nn.functional.linear`` in bf16 (oneDNN). References for the machine's
+limit: ``torch.sum`` over a 256 MB float32 tensor (a read) and a 64 MB copy (read + write).
+
+    python benchmarks/linear_bench.py                              # built-in target, 1 and 6 rows
+    python benchmarks/linear_bench.py --prefetch T0:1024 none:4096 --rounds 40
+    python benchmarks/linear_bench.py --target PATH --rows 1 4 8 --out linear.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from leapfrog.demo import DEMO_DIR
+from leapfrog.model import native_linear as nl
+
+
+@dataclass
+class Contender:
+    name: str
+    linear: Callable[[torch.Tensor, int], torch.Tensor]   # (rows [M, K], weight index) -> [M, N]
+
+
+def linear_shapes(config: dict, layers: int | None) -> list[tuple[int, int]]:
+    """[(N, K)] of a Llama-style checkpoint's linears: per layer qkv, o, gate_up, down; the LM head."""
+    h, inter = config["hidden_size"], config["intermediate_size"]
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    hd = config.get("head_dim") or h // heads
+    layer = [((heads + 2 * kv_heads) * hd, h), (h, heads * hd), (2 * inter, h), (h, inter)]
+    return layer * (layers or config["num_hidden_layers"]) + [(config["vocab_size"], h)]
+
+
+def reference_bandwidth(reps: int = 10) -> dict[str, float]:
+    """GB/s of torch.sum over 256 MB (read) and of a 64 MB copy (read + write bytes)."""
+    big = torch.randn(64 << 20)
+    src, dst = torch.randn(16 << 20), torch.empty(16 << 20)
+    out = {}
+    for name, fn, nbytes in (("torch.sum 256 MB (read)", big.sum, big.numel() * 4),
+                             ("copy 64 MB (read + write)", lambda: dst.copy_(src), 2 * src.numel() * 4)):
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        out[name] = nbytes / statistics.median(times) / 1e9
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=str(DEMO_DIR / "target"), help="a checkpoint directory (its config.json)")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers to stream (default: the config's)")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 6])
+    ap.add_argument("--prefetch", nargs="*", default=[], metavar="HINT:BYTES",
+                    help="kernel variants: software prefetch hint (T0, T1, T2, NTA, none) and distance in bytes")
+    ap.add_argument("--no-onednn", action="store_true", help="leave out F.linear (oneDNN)")
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=4, help="passes over all the weights per contender and round")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    if not nl.load_native_linear():
+        sys.exit("leapfrog's bf16 linear kernel is not available on this CPU (needs AVX-512 BF16 or AVX2)")
+    if args.prefetch and nl.kernel_isa() != "avx512_bf16":
+        sys.exit("--prefetch variants are of the AVX-512 build; this CPU runs the AVX2 one")
+    config = json.loads((Path(args.target) / "config.json").read_text())
+    shapes = linear_shapes(config, args.layers)
+    gen = torch.Generator().manual_seed(args.seed)
+    weights = [torch.randn(n, k, generator=gen).mul_(0.02).to(torch.bfloat16) for n, k in shapes]
+    nbytes = sum(w.numel() * 2 for w in weights)
+    native = [nl.NativeLinear(w, None) for w in weights]
+    contenders = [Contender("leapfrog kernel (default prefetch: "
+                            f"{nl.PREFETCH_HINT}, {nl.PREFETCH_BYTES} B)", lambda x, i: native[i](x))]
+    for j, spec in enumerate(args.prefetch):
+        hint, _, dist = spec.partition(":")
+        try:
+            op = nl.load_variant(int(dist or nl.PREFETCH_BYTES), hint, f"leapfrog_gemm_bench{j}")
+        except ValueError as e:
+            sys.exit(f"--prefetch {spec}: {e}")
+        contenders.append(Contender(f"leapfrog kernel, prefetch {hint}, {int(dist or nl.PREFETCH_BYTES)} B",
+                                    lambda x, i, op=op: op(x, native[i].packed, None, shapes[i][0], False)))
+    if not args.no_onednn:
+        contenders.append(Contender("F.linear bf16 (oneDNN)", lambda x, i: F.linear(x, weights[i])))
+
+    print(f"{len(shapes)} linears, {nbytes / 1e6:.1f} MB of bf16 weights, {args.threads} threads", file=sys.stderr)
+    refs = reference_bandwidth()
+    rng = random.Random(args.seed)
+    times: dict[tuple[int, str], list[float]] = {}
+    with torch.inference_mode():
+        for rnd in range(args.rounds):
+            for m in args.rows:
+                xs = {k: torch.randn(m, k, generator=gen).to(torch.bfloat16) for k in {k for _, k in shapes}}
+                order = contenders[:]
+                rng.shuffle(order)
+                for c in order:
+                    for i in range(len(shapes)):   # one untimed pass: the first touch of this round
+                        c.linear(xs[shapes[i][1]], i)
+                    t = time.perf_counter()
+                    for _ in range(args.reps):
+                        for i in range(len(shapes)):
+                            c.linear(xs[shapes[i][1]], i)
+                    times.setdefault((m, c.name), []).append((time.perf_counter() - t) / args.reps)
+            print(f"[linear] round {rnd + 1}/{args.rounds}", file=sys.stderr)
+
+    rows = []
+    print("\n| reference | GB/s |\n|---|---:|")
+    for name, gbs in refs.items():
+        print(f"| {name} | {gbs:.1f} |")
+    print("\n| rows | contender | ms per pass | GB/s | time vs first (median of per-round ratios, q1-q3) |")
+    print("|---:|---|---:|---:|---|")
+    base = contenders[0].name
+    for m in args.rows:
+        for c in contenders:
+            ts = times[(m, c.name)]
+            ratios = sorted(a / b for a, b in zip(ts, times[(m, base)]))
+            med = statistics.median(ts)
+            q = (ratios[len(ratios) // 4], ratios[3 * len(ratios) // 4])
+            print(f"| {m} | {c.name} | {med * 1e3:.3f} | {nbytes / med / 1e9:.1f} | "
+                  f"{statistics.median(ratios):.3f} ({q[0]:.3f}-{q[1]:.3f}) |")
+            rows.append({"rows": m, "contender": c.name, "ms": med * 1e3, "gb_per_s": nbytes / med / 1e9,
+                         "time_ratio_median": statistics.median(ratios), "time_ratio_q1_q3": q})
+    if args.out:
+        Path(args.out).write_text(json.dumps({"weights_mb": nbytes / 1e6, "threads": args.threads,
+                                              "reference_gb_per_s": refs, "results": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
