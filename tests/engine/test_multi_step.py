@@ -197,6 +197,7 @@ def test_chained_rounds_equal_rounds_called_one_by_one(rounds):
     assert int(chained[-1][4]) >= 3 + 3   # (each round advanced the column)
 
 
+@pytest.mark.slow   # (64 s of compiling on 2 cores: the default suite stays near 10 minutes)
 def test_adaptive_k_runs_rounds_when_it_picks_k(llama_dir, base, tokenizer):
     """An adaptive K with speculation rounds: the controller measures plain decode, then tries the
     rounds (K) and multi-step decode (no speculation) and weighs them by their measured times;
