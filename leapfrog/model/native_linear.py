@@ -46,8 +46,10 @@ Software prefetch (AVX-512; ``kernel_source``): 4 KiB ahead into L2 (``_MM_HINT_
 0.92-0.93x for six. A target larger than the last-level cache that runs beside a drafter model
 prefetches non-temporally instead (``NativeLinear.stream``, ``set_streaming``): its weights then
 pass through without evicting the drafter's, which stay cached from one draft step to the next
-(an EAGLE-3 head or a small draft model is re-read at every draft step). Same arithmetic either
-way (tested bitwise).
+(an EAGLE-3 head or a small draft model is re-read at every draft step). Only products of up to
+8 rows (6 float32 rows) stream: with more, further row tiles re-read each block from cache, and a
+block (K x 64 bytes) can outgrow L1, where the default prefetch keeps it in L2. Same arithmetic
+either way (tested bitwise).
 
 It is built once per instruction set with ``torch.utils.cpp_extension.load_inline`` (about 20 s,
 cached under ``TORCH_EXTENSIONS_DIR``) for the CPU's best (``/proc/cpuinfo``: AVX-512 BF16, else
@@ -331,6 +333,9 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
   if (M == 0) return out;
   // at least ~64 KiB of weights (per 8 rows) per thread: smaller products run on the calling thread
   const int64_t tiles = (M + ROWS - 1) / ROWS;
+  // non-temporal prefetch only where one row tile reads each block: further tiles re-read the
+  // block from cache, and a block (K x 64 bytes) can outgrow L1, where T1 keeps it in L2
+  const bool nt = stream && M <= (f32 ? ROWS_F32 : ROWS);
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / (K2 * 2 * BLOCK * 2 * tiles));
   at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
     for (int64_t nb = b0; nb < b1; ++nb) {     // each block once from memory, for all rows
@@ -341,7 +346,7 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
         const float* A = xc.data_ptr<float>();
         float* C = out.data_ptr<float>();
         for (int64_t m0 = 0; m0 < M; m0 += ROWS_F32)
-          TILES_F32[stream][std::min<int64_t>(ROWS_F32, M - m0)](A + m0 * K, K, blk, K2, bb, C + m0 * n + nb * BLOCK,
+          TILES_F32[nt][std::min<int64_t>(ROWS_F32, M - m0)](A + m0 * K, K, blk, K2, bb, C + m0 * n + nb * BLOCK,
                                                                  n, cols);
       } else {
 #if LEAPFROG_BF16_ROWS
@@ -349,7 +354,7 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
         char* C = static_cast<char*>(out.data_ptr());
         const int64_t esize = f32_out ? 4 : 2;
         for (int64_t m0 = 0; m0 < M; m0 += ROWS)
-          TILES[stream][f32_out][std::min<int64_t>(ROWS, M - m0)](A + m0 * K, K, blk, K2, bb,
+          TILES[nt][f32_out][std::min<int64_t>(ROWS, M - m0)](A + m0 * K, K, blk, K2, bb,
                                                           C + (m0 * n + nb * BLOCK) * esize, n, cols);
 #endif
       }
