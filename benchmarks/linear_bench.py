@@ -34,7 +34,10 @@ import torch
 import torch.nn.functional as F
 
 from leapfrog.demo import DEMO_DIR
+from leapfrog.errors import LeapfrogError
 from leapfrog.model import native_linear as nl
+from leapfrog.model.args import LlamaArgs
+from leapfrog.model.loader import read_checkpoint
 
 
 @dataclass
@@ -43,14 +46,12 @@ class Contender:
     linear: Callable[[torch.Tensor, int], torch.Tensor]   # (rows [M, K], weight index) -> [M, N]
 
 
-def linear_shapes(config: dict, layers: int | None) -> list[tuple[int, int]]:
-    """[(N, K)] of a Llama-style checkpoint's linears: per layer qkv, o, gate_up, down; the LM head."""
-    h, inter = config["hidden_size"], config["intermediate_size"]
-    heads = config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or heads
-    hd = config.get("head_dim") or h // heads
-    layer = [((heads + 2 * kv_heads) * hd, h), (h, heads * hd), (2 * inter, h), (h, inter)]
-    return layer * (layers or config["num_hidden_layers"]) + [(config["vocab_size"], h)]
+def linear_shapes(args: LlamaArgs, layers: int | None) -> list[tuple[int, int]]:
+    """[(N, K)] of a checkpoint's linears: per layer qkv, o, gate_up, down; the LM head."""
+    h, hd = args.hidden_size, args.head_dim
+    layer = [((args.num_attention_heads + 2 * args.num_key_value_heads) * hd, h),
+             (h, args.num_attention_heads * hd), (2 * args.intermediate_size, h), (h, args.intermediate_size)]
+    return layer * (layers or args.num_hidden_layers) + [(args.vocab_size, h)]
 
 
 def reference_bandwidth(reps: int = 10) -> dict[str, float]:
@@ -73,7 +74,8 @@ def reference_bandwidth(reps: int = 10) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default=str(DEMO_DIR / "target"), help="a checkpoint directory (its config.json)")
+    ap.add_argument("--target", default=str(DEMO_DIR / "target"),
+                    help="a checkpoint directory or hub id (its config.json)")
     ap.add_argument("--layers", type=int, default=None, help="decoder layers to stream (default: the config's)")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 6])
     ap.add_argument("--prefetch", nargs="*", default=[], metavar="HINT:BYTES",
@@ -91,8 +93,10 @@ def main() -> None:
         sys.exit("leapfrog's bf16 linear kernel is not available on this CPU (needs AVX-512 BF16 or AVX2)")
     if args.prefetch and nl.kernel_isa() != "avx512_bf16":
         sys.exit("--prefetch variants are of the AVX-512 build; this CPU runs the AVX2 one")
-    config = json.loads((Path(args.target) / "config.json").read_text())
-    shapes = linear_shapes(config, args.layers)
+    try:
+        shapes = linear_shapes(read_checkpoint(args.target).args, args.layers)
+    except LeapfrogError as e:
+        sys.exit(f"--target {args.target}: {e}")
     gen = torch.Generator().manual_seed(args.seed)
     weights = [torch.randn(n, k, generator=gen).mul_(0.02).to(torch.bfloat16) for n, k in shapes]
     nbytes = sum(w.numel() * 2 for w in weights)
@@ -102,10 +106,11 @@ def main() -> None:
     for j, spec in enumerate(args.prefetch):
         hint, _, dist = spec.partition(":")
         try:
-            op = nl.load_variant(int(dist or nl.PREFETCH_BYTES), hint, f"leapfrog_gemm_bench{j}")
+            nbytes_ahead = int(dist or nl.PREFETCH_BYTES)
+            op = nl.load_variant(nbytes_ahead, hint, f"leapfrog_gemm_bench{j}")
         except ValueError as e:
             sys.exit(f"--prefetch {spec}: {e}")
-        contenders.append(Contender(f"leapfrog kernel, prefetch {hint}, {int(dist or nl.PREFETCH_BYTES)} B",
+        contenders.append(Contender(f"leapfrog kernel, prefetch {hint}, {nbytes_ahead} B",
                                     lambda x, i, op=op: op(x, native[i].packed, None, shapes[i][0], False)))
     if not args.no_onednn:
         contenders.append(Contender("F.linear bf16 (oneDNN)", lambda x, i: F.linear(x, weights[i])))
