@@ -711,19 +711,20 @@ class LLMEngine:
         ``n`` output positions: a seeded request's race uniforms (its position noise: verified by
         matching, its output is the one without speculation), an unseeded one's three uniforms per
         position from its generator (verified by rejection sampling). The race's uniforms of
-        rows that do not race are exp(-1) (unread), and None where none does."""
+        rows that do not race are exp(-1) (unread), and None where none does; the graph takes their
+        exponentials -log U."""
         P, V, dev = self.runner.sampled_round.positions, self.vocab_size, self.device
         reject = [d and r.seed_key is None for r, d in zip(reqs, drawn)]
-        u = None   # (no row races: the graph's own buffer of unread uniforms)
+        e = None   # (no row races: the graph's own buffer of unread exponentials)
         if not all(r == d for r, d in zip(reject, drawn)):
             races = [d and not x for d, x in zip(drawn, reject)]
             rngs = [r.rng(j) if c and j < n else None for r, c in zip(reqs, races) for j in range(P)]
-            u = sampler.noise(rngs, V, dev).view(len(reqs), P, V)
+            e = -torch.log(sampler.noise(rngs, V, dev).view(len(reqs), P, V))
         w = torch.zeros(len(reqs), P, 3, dtype=torch.float64, device=dev)
         for b, r in enumerate(reqs):
             if reject[b]:
                 w[b, :n] = sampler.uniforms(3 * n, r.generator, dev, torch.float64).view(n, 3)
-        return RoundRace(self._race_temperatures(reqs, drawn), torch.tensor(drawn, device=dev), u,
+        return RoundRace(self._race_temperatures(reqs, drawn), torch.tensor(drawn, device=dev), e,
                          torch.tensor(reject, device=dev), w)
 
     def _race_temperatures(self, reqs: list[Request], drawn: list[bool]) -> torch.Tensor:

@@ -94,9 +94,10 @@ def compile_settings(device: torch.device) -> Iterator[None]:
 class GraphOutput:
     hidden: Tensor        # [batch, tokens, D] float32 (final norm)
     aux: list[Tensor]     # [batch, tokens, D] per aux layer
-    logits: Tensor        # [batch * tokens, V] float32 (the model's head: a draft's may be half precision)
-    top: Tensor           # [batch * tokens] float32: each row's largest logit (the engine's greedy verify
-    top_ids: Tensor       # [batch * tokens] long: and its token, the first of equal maxima: Tensor.max)
+    logits: Tensor        # [batch * tokens, V] float32 (the model's head: a draft's may be half precision;
+                          # ``_forward``'s ``at``: [len(at), V], those rows only)
+    top: Tensor           # [rows of logits] float32: each row's largest logit (the engine's greedy verify
+    top_ids: Tensor       # [rows of logits] long: and its token, the first of equal maxima: Tensor.max)
 
 
 @dataclass
@@ -252,6 +253,9 @@ class CompiledForward:
     ``feature_width``: the forward takes per-token features [B, S, F] of that width (EAGLE heads:
     F = the target's feature width when catching up, the head's own width when drafting)."""
 
+    #: CompiledChain's ``vocab`` (None: logits over the model's whole vocabulary)
+    vocab: Tensor | None = None
+
     def __init__(self, model: torch.nn.Module, kv: KVCache, buckets: list[Bucket],
                  aux_layers: tuple[int, ...] = (), feature_width: int | None = None) -> None:
         # (an EAGLE-1 head has no LM head of its own: it reads the target's)
@@ -277,16 +281,24 @@ class CompiledForward:
         self._fn = torch.compile(self._forward, dynamic=False, fullgraph=True)
 
     def _forward(self, tok: Tensor, pos: Tensor, mask: Tensor, rows: Tensor, write_rows: Tensor,
-                 write_cols: Tensor, kv_len: Tensor, features: Tensor | None = None) -> GraphOutput:
+                 write_cols: Tensor, kv_len: Tensor, features: Tensor | None = None,
+                 at: Tensor | None = None) -> GraphOutput:
+        """``at``: the flat rows (b * tokens + s) whose logits the caller reads; None: all."""
         meta = AttnMeta(rows=rows, write_rows=write_rows, write_cols=write_cols, kv_len=mask.shape[-1],
                         mask=mask, graph_kv_len=kv_len, native=self.native)
         kwargs: dict = {"features": features} if features is not None else {}
         if self.aux_layers:
             kwargs["aux_layers"] = self.aux_layers
         out = self.model(token_ids=tok, positions=pos, kv=self.kv, attn=meta, **kwargs)
-        # the LM head in the graph too, for every token (decode and verify want them all):
+        # the LM head in the graph too, for every token (decode and verify want them all; a chain's
+        # first forward only its last tokens': ``at``, a head's LM head is a third of its weights):
         # inductor's GEMM for it is faster than the eager one, and no second call is made
-        logits = self.model.graph_logits(out.hidden.reshape(-1, out.hidden.shape[-1]))  # [B*S, V] float32
+        h = out.hidden.reshape(-1, out.hidden.shape[-1])                                # [B*S, D]
+        h = h if at is None else h[at]
+        if self.vocab is None:
+            logits = self.model.graph_logits(h)                                         # [B*S or len(at), V]
+        else:   # (an EAGLE-3 head's own vocabulary: CompiledChain.vocab)
+            logits = self.model.compute_draft_logits(h, graph=True)                     # [.., Vd]
         # greedy verification's argmax in the graph too: an ATen reduction right after the graph
         # waits for idle worker threads (measured ~80 us for one [1, 8192] row, 10 us when warm)
         top, top_ids = logits.float().max(-1)                                           # [B*S], [B*S]
@@ -501,18 +513,22 @@ def rejection_tokens(p: Tensor, q: Tensor, d: Tensor, w: Tensor) -> Tensor:
     verified rows, q [B, K, V] the drafts', d [B, K] the drafts (x_j ~ q_j), w [B, K + 1, 3]
     float64 uniforms per row (1: the acceptance tests, 2: the draws) -> [B, K + 1] long: the
     accepted drafts d_1..d_n (accepted while w[j, 1] q_j(d_j) < p_j(d_j)), then at row n a draw
-    from norm(max(p_n - q_n, 0)), or after K accepted drafts from p_K (later rows: never read).
-    The drawn token is never the rejected draft (max(p - q, 0) is 0 there), so matching the
-    drafts against these tokens gives n back. A residual of no mass (p = q to rounding) draws from p."""
-    K = d.shape[1]
+    from norm(max(p_n - q_n, 0)), or after K accepted drafts from p_K (later rows: that draw too,
+    never read). The drawn token is never the rejected draft (max(p - q, 0) is 0 there), so
+    matching the drafts against these tokens gives n back. A residual of no mass (p = q to
+    rounding) draws from p. Only row n's residual is formed and searched (one V-long cumulative
+    sum per sequence, not K + 1)."""
+    B, K, V = d.shape[0], d.shape[1], p.shape[-1]
     pd = p[:, :K].gather(-1, d[..., None])[..., 0].double()                       # [B, K] p_j(d_j)
     qd = q.gather(-1, d[..., None])[..., 0].double()                               # [B, K] q_j(d_j)
     n = (w[:, :K, 1] * qd < pd).long().cumprod(1).sum(1, keepdim=True)            # [B, 1] accepted drafts
-    residual = torch.cat([(p[:, :K] - q).clamp(min=0), p[:, K:]], 1)              # [B, K + 1, V]
-    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
-    y = inverse_cdf_draw(residual, w[..., 2])                                      # [B, K + 1]
+    pn = p.gather(1, n[:, :, None].expand(B, 1, V))[:, 0]                          # [B, V] p_n
+    qn = q.gather(1, n.clamp(max=K - 1)[:, :, None].expand(B, 1, V))[:, 0]         # [B, V] q_n (n < K)
+    residual = torch.where(n < K, (pn - qn).clamp(min=0), pn)                     # [B, V]
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, pn)
+    y = inverse_cdf_draw(residual, w[:, :, 2].gather(1, n)[:, 0])                 # [B]
     j = torch.arange(K + 1, device=d.device)
-    return torch.where(j < n, torch.cat([d, y[:, K:]], 1), y)
+    return torch.where(j < n, torch.cat([d, y[:, None]], 1), y[:, None])
 
 
 @dataclass
@@ -533,7 +549,12 @@ class CompiledChain(CompiledForward):
     first drafted token): a mask as wide as the cache, causal by column (and inside the model's
     sliding window). The caller checks that ``col + steps - 2`` fits the cache (padding
     sequences: the scratch row, columns from 1). ``next_width``: the width of the states fed
-    back (the head's hidden size); None (draft models): no features after the first forward."""
+    back (the head's hidden size); None (draft models): no features after the first forward.
+
+    ``vocab`` (set by the speculation rounds of an EAGLE-3 head with a reduced vocabulary): the
+    target ids [Vd] of the head's own vocabulary; the steps' logits are then the head's [B, Vd]
+    (not spread over the target's V with -inf elsewhere), each pick is made there (half the
+    softmax, cumulative sum and race of a sampled pick) and mapped to target ids."""
 
     def __init__(self, model: torch.nn.Module, kv: KVCache, buckets: list[Bucket], steps: int,
                  feature_width: int | None = None, next_width: int | None = None) -> None:
@@ -558,15 +579,17 @@ class CompiledChain(CompiledForward):
                *pick_args: Tensor) -> tuple[Tensor, list[Tensor]]:
         """The chain: -> tokens [B, steps] and each of ``_pick``'s outputs stacked [B, steps, ...]."""
         B, S = tok.shape
-        g = self._forward(tok, pos, mask, rows, write_rows, write_cols, kv_len, features)
         at = torch.arange(B, device=tok.device) * S + last                        # [B] rows of the last tokens
-        logits = g.logits[at]                                                      # [B, V]
+        g = self._forward(tok, pos, mask, rows, write_rows, write_cols, kv_len, features, at if S > 1 else None)
+        logits = g.logits                                                          # [B, V]
         h = g.hidden.reshape(B * S, -1)[at]                                        # [B, H]
         state = self._state(g, at)
         cols = torch.arange(mask.shape[-1], device=tok.device)                     # [W]
         toks, outs = [], []
         for j in range(self.steps):
             x, out = self._pick(logits, j, *pick_args)
+            if self.vocab is not None:
+                x = self.vocab[x]                                                  # [B] target ids
             toks.append(x)
             outs.append(out if state is None else (*out, state))
             if j == self.steps - 1:
@@ -616,9 +639,12 @@ class RaceChain(CompiledChain):
 
     def _pick(self, logits: Tensor, j: int, *pick_args: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
         temperature, sampled, e, reject, w = pick_args   # [B], [B] bool, [B, steps, V], [B] bool, [B, steps, 3]
-        lf = logits.float()
-        q = race_probs(lf, temperature, self.logit_scale)                          # [B, V]
-        drawn = torch.where(reject, inverse_cdf_draw(q, w[:, j, 0]), (q.double() / e[:, j]).argmax(-1))
+        lf = logits.float()                                                        # [B, V'] (V' = Vd: vocab)
+        q = race_probs(lf, temperature, self.logit_scale)                          # [B, V']
+        ej = e[:, j] if self.vocab is None else e[:, j].index_select(-1, self.vocab)
+        drawn = torch.where(reject, inverse_cdf_draw(q, w[:, j, 0]), (q.double() / ej).argmax(-1))
+        if self.vocab is not None:   # q over the target's vocabulary (the verification's p - q)
+            q = q.new_zeros(q.shape[0], e.shape[-1]).index_copy(-1, self.vocab, q)  # [B, V]
         return torch.where(sampled, drawn, lf.argmax(-1)), (q,)
 
 
@@ -793,9 +819,9 @@ class CompiledTree(CompiledChain):
               kv_len: Tensor, features: Tensor | None, last: Tensor, col: Tensor) -> TreeOutput:
         B, S = tok.shape
         k, T, dev = self.topk, self.tree_cols, tok.device
-        g = self._forward(tok, pos, mask, rows, write_rows, write_cols, kv_len, features)
         at = torch.arange(B, device=dev) * S + last                               # [B] rows of the last tokens
-        lp = torch.log_softmax(g.logits[at].float(), -1)                          # [B, V]
+        g = self._forward(tok, pos, mask, rows, write_rows, write_cols, kv_len, features, at if S > 1 else None)
+        lp = torch.log_softmax(g.logits.float(), -1)                              # [B, V]
         score, x = lp.topk(k)                                                     # [B, k] frontier, best first
         h = g.hidden.reshape(B * S, -1)[at][:, None].expand(B, k, -1)             # [B, k, H] their feature
         ids = torch.arange(k, device=dev).expand(B, k)                            # [B, k] frontier node ids
@@ -861,8 +887,9 @@ class RoundRace:
     """The randomness of a step of sampled speculation rounds (CompiledSpecRound), per sequence."""
     temperature: Tensor   # [B] float32 (1 for rows that do not draw)
     sampled: Tensor       # [B] bool: the row draws (else the argmax)
-    u: Tensor | None      # [B, positions, V] float64: the race's uniforms of the next output positions
-                          # (matching; None: no row races, the graph gets exp(-1) from one buffer)
+    e: Tensor | None      # [B, positions, V] float64: the race's exponentials E = -log U of the next
+                          # output positions (matching; None: no row races, the graph gets ones from
+                          # one buffer, and no logarithm is taken anywhere)
     reject: Tensor        # [B] bool: the row is verified by rejection sampling, with ...
     w: Tensor             # [B, positions, 3] float64: ... three uniforms per output position
 
@@ -900,8 +927,8 @@ class CompiledSpecRound(CompiledForward):
 
     Sampled rounds (``positions`` set: a second graph, for batches with temperature-only sampled
     requests) take six more inputs, the same for every round of a step (``RoundRace``):
-    temperature [B], sampled [B] bool, u [B, positions, V] float64 the race's uniforms U (E =
-    -log U, taken in the graph for the rows a round reads) of the tokens at columns col0 + 1,
+    temperature [B], sampled [B] bool, e [B, positions, V] float64 the race's exponentials
+    E = -log U (taken on the host, for the sequences that race) of the tokens at columns col0 + 1,
     col0 + 2, ..., col0 [B] (the first round's ``col``), reject [B] bool and w [B, positions, 3]
     float64, three uniforms per column. Two lossless verifications, chosen per sequence:
 
@@ -930,7 +957,7 @@ class CompiledSpecRound(CompiledForward):
                              f"columns {draft_kv.max_model_len} vs {kv.max_model_len})")
         super().__init__(model, kv, buckets, self._target_states(draft))
         self.positions = positions
-        self._unread_u: Tensor | None = None   # (``_unread``)
+        self._unread_e: Tensor | None = None   # (``_unread``)
         self.draft = self._drafter(draft, draft_kv, k, positions is not None)   # its chain's steps, traced here
         self.caches = (kv, draft_kv)
         self.k = k
@@ -969,10 +996,10 @@ class CompiledSpecRound(CompiledForward):
         share E[:, j] and w[:, j])."""
         if not race:
             return ()
-        temperature, sampled, u, col0, reject, w = race
-        i = (col - col0)[:, None] + torch.arange(self.k + 1, device=col.device)   # [B, K + 1] rows of u, w
-        i = i.clamp(0, u.shape[1] - 1)   # (padding sequences; real ones stay inside: the caller sizes u)
-        e = -torch.log(u.gather(1, i[:, :, None].expand(-1, -1, u.shape[2])))     # [B, K + 1, V]
+        temperature, sampled, e, col0, reject, w = race
+        i = (col - col0)[:, None] + torch.arange(self.k + 1, device=col.device)   # [B, K + 1] rows of e, w
+        i = i.clamp(0, e.shape[1] - 1)   # (padding sequences; real ones stay inside: the caller sizes e)
+        e = e.gather(1, i[:, :, None].expand(-1, -1, e.shape[2]))                 # [B, K + 1, V]
         return temperature, sampled, e, reject, w.gather(1, i[:, :, None].expand(-1, -1, 3))
 
     def _verify(self, tok: Tensor, d: Tensor, col: Tensor, rows: Tensor, pick: tuple[Tensor, ...] = (),
@@ -1002,25 +1029,25 @@ class CompiledSpecRound(CompiledForward):
 
     def race_args(self, race: "RoundRace", col0: Tensor, n: int) -> tuple[Tensor, ...]:
         """A sampled round's last six inputs (above) with ``n`` padding sequences appended (greedy,
-        their uniforms those of the first sequence)."""
+        their exponentials those of the first sequence)."""
         r = race
-        u = self._unread(len(col0) + n, col0.device) if r.u is None else r.u
-        if n == 0:   # (u is a few MB: not copied for nothing)
-            return r.temperature, r.sampled, u, col0, r.reject, r.w
-        if r.u is not None:
-            u = torch.cat([u, u[:1].expand(n, *u.shape[1:])])
+        e = self._unread(len(col0) + n, col0.device) if r.e is None else r.e
+        if n == 0:   # (e is a few MB: not copied for nothing)
+            return r.temperature, r.sampled, e, col0, r.reject, r.w
+        if r.e is not None:
+            e = torch.cat([e, e[:1].expand(n, *e.shape[1:])])
         return (torch.cat([r.temperature, r.temperature.new_ones(n)]), torch.cat([r.sampled, r.sampled.new_zeros(n)]),
-                u, torch.cat([col0, col0.new_ones(n)]),
+                e, torch.cat([col0, col0.new_ones(n)]),
                 torch.cat([r.reject, r.reject.new_zeros(n)]), torch.cat([r.w, r.w[:1].expand(n, *r.w.shape[1:])]))
 
     def _unread(self, batch: int, dev: torch.device) -> Tensor:
-        """[batch, positions, V] float64 exp(-1) (E = 1): the race's uniforms of a step where no
-        sequence races (RoundRace.u None), rows of one buffer made at the first such step."""
-        if self._unread_u is None:
+        """[batch, positions, V] float64 ones: the race's exponentials of a step where no sequence
+        races (RoundRace.e None), rows of one buffer made at the first such step."""
+        if self._unread_e is None:
             most = max(b.batch for b in self.warmed)
-            self._unread_u = torch.full((most, self.positions, self.model.args.vocab_size), 0.36787944117144233,
-                                        dtype=torch.float64, device=dev)
-        return self._unread_u[:batch]
+            self._unread_e = torch.ones(most, self.positions, self.model.args.vocab_size, dtype=torch.float64,
+                                        device=dev)
+        return self._unread_e[:batch]
 
     def _key(self, args: tuple) -> tuple[int, int]:
         return args[0].shape[0], self.k + 1
@@ -1054,10 +1081,10 @@ class CompiledSpecRound(CompiledForward):
         if self.positions is None:
             return ()
         dev, V = col.device, self.model.args.vocab_size
-        u = torch.rand(b.batch, self.positions, V, dtype=torch.float64, device=dev).clamp_(min=1e-300)
+        e = -torch.log(torch.rand(b.batch, self.positions, V, dtype=torch.float64, device=dev).clamp_(min=1e-300))
         reject = torch.arange(b.batch, device=dev) % 2 == 1   # (both verifications run)
         return (torch.full((b.batch,), 0.7, device=dev), torch.ones(b.batch, dtype=torch.bool, device=dev),
-                u, col.clone(),   # (its own tensor: DirectCall maps inputs by identity)
+                e, col.clone(),   # (its own tensor: DirectCall maps inputs by identity)
                 reject, torch.rand(b.batch, self.positions, 3, dtype=torch.float64, device=dev))
 
 
@@ -1090,8 +1117,12 @@ class CompiledEagleRound(CompiledSpecRound):
     def _drafter(draft: torch.nn.Module, draft_kv: KVCache, k: int, sampled: bool) -> CompiledChain:
         width = draft.cfg.target_hidden_size if draft.kind == "eagle" else draft.cfg.feature_size
         if sampled:   # (as the head's eager sampled drafts: q = softmax(logits / greedy_logit_scale / T))
-            return RaceChain(draft, draft_kv, [], k, width, draft.args.hidden_size, draft.cfg.greedy_logit_scale)
-        return CompiledChain(draft, draft_kv, [], k, width, draft.args.hidden_size)
+            chain = RaceChain(draft, draft_kv, [], k, width, draft.args.hidden_size, draft.cfg.greedy_logit_scale)
+        else:
+            chain = CompiledChain(draft, draft_kv, [], k, width, draft.args.hidden_size)
+        if draft.kind == "eagle3" and not draft.identity_vocab:
+            chain.vocab = draft.draft_ids   # (picks over the head's own vocabulary)
+        return chain
 
     def _round(self, tokens: Tensor, features: Tensor, last: Tensor, start: Tensor,  # type: ignore[override]
                rows: Tensor, *race: Tensor) -> EagleRoundOutput:
