@@ -1120,8 +1120,7 @@ class CompiledEagleRound(CompiledSpecRound):
             chain = RaceChain(draft, draft_kv, [], k, width, draft.args.hidden_size, draft.cfg.greedy_logit_scale)
         else:
             chain = CompiledChain(draft, draft_kv, [], k, width, draft.args.hidden_size)
-        if draft.kind == "eagle3" and not draft.identity_vocab:
-            chain.vocab = draft.draft_ids   # (picks over the head's own vocabulary)
+        chain.vocab = draft.own_vocab   # (picks over the head's own vocabulary)
         return chain
 
     def _round(self, tokens: Tensor, features: Tensor, last: Tensor, start: Tensor,  # type: ignore[override]

@@ -285,6 +285,12 @@ class EagleHead(nn.Module):
             self.draft_ids = ids
         self.identity_vocab = Vd == V and bool((self.d2t == 0).all())
 
+    @property
+    def own_vocab(self) -> Tensor | None:
+        """The target ids [Vd] of an EAGLE-3 head's reduced vocabulary, where compiled drafting picks
+        (model/compiled.py CompiledChain.vocab); None when the head drafts over the target's."""
+        return None if self.kind != "eagle3" or self.identity_vocab else self.draft_ids
+
     def draft_to_target(self, draft_ids: Tensor) -> Tensor:
         """Draft-vocabulary ids (any shape) -> target ids: ``draft_id + d2t[draft_id]``."""
         return draft_ids if self.identity_vocab else self.draft_ids[draft_ids]

@@ -146,11 +146,13 @@ class ModelRunner:
         return g.warm_up(progress)
 
     def compile_chain(self, buckets: list[Bucket], steps: int, feature_width: int | None = None,
-                      next_width: int | None = None, progress: bool = True) -> float:
+                      next_width: int | None = None, vocab: Tensor | None = None, progress: bool = True) -> float:
         """Compile greedy chain drafting of ``steps`` tokens as one graph per bucket
-        (model/compiled.py CompiledChain; ``draft_chain`` runs it). -> seconds taken."""
+        (model/compiled.py CompiledChain; ``draft_chain`` runs it; ``vocab``: its picks over an
+        EAGLE-3 head's own vocabulary, CompiledChain.vocab). -> seconds taken."""
         self._check_compilable()
         self.chain = CompiledChain(self.model, self.kv, buckets, steps, feature_width, next_width)
+        self.chain.vocab = vocab
         return self.chain.warm_up(progress)
 
     def compile_sampled_chain(self, buckets: list[Bucket], steps: int, want: int, logit_scale: float = 1.0,

@@ -224,7 +224,8 @@ class EagleProposer:
         width = self.cfg.grown_tree_shape[1]
         tree = self.static_children is None and width > 1 and self.depth > 1 and self.head.args.sliding_window is None
         if not tree or self.cfg.auto_tree:
-            self.runner.compile_chain(buckets, self.depth, feature_width=feats, next_width=self.head.args.hidden_size)
+            self.runner.compile_chain(buckets, self.depth, feature_width=feats, next_width=self.head.args.hidden_size,
+                                      vocab=self.head.own_vocab)
         if self.static_children is None:   # sampled chains (temperature-only requests; unseeded ones in trees too)
             self.runner.compile_sampled_chain(buckets, self.depth, self._want(), self.head.cfg.greedy_logit_scale,
                                               feature_width=feats, next_width=self.head.args.hidden_size)

@@ -1,0 +1,126 @@
+"""Time one speculation round's compiled graph (model/compiled.py CompiledEagleRound: K drafts by
+an EAGLE head, the target's verification and acceptance) in isolation, greedy and sampled, at a
+realistic context length: the graph-level view of what the engine's rounds cost, without the
+drift of whole generate runs (the VM's pace moves 10-30 % between processes, and a graph change
+of a few percent disappears in it).
+
+``--other PATH``: also build the same rounds from another checkout's ``compiled.py`` (for example
+``git worktree add /tmp/base main`` and ``--other /tmp/base/leapfrog/model/compiled.py``), on the
+same models and caches, and time both in interleaved repetitions: per-repetition ratios this/other.
+
+    python benchmarks/round_bench.py --reps 30
+    python benchmarks/round_bench.py --other /tmp/base/leapfrog/model/compiled.py
+
+Every contender runs the round with the same inputs each time (one sequence whose newest token is at
+``--col``; zero tokens and features: the arithmetic does not depend on the values). Sampled rounds
+verify by rejection sampling (an unseeded request: ``reject``) or by the race (a seeded one).
+Medians of ``--reps`` repetitions of ``--calls`` calls each.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import sys
+import time
+
+import torch
+
+from leapfrog import LLM
+from leapfrog.demo import DEMO_DIR
+
+
+def load_other(path: str):
+    """Another checkout's model/compiled.py as its own module (the rest of the package is this one's)."""
+    spec = importlib.util.spec_from_file_location("other_compiled", path)
+    if spec is None or spec.loader is None:
+        sys.exit(f"round_bench: cannot load {path}")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["other_compiled"] = mod   # (dataclasses look their module up)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def race_inputs(g, start, temperature: float, reject: bool, exponentials: bool) -> tuple:
+    """A sampled round's six race inputs for one sequence. ``exponentials``: the graph takes E = -log U
+    (this checkout); else the uniforms U (checkouts before the race's logarithms moved to the host)."""
+    P, V = g.positions, g.model.args.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    if reject:   # (no row races: the unread value)
+        noise = torch.ones(1, P, V, dtype=torch.float64) if exponentials else \
+            torch.full((1, P, V), 0.36787944117144233, dtype=torch.float64)
+    else:
+        u = torch.rand(1, P, V, dtype=torch.float64, generator=gen).clamp_(min=1e-300)
+        noise = -torch.log(u) if exponentials else u
+    w = torch.rand(1, P, 3, dtype=torch.float64, generator=gen)
+    return (torch.full((1,), temperature), torch.ones(1, dtype=torch.bool), noise, (start + g.k + 1).clone(),
+            torch.tensor([reject]), w)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default=str(DEMO_DIR / "target"))
+    ap.add_argument("--head", default=str(DEMO_DIR / "eagle3"), help="an EAGLE-3 head")
+    ap.add_argument("--k", type=int, default=5, help="drafts per round (the chain's depth)")
+    ap.add_argument("--col", type=int, default=120, help="the newest token's column (context length)")
+    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--calls", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--other", default=None, metavar="COMPILED_PY", help="another checkout's model/compiled.py")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    llm = LLM(model=args.target, dtype="auto", enforce_eager=False, num_scheduler_steps=2, max_num_seqs=1,
+              max_model_len=max(256, args.col + 4 * (args.k + 1)),
+              speculative_config={"method": "eagle3", "model": args.head, "num_speculative_tokens": args.k,
+                                  "eagle_topk": 1})
+    runner = llm.engine.runner
+    g, gs = runner.round, runner.sampled_round
+    if g is None or gs is None:
+        sys.exit("round_bench: no speculation rounds were compiled (the fast path needs AVX-512 or CUDA here?)")
+    b = g.warmed[0]
+    dev = g.kv.k[0].device
+    base = g._warm_args(b, args.col, dev, g.kv.scratch_row)   # tokens, features, last, start, rows
+    start = base[3]
+    builds = {"this": (g, gs, True)}
+    if args.other:
+        mod = load_other(args.other)
+        og = mod.CompiledEagleRound(g.model, g.kv, g.draft.model, g.draft.kv, [b], args.k)
+        ogs = mod.CompiledEagleRound(g.model, g.kv, g.draft.model, g.draft.kv, [b], args.k, gs.positions)
+        og.warm_up(False)
+        ogs.warm_up(False)
+        exponentials = hasattr(ogs, "_unread_e")
+        builds["other"] = (og, ogs, exponentials)
+    cases = {}
+    for name, (greedy, sampled, exponentials) in builds.items():
+        cases[f"greedy, {name}"] = (greedy, base)
+        for kind, reject in (("rejection", True), ("race", False)):
+            cases[f"sampled {kind}, {name}"] = (sampled, (*base, *race_inputs(sampled, start, args.temperature,
+                                                                              reject, exponentials)))
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    with torch.inference_mode():
+        for graph, call_args in cases.values():
+            for _ in range(args.calls):
+                graph._serve(call_args)
+        for _ in range(args.reps):
+            for name, (graph, call_args) in cases.items():
+                t0 = time.perf_counter()
+                for _ in range(args.calls):
+                    graph._serve(call_args)
+                times[name].append((time.perf_counter() - t0) / args.calls * 1e6)
+    print(f"one round (K={args.k}, column {args.col}, {args.threads} threads, {g.model.dtype}); "
+          f"medians of {args.reps} x {args.calls} calls:")
+    print("| round | us per round | vs greedy |")
+    print("|---|---:|---:|")
+    for name, ts in times.items():
+        ref = statistics.median(times["greedy, " + name.split(", ")[-1]])
+        print(f"| {name} | {statistics.median(ts):.0f} | {statistics.median(ts) / ref:.2f}x |")
+    if args.other:
+        print("\nthis / other, per repetition (median [min, max]):")
+        for kind in ("greedy", "sampled rejection", "sampled race"):
+            rs = [a / b for a, b in zip(times[f"{kind}, this"], times[f"{kind}, other"])]
+            print(f"  {kind}: {statistics.median(rs):.3f} [{min(rs):.3f}, {max(rs):.3f}]")
+
+
+if __name__ == "__main__":
+    main()
