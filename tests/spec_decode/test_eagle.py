@@ -375,3 +375,35 @@ def test_fast_path_samples_chains_as_eager(shapes, tokenizer, tree, monkeypatch)
             torch.testing.assert_close(q0, q1, rtol=1e-4, atol=1e-6)
     assert any(q is not None for _, _, q in seen[False])   # unseeded draws carry their q
     assert len(calls) < len(seen[False])                    # the top_k request's steps ran eagerly
+
+
+def test_compiled_chain_picks_over_the_heads_own_vocabulary(shapes, tmp_path):
+    """An EAGLE-3 head with a reduced vocabulary (the target's odd ids: a draft id is not its
+    target id) drafts its compiled
+    chains over that vocabulary (CompiledChain.vocab: logits [B, Vd], each pick mapped to target
+    ids): the same tokens, and the same log q to float rounding, as a chain graph picking over
+    the target's whole vocabulary (-inf outside the head's) on the same inputs; the ids are
+    target ids of the head's vocabulary, not draft ids."""
+    from leapfrog.model.compiled import Bucket, CompiledChain
+    target, _ = shapes["qwen2"]
+    odd = list(range(1, 320, 2))
+    head_dir = make_head(target, tmp_path / "h", "eagle3", seed=1, draft_token_ids=odd)
+    spec = {"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": 4, "eagle_topk": 1}
+    with patch.dict(compiled.INDUCTOR_OPTIONS, {"max_autotune": False}):
+        llm = LLM(model=str(target), dtype="float32", max_model_len=64, max_num_seqs=1, speculative_config=spec,
+                  enforce_eager=False, skip_tokenizer_init=True)
+        own = llm.engine.proposer.runner.chain
+        assert own.vocab is not None and own.vocab.tolist() == odd
+        whole = CompiledChain(own.model, own.kv, [Bucket(1, own.buckets[0].tokens)], own.steps,
+                              own.feature_width, own.next_width)
+        whole.warm_up(progress=False)
+    b = whole.warmed[0]
+    args = list(whole._warm_args(b, 20, torch.device("cpu"), own.kv.scratch_row))
+    g = torch.Generator().manual_seed(3)
+    args[0] = torch.randint(0, 320, args[0].shape, generator=g)        # tokens
+    args[7] = torch.randn(args[7].shape, generator=g)                    # the target's features
+    with torch.inference_mode():
+        a, w = own._serve(tuple(args)), whole._serve(tuple(args))
+    assert torch.equal(a.tokens, w.tokens)
+    assert (a.tokens % 2 == 1).all()
+    torch.testing.assert_close(a.logprobs, w.logprobs, rtol=0, atol=1e-5)
