@@ -551,8 +551,9 @@ class CompiledChain(CompiledForward):
     sequences: the scratch row, columns from 1). ``next_width``: the width of the states fed
     back (the head's hidden size); None (draft models): no features after the first forward.
 
-    ``vocab`` (set by the speculation rounds of an EAGLE-3 head with a reduced vocabulary): the
-    target ids [Vd] of the head's own vocabulary; the steps' logits are then the head's [B, Vd]
+    ``vocab`` (set for an EAGLE-3 head with a reduced vocabulary, EagleHead.own_vocab: its chains
+    and its speculation rounds' drafts): the target ids [Vd] of the head's own vocabulary; the
+    steps' logits are then the head's [B, Vd]
     (not spread over the target's V with -inf elsewhere), each pick is made there (half the
     softmax, cumulative sum and race of a sampled pick) and mapped to target ids."""
 
