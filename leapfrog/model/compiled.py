@@ -558,9 +558,9 @@ class CompiledChain(CompiledForward):
     softmax, cumulative sum and race of a sampled pick) and mapped to target ids."""
 
     def __init__(self, model: torch.nn.Module, kv: KVCache, buckets: list[Bucket], steps: int,
-                 feature_width: int | None = None, next_width: int | None = None) -> None:
+                 feature_width: int | None = None, next_width: int | None = None, vocab: Tensor | None = None) -> None:
         super().__init__(model, kv, buckets, (), feature_width)
-        self.steps, self.next_width = steps, next_width
+        self.steps, self.next_width, self.vocab = steps, next_width, vocab
         self.window = model.args.sliding_window
         self._fn = torch.compile(self._chain, dynamic=False, fullgraph=True)
 
@@ -634,8 +634,9 @@ class RaceChain(CompiledChain):
     ``_steps``. Never compiled on its own."""
 
     def __init__(self, model: torch.nn.Module, kv: KVCache, buckets: list[Bucket], steps: int,
-                 feature_width: int | None = None, next_width: int | None = None, logit_scale: float = 1.0) -> None:
-        super().__init__(model, kv, buckets, steps, feature_width, next_width)
+                 feature_width: int | None = None, next_width: int | None = None, logit_scale: float = 1.0,
+                 vocab: Tensor | None = None) -> None:
+        super().__init__(model, kv, buckets, steps, feature_width, next_width, vocab)
         self.logit_scale = logit_scale
 
     def _pick(self, logits: Tensor, j: int, *pick_args: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
@@ -1117,12 +1118,12 @@ class CompiledEagleRound(CompiledSpecRound):
     @staticmethod
     def _drafter(draft: torch.nn.Module, draft_kv: KVCache, k: int, sampled: bool) -> CompiledChain:
         width = draft.cfg.target_hidden_size if draft.kind == "eagle" else draft.cfg.feature_size
-        if sampled:   # (as the head's eager sampled drafts: q = softmax(logits / greedy_logit_scale / T))
-            chain = RaceChain(draft, draft_kv, [], k, width, draft.args.hidden_size, draft.cfg.greedy_logit_scale)
-        else:
-            chain = CompiledChain(draft, draft_kv, [], k, width, draft.args.hidden_size)
-        chain.vocab = draft.own_vocab   # (picks over the head's own vocabulary)
-        return chain
+        # (picks over the head's own vocabulary; sampled: as the head's eager sampled drafts,
+        # q = softmax(logits / greedy_logit_scale / T))
+        if sampled:
+            return RaceChain(draft, draft_kv, [], k, width, draft.args.hidden_size, draft.cfg.greedy_logit_scale,
+                             draft.own_vocab)
+        return CompiledChain(draft, draft_kv, [], k, width, draft.args.hidden_size, draft.own_vocab)
 
     def _round(self, tokens: Tensor, features: Tensor, last: Tensor, start: Tensor,  # type: ignore[override]
                rows: Tensor, *race: Tensor) -> EagleRoundOutput:

@@ -151,8 +151,7 @@ class ModelRunner:
         (model/compiled.py CompiledChain; ``draft_chain`` runs it; ``vocab``: its picks over an
         EAGLE-3 head's own vocabulary, CompiledChain.vocab). -> seconds taken."""
         self._check_compilable()
-        self.chain = CompiledChain(self.model, self.kv, buckets, steps, feature_width, next_width)
-        self.chain.vocab = vocab
+        self.chain = CompiledChain(self.model, self.kv, buckets, steps, feature_width, next_width, vocab)
         return self.chain.warm_up(progress)
 
     def compile_sampled_chain(self, buckets: list[Bucket], steps: int, want: int, logit_scale: float = 1.0,
