@@ -11,6 +11,13 @@ same models and caches, and time both in interleaved repetitions: per-repetition
     python benchmarks/round_bench.py --reps 30
     python benchmarks/round_bench.py --other /tmp/base/leapfrog/model/compiled.py
 
+``--k 5 6 7``: rounds of several chain depths over the same models and caches (the first K's from the
+engine, the others built beside it), interleaved: the per-round cost curve t_round(K) / t_round(K0)
+that, with the tokens per round each depth accepts (``fastpath_bench.py --eagle-depth``), decides the
+depth: a deeper chain pays when its tokens per round grow by more than its round's cost.
+
+    python benchmarks/round_bench.py --k 5 6 7 8
+
 Every contender runs the round with the same inputs each time (one sequence whose newest token is at
 ``--col``; zero tokens and features: the arithmetic does not depend on the values). Sampled rounds
 verify by rejection sampling (an unseeded request: ``reject``) or by the race (a seeded one).
@@ -28,6 +35,7 @@ import torch
 
 from leapfrog import LLM
 from leapfrog.demo import DEMO_DIR
+from leapfrog.model.compiled import CompiledEagleRound
 
 
 def load_other(path: str):
@@ -57,11 +65,23 @@ def race_inputs(g, start, temperature: float, reject: bool, exponentials: bool) 
             torch.tensor([reject]), w)
 
 
+def rounds_of(cls, g, k: int, positions: int, batch: int) -> tuple:
+    """Greedy and sampled rounds of ``cls`` (a CompiledEagleRound) with K = ``k`` over the models and
+    caches of the engine's rounds ``g``, warmed for ``batch`` sequences."""
+    from leapfrog.model.compiled import Bucket
+    greedy = cls(g.model, g.kv, g.draft.model, g.draft.kv, [Bucket(batch, k + 1)], k)
+    sampled = cls(g.model, g.kv, g.draft.model, g.draft.kv, [Bucket(batch, k + 1)], k, positions)
+    greedy.warm_up(False)
+    sampled.warm_up(False)
+    return greedy, sampled
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default=str(DEMO_DIR / "target"))
     ap.add_argument("--head", default=str(DEMO_DIR / "eagle3"), help="an EAGLE-3 head")
-    ap.add_argument("--k", type=int, default=5, help="drafts per round (the chain's depth)")
+    ap.add_argument("--k", type=int, nargs="+", default=[5],
+                    help="drafts per round (the chain's depth); several: each depth's rounds, interleaved")
     ap.add_argument("--col", type=int, default=120, help="the newest token's column (context length)")
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--reps", type=int, default=20)
@@ -70,9 +90,12 @@ def main() -> None:
     ap.add_argument("--other", default=None, metavar="COMPILED_PY", help="another checkout's model/compiled.py")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.other and len(args.k) > 1:
+        ap.error("--other compares one depth: give one --k")
+    k0 = args.k[0]
     llm = LLM(model=args.target, dtype="auto", enforce_eager=False, num_scheduler_steps=2, max_num_seqs=1,
-              max_model_len=max(256, args.col + 4 * (args.k + 1)),
-              speculative_config={"method": "eagle3", "model": args.head, "num_speculative_tokens": args.k,
+              max_model_len=max(256, args.col + 4 * (max(args.k) + 1)),
+              speculative_config={"method": "eagle3", "model": args.head, "num_speculative_tokens": k0,
                                   "eagle_topk": 1})
     runner = llm.engine.runner
     g, gs = runner.round, runner.sampled_round
@@ -80,23 +103,20 @@ def main() -> None:
         sys.exit("round_bench: no speculation rounds were compiled (the fast path needs AVX-512 or CUDA here?)")
     b = g.warmed[0]
     dev = g.kv.k[0].device
-    base = g._warm_args(b, args.col, dev, g.kv.scratch_row)   # tokens, features, last, start, rows
-    start = base[3]
-    builds = {"this": (g, gs, True)}
+    builds = {"this" if len(args.k) == 1 else f"K={k0}": (g, gs, True)}
     if args.other:
         mod = load_other(args.other)
-        og = mod.CompiledEagleRound(g.model, g.kv, g.draft.model, g.draft.kv, [b], args.k)
-        ogs = mod.CompiledEagleRound(g.model, g.kv, g.draft.model, g.draft.kv, [b], args.k, gs.positions)
-        og.warm_up(False)
-        ogs.warm_up(False)
-        exponentials = hasattr(ogs, "_unread_e")
-        builds["other"] = (og, ogs, exponentials)
+        og, ogs = rounds_of(mod.CompiledEagleRound, g, k0, gs.positions, b.batch)
+        builds["other"] = (og, ogs, hasattr(ogs, "_unread_e"))
+    for k in args.k[1:]:   # (the race's positions: the engine's rounds per step x K + 1)
+        builds[f"K={k}"] = (*rounds_of(CompiledEagleRound, g, k, gs.positions // (k0 + 1) * (k + 1), b.batch), True)
     cases = {}
     for name, (greedy, sampled, exponentials) in builds.items():
-        cases[f"greedy, {name}"] = (greedy, base)
+        args_k = greedy._warm_args(greedy.warmed[0], args.col, dev, g.kv.scratch_row)   # tokens .. rows
+        cases[f"greedy, {name}"] = (greedy, args_k)
         for kind, reject in (("rejection", True), ("race", False)):
-            cases[f"sampled {kind}, {name}"] = (sampled, (*base, *race_inputs(sampled, start, args.temperature,
-                                                                              reject, exponentials)))
+            cases[f"sampled {kind}, {name}"] = (sampled, (*args_k, *race_inputs(sampled, args_k[3], args.temperature,
+                                                                                reject, exponentials)))
     times: dict[str, list[float]] = {k: [] for k in cases}
     with torch.inference_mode():
         for graph, call_args in cases.values():
@@ -108,13 +128,19 @@ def main() -> None:
                 for _ in range(args.calls):
                     graph._serve(call_args)
                 times[name].append((time.perf_counter() - t0) / args.calls * 1e6)
-    print(f"one round (K={args.k}, column {args.col}, {args.threads} threads, {g.model.dtype}); "
+    print(f"one round (K={' '.join(map(str, args.k))}, column {args.col}, {args.threads} threads, {g.model.dtype}); "
           f"medians of {args.reps} x {args.calls} calls:")
     print("| round | us per round | vs greedy |")
     print("|---|---:|---:|")
     for name, ts in times.items():
         ref = statistics.median(times["greedy, " + name.split(", ")[-1]])
         print(f"| {name} | {statistics.median(ts):.0f} | {statistics.median(ts) / ref:.2f}x |")
+    if len(args.k) > 1:
+        print(f"\nthe round's cost against K={k0}'s, per repetition (median [min, max]):")
+        for k in args.k[1:]:
+            for kind in ("greedy", "sampled rejection", "sampled race"):
+                rs = [x / y for x, y in zip(times[f"{kind}, K={k}"], times[f"{kind}, K={k0}"])]
+                print(f"  K={k}, {kind}: {statistics.median(rs):.3f} [{min(rs):.3f}, {max(rs):.3f}]")
     if args.other:
         print("\nthis / other, per repetition (median [min, max]):")
         for kind in ("greedy", "sampled rejection", "sampled race"):
