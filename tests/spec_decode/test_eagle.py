@@ -388,7 +388,7 @@ def test_compiled_chain_picks_over_the_heads_own_vocabulary(shapes, tmp_path):
     target, _ = shapes["qwen2"]
     odd = list(range(1, 320, 2))
     head_dir = make_head(target, tmp_path / "h", "eagle3", seed=1, draft_token_ids=odd)
-    spec = {"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": 4, "eagle_topk": 1}
+    spec = {"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": 2, "eagle_topk": 1}
     with patch.dict(compiled.INDUCTOR_OPTIONS, {"max_autotune": False}):
         llm = LLM(model=str(target), dtype="float32", max_model_len=64, max_num_seqs=1, speculative_config=spec,
                   enforce_eager=False, skip_tokenizer_init=True)
