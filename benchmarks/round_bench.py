@@ -35,7 +35,7 @@ import torch
 
 from leapfrog import LLM
 from leapfrog.demo import DEMO_DIR
-from leapfrog.model.compiled import CompiledEagleRound
+from leapfrog.model.compiled import Bucket, CompiledEagleRound
 
 
 def load_other(path: str):
@@ -68,7 +68,6 @@ def race_inputs(g, start, temperature: float, reject: bool, exponentials: bool) 
 def rounds_of(cls, g, k: int, positions: int, batch: int) -> tuple:
     """Greedy and sampled rounds of ``cls`` (a CompiledEagleRound) with K = ``k`` over the models and
     caches of the engine's rounds ``g``, warmed for ``batch`` sequences."""
-    from leapfrog.model.compiled import Bucket
     greedy = cls(g.model, g.kv, g.draft.model, g.draft.kv, [Bucket(batch, k + 1)], k)
     sampled = cls(g.model, g.kv, g.draft.model, g.draft.kv, [Bucket(batch, k + 1)], k, positions)
     greedy.warm_up(False)
