@@ -553,9 +553,9 @@ class CompiledChain(CompiledForward):
 
     ``vocab`` (set for an EAGLE-3 head with a reduced vocabulary, EagleHead.own_vocab: its chains
     and its speculation rounds' drafts): the target ids [Vd] of the head's own vocabulary; the
-    steps' logits are then the head's [B, Vd]
-    (not spread over the target's V with -inf elsewhere), each pick is made there (half the
-    softmax, cumulative sum and race of a sampled pick) and mapped to target ids."""
+    steps' logits are then the head's [B, Vd] (not spread over the target's V with -inf
+    elsewhere), each pick is made there (half the softmax, cumulative sum and race of a sampled
+    pick) and mapped to target ids."""
 
     def __init__(self, model: torch.nn.Module, kv: KVCache, buckets: list[Bucket], steps: int,
                  feature_width: int | None = None, next_width: int | None = None, vocab: Tensor | None = None) -> None:
