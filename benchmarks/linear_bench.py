@@ -16,6 +16,13 @@ limit: ``torch.sum`` over a 256 MB float32 tensor (a read) and a 64 MB copy (rea
     python benchmarks/linear_bench.py                              # built-in target, 1 and 6 rows
     python benchmarks/linear_bench.py --prefetch T0:1024 none:4096 --rounds 40
     python benchmarks/linear_bench.py --target PATH --rows 1 4 8 --out linear.json
+    python benchmarks/linear_bench.py --dtype float32 --rows 1 5 --other OLD/leapfrog/model/native_linear.py
+
+``--dtype float32`` feeds float32 rows (what a float32 model's linears get: on AVX2 CPUs
+``dtype="auto"`` runs bf16 checkpoints in float32, and the kernel reads their weights as bf16).
+``--other FILE`` builds another checkout's kernel (its ``native_linear.py``) for this CPU under its
+own op namespace, packs the weights its way, and times it beside this one's, interleaved: the
+A/B for a kernel change, where separate processes drift 10-30 % here.
 """
 
 from __future__ import annotations
@@ -72,6 +79,26 @@ def reference_bandwidth(reps: int = 10) -> dict[str, float]:
     return out
 
 
+def other_kernel(path: str, weights: list[torch.Tensor]) -> tuple[Callable, list[torch.Tensor]]:
+    """Another checkout's kernel for this CPU, built under op namespace leapfrog_gemm_other, and
+    the weights packed in its block width. -> (op, packed weights)"""
+    import importlib.util
+    from torch.utils.cpp_extension import load_inline
+    spec = importlib.util.spec_from_file_location("leapfrog_other_native_linear", path)
+    if spec is None or not Path(path).is_file():
+        sys.exit(f"--other {path}: not a file")
+    other = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(other)
+    isa = nl.kernel_isa()
+    source, flags = other.kernel_source(isa, namespace="leapfrog_gemm_other")
+    omp = ["-fopenmp"] if torch.backends.openmp.is_available() else []
+    load_inline(f"leapfrog_gemm_other_{abs(hash(source)) % 10**8}", cpp_sources=source, is_python_module=False,
+                extra_cflags=[*flags, *omp], extra_ldflags=omp)
+    # its block width: BLOCK_COLUMNS per build, or (older checkouts) one BLOCK
+    block = getattr(other, "BLOCK_COLUMNS", {}).get(isa) or getattr(other, "BLOCK", 32)
+    return torch.ops.leapfrog_gemm_other.linear_bf16, [nl.pack_weight(w, block) for w in weights]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=str(DEMO_DIR / "target"),
@@ -81,6 +108,9 @@ def main() -> None:
     ap.add_argument("--prefetch", nargs="*", default=[], metavar="HINT:BYTES",
                     help="kernel variants: software prefetch hint (T0, T1, T2, NTA, none) and distance in bytes")
     ap.add_argument("--no-onednn", action="store_true", help="leave out F.linear (oneDNN)")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="the rows' dtype")
+    ap.add_argument("--other", default=None, metavar="FILE",
+                    help="another checkout's leapfrog/model/native_linear.py, timed beside this one")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--reps", type=int, default=4, help="passes over all the weights per contender and round")
     ap.add_argument("--threads", type=int, default=2)
@@ -101,8 +131,9 @@ def main() -> None:
     weights = [torch.randn(n, k, generator=gen).mul_(0.02).to(torch.bfloat16) for n, k in shapes]
     nbytes = sum(w.numel() * 2 for w in weights)
     native = [nl.NativeLinear(w, None) for w in weights]
-    contenders = [Contender("leapfrog kernel (default prefetch: "
-                            f"{nl.PREFETCH_HINT}, {nl.PREFETCH_BYTES} B)", lambda x, i: native[i](x))]
+    label = (f"default prefetch: {nl.PREFETCH_HINT}, {nl.PREFETCH_BYTES} B" if nl.kernel_isa() == "avx512_bf16"
+             else f"{nl.kernel_isa()} build")
+    contenders = [Contender(f"leapfrog kernel ({label})", lambda x, i: native[i](x))]
     for j, spec in enumerate(args.prefetch):
         hint, _, dist = spec.partition(":")
         try:
@@ -112,17 +143,29 @@ def main() -> None:
             sys.exit(f"--prefetch {spec}: {e}")
         contenders.append(Contender(f"leapfrog kernel, prefetch {hint}, {nbytes_ahead} B",
                                     lambda x, i, op=op: op(x, native[i].packed, None, shapes[i][0], False)))
+    if args.other:
+        op, packed = other_kernel(args.other, weights)
+        contenders.append(Contender(f"other kernel ({args.other})",
+                                    lambda x, i: op(x, packed[i], None, shapes[i][0], False)))
+    dtype = getattr(torch, args.dtype)
     if not args.no_onednn:
-        contenders.append(Contender("F.linear bf16 (oneDNN)", lambda x, i: F.linear(x, weights[i])))
+        dense = weights if dtype == torch.bfloat16 else [w.float() for w in weights]
+        contenders.append(Contender(f"F.linear {args.dtype} (oneDNN)", lambda x, i: F.linear(x, dense[i])))
 
-    print(f"{len(shapes)} linears, {nbytes / 1e6:.1f} MB of bf16 weights, {args.threads} threads", file=sys.stderr)
+    print(f"{len(shapes)} linears, {nbytes / 1e6:.1f} MB of bf16 weights, {args.dtype} rows, {args.threads} threads, "
+          f"{nl.kernel_isa()} build", file=sys.stderr)
+    if args.other:   # the same bits from both kernels? (a kernel change that keeps each sum's order keeps them)
+        same = all(torch.equal(contenders[0].linear(x, i), contenders[1].linear(x, i))
+                   for m in args.rows for i, (_n, k) in enumerate(shapes)
+                   for x in [torch.randn(m, k, generator=gen).to(getattr(torch, args.dtype))])
+        print(f"this kernel and --other give the same bits on every linear and row count: {same}")
     refs = reference_bandwidth()
     rng = random.Random(args.seed)
     times: dict[tuple[int, str], list[float]] = {}
     with torch.inference_mode():
         for rnd in range(args.rounds):
             for m in args.rows:
-                xs = {k: torch.randn(m, k, generator=gen).to(torch.bfloat16) for k in {k for _, k in shapes}}
+                xs = {k: torch.randn(m, k, generator=gen).to(dtype) for k in {k for _, k in shapes}}
                 order = contenders[:]
                 rng.shuffle(order)
                 for c in order:

@@ -28,17 +28,25 @@ from memory): one token, a layer's four linears 216 us against inductor's 223 (b
 GB/s, the memory's pace); five tokens, still 213 us, and the whole verify step 2.60 ms against
 3.74 ms with inductor's GEMMs.
 
-AVX2 (no bf16 dot product, 16 vector registers): one build of the float32-rows path with 8-lane
-vectors, 3 rows per tile, each k's product added in k order (even and odd k into the same
-accumulator); bf16 rows are widened to float32 first and the float32 sums rounded once to bf16.
+AVX2 (no bf16 dot product, 16 vector registers): float32 rows only (bf16 rows are widened to
+float32 first and the float32 sums rounded once to bf16), 8-lane fused multiply-adds, each k's
+product added in k order (even and odd k into the same accumulator). Its blocks are 16 columns wide
+(``BLOCK_COLUMNS``; ``pack_weight`` packs for the loaded build): a k-pair of a block is one 64-byte
+line, a block one contiguous run, and a tile of 5 rows x 16 columns keeps its 10 sums, the widened
+weights and a broadcast in the 16 registers without spilling (the first build's 3 rows x 32 columns
+spilled 8 of its 12 sums to the stack every k-pair). One row runs over 4 blocks at once and two
+rows over 2 (8 independent sums, so the multiply-adds do not wait on each other); more than 5 rows
+run in tiles of 5 or 4 and one of 2 (6: 4 + 2), over chunks of blocks that stay in L2 between
+tiles. Same sums in the same order as the first build, so the same bits (checked side by side).
 On AVX2 this is what float32 models use too: a bf16 checkpoint run in float32 (``dtype="auto"``
 picks float32 where bf16 is emulated) has float32 weights that are all bf16 values, so the kernel
 reads them as bf16 (exact) and multiplies float32 rows in float32, at half the bytes of a float32
 linear (``NativeLinear.fits``). Measured (2 threads, AVX2 EPYC, the built-in target's 24 decoder
 linears and its head, weights from memory): one row 2.1 ms against 7.4 ms for ``F.linear`` in
-float32 (22.5 of the machine's ~25 GB/s), five rows 3.6 ms against 19.2; the built-in target
-decodes eagerly in float32 at 267 tokens/s against 171 with oneDNN's float32 linears, with the
-same greedy tokens.
+float32 (22.5 of the machine's ~25 GB/s), five rows 3.6 ms against 19.2 with the first build; the
+16-column build against the first, interleaved (``benchmarks/linear_bench.py --dtype float32
+--other``, Zen 3): 3 rows 0.91x the time, 4 rows 0.85x, 5 rows 0.89x, 8 rows 0.93x, but 6 rows
+and 16 rows 1.04x; one row the same within the noise.
 
 Software prefetch (AVX-512; ``kernel_source``): 4 KiB ahead into L2 (``_MM_HINT_T1``). Against
 1 KiB ahead into L1, the first choice, the built-in target's linears streaming from memory (47 MB,
@@ -72,7 +80,10 @@ from leapfrog.utils import env_off
 
 log = logging.getLogger("leapfrog.model")
 
-BLOCK = 32  # output columns per packed block
+#: output columns per packed block, per instruction set: AVX-512 BF16 32 (a 64-byte load holds a
+#: k-pair of 16 columns for vdpbf16ps), AVX2 16 (one 64-byte line a k-pair: a block streams as
+#: one contiguous run, and 5 float32 rows x 16 columns fit the 16 ymm registers)
+BLOCK_COLUMNS = {"avx512_bf16": 32, "avx2": 16}
 
 _HEADER = r"""
 #include <torch/extension.h>
@@ -88,6 +99,7 @@ _HEADER = r"""
 
 _AVX512_BF16 = r"""
 #define LEAPFROG_BF16_ROWS 1   // bf16 rows: vdpbf16ps
+#define LEAPFROG_F32_RANGE 0   // float32 rows: TILES_F32 per block, below
 
 namespace {
 
@@ -240,59 +252,118 @@ constexpr TileF32 TILES_F32[2][ROWS_F32 + 1] = {LEAPFROG_TILES_F32(false), LEAPF
 
 _AVX2 = r"""
 #define LEAPFROG_BF16_ROWS 0   // bf16 rows are widened to float32 first (no bf16 dot product)
+#define LEAPFROG_F32_RANGE 1   // float32 rows: f32_range serves each thread's blocks
 
 namespace {
 
-constexpr int64_t BLOCK = 32;     // output columns per packed block (four 8-lane vectors)
-constexpr int64_t ROWS_F32 = 3;   // float32 rows per tile: 3 x 4 accumulators (16 ymm registers in all)
+constexpr int64_t BLOCK = 16;      // output columns per packed block: two 8-lane vectors, one 64-byte line a k-pair
+constexpr int64_t ROWS_F32 = 5;    // float32 rows per tile: 5 x 2 accumulators (16 ymm registers in all)
 constexpr int64_t ROWS = ROWS_F32;
-constexpr int64_t PREFETCH = 512; // bf16 elements ahead in the weight stream (1 KiB)
+constexpr int64_t PREFETCH = 1024; // bf16 elements ahead in each block's weight stream (2 KiB)
 
-// C[m, 0:cols] = A[m, :] . block + bias for m < M, float32 rows: each k-pair's 64 bf16 weights
-// widened to float32 in registers (exact), then per row and 8-column group one fused
-// multiply-add for k = 2kk and one for 2kk + 1 into the same accumulator, k in order; the bias
-// (float32) last.
-template <int M>
+// C[m, 0:cols] = A[m, :] . W + bias for m < M over NB consecutive blocks (blk: the first; cols:
+// the columns kept, at most NB x BLOCK). Each k-pair's weights are widened to float32 in registers
+// (exact: even k = the low bf16 shifted up, odd k = the high one masked), then per row and 8-column
+// vector one fused multiply-add for k = 2kk and one for 2kk + 1 into the same accumulator: per
+// column one sum, k in order, whatever M and NB (row invariance); the bias (float32) last.
+// H: rows' broadcasts held across the vectors (M <= 2, several blocks: more independent sums);
+// else each parity's vectors held across the rows (M <= 5, one block).
+template <int M, int NB, bool H>
 void tile_f32(const float* A, int64_t lda, const uint16_t* blk, int64_t K2, const float* bias,
               float* C, int64_t ldc, int64_t cols) {
-  __m256 c[M][4];
+  constexpr int V = NB * 2;                // 8-lane column vectors
+  const int64_t bstride = K2 * 2 * BLOCK;  // elements from one block to the next
+  __m256 c[M][V];
   for (int m = 0; m < M; ++m)
-    for (int j = 0; j < 4; ++j) c[m][j] = _mm256_setzero_ps();
+    for (int v = 0; v < V; ++v) c[m][v] = _mm256_setzero_ps();
   const __m256i high = _mm256_set1_epi32((int32_t)0xFFFF0000u);
   for (int64_t kk = 0; kk < K2; ++kk) {
     const uint16_t* w = blk + kk * 2 * BLOCK;
-    _mm_prefetch((const char*)(w + PREFETCH), _MM_HINT_T0);
-    _mm_prefetch((const char*)(w + PREFETCH + 32), _MM_HINT_T0);
-    __m256 e[4], o[4];   // w[8j + c, 2kk] and w[8j + c, 2kk + 1]
-    for (int j = 0; j < 4; ++j) {
-      const __m256i v = _mm256_loadu_si256((const __m256i*)(w + 16 * j));
-      e[j] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-      o[j] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
-    }
-    for (int m = 0; m < M; ++m) {
-      const __m256 a = _mm256_set1_ps(A[m * lda + 2 * kk]), b = _mm256_set1_ps(A[m * lda + 2 * kk + 1]);
-      for (int j = 0; j < 4; ++j) c[m][j] = _mm256_fmadd_ps(b, o[j], _mm256_fmadd_ps(a, e[j], c[m][j]));
+    for (int b = 0; b < NB; ++b) _mm_prefetch((const char*)(w + b * bstride + PREFETCH), _MM_HINT_T0);
+    if constexpr (H) {
+      __m256 a[M], b[M];
+      for (int m = 0; m < M; ++m) {
+        a[m] = _mm256_broadcast_ss(A + m * lda + 2 * kk);
+        b[m] = _mm256_broadcast_ss(A + m * lda + 2 * kk + 1);
+      }
+      for (int v = 0; v < V; ++v) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i*)(w + (v / 2) * bstride + 16 * (v % 2)));
+        const __m256 e = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+        for (int m = 0; m < M; ++m) c[m][v] = _mm256_fmadd_ps(a[m], e, c[m][v]);
+        const __m256 o = _mm256_castsi256_ps(_mm256_and_si256(raw, high));
+        for (int m = 0; m < M; ++m) c[m][v] = _mm256_fmadd_ps(b[m], o, c[m][v]);
+      }
+    } else {
+      __m256 x[V];
+      for (int v = 0; v < V; ++v)
+        x[v] = _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_loadu_si256((const __m256i*)(w + (v / 2) * bstride + 16 * (v % 2))), 16));
+      for (int m = 0; m < M; ++m) {
+        const __m256 a = _mm256_broadcast_ss(A + m * lda + 2 * kk);
+        for (int v = 0; v < V; ++v) c[m][v] = _mm256_fmadd_ps(a, x[v], c[m][v]);
+      }
+      for (int v = 0; v < V; ++v)
+        x[v] = _mm256_castsi256_ps(_mm256_and_si256(
+            _mm256_loadu_si256((const __m256i*)(w + (v / 2) * bstride + 16 * (v % 2))), high));
+      for (int m = 0; m < M; ++m) {
+        const __m256 b = _mm256_broadcast_ss(A + m * lda + 2 * kk + 1);
+        for (int v = 0; v < V; ++v) c[m][v] = _mm256_fmadd_ps(b, x[v], c[m][v]);
+      }
     }
   }
-  alignas(32) float bb[BLOCK] = {0}, out[BLOCK];
+  alignas(32) float bb[NB * BLOCK] = {0}, out[NB * BLOCK];
   if (bias != nullptr) std::memcpy(bb, bias, cols * sizeof(float));
   for (int m = 0; m < M; ++m) {
-    for (int j = 0; j < 4; ++j) _mm256_store_ps(out + 8 * j, _mm256_add_ps(c[m][j], _mm256_load_ps(bb + 8 * j)));
+    for (int v = 0; v < V; ++v) _mm256_store_ps(out + 8 * v, _mm256_add_ps(c[m][v], _mm256_load_ps(bb + 8 * v)));
     std::memcpy(C + m * ldc, out, cols * sizeof(float));
   }
 }
 
-using TileF32 = void (*)(const float*, int64_t, const uint16_t*, int64_t, const float*, float*, int64_t, int64_t);
-// [STREAM][rows]: AVX2 builds prefetch alike either way
-constexpr TileF32 TILES_F32[2][ROWS_F32 + 1] = {{nullptr, tile_f32<1>, tile_f32<2>, tile_f32<3>},
-                                                {nullptr, tile_f32<1>, tile_f32<2>, tile_f32<3>}};
+// M rows over blocks [b0, b1): NB blocks per tile while they last, then one
+template <int M, int NB, bool H>
+void rows_over(const float* A, int64_t K, const uint16_t* W, int64_t K2, int64_t b0, int64_t b1,
+               const float* bp, float* C, int64_t n) {
+  int64_t b = b0;
+  for (; b + NB <= b1; b += NB)
+    tile_f32<M, NB, H>(A, K, W + b * K2 * 2 * BLOCK, K2, bp ? bp + b * BLOCK : nullptr, C + b * BLOCK, n,
+                       std::min<int64_t>(NB * BLOCK, n - b * BLOCK));
+  for (; b < b1; ++b)
+    tile_f32<M, 1, H>(A, K, W + b * K2 * 2 * BLOCK, K2, bp ? bp + b * BLOCK : nullptr, C + b * BLOCK, n,
+                      std::min<int64_t>(BLOCK, n - b * BLOCK));
+}
+
+// float32 rows [M, K] x blocks [b0, b1) -> C[:, 16 b0 : 16 b1]: row tiles of 5 or 4 rows, then
+// one of 2 where needed, never 3 or 1 beside others (their few sums wait on each other: 6 rows run
+// as 4 + 2, 8 as 4 + 4, 16 as 5 + 5 + 4 + 2); with several tiles, blocks in chunks of about
+// 256 KiB, each chunk through every tile while it stays in L2 (each weight read once from memory)
+void f32_range(const float* A, int64_t M, int64_t K, const uint16_t* W, int64_t K2, int64_t b0, int64_t b1,
+               const float* bp, float* C, int64_t n) {
+  const int64_t chunk = M <= ROWS_F32 ? b1 - b0 : std::max<int64_t>(4, (256 << 10) / (K2 * 4 * BLOCK));
+  for (int64_t c0 = b0; c0 < b1; c0 += chunk) {
+    const int64_t c1 = std::min(b1, c0 + chunk);
+    for (int64_t m0 = 0; m0 < M;) {
+      const int64_t rest = M - m0;
+      const int64_t r = rest <= ROWS_F32 ? rest : (rest - ROWS_F32 == 1 || rest - ROWS_F32 == 3) ? 4 : ROWS_F32;
+      const float* At = A + m0 * K;
+      float* Ct = C + m0 * n;
+      switch (r) {
+        case 1: rows_over<1, 4, true>(At, K, W, K2, c0, c1, bp, Ct, n); break;
+        case 2: rows_over<2, 2, true>(At, K, W, K2, c0, c1, bp, Ct, n); break;
+        case 3: rows_over<3, 1, false>(At, K, W, K2, c0, c1, bp, Ct, n); break;
+        case 4: rows_over<4, 1, false>(At, K, W, K2, c0, c1, bp, Ct, n); break;
+        default: rows_over<5, 1, false>(At, K, W, K2, c0, c1, bp, Ct, n); break;
+      }
+      m0 += r;
+    }
+  }
+}
 
 }  // namespace
 """
 
 _OP = r"""
 
-// x [..., K] bf16 or float32, w [ceil(N/32), K/2, 32, 2] bf16 (pack_weight), bias [N] or None
+// x [..., K] bf16 or float32, w [ceil(N/BLOCK), K/2, BLOCK, 2] bf16 (pack_weight), bias [N] or None
 // -> [..., N] in x's dtype, or float32 with f32_out (bf16 rows: the float32 sums not rounded)
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                        int64_t n, bool f32_out, bool stream) {
@@ -337,17 +408,27 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
   // block from cache, and a block (K x 64 bytes) can outgrow L1, where T1 keeps it in L2
   const bool nt = stream && M <= (f32 ? ROWS_F32 : ROWS);
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / (K2 * 2 * BLOCK * 2 * tiles));
+#if LEAPFROG_F32_RANGE
+  if (f32) {
+    const float* A = xc.data_ptr<float>();
+    float* C = out.data_ptr<float>();
+    at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) { f32_range(A, M, K, W, K2, b0, b1, bp, C, n); });
+    return out;
+  }
+#endif
   at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
     for (int64_t nb = b0; nb < b1; ++nb) {     // each block once from memory, for all rows
       const int64_t cols = std::min<int64_t>(BLOCK, n - nb * BLOCK);
       const uint16_t* blk = W + nb * K2 * 2 * BLOCK;
       const float* bb = bp ? bp + nb * BLOCK : nullptr;
       if (f32) {
+#if !LEAPFROG_F32_RANGE
         const float* A = xc.data_ptr<float>();
         float* C = out.data_ptr<float>();
         for (int64_t m0 = 0; m0 < M; m0 += ROWS_F32)
           TILES_F32[nt][std::min<int64_t>(ROWS_F32, M - m0)](A + m0 * K, K, blk, K2, bb, C + m0 * n + nb * BLOCK,
                                                                  n, cols);
+#endif
       } else {
 #if LEAPFROG_BF16_ROWS
         const uint16_t* A = reinterpret_cast<const uint16_t*>(xc.data_ptr());
@@ -438,12 +519,18 @@ def load_native_linear() -> bool:
     """Build (once, cached on disk) and load the op for this CPU's instruction set. -> available."""
     with _LOCK:
         if "ok" not in _STATE:
-            _STATE["ok"] = _load()
+            _STATE["isa"] = kernel_isa()
+            _STATE["ok"] = _load(_STATE["isa"])
     return _STATE["ok"]
 
 
-def _load() -> bool:
-    isa = kernel_isa()
+def block_columns() -> int:
+    """Output columns per packed block of the loaded build (pack_weight's default)."""
+    load_native_linear()
+    return BLOCK_COLUMNS[_STATE["isa"] or "avx512_bf16"]
+
+
+def _load(isa: str | None) -> bool:
     if isa is None:
         return False
     try:
@@ -506,15 +593,17 @@ def set_streaming(model: nn.Module) -> int:
     return len(linears) if on else 0
 
 
-def pack_weight(weight: Tensor) -> Tensor:
-    """weight [N, K] bf16 (K even) -> [ceil(N/32), K/2, 32, 2]: block b, k-pair j, column c holds
-    weight[32 b + c, 2 j : 2 j + 2] (zeros past N)."""
+def pack_weight(weight: Tensor, block: int | None = None) -> Tensor:
+    """weight [N, K] bf16 (K even) -> [ceil(N/B), K/2, B, 2] with B = ``block`` (default: the loaded
+    build's, ``block_columns``): block b, k-pair j, column c holds weight[B b + c, 2 j : 2 j + 2]
+    (zeros past N)."""
+    block = block or block_columns()
     n, k = weight.shape
     assert k % 2 == 0, "K must be even"
-    nb = -(-n // BLOCK)
-    w = torch.zeros(nb * BLOCK, k, dtype=weight.dtype)
+    nb = -(-n // block)
+    w = torch.zeros(nb * block, k, dtype=weight.dtype)
     w[:n] = weight.detach()
-    return w.view(nb, BLOCK, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return w.view(nb, block, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
 class NativeLinear(nn.Module):

@@ -19,14 +19,28 @@ def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torc
     return y if b is None else y + b.double()
 
 
-def test_pack_weight_layout():
+@pytest.mark.parametrize("block", [32, 16])
+def test_pack_weight_layout(block):
+    """Blocks of 32 columns (the AVX-512 build) or 16 (AVX2), a k-pair of each column side by side."""
     w = torch.arange(40 * 6, dtype=torch.float32).view(40, 6).to(BF16)  # exact in bf16 (< 256)
-    p = pack_weight(w)
-    assert p.shape == (2, 3, 32, 2)
-    for n in (0, 17, 31, 32, 39):
+    p = pack_weight(w, block)
+    nb = -(-40 // block)
+    assert p.shape == (nb, 3, block, 2)
+    for n in (0, 15, 16, 17, 31, 32, 39):
         for j in range(3):
-            assert torch.equal(p[n // 32, j, n % 32], w[n, 2 * j:2 * j + 2])
-    assert not p[1, :, 8:].any()  # columns 40..63 are padding
+            assert torch.equal(p[n // block, j, n % block], w[n, 2 * j:2 * j + 2])
+    assert not p[-1, :, 40 - (nb - 1) * block:].any()  # columns past 40 are padding
+
+
+@needs_kernel
+def test_default_block_is_the_builds():
+    """NativeLinear packs with the loaded build's block width, which the op checks."""
+    expected = {"avx512_bf16": 32, "avx2": 16}[kernel_isa()]
+    lin = NativeLinear(torch.randn(40, 8).to(BF16), None)
+    assert lin.packed.shape == (-(-40 // expected), 4, expected, 2)
+    other = pack_weight(torch.randn(40, 8).to(BF16), 48 - expected)
+    with pytest.raises(RuntimeError, match="packed"):
+        torch.ops.leapfrog_gemm.linear_bf16(torch.randn(2, 8), other, None, 40)
 
 
 @needs_kernel
