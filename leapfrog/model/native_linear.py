@@ -37,7 +37,9 @@ weights and a broadcast in the 16 registers without spilling (the first build's 
 spilled 8 of its 12 sums to the stack every k-pair). One row runs over 4 blocks at once and two
 rows over 2 (8 independent sums, so the multiply-adds do not wait on each other); more than 5 rows
 run in tiles of 5 or 4 and one of 2 (6: 4 + 2), over chunks of blocks that stay in L2 between
-tiles. Same sums in the same order as the first build, so the same bits (checked side by side).
+tiles. Tiles of 4 and 5 rows are written with every loop unrolled (``tile_f32_unrolled``): in the
+general form GCC still kept a stack copy of the sums and stored all of them every k-pair. Same
+sums in the same order as the first build, so the same bits (checked side by side).
 On AVX2 this is what float32 models use too: a bf16 checkpoint run in float32 (``dtype="auto"``
 picks float32 where bf16 is emulated) has float32 weights that are all bf16 values, so the kernel
 reads them as bf16 (exact) and multiplies float32 rows in float32, at half the bytes of a float32
@@ -45,8 +47,9 @@ linear (``NativeLinear.fits``). Measured (2 threads, AVX2 EPYC, the built-in tar
 linears and its head, weights from memory): one row 2.1 ms against 7.4 ms for ``F.linear`` in
 float32 (22.5 of the machine's ~25 GB/s), five rows 3.6 ms against 19.2 with the first build; the
 16-column build against the first, interleaved (``benchmarks/linear_bench.py --dtype float32
---other``, Zen 3): 3 rows 0.91x the time, 4 rows 0.85x, 5 rows 0.89x, 8 rows 0.93x, but 6 rows
-and 16 rows 1.04x; one row the same within the noise.
+--other``, Zen 3), before the unrolled tiles: 3 rows 0.91x the time, 4 rows 0.85x, 5 rows 0.89x,
+8 rows 0.93x, but 6 and 16 rows 1.04x; one row the same within the noise. The unrolled tiles
+against that: 4 rows 0.90x, 5 rows 0.76x, 8 rows 0.88x, 16 rows 0.78x, 1, 3 and 6 rows the same.
 
 Software prefetch (AVX-512; ``kernel_source``): 4 KiB ahead into L2 (``_MM_HINT_T1``). Against
 1 KiB ahead into L1, the first choice, the built-in target's linears streaming from memory (47 MB,
@@ -319,11 +322,56 @@ void tile_f32(const float* A, int64_t lda, const uint16_t* blk, int64_t K2, cons
   }
 }
 
+// tile_f32<M, 1, false> for tiles of 4 or 5 rows with every loop unrolled, so that the sums live
+// in registers only: as written above, GCC keeps a copy of c[][] on the stack for these and stores
+// every sum to it on each k-pair (the epilogue's loops index it); unrolled, 5 rows took 0.74-0.79x
+// the time. (Unrolled the same way, tiles of 1-3 rows ran 1.05-1.4x slower, for reasons not found:
+// they keep the form above.) Same sums in the same order.
+#define UNROLL _Pragma("GCC unroll 16")
+template <int M>
+void tile_f32_unrolled(const float* A, int64_t lda, const uint16_t* blk, int64_t K2, const float* bias,
+                       float* C, int64_t ldc, int64_t cols) {
+  __m256 c[M][2];
+  UNROLL for (int m = 0; m < M; ++m) c[m][0] = c[m][1] = _mm256_setzero_ps();
+  const __m256i high = _mm256_set1_epi32((int32_t)0xFFFF0000u);
+  for (int64_t kk = 0; kk < K2; ++kk) {
+    const uint16_t* w = blk + kk * 2 * BLOCK;
+    _mm_prefetch((const char*)(w + PREFETCH), _MM_HINT_T0);
+    const __m256i w0 = _mm256_loadu_si256((const __m256i*)w), w1 = _mm256_loadu_si256((const __m256i*)(w + 16));
+    __m256 x0 = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16)), x1 = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16));
+    UNROLL for (int m = 0; m < M; ++m) {
+      const __m256 a = _mm256_broadcast_ss(A + m * lda + 2 * kk);
+      c[m][0] = _mm256_fmadd_ps(a, x0, c[m][0]);
+      c[m][1] = _mm256_fmadd_ps(a, x1, c[m][1]);
+    }
+    x0 = _mm256_castsi256_ps(_mm256_and_si256(w0, high));
+    x1 = _mm256_castsi256_ps(_mm256_and_si256(w1, high));
+    UNROLL for (int m = 0; m < M; ++m) {
+      const __m256 b = _mm256_broadcast_ss(A + m * lda + 2 * kk + 1);
+      c[m][0] = _mm256_fmadd_ps(b, x0, c[m][0]);
+      c[m][1] = _mm256_fmadd_ps(b, x1, c[m][1]);
+    }
+  }
+  alignas(32) float bb[BLOCK] = {0}, out[M][BLOCK];
+  if (bias != nullptr) std::memcpy(bb, bias, cols * sizeof(float));
+  UNROLL for (int m = 0; m < M; ++m) {
+    _mm256_store_ps(out[m], _mm256_add_ps(c[m][0], _mm256_load_ps(bb)));
+    _mm256_store_ps(out[m] + 8, _mm256_add_ps(c[m][1], _mm256_load_ps(bb + 8)));
+  }
+  for (int m = 0; m < M; ++m) std::memcpy(C + m * ldc, out[m], cols * sizeof(float));
+}
+
 // M rows over blocks [b0, b1): NB blocks per tile while they last, then one
 template <int M, int NB, bool H>
 void rows_over(const float* A, int64_t K, const uint16_t* W, int64_t K2, int64_t b0, int64_t b1,
                const float* bp, float* C, int64_t n) {
   int64_t b = b0;
+  if constexpr (M >= 4) {   // (NB = 1)
+    for (; b < b1; ++b)
+      tile_f32_unrolled<M>(A, K, W + b * K2 * 2 * BLOCK, K2, bp ? bp + b * BLOCK : nullptr, C + b * BLOCK, n,
+                           std::min<int64_t>(BLOCK, n - b * BLOCK));
+    return;
+  }
   for (; b + NB <= b1; b += NB)
     tile_f32<M, NB, H>(A, K, W + b * K2 * 2 * BLOCK, K2, bp ? bp + b * BLOCK : nullptr, C + b * BLOCK, n,
                        std::min<int64_t>(NB * BLOCK, n - b * BLOCK));
