@@ -28,6 +28,7 @@ A/B for a kernel change, where separate processes drift 10-30 % here.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import random
 import statistics
@@ -92,7 +93,8 @@ def other_kernel(path: str, weights: list[torch.Tensor]) -> tuple[Callable, list
     isa = nl.kernel_isa()
     source, flags = other.kernel_source(isa, namespace="leapfrog_gemm_other")
     omp = ["-fopenmp"] if torch.backends.openmp.is_available() else []
-    load_inline(f"leapfrog_gemm_other_{abs(hash(source)) % 10**8}", cpp_sources=source, is_python_module=False,
+    digest = hashlib.sha256(source.encode()).hexdigest()[:12]   # (stable across runs: the build is cached)
+    load_inline(f"leapfrog_gemm_other_{digest}", cpp_sources=source, is_python_module=False,
                 extra_cflags=[*flags, *omp], extra_ldflags=omp)
     # its block width: BLOCK_COLUMNS per build, or (older checkouts) one BLOCK
     block = getattr(other, "BLOCK_COLUMNS", {}).get(isa) or getattr(other, "BLOCK", 32)
@@ -143,10 +145,11 @@ def main() -> None:
             sys.exit(f"--prefetch {spec}: {e}")
         contenders.append(Contender(f"leapfrog kernel, prefetch {hint}, {nbytes_ahead} B",
                                     lambda x, i, op=op: op(x, native[i].packed, None, shapes[i][0], False)))
+    other = None
     if args.other:
         op, packed = other_kernel(args.other, weights)
-        contenders.append(Contender(f"other kernel ({args.other})",
-                                    lambda x, i: op(x, packed[i], None, shapes[i][0], False)))
+        other = Contender(f"other kernel ({args.other})", lambda x, i: op(x, packed[i], None, shapes[i][0], False))
+        contenders.append(other)
     dtype = getattr(torch, args.dtype)
     if not args.no_onednn:
         dense = weights if dtype == torch.bfloat16 else [w.float() for w in weights]
@@ -154,10 +157,10 @@ def main() -> None:
 
     print(f"{len(shapes)} linears, {nbytes / 1e6:.1f} MB of bf16 weights, {args.dtype} rows, {args.threads} threads, "
           f"{nl.kernel_isa()} build", file=sys.stderr)
-    if args.other:   # the same bits from both kernels? (a kernel change that keeps each sum's order keeps them)
-        same = all(torch.equal(contenders[0].linear(x, i), contenders[1].linear(x, i))
+    if other is not None:   # the same bits from both kernels? (a kernel change that keeps each sum's order keeps them)
+        same = all(torch.equal(contenders[0].linear(x, i), other.linear(x, i))
                    for m in args.rows for i, (_n, k) in enumerate(shapes)
-                   for x in [torch.randn(m, k, generator=gen).to(getattr(torch, args.dtype))])
+                   for x in [torch.randn(m, k, generator=gen).to(dtype)])
         print(f"this kernel and --other give the same bits on every linear and row count: {same}")
     refs = reference_bandwidth()
     rng = random.Random(args.seed)

@@ -366,18 +366,18 @@ template <int M, int NB, bool H>
 void rows_over(const float* A, int64_t K, const uint16_t* W, int64_t K2, int64_t b0, int64_t b1,
                const float* bp, float* C, int64_t n) {
   int64_t b = b0;
-  if constexpr (M >= 4) {   // (NB = 1)
+  if constexpr (M >= 4) {   // (NB = 1; the general tile_f32 is not instantiated for these)
     for (; b < b1; ++b)
       tile_f32_unrolled<M>(A, K, W + b * K2 * 2 * BLOCK, K2, bp ? bp + b * BLOCK : nullptr, C + b * BLOCK, n,
                            std::min<int64_t>(BLOCK, n - b * BLOCK));
-    return;
+  } else {
+    for (; b + NB <= b1; b += NB)
+      tile_f32<M, NB, H>(A, K, W + b * K2 * 2 * BLOCK, K2, bp ? bp + b * BLOCK : nullptr, C + b * BLOCK, n,
+                         std::min<int64_t>(NB * BLOCK, n - b * BLOCK));
+    for (; b < b1; ++b)
+      tile_f32<M, 1, H>(A, K, W + b * K2 * 2 * BLOCK, K2, bp ? bp + b * BLOCK : nullptr, C + b * BLOCK, n,
+                        std::min<int64_t>(BLOCK, n - b * BLOCK));
   }
-  for (; b + NB <= b1; b += NB)
-    tile_f32<M, NB, H>(A, K, W + b * K2 * 2 * BLOCK, K2, bp ? bp + b * BLOCK : nullptr, C + b * BLOCK, n,
-                       std::min<int64_t>(NB * BLOCK, n - b * BLOCK));
-  for (; b < b1; ++b)
-    tile_f32<M, 1, H>(A, K, W + b * K2 * 2 * BLOCK, K2, bp ? bp + b * BLOCK : nullptr, C + b * BLOCK, n,
-                      std::min<int64_t>(BLOCK, n - b * BLOCK));
 }
 
 // float32 rows [M, K] x blocks [b0, b1) -> C[:, 16 b0 : 16 b1]: row tiles of 5 or 4 rows, then
