@@ -123,8 +123,6 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if not nl.load_native_linear():
         sys.exit("leapfrog's bf16 linear kernel is not available on this CPU (needs AVX-512 BF16 or AVX2)")
-    if args.prefetch and nl.kernel_isa() != "avx512_bf16":
-        sys.exit("--prefetch variants are of the AVX-512 build; this CPU runs the AVX2 one")
     try:
         shapes = linear_shapes(read_checkpoint(args.target).args, args.layers)
     except LeapfrogError as e:
@@ -133,13 +131,18 @@ def main() -> None:
     weights = [torch.randn(n, k, generator=gen).mul_(0.02).to(torch.bfloat16) for n, k in shapes]
     nbytes = sum(w.numel() * 2 for w in weights)
     native = [nl.NativeLinear(w, None) for w in weights]
-    label = (f"default prefetch: {nl.PREFETCH_HINT}, {nl.PREFETCH_BYTES} B" if nl.kernel_isa() == "avx512_bf16"
-             else f"{nl.kernel_isa()} build")
-    contenders = [Contender(f"leapfrog kernel ({label})", lambda x, i: native[i](x))]
+    isa = nl.kernel_isa()
+    default_bytes, default_hint = nl.PREFETCH[isa]
+    label = f"{isa} build, prefetch {default_hint}, {default_bytes} B"
+    # every kernel contender calls its op directly, as a compiled graph does (through the module,
+    # the Python call alone cost the engine's kernel 5-8 % against the variants here)
+    engine_op = torch.ops.leapfrog_gemm.linear_bf16
+    contenders = [Contender(f"leapfrog kernel ({label})",
+                            lambda x, i: engine_op(x, native[i].packed, None, shapes[i][0], False))]
     for j, spec in enumerate(args.prefetch):
         hint, _, dist = spec.partition(":")
         try:
-            nbytes_ahead = int(dist or nl.PREFETCH_BYTES)
+            nbytes_ahead = int(dist or default_bytes)
             op = nl.load_variant(nbytes_ahead, hint, f"leapfrog_gemm_bench{j}")
         except ValueError as e:
             sys.exit(f"--prefetch {spec}: {e}")

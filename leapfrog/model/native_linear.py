@@ -32,14 +32,14 @@ AVX2 (no bf16 dot product, 16 vector registers): float32 rows only (bf16 rows ar
 float32 first and the float32 sums rounded once to bf16), 8-lane fused multiply-adds, each k's
 product added in k order (even and odd k into the same accumulator). Its blocks are 16 columns wide
 (``BLOCK_COLUMNS``; ``pack_weight`` packs for the loaded build): a k-pair of a block is one 64-byte
-line, a block one contiguous run, and a tile of 5 rows x 16 columns keeps its 10 sums, the widened
-weights and a broadcast in the 16 registers without spilling (the first build's 3 rows x 32 columns
-spilled 8 of its 12 sums to the stack every k-pair). One row runs over 4 blocks at once and two
-rows over 2 (8 independent sums, so the multiply-adds do not wait on each other); more than 5 rows
-run in tiles of 5 or 4 and one of 2 (6: 4 + 2), over chunks of blocks that stay in L2 between
-tiles. Tiles of 4 and 5 rows are written with every loop unrolled (``tile_f32_unrolled``): in the
-general form GCC still kept a stack copy of the sums and stored all of them every k-pair. Same
-sums in the same order as the first build, so the same bits (checked side by side).
+line, a block one contiguous run, and a tile of up to 6 rows x 16 columns keeps its 12 sums, the
+widened weights and a broadcast in the 16 registers without spilling (the first build's 3 rows x 32
+columns spilled 8 of its 12 sums to the stack every k-pair). One row runs over 4 blocks at once
+and two rows over 2 (8 independent sums, so the multiply-adds do not wait on each other); more than
+6 rows run in tiles of 6, 5 or 4 and one of 2 (8: 4 + 4), over chunks of blocks that stay in L2
+between tiles. Tiles of 4 to 6 rows are written with every loop unrolled (``tile_f32_unrolled``):
+in the general form GCC still kept a stack copy of the sums and stored all of them every k-pair.
+Same sums in the same order as the first build, so the same bits (checked side by side).
 On AVX2 this is what float32 models use too: a bf16 checkpoint run in float32 (``dtype="auto"``
 picks float32 where bf16 is emulated) has float32 weights that are all bf16 values, so the kernel
 reads them as bf16 (exact) and multiplies float32 rows in float32, at half the bytes of a float32
@@ -50,11 +50,15 @@ float32 (22.5 of the machine's ~25 GB/s), five rows 3.6 ms against 19.2 with the
 --other``, Zen 3), before the unrolled tiles: 3 rows 0.91x the time, 4 rows 0.85x, 5 rows 0.89x,
 8 rows 0.93x, but 6 and 16 rows 1.04x; one row the same within the noise. The unrolled tiles
 against that: 4 rows 0.90x, 5 rows 0.76x, 8 rows 0.88x, 16 rows 0.78x, 1, 3 and 6 rows the same.
+The unrolled 6-row tile (one pass over the weights) against the 4 + 2 tiles before it: 6 rows
+0.84x the time (2.71 against 3.25 ms; an EAGLE chain of 5 verifies 6 tokens), 12 rows 0.97x, 16
+rows 0.97x, 1-5 rows unchanged.
 
-Software prefetch (AVX-512; ``kernel_source``): 4 KiB ahead into L2 (``_MM_HINT_T1``). Against
-1 KiB ahead into L1, the first choice, the built-in target's linears streaming from memory (47 MB,
-2 threads, medians of 40 interleaved rounds, three runs) took 0.79-0.91x the time for one row and
-0.92-0.93x for six. A target larger than the last-level cache that runs beside a drafter model
+Software prefetch (``PREFETCH``, per build; ``kernel_source``). AVX2: 2 KiB ahead into L1 (4 and 8
+KiB, and into L2, all timed the same within 2 %, 1-6 float32 rows, Zen 3). AVX-512: 4 KiB ahead
+into L2 (``_MM_HINT_T1``). Against 1 KiB ahead into L1, the first choice, the built-in target's
+linears streaming from memory (47 MB, 2 threads, medians of 40 interleaved rounds, three runs) took
+0.79-0.91x the time for one row and 0.92-0.93x for six. A target larger than the last-level cache that runs beside a drafter model
 prefetches non-temporally instead (``NativeLinear.stream``, ``set_streaming``): its weights then
 pass through without evicting the drafter's, which stay cached from one draft step to the next
 (an EAGLE-3 head or a small draft model is re-read at every draft step). Only products of up to
@@ -260,9 +264,11 @@ _AVX2 = r"""
 namespace {
 
 constexpr int64_t BLOCK = 16;      // output columns per packed block: two 8-lane vectors, one 64-byte line a k-pair
-constexpr int64_t ROWS_F32 = 5;    // float32 rows per tile: 5 x 2 accumulators (16 ymm registers in all)
+constexpr int64_t ROWS_F32 = 6;    // float32 rows per tile: 6 x 2 accumulators (16 ymm registers in all)
 constexpr int64_t ROWS = ROWS_F32;
-constexpr int64_t PREFETCH = 1024; // bf16 elements ahead in each block's weight stream (2 KiB)
+constexpr int64_t PREFETCH = @PREFETCH@;   // bf16 elements ahead in each block's weight stream (kernel_source)
+
+inline void prefetch(const uint16_t* p) { @PREFETCH_CALL@; }   // kernel_source's hint
 
 // C[m, 0:cols] = A[m, :] . W + bias for m < M over NB consecutive blocks (blk: the first; cols:
 // the columns kept, at most NB x BLOCK). Each k-pair's weights are widened to float32 in registers
@@ -282,7 +288,7 @@ void tile_f32(const float* A, int64_t lda, const uint16_t* blk, int64_t K2, cons
   const __m256i high = _mm256_set1_epi32((int32_t)0xFFFF0000u);
   for (int64_t kk = 0; kk < K2; ++kk) {
     const uint16_t* w = blk + kk * 2 * BLOCK;
-    for (int b = 0; b < NB; ++b) _mm_prefetch((const char*)(w + b * bstride + PREFETCH), _MM_HINT_T0);
+    for (int b = 0; b < NB; ++b) prefetch(w + b * bstride + PREFETCH);
     if constexpr (H) {
       __m256 a[M], b[M];
       for (int m = 0; m < M; ++m) {
@@ -322,11 +328,14 @@ void tile_f32(const float* A, int64_t lda, const uint16_t* blk, int64_t K2, cons
   }
 }
 
-// tile_f32<M, 1, false> for tiles of 4 or 5 rows with every loop unrolled, so that the sums live
+// tile_f32<M, 1, false> for tiles of 4 to 6 rows with every loop unrolled, so that the sums live
 // in registers only: as written above, GCC keeps a copy of c[][] on the stack for these and stores
 // every sum to it on each k-pair (the epilogue's loops index it); unrolled, 5 rows took 0.74-0.79x
-// the time. (Unrolled the same way, tiles of 1-3 rows ran 1.05-1.4x slower, for reasons not found:
-// they keep the form above.) Same sums in the same order.
+// the time. Six rows' 12 sums, two widened weights and a broadcast take 15 of the 16 registers:
+// their odd k's are widened by two shifts instead of a mask held in a register (one 6-row pass
+// over the weights took 0.85x the time of the 4 + 2 tiles before it). (Unrolled the same way,
+// tiles of 1-3 rows ran 1.05-1.4x slower, for reasons not found: they keep the form above.) Same
+// sums in the same order.
 #define UNROLL _Pragma("GCC unroll 16")
 template <int M>
 void tile_f32_unrolled(const float* A, int64_t lda, const uint16_t* blk, int64_t K2, const float* bias,
@@ -336,7 +345,7 @@ void tile_f32_unrolled(const float* A, int64_t lda, const uint16_t* blk, int64_t
   const __m256i high = _mm256_set1_epi32((int32_t)0xFFFF0000u);
   for (int64_t kk = 0; kk < K2; ++kk) {
     const uint16_t* w = blk + kk * 2 * BLOCK;
-    _mm_prefetch((const char*)(w + PREFETCH), _MM_HINT_T0);
+    prefetch(w + PREFETCH);
     const __m256i w0 = _mm256_loadu_si256((const __m256i*)w), w1 = _mm256_loadu_si256((const __m256i*)(w + 16));
     __m256 x0 = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16)), x1 = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16));
     UNROLL for (int m = 0; m < M; ++m) {
@@ -344,8 +353,13 @@ void tile_f32_unrolled(const float* A, int64_t lda, const uint16_t* blk, int64_t
       c[m][0] = _mm256_fmadd_ps(a, x0, c[m][0]);
       c[m][1] = _mm256_fmadd_ps(a, x1, c[m][1]);
     }
-    x0 = _mm256_castsi256_ps(_mm256_and_si256(w0, high));
-    x1 = _mm256_castsi256_ps(_mm256_and_si256(w1, high));
+    if constexpr (M >= 6) {   // 12 sums: the odd k's by two shifts, freeing the mask's register
+      x0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(w0, 16), 16));
+      x1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(w1, 16), 16));
+    } else {
+      x0 = _mm256_castsi256_ps(_mm256_and_si256(w0, high));
+      x1 = _mm256_castsi256_ps(_mm256_and_si256(w1, high));
+    }
     UNROLL for (int m = 0; m < M; ++m) {
       const __m256 b = _mm256_broadcast_ss(A + m * lda + 2 * kk + 1);
       c[m][0] = _mm256_fmadd_ps(b, x0, c[m][0]);
@@ -380,9 +394,10 @@ void rows_over(const float* A, int64_t K, const uint16_t* W, int64_t K2, int64_t
   }
 }
 
-// float32 rows [M, K] x blocks [b0, b1) -> C[:, 16 b0 : 16 b1]: row tiles of 5 or 4 rows, then
-// one of 2 where needed, never 3 or 1 beside others (their few sums wait on each other: 6 rows run
-// as 4 + 2, 8 as 4 + 4, 16 as 5 + 5 + 4 + 2); with several tiles, blocks in chunks of about
+// float32 rows [M, K] x blocks [b0, b1) -> C[:, 16 b0 : 16 b1]: up to 6 rows in one tile, more in
+// tiles of 6, 5 or 4 and one of 2 where needed, never 3 or 1 beside others (their few sums wait on
+// each other: 7 rows run as 5 + 2, 8 as 4 + 4 (6 + 2 took 1.04x the time), 9 as 5 + 4, 16 as
+// 6 + 6 + 4); with several tiles, blocks in chunks of about
 // 256 KiB, each chunk through every tile while it stays in L2 (each weight read once from memory)
 void f32_range(const float* A, int64_t M, int64_t K, const uint16_t* W, int64_t K2, int64_t b0, int64_t b1,
                const float* bp, float* C, int64_t n) {
@@ -391,7 +406,7 @@ void f32_range(const float* A, int64_t M, int64_t K, const uint16_t* W, int64_t 
     const int64_t c1 = std::min(b1, c0 + chunk);
     for (int64_t m0 = 0; m0 < M;) {
       const int64_t rest = M - m0;
-      const int64_t r = rest <= ROWS_F32 ? rest : (rest - ROWS_F32 == 1 || rest - ROWS_F32 == 3) ? 4 : ROWS_F32;
+      const int64_t r = rest <= ROWS_F32 ? rest : rest == 8 ? 4 : (rest == 7 || rest == 9) ? 5 : ROWS_F32;
       const float* At = A + m0 * K;
       float* Ct = C + m0 * n;
       switch (r) {
@@ -399,7 +414,8 @@ void f32_range(const float* A, int64_t M, int64_t K, const uint16_t* W, int64_t 
         case 2: rows_over<2, 2, true>(At, K, W, K2, c0, c1, bp, Ct, n); break;
         case 3: rows_over<3, 1, false>(At, K, W, K2, c0, c1, bp, Ct, n); break;
         case 4: rows_over<4, 1, false>(At, K, W, K2, c0, c1, bp, Ct, n); break;
-        default: rows_over<5, 1, false>(At, K, W, K2, c0, c1, bp, Ct, n); break;
+        case 5: rows_over<5, 1, false>(At, K, W, K2, c0, c1, bp, Ct, n); break;
+        default: rows_over<6, 1, false>(At, K, W, K2, c0, c1, bp, Ct, n); break;
       }
       m0 += r;
     }
@@ -498,30 +514,30 @@ TORCH_LIBRARY(leapfrog_gemm, m) {
 TORCH_LIBRARY_IMPL(leapfrog_gemm, CPU, m) { m.impl("linear_bf16", &linear_bf16); }
 """
 
-#: the AVX-512 build's software prefetch: bytes ahead in the weight stream, and the hint (the cache
-#: level it fills: "T0" L1, "T1" L2, "T2", "NTA", or "none": no software prefetch; module docstring)
-PREFETCH_BYTES = 4096
-PREFETCH_HINT = "T1"
+#: each build's software prefetch: bytes ahead in the weight stream, and the hint (the cache level it
+#: fills: "T0" L1, "T1" L2, "T2", "NTA", or "none": no software prefetch; module docstring)
+PREFETCH = {"avx512_bf16": (4096, "T1"), "avx2": (2048, "T0")}
 _FLAGS = {"avx512_bf16": ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",
                           "-mavx2"],
           "avx2": ["-O3", "-mavx2", "-mfma"]}
 
 
-def kernel_source(isa: str, prefetch_bytes: int = PREFETCH_BYTES, hint: str = PREFETCH_HINT,
+def kernel_source(isa: str, prefetch_bytes: int | None = None, hint: str | None = None,
                   namespace: str = "leapfrog_gemm") -> tuple[str, list[str]]:
     """The kernel's C++ source and compiler flags for ``isa`` ("avx512_bf16" or "avx2"). The
-    AVX-512 build's software prefetch and the op's namespace are parameters so that variants can
-    be built and timed side by side (benchmarks/linear_bench.py); the engine uses the defaults."""
+    software prefetch (default: ``PREFETCH[isa]``) and the op's namespace are parameters so that
+    variants can be built and timed side by side (benchmarks/linear_bench.py); the engine uses the
+    defaults."""
+    default_bytes, default_hint = PREFETCH[isa]
+    prefetch_bytes = default_bytes if prefetch_bytes is None else prefetch_bytes
+    hint = default_hint if hint is None else hint
     if hint not in ("T0", "T1", "T2", "NTA", "none"):
         raise ValueError(f"prefetch hint {hint!r}: use T0, T1, T2, NTA or none")
     if prefetch_bytes <= 0 or prefetch_bytes % 2:
         raise ValueError(f"prefetch distance {prefetch_bytes}: a positive even number of bytes")
-    if isa == "avx512_bf16":
-        call = "((void)0)" if hint == "none" else f"_mm_prefetch((const char*)(p), _MM_HINT_{hint})"
-        body = _AVX512_BF16.replace("@PREFETCH@", str(prefetch_bytes // 2)).replace("@PREFETCH_CALL@", call)
-    else:
-        body = _AVX2
-    source = _HEADER + body + _OP
+    call = "((void)p)" if hint == "none" else f"_mm_prefetch((const char*)(p), _MM_HINT_{hint})"
+    body = (_AVX512_BF16 if isa == "avx512_bf16" else _AVX2).replace("@PREFETCH@", str(prefetch_bytes // 2))
+    source = _HEADER + body.replace("@PREFETCH_CALL@", call) + _OP
     if namespace != "leapfrog_gemm":
         source = source.replace("TORCH_LIBRARY(leapfrog_gemm,", f"TORCH_LIBRARY({namespace},").replace(
             "TORCH_LIBRARY_IMPL(leapfrog_gemm,", f"TORCH_LIBRARY_IMPL({namespace},")
@@ -529,12 +545,15 @@ def kernel_source(isa: str, prefetch_bytes: int = PREFETCH_BYTES, hint: str = PR
 
 
 def load_variant(prefetch_bytes: int, hint: str, namespace: str):
-    """Build and load the AVX-512 kernel with another software prefetch under op namespace
-    ``namespace`` (about 20 s, once; for timing variants side by side). -> its op."""
+    """Build and load this CPU's kernel (``kernel_isa``) with another software prefetch under op
+    namespace ``namespace`` (about 20 s, once; for timing variants side by side). -> its op."""
     from torch.utils.cpp_extension import load_inline
-    source, flags = kernel_source("avx512_bf16", prefetch_bytes, hint, namespace)
+    isa = kernel_isa()
+    if isa is None:
+        raise RuntimeError("no build of the kernel runs on this CPU (needs AVX-512 BF16 or AVX2)")
+    source, flags = kernel_source(isa, prefetch_bytes, hint, namespace)
     omp = ["-fopenmp"] if torch.backends.openmp.is_available() else []
-    load_inline(f"{namespace}_{hint.lower()}_{prefetch_bytes}", cpp_sources=source, is_python_module=False,
+    load_inline(f"{namespace}_{isa}_{hint.lower()}_{prefetch_bytes}", cpp_sources=source, is_python_module=False,
                 extra_cflags=[*flags, *omp], extra_ldflags=omp)
     return getattr(torch.ops, namespace).linear_bf16
 

@@ -109,7 +109,7 @@ def test_row_invariance(dtype):
     try:
         for t in {1, threads}:
             torch.set_num_threads(t)
-            for size in (2, 5, 8, 13, 40):
+            for size in (2, 5, 6, 8, 13, 40):
                 for s in range(0, 40 - size + 1, size):
                     assert torch.equal(lin(x[s:s + size]), alone[s:s + size]), (t, size, s)
     finally:
@@ -332,21 +332,22 @@ def test_kernel_source_prefetch_and_namespace():
     """The engine's source carries the default prefetch; variants change only the prefetch and the
     op's namespace, and bad settings are refused."""
     from leapfrog.model import native_linear as nl
-    default, flags = nl.kernel_source("avx512_bf16")
-    assert (default, flags) == nl._BUILDS["avx512_bf16"]
-    assert f"PREFETCH = {nl.PREFETCH_BYTES // 2};" in default and f"_MM_HINT_{nl.PREFETCH_HINT}" in default
-    off, _ = nl.kernel_source("avx512_bf16", 1024, "none", namespace="lf_test_ns")
-    assert "_mm_prefetch((const char*)(p)" not in off and "PREFETCH = 512;" in off
-    assert "TORCH_LIBRARY(lf_test_ns," in off and "TORCH_LIBRARY_IMPL(lf_test_ns," in off
-    assert "leapfrog_gemm" not in off   # (else loading it would clash with the engine's op)
-    for bad in ({"hint": "L1"}, {"prefetch_bytes": 0}, {"prefetch_bytes": 7}):
-        with pytest.raises(ValueError):
-            nl.kernel_source("avx512_bf16", **bad)
+    for isa, (nbytes, hint) in nl.PREFETCH.items():
+        default, flags = nl.kernel_source(isa)
+        assert (default, flags) == nl._BUILDS[isa]
+        assert f"PREFETCH = {nbytes // 2};" in default and f"_MM_HINT_{hint}" in default
+        assert "@PREFETCH" not in default
+        off, _ = nl.kernel_source(isa, 1024, "none", namespace="lf_test_ns")
+        assert "_mm_prefetch((const char*)(p)" not in off and "PREFETCH = 512;" in off
+        assert "TORCH_LIBRARY(lf_test_ns," in off and "TORCH_LIBRARY_IMPL(lf_test_ns," in off
+        assert "leapfrog_gemm" not in off   # (else loading it would clash with the engine's op)
+        for bad in ({"hint": "L1"}, {"prefetch_bytes": 0}, {"prefetch_bytes": 7}):
+            with pytest.raises(ValueError):
+                nl.kernel_source(isa, **bad)
 
 
 @needs_kernel
 @pytest.mark.slow
-@pytest.mark.skipif(kernel_isa() != "avx512_bf16", reason="prefetch variants are of the AVX-512 build")
 def test_prefetch_variant_gives_the_same_bits():
     """A prefetch variant (load_variant, which benchmarks/linear_bench.py times) is the same
     arithmetic under its own namespace: bitwise the engine's kernel."""
@@ -356,5 +357,6 @@ def test_prefetch_variant_gives_the_same_bits():
     w = torch.randn(100, 96, generator=g).to(BF16)
     lin = NativeLinear(w, None)
     for rows in (1, 6, 9):
-        x = torch.randn(rows, 96, generator=g).to(BF16)
-        assert torch.equal(op(x, lin.packed, None, 100, False), lin(x))
+        for dtype in (BF16, torch.float32):
+            x = torch.randn(rows, 96, generator=g).to(dtype)
+            assert torch.equal(op(x, lin.packed, None, 100, False), lin(x))
