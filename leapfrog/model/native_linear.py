@@ -333,7 +333,7 @@ void tile_f32(const float* A, int64_t lda, const uint16_t* blk, int64_t K2, cons
 // every sum to it on each k-pair (the epilogue's loops index it); unrolled, 5 rows took 0.74-0.79x
 // the time. Six rows' 12 sums, two widened weights and a broadcast take 15 of the 16 registers:
 // their odd k's are widened by two shifts instead of a mask held in a register (one 6-row pass
-// over the weights took 0.85x the time of the 4 + 2 tiles before it). (Unrolled the same way,
+// over the weights took 0.84x the time of the 4 + 2 tiles before it). (Unrolled the same way,
 // tiles of 1-3 rows ran 1.05-1.4x slower, for reasons not found: they keep the form above.) Same
 // sums in the same order.
 #define UNROLL _Pragma("GCC unroll 16")
