@@ -43,6 +43,7 @@ def test_serve_subprocess_answers_and_exits_on_sigterm(llama_dir):
     # uvicorn shuts down gracefully, then re-raises the signal: exit 0 or "terminated by SIGTERM"
     assert proc.returncode in (0, -signal.SIGTERM), out
     assert "Application shutdown complete" in out
+    assert "start-up objects out of the garbage collector's scans" in out   # utils.freeze_heap
 
 
 def test_serve_bad_config_exits_2(llama_dir):
