@@ -11,7 +11,15 @@ import torch
 
 from leapfrog.demo import build_tokenizer, save_random_llama, stdlib_sample_text
 
-torch.set_num_threads(2)
+# Two threads; one per worker when pytest-xdist runs the suite in two processes (the README's test
+# command, `-n 2`: the suite is mostly single-threaded Python, compiling graphs and building tiny
+# models, so two workers take 10 minutes where one process took 17 on 2 cores). The servers and
+# ranks the tests start inherit one thread too, so the two workers never oversubscribe the cores.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+else:
+    torch.set_num_threads(2)
 
 
 def pytest_runtest_setup(item):
