@@ -24,8 +24,8 @@ def freeze_heap() -> FrozenHeap:
     (``gc.freeze``; vLLM's engine process and SGLang's server do the same after start-up).
 
     A loaded engine is mostly long-lived objects: the model, its compiled graphs, the tokenizer and
-    the libraries (about 570k tracked objects for the built-in EAGLE-3 pair), and a full collection
-    walked all of them, 270-370 ms during which no request made progress. A server allocates per
+    the libraries (about 371k tracked objects when `leapfrog serve` has loaded the built-in pair),
+    and a full collection walks all of them, 200-240 ms there during which no request makes progress. A server allocates per
     request, so such collections come while it serves. Frozen objects are still freed by
     reference counting; only reference cycles among them are never collected, so call this once,
     after start-up, in a process that keeps its engine (``gc.unfreeze`` undoes it)."""
