@@ -37,6 +37,7 @@ from leapfrog.kv.cache import KVCache
 from leapfrog.model.compiled import (Bucket, ChainOutput, CompiledChain, CompiledDecodeSteps, CompiledForward,
                                      CompiledEagleRound, CompiledSampledChain, CompiledSpecRound, CompiledTree,
                                      DecodeStepsOutput, RoundRace, SampledChainOutput, TreeOutput)
+from leapfrog.model.graph_inputs import GraphInputs
 from leapfrog.utils import env_off
 
 #: the largest batch whose speculation rounds run with sampled requests (compile_spec_round), and
@@ -129,6 +130,11 @@ class ModelRunner:
         # models (the check's dtype lookup alone cost 10 us per step, once the graph had run)
         self._fp16 = model.dtype == torch.float16
         self._cols: Tensor | None = None   # (_columns)
+        # compiled calls' inputs written into persistent tensors per bucket (model/graph_inputs.py):
+        # CPU chains without a sliding window; LEAPFROG_GRAPH_INPUTS=0 makes them fresh every call
+        self._arena_ok = (self.device.type == "cpu" and model.args.sliding_window is None
+                          and not env_off("LEAPFROG_GRAPH_INPUTS"))
+        self._arenas: dict[tuple[int, int], GraphInputs] = {}
 
     @property
     def compiled(self) -> CompiledForward | None:
@@ -331,10 +337,14 @@ class ModelRunner:
             return None
         kv_len = max(ch.start + len(ch.token_ids) for ch in chunks)
         full = chunks + [SeqChunk(self.kv.scratch_row, 0, [0], 1)] * (bucket.batch - len(chunks))
-        tok, posn, meta = self._inputs(full, bucket.tokens, kv_len, graph=True)
+        if self._arena_ok:   # (_fused_bucket took chains only)
+            tok, posn, meta, last, col = self._arena(bucket.batch, bucket.tokens).fill(
+                [ch.row for ch in full], [ch.start for ch in full], [ch.token_ids for ch in full])
+        else:
+            tok, posn, meta = self._inputs(full, bucket.tokens, kv_len, graph=True)
+            last = torch.tensor([len(ch.token_ids) - 1 for ch in full], device=self.device)
+            col = torch.tensor([ch.start + len(ch.token_ids) for ch in full], device=self.device)
         feats = self._pad_features(full, bucket.tokens) if g.feature_width is not None else None
-        last = torch.tensor([len(ch.token_ids) - 1 for ch in full], device=self.device)
-        col = torch.tensor([ch.start + len(ch.token_ids) for ch in full], device=self.device)
         pad = bucket.batch - len(chunks)
         extra = tuple(torch.cat([x, x[:1].expand(pad, *x.shape[1:])]) if pad else x for x in extra)
         return g(tok, posn, meta, feats, last, col, *extra)
@@ -392,6 +402,9 @@ class ModelRunner:
     def _inputs(self, chunks: list[SeqChunk], S: int, kv_len: int, graph: bool) -> tuple[Tensor, Tensor, AttnMeta]:
         """Padded token ids and positions [B, S] and the attention metadata (``graph``: for a
         compiled graph, as wide as the cache)."""
+        if graph and self._arena_ok and not any(c.is_tree for c in chunks):
+            return self._arena(len(chunks), S).fill([c.row for c in chunks], [c.start for c in chunks],
+                                                    [c.token_ids for c in chunks])[:3]
         cols = [list(range(c.start, c.start + len(c.token_ids))) for c in chunks]
         pos = [c.positions() for c in chunks]
         tokens = [c.token_ids + [0] * (S - len(c.token_ids)) for c in chunks]
@@ -408,6 +421,13 @@ class ModelRunner:
         tok = torch.tensor(tokens, dtype=torch.long, device=self.device)
         posn = torch.tensor(positions, dtype=torch.long, device=self.device)
         return tok, posn, meta
+
+    def _arena(self, batch: int, tokens: int) -> GraphInputs:
+        """The persistent inputs of a [batch, tokens] graph bucket (model/graph_inputs.py)."""
+        a = self._arenas.get((batch, tokens))
+        if a is None:
+            a = self._arenas[(batch, tokens)] = GraphInputs(batch, tokens, self.kv.max_model_len, self.kv.scratch_row)
+        return a
 
     def _columns(self) -> Tensor:
         """arange(max_model_len) on the device: the cache's columns, for graph masks (made once)."""
