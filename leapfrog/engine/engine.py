@@ -561,8 +561,10 @@ class LLMEngine:
         o = 0
         for b, (req, n_draft, n_acc) in enumerate(zip(reqs, drafts.num_draft, result.num_accepted)):
             path = result.accepted(b)
-            self._guarded(req, self._commit, req, req.num_computed + 1 + n_acc, path if tree else None,
-                          None if out.hidden is None else out.hidden[[o] + [o + 1 + j for j in path]])
+            states = None   # the committed tokens' target states: a chain's are rows o..o+n_acc, a view
+            if out.hidden is not None:   # (runner.step's states are a fresh tensor, never a graph's buffer)
+                states = out.hidden[[o] + [o + 1 + j for j in path]] if tree else out.hidden[o:o + 1 + n_acc]
+            self._guarded(req, self._commit, req, req.num_computed + 1 + n_acc, path if tree else None, states)
             o += n_draft + 1
             req.metrics.num_target_forwards += 1
             levels = max(depths(parent_lists[b]), default=0) if tree else n_draft

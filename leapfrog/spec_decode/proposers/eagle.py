@@ -124,6 +124,7 @@ class EagleProposer:
         # q only ranks candidates (verification uses the target's logits): a half-precision LM head
         # reads half the bytes per draft level, as for draft models
         self.head.pack_for_inference(fp32_head=False, pack_layers=target.enforce_eager)
+        self._dtype = self.head.dtype   # (read once: on the step's host path a module lookup costs microseconds)
         #: what the engine hands over after every target forward (engine._commit)
         self.target_states = "hidden" if self.head.kind == "eagle" else tuple(self.head.target_layer_ids)
         self.cfg = cfg
@@ -158,7 +159,7 @@ class EagleProposer:
 
     def on_target_states(self, req: Request, start: int, states: torch.Tensor) -> None:
         """The target's states [n, F] of the committed tokens at positions start..start+n-1."""
-        rows = states.to(self.head.dtype)  # [n, F]
+        rows = states.to(self._dtype)  # [n, F]
         f = self.feats.get(req.request_id)
         if f is not None:
             if start < f.end:  # sent again (a retried step): keep what we have
