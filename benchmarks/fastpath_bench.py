@@ -155,7 +155,10 @@ def _same(a: list[list[int]], b: list[list[int]]) -> str:
     return f"{sum(x == y for x, y in zip(a, b))}/{len(a)}"
 
 
-def verify_curve(llm: LLM, sizes: list[int], ctx: int = 128, n: int = 30, rounds: int = 20) -> dict[int, float]:
+CURVE_CONTEXT = 128   # the context length the verify-cost curve is measured at
+
+
+def verify_curve(llm: LLM, sizes: list[int], ctx: int = CURVE_CONTEXT, n: int = 30, rounds: int = 20) -> dict[int, float]:
     """ms per target forward step over S new tokens at context ``ctx`` (row 0, rewritten each
     time): ``rounds`` interleaved rounds of ``n`` steps per size (S = 1, 2, ... , 1, 2, ...: the
     machine's drifts hit every size alike), the median per size."""
@@ -218,7 +221,8 @@ def main() -> None:
     tok = load_tokenizer(args.target)
     docs = heldout_documents(DEMO_DIR if args.target == str(DEMO_DIR / "target") else Path(args.target).parent)
     prompts = heldout_prompts(tok, docs, args.num_prompts, prompt_tokens=args.prompt_tokens)
-    max_len = args.prompt_tokens + args.max_tokens + 2 * args.k + 8
+    # (room for the verify-cost curve too: K + 1 new tokens at context CURVE_CONTEXT)
+    max_len = max(args.prompt_tokens + args.max_tokens + 2 * args.k + 8, CURVE_CONTEXT + args.k + 1)
 
     llms, startup = {}, {}
     kept = [c for c in contenders(args.draft, args.k, [args.head, *args.head_too], args.eagle_depth, args.trees,
