@@ -64,7 +64,9 @@ pass through without evicting the drafter's, which stay cached from one draft st
 (an EAGLE-3 head or a small draft model is re-read at every draft step). Only products of up to
 8 rows (6 float32 rows) stream: with more, further row tiles re-read each block from cache, and a
 block (K x 64 bytes) can outgrow L1, where the default prefetch keeps it in L2. Same arithmetic
-either way (tested bitwise).
+either way (tested bitwise). Only the AVX-512 build streams: the AVX2 build's float32 rows keep
+its one hint, as a variant prefetching with ``_MM_HINT_NTA`` (``load_variant``) measured no
+different on a Zen 3 VM (the head's and the host path's data were evicted alike).
 
 It is built once per instruction set with ``torch.utils.cpp_extension.load_inline`` (about 20 s,
 cached under ``TORCH_EXTENSIONS_DIR``) for the CPU's best (``/proc/cpuinfo``: AVX-512 BF16, else
