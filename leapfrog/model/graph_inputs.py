@@ -6,8 +6,9 @@ columns, a ``[B, 1, S, max_len]`` mask, the context length), and a fused draftin
 ``[B]`` vectors. Made fresh, that is about ten small tensors and views per call. On this path
 each one costs far more than its arithmetic: the graph has just streamed the model's weights
 (47 MB of packed linears for the built-in target, more than a 2-core VM's share of the
-last-level cache), which evicts the host path's code and data. Measured on a Zen 3 VM: ``torch.tensor`` of five ints 86-100
-us right after streaming 64 MB against 7 us warm, ``torch.empty(5)`` 42 us, a slice 53 us.
+last-level cache), which evicts the host path's code and data. Measured on a Zen 3 VM:
+``torch.tensor`` of five ints 86-100 us right after streaming 64 MB against 7 us warm,
+``torch.empty(5)`` 42 us, a slice 53 us.
 
 A bucket's shapes never change, so ``GraphInputs`` makes its tensors once, as views of one int64
 buffer (each segment 64-byte aligned, as fresh tensors are) and one bool mask, and each call
@@ -64,7 +65,7 @@ class GraphInputs:
         self.mask = torch.zeros(B, 1, S, width, dtype=torch.bool)
         self._mask = self.mask.numpy().reshape(B, S, width)   # a view
         self._columns = np.arange(width, dtype=np.int64)[None, None, :]
-        self.batch, self.tokens, self.scratch_row = B, S, scratch_row
+        self.tokens, self.scratch_row = S, scratch_row
 
     def fill(self, rows: Sequence[int], starts: Sequence[int], token_ids: Sequence[Sequence[int]]
              ) -> tuple[Tensor, Tensor, AttnMeta, Tensor, Tensor]:

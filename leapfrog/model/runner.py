@@ -335,12 +335,11 @@ class ModelRunner:
         bucket = self._fused_bucket(g, chunks, after)
         if bucket is None:
             return None
-        kv_len = max(ch.start + len(ch.token_ids) for ch in chunks)
         full = chunks + [SeqChunk(self.kv.scratch_row, 0, [0], 1)] * (bucket.batch - len(chunks))
         if self._arena_ok:   # (_fused_bucket took chains only)
-            tok, posn, meta, last, col = self._arena(bucket.batch, bucket.tokens).fill(
-                [ch.row for ch in full], [ch.start for ch in full], [ch.token_ids for ch in full])
+            tok, posn, meta, last, col = self._fill(full, bucket.tokens)
         else:
+            kv_len = max(ch.start + len(ch.token_ids) for ch in chunks)
             tok, posn, meta = self._inputs(full, bucket.tokens, kv_len, graph=True)
             last = torch.tensor([len(ch.token_ids) - 1 for ch in full], device=self.device)
             col = torch.tensor([ch.start + len(ch.token_ids) for ch in full], device=self.device)
@@ -403,8 +402,7 @@ class ModelRunner:
         """Padded token ids and positions [B, S] and the attention metadata (``graph``: for a
         compiled graph, as wide as the cache)."""
         if graph and self._arena_ok and not any(c.is_tree for c in chunks):
-            return self._arena(len(chunks), S).fill([c.row for c in chunks], [c.start for c in chunks],
-                                                    [c.token_ids for c in chunks])[:3]
+            return self._fill(chunks, S)[:3]
         cols = [list(range(c.start, c.start + len(c.token_ids))) for c in chunks]
         pos = [c.positions() for c in chunks]
         tokens = [c.token_ids + [0] * (S - len(c.token_ids)) for c in chunks]
@@ -422,12 +420,14 @@ class ModelRunner:
         posn = torch.tensor(positions, dtype=torch.long, device=self.device)
         return tok, posn, meta
 
-    def _arena(self, batch: int, tokens: int) -> GraphInputs:
-        """The persistent inputs of a [batch, tokens] graph bucket (model/graph_inputs.py)."""
-        a = self._arenas.get((batch, tokens))
+    def _fill(self, chunks: list[SeqChunk], S: int) -> tuple[Tensor, Tensor, AttnMeta, Tensor, Tensor]:
+        """Chains padded to a [len(chunks), S] graph bucket, written into that bucket's persistent
+        inputs (model/graph_inputs.py) -> token ids, positions, metadata, last index, next column."""
+        a = self._arenas.get((len(chunks), S))
         if a is None:
-            a = self._arenas[(batch, tokens)] = GraphInputs(batch, tokens, self.kv.max_model_len, self.kv.scratch_row)
-        return a
+            a = self._arenas[(len(chunks), S)] = GraphInputs(len(chunks), S, self.kv.max_model_len,
+                                                             self.kv.scratch_row)
+        return a.fill([c.row for c in chunks], [c.start for c in chunks], [c.token_ids for c in chunks])
 
     def _columns(self) -> Tensor:
         """arange(max_model_len) on the device: the cache's columns, for graph masks (made once)."""
