@@ -36,6 +36,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -58,6 +59,13 @@ INDUCTOR_OPTIONS = {
     "max_autotune_gemm_backends": "CPP,ATEN",
     "max_autotune_report_choices_stats": False,  # keep start-up to the progress line: no per-GEMM
     "autotune_num_choices_displayed": 0,         # autotuning tables on stderr
+    # no assert_size_stride in the generated C++: it checked every input and every extern op's
+    # output (about 50 per target step) and built a stringstream each time, even when the check
+    # passed. DirectCall matches the inputs' shapes and strides itself; leapfrog's ops return
+    # contiguous outputs, as their fake kernels say (the compiled-versus-eager tests). 0.96x the
+    # time of a one-token float32 step (README, "The compiled fast path"). LEAPFROG_SIZE_ASSERTS=1
+    # turns them back on (read when graphs compile).
+    "size_asserts": False,
 }
 #: on CUDA: frozen weights, Triton for the fused elementwise ops, cuBLAS for the GEMMs (autotuning
 #: Triton GEMMs costs minutes per bucket, and the C++ wrapper's time is what the CUDA graph removes)
@@ -65,7 +73,11 @@ CUDA_INDUCTOR_OPTIONS = {"freezing": True}
 
 
 def inductor_options(device: torch.device) -> dict:
-    return CUDA_INDUCTOR_OPTIONS if device.type == "cuda" else INDUCTOR_OPTIONS
+    if device.type == "cuda":
+        return CUDA_INDUCTOR_OPTIONS
+    if os.environ.get("LEAPFROG_SIZE_ASSERTS", "0").strip().lower() in ("1", "true", "on", "yes"):
+        return {**INDUCTOR_OPTIONS, "size_asserts": True}
+    return INDUCTOR_OPTIONS
 
 
 @functools.cache

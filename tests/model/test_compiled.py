@@ -43,7 +43,12 @@ def test_graphs_compile_under_a_tag_of_the_ops_sources(monkeypatch):
     with compile_settings(torch.device("cpu")):
         assert torch.compiler.config.cache_key_tag == tag
         assert torch._inductor.config.freezing and torch._inductor.config.cpp_wrapper
+        assert not torch._inductor.config.size_asserts   # (no assert_size_stride in the C++: compiled.py)
     assert torch.compiler.config.cache_key_tag != tag
+    monkeypatch.setenv("LEAPFROG_SIZE_ASSERTS", "1")   # the switch that turns them back on
+    with compile_settings(torch.device("cpu")):
+        assert torch._inductor.config.size_asserts
+    assert INDUCTOR_OPTIONS["size_asserts"] is False
     native_ops_tag.cache_clear()
     try:
         monkeypatch.setattr(native, "_SOURCE", native._SOURCE + "// changed\n")
