@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from leapfrog.utils import env_off, freeze_heap
+from leapfrog.utils import env_off, env_on, freeze_heap
 
 
 def test_env_off(monkeypatch):
@@ -16,6 +16,16 @@ def test_env_off(monkeypatch):
         assert env_off("LEAPFROG_TEST_SWITCH")
     monkeypatch.setenv("LEAPFROG_TEST_SWITCH", "1")
     assert not env_off("LEAPFROG_TEST_SWITCH")
+
+
+def test_env_on(monkeypatch):
+    monkeypatch.delenv("LEAPFROG_TEST_SWITCH", raising=False)
+    assert not env_on("LEAPFROG_TEST_SWITCH")
+    for value in ("1", "true", "ON", " yes "):
+        monkeypatch.setenv("LEAPFROG_TEST_SWITCH", value)
+        assert env_on("LEAPFROG_TEST_SWITCH")
+    monkeypatch.setenv("LEAPFROG_TEST_SWITCH", "0")
+    assert not env_on("LEAPFROG_TEST_SWITCH")
 
 
 def test_freeze_heap_collects_first_then_freezes_the_survivors():

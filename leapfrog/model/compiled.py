@@ -36,7 +36,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -48,6 +47,7 @@ from torch import Tensor
 
 from leapfrog.attention.metadata import AttnMeta, build_attn_meta
 from leapfrog.kv.cache import KVCache
+from leapfrog.utils import env_on
 
 log = logging.getLogger("leapfrog.compile")
 
@@ -75,7 +75,7 @@ CUDA_INDUCTOR_OPTIONS = {"freezing": True}
 def inductor_options(device: torch.device) -> dict:
     if device.type == "cuda":
         return CUDA_INDUCTOR_OPTIONS
-    if os.environ.get("LEAPFROG_SIZE_ASSERTS", "0").strip().lower() in ("1", "true", "on", "yes"):
+    if env_on("LEAPFROG_SIZE_ASSERTS"):
         return {**INDUCTOR_OPTIONS, "size_asserts": True}
     return INDUCTOR_OPTIONS
 

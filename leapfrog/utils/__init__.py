@@ -13,6 +13,11 @@ def env_off(name: str) -> bool:
     return os.environ.get(name, "1").strip().lower() in ("0", "false", "off", "no")
 
 
+def env_on(name: str) -> bool:
+    """Whether the environment switch ``name`` (default off) is set to 1, true, on or yes."""
+    return os.environ.get(name, "0").strip().lower() in ("1", "true", "on", "yes")
+
+
 @dataclass(frozen=True)
 class FrozenHeap:
     objects: int        # objects in the collector's permanent generation after the freeze
