@@ -229,15 +229,20 @@ def seed_key(seed: int) -> int:
             return x
 
 
-def position_generator(pk: PositionKey, device: torch.device | str = "cpu") -> torch.Generator:
-    g = torch.Generator(device=device)
+def position_generator(pk: PositionKey) -> torch.Generator:
+    """The CPU generator behind a seeded request's output position (``noise``)."""
+    g = torch.Generator()
     g.manual_seed(_mix64(pk.key ^ _mix64(pk.position + 0x9E3779B97F4A7C15 & _MASK64)) >> 1)
     return g
 
 
 def noise(rngs: Sequence[Rng], vocab_size: int, device: torch.device | str = "cpu") -> Tensor:
-    """[N, V] float64 uniforms in (0, 1) per row (rows with no randomness get exp(-1): E = 1).
-    float64: a float32 grid (2^-24) would under-sample tokens with p below ~1e-7."""
+    """[N, V] float64 uniforms in (0, 1) per row (rows with no randomness get exp(-1): E = 1), on
+    ``device``. float64: a float32 grid (2^-24) would under-sample tokens with p below ~1e-7.
+    A seeded row's noise is drawn by a CPU generator whatever ``device`` is, so that a position's
+    noise is one function of (key, position): one-token steps sample on the host while CUDA
+    graphs (multi-step decode, speculation rounds, sampled draft chains) race on the GPU, and a
+    CUDA generator draws other numbers (found on the H100: multi-step seeded output differed)."""
     u = torch.empty(len(rngs), vocab_size, dtype=torch.float64, device=device)
     drawn: dict[PositionKey, int] = {}   # a tree's rows at one depth share their position's noise: drawn once
     i = 0
@@ -248,8 +253,8 @@ def noise(rngs: Sequence[Rng], vocab_size: int, device: torch.device | str = "cp
         elif isinstance(r, PositionKey) and r in drawn:
             u[i] = u[drawn[r]]
         else:
-            if isinstance(r, PositionKey):
-                g = position_generator(r, device)
+            if isinstance(r, PositionKey):   # always a CPU generator: the same noise on every device
+                g = position_generator(r)
                 drawn[r] = i
             else:   # consecutive rows of one stream in one call (the same draws as row by row)
                 g = r

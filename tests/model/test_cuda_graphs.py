@@ -126,3 +126,80 @@ def test_unseeded_sampling_on_cuda(llama_dir, draft_dir, tokenizer):
                       enforce_eager=False, speculative_config=spec, seed=3)
             outs.append(_generate(llm, prompts, temperature=0.9))
         assert outs[0] == outs[1] and all(len(o) == 24 for o in outs[0])
+
+
+def test_position_noise_is_the_same_on_cuda():
+    """A seeded request's noise at an output position is drawn by a CPU generator on every device:
+    one-token steps race on the host, multi-step and round graphs on the GPU (with a CUDA
+    generator their draws differed, found on the H100)."""
+    from leapfrog.sampling import sampler
+    from leapfrog.sampling.sampler import PositionKey
+    rngs = [PositionKey(12345, j) for j in range(3)] + [None]
+    assert torch.equal(sampler.noise(rngs, 300, "cuda").cpu(), sampler.noise(rngs, 300, "cpu"))
+
+
+def _calls(g) -> int:
+    """Replays of one compiled forward's CUDA graphs (0 when the runner built none of that kind)."""
+    return 0 if g is None else sum(r.calls for r in g.replays.values())
+
+
+@pytest.fixture(scope="module")
+def eagle_target(tmp_path_factory, tokenizer):
+    """A target with the three layers EAGLE-3 fuses."""
+    from tests.conftest import save_shapes
+    from tests.spec_decode.test_eagle import SHAPES
+    return save_shapes(tmp_path_factory, tokenizer, {"t3": SHAPES["llama_gqa_llama3"]})["t3"]
+
+
+def _head(target, out, kind):
+    from tests.spec_decode.test_eagle import make_head
+    return make_head(target, out, kind, **({"draft_vocab_size": 200} if kind == "eagle3" else {}))
+
+
+CUDA_FP32 = dict(dtype="float32", device="cuda", max_model_len=128, max_num_seqs=4, enforce_eager=False)
+EAGLE_TREES = {"chain": {"num_speculative_tokens": 4, "eagle_topk": 1},
+               "dynamic": {"num_speculative_tokens": 4, "eagle_topk": 3, "num_draft_tokens": 10}}
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_eagle_on_graphs_is_lossless(eagle_target, tmp_path, tokenizer, kind):
+    """EAGLE-1 and EAGLE-3 heads on the CUDA fast path (the head's fused chain and tree graphs, the
+    target's verify graphs, all replayed): greedy output equals plain decoding's in float32, for
+    chains and dynamic trees, batched; seeded sampling is reproducible; unseeded sampled requests
+    (the engine's CPU generator stream) decode to their length."""
+    head = _head(eagle_target, tmp_path / "h", kind)
+    prompts = prompts_of(tokenizer, 3)
+    want = _generate(LLM(model=str(eagle_target), **CUDA_FP32), prompts)
+    for name, tree in EAGLE_TREES.items():
+        llm = LLM(model=str(eagle_target), speculative_config={"method": kind, "model": str(head), **tree}, seed=3,
+                  **CUDA_FP32)
+        assert _generate(llm, prompts) == want, name
+        assert llm.get_metrics()["num_draft_tokens"] > 0, name
+        drafter = llm.engine.proposer.runner
+        assert _replays(llm) > 0 and sum(_calls(g) for g in drafter.graphs) + _calls(drafter.chain) \
+            + _calls(drafter.tree) > 0, name
+        seeded = _generate(llm, prompts, temperature=0.8, seed=5)
+        assert seeded == _generate(llm, prompts, temperature=0.8, seed=5), name
+        assert all(len(o) == 24 for o in _generate(llm, prompts, temperature=0.8)), name
+
+
+def test_multi_step_and_eagle_rounds_on_cuda(eagle_target, tmp_path, tokenizer):
+    """num_scheduler_steps on CUDA (each multi-step graph captured and replayed): several decode
+    steps, and several EAGLE-3 speculation rounds, per engine step give plain one-token decoding's
+    greedy tokens (float32, batched and ragged, max_tokens not a multiple of the steps); seeded
+    sampled requests draw the one-token steps' tokens."""
+    prompts = prompts_of(tokenizer, 3)
+    base = LLM(model=str(eagle_target), **CUDA_FP32)
+    greedy = _generate(base, prompts, max_tokens=23)
+    seeded = _generate(base, prompts, max_tokens=21, temperature=0.9, seed=5)
+    multi = LLM(model=str(eagle_target), num_scheduler_steps=4, **CUDA_FP32)
+    assert _generate(multi, prompts, max_tokens=23) == greedy
+    assert _calls(multi.engine.runner.multi_step) > 0
+    assert _generate(multi, prompts, max_tokens=21, temperature=0.9, seed=5) == seeded
+    head = _head(eagle_target, tmp_path / "h", "eagle3")
+    rounds = LLM(model=str(eagle_target), num_scheduler_steps=4, **CUDA_FP32,
+                 speculative_config={"method": "eagle3", "model": str(head), "num_speculative_tokens": 3,
+                                     "eagle_topk": 1})
+    assert _generate(rounds, prompts, max_tokens=23) == greedy
+    assert _calls(rounds.engine.runner.round) > 0
+    assert _generate(rounds, prompts, max_tokens=21, temperature=0.9, seed=5) == seeded

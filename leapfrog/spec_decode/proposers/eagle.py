@@ -197,8 +197,10 @@ class EagleProposer:
             qs += [n.q for n in sel[0]]
         draft_probs = None
         if any(q is not None for q in qs):  # unseeded sampled chains: q; everyone else a point mass
-            V = next(q for q in qs if q is not None).shape[-1]
-            draft_probs = torch.stack([q if q is not None else torch.nn.functional.one_hot(torch.tensor(t), V).float()
+            q0 = next(q for q in qs if q is not None)   # (point masses made where the q rows are)
+            one_hot = torch.nn.functional.one_hot
+            draft_probs = torch.stack([q if q is not None else one_hot(torch.tensor(t, device=q0.device),
+                                                                       q0.shape[-1]).to(q0)
                                        for q, t in zip(qs, toks)])  # [T, V]
         scores = [sorted((math.exp(n.score) for n in nodes.get(b, [])), reverse=True) for b in range(len(reqs))]
         return DraftBatch(torch.tensor(toks, dtype=torch.long), nums, draft_probs,

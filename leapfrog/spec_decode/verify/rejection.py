@@ -28,6 +28,14 @@ import torch
 from torch import Tensor
 
 
+def on_device(device: torch.device, draft_ids: Tensor, q: Tensor | None,
+              u: Tensor) -> tuple[Tensor, Tensor | None, Tensor]:
+    """The drafts, their q and the uniforms on p's device. On CUDA, p is on the host (the runner
+    returns logits there) while the engine draws uniforms on the device and a drafter's q may stay
+    there (the H100 found "Expected all tensors to be on the same device")."""
+    return draft_ids.to(device), None if q is None else q.to(device), u.to(device)
+
+
 @dataclass
 class RejectionOutcome:
     num_accepted: list[int]   # [B]
@@ -41,6 +49,7 @@ def rejection_accept(
     num_draft: list[int],      # [B]
     u: Tensor,                 # [T] pre-drawn U(0, 1)
 ) -> RejectionOutcome:
+    draft_ids, q, u = on_device(p.device, draft_ids, q, u)
     B = len(num_draft)
     starts, s = [], 0
     for k in num_draft:
@@ -48,11 +57,11 @@ def rejection_accept(
         s += k + 1
     # Target rows that score drafts: row start_b + j for draft j of request b.
     draft_rows = torch.tensor([starts[b] + j for b, k in enumerate(num_draft) for j in range(k)],
-                              dtype=torch.long)
+                              dtype=torch.long, device=p.device)
     T = len(draft_ids)
     if T:
         p_x = p[draft_rows, draft_ids]                                   # [T]
-        q_x = q[torch.arange(T), draft_ids] if q is not None else torch.ones_like(p_x)
+        q_x = q[torch.arange(T, device=p.device), draft_ids] if q is not None else torch.ones_like(p_x)
         accept = (u < p_x / q_x).tolist()                                # one host transfer
     else:
         accept = []

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from leapfrog.spec_decode.verify.rejection import on_device
 from leapfrog.spec_decode.verify.result import AcceptanceResult
 
 
@@ -127,6 +128,7 @@ def tree_rejection_accept(
     """Recursive rejection sampling over each request's tree (module docstring). Host syncs: one
     for the first child tried at every node (p_1 = p, q_1 = q need no residual), then one per
     later sibling tried."""
+    draft_ids, q, u = on_device(p.device, draft_ids, q, u)
     T, dev = len(draft_ids), p.device
     row_start, flat_start = _starts(num_draft)
     # First tries, all at once: node t against its parent's unmodified row.
