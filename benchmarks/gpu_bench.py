@@ -10,6 +10,14 @@ contender decodes the same prompts in interleaved rounds, one prompt at a time:
   ngram       n-gram lookup (prompt lookup) K drafts, graphs
   self-int4   quantized self-draft (the target's own weights in int4) K drafts, graphs
   draft       draft_model ``--draft`` K drafts, graphs (real checkpoints only)
+  steps       no speculation, ``--steps`` decode steps per engine step in one graph (num_scheduler_steps)
+  eagle3      EAGLE-3 head ``--head``, a 5-deep chain (the built-in default), graphs
+  eagle3-tree EAGLE-3 head, an EAGLE-2 dynamic tree (depth 5, top-4, 16 nodes), graphs
+  eagle3-rounds  EAGLE-3 chain, ``--steps`` speculation rounds per engine step
+
+The EAGLE-3 head is the built-in one with ``--shape demo``; on a dummy shape a random head of the
+shape (drafting over the first 32000 ids) is written first, so it accepts almost nothing and its
+contenders show the cost of drafting and verifying, not a trained head's gain.
 
 The roofline: a decode step must read every weight the forward uses once (the LM head, not the
 embedding table, unless they are tied) plus the KV cache it attends over; at the bandwidth a large
@@ -23,7 +31,8 @@ almost nothing, so speculation on a dummy shape shows its cost, not what a train
 accept. "same as graphs" counts prompts whose tokens equal plain graphs' token for token (bf16:
 different kernel shapes can flip a near-tie, and a random deep network amplifies rounding).
 After the rounds, the plain decode step is split into the graph's replay on the GPU and the
-time outside it, with the kernels of one forward.
+time outside it, with the kernels of one forward, and the verify-cost curve: each captured
+target graph's replay time, t(batch, tokens) / t(1, 1), over every contender's graphs.
 
     python benchmarks/gpu_bench.py --shape 8B [--contenders eager,graphs,ngram,self-int4] \\
         [--num-prompts 8] [--max-tokens 128] [--rounds 3] [--out gpu.json]
@@ -50,7 +59,8 @@ SHAPES = {"1B": (2048, 16, 32, 8, 8192, True), "3B": (3072, 28, 24, 8, 8192, Tru
           "8B": (4096, 32, 32, 8, 14336, False)}
 #: datasheet memory bandwidth, bytes/s, by a substring of the device name
 DATASHEET = {"H100 80GB HBM3": 3.35e12, "H100 PCIe": 2.0e12, "H200": 4.8e12, "A100-SXM4-80GB": 2.04e12}
-ALL = ["eager", "graphs", "ngram", "self-int4", "draft"]
+ALL = ["eager", "graphs", "ngram", "self-int4", "draft", "steps", "eagle3", "eagle3-tree", "eagle3-rounds"]
+EAGLE = ("eagle3", "eagle3-tree", "eagle3-rounds")
 
 
 def shape_dir(name: str, workdir: Path, std: float) -> Path:
@@ -66,6 +76,16 @@ def shape_dir(name: str, workdir: Path, std: float) -> Path:
            "torch_dtype": "bfloat16"}
     (path / "config.json").write_text(json.dumps(cfg, indent=1))
     return path
+
+
+def random_head(target: Path, out: Path, std: float) -> Path:
+    """A random EAGLE-3 head for the dummy shape at ``target`` (bf16, drafting over the first 32000
+    ids), written in the release layout the engine loads."""
+    from leapfrog.model.args import LlamaArgs
+    from leapfrog.model.eagle import init_eagle_head, save_eagle_head
+    args = LlamaArgs.from_hf_config(json.loads((target / "config.json").read_text()))
+    head = init_eagle_head("eagle3", args, draft_vocab_size=32000, init_std=std, dtype=torch.bfloat16)
+    return save_eagle_head(head, out)
 
 
 def copy_bandwidth(device: torch.device, gib: float = 2.0) -> float:
@@ -109,11 +129,11 @@ class Run:
 
 class Contender:
     def __init__(self, name: str, model: str, dummy: bool, max_len: int, spec: dict | None,
-                 enforce_eager: bool) -> None:
+                 enforce_eager: bool, steps: int = 1) -> None:
         t0 = time.perf_counter()
         self.name = name
         self.llm = LLM(model=model, dtype="bfloat16", device="cuda", max_num_seqs=1, max_model_len=max_len,
-                       enforce_eager=enforce_eager, speculative_config=spec,
+                       enforce_eager=enforce_eager, speculative_config=spec, num_scheduler_steps=steps,
                        load_format="dummy" if dummy else "auto", skip_tokenizer_init=dummy)
         self.startup = time.perf_counter() - t0
 
@@ -125,9 +145,22 @@ class Contender:
             m = o.metrics
             r.tokens += m.num_generated_tokens - 1
             r.seconds += m.finished_time - m.first_token_time
-            r.steps += getattr(m, "num_steps", 0) or 0
+            r.steps += m.num_target_forwards - 1   # decode forwards (the prefill made the first token)
             r.outputs.append(list(o.outputs[0].token_ids))
         return r
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, n: int) -> float:
+    """Milliseconds per replay of a captured CUDA graph: CUDA events around n replays, after n // 10."""
+    for _ in range(max(n // 10, 1)):
+        graph.replay()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(n):
+        graph.replay()
+    e.record()
+    torch.cuda.synchronize()
+    return s.elapsed_time(e) / n
 
 
 def step_anatomy(llm: LLM, runs: list[Run]) -> dict | None:
@@ -137,15 +170,7 @@ def step_anatomy(llm: LLM, runs: list[Run]) -> dict | None:
     r = g.replays.get((1, 1)) if g is not None else None
     if r is None:
         return None
-    for _ in range(5):
-        r.graph.replay()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(50):
-        r.graph.replay()
-    e.record()
-    torch.cuda.synchronize()
-    replay = s.elapsed_time(e) / 50
+    replay = replay_ms(r.graph, 50)
     step = 1e3 / statistics.median(x.tokens / x.seconds for x in runs)
     kernels = []
     d = g.direct.get((1, 1))
@@ -161,12 +186,28 @@ def step_anatomy(llm: LLM, runs: list[Run]) -> dict | None:
     return {"step_ms": step, "replay_ms": replay, "outside_ms": step - replay, "kernels": kernels}
 
 
+def verify_curve(contenders: dict[str, Contender]) -> dict[str, float]:
+    """Replay time (ms, CUDA events, 30 replays) of every captured bucket of the contenders' target
+    graphs, by "batch x tokens" (the first contender's graph of each bucket)."""
+    out: dict[str, float] = {}
+    for c in contenders.values():
+        g = c.llm.engine.runner.compiled
+        for (b, t), r in sorted((g.replays if g is not None else {}).items()):
+            if f"{b}x{t}" not in out:
+                out[f"{b}x{t}"] = replay_ms(r.graph, 30)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="8B", choices=[*SHAPES, "demo"])
     ap.add_argument("--model", default=None, help="a real checkpoint instead of --shape (default with demo: "
                                                   "the built-in target)")
     ap.add_argument("--draft", default=str(DEMO_DIR / "draft"), help="the draft contender's checkpoint")
+    ap.add_argument("--head", default=None, help="the EAGLE-3 contenders' head (default: the built-in one with "
+                                                 "--shape demo, a random one on a dummy shape)")
+    ap.add_argument("--steps", type=int, default=8, help="decode steps / speculation rounds per engine step of "
+                                                        "the steps and eagle3-rounds contenders")
     ap.add_argument("--contenders", default=None, help=f"comma-separated, of {','.join(ALL)}")
     ap.add_argument("-k", type=int, default=4, help="drafts per step")
     ap.add_argument("--num-prompts", type=int, default=8)
@@ -193,13 +234,20 @@ def main() -> None:
             raise SystemExit(f"unknown contender {n!r}; known: {', '.join(ALL)}")
         if n == "draft" and dummy:
             raise SystemExit("the draft contender needs real checkpoints (--shape demo or --model)")
+        if n in EAGLE and args.model and not args.head:
+            raise SystemExit(f"the {n} contender needs --head with --model")
     bw = copy_bandwidth(dev)
     sheet = next((v for k, v in DATASHEET.items() if k in name), None)
     print(f"{name}: device-to-device copy {bw / 1e12:.2f} TB/s"
           + (f" (datasheet {sheet / 1e12:.2f} TB/s)" if sheet else ""), flush=True)
 
+    head = args.head or (str(DEMO_DIR / "eagle3") if not dummy else None)
+    if head is None and any(n in EAGLE for n in names):
+        head = str(random_head(Path(model), Path(model) / "eagle3-head", args.init_std))
+    chain = {"method": "eagle3", "model": head, "num_speculative_tokens": 5, "eagle_topk": 1}
     k = args.k
-    specs = {"eager": None, "graphs": None,
+    specs = {"eager": None, "graphs": None, "steps": None, "eagle3": chain, "eagle3-rounds": chain,
+             "eagle3-tree": {**chain, "eagle_topk": 4, "num_draft_tokens": 16},
              "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 1},
              "self-int4": {"method": "draft_model", "model": "self", "draft_quantization": "int4",
                            "num_speculative_tokens": k},
@@ -207,7 +255,8 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     contenders: dict[str, Contender] = {}
     for n in names:
-        c = Contender(n, model, dummy, args.max_model_len, specs[n], enforce_eager=n == "eager")
+        c = Contender(n, model, dummy, args.max_model_len, specs[n], enforce_eager=n == "eager",
+                      steps=args.steps if n in ("steps", "eagle3-rounds") else 1)
         contenders[n] = c
         print(f"{n}: ready in {c.startup:.1f} s", flush=True)
     vocab = next(iter(contenders.values())).llm.engine.vocab_size
@@ -239,8 +288,9 @@ def main() -> None:
           f"{args.max_tokens} tokens, {args.rounds} rounds; a step reads {nbytes / 1e9:.2f} GB: roofline "
           f"{roof:.0f} tokens/s at the copy bandwidth"
           + (f", {sheet / nbytes:.0f} at the datasheet's" if sheet else ""))
-    print(f"| contender | tokens/s | vs {base} | of roofline (copy) | of roofline (datasheet) | same as {base} |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print(f"| contender | tokens/s | vs {base} | tokens/step | of roofline (copy) | of roofline (datasheet) "
+          f"| same as {base} |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for n in names:
         tps = [r.tokens / r.seconds for r in per[n]]
         ratio = [per[n][i].tokens / per[n][i].seconds / (per[base][i].tokens / per[base][i].seconds)
@@ -254,7 +304,11 @@ def main() -> None:
                "spec_metrics": {k2: v for k2, v in vars(spec).items() if isinstance(v, (int, float))}}
         rows.append(row)
         ds = f"{row['of_roofline_datasheet']:.0%}" if sheet else "-"
-        print(f"| {n} | {med:.1f} | {row['vs_base']:.2f} | {med / roof:.0%} | {ds} | {row['same_as_base']} |")
+        steps = sum(r.steps for r in per[n])
+        row["tokens_per_step"] = sum(r.tokens for r in per[n]) / steps if steps else None
+        tps_step = f"{row['tokens_per_step']:.2f}" if steps else "-"
+        print(f"| {n} | {med:.1f} | {row['vs_base']:.2f} | {tps_step} | {med / roof:.0%} | {ds} | "
+              f"{row['same_as_base']} |")
     anatomy = step_anatomy(contenders["graphs"].llm, per["graphs"]) if "graphs" in contenders else None
     if anatomy:
         print(f"\ngraphs: a step {anatomy['step_ms']:.2f} ms, of which the decode graph's replay on the GPU "
@@ -263,10 +317,17 @@ def main() -> None:
         print("kernels of one decode forward (not replayed; CUDA time):")
         for k2, ms, n in anatomy["kernels"]:
             print(f"  {ms:8.3f} ms  x{n:<4d} {k2[:100]}")
+    curve = verify_curve(contenders)
+    if curve:
+        one = curve.get("1x1")
+        print("\nverify cost: each captured target graph's replay on the GPU (batch x tokens: ms"
+              + (", t / t(1x1)" if one else "") + ")")
+        for key, ms in curve.items():
+            print(f"  {key:>6}: {ms:.3f} ms" + (f"  {ms / one:.2f}" if one else ""))
     if args.out:
         Path(args.out).write_text(json.dumps({"device": name, "copy_bandwidth": bw, "datasheet": sheet,
-                                              "step_bytes": nbytes, "shape": args.shape, "model": args.model,
-                                              "settings": vars(args), "torch": torch.__version__,
+                                              "verify_curve": curve, "step_bytes": nbytes, "shape": args.shape,
+                                              "model": args.model, "settings": vars(args), "torch": torch.__version__,
                                               "rows": rows, "anatomy": anatomy}, indent=1))
 
 
