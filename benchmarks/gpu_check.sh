@@ -1,0 +1,37 @@
+#!/bin/bash
+# The GPU checks in one prepared command, for a session lent a GPU for a few minutes. Each part
+# is sized from an H100 run (start-up is 20-50 s per gpu_bench contender: graphs compile first):
+#   tests   the CUDA tests (tests/model/test_cuda_graphs.py), 4 workers          ~2.5 min
+#   1B      gpu_bench, Llama-3.2-1B shape: graphs, 4 steps, eagle3 chain/tree     ~4 min
+#   8B      gpu_bench, Llama-3-8B shape: graphs against 4 decode steps per step   ~4 min
+#   demo    gpu_bench, the built-in pair: graphs, draft_model, eagle3 chain/tree  ~3 min
+# Usage: bash benchmarks/gpu_check.sh tests 1B ...   (logs and JSON in $OUT, else ./gpu-check)
+set -u
+cd "$(dirname "$0")/.."
+out=${OUT:-gpu-check}
+mkdir -p "$out"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+bench() {   # name, then gpu_bench arguments
+    local name=$1; shift
+    timeout 290 "$py" benchmarks/gpu_bench.py "$@" --out "$out/$name.json" > "$out/$name.log" 2>&1
+    echo "== $name: exit $?"
+    grep -v -i -E "warn|compiling|softmax|split the reduction|important use case|^$" "$out/$name.log" | tail -40
+}
+for part in "$@"; do
+    t0=$(date +%s)
+    case $part in
+        tests)
+            timeout 280 "$py" -m pytest tests/model/test_cuda_graphs.py -v -n 4 --dist load -p no:cacheprovider \
+                --tb=short > "$out/tests.log" 2>&1
+            echo "== tests: exit $?"
+            grep -E "PASSED|FAILED|ERROR|passed|failed|^E " "$out/tests.log" | tail -40 ;;
+        1B) bench 1B --shape 1B --contenders graphs,steps,eagle3,eagle3-tree --steps 4 --num-prompts 2 \
+                --max-tokens 96 --rounds 2 ;;
+        8B) bench 8B --shape 8B --contenders graphs,steps --steps 4 --num-prompts 2 --max-tokens 96 --rounds 2 ;;
+        demo) bench demo --shape demo --contenders graphs,draft,eagle3,eagle3-tree --num-prompts 4 \
+                --max-tokens 128 --rounds 2 ;;
+        *) echo "unknown part $part (tests, 1B, 8B, demo)"; exit 2 ;;
+    esac
+    echo "   ($part took $(( $(date +%s) - t0 )) s)"
+done
