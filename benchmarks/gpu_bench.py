@@ -123,7 +123,7 @@ def step_bytes(llm: LLM, max_model_len: int) -> int:
 class Run:
     tokens: int = 0
     seconds: float = 0.0
-    steps: int = 0
+    forwards: int = 0   # decode forwards of the target (a multi-step graph counts each of its steps)
     outputs: list[list[int]] = field(default_factory=list)
 
 
@@ -145,7 +145,7 @@ class Contender:
             m = o.metrics
             r.tokens += m.num_generated_tokens - 1
             r.seconds += m.finished_time - m.first_token_time
-            r.steps += m.num_target_forwards - 1   # decode forwards (the prefill made the first token)
+            r.forwards += m.num_target_forwards   # (decode forwards only: not the prefill)
             r.outputs.append(list(o.outputs[0].token_ids))
         return r
 
@@ -288,7 +288,7 @@ def main() -> None:
           f"{args.max_tokens} tokens, {args.rounds} rounds; a step reads {nbytes / 1e9:.2f} GB: roofline "
           f"{roof:.0f} tokens/s at the copy bandwidth"
           + (f", {sheet / nbytes:.0f} at the datasheet's" if sheet else ""))
-    print(f"| contender | tokens/s | vs {base} | tokens/step | of roofline (copy) | of roofline (datasheet) "
+    print(f"| contender | tokens/s | vs {base} | tokens/forward | of roofline (copy) | of roofline (datasheet) "
           f"| same as {base} |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for n in names:
@@ -304,9 +304,9 @@ def main() -> None:
                "spec_metrics": {k2: v for k2, v in vars(spec).items() if isinstance(v, (int, float))}}
         rows.append(row)
         ds = f"{row['of_roofline_datasheet']:.0%}" if sheet else "-"
-        steps = sum(r.steps for r in per[n])
-        row["tokens_per_step"] = sum(r.tokens for r in per[n]) / steps if steps else None
-        tps_step = f"{row['tokens_per_step']:.2f}" if steps else "-"
+        forwards = sum(r.forwards for r in per[n])
+        row["tokens_per_forward"] = sum(r.tokens for r in per[n]) / forwards if forwards else None
+        tps_step = f"{row['tokens_per_forward']:.2f}" if forwards else "-"
         print(f"| {n} | {med:.1f} | {row['vs_base']:.2f} | {tps_step} | {med / roof:.0%} | {ds} | "
               f"{row['same_as_base']} |")
     anatomy = step_anatomy(contenders["graphs"].llm, per["graphs"]) if "graphs" in contenders else None

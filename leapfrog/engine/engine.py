@@ -879,7 +879,7 @@ class LLMEngine:
                 outputs[b] = [final[j]]
         elif other:
             sub = drafts.select(other)
-            u = torch.cat([sampler.uniforms(drafts.num_draft[b], reqs[b].generator, self.device) for b in other])
+            u = torch.cat([sampler.uniforms(drafts.num_draft[b], reqs[b].generator, p.device) for b in other])
             if tree:
                 outcome = tree_rejection_accept(p_of(other), sub.draft_probs, sub.token_ids,
                                                 [q for b in other for q in parent_lists[b]], sub.num_draft, u)

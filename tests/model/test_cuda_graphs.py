@@ -183,19 +183,31 @@ def test_eagle_on_graphs_is_lossless(eagle_target, tmp_path, tokenizer, kind):
         assert all(len(o) == 24 for o in _generate(llm, prompts, temperature=0.8)), name
 
 
-def test_multi_step_and_eagle_rounds_on_cuda(eagle_target, tmp_path, tokenizer):
-    """num_scheduler_steps on CUDA (each multi-step graph captured and replayed): several decode
-    steps, and several EAGLE-3 speculation rounds, per engine step give plain one-token decoding's
-    greedy tokens (float32, batched and ragged, max_tokens not a multiple of the steps); seeded
-    sampled requests draw the one-token steps' tokens."""
+def _plain(eagle_target, tokenizer):
+    """The prompts, and plain one-token decoding's greedy (23 tokens) and seeded sampled (21) output."""
     prompts = prompts_of(tokenizer, 3)
     base = LLM(model=str(eagle_target), **CUDA_FP32)
-    greedy = _generate(base, prompts, max_tokens=23)
-    seeded = _generate(base, prompts, max_tokens=21, temperature=0.9, seed=5)
+    return (prompts, _generate(base, prompts, max_tokens=23),
+            _generate(base, prompts, max_tokens=21, temperature=0.9, seed=5))
+
+
+def test_multi_step_on_cuda(eagle_target, tokenizer):
+    """num_scheduler_steps on CUDA (each multi-step graph captured and replayed): several decode
+    steps per engine step give one-token decoding's greedy tokens (float32, batched and ragged,
+    max_tokens not a multiple of the steps), and seeded sampled requests draw the one-token
+    steps' tokens (the race runs on the GPU there, on the host in one-token steps)."""
+    prompts, greedy, seeded = _plain(eagle_target, tokenizer)
     multi = LLM(model=str(eagle_target), num_scheduler_steps=4, **CUDA_FP32)
     assert _generate(multi, prompts, max_tokens=23) == greedy
     assert _calls(multi.engine.runner.multi_step) > 0
     assert _generate(multi, prompts, max_tokens=21, temperature=0.9, seed=5) == seeded
+
+
+def test_eagle_rounds_on_cuda(eagle_target, tmp_path, tokenizer):
+    """EAGLE-3 speculation rounds on CUDA (num_scheduler_steps with a head: rounds graphs
+    captured and replayed) give one-token decoding's greedy tokens, and seeded sampled requests
+    its draws."""
+    prompts, greedy, seeded = _plain(eagle_target, tokenizer)
     head = _head(eagle_target, tmp_path / "h", "eagle3")
     rounds = LLM(model=str(eagle_target), num_scheduler_steps=4, **CUDA_FP32,
                  speculative_config={"method": "eagle3", "model": str(head), "num_speculative_tokens": 3,

@@ -31,8 +31,8 @@ from torch import Tensor
 def on_device(device: torch.device, draft_ids: Tensor, q: Tensor | None,
               u: Tensor) -> tuple[Tensor, Tensor | None, Tensor]:
     """The drafts, their q and the uniforms on p's device. On CUDA, p is on the host (the runner
-    returns logits there) while the engine draws uniforms on the device and a drafter's q may stay
-    there (the H100 found "Expected all tensors to be on the same device")."""
+    returns logits there) while a drafter's q may stay on the device (the H100 found "Expected all
+    tensors to be on the same device", with the engine's uniforms drawn there too then)."""
     return draft_ids.to(device), None if q is None else q.to(device), u.to(device)
 
 
