@@ -5,27 +5,25 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
+
 from leapfrog.utils import env_off, env_on, freeze_heap
 
 
-def test_env_off(monkeypatch):
+@pytest.mark.parametrize("switch,set_values,other", [
+    (env_off, ("0", "false", "OFF", " no "), "1"),
+    (env_on, ("1", "true", "ON", " yes "), "0"),
+])
+def test_env_switches(monkeypatch, switch, set_values, other):
+    """env_off (a default-on switch set off) and env_on (a default-off switch set on): unset is
+    neither, the accepted spellings are case- and space-insensitive, the opposite value is not."""
     monkeypatch.delenv("LEAPFROG_TEST_SWITCH", raising=False)
-    assert not env_off("LEAPFROG_TEST_SWITCH")
-    for value in ("0", "false", "OFF", " no "):
+    assert not switch("LEAPFROG_TEST_SWITCH")
+    for value in set_values:
         monkeypatch.setenv("LEAPFROG_TEST_SWITCH", value)
-        assert env_off("LEAPFROG_TEST_SWITCH")
-    monkeypatch.setenv("LEAPFROG_TEST_SWITCH", "1")
-    assert not env_off("LEAPFROG_TEST_SWITCH")
-
-
-def test_env_on(monkeypatch):
-    monkeypatch.delenv("LEAPFROG_TEST_SWITCH", raising=False)
-    assert not env_on("LEAPFROG_TEST_SWITCH")
-    for value in ("1", "true", "ON", " yes "):
-        monkeypatch.setenv("LEAPFROG_TEST_SWITCH", value)
-        assert env_on("LEAPFROG_TEST_SWITCH")
-    monkeypatch.setenv("LEAPFROG_TEST_SWITCH", "0")
-    assert not env_on("LEAPFROG_TEST_SWITCH")
+        assert switch("LEAPFROG_TEST_SWITCH")
+    monkeypatch.setenv("LEAPFROG_TEST_SWITCH", other)
+    assert not switch("LEAPFROG_TEST_SWITCH")
 
 
 def test_freeze_heap_collects_first_then_freezes_the_survivors():
