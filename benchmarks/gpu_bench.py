@@ -306,8 +306,8 @@ def main() -> None:
         ds = f"{row['of_roofline_datasheet']:.0%}" if sheet else "-"
         forwards = sum(r.forwards for r in per[n])
         row["tokens_per_forward"] = sum(r.tokens for r in per[n]) / forwards if forwards else None
-        tps_step = f"{row['tokens_per_forward']:.2f}" if forwards else "-"
-        print(f"| {n} | {med:.1f} | {row['vs_base']:.2f} | {tps_step} | {med / roof:.0%} | {ds} | "
+        per_forward = f"{row['tokens_per_forward']:.2f}" if forwards else "-"
+        print(f"| {n} | {med:.1f} | {row['vs_base']:.2f} | {per_forward} | {med / roof:.0%} | {ds} | "
               f"{row['same_as_base']} |")
     anatomy = step_anatomy(contenders["graphs"].llm, per["graphs"]) if "graphs" in contenders else None
     if anatomy:
