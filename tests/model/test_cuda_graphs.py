@@ -21,8 +21,13 @@ def _generate(llm: LLM, prompts, max_tokens: int = 24, **sp):
     return [o.outputs[0].token_ids for o in outs]
 
 
+def _calls(g) -> int:
+    """Replays of one compiled forward's CUDA graphs (0 when the runner built none of that kind)."""
+    return 0 if g is None else sum(r.calls for r in g.replays.values())
+
+
 def _replays(llm: LLM) -> int:
-    return sum(r.calls for g in llm.engine.runner.graphs for r in g.replays.values())
+    return sum(_calls(g) for g in llm.engine.runner.graphs)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -138,11 +143,6 @@ def test_position_noise_is_the_same_on_cuda():
     assert torch.equal(sampler.noise(rngs, 300, "cuda").cpu(), sampler.noise(rngs, 300, "cpu"))
 
 
-def _calls(g) -> int:
-    """Replays of one compiled forward's CUDA graphs (0 when the runner built none of that kind)."""
-    return 0 if g is None else sum(r.calls for r in g.replays.values())
-
-
 @pytest.fixture(scope="module")
 def eagle_target(tmp_path_factory, tokenizer):
     """A target with the three layers EAGLE-3 fuses."""
@@ -183,31 +183,33 @@ def test_eagle_on_graphs_is_lossless(eagle_target, tmp_path, tokenizer, kind):
         assert all(len(o) == 24 for o in _generate(llm, prompts, temperature=0.8)), name
 
 
-def _plain(eagle_target, tokenizer):
-    """The prompts, and plain one-token decoding's greedy (23 tokens) and seeded sampled (21) output."""
+@pytest.fixture(scope="module")
+def plain(eagle_target, tokenizer):
+    """The prompts, and plain one-token decoding's greedy (23 tokens) and seeded sampled (21) output
+    (one engine for the multi-step and the rounds test)."""
     prompts = prompts_of(tokenizer, 3)
     base = LLM(model=str(eagle_target), **CUDA_FP32)
     return (prompts, _generate(base, prompts, max_tokens=23),
             _generate(base, prompts, max_tokens=21, temperature=0.9, seed=5))
 
 
-def test_multi_step_on_cuda(eagle_target, tokenizer):
+def test_multi_step_on_cuda(eagle_target, plain):
     """num_scheduler_steps on CUDA (each multi-step graph captured and replayed): several decode
     steps per engine step give one-token decoding's greedy tokens (float32, batched and ragged,
     max_tokens not a multiple of the steps), and seeded sampled requests draw the one-token
     steps' tokens (the race runs on the GPU there, on the host in one-token steps)."""
-    prompts, greedy, seeded = _plain(eagle_target, tokenizer)
+    prompts, greedy, seeded = plain
     multi = LLM(model=str(eagle_target), num_scheduler_steps=4, **CUDA_FP32)
     assert _generate(multi, prompts, max_tokens=23) == greedy
     assert _calls(multi.engine.runner.multi_step) > 0
     assert _generate(multi, prompts, max_tokens=21, temperature=0.9, seed=5) == seeded
 
 
-def test_eagle_rounds_on_cuda(eagle_target, tmp_path, tokenizer):
+def test_eagle_rounds_on_cuda(eagle_target, tmp_path, plain):
     """EAGLE-3 speculation rounds on CUDA (num_scheduler_steps with a head: rounds graphs
     captured and replayed) give one-token decoding's greedy tokens, and seeded sampled requests
     its draws."""
-    prompts, greedy, seeded = _plain(eagle_target, tokenizer)
+    prompts, greedy, seeded = plain
     head = _head(eagle_target, tmp_path / "h", "eagle3")
     rounds = LLM(model=str(eagle_target), num_scheduler_steps=4, **CUDA_FP32,
                  speculative_config={"method": "eagle3", "model": str(head), "num_speculative_tokens": 3,
