@@ -163,7 +163,30 @@ def replay_ms(graph: torch.cuda.CUDAGraph, n: int) -> float:
     return s.elapsed_time(e) / n
 
 
-def step_anatomy(llm: LLM, runs: list[Run]) -> dict | None:
+def forward_kernels(llm: LLM, prompt: list[int], n: int = 8, cuda: bool = True) -> list[tuple[str, float, float]]:
+    """The kernels of one decode forward, as the profiler sees them through the engine's public API:
+    a request decoding 1 + n tokens less one that stops after its prefill, over n (so the prefill
+    cancels). Rows (kernel, ms, calls) per forward, the 15 largest by time: CUDA time on the GPU,
+    self CPU time with ``cuda=False``."""
+    from torch.profiler import ProfilerActivity, profile
+    totals = []
+    for max_tokens in (1, 1 + n):
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            llm.generate({"prompt_token_ids": prompt}, sp, use_tqdm=False)
+            if cuda:
+                torch.cuda.synchronize()
+        totals.append({ev.key: ((ev.device_time_total if cuda else ev.self_cpu_time_total), ev.count)
+                       for ev in prof.key_averages()})
+    rows = []
+    for key, (us, count) in totals[1].items():
+        us0, count0 = totals[0].get(key, (0.0, 0))
+        if us - us0 > 0 and count > count0:
+            rows.append((key, (us - us0) / n / 1e3, (count - count0) / n))
+    return sorted(rows, key=lambda r: -r[1])[:15]
+
+
+def step_anatomy(llm: LLM, runs: list[Run], prompt: list[int]) -> dict | None:
     """The plain decode step split: the [1, 1] graph's replay time on the GPU (CUDA events, 50
     replays) against the measured time per token; and the kernels of one forward (profiler)."""
     g = llm.engine.runner.compiled
@@ -172,18 +195,8 @@ def step_anatomy(llm: LLM, runs: list[Run]) -> dict | None:
         return None
     replay = replay_ms(r.graph, 50)
     step = 1e3 / statistics.median(x.tokens / x.seconds for x in runs)
-    kernels = []
-    d = g.direct.get((1, 1))
-    if d is not None:
-        from torch.profiler import ProfilerActivity, profile
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
-                d(r.inputs, g.kv)
-            torch.cuda.synchronize()
-        rows = [(ev.key, ev.device_time_total / 3e3, ev.count // 3) for ev in prof.key_averages()
-                if ev.device_time_total > 0]
-        kernels = sorted(rows, key=lambda x: -x[1])[:15]
-    return {"step_ms": step, "replay_ms": replay, "outside_ms": step - replay, "kernels": kernels}
+    return {"step_ms": step, "replay_ms": replay, "outside_ms": step - replay,
+            "kernels": forward_kernels(llm, prompt)}
 
 
 def verify_curve(contenders: dict[str, Contender]) -> dict[str, float]:
@@ -309,14 +322,14 @@ def main() -> None:
         per_forward = f"{row['tokens_per_forward']:.2f}" if forwards else "-"
         print(f"| {n} | {med:.1f} | {row['vs_base']:.2f} | {per_forward} | {med / roof:.0%} | {ds} | "
               f"{row['same_as_base']} |")
-    anatomy = step_anatomy(contenders["graphs"].llm, per["graphs"]) if "graphs" in contenders else None
+    anatomy = step_anatomy(contenders["graphs"].llm, per["graphs"], prompts[0]) if "graphs" in contenders else None
     if anatomy:
         print(f"\ngraphs: a step {anatomy['step_ms']:.2f} ms, of which the decode graph's replay on the GPU "
               f"{anatomy['replay_ms']:.2f} ms ({anatomy['replay_ms'] / anatomy['step_ms']:.0%}; the weights stream at "
               f"{nbytes / anatomy['replay_ms'] / 1e9:.2f} TB/s in it); outside it {anatomy['outside_ms']:.2f} ms")
-        print("kernels of one decode forward (not replayed; CUDA time):")
+        print("kernels of one decode forward (CUDA time per forward, calls per forward):")
         for k2, ms, n in anatomy["kernels"]:
-            print(f"  {ms:8.3f} ms  x{n:<4d} {k2[:100]}")
+            print(f"  {ms:8.3f} ms  x{n:<5.1f} {k2[:100]}")
     curve = verify_curve(contenders)
     if curve:
         one = curve.get("1x1")
