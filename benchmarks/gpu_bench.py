@@ -186,17 +186,20 @@ def forward_kernels(llm: LLM, prompt: list[int], n: int = 8, cuda: bool = True) 
     return sorted(rows, key=lambda r: -r[1])[:15]
 
 
-def step_anatomy(llm: LLM, runs: list[Run], prompt: list[int]) -> dict | None:
-    """The plain decode step split: the [1, 1] graph's replay time on the GPU (CUDA events, 50
-    replays) against the measured time per token; and the kernels of one forward (profiler)."""
-    g = llm.engine.runner.compiled
+def step_anatomy(llm: LLM, runs: list[Run], prompt: list[int] | None) -> dict | None:
+    """A plain decode step split: the [1, 1] graph's replay time on the GPU (CUDA events, 50
+    replays; the multi-step graph's over its steps, for the steps contender) against the measured
+    time per token; and, with ``prompt``, the kernels of one forward (profiler)."""
+    runner = llm.engine.runner
+    g = runner.multi_step or runner.compiled
     r = g.replays.get((1, 1)) if g is not None else None
     if r is None:
         return None
-    replay = replay_ms(r.graph, 50)
+    per = runner.multi_step.steps if runner.multi_step is not None else 1
+    replay = replay_ms(r.graph, 50) / per
     step = 1e3 / statistics.median(x.tokens / x.seconds for x in runs)
     return {"step_ms": step, "replay_ms": replay, "outside_ms": step - replay,
-            "kernels": forward_kernels(llm, prompt)}
+            "kernels": forward_kernels(llm, prompt) if prompt is not None else []}
 
 
 def verify_curve(contenders: dict[str, Contender]) -> dict[str, float]:
@@ -322,14 +325,18 @@ def main() -> None:
         per_forward = f"{row['tokens_per_forward']:.2f}" if forwards else "-"
         print(f"| {n} | {med:.1f} | {row['vs_base']:.2f} | {per_forward} | {med / roof:.0%} | {ds} | "
               f"{row['same_as_base']} |")
-    anatomy = step_anatomy(contenders["graphs"].llm, per["graphs"], prompts[0]) if "graphs" in contenders else None
-    if anatomy:
-        print(f"\ngraphs: a step {anatomy['step_ms']:.2f} ms, of which the decode graph's replay on the GPU "
-              f"{anatomy['replay_ms']:.2f} ms ({anatomy['replay_ms'] / anatomy['step_ms']:.0%}; the weights stream at "
-              f"{nbytes / anatomy['replay_ms'] / 1e9:.2f} TB/s in it); outside it {anatomy['outside_ms']:.2f} ms")
-        print("kernels of one decode forward (CUDA time per forward, calls per forward):")
-        for k2, ms, n in anatomy["kernels"]:
-            print(f"  {ms:8.3f} ms  x{n:<5.1f} {k2[:100]}")
+    anatomy = {n: step_anatomy(contenders[n].llm, per[n], prompts[0] if n == "graphs" else None)
+               for n in ("graphs", "steps") if n in contenders}
+    for n, a in anatomy.items():
+        if a is None:
+            continue
+        print(f"\n{n}: a token {a['step_ms']:.2f} ms, of which the decode graph's replay on the GPU "
+              f"{a['replay_ms']:.2f} ms ({a['replay_ms'] / a['step_ms']:.0%}; the weights stream at "
+              f"{nbytes / a['replay_ms'] / 1e9:.2f} TB/s in it); outside it {a['outside_ms']:.2f} ms")
+        if a["kernels"]:
+            print("kernels of one decode forward (CUDA time per forward, calls per forward):")
+            for k2, ms, calls in a["kernels"]:
+                print(f"  {ms:8.3f} ms  x{calls:<5.1f} {k2[:100]}")
     curve = verify_curve(contenders)
     if curve:
         one = curve.get("1x1")
