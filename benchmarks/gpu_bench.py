@@ -164,26 +164,25 @@ def replay_ms(graph: torch.cuda.CUDAGraph, n: int) -> float:
 
 
 def forward_kernels(llm: LLM, prompt: list[int], n: int = 8, cuda: bool = True) -> list[tuple[str, float, float]]:
-    """The kernels of one decode forward, as the profiler sees them through the engine's public API:
-    a request decoding 1 + n tokens less one that stops after its prefill, over n (so the prefill
-    cancels). Rows (kernel, ms, calls) per forward, the 15 largest by time: CUDA time on the GPU,
-    self CPU time with ``cuda=False``."""
+    """The kernels of one decode forward, as the profiler sees them: a request is prefilled,
+    then n engine steps (one decode forward each: plain decoding, one step per engine step) run
+    under the profiler. Rows (kernel, ms, calls) per forward, the 15 largest by time: CUDA time
+    on the GPU, self CPU time with ``cuda=False``."""
     from torch.profiler import ProfilerActivity, profile
-    totals = []
-    for max_tokens in (1, 1 + n):
-        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-            llm.generate({"prompt_token_ids": prompt}, sp, use_tqdm=False)
-            if cuda:
-                torch.cuda.synchronize()
-        totals.append({ev.key: ((ev.device_time_total if cuda else ev.self_cpu_time_total), ev.count)
-                       for ev in prof.key_averages()})
-    rows = []
-    for key, (us, count) in totals[1].items():
-        us0, count0 = totals[0].get(key, (0.0, 0))
-        if us - us0 > 0 and count > count0:
-            rows.append((key, (us - us0) / n / 1e3, (count - count0) / n))
-    return sorted(rows, key=lambda r: -r[1])[:15]
+    eng = llm.engine
+    eng.add_request("forward-kernels", None, prompt, SamplingParams(temperature=0.0, max_tokens=n + 2,
+                                                                     ignore_eos=True))
+    eng.step()   # the prefill (and the first token)
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(n):
+            eng.step()
+        if cuda:
+            torch.cuda.synchronize()
+    while eng.has_unfinished():
+        eng.step()
+    rows = [(ev.key, (ev.device_time_total if cuda else ev.self_cpu_time_total) / n / 1e3, ev.count / n)
+            for ev in prof.key_averages()]
+    return sorted((r for r in rows if r[1] > 0), key=lambda r: -r[1])[:15]
 
 
 def step_anatomy(llm: LLM, runs: list[Run], prompt: list[int] | None) -> dict | None:
