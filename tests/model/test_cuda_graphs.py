@@ -89,36 +89,6 @@ def test_quantized_linear_on_cuda_matches_its_reference(method):
         assert ((got - want).norm() / want.norm()).item() < 2e-2, rows
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(1, 1, 32, 8, 128, 3, 512, 70), (2, 5, 4, 4, 32, 4, 96, 33),
-                                   (3, 2, 6, 2, 64, 5, 64, 64)])
-def test_triton_decode_attention_matches_sdpa(dtype, shape):
-    """The graphs' attention kernel (rows read in place, kv_len columns, the mask applied) equals
-    SDPA over the gathered rows' first kv_len columns; fully masked (padding) queries give zeros."""
-    from leapfrog.attention.triton_decode import decode_attention
-    import torch.nn.functional as F
-    B, S, H, Hkv, D, R, W, L = shape
-    g = torch.Generator(device="cuda").manual_seed(1)
-    q = torch.randn(B, S, H, D, generator=g, device="cuda").to(dtype)
-    kc = torch.randn(R, Hkv, W, D, generator=g, device="cuda").to(dtype)
-    vc = torch.randn(R, Hkv, W, D, generator=g, device="cuda").to(dtype)
-    rows = torch.randperm(R, device="cuda")[:B]
-    mask = torch.rand(B, 1, S, W, generator=g, device="cuda") < 0.6
-    mask[..., L:] = False
-    mask[0, 0, S - 1, :] = False   # a padding query
-    mask[0, 0, S - 1, 0] = S == 1  # (a lone query keeps one column)
-    out = decode_attention(q, kc, vc, rows, mask, torch.tensor(L, device="cuda")).float()
-    G = H // Hkv
-    keys = kc[rows][:, :, :L].float().repeat_interleave(G, 1)
-    vals = vc[rows][:, :, :L].float().repeat_interleave(G, 1)
-    m = mask[..., :L]
-    ref = F.scaled_dot_product_attention(q.float().transpose(1, 2), keys, vals, attn_mask=m).transpose(1, 2)
-    real = m.any(-1)[:, 0]   # [B, S]
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    assert ((out - ref)[real].norm() / ref[real].norm()).item() < tol
-    assert torch.all(out[~real] == 0)
-
-
 def test_unseeded_sampling_on_cuda(llama_dir, draft_dir, tokenizer):
     """Requests without a seed of their own draw from a CPU generator stream (the engine's seed):
     plain sampling and rejection sampling on CUDA take those draws (found on the H100: the noise was
