@@ -30,9 +30,10 @@ Face's 0.02 leaves them near-flat) make a chaotic network: its int4 copy and n-g
 almost nothing, so speculation on a dummy shape shows its cost, not what a trained model would
 accept. "same as graphs" counts prompts whose tokens equal plain graphs' token for token (bf16:
 different kernel shapes can flip a near-tie, and a random deep network amplifies rounding).
-After the rounds, the plain decode step is split into the graph's replay on the GPU and the
-time outside it, with the kernels of one forward, and the verify-cost curve: each captured
-target graph's replay time, t(batch, tokens) / t(1, 1), over every contender's graphs.
+After the rounds, the plain decode step (graphs) and the steps contender's token are split into
+the graph's replay on the GPU and the time outside it, with the kernels of one plain step, and
+the verify-cost curve: each captured target graph's replay time, t(batch, tokens) / t(1, 1),
+over every contender's graphs.
 
     python benchmarks/gpu_bench.py --shape 8B [--contenders eager,graphs,ngram,self-int4] \\
         [--num-prompts 8] [--max-tokens 128] [--rounds 3] [--out gpu.json]
@@ -164,22 +165,29 @@ def replay_ms(graph: torch.cuda.CUDAGraph, n: int) -> float:
 
 
 def forward_kernels(llm: LLM, prompt: list[int], n: int = 8, cuda: bool = True) -> list[tuple[str, float, float]]:
-    """The kernels of one decode forward, as the profiler sees them: a request is prefilled,
-    then n engine steps (one decode forward each: plain decoding, one step per engine step) run
-    under the profiler. Rows (kernel, ms, calls) per forward, the 15 largest by time: CUDA time
-    on the GPU, self CPU time with ``cuda=False``."""
+    """The kernels of one plain decode step (its forward, or the graph's replay, with the step's
+    input copies and sampling), as the profiler sees them: a request is prefilled, then n engine
+    steps of plain one-token decoding run under the profiler. Rows (kernel, ms, calls) per step,
+    the 15 largest by time: CUDA time on the GPU, self CPU time with ``cuda=False``."""
     from torch.profiler import ProfilerActivity, profile
     eng = llm.engine
-    eng.add_request("forward-kernels", None, prompt, SamplingParams(temperature=0.0, max_tokens=n + 2,
-                                                                     ignore_eos=True))
-    eng.step()   # the prefill (and the first token)
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-        for _ in range(n):
+    if eng.proposer is not None or eng.runner.multi_step is not None:
+        raise ValueError("forward_kernels profiles plain one-token steps: no speculation, no multi-step decode")
+    req = eng.add_request("forward-kernels", None, prompt, SamplingParams(temperature=0.0, max_tokens=n + 2,
+                                                                           ignore_eos=True))
+    try:
+        eng.step()   # the prefill (and the first token)
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            for _ in range(n):
+                eng.step()
+            if cuda:
+                torch.cuda.synchronize()
+        while eng.has_unfinished():
             eng.step()
-        if cuda:
-            torch.cuda.synchronize()
-    while eng.has_unfinished():
-        eng.step()
+    finally:
+        eng.abort("forward-kernels")   # (nothing when it ended)
+    if req.finish_reason != "length":
+        raise RuntimeError(f"the profiled request ended with {req.finish_reason!r}")
     rows = [(ev.key, (ev.device_time_total if cuda else ev.self_cpu_time_total) / n / 1e3, ev.count / n)
             for ev in prof.key_averages()]
     return sorted((r for r in rows if r[1] > 0), key=lambda r: -r[1])[:15]
@@ -190,7 +198,7 @@ def step_anatomy(llm: LLM, runs: list[Run], prompt: list[int] | None) -> dict | 
     replays; the multi-step graph's over its steps, for the steps contender) against the measured
     time per token; and, with ``prompt``, the kernels of one forward (profiler)."""
     runner = llm.engine.runner
-    g = runner.multi_step or runner.compiled
+    g = runner.multi_step if runner.multi_step is not None else runner.compiled
     r = g.replays.get((1, 1)) if g is not None else None
     if r is None:
         return None
@@ -333,7 +341,7 @@ def main() -> None:
               f"{a['replay_ms']:.2f} ms ({a['replay_ms'] / a['step_ms']:.0%}; the weights stream at "
               f"{nbytes / a['replay_ms'] / 1e9:.2f} TB/s in it); outside it {a['outside_ms']:.2f} ms")
         if a["kernels"]:
-            print("kernels of one decode forward (CUDA time per forward, calls per forward):")
+            print("kernels of one decode step (CUDA time and calls per step):")
             for k2, ms, calls in a["kernels"]:
                 print(f"  {ms:8.3f} ms  x{calls:<5.1f} {k2[:100]}")
     curve = verify_curve(contenders)

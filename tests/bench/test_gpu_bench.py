@@ -6,6 +6,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 from leapfrog import LLM
 
 
@@ -30,4 +32,13 @@ def test_forward_kernels_are_one_decode_forwards_ops(llama_dir):
     linear = [c for key, _, c in rows if "linear" in key.lower() or key in ("aten::mm", "aten::addmm")]
     assert linear, [key for key, _, _ in rows]
     assert all(float(c).is_integer() and layers <= c < 16 * layers for c in linear), linear
+    assert not llm.engine.has_unfinished()
+
+
+def test_forward_kernels_refuses_speculation(llama_dir):
+    """A speculative step is not one decode forward: the profile refuses it, with a message."""
+    llm = LLM(model=str(llama_dir), dtype="float32", enforce_eager=True, max_num_seqs=1, max_model_len=128,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3})
+    with pytest.raises(ValueError, match="plain one-token steps"):
+        _gpu_bench().forward_kernels(llm, list(range(5, 21)), cuda=False)
     assert not llm.engine.has_unfinished()

@@ -1,7 +1,8 @@
 """The fast path on CUDA: compiled forwards replayed as CUDA graphs (model/compiled.py GraphReplay).
 
 Skipped without a CUDA device (CI has none); run on a GPU machine with
-``python -m pytest tests/model/test_cuda_graphs.py``."""
+``python -m pytest tests/model/test_cuda_graphs.py tests/attention/test_triton_decode.py`` (the
+Triton attention kernel's own test lives there, with its CPU run through Triton's interpreter)."""
 
 from __future__ import annotations
 
