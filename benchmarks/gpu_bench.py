@@ -198,12 +198,12 @@ def step_anatomy(llm: LLM, runs: list[Run], prompt: list[int] | None) -> dict | 
     replays; the multi-step graph's over its steps, for the steps contender) against the measured
     time per token; and, with ``prompt``, the kernels of one forward (profiler)."""
     runner = llm.engine.runner
-    g = runner.multi_step if runner.multi_step is not None else runner.compiled
+    multi = runner.multi_step
+    g = multi if multi is not None else runner.compiled
     r = g.replays.get((1, 1)) if g is not None else None
     if r is None:
         return None
-    per = runner.multi_step.steps if runner.multi_step is not None else 1
-    replay = replay_ms(r.graph, 50) / per
+    replay = replay_ms(r.graph, 50) / (multi.steps if multi is not None else 1)
     step = 1e3 / statistics.median(x.tokens / x.seconds for x in runs)
     return {"step_ms": step, "replay_ms": replay, "outside_ms": step - replay,
             "kernels": forward_kernels(llm, prompt) if prompt is not None else []}
