@@ -1,7 +1,8 @@
 #!/bin/bash
 # The GPU checks in one prepared command, for a session lent a GPU for a few minutes. Each part
 # is sized from H100 runs (start-up is 20-140 s per gpu_bench contender: graphs compile first;
-# the third run: 17 of 18 tests in 280 s, 8B 208 s, 1B without steps 180 s):
+# the third run: 17 of 18 tests in 280 s, 8B 208 s, 1B without steps 180 s; the fourth: 8B 168-187 s,
+# 1B graphs and steps alone 107 s):
 #   tests   the CUDA tests (test_cuda_graphs.py, test_triton_decode.py), 4 workers ~5 min
 #   1B      gpu_bench, Llama-3.2-1B shape: graphs, 4 steps, eagle3 chain/tree     ~4.5 min
 #   8B      gpu_bench, Llama-3-8B shape: graphs against 4 decode steps per step   ~3.5 min

@@ -89,18 +89,18 @@ def cached_attention(q: Tensor, k: Tensor, v: Tensor,  # [B, S, H | Hkv, Dh]
     context length turns its few-row GEMMs into generic ones).
 
     On CUDA the op reads no tensor on the host (a CUDA graph replays it: see model/compiled.py
-    ``GraphReplay``). With Triton, one kernel reads the rows in place and the first ``kv_len``
-    columns (attention/triton_decode.py). Without it, the rows are gathered by index and SDPA
+    ``GraphReplay``). With Triton, one kernel writes the new keys and values and reads the rows in
+    place over the first ``kv_len`` columns (attention/triton_decode.py). Without it, the rows are gathered by index and SDPA
     attends over the cache's whole width, the mask hiding the columns past ``kv_len``: that
     reads ``max_model_len`` columns per row and layer whatever the context."""
     if k_cache.is_cuda:
-        meta = AttnMeta(rows=rows, write_rows=write_rows, write_cols=write_cols, kv_len=mask.shape[-1], mask=mask)
-        write_layer(k_cache, v_cache, meta, k, v)
         tri = _triton_decode()
-        if tri is not None and tri.supported(q, k_cache):
-            out = tri.try_decode_attention(q, k_cache, v_cache, rows, mask, kv_len)
+        if tri is not None and tri.supported(q, k_cache):   # the kernel writes k, v as well
+            out = tri.try_decode_attention(q, k_cache, v_cache, rows, mask, kv_len, (k, v, write_rows, write_cols))
             if out is not None:
                 return out
+        meta = AttnMeta(rows=rows, write_rows=write_rows, write_cols=write_cols, kv_len=mask.shape[-1], mask=mask)
+        write_layer(k_cache, v_cache, meta, k, v)
         keys, values = k_cache.index_select(0, rows), v_cache.index_select(0, rows)   # [B, Hkv, max_len, Dh]
     else:
         L = int(kv_len)

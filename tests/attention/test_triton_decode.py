@@ -18,21 +18,39 @@ import torch.nn.functional as F
 SHAPES = [(1, 1, 32, 8, 128, 3, 512, 70), (2, 5, 4, 4, 32, 4, 96, 33), (3, 2, 6, 2, 64, 5, 64, 64)]
 
 
-def check_decode_attention(dtype: torch.dtype, shape: tuple, device: str) -> None:
+def check_decode_attention(dtype: torch.dtype, shape: tuple, device: str, write: bool = False) -> None:
     """The kernel (rows read in place, kv_len columns, the mask applied) equals SDPA over the
-    gathered rows' first kv_len columns; fully masked (padding) queries give zeros."""
+    gathered rows' first kv_len columns; fully masked (padding) queries give zeros. ``write``:
+    the kernel writes the step's new keys and values first (each sequence's S tokens at the last
+    S columns below kv_len, the padding query's at a row no sequence reads), and the cache it
+    leaves equals kv/cache.py's index writes."""
+    from leapfrog.attention.metadata import AttnMeta
     from leapfrog.attention.triton_decode import decode_attention
+    from leapfrog.kv.cache import write_layer
     B, S, H, Hkv, D, R, W, L = shape
     g = torch.Generator(device=device).manual_seed(1)
     q = torch.randn(B, S, H, D, generator=g, device=device).to(dtype)
     kc = torch.randn(R, Hkv, W, D, generator=g, device=device).to(dtype)
     vc = torch.randn(R, Hkv, W, D, generator=g, device=device).to(dtype)
-    rows = torch.randperm(R, generator=g, device=device)[:B]
+    perm = torch.randperm(R, generator=g, device=device)
+    rows = perm[:B]
     mask = torch.rand(B, 1, S, W, generator=g, device=device) < 0.6
     mask[..., L:] = False
     mask[0, 0, S - 1, :] = False   # a padding query
     mask[0, 0, S - 1, 0] = S == 1  # (a lone query keeps one column)
-    out = decode_attention(q, kc, vc, rows, mask, torch.tensor(L, device=device)).float()
+    new = None
+    if write:
+        # k, v strided as the model's (a slice of a packed projection)
+        kv = torch.randn(B, S, 2, Hkv, D, generator=g, device=device).to(dtype)
+        wrows = rows.repeat_interleave(S)
+        wrows[S - 1] = perm[-1]   # the padding query's token: a scratch row
+        wcols = torch.arange(L - S, L, device=device).repeat(B)
+        new = (kv[:, :, 0], kv[:, :, 1], wrows, wcols)
+        want_k, want_v = kc.clone(), vc.clone()
+        write_layer(want_k, want_v, AttnMeta(rows, wrows, wcols, L, None), new[0], new[1])
+    out = decode_attention(q, kc, vc, rows, mask, torch.tensor(L, device=device), new).float()
+    if write:
+        assert torch.equal(kc, want_k) and torch.equal(vc, want_v), (dtype, shape)
     G = H // Hkv
     keys = kc[rows][:, :, :L].float().repeat_interleave(G, 1)
     vals = vc[rows][:, :, :L].float().repeat_interleave(G, 1)
@@ -48,8 +66,9 @@ def check_decode_attention(dtype: torch.dtype, shape: tuple, device: str) -> Non
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_triton_decode_attention_matches_sdpa(dtype, shape):
-    check_decode_attention(dtype, shape, "cuda")
+@pytest.mark.parametrize("write", [False, True], ids=["read", "write"])
+def test_triton_decode_attention_matches_sdpa(dtype, shape, write):
+    check_decode_attention(dtype, shape, "cuda", write)
 
 
 def test_triton_decode_attention_matches_sdpa_in_the_interpreter():
@@ -57,7 +76,8 @@ def test_triton_decode_attention_matches_sdpa_in_the_interpreter():
     the kernel is defined, so TRITON_INTERPRET must be set before the module is imported."""
     pytest.importorskip("triton")
     code = ("import torch; from tests.attention.test_triton_decode import SHAPES, check_decode_attention\n"
-            "for s in SHAPES: check_decode_attention(torch.float32, s, 'cpu')\nprint('checked', len(SHAPES))")
+            "for s in SHAPES:\n for w in (False, True): check_decode_attention(torch.float32, s, 'cpu', w)\n"
+            "print('checked', len(SHAPES))")
     r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[2], capture_output=True, text=True,
                        env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
     assert r.returncode == 0 and f"checked {len(SHAPES)}" in r.stdout, r.stderr[-3000:]
