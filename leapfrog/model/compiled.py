@@ -313,7 +313,7 @@ class CompiledForward:
             logits = self.model.compute_draft_logits(h, graph=True)                     # [.., Vd]
         # greedy verification's argmax in the graph too: an ATen reduction right after the graph
         # waits for idle worker threads (measured ~80 us for one [1, 8192] row, 10 us when warm)
-        top, top_ids = logits.float().max(-1)                                           # [B*S], [B*S]
+        top, top_ids = first_max(logits.float())                                        # [B*S], [B*S]
         return GraphOutput(out.hidden, out.aux, logits, top, top_ids)
 
     @property
@@ -491,6 +491,30 @@ def causal_mask(cols: Tensor, q: Tensor, window: int | None) -> Tensor:
     return m[:, None]
 
 
+#: rows at least this long take ``first_max``'s two reductions on CUDA
+SPLIT_MAX_AT = 16384
+
+
+def first_max(x: Tensor, chunks: int = 64, split: bool | None = None) -> tuple[Tensor, Tensor]:
+    """x [..., V] -> (values, indices) [...]: ``Tensor.max(-1)`` (the first of equal maxima) as a
+    graph computes it. On CUDA a row of ``SPLIT_MAX_AT`` or more runs as two reductions (``split``
+    forces either form): inductor does not split a reduction that returns indices, so one thread
+    block reads the whole row (a [1, 128256] float32 row: 22 us of an H100's 1B decode step, 1.6 %;
+    the multi-step graph's race reads a float64 row more per step). The maxima of ``chunks`` slices
+    come first (a block each), then the first slice holding the largest: the same value and index,
+    ties and NaN included (each stage keeps the first of equal maxima, the slices are in order, and
+    the padding, -inf at the end of the last slice, is never before a real element). The CPU keeps
+    one reduction (the two measured no faster there)."""
+    V = x.shape[-1]
+    if not (split if split is not None else x.is_cuda and V >= SPLIT_MAX_AT):
+        return x.max(-1)
+    n = -(-V // chunks)                                                         # a slice's length
+    xs = torch.nn.functional.pad(x, (0, n * chunks - V), value=float("-inf"))
+    v, i = xs.view(*x.shape[:-1], chunks, n).max(-1)                            # [..., chunks]
+    top, c = v.max(-1)                                                          # [...]
+    return top, c * n + i.gather(-1, c[..., None])[..., 0]
+
+
 def race_probs(logits: Tensor, temperature: Tensor, scale: float = 1.0) -> Tensor:
     """The one sampler's distribution of a temperature-only row inside a graph (sampling/sampler.py
     ``temperature_probs``): logits [B, ..., V] float32, temperature [B] -> p = softmax(logits /
@@ -505,7 +529,7 @@ def race_draw(logits: Tensor, temperature: Tensor, e: Tensor, scale: float = 1.0
     """The one sampler's draw inside a graph (sampling/sampler.py ``sample`` for a temperature-only
     row): e [B, ..., V] float64 the race's exponentials E = -log U -> [B, ...] long argmax_v
     p(v) / E(v), p = ``race_probs``."""
-    return (race_probs(logits, temperature, scale).double() / e).argmax(-1)
+    return first_max(race_probs(logits, temperature, scale).double() / e)[1]
 
 
 def inverse_cdf_draw(mass: Tensor, w: Tensor) -> Tensor:
@@ -584,7 +608,7 @@ class CompiledChain(CompiledForward):
     def _pick(self, logits: Tensor, j: int, *pick_args: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
         """Step j's token from its logits [B, V] -> [B] and what the graph returns with it (greedy:
         the argmax and its log q)."""
-        lp, x = torch.log_softmax(logits.float(), -1).max(-1)                      # [B], [B]
+        lp, x = first_max(torch.log_softmax(logits.float(), -1))                   # [B], [B]
         return x, (lp,)
 
     def _steps(self, tok: Tensor, pos: Tensor, mask: Tensor, rows: Tensor, write_rows: Tensor, write_cols: Tensor,
@@ -656,10 +680,10 @@ class RaceChain(CompiledChain):
         lf = logits.float()                                                        # [B, V'] (V' = Vd: vocab)
         q = race_probs(lf, temperature, self.logit_scale)                          # [B, V']
         ej = e[:, j] if self.vocab is None else e[:, j].index_select(-1, self.vocab)
-        drawn = torch.where(reject, inverse_cdf_draw(q, w[:, j, 0]), (q.double() / ej).argmax(-1))
+        drawn = torch.where(reject, inverse_cdf_draw(q, w[:, j, 0]), first_max(q.double() / ej)[1])
         if self.vocab is not None:   # q over the target's vocabulary (the verification's p - q)
             q = q.new_zeros(q.shape[0], e.shape[-1]).index_copy(-1, self.vocab, q)  # [B, V]
-        return torch.where(sampled, drawn, lf.argmax(-1)), (q,)
+        return torch.where(sampled, drawn, first_max(lf)[1]), (q,)
 
 
 @dataclass
@@ -706,7 +730,7 @@ class CompiledDecodeSteps(CompiledChain):
     def _pick(self, logits: Tensor, j: int, *pick_args: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
         temperature, sampled, e = pick_args                                        # [B], [B] bool, [B, steps, V]
         lf = logits.float()
-        value, greedy = lf.max(-1)                                                 # [B], [B]
+        value, greedy = first_max(lf)                                              # [B], [B]
         return torch.where(sampled, race_draw(lf, temperature, e[:, j]), greedy), (value,)
 
     def __call__(self, tok: Tensor, pos: Tensor, meta: AttnMeta, features: Tensor | None,  # type: ignore[override]
@@ -760,7 +784,7 @@ class CompiledSampledChain(CompiledChain):
     def _pick(self, logits: Tensor, j: int, *pick_args: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
         temperature, sampled, u = pick_args                                        # [B], [B] bool, [B, steps, V]
         lf = logits.float()
-        lp, greedy = torch.log_softmax(lf, -1).max(-1)                             # [B], [B]
+        lp, greedy = first_max(torch.log_softmax(lf, -1))                          # [B], [B]
         q = torch.softmax(lf / self.logit_scale / temperature[:, None], -1)        # [B, V] as the sampler's probs
         top = (q.double() / -torch.log(u[:, j])).topk(self.want, -1)               # the race's first finishers
         x = torch.where(sampled, top.indices[:, 0], greedy)
@@ -1031,7 +1055,7 @@ class CompiledSpecRound(CompiledForward):
         if pick:
             temperature, sampled, e, reject, w = pick
             p = race_probs(g.logits.float().view(B, K + 1, -1), temperature)       # [B, K + 1, V]
-            ids = torch.where(sampled[:, None], (p.double() / e).argmax(-1), ids)
+            ids = torch.where(sampled[:, None], first_max(p.double() / e)[1], ids)
             ids = torch.where(reject[:, None], rejection_tokens(p, q[0], d, w), ids)
         n = (d == ids[:, :K]).long().cumprod(1).sum(1, keepdim=True)              # [B, 1] accepted drafts
         return g, ids, top, n

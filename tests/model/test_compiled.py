@@ -14,7 +14,7 @@ from leapfrog import LLM, SamplingParams
 from leapfrog.attention.metadata import build_attn_meta
 from leapfrog.errors import ConfigError
 from leapfrog.model.compiled import (INDUCTOR_OPTIONS, Bucket, CompiledForward, DirectCall, _spec, compile_settings,
-                                     inverse_cdf_draw, make_buckets, native_ops_tag, rejection_tokens)
+                                     first_max, inverse_cdf_draw, make_buckets, native_ops_tag, rejection_tokens)
 from leapfrog.model.loader import load_model, read_checkpoint
 from leapfrog.model.runner import ModelRunner, SeqChunk
 from tests.conftest import prompts_of
@@ -364,6 +364,28 @@ def test_fast_path_falls_back_for_big_trees_and_long_predictions(llama_dir, toke
     batch = fast.generate(inputs, [seeded, SamplingParams(temperature=1.0, max_tokens=40)], use_tqdm=False)
     assert batch[0].outputs[0].token_ids == alone
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_first_max_in_two_reductions_is_tensor_max(dtype):
+    """The split form (CUDA graphs' argmax over a long row) gives Tensor.max(-1)'s values and
+    indices, eagerly and compiled: equal maxima in two slices and inside one (the first wins),
+    the maximum in the padded last slice, a row of -inf, NaN, a length the slices do not divide."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 6, 1001, generator=g).to(dtype)   # [.., V]: 15 slices of 67, 4 of padding
+    x[0, 0, [70, 500]] = 9.0            # slices 1 and 7
+    x[0, 1, [140, 150]] = 9.0           # one slice
+    x[0, 2, 1000] = 9.0                 # the last real element
+    x[0, 3] = float("-inf")
+    x[0, 4, [3, 800]] = float("nan")
+    x[0, 5, [999, 1000]] = 9.0
+    want = x.max(-1)
+    split = torch.compile(lambda t: first_max(t, chunks=15, split=True), dynamic=False, fullgraph=True)
+    for got in (first_max(x, chunks=15, split=True), split(x)):
+        assert torch.equal(got[1], want[1])
+        assert torch.allclose(got[0], want[0], equal_nan=True) and torch.equal(got[0].isnan(), want[0].isnan())
+    assert got[1][0].tolist() == [70, 140, 1000, 0, 3, 999]
+    assert torch.equal(first_max(x)[1], want[1])   # (the CPU: one reduction)
 
 
 def test_inverse_cdf_draw_follows_the_mass_and_never_draws_zero_mass():

@@ -188,3 +188,22 @@ def test_eagle_rounds_on_cuda(eagle_target, tmp_path, plain):
     assert _generate(rounds, prompts, max_tokens=23) == greedy
     assert _calls(rounds.engine.runner.round) > 0
     assert _generate(rounds, prompts, max_tokens=21, temperature=0.9, seed=5) == seeded
+
+
+def test_argmax_in_two_reductions_on_cuda(eagle_target, tmp_path, plain, monkeypatch):
+    """model/compiled.py ``first_max`` on CUDA: over a Llama 3 row (128256) it is Tensor.max,
+    compiled; and with every graph's argmax and race split (``SPLIT_MAX_AT`` 1: the test
+    vocabulary is short), multi-step decode and EAGLE-3 rounds give one-token decoding's greedy
+    tokens and seeded draws."""
+    from leapfrog.model import compiled
+    x = torch.randn(3, 128256, device="cuda")
+    x[0, [5, 70000]] = 50.0
+    got = torch.compile(compiled.first_max, dynamic=False, fullgraph=True)(x)
+    assert torch.equal(got[1], x.max(-1)[1]) and torch.equal(got[0], x.max(-1)[0]) and int(got[1][0]) == 5
+    monkeypatch.setattr(compiled, "SPLIT_MAX_AT", 1)
+    prompts, greedy, seeded = plain
+    head = _head(eagle_target, tmp_path / "h", "eagle3")
+    for spec in (None, {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3, "eagle_topk": 1}):
+        llm = LLM(model=str(eagle_target), num_scheduler_steps=4, speculative_config=spec, **CUDA_FP32)
+        assert _generate(llm, prompts, max_tokens=23) == greedy, spec
+        assert _generate(llm, prompts, max_tokens=21, temperature=0.9, seed=5) == seeded, spec
