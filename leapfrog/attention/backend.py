@@ -95,7 +95,7 @@ def cached_attention(q: Tensor, k: Tensor, v: Tensor,  # [B, S, H | Hkv, Dh]
     reads ``max_model_len`` columns per row and layer whatever the context."""
     if k_cache.is_cuda:
         tri = _triton_decode()
-        if tri is not None and tri.supported(q, k_cache):   # the kernel writes k, v as well
+        if tri is not None and tri.supported(q, k_cache, v_cache):   # the kernel writes k, v as well
             out = tri.try_decode_attention(q, k_cache, v_cache, rows, mask, kv_len, (k, v, write_rows, write_cols))
             if out is not None:
                 return out

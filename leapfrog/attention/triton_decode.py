@@ -32,7 +32,7 @@ log = logging.getLogger("leapfrog.attention")
 @triton.jit
 def _decode_kernel(Q, K, V, Out, ROWS, MASK, KVLEN, KNEW, VNEW, WROWS, WCOLS,
                    sq_b, sq_s, sq_h, sk_r, sk_h, sk_n, so_b, so_s, so_h, sm_b, sm_s, sn_b, sn_s, sn_h,
-                   scale, S, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                   scale, S, R, W, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                    BLOCK_N: tl.constexpr, IEEE: tl.constexpr, WRITE: tl.constexpr):
     pid = tl.program_id(0)
     s = tl.program_id(1)
@@ -45,14 +45,18 @@ def _decode_kernel(Q, K, V, Out, ROWS, MASK, KVLEN, KNEW, VNEW, WROWS, WCOLS,
     if WRITE:
         # the sequence's S new keys/values of this KV head, into the cache at their (row, column)
         # slots: every program of (b, h) writes all S of them (the same values, so the programs'
-        # writes cannot disagree), then a barrier makes them visible to this program's reads
+        # writes cannot disagree), then a barrier makes them visible to this program's reads. A slot
+        # outside the cache's R rows x W columns is not written (index_put's bounds check, which
+        # this replaces, would have stopped the step; callers check that the columns fit)
         for t in range(0, S):
             wr = tl.load(WROWS + b * S + t)
             wc = tl.load(WCOLS + b * S + t)
+            wrd, wcd = tl.zeros([D], tl.int64) + wr, tl.zeros([D], tl.int64) + wc      # [D] (as vectors: the
+            inside = (wrd >= 0) & (wrd < R) & (wcd >= 0) & (wcd < W)                   # interpreter's masks)
             src = b * sn_b + t * sn_s + h * sn_h + d
             dst = wr * sk_r + h * sk_h + wc * sk_n + d
-            tl.store(K + dst, tl.load(KNEW + src).to(K.dtype.element_ty))
-            tl.store(V + dst, tl.load(VNEW + src).to(V.dtype.element_ty))
+            tl.store(K + dst, tl.load(KNEW + src).to(K.dtype.element_ty), mask=inside)
+            tl.store(V + dst, tl.load(VNEW + src).to(V.dtype.element_ty), mask=inside)
         tl.debug_barrier()
     heads = h * G + g
     q = tl.load(Q + b * sq_b + s * sq_s + heads[:, None] * sq_h + d[None, :],
@@ -90,11 +94,13 @@ def _decode_kernel(Q, K, V, Out, ROWS, MASK, KVLEN, KNEW, VNEW, WROWS, WCOLS,
              mask=(g < G)[:, None])
 
 
-def supported(q: Tensor, k_cache: Tensor) -> bool:
-    """Head dims the kernel takes (a power of two, 16..256) on CUDA, contiguous caches; False
-    once the kernel failed to build here."""
+def supported(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> bool:
+    """Head dims the kernel takes (a power of two, 16..256) on CUDA, contiguous caches of one
+    shape (the kernel indexes both with the keys' strides); False once the kernel failed to build
+    here."""
     dh = q.shape[-1]
     return (not _FAILED and q.is_cuda and 16 <= dh <= 256 and dh & (dh - 1) == 0 and k_cache.is_contiguous()
+            and v_cache.is_contiguous() and v_cache.shape == k_cache.shape
             and q.dtype in (torch.float32, torch.bfloat16, torch.float16))
 
 
@@ -122,15 +128,14 @@ def decode_attention(q: Tensor,                        # [B, S, H, Dh]
     the cache by the same kernel before it reads (kv/cache.py ``write_layer``'s index writes,
     without their two launches per layer)."""
     q = q if q.stride(-1) == 1 else q.contiguous()
+    rows = rows if rows.is_contiguous() else rows.contiguous()   # (the op takes inputs of any strides)
     B, S, H, D = q.shape
     hkv = k_cache.shape[1]
     G = H // hkv
     out = q.new_empty(q.shape)   # contiguous whatever q's strides (the op's fake says so)
     m = mask if mask.stride(-1) == 1 else mask.contiguous()
     if new is not None:
-        k, v, wrows, wcols = new
-        k = k if k.is_contiguous() else k.contiguous()
-        v = v if v.is_contiguous() else v.contiguous()
+        k, v, wrows, wcols = (x if x.is_contiguous() else x.contiguous() for x in new)
     else:
         k = v = wrows = wcols = q   # (unread)
     _decode_kernel[(B * hkv, S)](
@@ -138,6 +143,6 @@ def decode_attention(q: Tensor,                        # [B, S, H, Dh]
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), out.stride(2), m.stride(0), m.stride(2),
         S * hkv * D, hkv * D, D,
-        D ** -0.5, S, HKV=hkv, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BLOCK_N=64,
+        D ** -0.5, S, k_cache.shape[0], k_cache.shape[2], HKV=hkv, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BLOCK_N=64,
         IEEE=q.dtype == torch.float32, WRITE=new is not None)
     return out

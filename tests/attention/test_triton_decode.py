@@ -45,7 +45,8 @@ def check_decode_attention(dtype: torch.dtype, shape: tuple, device: str, write:
         wrows = rows.repeat_interleave(S)
         wrows[S - 1] = perm[-1]   # the padding query's token: a scratch row
         wcols = torch.arange(L - S, L, device=device).repeat(B)
-        new = (kv[:, :, 0], kv[:, :, 1], wrows, wcols)
+        # write rows and columns strided too (the op takes inputs of any strides)
+        new = (kv[:, :, 0], kv[:, :, 1], torch.stack([wrows, wcols], 1)[:, 0], torch.stack([wrows, wcols], 1)[:, 1])
         want_k, want_v = kc.clone(), vc.clone()
         write_layer(want_k, want_v, AttnMeta(rows, wrows, wcols, L, None), new[0], new[1])
     out = decode_attention(q, kc, vc, rows, mask, torch.tensor(L, device=device), new).float()
@@ -63,6 +64,27 @@ def check_decode_attention(dtype: torch.dtype, shape: tuple, device: str, write:
     assert torch.all(out[~real] == 0), (dtype, shape)
 
 
+def check_write_outside_the_cache(device: str) -> None:
+    """A write slot outside the cache (a column past its width, a row past its rows) writes
+    nothing, where the slots inside are written."""
+    from leapfrog.attention.triton_decode import decode_attention
+    R, Hkv, W, D = 3, 2, 16, 32
+    kc, vc = torch.zeros(R, Hkv, W, D, device=device), torch.zeros(R, Hkv, W, D, device=device)
+    k = v = torch.ones(1, 3, Hkv, D, device=device)
+    mask = torch.zeros(1, 1, 3, W, dtype=torch.bool, device=device)
+    mask[..., 0] = True
+    decode_attention(torch.ones(1, 3, Hkv, D, device=device), kc, vc, torch.tensor([1], device=device), mask,
+                     torch.tensor(4, device=device),
+                     (k, v, torch.tensor([1, 1, R], device=device), torch.tensor([2, W, 3], device=device)))
+    written = (kc != 0).any(-1).any(1)   # [R, W]
+    assert written.nonzero().tolist() == [[1, 2]] and torch.equal(kc, vc)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_triton_decode_attention_writes_nothing_outside_the_cache():
+    check_write_outside_the_cache("cuda")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES)
@@ -75,9 +97,9 @@ def test_triton_decode_attention_matches_sdpa_in_the_interpreter():
     """The same check on the CPU, every shape, in a fresh process: the interpreter is chosen when
     the kernel is defined, so TRITON_INTERPRET must be set before the module is imported."""
     pytest.importorskip("triton")
-    code = ("import torch; from tests.attention.test_triton_decode import SHAPES, check_decode_attention\n"
+    code = ("import torch; from tests.attention.test_triton_decode import SHAPES, check_decode_attention, check_write_outside_the_cache\n"
             "for s in SHAPES:\n for w in (False, True): check_decode_attention(torch.float32, s, 'cpu', w)\n"
-            "print('checked', len(SHAPES))")
+            "check_write_outside_the_cache('cpu')\nprint('checked', len(SHAPES))")
     r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[2], capture_output=True, text=True,
                        env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
     assert r.returncode == 0 and f"checked {len(SHAPES)}" in r.stdout, r.stderr[-3000:]

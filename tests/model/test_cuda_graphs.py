@@ -48,6 +48,21 @@ def test_graphs_replay_and_match_eager(llama_dir, tokenizer, dtype):
     assert same == len(prompts) if dtype == "float32" else same >= len(prompts) - 1
 
 
+def test_graphs_without_the_triton_kernel_match_eager(llama_dir, tokenizer, monkeypatch):
+    """Where the Triton kernel cannot run (attention/triton_decode.py ``try_decode_attention``
+    gives None), the graphs' attention op writes the cache itself and attends with SDPA: greedy
+    output still equals eager forwards' (float32)."""
+    from leapfrog.attention import triton_decode
+    calls = []
+    monkeypatch.setattr(triton_decode, "try_decode_attention", lambda *a: calls.append(1))
+    prompts = prompts_of(tokenizer, 3)
+    eager = LLM(model=str(llama_dir), dtype="float32", device="cuda", max_model_len=128, max_num_seqs=4)
+    fast = LLM(model=str(llama_dir), dtype="float32", device="cuda", max_model_len=128, max_num_seqs=4,
+               enforce_eager=False)
+    assert _generate(fast, prompts) == _generate(eager, prompts)
+    assert calls and _replays(fast) > 0
+
+
 def test_speculation_on_graphs_is_lossless(llama_dir, draft_dir, tokenizer):
     """draft_model and n-gram speculation on the CUDA fast path: greedy output equals plain
     decoding's; sampled output is reproducible by seed."""
