@@ -14,6 +14,8 @@ contender decodes the same prompts in interleaved rounds, one prompt at a time:
   eagle3      EAGLE-3 head ``--head``, a 5-deep chain (the built-in default), graphs
   eagle3-tree EAGLE-3 head, an EAGLE-2 dynamic tree (depth 5, top-4, 16 nodes), graphs
   eagle3-rounds  EAGLE-3 chain, ``--steps`` speculation rounds per engine step
+  graphs-1max, steps-1max  graphs and steps compiled with every argmax in one reduction (the
+              graphs' split argmax, model/compiled.py ``first_max``, turned off): its A/B in one run
 
 The EAGLE-3 head is the built-in one with ``--shape demo``; on a dummy shape a random head of the
 shape (drafting over the first 32000 ids) is written first, so it accepts almost nothing and its
@@ -45,8 +47,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,7 +65,9 @@ SHAPES = {"1B": (2048, 16, 32, 8, 8192, True), "3B": (3072, 28, 24, 8, 8192, Tru
           "8B": (4096, 32, 32, 8, 14336, False)}
 #: datasheet memory bandwidth, bytes/s, by a substring of the device name
 DATASHEET = {"H100 80GB HBM3": 3.35e12, "H100 PCIe": 2.0e12, "H200": 4.8e12, "A100-SXM4-80GB": 2.04e12}
-ALL = ["eager", "graphs", "ngram", "self-int4", "draft", "steps", "eagle3", "eagle3-tree", "eagle3-rounds"]
+ALL = ["eager", "graphs", "ngram", "self-int4", "draft", "steps", "eagle3", "eagle3-tree", "eagle3-rounds",
+       "graphs-1max", "steps-1max"]
+ONE_MAX = "-1max"   # the suffix of a contender whose graphs take every argmax in one reduction
 EAGLE = ("eagle3", "eagle3-tree", "eagle3-rounds")
 
 
@@ -128,14 +135,29 @@ class Run:
     outputs: list[list[int]] = field(default_factory=list)
 
 
+@contextmanager
+def one_reduction_argmax() -> Iterator[None]:
+    """Graphs compiled inside take every argmax in one reduction: model/compiled.py ``first_max``
+    splits none (its ``SPLIT_MAX_AT`` is read while a graph is traced, and graphs compile when an
+    LLM is made)."""
+    from leapfrog.model import compiled
+    old = compiled.SPLIT_MAX_AT
+    compiled.SPLIT_MAX_AT = sys.maxsize
+    try:
+        yield
+    finally:
+        compiled.SPLIT_MAX_AT = old
+
+
 class Contender:
     def __init__(self, name: str, model: str, dummy: bool, max_len: int, spec: dict | None,
                  enforce_eager: bool, steps: int = 1) -> None:
         t0 = time.perf_counter()
         self.name = name
-        self.llm = LLM(model=model, dtype="bfloat16", device="cuda", max_num_seqs=1, max_model_len=max_len,
-                       enforce_eager=enforce_eager, speculative_config=spec, num_scheduler_steps=steps,
-                       load_format="dummy" if dummy else "auto", skip_tokenizer_init=dummy)
+        with one_reduction_argmax() if name.endswith(ONE_MAX) else nullcontext():
+            self.llm = LLM(model=model, dtype="bfloat16", device="cuda", max_num_seqs=1, max_model_len=max_len,
+                           enforce_eager=enforce_eager, speculative_config=spec, num_scheduler_steps=steps,
+                           load_format="dummy" if dummy else "auto", skip_tokenizer_init=dummy)
         self.startup = time.perf_counter() - t0
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> Run:
@@ -269,7 +291,8 @@ def main() -> None:
         head = str(random_head(Path(model), Path(model) / "eagle3-head", args.init_std))
     chain = {"method": "eagle3", "model": head, "num_speculative_tokens": 5, "eagle_topk": 1}
     k = args.k
-    specs = {"eager": None, "graphs": None, "steps": None, "eagle3": chain, "eagle3-rounds": chain,
+    specs = {"eager": None, "graphs": None, "steps": None, "graphs-1max": None, "steps-1max": None,
+             "eagle3": chain, "eagle3-rounds": chain,
              "eagle3-tree": {**chain, "eagle_topk": 4, "num_draft_tokens": 16},
              "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 1},
              "self-int4": {"method": "draft_model", "model": "self", "draft_quantization": "int4",
@@ -279,7 +302,7 @@ def main() -> None:
     contenders: dict[str, Contender] = {}
     for n in names:
         c = Contender(n, model, dummy, args.max_model_len, specs[n], enforce_eager=n == "eager",
-                      steps=args.steps if n in ("steps", "eagle3-rounds") else 1)
+                      steps=args.steps if n in ("steps", "steps-1max", "eagle3-rounds") else 1)
         contenders[n] = c
         print(f"{n}: ready in {c.startup:.1f} s", flush=True)
     vocab = next(iter(contenders.values())).llm.engine.vocab_size
@@ -333,7 +356,7 @@ def main() -> None:
         print(f"| {n} | {med:.1f} | {row['vs_base']:.2f} | {per_forward} | {med / roof:.0%} | {ds} | "
               f"{row['same_as_base']} |")
     anatomy = {n: step_anatomy(contenders[n].llm, per[n], prompts[0] if n == "graphs" else None)
-               for n in ("graphs", "steps") if n in contenders}
+               for n in ("graphs", "steps", "graphs-1max", "steps-1max") if n in contenders}
     for n, a in anatomy.items():
         if a is None:
             continue

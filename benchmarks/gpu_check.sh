@@ -7,6 +7,7 @@
 #   1B      gpu_bench, Llama-3.2-1B shape: graphs, 4 steps, eagle3 chain/tree     ~4.5 min
 #   8B      gpu_bench, Llama-3-8B shape: graphs against 4 decode steps per step   ~3.5 min
 #   demo    gpu_bench, the built-in pair: graphs, draft_model, eagle3 chain/tree  ~3 min
+#   split   gpu_bench, 1B shape: graphs and 4 steps with and without the split argmax  ~4 min
 # Usage: bash benchmarks/gpu_check.sh tests 1B ...   (logs and JSON in $OUT, else ./gpu-check)
 set -u
 cd "$(dirname "$0")/.."
@@ -31,9 +32,11 @@ for part in "$@"; do
         1B) bench 1B --shape 1B --contenders graphs,steps,eagle3,eagle3-tree --steps 4 --num-prompts 2 \
                 --max-tokens 96 --rounds 2 ;;
         8B) bench 8B --shape 8B --contenders graphs,steps --steps 4 --num-prompts 2 --max-tokens 96 --rounds 2 ;;
+        split) bench split --shape 1B --contenders graphs,graphs-1max,steps,steps-1max --steps 4 --num-prompts 2 \
+                --max-tokens 96 --rounds 3 ;;
         demo) bench demo --shape demo --contenders graphs,draft,eagle3,eagle3-tree --num-prompts 4 \
                 --max-tokens 128 --rounds 2 ;;
-        *) echo "unknown part $part (tests, 1B, 8B, demo)"; exit 2 ;;
+        *) echo "unknown part $part (tests, 1B, 8B, demo, split)"; exit 2 ;;
     esac
     echo "   ($part took $(( $(date +%s) - t0 )) s)"
 done

@@ -42,3 +42,16 @@ def test_forward_kernels_refuses_speculation(llama_dir):
     with pytest.raises(ValueError, match="plain one-token steps"):
         _gpu_bench().forward_kernels(llm, list(range(5, 21)), cuda=False)
     assert not llm.engine.has_unfinished()
+
+
+def test_one_max_contenders_compile_without_the_split_argmax():
+    """The -1max contenders' graphs are traced with first_max's split off, and the setting comes
+    back afterwards, even when making the LLM fails."""
+    from leapfrog.model import compiled
+    bench, before = _gpu_bench(), compiled.SPLIT_MAX_AT
+    with bench.one_reduction_argmax():
+        assert compiled.SPLIT_MAX_AT > 1 << 40
+    with pytest.raises(RuntimeError), bench.one_reduction_argmax():
+        raise RuntimeError("no GPU")
+    assert compiled.SPLIT_MAX_AT == before
+    assert {"graphs-1max", "steps-1max"} <= set(bench.ALL)
