@@ -90,9 +90,10 @@ def cached_attention(q: Tensor, k: Tensor, v: Tensor,  # [B, S, H | Hkv, Dh]
 
     On CUDA the op reads no tensor on the host (a CUDA graph replays it: see model/compiled.py
     ``GraphReplay``). With Triton, one kernel writes the new keys and values and reads the rows in
-    place over the first ``kv_len`` columns (attention/triton_decode.py). Without it, the rows are gathered by index and SDPA
-    attends over the cache's whole width, the mask hiding the columns past ``kv_len``: that
-    reads ``max_model_len`` columns per row and layer whatever the context."""
+    place over the first ``kv_len`` columns (attention/triton_decode.py). Without it, index writes,
+    then the rows are gathered by index and SDPA attends over the cache's whole width, the mask
+    hiding the columns past ``kv_len``: that reads ``max_model_len`` columns per row and layer
+    whatever the context."""
     if k_cache.is_cuda:
         tri = _triton_decode()
         if tri is not None and tri.supported(q, k_cache, v_cache):   # the kernel writes k, v as well

@@ -143,6 +143,7 @@ def decode_attention(q: Tensor,                        # [B, S, H, Dh]
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), out.stride(2), m.stride(0), m.stride(2),
         S * hkv * D, hkv * D, D,
-        D ** -0.5, S, k_cache.shape[0], k_cache.shape[2], HKV=hkv, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BLOCK_N=64,
+        D ** -0.5, S, k_cache.shape[0], k_cache.shape[2],
+        HKV=hkv, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BLOCK_N=64,
         IEEE=q.dtype == torch.float32, WRITE=new is not None)
     return out

@@ -97,7 +97,8 @@ def test_triton_decode_attention_matches_sdpa_in_the_interpreter():
     """The same check on the CPU, every shape, in a fresh process: the interpreter is chosen when
     the kernel is defined, so TRITON_INTERPRET must be set before the module is imported."""
     pytest.importorskip("triton")
-    code = ("import torch; from tests.attention.test_triton_decode import SHAPES, check_decode_attention, check_write_outside_the_cache\n"
+    code = ("import torch\n"
+            "from tests.attention.test_triton_decode import SHAPES, check_decode_attention, check_write_outside_the_cache\n"
             "for s in SHAPES:\n for w in (False, True): check_decode_attention(torch.float32, s, 'cpu', w)\n"
             "check_write_outside_the_cache('cpu')\nprint('checked', len(SHAPES))")
     r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[2], capture_output=True, text=True,
