@@ -291,8 +291,7 @@ def main() -> None:
         head = str(random_head(Path(model), Path(model) / "eagle3-head", args.init_std))
     chain = {"method": "eagle3", "model": head, "num_speculative_tokens": 5, "eagle_topk": 1}
     k = args.k
-    specs = {"eager": None, "graphs": None, "steps": None, "graphs-1max": None, "steps-1max": None,
-             "eagle3": chain, "eagle3-rounds": chain,
+    specs = {"eager": None, "graphs": None, "steps": None, "eagle3": chain, "eagle3-rounds": chain,
              "eagle3-tree": {**chain, "eagle_topk": 4, "num_draft_tokens": 16},
              "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 1},
              "self-int4": {"method": "draft_model", "model": "self", "draft_quantization": "int4",
@@ -301,8 +300,9 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     contenders: dict[str, Contender] = {}
     for n in names:
-        c = Contender(n, model, dummy, args.max_model_len, specs[n], enforce_eager=n == "eager",
-                      steps=args.steps if n in ("steps", "steps-1max", "eagle3-rounds") else 1)
+        base = n.removesuffix(ONE_MAX)   # (a -1max contender is its base compiled another way)
+        c = Contender(n, model, dummy, args.max_model_len, specs[base], enforce_eager=n == "eager",
+                      steps=args.steps if base in ("steps", "eagle3-rounds") else 1)
         contenders[n] = c
         print(f"{n}: ready in {c.startup:.1f} s", flush=True)
     vocab = next(iter(contenders.values())).llm.engine.vocab_size
@@ -356,7 +356,7 @@ def main() -> None:
         print(f"| {n} | {med:.1f} | {row['vs_base']:.2f} | {per_forward} | {med / roof:.0%} | {ds} | "
               f"{row['same_as_base']} |")
     anatomy = {n: step_anatomy(contenders[n].llm, per[n], prompts[0] if n == "graphs" else None)
-               for n in ("graphs", "steps", "graphs-1max", "steps-1max") if n in contenders}
+               for n in contenders if n.removesuffix(ONE_MAX) in ("graphs", "steps")}
     for n, a in anatomy.items():
         if a is None:
             continue

@@ -45,8 +45,8 @@ def check_decode_attention(dtype: torch.dtype, shape: tuple, device: str, write:
         wrows = rows.repeat_interleave(S)
         wrows[S - 1] = perm[-1]   # the padding query's token: a scratch row
         wcols = torch.arange(L - S, L, device=device).repeat(B)
-        # write rows and columns strided too (the op takes inputs of any strides)
-        new = (kv[:, :, 0], kv[:, :, 1], torch.stack([wrows, wcols], 1)[:, 0], torch.stack([wrows, wcols], 1)[:, 1])
+        index = torch.stack([wrows, wcols], 1)   # write rows and columns strided too (the op takes any strides)
+        new = (kv[:, :, 0], kv[:, :, 1], index[:, 0], index[:, 1])
         want_k, want_v = kc.clone(), vc.clone()
         write_layer(want_k, want_v, AttnMeta(rows, wrows, wcols, L, None), new[0], new[1])
     out = decode_attention(q, kc, vc, rows, mask, torch.tensor(L, device=device), new).float()
