@@ -603,12 +603,20 @@ class LLMEngine:
             return False   # (before any randomness is drawn: the step runs one token at a time)
         drawn = [not r.params.greedy for r in reqs]
         temperature = self._race_temperatures(reqs, drawn)
-        if any(drawn):
-            rngs = [r.rng(j) if d else None for r, d in zip(reqs, drawn) for j in range(steps)]
+        # seeded rows race with their positions' noise, unseeded ones take one uniform per step
+        # from their stream (sampler.sample: the draws one-token steps make)
+        stream = [d and r.seed_key is None for r, d in zip(reqs, drawn)]
+        if any(d and not s for d, s in zip(drawn, stream)):
+            rngs = [r.rng(j) if d and not s else None for r, d, s in zip(reqs, drawn, stream) for j in range(steps)]
             e = -torch.log(sampler.noise(rngs, self.vocab_size, dev)).view(len(reqs), steps, -1)
         else:
             e = self._no_noise(len(reqs), steps)
-        out = self.runner.decode_steps(chunks, temperature, torch.tensor(drawn, device=dev), e)
+        w = torch.zeros(len(reqs), steps, dtype=torch.float64)
+        for b, r in enumerate(reqs):
+            if stream[b]:
+                w[b] = sampler.stream_uniforms([r.generator] * steps)
+        out = self.runner.decode_steps(chunks, temperature, torch.tensor(drawn, device=dev), e,
+                                       torch.tensor(stream, device=dev), w.to(dev))
         if out is None:
             raise RuntimeError("multi-step decode: no graph for a step its bucket check admitted")
         if not all(map(math.isfinite, out.logits.flatten().tolist())):
@@ -735,8 +743,8 @@ class LLMEngine:
                             dtype=torch.float32, device=self.device)
 
     def _no_noise(self, batch: int, steps: int) -> torch.Tensor:
-        """[batch, steps, V] float64 exponentials of greedy-only multi-steps (ignored: no row draws),
-        a view of one buffer made at the first such step."""
+        """[batch, steps, V] float64 exponentials of multi-steps where no row races (greedy and
+        unseeded rows: ignored), a view of one buffer made at the first such step."""
         if self._ones is None:
             self._ones = torch.ones(self.config.max_num_seqs, steps, self.vocab_size, dtype=torch.float64,
                                     device=self.device)

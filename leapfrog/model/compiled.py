@@ -47,6 +47,7 @@ from torch import Tensor
 
 from leapfrog.attention.metadata import AttnMeta, build_attn_meta
 from leapfrog.kv.cache import KVCache
+from leapfrog.sampling.sampler import inverse_cdf_draw
 from leapfrog.utils import env_on
 
 log = logging.getLogger("leapfrog.compile")
@@ -532,17 +533,6 @@ def race_draw(logits: Tensor, temperature: Tensor, e: Tensor, scale: float = 1.0
     return first_max(race_probs(logits, temperature, scale).double() / e)[1]
 
 
-def inverse_cdf_draw(mass: Tensor, w: Tensor) -> Tensor:
-    """A draw from the distribution proportional to ``mass`` [..., V] (non-negative, any total)
-    with one uniform w [...] float64 in [0, 1) per row -> [...] long: the first token whose
-    cumulative mass (float64 sums) exceeds w x the total, so each token's probability is its
-    share to float rounding (as ``torch.multinomial``), and a token of zero mass is never drawn
-    (where rounding would reach past the last token, the row's most likely token)."""
-    cdf = mass.double().cumsum(-1)                                                 # [..., V]
-    x = (cdf <= (w * cdf[..., -1])[..., None]).sum(-1).clamp(max=mass.shape[-1] - 1)
-    return torch.where(mass.gather(-1, x[..., None])[..., 0] > 0, x, mass.argmax(-1))
-
-
 def rejection_tokens(p: Tensor, q: Tensor, d: Tensor, w: Tensor) -> Tensor:
     """Speculative sampling of a draft chain inside a graph (Leviathan et al. 2023; Chen et al.
     2023; verify/rejection.py on the host): p [B, K + 1, V] the target's distributions at the
@@ -699,9 +689,10 @@ class CompiledDecodeSteps(CompiledChain):
     tokens cost one call's framework time and one pass of the engine's bookkeeping. Greedy rows
     take the argmax of the raw float32 logits (the first of equal maxima, as ``Tensor.max``);
     sampled rows (``sampled`` True, temperature only) draw as the sampler does
-    (sampling/sampler.py ``sample``): q = softmax(logits / T), the token argmax q / E with
-    E = -log U [batch, steps, V] float64 computed on the host from each request's randomness for
-    those positions, so a step draws the token a one-token step would. The engine uses it for
+    (sampling/sampler.py ``sample``) from q = softmax(logits / T): seeded rows the race's winner
+    argmax q / E with E = -log U [batch, steps, V] float64 computed on the host from their position
+    noise, unseeded rows (``stream``) the inverse-CDF draw with one uniform w [batch, steps]
+    float64 from their generator, so a step draws the token a one-token step would. The engine uses it for
     decode steps where nothing drafts (engine/engine.py ``_decode_steps``). ``states``: the graph
     also returns the target's state of every step's input token, as ``ModelRunner.step`` does
     ("hidden": the final-norm state, EAGLE-1's; a tuple of layer ids: those layers' outputs
@@ -716,9 +707,10 @@ class CompiledDecodeSteps(CompiledChain):
 
     def _decode_steps(self, tok: Tensor, pos: Tensor, mask: Tensor, rows: Tensor, write_rows: Tensor,
                       write_cols: Tensor, kv_len: Tensor, features: Tensor | None, last: Tensor,
-                      col: Tensor, temperature: Tensor, sampled: Tensor, e: Tensor) -> DecodeStepsOutput:
+                      col: Tensor, temperature: Tensor, sampled: Tensor, e: Tensor, stream: Tensor,
+                      w: Tensor) -> DecodeStepsOutput:
         toks, outs = self._steps(tok, pos, mask, rows, write_rows, write_cols, kv_len, features, last, col,
-                                 temperature, sampled, e)
+                                 temperature, sampled, e, stream, w)
         return DecodeStepsOutput(toks, outs[0], outs[1] if self.states else None)
 
     def _state(self, g: GraphOutput, at: Tensor | None) -> Tensor | None:
@@ -728,14 +720,17 @@ class CompiledDecodeSteps(CompiledChain):
         return f.reshape(-1, f.shape[-1])[at] if at is not None else f[:, 0]       # [B, F]
 
     def _pick(self, logits: Tensor, j: int, *pick_args: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
-        temperature, sampled, e = pick_args                                        # [B], [B] bool, [B, steps, V]
+        temperature, sampled, e, stream, w = pick_args   # [B], [B] bool, [B, steps, V], [B] bool, [B, steps]
         lf = logits.float()
         value, greedy = first_max(lf)                                              # [B], [B]
-        return torch.where(sampled, race_draw(lf, temperature, e[:, j]), greedy), (value,)
+        drawn = torch.where(stream, inverse_cdf_draw(race_probs(lf, temperature), w[:, j]),
+                            race_draw(lf, temperature, e[:, j]))
+        return torch.where(sampled, drawn, greedy), (value,)
 
     def __call__(self, tok: Tensor, pos: Tensor, meta: AttnMeta, features: Tensor | None,  # type: ignore[override]
-                 last: Tensor, col: Tensor, temperature: Tensor, sampled: Tensor, e: Tensor) -> DecodeStepsOutput:
-        return self._serve(self._args(tok, pos, meta, features, last, col, temperature, sampled, e))
+                 last: Tensor, col: Tensor, temperature: Tensor, sampled: Tensor, e: Tensor, stream: Tensor,
+                 w: Tensor) -> DecodeStepsOutput:
+        return self._serve(self._args(tok, pos, meta, features, last, col, temperature, sampled, e, stream, w))
 
     def _flatten(self, out: DecodeStepsOutput) -> list[Tensor]:  # type: ignore[override]
         return [out.tokens, out.logits] + ([] if out.states is None else [out.states])
@@ -747,7 +742,9 @@ class CompiledDecodeSteps(CompiledChain):
         V = self.model.args.vocab_size
         return (*super()._warm_extra(b, kv_len, dev), torch.full((b.batch,), 0.7, device=dev),
                 torch.ones(b.batch, dtype=torch.bool, device=dev),
-                -torch.log(torch.rand(b.batch, self.steps, V, dtype=torch.float64, device=dev).clamp_(min=1e-300)))
+                -torch.log(torch.rand(b.batch, self.steps, V, dtype=torch.float64, device=dev).clamp_(min=1e-300)),
+                torch.arange(b.batch, device=dev) % 2 == 1,
+                torch.rand(b.batch, self.steps, dtype=torch.float64, device=dev))
 
 
 @dataclass

@@ -282,15 +282,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode_steps(self, chunks: list[SeqChunk], temperature: Tensor, sampled: Tensor,
-                     e: Tensor) -> DecodeStepsOutput | None:
+                     e: Tensor, stream: Tensor, w: Tensor) -> DecodeStepsOutput | None:
         """The multi-step graph's ``steps`` tokens after each one-token chunk, each fed to the next
         (model/compiled.py CompiledDecodeSteps): temperature [n], sampled [n] bool (False: the argmax
-        of the raw logits), e [n, steps, V] float64 the race's exponentials (-log U) of sampled
-        rows, on the runner's device. -> None when no warmed graph fits (``fits_decode_steps``)."""
+        of the raw logits), e [n, steps, V] float64 the race's exponentials (-log U) of seeded
+        sampled rows, stream [n] bool the unseeded sampled rows, which draw by inverse CDF with
+        w [n, steps] float64, all on the runner's device. -> None when no warmed graph fits
+        (``fits_decode_steps``)."""
         g = self.multi_step
         if g is None:
             return None
-        return _first(self._fused(g, chunks, g.steps - 1, (temperature, sampled, e)), len(chunks))
+        return _first(self._fused(g, chunks, g.steps - 1, (temperature, sampled, e, stream, w)), len(chunks))
 
     @torch.inference_mode()
     def draft_sampled_chain(self, chunks: list[SeqChunk], temperature: Tensor, sampled: Tensor,

@@ -14,9 +14,10 @@ from leapfrog import LLM, SamplingParams
 from leapfrog.attention.metadata import build_attn_meta
 from leapfrog.errors import ConfigError
 from leapfrog.model.compiled import (INDUCTOR_OPTIONS, Bucket, CompiledForward, DirectCall, _spec, compile_settings,
-                                     first_max, inverse_cdf_draw, make_buckets, native_ops_tag, rejection_tokens)
+                                     first_max, make_buckets, native_ops_tag, rejection_tokens)
 from leapfrog.model.loader import load_model, read_checkpoint
 from leapfrog.model.runner import ModelRunner, SeqChunk
+from leapfrog.sampling import sampler
 from tests.conftest import prompts_of
 from tests.stats import chisq_pvalue
 
@@ -189,35 +190,54 @@ def test_compiled_chain_matches_step_by_step(llama_dir):
 def test_decode_steps_match_one_token_steps(llama_dir):
     """Multi-step decode (one graph, num_scheduler_steps): each sequence's tokens are what
     one-token eager steps give, each fed to the next: a greedy row the argmax of the raw logits
-    (with its logit), a sampled row the sampler's race, argmax softmax(logits / T) / E, with the
-    exponentials E given; the last step's column must fit the cache; nothing compiles after
+    (with its logit), a seeded sampled row the sampler's race, argmax softmax(logits / T) / E,
+    with the exponentials E given, an unseeded one (``stream``) the sampler's inverse-CDF draw
+    with the uniforms w given; the last step's column must fit the cache; nothing compiles after
     warm-up."""
     steps, V = 4, 320
     eager, fast, graphs = _prefilled(llama_dir, lambda fast: fast.compile_multi_step([Bucket(2, 1)], steps,
                                                                                     progress=False))
     first = [SeqChunk(0, 20, _tokens(1, 2), 1), SeqChunk(1, 9, _tokens(1, 3), 1)]
     temperature, sampled = torch.tensor([1.0, 0.8]), torch.tensor([False, True])
-    e = -torch.log(torch.rand(2, steps, V, dtype=torch.float64, generator=torch.Generator().manual_seed(0)))
-    got = fast.decode_steps(first, temperature, sampled, e)
+    gen = torch.Generator().manual_seed(0)
+    e = -torch.log(torch.rand(2, steps, V, dtype=torch.float64, generator=gen))
+    w = torch.rand(2, steps, dtype=torch.float64, generator=gen)
+    no_stream, stream = torch.tensor([False, False]), torch.tensor([True, False])
+
+    def one_token_steps(chunks, draw):
+        want_tok, want_val = [], []
+        for j in range(steps):
+            logits = eager.run(chunks)
+            v, x = logits.max(-1)
+            x = torch.stack([draw(b, j, logits[b], x[b]) for b in range(len(chunks))])
+            want_tok.append(x)
+            want_val.append(v)
+            chunks = [SeqChunk(c.row, c.start + 1, [int(t)], 1) for c, t in zip(chunks, x)]
+        return torch.stack(want_tok, 1), torch.stack(want_val, 1)
+
+    def race(b, j, logits, top):
+        return (torch.softmax(logits / 0.8, -1).double() / e[b, j]).argmax() if b == 1 else top
+
+    got = fast.decode_steps(first, temperature, sampled, e, no_stream, w)
     assert got is not None and got.tokens.shape == (2, steps)
-    want_tok, want_val, chunks = [], [], first
-    for j in range(steps):
-        logits = eager.run(chunks)
-        v, x = logits.max(-1)
-        x[1] = (torch.softmax(logits[1] / 0.8, -1).double() / e[1, j]).argmax()
-        want_tok.append(x)
-        want_val.append(v)
-        chunks = [SeqChunk(c.row, c.start + 1, [int(t)], 1) for c, t in zip(chunks, x)]
-    assert got.tokens.tolist() == torch.stack(want_tok, 1).tolist()
-    torch.testing.assert_close(got.logits, torch.stack(want_val, 1), rtol=1e-4, atol=1e-4)
-    one = fast.decode_steps(first[1:], temperature[1:], sampled[1:], e[1:])  # a batch of one, padded
+    want_tok, want_val = one_token_steps(first, race)
+    assert got.tokens.tolist() == want_tok.tolist()
+    torch.testing.assert_close(got.logits, want_val, rtol=1e-4, atol=1e-4)
+    one = fast.decode_steps(first[1:], temperature[1:], sampled[1:], e[1:], no_stream[1:], w[1:])  # padded
     assert one is not None and one.tokens.tolist() == got.tokens[1:].tolist()
+    # row 0 unseeded at T = 1.3 (inverse CDF with its uniforms), row 1 the race as before
+    hot = torch.tensor([1.3, 0.8])
+    both = fast.decode_steps(first, hot, torch.tensor([True, True]), e, stream, w)
+    inverse = lambda b, j, logits, top: (sampler.inverse_cdf_draw(torch.softmax(logits / 1.3, -1), w[b, j])  # noqa: E731
+                                         if b == 0 else race(b, j, logits, top))
+    assert both is not None and both.tokens.tolist() == one_token_steps(first, inverse)[0].tolist()
+    assert both.tokens[0].tolist() != got.tokens[0].tolist()   # (not the argmax: it drew)
     end = [SeqChunk(0, MAX_LEN - steps, [5], 1)]
-    assert fast.decode_steps(end, temperature[:1], sampled[:1], e[:1]) is not None   # the last step fits
+    assert fast.decode_steps(end, temperature[:1], sampled[:1], e[:1], no_stream[:1], w[:1]) is not None
     end = [SeqChunk(0, MAX_LEN - steps + 1, [5], 1)]
-    assert fast.decode_steps(end, temperature[:1], sampled[:1], e[:1]) is None
+    assert fast.decode_steps(end, temperature[:1], sampled[:1], e[:1], no_stream[:1], w[:1]) is None
     assert counters["stats"]["unique_graphs"] == graphs
-    assert fast.multi_step is not None and fast.multi_step.direct[(2, 1)].calls == 3
+    assert fast.multi_step is not None and fast.multi_step.direct[(2, 1)].calls == 4
 
 
 def test_decode_steps_hand_over_the_target_states(llama_dir):
@@ -228,8 +248,9 @@ def test_decode_steps_hand_over_the_target_states(llama_dir):
     eager, fast, _ = _prefilled(llama_dir, lambda fast: fast.compile_multi_step([Bucket(1, 1)], steps, layers,
                                                                               progress=False))
     first = [SeqChunk(1, 9, _tokens(1, 3), 1)]
-    got = fast.decode_steps(first, torch.tensor([1.0]), torch.tensor([False]), torch.ones(1, steps, V,
-                                                                                         dtype=torch.float64))
+    got = fast.decode_steps(first, torch.tensor([1.0]), torch.tensor([False]),
+                            torch.ones(1, steps, V, dtype=torch.float64), torch.tensor([False]),
+                            torch.zeros(1, steps, dtype=torch.float64))
     want, chunks = [], first
     for _ in range(steps):
         out = eager.step(chunks, hidden=layers)
@@ -386,20 +407,6 @@ def test_first_max_in_two_reductions_is_tensor_max(dtype):
         assert torch.allclose(got[0], want[0], equal_nan=True) and torch.equal(got[0].isnan(), want[0].isnan())
     assert got[1][0].tolist() == [70, 140, 1000, 0, 3, 999]
     assert torch.equal(first_max(x)[1], want[1])   # (the CPU: one reduction)
-
-
-def test_inverse_cdf_draw_follows_the_mass_and_never_draws_zero_mass():
-    """Draws with many uniforms follow the normalized mass (chi-square), a zero-mass token is
-    never drawn, and a uniform at the top of [0, 1) still draws a token with mass."""
-    mass = torch.tensor([0.0, 3.0, 0.0, 1.0, 0.5, 0.0, 0.5])
-    g = torch.Generator().manual_seed(0)
-    w = torch.rand(20_000, generator=g, dtype=torch.float64)
-    x = inverse_cdf_draw(mass.expand(len(w), -1), w)
-    counts = torch.bincount(x, minlength=len(mass)).numpy()
-    assert counts[mass.numpy() == 0].sum() == 0
-    assert chisq_pvalue(counts, (mass / mass.sum()).numpy()) > 1e-3
-    top = torch.tensor([1 - 2.0 ** -53], dtype=torch.float64)
-    assert int(inverse_cdf_draw(mass[None], top)) == 6
 
 
 def test_rejection_tokens_are_lossless_and_accept_equal_drafts():

@@ -122,6 +122,47 @@ def test_sample_never_draws_a_zero_probability_token():
     assert toks.tolist() == [7, 7, 7]
 
 
+def test_inverse_cdf_draw_follows_the_mass_and_never_draws_zero_mass():
+    """Draws with many uniforms follow the normalized mass (chi-square), a zero-mass token is
+    never drawn, and a uniform at the top of [0, 1) still draws a token with mass."""
+    mass = torch.tensor([0.0, 3.0, 0.0, 1.0, 0.5, 0.0, 0.5])
+    g = torch.Generator().manual_seed(0)
+    w = torch.rand(20_000, generator=g, dtype=torch.float64)
+    x = sampler.inverse_cdf_draw(mass.expand(len(w), -1), w)
+    counts = torch.bincount(x, minlength=len(mass)).numpy()
+    assert counts[mass.numpy() == 0].sum() == 0
+    assert chisq_pvalue(counts, (mass / mass.sum()).numpy()) > 1e-3
+    top = torch.tensor([1 - 2.0 ** -53], dtype=torch.float64)
+    assert int(sampler.inverse_cdf_draw(mass[None], top)) == 6
+
+
+def test_unseeded_rows_draw_one_uniform_each_by_inverse_cdf():
+    """A row whose randomness is a request's generator takes one float64 uniform from it (rows of
+    one generator consecutive draws, in a batch as alone) and draws by inverse CDF, beside seeded
+    rows that race with their position's noise (unchanged by the batch) and greedy point masses."""
+    from leapfrog.sampling.sampler import PositionKey, seed_key
+    p = torch.softmax(torch.randn(5, 300, generator=torch.Generator().manual_seed(1)), -1)
+    p[4] = 0.0
+    p[4, 17] = 1.0                                      # a point mass (a greedy row)
+    g = torch.Generator().manual_seed(3)
+    keys = [PositionKey(seed_key(5), n) for n in range(2)]
+    got = sampler.sample(p, [g, keys[0], g, keys[1], None])
+    w = torch.rand(2, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    assert got[[0, 2]].tolist() == sampler.inverse_cdf_draw(p[[0, 2]], w).tolist()
+    assert got[[1, 3]].tolist() == sampler.sample(p[[1, 3]], keys).tolist()
+    assert int(got[4]) == 17
+    assert torch.equal(g.get_state(), _after(3, 2))     # one uniform per row, nothing more
+    alone = [sampler.sample(p[i:i + 1], [h]) for i, h in ((0, torch.Generator().manual_seed(3)),)]
+    assert int(alone[0]) == int(got[0])
+
+
+def _after(seed: int, n: int) -> torch.Tensor:
+    """A CPU generator's state after ``n`` float64 uniforms from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    torch.rand(n, generator=g, dtype=torch.float64)
+    return g.get_state()
+
+
 def test_seeded_sample_is_a_pure_function_of_key_and_position():
     from leapfrog.sampling.sampler import PositionKey, seed_key
     p = torch.softmax(torch.randn(4, 300), -1)
