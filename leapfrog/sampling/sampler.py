@@ -310,7 +310,10 @@ def stream_uniforms(generators: Sequence[torch.Generator], device: torch.device 
         g, j = generators[i], i + 1
         while j < len(generators) and generators[j] is g:
             j += 1
-        torch.rand(j - i, generator=g, dtype=torch.float64, device=g.device, out=w[i:j])
+        if g.device.type == w.device.type:
+            torch.rand(j - i, generator=g, dtype=torch.float64, out=w[i:j])
+        else:   # (a generator on another device draws there; the host gathers the row's uniforms)
+            w[i:j] = torch.rand(j - i, generator=g, dtype=torch.float64, device=g.device).cpu()
         i = j
     return w.to(device)
 
