@@ -614,7 +614,7 @@ class LLMEngine:
         w = torch.zeros(len(reqs), steps, dtype=torch.float64)
         for b, r in enumerate(reqs):
             if stream[b]:
-                w[b] = sampler.stream_uniforms([r.generator] * steps)
+                w[b] = sampler.uniforms(steps, r.generator, dtype=torch.float64)
         out = self.runner.decode_steps(chunks, temperature, torch.tensor(drawn, device=dev), e,
                                        torch.tensor(stream, device=dev), w.to(dev))
         if out is None:

@@ -292,10 +292,9 @@ def sample(p: Tensor, rngs: Sequence[Rng]) -> Tensor:
     if len(stream) == len(rngs):
         return inverse_cdf_draw(p, stream_uniforms(rngs, p.device))
     out = torch.empty(len(rngs), dtype=torch.long, device=p.device)
-    keyed = [i for i, r in enumerate(rngs) if not isinstance(r, torch.Generator)]
-    if keyed:
-        idx = torch.tensor(keyed, device=p.device)
-        out[idx] = _race(p[idx], [rngs[i] for i in keyed]).argmax(dim=-1)
+    keyed = [i for i, r in enumerate(rngs) if not isinstance(r, torch.Generator)]   # (not empty here)
+    idx = torch.tensor(keyed, device=p.device)
+    out[idx] = _race(p[idx], [rngs[i] for i in keyed]).argmax(dim=-1)
     idx = torch.tensor(stream, device=p.device)
     out[idx] = inverse_cdf_draw(p[idx], stream_uniforms([rngs[i] for i in stream], p.device))
     return out
