@@ -6,16 +6,19 @@ draws V float64 uniforms per token (8192 for the built-in model) and takes their
 This benchmark times both in one process on one loaded engine per config, alternating
 (race, inverse, inverse, race, ...) round by round: the race contender patches ``sampler.sample``
 with the race for every row (what one-token steps drew before; multi-step graphs are not
-patched, so only eager and one-token compiled configs compare). It reports median tokens/s and
-the median of per-round ratios, and, without the engine, the draw alone for [batch, V] rows.
+patched, so only eager and one-token compiled configs compare), and, with an EAGLE head, the
+head's chain randomness (``EagleProposer._chain_draws``: V uniforms per level for every sampled
+row, as the sampled chain graph raced before). It reports median tokens/s and the median of
+per-round ratios, and, without the engine, the draw alone for [batch, V] rows.
 
     python benchmarks/sampling_bench.py                          # eager, batch 1, 8 and 32
-    python benchmarks/sampling_bench.py --configs compiled:1 --rounds 8
+    python benchmarks/sampling_bench.py --configs compiled:1 compiled:1:eagle3 --rounds 8
 
-A config is MODE:BATCH with MODE ``eager`` or ``compiled`` (one token per engine step); BATCH is
-max_num_seqs, the prompts go BATCH at a time. The built-in demo target by default (``--model``),
-its held-out prompts, temperature 0.7, no seeds (a seeded request races with its position's
-noise either way).
+A config is MODE:BATCH[:eagle3] with MODE ``eager`` or ``compiled`` (one token, or one
+speculation step, per engine step); BATCH is max_num_seqs, the prompts go BATCH at a time;
+``eagle3``: the built-in speculative_config (the shipped EAGLE-3 head's 5-deep chain). The
+built-in demo target by default (``--model``), its held-out prompts, temperature 0.7, no seeds
+(a seeded request races with its position's noise either way).
 """
 
 from __future__ import annotations
@@ -30,15 +33,26 @@ from unittest.mock import patch
 import torch
 
 from leapfrog import LLM, SamplingParams
-from leapfrog.demo import DEMO_DIR
+from leapfrog.demo import DEMO_DIR, default_model
 from leapfrog.model.loader import load_tokenizer
 from leapfrog.sampling import sampler
+from leapfrog.spec_decode.proposers.eagle import EagleProposer
 from leapfrog.train.distill import heldout_prompts
 
 
 def race_for_every_row(p: torch.Tensor, rngs) -> torch.Tensor:
     """The draw before inverse CDF: every row's token the race's winner (V uniforms per row)."""
     return sampler._race(p, rngs).argmax(dim=-1)
+
+
+def race_chain_draws(self: EagleProposer, rs, levels, steps, vocab):
+    """An EAGLE head's chain randomness before inverse CDF: every sampled row races, with V
+    uniforms per level from its position noise or its generator (stream rows: none)."""
+    dev = self.runner.device
+    rngs = [r.rng(d) if d < n else None for r, n in zip(rs, levels) for d in range(steps)]
+    u = sampler.noise(rngs, vocab, dev).view(len(rs), steps, vocab)
+    return u, torch.zeros(len(rs), dtype=torch.bool, device=dev), torch.zeros(len(rs), steps, dtype=torch.float64,
+                                                                               device=dev)
 
 
 def draw_alone(batch: int, vocab: int, reps: int = 50) -> dict[str, float]:
@@ -77,12 +91,17 @@ def main() -> None:
     sps = [SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True)] * len(prompts)
     rows = []
     for config in args.configs:
-        mode, batch = config.split(":")
+        mode, batch, *spec = config.split(":")
         batch = int(batch)
-        if mode not in ("eager", "compiled"):
-            ap.error(f"config {config}: mode must be eager or compiled")
+        if mode not in ("eager", "compiled") or spec not in ([], ["eagle3"]):
+            ap.error(f"config {config}: MODE:BATCH[:eagle3], mode eager or compiled")
+        if spec and args.model:
+            ap.error(f"config {config}: eagle3 runs the built-in pair (no --model)")
+        spec_config = default_model()[1] if spec else None
+        if spec and (spec_config or {}).get("method") != "eagle3":
+            ap.error("the built-in EAGLE-3 head is not installed")
         llm = LLM(model=model, dtype=args.dtype, max_num_seqs=batch, enforce_eager=mode == "eager", seed=0,
-                  max_model_len=args.prompt_tokens + args.max_tokens + 8)
+                  max_model_len=args.prompt_tokens + args.max_tokens + 8, speculative_config=spec_config)
 
         def tokens_per_s() -> float:
             n, t = 0, 0.0
@@ -98,7 +117,8 @@ def main() -> None:
         for r in range(args.rounds):
             for name in (("race", "inverse") if r % 2 == 0 else ("inverse", "race")):
                 if name == "race":
-                    with patch.object(sampler, "sample", race_for_every_row):
+                    with patch.object(sampler, "sample", race_for_every_row), \
+                            patch.object(EagleProposer, "_chain_draws", race_chain_draws):
                         speeds[name].append(tokens_per_s())
                 else:
                     speeds[name].append(tokens_per_s())

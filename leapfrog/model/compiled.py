@@ -758,12 +758,13 @@ class SampledChainOutput:
 class CompiledSampledChain(CompiledChain):
     """Sampled chain drafting in one graph per bucket, the sampled twin of CompiledChain (an
     EAGLE head's chains at temperature > 0). Each step draws as the sampler does
-    (sampling/sampler.py ``sample``, an exponential race): q = softmax(logits / logit_scale / T)
-    and the token is argmax q / E, E = -log U, with the uniforms U [batch, steps, V] float64
-    drawn on the host from each request's randomness (its position noise when seeded, its
-    generator when not) and passed in, so the graph draws the tokens the eager drafter draws.
-    Rows with ``sampled`` False take the argmax, as CompiledChain. Only temperature: requests
-    with penalties, token rules, top-k/p or min-p draft eagerly."""
+    (sampling/sampler.py ``sample``) from q = softmax(logits / logit_scale / T): seeded rows
+    the race's winner argmax q / E, E = -log U, with their position noise U [batch, steps, V]
+    float64, unseeded rows (``stream``) the inverse-CDF draw with one uniform w [batch, steps]
+    float64 of their generator, both drawn on the host and passed in, so the graph draws the
+    tokens the eager drafter draws. Rows with ``sampled`` False take the argmax, as
+    CompiledChain. Only temperature: requests with penalties, token rules, top-k/p or min-p
+    draft eagerly."""
 
     def __init__(self, model: torch.nn.Module, kv: KVCache, buckets: list[Bucket], steps: int, want: int,
                  logit_scale: float = 1.0, feature_width: int | None = None, next_width: int | None = None) -> None:
@@ -773,24 +774,27 @@ class CompiledSampledChain(CompiledChain):
 
     def _sampled_chain(self, tok: Tensor, pos: Tensor, mask: Tensor, rows: Tensor, write_rows: Tensor,
                        write_cols: Tensor, kv_len: Tensor, features: Tensor | None, last: Tensor, col: Tensor,
-                       temperature: Tensor, sampled: Tensor, u: Tensor) -> SampledChainOutput:
+                       temperature: Tensor, sampled: Tensor, u: Tensor, stream: Tensor,
+                       w: Tensor) -> SampledChainOutput:
         toks, (lps, shares, q) = self._steps(tok, pos, mask, rows, write_rows, write_cols, kv_len, features, last,
-                                             col, temperature, sampled, u)
+                                             col, temperature, sampled, u, stream, w)
         return SampledChainOutput(toks, lps, shares, q)
 
     def _pick(self, logits: Tensor, j: int, *pick_args: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
-        temperature, sampled, u = pick_args                                        # [B], [B] bool, [B, steps, V]
+        temperature, sampled, u, stream, w = pick_args   # [B], [B] bool, [B, steps, V], [B] bool, [B, steps]
         lf = logits.float()
         lp, greedy = first_max(torch.log_softmax(lf, -1))                          # [B], [B]
         q = torch.softmax(lf / self.logit_scale / temperature[:, None], -1)        # [B, V] as the sampler's probs
         top = (q.double() / -torch.log(u[:, j])).topk(self.want, -1)               # the race's first finishers
-        x = torch.where(sampled, top.indices[:, 0], greedy)
+        drawn = torch.where(stream, inverse_cdf_draw(q, w[:, j]), top.indices[:, 0])
+        x = torch.where(sampled, drawn, greedy)
         share = torch.log(top.values[:, 0] / top.values.sum(-1)).float()
         return x, (lp, share, q)
 
     def __call__(self, tok: Tensor, pos: Tensor, meta: AttnMeta, features: Tensor | None,  # type: ignore[override]
-                 last: Tensor, col: Tensor, temperature: Tensor, sampled: Tensor, u: Tensor) -> SampledChainOutput:
-        return self._serve(self._args(tok, pos, meta, features, last, col, temperature, sampled, u))
+                 last: Tensor, col: Tensor, temperature: Tensor, sampled: Tensor, u: Tensor, stream: Tensor,
+                 w: Tensor) -> SampledChainOutput:
+        return self._serve(self._args(tok, pos, meta, features, last, col, temperature, sampled, u, stream, w))
 
     def _flatten(self, out: SampledChainOutput) -> list[Tensor]:  # type: ignore[override]
         return [out.tokens, out.logprobs, out.shares, out.q]
@@ -802,7 +806,9 @@ class CompiledSampledChain(CompiledChain):
         V = self.model.args.vocab_size
         return (*super()._warm_extra(b, kv_len, dev), torch.full((b.batch,), 0.7, device=dev),
                 torch.ones(b.batch, dtype=torch.bool, device=dev),
-                torch.rand(b.batch, self.steps, V, dtype=torch.float64, device=dev).clamp_(min=1e-300))
+                torch.rand(b.batch, self.steps, V, dtype=torch.float64, device=dev).clamp_(min=1e-300),
+                torch.arange(b.batch, device=dev) % 2 == 1,
+                torch.rand(b.batch, self.steps, dtype=torch.float64, device=dev))
 
 
 @dataclass

@@ -296,14 +296,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def draft_sampled_chain(self, chunks: list[SeqChunk], temperature: Tensor, sampled: Tensor,
-                            u: Tensor) -> SampledChainOutput | None:
+                            u: Tensor, stream: Tensor, w: Tensor) -> SampledChainOutput | None:
         """Chains of the sampled graph's ``steps`` tokens after each chunk (as ``draft_chain``):
-        temperature [n], sampled [n] bool (False: the argmax), u [n, steps, V] float64 the uniforms
-        each row's draws take, on the runner's device. -> per chunk, or None when no graph fits."""
+        temperature [n], sampled [n] bool (False: the argmax), u [n, steps, V] float64 the race's
+        uniforms of seeded rows, stream [n] bool the unseeded rows, which draw by inverse CDF
+        with w [n, steps] float64, all on the runner's device. -> per chunk, or None when no
+        graph fits."""
         c = self.sampled_chain
         if c is None:
             return None
-        out = self._fused(c, chunks, c.steps - 1, (temperature, sampled, u))
+        out = self._fused(c, chunks, c.steps - 1, (temperature, sampled, u, stream, w))
         return _first(out, len(chunks))
 
     @torch.inference_mode()

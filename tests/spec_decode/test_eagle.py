@@ -198,16 +198,18 @@ def test_failed_batch_keeps_drafting_for_the_others(shapes, tokenizer, where):
 
 def test_sampled_requests_draft_sampled_chains_and_seeded_ones_race_trees(shapes, tokenizer, monkeypatch):
     """In a tree batch, greedy requests branch (top tokens, point masses); unseeded sampled
-    requests draft one sampled token per level with their q (rejection sampling needs it); seeded
-    ones branch too, their children the first finishers of the race under q with the target's own
-    (seed, position) noise at each depth (the coupling that makes matching accept often)."""
+    requests draft one sampled token per level with their q (rejection sampling needs it), each an
+    inverse-CDF draw with one uniform of the request's generator (nothing more drawn from it);
+    seeded ones branch too, their children the first finishers of the race under q with the
+    target's own (seed, position) noise at each depth (the coupling that makes matching accept
+    often)."""
     from leapfrog.sampling import sampler
     target, heads = shapes["llama_gqa_llama3"]
     prompts = prompts_of(tokenizer, 3)
     spec = {"method": "eagle3", "model": str(heads["eagle3"]), **TREES["dynamic"]}
     llm = LLM(model=str(target), dtype="float32", max_model_len=256, max_num_seqs=8, speculative_config=spec)
     eng, prop = llm.engine, llm.engine.proposer
-    seen, seeded_positions, drafting = [], [], []
+    seen, seeded_positions, drafting, streams = [], [], [], []
     real, real_race = prop.propose, sampler.race_top
 
     def race_top(p, rngs, k):
@@ -221,9 +223,13 @@ def test_sampled_requests_draft_sampled_chains_and_seeded_ones_race_trees(shapes
         if r2:
             seeded_positions.append((len(r2[0].output_ids), []))
         drafting.append(1)
+        r1 = [r for r in reqs if r.request_id == "r1"]
+        before = r1[0].generator.get_state() if r1 else None
         drafts = real(reqs, ks)
         drafting.clear()
         seen.append(([r.request_id for r in reqs], drafts))
+        if r1:
+            streams.append((before, r1[0].generator.get_state()))
         return drafts
     prop.propose = propose
     monkeypatch.setattr(sampler, "race_top", race_top)
@@ -235,6 +241,7 @@ def test_sampled_requests_draft_sampled_chains_and_seeded_ones_race_trees(shapes
     while eng.has_unfinished():
         eng.step()
     branched = {"r0": False, "r2": False}
+    drew = 0
     for ids, drafts in seen:
         o, parents = drafts.offsets(), drafts.parent_lists()
         for b, rid in enumerate(ids):
@@ -248,7 +255,17 @@ def test_sampled_requests_draft_sampled_chains_and_seeded_ones_race_trees(shapes
                 torch.testing.assert_close(q.sum(-1), torch.ones(n))
                 assert bool((q.gather(1, drafts.token_ids[o[b]:o[b + 1], None]) > 0).all())
                 assert int((q[0] > 0).sum()) <= 20                       # the request's top_k
+                # each token x ~ q by inverse CDF, one float64 uniform of the stream per level
+                before, after = streams[drew]
+                g = torch.Generator()
+                g.set_state(before)
+                w = torch.rand(n, generator=g, dtype=torch.float64)
+                assert drafts.token_ids[o[b]:o[b + 1]].tolist() == sampler.inverse_cdf_draw(q, w).tolist()
+                assert torch.equal(g.get_state(), after)
+            if rid == "r1":
+                drew += 1
     assert all(branched.values()) and any(d.draft_probs is not None for _, d in seen)
+    assert drew == len(streams) > 0
     # the seeded request's nodes at depth d race with the noise of output position n + d - 1
     assert seeded_positions
     for n, p in seeded_positions:

@@ -30,11 +30,12 @@ target's token at a position is the winner of the exponential race under p with 
 children are the race's first ``eagle_topk`` finishers under q (``sampler.race_top``): a tree
 like a greedy one, each child scored by its share of the finishers' race values q / E, any of
 whose children may match (which children are drafted never changes the output, only how much of
-it one step accepts). Unseeded requests get a
-*sampled chain* (one child per level, whatever the tree settings): x ~ q, and q goes to lossless
-rejection sampling (accept with min(1, p/q): about sum min(p, q) per token, where a point mass
-on argmax q gets only p(argmax q), which a flat target at T = 0.7 keeps near 0.4). Siblings
-chosen by their sampled values would bias RRS (verify/tree.py), hence one child per level.
+it one step accepts). Unseeded requests get a *sampled chain* (one child per level, whatever
+the tree settings): x ~ q (an inverse-CDF draw with one uniform of the request's generator, as
+the sampler draws unseeded rows), and q goes to lossless rejection sampling (accept with
+min(1, p/q): about sum min(p, q) per token, where a point mass on argmax q gets only
+p(argmax q), which a flat target at T = 0.7 keeps near 0.4). Siblings chosen by their sampled
+values would bias RRS (verify/tree.py), hence one child per level.
 The tree's head KV lives in scratch columns after the committed ones and is simply overwritten
 next step: accepted tokens are recomputed from the target's real features (EAGLE does the same).
 """
@@ -139,6 +140,7 @@ class EagleProposer:
         self.feats: dict[str, _Feats] = {}
         self.static_children = _static_children(self.static) if self.static else None
         self.max_rank = max((p[-1] for p in self.static or ()), default=0)
+        self._unread: torch.Tensor | None = None   # (_chain_draws)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, req: Request) -> None:
@@ -343,9 +345,9 @@ class EagleProposer:
     def _fused_sampled_chains(self, reqs: list[Request], active: list[int], ks: list[int],
                               nodes: dict[int, list[_Node]]) -> bool:
         """Chains from the sampled chain graph (model/compiled.py CompiledSampledChain): each level
-        drawn as ``_candidates`` draws it, from the uniforms of the same randomness (the request's
-        position noise when seeded, its generator when not: drawn here, for the levels the eager
-        expansion would draw); greedy requests take the argmax."""
+        drawn as ``_candidates`` draws it, from the same uniforms (a seeded request's position
+        noise, V per level; an unseeded one's next draws of its generator, one per level: drawn
+        here, for the levels the eager expansion would draw); greedy requests take the argmax."""
         chain = self.runner.sampled_chain
         rs = [reqs[b] for b in active]
         if chain is None or not all((r.params.greedy or r.temperature_only)
@@ -353,12 +355,11 @@ class EagleProposer:
                                     for b, r in zip(active, rs)):
             return False
         levels = [self._levels(r, ks[b]) for b, r in zip(active, rs)]
-        dev, V = self.runner.device, chain.model.args.vocab_size
-        rngs = [r.rng(d) if d < n else None for r, n in zip(rs, levels) for d in range(chain.steps)]
-        u = sampler.noise(rngs, V, dev).view(len(rs), chain.steps, V)
-        temperature = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in rs], device=dev)
-        drawn = torch.tensor([not r.params.greedy for r in rs], device=dev)
-        out = self.runner.draft_sampled_chain(self._pending(rs, chain.max_tokens), temperature, drawn, u)
+        temperature = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in rs],
+                                   device=self.runner.device)
+        drawn = torch.tensor([not r.params.greedy for r in rs], device=self.runner.device)
+        out = self.runner.draft_sampled_chain(self._pending(rs, chain.max_tokens), temperature, drawn,
+                                              *self._chain_draws(rs, levels, chain.steps, chain.model.args.vocab_size))
         if out is None:
             return False
         self._consumed(rs)
@@ -375,6 +376,29 @@ class EagleProposer:
                     score += shares[i][d]
                 nodes[b].append(_Node(toks[i][d], d - 1, score, d + 1, 0, None, q=q, sampled=unseeded))
         return True
+
+    def _chain_draws(self, rs: list[Request], levels: list[int], steps: int,
+                     vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The sampled chain graph's randomness for requests ``rs``, for the ``levels`` each draws
+        (the levels the eager expansion would draw): the race's uniforms u [n, steps, V] float64
+        (a seeded request's position noise), the unseeded rows stream [n] bool and their uniforms
+        w [n, steps] float64 (the next draws of the request's generator, one per level: the
+        draws ``_candidates`` makes). When no row races, u is a buffer of exp(-1) (unread), kept
+        from call to call, as the draw of V uniforms per level is what inverse CDF saves."""
+        dev = self.runner.device
+        stream = [not r.params.greedy and r.seed_key is None for r in rs]
+        if any(not r.params.greedy and r.seed_key is not None for r in rs):
+            rngs = [r.rng(d) if d < n and not s else None for r, n, s in zip(rs, levels, stream) for d in range(steps)]
+            u = sampler.noise(rngs, vocab, dev).view(len(rs), steps, vocab)
+        else:
+            if self._unread is None or self._unread.shape[0] < len(rs) or self._unread.shape[1:] != (steps, vocab):
+                self._unread = torch.full((len(rs), steps, vocab), math.exp(-1), dtype=torch.float64, device=dev)
+            u = self._unread[:len(rs)]
+        w = torch.zeros(len(rs), steps, dtype=torch.float64)
+        for i, (r, n) in enumerate(zip(rs, levels)):
+            if stream[i]:
+                w[i, :n] = sampler.uniforms(n, r.generator, dtype=torch.float64)
+        return u, torch.tensor(stream, device=dev), w.to(dev)
 
     def _catch_up(self, reqs: list[Request], keep: int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Run the head over every pending position (long prompts in chunks); -> the last
@@ -474,23 +498,28 @@ class EagleProposer:
         rows_q = sampler.build_rows(specs, logits.shape[-1])
         # [R', V] q as trained
         q = sampler.probs(logits[sampled] / self.head.cfg.greedy_logit_scale, rows_q, proposal=True)
-        race = sampler.race_top(q, rngs, self._want())   # column 0 ~ q
-        share = torch.log(race.values / race.values.sum(-1, keepdim=True)).tolist()   # [R', want]
-        ids_all = race.indices.tolist()
-        for k, i in enumerate(sampled):
-            if rows[i][0].seed_key is None:
-                # unseeded: one token x ~ q, verified by rejection sampling (which needs q).
-                # Confidence 1 (log 0): q(x) says little about its acceptance (about sum min(p, q),
-                # near 1 when q matches p); the auto tree size calibrates it by measurement
-                out[i] = _Cand([0.0], [ids_all[k][0]], q[k], sampled=True)
-            else:
-                # seeded: verified by matching the target's draw under the same position noise, so
-                # the race's first finishers under q are the likeliest matches: a tree like a
-                # greedy one's (any children are lossless; they only change how many match),
-                # each child's confidence its share of the finishers' race values q / E (the
-                # winner's path ranks first; a close runner-up is a likely match where p and q differ)
-                n = sum(x >= 0 for x in ids_all[k])
-                out[i] = _Cand(share[k][:n], ids_all[k][:n])
+        # unseeded rows draw one token x ~ q by inverse CDF (one uniform of their stream, as
+        # sampler.sample draws them); seeded rows race with their position noise
+        seeded = [k for k, i in enumerate(sampled) if rows[i][0].seed_key is not None]
+        stream = [k for k, i in enumerate(sampled) if rows[i][0].seed_key is None]
+        drawn = sampler.sample(q[stream], [rngs[k] for k in stream]).tolist() if stream else []
+        for k, x in zip(stream, drawn):
+            # verified by rejection sampling (which needs q). Confidence 1 (log 0): q(x) says
+            # little about its acceptance (about sum min(p, q), near 1 when q matches p); the
+            # auto tree size calibrates it by measurement
+            out[sampled[k]] = _Cand([0.0], [x], q[k], sampled=True)
+        if not seeded:
+            return out
+        # seeded: verified by matching the target's draw under the same position noise, so the
+        # race's first finishers under q are the likeliest matches: a tree like a greedy one's
+        # (any children are lossless; they only change how many match), each child's confidence
+        # its share of the finishers' race values q / E (the winner's path ranks first; a close
+        # runner-up is a likely match where p and q differ)
+        race = sampler.race_top(q[seeded], [rngs[k] for k in seeded], self._want())
+        share = torch.log(race.values / race.values.sum(-1, keepdim=True)).tolist()   # [R'', want]
+        for s, top in enumerate(race.indices.tolist()):
+            n = sum(x >= 0 for x in top)
+            out[sampled[seeded[s]]] = _Cand(share[s][:n], top[:n])
         return out
 
     def _top(self, logits: torch.Tensor) -> tuple[list[list[float]], list[list[int]]]:
