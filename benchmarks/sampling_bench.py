@@ -9,7 +9,8 @@ with the race for every row (what one-token steps drew before; multi-step graphs
 patched, so only eager and one-token compiled configs compare), and, with an EAGLE head, the
 head's chain randomness (``EagleProposer._chain_draws``: V uniforms per level for every sampled
 row, as the sampled chain graph raced before). It reports median tokens/s and the median of
-per-round ratios, and, without the engine, the draw alone for [batch, V] rows.
+per-round ratios, and, without the engine, the draw alone for [batch, V] rows (eagle3 configs:
+the host's draw of a batch of chains' randomness, V uniforms per level against one).
 
     python benchmarks/sampling_bench.py                          # eager, batch 1, 8 and 32
     python benchmarks/sampling_bench.py --configs compiled:1 compiled:1:eagle3 --rounds 8
@@ -45,10 +46,10 @@ def race_for_every_row(p: torch.Tensor, rngs) -> torch.Tensor:
     return sampler._race(p, rngs).argmax(dim=-1)
 
 
-def race_chain_draws(self: EagleProposer, rs, levels, steps, vocab):
+def race_chain_draws(self: EagleProposer, rs, levels, chain):
     """An EAGLE head's chain randomness before inverse CDF: every sampled row races, with V
     uniforms per level from its position noise or its generator (stream rows: none)."""
-    dev = self.runner.device
+    dev, steps, vocab = self.runner.device, chain.steps, chain.model.args.vocab_size
     rngs = [r.rng(d) if d < n else None for r, n in zip(rs, levels) for d in range(steps)]
     u = sampler.noise(rngs, vocab, dev).view(len(rs), steps, vocab)
     return u, torch.zeros(len(rs), dtype=torch.bool, device=dev), torch.zeros(len(rs), steps, dtype=torch.float64,
@@ -65,6 +66,28 @@ def draw_alone(batch: int, vocab: int, reps: int = 50) -> dict[str, float]:
         t0 = time.perf_counter()
         for _ in range(reps):
             fn(p, gens)
+        out[name] = (time.perf_counter() - t0) / reps * 1e3
+    return out
+
+
+def chain_draw_alone(batch: int, vocab: int, levels: int, reps: int = 50) -> dict[str, float]:
+    """ms per host draw of an EAGLE sampled chain's randomness for ``batch`` unseeded requests of
+    ``levels`` levels each way: V uniforms per level (race) against one (inverse CDF)."""
+    gens = [torch.Generator().manual_seed(i) for i in range(batch)]
+
+    def race() -> None:
+        sampler.noise([g for g in gens for _ in range(levels)], vocab, "cpu")
+
+    def inverse() -> None:
+        w = torch.zeros(batch, levels, dtype=torch.float64)
+        for i, g in enumerate(gens):
+            w[i] = sampler.uniforms(levels, g, dtype=torch.float64)
+    out = {}
+    for name, fn in (("race", race), ("inverse", inverse)):
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
         out[name] = (time.perf_counter() - t0) / reps * 1e3
     return out
 
@@ -125,7 +148,8 @@ def main() -> None:
             print(f"[sampling_bench] {config} round {r + 1}: race {speeds['race'][-1]:.0f}, "
                   f"inverse {speeds['inverse'][-1]:.0f} tokens/s", file=sys.stderr)
         ratios = [a / b for a, b in zip(speeds["inverse"], speeds["race"])]
-        alone = draw_alone(batch, llm.engine.vocab_size)
+        alone = draw_alone(batch, llm.engine.vocab_size) if not spec else \
+            chain_draw_alone(batch, llm.engine.vocab_size, spec_config["num_speculative_tokens"])
         rows.append((config, statistics.median(speeds["race"]), statistics.median(speeds["inverse"]),
                      statistics.median(ratios), min(ratios), max(ratios), alone))
         del llm

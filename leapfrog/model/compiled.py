@@ -751,7 +751,7 @@ class CompiledDecodeSteps(CompiledChain):
 class SampledChainOutput:
     tokens: Tensor     # [batch, steps] long: drawn (sampled rows) or the argmax (greedy rows)
     logprobs: Tensor   # [batch, steps] float32: log q of the argmax (greedy rows' scores)
-    shares: Tensor     # [batch, steps] float32: log of the drawn token's share of the race's first ``want``
+    shares: Tensor     # [batch, steps] float32: log of the race winner's share of its first ``want`` (seeded rows)
     q: Tensor          # [batch, steps, V] float32: the distribution each token was drawn from
 
 

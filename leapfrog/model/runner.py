@@ -294,6 +294,12 @@ class ModelRunner:
             return None
         return _first(self._fused(g, chunks, g.steps - 1, (temperature, sampled, e, stream, w)), len(chunks))
 
+    def fits_sampled_chain(self, chunks: list[SeqChunk]) -> bool:
+        """Whether ``draft_sampled_chain`` has a warmed graph for these chunks: callers check
+        before drawing the chains' randomness."""
+        c = self.sampled_chain
+        return c is not None and self._fused_bucket(c, chunks, c.steps - 1) is not None
+
     @torch.inference_mode()
     def draft_sampled_chain(self, chunks: list[SeqChunk], temperature: Tensor, sampled: Tensor,
                             u: Tensor, stream: Tensor, w: Tensor) -> SampledChainOutput | None:

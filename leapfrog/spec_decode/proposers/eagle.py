@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
+from leapfrog.model.compiled import CompiledSampledChain
 from leapfrog.model.runner import ModelRunner, SeqChunk
 from leapfrog.request import Request
 from leapfrog.sampling import sampler
@@ -354,14 +355,16 @@ class EagleProposer:
                                     and (self._width(ks[b]) == 1 or (not r.params.greedy and r.seed_key is None))
                                     for b, r in zip(active, rs)):
             return False
+        chunks = self._pending(rs, chain.max_tokens)
+        if not self.runner.fits_sampled_chain(chunks):
+            return False   # (before any randomness is drawn; the pending positions stay pending)
         levels = [self._levels(r, ks[b]) for b, r in zip(active, rs)]
         temperature = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in rs],
                                    device=self.runner.device)
         drawn = torch.tensor([not r.params.greedy for r in rs], device=self.runner.device)
-        out = self.runner.draft_sampled_chain(self._pending(rs, chain.max_tokens), temperature, drawn,
-                                              *self._chain_draws(rs, levels, chain.steps, chain.model.args.vocab_size))
+        out = self.runner.draft_sampled_chain(chunks, temperature, drawn, *self._chain_draws(rs, levels, chain))
         if out is None:
-            return False
+            raise RuntimeError("sampled chain: no graph for a step its bucket check admitted")
         self._consumed(rs)
         toks, lps, shares = out.tokens.tolist(), out.logprobs.tolist(), out.shares.tolist()
         for i, (b, r, n) in enumerate(zip(active, rs, levels)):
@@ -377,22 +380,24 @@ class EagleProposer:
                 nodes[b].append(_Node(toks[i][d], d - 1, score, d + 1, 0, None, q=q, sampled=unseeded))
         return True
 
-    def _chain_draws(self, rs: list[Request], levels: list[int], steps: int,
-                     vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _chain_draws(self, rs: list[Request], levels: list[int],
+                     chain: CompiledSampledChain) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The sampled chain graph's randomness for requests ``rs``, for the ``levels`` each draws
         (the levels the eager expansion would draw): the race's uniforms u [n, steps, V] float64
         (a seeded request's position noise), the unseeded rows stream [n] bool and their uniforms
         w [n, steps] float64 (the next draws of the request's generator, one per level: the
-        draws ``_candidates`` makes). When no row races, u is a buffer of exp(-1) (unread), kept
-        from call to call, as the draw of V uniforms per level is what inverse CDF saves."""
-        dev = self.runner.device
+        draws ``_candidates`` makes). When no row races, u is rows of one buffer of exp(-1)
+        (unread) as large as the largest warmed bucket, made at the first such step: the draw
+        of V uniforms per level is what inverse CDF saves."""
+        dev, steps, vocab = self.runner.device, chain.steps, chain.model.args.vocab_size
         stream = [not r.params.greedy and r.seed_key is None for r in rs]
         if any(not r.params.greedy and r.seed_key is not None for r in rs):
             rngs = [r.rng(d) if d < n and not s else None for r, n, s in zip(rs, levels, stream) for d in range(steps)]
             u = sampler.noise(rngs, vocab, dev).view(len(rs), steps, vocab)
         else:
-            if self._unread is None or self._unread.shape[0] < len(rs) or self._unread.shape[1:] != (steps, vocab):
-                self._unread = torch.full((len(rs), steps, vocab), math.exp(-1), dtype=torch.float64, device=dev)
+            if self._unread is None:
+                most = max(b.batch for b in chain.warmed)
+                self._unread = torch.full((most, steps, vocab), math.exp(-1), dtype=torch.float64, device=dev)
             u = self._unread[:len(rs)]
         w = torch.zeros(len(rs), steps, dtype=torch.float64)
         for i, (r, n) in enumerate(zip(rs, levels)):
