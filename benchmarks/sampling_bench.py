@@ -56,40 +56,32 @@ def race_chain_draws(self: EagleProposer, rs, levels, chain):
                                                                                device=dev)
 
 
-def draw_alone(batch: int, vocab: int, reps: int = 50) -> dict[str, float]:
-    """ms per draw of [batch, vocab] rows, one generator per row, each way."""
-    p = torch.softmax(torch.randn(batch, vocab), -1)
-    gens = [torch.Generator().manual_seed(i) for i in range(batch)]
+def ms_per_call(fns: dict, reps: int) -> dict[str, float]:
+    """ms per call of each function (after one warm-up call)."""
     out = {}
-    for name, fn in (("race", race_for_every_row), ("inverse", sampler.sample)):
-        fn(p, gens)
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn(p, gens)
-        out[name] = (time.perf_counter() - t0) / reps * 1e3
-    return out
-
-
-def chain_draw_alone(batch: int, vocab: int, levels: int, reps: int = 50) -> dict[str, float]:
-    """ms per host draw of an EAGLE sampled chain's randomness for ``batch`` unseeded requests of
-    ``levels`` levels each way: V uniforms per level (race) against one (inverse CDF)."""
-    gens = [torch.Generator().manual_seed(i) for i in range(batch)]
-
-    def race() -> None:
-        sampler.noise([g for g in gens for _ in range(levels)], vocab, "cpu")
-
-    def inverse() -> None:
-        w = torch.zeros(batch, levels, dtype=torch.float64)
-        for i, g in enumerate(gens):
-            w[i] = sampler.uniforms(levels, g, dtype=torch.float64)
-    out = {}
-    for name, fn in (("race", race), ("inverse", inverse)):
+    for name, fn in fns.items():
         fn()
         t0 = time.perf_counter()
         for _ in range(reps):
             fn()
         out[name] = (time.perf_counter() - t0) / reps * 1e3
     return out
+
+
+def draw_alone(batch: int, vocab: int, reps: int = 50) -> dict[str, float]:
+    """ms per draw of [batch, vocab] rows, one generator per row, each way."""
+    p = torch.softmax(torch.randn(batch, vocab), -1)
+    gens = [torch.Generator().manual_seed(i) for i in range(batch)]
+    return ms_per_call({"race": lambda: race_for_every_row(p, gens), "inverse": lambda: sampler.sample(p, gens)},
+                       reps)
+
+
+def chain_draw_alone(batch: int, vocab: int, levels: int, reps: int = 50) -> dict[str, float]:
+    """ms per host draw of an EAGLE sampled chain's randomness for ``batch`` unseeded requests of
+    ``levels`` levels each way: V uniforms per level (race) against one (inverse CDF)."""
+    gens = [torch.Generator().manual_seed(i) for i in range(batch)]
+    return ms_per_call({"race": lambda: sampler.noise([g for g in gens for _ in range(levels)], vocab, "cpu"),
+                        "inverse": lambda: sampler.stream_rows(gens, [levels] * batch, levels)}, reps)
 
 
 def main() -> None:

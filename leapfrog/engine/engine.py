@@ -611,12 +611,10 @@ class LLMEngine:
             e = -torch.log(sampler.noise(rngs, self.vocab_size, dev)).view(len(reqs), steps, -1)
         else:
             e = self._no_noise(len(reqs), steps)
-        w = torch.zeros(len(reqs), steps, dtype=torch.float64)
-        for b, r in enumerate(reqs):
-            if stream[b]:
-                w[b] = sampler.uniforms(steps, r.generator, dtype=torch.float64)
+        w = sampler.stream_rows([r.generator if s else None for r, s in zip(reqs, stream)], [steps] * len(reqs),
+                                steps, dev)
         out = self.runner.decode_steps(chunks, temperature, torch.tensor(drawn, device=dev), e,
-                                       torch.tensor(stream, device=dev), w.to(dev))
+                                       torch.tensor(stream, device=dev), w)
         if out is None:
             raise RuntimeError("multi-step decode: no graph for a step its bucket check admitted")
         if not all(map(math.isfinite, out.logits.flatten().tolist())):
@@ -730,10 +728,8 @@ class LLMEngine:
             races = [d and not x for d, x in zip(drawn, reject)]
             rngs = [r.rng(j) if c and j < n else None for r, c in zip(reqs, races) for j in range(P)]
             e = -torch.log(sampler.noise(rngs, V, dev).view(len(reqs), P, V))
-        w = torch.zeros(len(reqs), P, 3, dtype=torch.float64, device=dev)
-        for b, r in enumerate(reqs):
-            if reject[b]:
-                w[b, :n] = sampler.uniforms(3 * n, r.generator, dev, torch.float64).view(n, 3)
+        w = sampler.stream_rows([r.generator if x else None for r, x in zip(reqs, reject)], [3 * n] * len(reqs),
+                                3 * P, dev).view(len(reqs), P, 3)
         return RoundRace(self._race_temperatures(reqs, drawn), torch.tensor(drawn, device=dev), e,
                          torch.tensor(reject, device=dev), w)
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -770,7 +771,18 @@ class CompiledSampledChain(CompiledChain):
                  logit_scale: float = 1.0, feature_width: int | None = None, next_width: int | None = None) -> None:
         super().__init__(model, kv, buckets, steps, feature_width, next_width)
         self.want, self.logit_scale = want, logit_scale
+        self._unread_u: Tensor | None = None   # (``unread``)
         self._fn = torch.compile(self._sampled_chain, dynamic=False, fullgraph=True)
+
+    def unread(self, batch: int, dev: torch.device) -> Tensor:
+        """[batch, steps, V] float64 exp(-1) (E = 1): the race's uniforms of a step where no row
+        races (greedy and unseeded rows), rows of one buffer as large as the largest warmed
+        bucket, made at the first such step."""
+        if self._unread_u is None:
+            most = max(b.batch for b in self.warmed)
+            self._unread_u = torch.full((most, self.steps, self.model.args.vocab_size), math.exp(-1),
+                                        dtype=torch.float64, device=dev)
+        return self._unread_u[:batch]
 
     def _sampled_chain(self, tok: Tensor, pos: Tensor, mask: Tensor, rows: Tensor, write_rows: Tensor,
                        write_cols: Tensor, kv_len: Tensor, features: Tensor | None, last: Tensor, col: Tensor,

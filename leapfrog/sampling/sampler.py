@@ -354,6 +354,18 @@ def _race(p: Tensor, rngs: Sequence[Rng]) -> Tensor:
     return p.double() / e
 
 
+def stream_rows(generators: Sequence[torch.Generator | None], counts: Sequence[int], width: int,
+                device: torch.device | str = "cpu") -> Tensor:
+    """[N, width] float64: row i holds the next counts[i] uniforms of generators[i] (None: none),
+    zeros after them, on ``device``: the unseeded rows' uniforms that graphs take (multi-step
+    decode, sampled draft chains, speculation rounds)."""
+    w = torch.zeros(len(generators), width, dtype=torch.float64)
+    for i, (g, n) in enumerate(zip(generators, counts)):
+        if g is not None and n:
+            w[i, :n] = uniforms(n, g, dtype=torch.float64)
+    return w.to(device)
+
+
 def uniforms(n: int, generator: torch.Generator, device: torch.device | str = "cpu",
              dtype: torch.dtype = torch.float32) -> Tensor:
     """[n] U(0, 1) draws from one request's generator (rejection sampling), on ``device``

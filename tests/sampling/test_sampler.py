@@ -231,3 +231,15 @@ def test_noise_draws_each_stream_in_order_whatever_the_runs():
                         row(rb), row(rb), row(ra)]).clamp(min=torch.finfo(torch.float64).tiny)
     assert torch.equal(got, want)
     assert torch.equal(torch.rand(3, generator=a), torch.rand(3, generator=ra))
+
+
+def test_stream_rows_take_each_generators_next_uniforms():
+    """The unseeded rows' uniforms that graphs take: row i the next counts[i] float64 draws of its
+    generator (consecutive, nothing more drawn), zeros after them and for rows without one."""
+    g, h = torch.Generator().manual_seed(3), torch.Generator().manual_seed(4)
+    w = sampler.stream_rows([g, None, h], [2, 5, 4], 4)
+    assert w.shape == (3, 4) and w.dtype == torch.float64
+    assert w[0, :2].tolist() == torch.rand(2, generator=torch.Generator().manual_seed(3), dtype=torch.float64).tolist()
+    assert w[0, 2:].tolist() == [0.0, 0.0] and w[1].tolist() == [0.0] * 4
+    assert w[2].tolist() == torch.rand(4, generator=torch.Generator().manual_seed(4), dtype=torch.float64).tolist()
+    assert torch.equal(g.get_state(), _after(3, 2)) and torch.equal(h.get_state(), _after(4, 4))

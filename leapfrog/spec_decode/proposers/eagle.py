@@ -141,7 +141,6 @@ class EagleProposer:
         self.feats: dict[str, _Feats] = {}
         self.static_children = _static_children(self.static) if self.static else None
         self.max_rank = max((p[-1] for p in self.static or ()), default=0)
-        self._unread: torch.Tensor | None = None   # (_chain_draws)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, req: Request) -> None:
@@ -386,24 +385,17 @@ class EagleProposer:
         (the levels the eager expansion would draw): the race's uniforms u [n, steps, V] float64
         (a seeded request's position noise), the unseeded rows stream [n] bool and their uniforms
         w [n, steps] float64 (the next draws of the request's generator, one per level: the
-        draws ``_candidates`` makes). When no row races, u is rows of one buffer of exp(-1)
-        (unread) as large as the largest warmed bucket, made at the first such step: the draw
-        of V uniforms per level is what inverse CDF saves."""
+        draws ``_candidates`` makes). When no row races, u is the graph's unread buffer: the
+        draw of V uniforms per level is what inverse CDF saves."""
         dev, steps, vocab = self.runner.device, chain.steps, chain.model.args.vocab_size
         stream = [not r.params.greedy and r.seed_key is None for r in rs]
         if any(not r.params.greedy and r.seed_key is not None for r in rs):
             rngs = [r.rng(d) if d < n and not s else None for r, n, s in zip(rs, levels, stream) for d in range(steps)]
             u = sampler.noise(rngs, vocab, dev).view(len(rs), steps, vocab)
         else:
-            if self._unread is None:
-                most = max(b.batch for b in chain.warmed)
-                self._unread = torch.full((most, steps, vocab), math.exp(-1), dtype=torch.float64, device=dev)
-            u = self._unread[:len(rs)]
-        w = torch.zeros(len(rs), steps, dtype=torch.float64)
-        for i, (r, n) in enumerate(zip(rs, levels)):
-            if stream[i]:
-                w[i, :n] = sampler.uniforms(n, r.generator, dtype=torch.float64)
-        return u, torch.tensor(stream, device=dev), w.to(dev)
+            u = chain.unread(len(rs), dev)
+        w = sampler.stream_rows([r.generator if s else None for r, s in zip(rs, stream)], levels, steps, dev)
+        return u, torch.tensor(stream, device=dev), w
 
     def _catch_up(self, reqs: list[Request], keep: int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Run the head over every pending position (long prompts in chunks); -> the last
