@@ -83,6 +83,7 @@ from leapfrog.kv.cache import KVCache
 from leapfrog.model.args import LlamaArgs, config_field, json_type
 from leapfrog.model.llama import DecoderLayer, ForwardOutput, LlamaModel, LogitsHead
 from leapfrog.model.loader import _TensorSource, _weight_files, read_json, resolve_model_path
+from leapfrog.model.native_ops import rms_norm
 from leapfrog.model.rope import apply_rope, rope_table
 
 EagleKind = Literal["eagle", "eagle3"]
@@ -159,18 +160,18 @@ class EagleLayer(DecoderLayer):
         B, S, _ = x.shape
         if self.form == "eagle3":
             assert embeds is not None
-            h = F.rms_norm(x, D, self.hidden_norm, a.rms_norm_eps)
+            h = rms_norm(x, self.hidden_norm, a.rms_norm_eps)
             if self.norm_before_residual:
                 x = h
-            h = torch.cat((F.rms_norm(embeds, D, self.attn_norm, a.rms_norm_eps), h), dim=-1)  # [B, S, 2H]
+            h = torch.cat((rms_norm(embeds, self.attn_norm, a.rms_norm_eps), h), dim=-1)  # [B, S, 2H]
         else:
-            h = x if self.attn_norm is None else F.rms_norm(x, D, self.attn_norm, a.rms_norm_eps)
+            h = x if self.attn_norm is None else rms_norm(x, self.attn_norm, a.rms_norm_eps)
         q, k, v = self.wqkv(h).split((a.q_size, a.kv_size, a.kv_size), dim=-1)
         q = apply_rope(q.view(B, S, a.num_attention_heads, a.head_dim), cos, sin)
         k = apply_rope(k.view(B, S, a.num_key_value_heads, a.head_dim), cos, sin)
         o = attend(q, k, v.view(B, S, a.num_key_value_heads, a.head_dim), layer, kv, attn)  # [B, S, Hq, Dh]
         x = x + self.wo(o.reshape(B, S, a.q_size))
-        h = F.rms_norm(x, D, self.mlp_norm, a.rms_norm_eps)
+        h = rms_norm(x, self.mlp_norm, a.rms_norm_eps)
         return x + self.w2(self._silu_mul(self.w13(h)))
 
 
@@ -348,7 +349,7 @@ class EagleHead(nn.Module):
             t = self._bound()
             return t.graph_logits(hidden) if graph else t.compute_logits(hidden)
         assert self.norm is not None
-        h = F.rms_norm(hidden.float(), (self.args.hidden_size,), self.norm.float(), self.args.rms_norm_eps)
+        h = rms_norm(hidden.float(), self.norm.float(), self.args.rms_norm_eps)
         if self.head is not None:
             return self.head(h)
         assert self.lm_head is not None  # training / reference path: differentiable

@@ -40,6 +40,7 @@ from leapfrog.attention.metadata import AttnMeta
 from leapfrog.errors import ConfigError
 from leapfrog.kv.cache import KVCache
 from leapfrog.model.args import LlamaArgs
+from leapfrog.model.native_ops import rms_norm
 from leapfrog.model.rope import apply_rope, rope_table
 from leapfrog.utils import env_off
 
@@ -74,7 +75,7 @@ class DecoderLayer(nn.Module):
                 attn: AttnMeta | None) -> Tensor:
         a = self.a
         B, S, _ = x.shape
-        h = F.rms_norm(x, (a.hidden_size,), self.attn_norm, a.rms_norm_eps)
+        h = rms_norm(x, self.attn_norm, a.rms_norm_eps)
         qkv = self.wqkv(h)  # [B, S, q + 2kv]
         q, k, v = qkv.split((a.q_size, a.kv_size, a.kv_size), dim=-1)
         q = apply_rope(q.view(B, S, a.num_attention_heads, a.head_dim), cos, sin)
@@ -82,7 +83,7 @@ class DecoderLayer(nn.Module):
         v = v.view(B, S, a.num_key_value_heads, a.head_dim)
         o = attend(q, k, v, layer, kv, attn)  # [B, S, H, Dh]
         x = x + self._reduce(self.wo(o.reshape(B, S, a.q_size)))
-        h = F.rms_norm(x, (a.hidden_size,), self.mlp_norm, a.rms_norm_eps)
+        h = rms_norm(x, self.mlp_norm, a.rms_norm_eps)
         return x + self._reduce(self.w2(self._silu_mul(self.w13(h))))
 
     def _reduce(self, partial: Tensor) -> Tensor:
@@ -151,7 +152,7 @@ class LlamaModel(nn.Module):
                 aux.append(x)
         # The final norm in float32: the LM head reads it in float32 (an fp16 overflow in the
         # residual stream shows as non-finite logits, see compute_logits).
-        hidden = F.rms_norm(x.float(), (self.args.hidden_size,), self.norm.float(), self.args.rms_norm_eps)
+        hidden = rms_norm(x.float(), self.norm.float(), self.args.rms_norm_eps)
         return ForwardOutput(hidden=hidden, aux=aux)
 
     def _embed(self, token_ids: Tensor) -> Tensor:

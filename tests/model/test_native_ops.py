@@ -1,0 +1,70 @@
+"""The C++ norm and RoPE ops of eager CPU forwards (model/native_ops.py): RoPE bitwise ATen's
+formula, RMSNorm within float rounding of F.rms_norm and row-invariant, both off under autograd."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from leapfrog.model.native_ops import load_native_ops, rms_norm
+from leapfrog.model.rope import apply_rope
+
+pytestmark = pytest.mark.skipif(not load_native_ops(), reason="native ops not buildable here")
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def aten_rope(x, cos, sin):
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1, 8, 64), (2, 6, 2, 64), (1, 64, 4, 128), (3, 5, 3, 10)])
+def test_rope_is_bitwise_aten(dtype, shape):
+    g = torch.Generator().manual_seed(sum(shape))
+    B, S, H, D = shape
+    # q as a view of a fused projection (strided rows), as decoder layers pass it
+    fused = torch.randn(B, S, H * D + 7, generator=g).to(dtype)
+    x = fused[..., 3:3 + H * D].view(B, S, H, D)
+    angles = torch.rand(B, S, 1, D, generator=g) * 100
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    with torch.inference_mode():
+        got = apply_rope(x, cos, sin)
+        ref = aten_rope(x, cos, sin)
+    assert got.dtype == dtype and got.shape == (B, S, H, D)
+    assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", [512, 64, 13])
+def test_rms_norm_matches_aten(dtype, D):
+    g = torch.Generator().manual_seed(D)
+    x = (torch.randn(3, 7, D, generator=g) * 3).to(dtype)
+    w = (1 + torch.randn(D, generator=g) / 4).to(dtype)
+    with torch.inference_mode():
+        got = torch.ops.leapfrog_ops.rms_norm(x, w, 1e-6)
+        ref = F.rms_norm(x, (D,), w, 1e-6)
+    assert got.dtype == dtype and got.shape == x.shape
+    tol = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
+    if dtype == torch.float32:   # the same reduction within a float's rounding, not just "close"
+        assert (got - ref).abs().max() <= 4 * torch.finfo(torch.float32).eps * ref.abs().max()
+
+
+def test_rms_norm_rows_do_not_depend_on_the_batch():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 512, generator=g)
+    w = torch.randn(512, generator=g)
+    with torch.inference_mode():
+        whole = rms_norm(x, w, 1e-5)
+        for r in (0, 17, 63):
+            assert torch.equal(rms_norm(x[r:r + 1], w, 1e-5), whole[r:r + 1])
+        assert torch.equal(rms_norm(x[5:11], w, 1e-5), whole[5:11])
+
+
+def test_autograd_keeps_aten():
+    x = torch.randn(2, 4, 16, requires_grad=True)
+    w = torch.ones(16, requires_grad=True)
+    y = rms_norm(x, w, 1e-6)
+    y.sum().backward()   # the native op has no backward: only ATen's could get here
+    assert x.grad is not None and w.grad is not None
