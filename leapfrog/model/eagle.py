@@ -83,7 +83,7 @@ from leapfrog.kv.cache import KVCache
 from leapfrog.model.args import LlamaArgs, config_field, json_type
 from leapfrog.model.llama import DecoderLayer, ForwardOutput, LlamaModel, LogitsHead
 from leapfrog.model.loader import _TensorSource, _weight_files, read_json, resolve_model_path
-from leapfrog.model.native_ops import rms_norm
+from leapfrog.model.native_ops import rms_norm, use_native_ops
 from leapfrog.model.rope import apply_rope, rope_table
 
 EagleKind = Literal["eagle", "eagle3"]
@@ -160,18 +160,18 @@ class EagleLayer(DecoderLayer):
         B, S, _ = x.shape
         if self.form == "eagle3":
             assert embeds is not None
-            h = rms_norm(x, self.hidden_norm, a.rms_norm_eps)
+            h = rms_norm(x, self.hidden_norm, a.rms_norm_eps, self.native_ops)
             if self.norm_before_residual:
                 x = h
-            h = torch.cat((rms_norm(embeds, self.attn_norm, a.rms_norm_eps), h), dim=-1)  # [B, S, 2H]
+            h = torch.cat((rms_norm(embeds, self.attn_norm, a.rms_norm_eps, self.native_ops), h), dim=-1)  # [B, S, 2H]
         else:
-            h = x if self.attn_norm is None else rms_norm(x, self.attn_norm, a.rms_norm_eps)
+            h = x if self.attn_norm is None else rms_norm(x, self.attn_norm, a.rms_norm_eps, self.native_ops)
         q, k, v = self.wqkv(h).split((a.q_size, a.kv_size, a.kv_size), dim=-1)
-        q = apply_rope(q.view(B, S, a.num_attention_heads, a.head_dim), cos, sin)
-        k = apply_rope(k.view(B, S, a.num_key_value_heads, a.head_dim), cos, sin)
+        q = apply_rope(q.view(B, S, a.num_attention_heads, a.head_dim), cos, sin, self.native_ops)
+        k = apply_rope(k.view(B, S, a.num_key_value_heads, a.head_dim), cos, sin, self.native_ops)
         o = attend(q, k, v.view(B, S, a.num_key_value_heads, a.head_dim), layer, kv, attn)  # [B, S, Hq, Dh]
         x = x + self.wo(o.reshape(B, S, a.q_size))
-        h = rms_norm(x, self.mlp_norm, a.rms_norm_eps)
+        h = rms_norm(x, self.mlp_norm, a.rms_norm_eps, self.native_ops)
         return x + self.w2(self._silu_mul(self.w13(h)))
 
 
@@ -218,6 +218,7 @@ class EagleHead(nn.Module):
         self.set_rope(max_positions or args.max_position_embeddings)
         self.head: LogitsHead | None = None  # EAGLE-3 inference LM head (pack_for_inference)
         self.packed = False
+        self.native_ops = False   # the final norm as a C++ op (pack_for_inference: use_native_ops)
         self._target: _TargetRef | None = None
 
     # ------------------------------------------------------------------ properties and binding
@@ -349,7 +350,7 @@ class EagleHead(nn.Module):
             t = self._bound()
             return t.graph_logits(hidden) if graph else t.compute_logits(hidden)
         assert self.norm is not None
-        h = rms_norm(hidden.float(), self.norm.float(), self.args.rms_norm_eps)
+        h = rms_norm(hidden.float(), self.norm.float(), self.args.rms_norm_eps, self.native_ops)
         if self.head is not None:
             return self.head(h)
         assert self.lm_head is not None  # training / reference path: differentiable
@@ -393,6 +394,7 @@ class EagleHead(nn.Module):
             self.head = LogitsHead(self.lm_head.weight, fp32_head, pack=pack_layers)
             self.lm_head = None
         self.packed = True
+        use_native_ops(self, self.device)
         return packed
 
     def num_parameters(self) -> int:

@@ -40,7 +40,7 @@ from leapfrog.attention.metadata import AttnMeta
 from leapfrog.errors import ConfigError
 from leapfrog.kv.cache import KVCache
 from leapfrog.model.args import LlamaArgs
-from leapfrog.model.native_ops import rms_norm
+from leapfrog.model.native_ops import rms_norm, use_native_ops
 from leapfrog.model.rope import apply_rope, rope_table
 from leapfrog.utils import env_off
 
@@ -70,20 +70,21 @@ class DecoderLayer(nn.Module):
         self.attn_norm = nn.Parameter(torch.ones(a.hidden_size))
         self.mlp_norm = nn.Parameter(torch.ones(a.hidden_size))
         self.act_tile_rows: int | None = None  # batch-invariant mode: rows per silu*up call
+        self.native_ops = False   # eager CPU inference: norms and RoPE as C++ ops (model/native_ops.py)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, kv: KVCache | None,
                 attn: AttnMeta | None) -> Tensor:
         a = self.a
         B, S, _ = x.shape
-        h = rms_norm(x, self.attn_norm, a.rms_norm_eps)
+        h = rms_norm(x, self.attn_norm, a.rms_norm_eps, self.native_ops)
         qkv = self.wqkv(h)  # [B, S, q + 2kv]
         q, k, v = qkv.split((a.q_size, a.kv_size, a.kv_size), dim=-1)
-        q = apply_rope(q.view(B, S, a.num_attention_heads, a.head_dim), cos, sin)
-        k = apply_rope(k.view(B, S, a.num_key_value_heads, a.head_dim), cos, sin)
+        q = apply_rope(q.view(B, S, a.num_attention_heads, a.head_dim), cos, sin, self.native_ops)
+        k = apply_rope(k.view(B, S, a.num_key_value_heads, a.head_dim), cos, sin, self.native_ops)
         v = v.view(B, S, a.num_key_value_heads, a.head_dim)
         o = attend(q, k, v, layer, kv, attn)  # [B, S, H, Dh]
         x = x + self._reduce(self.wo(o.reshape(B, S, a.q_size)))
-        h = rms_norm(x, self.mlp_norm, a.rms_norm_eps)
+        h = rms_norm(x, self.mlp_norm, a.rms_norm_eps, self.native_ops)
         return x + self._reduce(self.w2(self._silu_mul(self.w13(h))))
 
     def _reduce(self, partial: Tensor) -> Tensor:
@@ -127,6 +128,7 @@ class LlamaModel(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.head: LogitsHead | None = None  # inference LM head (see pack_for_inference)
         self.batch_invariant = False
+        self.native_ops = False   # the final norm as a C++ op (set with the layers': use_native_ops)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -152,7 +154,7 @@ class LlamaModel(nn.Module):
                 aux.append(x)
         # The final norm in float32: the LM head reads it in float32 (an fp16 overflow in the
         # residual stream shows as non-finite logits, see compute_logits).
-        hidden = rms_norm(x.float(), self.norm.float(), self.args.rms_norm_eps)
+        hidden = rms_norm(x.float(), self.norm.float(), self.args.rms_norm_eps, self.native_ops)
         return ForwardOutput(hidden=hidden, aux=aux)
 
     def _embed(self, token_ids: Tensor) -> Tensor:
@@ -201,7 +203,8 @@ class LlamaModel(nn.Module):
         the bytes to read per step): for a draft model, whose logits only steer proposals.
         ``pack_layers=False`` (compiled graphs): the layers keep plain linears for inductor to
         prepack, except bf16 weights on AVX-512 BF16, which take the linear kernel
-        (model/native_linear.py, an op in the graphs); the head likewise. -> whether the linear
+        (model/native_linear.py, an op in the graphs); the head likewise. Eager forwards on CPU
+        then run their norms and RoPE as C++ ops (model/native_ops.py). -> whether the linear
         layers were packed (oneDNN or the kernel, with pack_layers)."""
         from leapfrog.model.packed import can_pack, native_linears, pack_linears
         packed = pack_layers and can_pack(self.dtype, self.device)
@@ -210,6 +213,7 @@ class LlamaModel(nn.Module):
         else:  # compiled graphs: inductor prepacks the rest, the bf16 kernel (if any) is an op
             native_linears(self.layers)
         self._make_head(fp32_head, pack=pack_layers)
+        use_native_ops(self, self.device)
         return packed
 
     def quantize(self, method: str, head: bool = False) -> int:

@@ -22,11 +22,12 @@ Numerics:
   that row (row invariance: a token verified among drafts is normalized bitwise as when decoded
   alone, in any batch, with any thread count).
 
-Used only where they can: CPU tensors, outside ``torch.compile`` (graphs fuse these themselves)
-and without autograd (training keeps ATen's differentiable functions). Built once per CPU
-instruction set with ``load_inline`` (about 20 s, cached under ``TORCH_EXTENSIONS_DIR``) at the
-first eager forward that can use it; if the build fails (logged), or with
-``LEAPFROG_NATIVE_OPS=0`` (read at the first use), forwards keep ATen's functions.
+Used by models packed for inference on CPU (``pack_for_inference`` sets their layers'
+``native_ops``), outside ``torch.compile`` (graphs fuse these themselves) and without autograd
+(training keeps ATen's differentiable functions). Built once per CPU instruction set with
+``load_inline`` (20-60 s, cached under ``TORCH_EXTENSIONS_DIR``) at the first such load; if the
+build fails (logged), or with ``LEAPFROG_NATIVE_OPS=0`` (read at load), forwards keep ATen's
+functions.
 """
 
 from __future__ import annotations
@@ -167,12 +168,18 @@ _LOCK = threading.Lock()
 
 
 def load_native_ops() -> bool:
-    """Build (once, cached on disk) and load the ops, unless ``LEAPFROG_NATIVE_OPS=0``. -> available."""
+    """Build (once, cached on disk) and load the ops. -> available."""
     if "ok" not in _STATE:
         with _LOCK:
             if "ok" not in _STATE:
-                _STATE["ok"] = not env_off("LEAPFROG_NATIVE_OPS") and _load()
+                _STATE["ok"] = _load()
     return _STATE["ok"]
+
+
+def native_ops_wanted(device: torch.device) -> bool:
+    """Whether a model packed for inference on ``device`` runs its eager norms and rotations as
+    these ops: on CPU, unless ``LEAPFROG_NATIVE_OPS=0`` (read here, at load), once built."""
+    return device.type == "cpu" and not env_off("LEAPFROG_NATIVE_OPS") and load_native_ops()
 
 
 def _load() -> bool:
@@ -196,18 +203,25 @@ def _load() -> bool:
         return False
 
 
-def _native(*ts: Tensor) -> bool:
-    """Whether these tensors can take the C++ ops: CPU, no autograd, not being traced by
-    torch.compile, and the ops built."""
-    if torch.compiler.is_compiling() or ts[0].device.type != "cpu":
-        return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
-        return False
-    return load_native_ops()
+def use_native_ops(model: torch.nn.Module, device: torch.device) -> bool:
+    """A model packed for inference: it and its layers (each with a ``native_ops`` flag) run
+    their eager norms and rotations as the C++ ops where native_ops_wanted. -> whether they do."""
+    on = native_ops_wanted(device)
+    for m in model.modules():
+        if hasattr(m, "native_ops"):
+            m.native_ops = on
+    return on
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """``F.rms_norm(x, (D,), weight, eps)``, one op on CPU (module docstring)."""
-    if _native(x, weight):
+def usable(native: bool, *ts: Tensor) -> bool:
+    """Whether a call with these tensors takes the C++ op: the model chose it at load
+    (``native``; native_ops_wanted), no autograd, and not being traced by torch.compile."""
+    return native and not torch.compiler.is_compiling() and not (
+        torch.is_grad_enabled() and any(t.requires_grad for t in ts))
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, native: bool = False) -> Tensor:
+    """``F.rms_norm(x, (D,), weight, eps)``; one op on CPU with ``native`` (module docstring)."""
+    if usable(native, x, weight):
         return torch.ops.leapfrog_ops.rms_norm(x, weight, eps)
     return F.rms_norm(x, (x.shape[-1],), weight, eps)

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from leapfrog.model.args import RopeConfig
-from leapfrog.model.native_ops import _native
+from leapfrog.model.native_ops import usable
 
 
 def inv_frequencies(cfg: RopeConfig, head_dim: int, max_position_embeddings: int) -> Tensor:
@@ -56,9 +56,10 @@ def rope_table(cfg: RopeConfig, head_dim: int, max_position_embeddings: int,
     return emb.cos(), emb.sin()
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x: [B, S, H, D]; cos/sin: [B, S, 1, D] in x's dtype -> rotated x (rotate-half convention)."""
-    if _native(x, cos, sin) and x.stride(-1) == 1:
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, native: bool = False) -> Tensor:
+    """x: [B, S, H, D]; cos/sin: [B, S, 1, D] in x's dtype -> rotated x (rotate-half convention).
+    ``native``: one C++ op where it can (a model packed for inference on CPU)."""
+    if usable(native, x, cos, sin) and x.stride(-1) == 1:
         return torch.ops.leapfrog_ops.rope(x, cos, sin)   # (the same bits in one op: model/native_ops.py)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)

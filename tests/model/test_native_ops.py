@@ -29,7 +29,7 @@ def test_rope_is_bitwise_aten(dtype, shape):
     angles = torch.rand(B, S, 1, D, generator=g) * 100
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     with torch.inference_mode():
-        got = apply_rope(x, cos, sin)
+        got = apply_rope(x, cos, sin, native=True)
         ref = aten_rope(x, cos, sin)
     assert got.dtype == dtype and got.shape == (B, S, H, D)
     assert torch.equal(got, ref)
@@ -56,15 +56,43 @@ def test_rms_norm_rows_do_not_depend_on_the_batch():
     x = torch.randn(64, 512, generator=g)
     w = torch.randn(512, generator=g)
     with torch.inference_mode():
-        whole = rms_norm(x, w, 1e-5)
+        whole = rms_norm(x, w, 1e-5, native=True)
         for r in (0, 17, 63):
-            assert torch.equal(rms_norm(x[r:r + 1], w, 1e-5), whole[r:r + 1])
-        assert torch.equal(rms_norm(x[5:11], w, 1e-5), whole[5:11])
+            assert torch.equal(rms_norm(x[r:r + 1], w, 1e-5, native=True), whole[r:r + 1])
+        assert torch.equal(rms_norm(x[5:11], w, 1e-5, native=True), whole[5:11])
 
 
 def test_autograd_keeps_aten():
     x = torch.randn(2, 4, 16, requires_grad=True)
     w = torch.ones(16, requires_grad=True)
-    y = rms_norm(x, w, 1e-6)
+    y = rms_norm(x, w, 1e-6, native=True)
     y.sum().backward()   # the native op has no backward: only ATen's could get here
     assert x.grad is not None and w.grad is not None
+
+
+def test_packed_models_use_the_ops_and_match_aten(monkeypatch):
+    """pack_for_inference turns them on (LEAPFROG_NATIVE_OPS=0 keeps ATen's); an eager forward
+    with them gives ATen's logits to float rounding and the same argmax."""
+    from leapfrog.model.args import LlamaArgs
+    from leapfrog.model.llama import LlamaModel
+    args = LlamaArgs(model_type="llama", vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = LlamaModel(args).eval()
+    assert not model.native_ops and not any(layer.native_ops for layer in model.layers)  # training: ATen
+    model.pack_for_inference()
+    assert model.native_ops and all(layer.native_ops for layer in model.layers)
+    tok = torch.randint(0, 97, (2, 9))
+    pos = torch.arange(9).expand(2, 9)
+    with torch.inference_mode():
+        got = model.compute_logits(model(tok, pos).hidden.reshape(18, -1))
+        for m in model.modules():
+            if hasattr(m, "native_ops"):
+                m.native_ops = False
+        ref = model.compute_logits(model(tok, pos).hidden.reshape(18, -1))
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    monkeypatch.setenv("LEAPFROG_NATIVE_OPS", "0")
+    off = LlamaModel(args).eval()
+    off.pack_for_inference()
+    assert not off.native_ops and not any(layer.native_ops for layer in off.layers)
