@@ -59,7 +59,9 @@ def rope_table(cfg: RopeConfig, head_dim: int, max_position_embeddings: int,
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, native: bool = False) -> Tensor:
     """x: [B, S, H, D]; cos/sin: [B, S, 1, D] in x's dtype -> rotated x (rotate-half convention).
     ``native``: one C++ op where it can (a model packed for inference on CPU)."""
-    if usable(native, x, cos, sin) and x.stride(-1) == 1:
+    B, S, _, D = x.shape
+    if (usable(native, x, cos, sin) and x.stride(-1) == 1 and cos.shape == sin.shape == (B, S, 1, D)
+            and cos.dtype == sin.dtype == x.dtype):   # (the op's contract; broadcast tables take ATen)
         return torch.ops.leapfrog_ops.rope(x, cos, sin)   # (the same bits in one op: model/native_ops.py)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)

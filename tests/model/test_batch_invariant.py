@@ -132,6 +132,9 @@ def test_row_wise_ops_do_not_depend_on_the_row_count(dtype, llama_dir):
         "rms_norm fp32": lambda t: F.rms_norm(t.float(), (t.shape[-1],), w.float(), 1e-6),
         "silu*up": layer._silu_mul,
     }
+    from leapfrog.model.native_ops import load_native_ops, rms_norm
+    if load_native_ops():   # what packed models run eagerly on CPU (model/native_ops.py)
+        ops["rms_norm native"] = lambda t: rms_norm(t, w, 1e-6, native=True)
     for name, op in ops.items():
         alone = torch.cat([op(x[i:i + 1]) for i in range(70)])
         for m in (2, 13, 24, 70):
@@ -141,6 +144,7 @@ def test_row_wise_ops_do_not_depend_on_the_row_count(dtype, llama_dir):
     rope_alone = torch.cat([apply_rope(q[i:i + 1], cos[i:i + 1, None, None], sin[i:i + 1, None, None])
                             for i in range(70)])
     assert torch.equal(apply_rope(q, cos[:, None, None], sin[:, None, None]), rope_alone)
+    assert torch.equal(apply_rope(q, cos[:, None, None], sin[:, None, None], native=True), rope_alone)
 
 
 def test_model_refuses_padded_metadata_in_invariant_mode(llama_dir):

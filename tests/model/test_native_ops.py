@@ -96,3 +96,12 @@ def test_packed_models_use_the_ops_and_match_aten(monkeypatch):
     off = LlamaModel(args).eval()
     off.pack_for_inference()
     assert not off.native_ops and not any(layer.native_ops for layer in off.layers)
+
+
+def test_rope_broadcast_tables_take_aten():
+    """cos/sin shared across the batch ([1, S, 1, D]) are not the op's contract: ATen serves them."""
+    x = torch.randn(3, 4, 2, 8)
+    angles = torch.rand(1, 4, 1, 8)
+    with torch.inference_mode():
+        got = apply_rope(x, angles.cos(), angles.sin(), native=True)
+    assert torch.equal(got, aten_rope(x, angles.cos(), angles.sin()))
