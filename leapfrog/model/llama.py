@@ -40,7 +40,7 @@ from leapfrog.attention.metadata import AttnMeta
 from leapfrog.errors import ConfigError
 from leapfrog.kv.cache import KVCache
 from leapfrog.model.args import LlamaArgs
-from leapfrog.model.native_ops import rms_norm, use_native_ops
+from leapfrog.model.native_ops import rms_norm, silu_mul, use_native_ops
 from leapfrog.model.rope import apply_rope, rope_table
 from leapfrog.utils import env_off
 
@@ -96,6 +96,8 @@ class DecoderLayer(nn.Module):
         the scalar tail depends on how an elementwise op splits its range (by size and thread);
         in batch-invariant mode each call is a tile of whole rows small enough for one thread
         (each row then takes the same vector/tail path as when alone)."""
+        if (out := silu_mul(gate_up, self.native_ops)) is not None:
+            return out   # (one C++ op, row-invariant: model/native_ops.py)
         n = self.act_tile_rows
         if n is None or gate_up.shape[:-1].numel() <= 1:
             gate, up = gate_up.chunk(2, dim=-1)

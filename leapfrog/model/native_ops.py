@@ -1,13 +1,15 @@
-"""RMSNorm and RoPE as single C++ ops for eager CPU forwards: ``torch.ops.leapfrog_ops``.
+"""RMSNorm, RoPE and the MLP's silu * up as single C++ ops for eager CPU forwards:
+``torch.ops.leapfrog_ops``.
 
-An eager forward spends a good share of a step outside its matrix products on two small
-functions that ATen runs as chains of tensor ops: ``F.rms_norm`` (pow, mean, add, rsqrt, mul,
-mul, cast: each a dispatch and an allocation) and ``apply_rope`` (two slices, neg, cat, two
-muls, add). For a decode step their tensors hold a few thousand elements, so the dispatches are
-the cost. Measured warm on a 2-vCPU Zen 3 (float32, the built-in target's shapes, 2 threads):
-one norm of one token 34 us, of 64 tokens 72 us; the rotation of one token's q and k 56 us, of
-64 tokens 113 us; a decoder layer has two norms and one rotation, so one eager decode step of the
-6-layer target spent about 0.75 ms of its ~6.8 ms in them. Here each is one op call.
+An eager forward spends a good share of a step outside its matrix products on small functions
+that ATen runs as chains of tensor ops: ``F.rms_norm`` (pow, mean, add, rsqrt, mul, mul, cast:
+each a dispatch and an allocation), ``apply_rope`` (two slices, neg, cat, two muls, add) and the
+MLP's ``silu(gate) * up`` (chunk, silu, mul). For a decode step their tensors hold a few thousand
+elements, so the dispatches are the cost. Measured warm on a 2-vCPU Zen 3 (float32, the built-in
+target's shapes, 2 threads): one norm of one token 34 us, of 64 tokens 72 us; the rotation of one
+token's q and k 56 us, of 64 tokens 113 us; silu * up 17 and 115 us. A decoder layer has two
+norms, one rotation and one silu * up, so one eager decode step of the 6-layer target spent about
+0.85 ms of its ~6.8 ms in them. Here each is one op call.
 
 Numerics:
 - ``rope(x [B, S, H, D], cos [B, S, 1, D], sin)`` -> ``x * cos + rotate_half(x) * sin``
@@ -15,6 +17,10 @@ Numerics:
   them (products and sum in float32, then to bf16/fp16 by round-to-nearest-even; built with
   ``-ffp-contract=off``, so no fused multiply-add merges a product into the sum): bitwise
   ``apply_rope``'s result (tests/model/test_native_ops.py).
+- ``silu_mul(gate_up [..., 2I])`` -> ``silu(gate) * up``: bitwise ATen's result for each row
+  (ATen's silu takes a row's elements two of its vectors at a time with Sleef's exp and the rest
+  with std::exp; the same split here, and the same roundings). Row-invariant, where ATen's split
+  of a large batch over threads can cut a row (model/llama.py ``_silu_mul``).
 - ``rms_norm(x [..., D], weight [D], eps)`` -> ``(x * rsqrt(mean(x^2) + eps)) * weight`` in
   float32, rounded once to x's dtype, as ``F.rms_norm`` computes it; the sum of squares runs in
   a fixed order (one vector of lanes over the row, its lanes reduced in ATen's fixed tree, then
@@ -153,13 +159,57 @@ at::Tensor rope_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor
   return y;
 }
 
+// silu(gate) * up over [..., 2I] = [gate | up] rows. ATen's silu runs a row's elements two of its
+// vectors at a time with the vector formula (Sleef's exp) and the rest with the scalar one
+// (std::exp), rounding to T; the product is rounded to T: the same split and roundings here.
+template <typename T>
+static void silu_mul_rows(const T* x, T* y, int64_t rows, int64_t I) {
+  using V = Vectorized<float>;
+  const int64_t nvec = I / (2 * Vectorized<T>::size()) * (2 * Vectorized<T>::size());
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t r0, int64_t r1) {
+    std::vector<float> g(I);
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* gr = x + r * 2 * I;
+      const T* ur = gr + I;
+      for (int64_t i = 0; i < I; ++i) g[i] = static_cast<float>(gr[i]);
+      int64_t i = 0;
+      for (; i + V::size() <= nvec; i += V::size()) {
+        V gv = V::loadu(g.data() + i);
+        (gv / (V(1.f) + gv.neg().exp())).store(g.data() + i);
+      }
+      for (; i < I; ++i) g[i] = g[i] / (1.f + std::exp(-g[i]));
+      T* yr = y + r * I;
+      for (int64_t j = 0; j < I; ++j) {
+        T s = static_cast<T>(g[j]);
+        yr[j] = static_cast<T>(static_cast<float>(s) * static_cast<float>(ur[j]));
+      }
+    }
+  });
+}
+
+at::Tensor silu_mul_cpu(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0, "silu_mul: the last dimension must be even");
+  at::Tensor x = gate_up.contiguous();
+  int64_t I = x.size(-1) / 2;
+  auto shape = x.sizes().vec();
+  shape.back() = I;
+  at::Tensor y = at::empty(shape, x.options());
+  int64_t rows = I == 0 ? 0 : x.numel() / (2 * I);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_mul", [&] {
+    silu_mul_rows<scalar_t>(x.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), rows, I);
+  });
+  return y;
+}
+
 TORCH_LIBRARY(leapfrog_ops, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(leapfrog_ops, CPU, m) {
   m.impl("rms_norm", &rms_norm_cpu);
   m.impl("rope", &rope_cpu);
+  m.impl("silu_mul", &silu_mul_cpu);
 }
 """
 
@@ -196,6 +246,8 @@ def _load() -> bool:
         # (shapes for tracers that reach them outside torch.compile, e.g. make_fx)
         torch.library.register_fake("leapfrog_ops::rms_norm")(lambda x, weight, eps: torch.empty_like(x))
         torch.library.register_fake("leapfrog_ops::rope")(lambda x, cos, sin: x.new_empty(x.shape))
+        torch.library.register_fake("leapfrog_ops::silu_mul")(
+            lambda x: x.new_empty((*x.shape[:-1], x.shape[-1] // 2)))
         return True
     except Exception as e:  # noqa: BLE001 - no compiler, headers, ...: ATen's functions serve
         log.warning("native norm/RoPE ops unavailable (%s: %s); eager forwards use ATen's",
@@ -225,3 +277,11 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, native: bool = False) -> Ten
     if usable(native, x, weight):
         return torch.ops.leapfrog_ops.rms_norm(x, weight, eps)
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def silu_mul(gate_up: Tensor, native: bool = False) -> Tensor | None:
+    """``silu(gate) * up`` for ``gate_up`` [..., 2I] = [gate | up] as one op (ATen's bits for each
+    row), or None where the op does not apply (the caller runs ATen's)."""
+    if usable(native, gate_up):
+        return torch.ops.leapfrog_ops.silu_mul(gate_up)
+    return None

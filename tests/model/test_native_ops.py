@@ -105,3 +105,16 @@ def test_rope_broadcast_tables_take_aten():
     with torch.inference_mode():
         got = apply_rope(x, angles.cos(), angles.sin(), native=True)
     assert torch.equal(got, aten_rope(x, angles.cos(), angles.sin()))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [1408, 704, 10, 37])
+def test_silu_mul_is_bitwise_aten(dtype, inter):
+    """silu(gate) * up as one op: ATen's bits for each row (its vector/scalar split, its roundings)."""
+    g = torch.Generator().manual_seed(inter)
+    gate_up = (torch.randn(2, 5, 2 * inter, generator=g) * 4).to(dtype)
+    with torch.inference_mode():
+        gate, up = gate_up.chunk(2, dim=-1)
+        ref = torch.cat([F.silu(gate[b, s]) * up[b, s] for b in range(2) for s in range(5)]).view(2, 5, inter)
+        got = torch.ops.leapfrog_ops.silu_mul(gate_up)
+    assert got.dtype == dtype and torch.equal(got, ref)
