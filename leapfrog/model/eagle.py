@@ -156,7 +156,7 @@ class EagleLayer(DecoderLayer):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, kv: KVCache | None,  # type: ignore[override]
                 attn: AttnMeta | None, embeds: Tensor | None = None) -> Tensor:
-        a, D = self.a, (self.a.hidden_size,)
+        a = self.a
         B, S, _ = x.shape
         if self.form == "eagle3":
             assert embeds is not None

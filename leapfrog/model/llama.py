@@ -70,7 +70,7 @@ class DecoderLayer(nn.Module):
         self.attn_norm = nn.Parameter(torch.ones(a.hidden_size))
         self.mlp_norm = nn.Parameter(torch.ones(a.hidden_size))
         self.act_tile_rows: int | None = None  # batch-invariant mode: rows per silu*up call
-        self.native_ops = False   # eager CPU inference: norms and RoPE as C++ ops (model/native_ops.py)
+        self.native_ops = False   # eager CPU inference: norms, RoPE and silu * up as C++ ops (model/native_ops.py)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, kv: KVCache | None,
                 attn: AttnMeta | None) -> Tensor:
