@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class ForwardOutput:
-    hidden: Tensor                                   # [B, S, D] float32
+    hidden: Tensor                                   # [B, S, D] float32 ([1, N, D] with keep_rows)
     aux: list[Tensor] = field(default_factory=list)  # [B, S, D] per requested layer
 
 
@@ -73,7 +73,11 @@ class DecoderLayer(nn.Module):
         self.native_ops = False   # eager CPU inference: norms, RoPE and silu * up as C++ ops (model/native_ops.py)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, kv: KVCache | None,
-                attn: AttnMeta | None) -> Tensor:
+                attn: AttnMeta | None, keep: Tensor | None = None) -> Tensor:
+        """x [B, S, D] -> [B, S, D]; with ``keep`` (flat indices into the B x S tokens) the keys
+        and values of every token are cached, and the rest of the layer (output projection,
+        residual, MLP) runs for the kept tokens only -> [1, len(keep), D] (a model's last layer,
+        where only some tokens' hidden states are read: LlamaModel.forward)."""
         a = self.a
         B, S, _ = x.shape
         h = rms_norm(x, self.attn_norm, a.rms_norm_eps, self.native_ops)
@@ -83,6 +87,11 @@ class DecoderLayer(nn.Module):
         k = apply_rope(k.view(B, S, a.num_key_value_heads, a.head_dim), cos, sin, self.native_ops)
         v = v.view(B, S, a.num_key_value_heads, a.head_dim)
         o = attend(q, k, v, layer, kv, attn)  # [B, S, H, Dh]
+        if keep is not None and keep.numel() == 0:   # nothing read (a prompt chunk before its last)
+            return x.new_empty(1, 0, x.shape[-1])
+        if keep is not None:   # [B, S, ...] -> [1, N, ...]: the kept tokens
+            o, x = o.reshape(B * S, -1)[keep][None], x.reshape(B * S, -1)[keep][None]
+            B, S = 1, len(keep)
         x = x + self._reduce(self.wo(o.reshape(B, S, a.q_size)))
         h = rms_norm(x, self.mlp_norm, a.rms_norm_eps, self.native_ops)
         return x + self._reduce(self.w2(self._silu_mul(self.w13(h))))
@@ -111,6 +120,8 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    keeps_rows = True   # forward takes keep_rows (the runner's eager prefill: the last layer's MLP for the read rows only)
+
     def __init__(self, args: LlamaArgs, max_positions: int | None = None, tp: TPGroup | None = None) -> None:
         """``tp``: build this rank's shard (parallel/shard.py): its heads, KV heads, MLP channels
         and vocabulary rows; ``args`` stays the whole model's, ``shard_args`` are the shard's."""
@@ -141,19 +152,31 @@ class LlamaModel(nn.Module):
         return self.embed.weight.device
 
     def forward(self, token_ids: Tensor, positions: Tensor, kv: KVCache | None = None,
-                attn: AttnMeta | None = None, aux_layers: tuple[int, ...] = ()) -> ForwardOutput:
-        """token_ids, positions: [B, S] (positions absolute; padding rows any valid value)."""
+                attn: AttnMeta | None = None, aux_layers: tuple[int, ...] = (),
+                keep_rows: Tensor | None = None) -> ForwardOutput:
+        """token_ids, positions: [B, S] (positions absolute; padding rows any valid value).
+        ``keep_rows``: flat indices into the B x S tokens of the only hidden states the caller
+        reads (a prefill's last token, whose logits it wants): every layer caches every token's
+        keys and values, and the last layer's output projection and MLP run for those tokens
+        alone (the rest of a prompt needs only its keys and values; llama.cpp skips the same work)
+        -> hidden [1, len(keep_rows), D], each row bitwise what the whole forward gives it with
+        row-invariant linears (the bf16 kernel; batch-invariant mode). Not with ``aux_layers``."""
         if self.batch_invariant and attn is not None and attn.token_cols is None:
             raise ValueError("a batch-invariant model needs per-token attention metadata "
                              "(build_attn_meta(..., per_token=True))")
+        if keep_rows is not None and aux_layers:
+            raise ValueError("keep_rows with aux_layers: the aux layers' states of every token are read")
         x = self._embed(token_ids)  # [B, S, D]
         cos = self.rope_cos[positions].to(x.dtype).unsqueeze(2)  # [B, S, 1, Dh]
         sin = self.rope_sin[positions].to(x.dtype).unsqueeze(2)
         aux: list[Tensor] = []
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, i, kv, attn)
+            x = layer(x, cos, sin, i, kv, attn, keep_rows if i == last else None)
             if i in aux_layers:
                 aux.append(x)
+        if x.numel() == 0:   # no token kept (a prompt chunk before its last): its keys and values are cached
+            return ForwardOutput(hidden=x.float(), aux=aux)
         # The final norm in float32: the LM head reads it in float32 (an fp16 overflow in the
         # residual stream shows as non-finite logits, see compute_logits).
         hidden = rms_norm(x.float(), self.norm.float(), self.args.rms_norm_eps, self.native_ops)

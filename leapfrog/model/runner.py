@@ -380,7 +380,10 @@ class ModelRunner:
         S = max(max(len(c.token_ids) for c in chunks), bucket[1].tokens if bucket is not None else 0)
         tok, posn, meta = self._inputs(chunks, S, kv_len, graph=bucket is not None)
         has_features = any(c.features is not None for c in chunks)
+        rows = [b * S + i for b, c in enumerate(chunks)
+                for i in range(len(c.token_ids) - c.num_logits, len(c.token_ids))]
         g = None
+        kept = False
         if bucket is not None:
             g = bucket[0](tok, posn, meta, self._pad_features(chunks, S) if has_features else None)
             out_hidden, out_aux = g.hidden, g.aux
@@ -390,6 +393,10 @@ class ModelRunner:
                 kwargs["features"] = self._pad_features(chunks, S)
             if isinstance(hidden, tuple):
                 kwargs["aux_layers"] = hidden
+            # only the logits rows' hidden states are read (prefill): the last layer's MLP runs for them alone
+            kept = hidden is None and len(rows) < B * S and getattr(self.model, "keeps_rows", False)
+            if kept:
+                kwargs["keep_rows"] = torch.tensor(rows, dtype=torch.long, device=self.device)
             out = self.model(token_ids=tok, positions=posn, kv=self.kv, attn=meta, **kwargs)
             out_hidden, out_aux = out.hidden, out.aux
         feats = None
@@ -397,10 +404,10 @@ class ModelRunner:
             real = [b * S + i for b, c in enumerate(chunks) for i in range(len(c.token_ids))]
             src = out_hidden if hidden == "hidden" else torch.cat(out_aux, dim=-1)
             feats = _take(src.reshape(B * S, -1), real)
-        rows = [b * S + i for b, c in enumerate(chunks)
-                for i in range(len(c.token_ids) - c.num_logits, len(c.token_ids))]
         if not rows:
             return StepOutput(torch.empty(0, self.model.args.vocab_size), feats)
+        if kept:
+            return StepOutput(self.model.compute_logits(out_hidden.reshape(len(rows), -1)).cpu(), feats)
         if g is not None:
             logits = _take(g.logits, rows)
             if self._fp16:
