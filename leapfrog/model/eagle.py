@@ -155,7 +155,9 @@ class EagleLayer(DecoderLayer):
             self.hidden_norm = nn.Parameter(torch.ones(a.hidden_size))
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, kv: KVCache | None,  # type: ignore[override]
-                attn: AttnMeta | None, embeds: Tensor | None = None) -> Tensor:
+                attn: AttnMeta | None, keep: Tensor | None = None, embeds: Tensor | None = None) -> Tensor:
+        """As DecoderLayer.forward (``keep``: the tokens whose output is read, the others' keys and
+        values cached only); ``embeds``: the token embeddings (EAGLE-3)."""
         a = self.a
         B, S, _ = x.shape
         if self.form == "eagle3":
@@ -170,6 +172,11 @@ class EagleLayer(DecoderLayer):
         q = apply_rope(q.view(B, S, a.num_attention_heads, a.head_dim), cos, sin, self.native_ops)
         k = apply_rope(k.view(B, S, a.num_key_value_heads, a.head_dim), cos, sin, self.native_ops)
         o = attend(q, k, v.view(B, S, a.num_key_value_heads, a.head_dim), layer, kv, attn)  # [B, S, Hq, Dh]
+        if keep is not None and keep.numel() == 0:   # nothing read (a prompt chunk before its last)
+            return x.new_empty(1, 0, x.shape[-1])
+        if keep is not None:
+            o, x = self._kept(o, x, keep)
+            B, S = x.shape[:2]
         x = x + self.wo(o.reshape(B, S, a.q_size))
         h = rms_norm(x, self.mlp_norm, a.rms_norm_eps, self.native_ops)
         return x + self.w2(self._silu_mul(self.w13(h)))
@@ -186,6 +193,8 @@ class _TargetRef:
 
 
 class EagleHead(nn.Module):
+    keeps_rows = True   # forward takes keep_rows (model/runner.py: the eager catch-up on a prompt)
+
     """An EAGLE-1 or EAGLE-3 draft head; see the module docstring for the math and the contract.
 
     Build one with :func:`load_eagle_head` or :func:`init_eagle_head`. The head shares the target's
@@ -317,9 +326,12 @@ class EagleHead(nn.Module):
         return features if self.kind == "eagle" else self.fc(features)
 
     def forward(self, token_ids: Tensor, features: Tensor, positions: Tensor, kv: KVCache | None = None,
-                attn: AttnMeta | None = None) -> ForwardOutput:
+                attn: AttnMeta | None = None, keep_rows: Tensor | None = None) -> ForwardOutput:
         """token_ids, positions [B, S]; features [B, S, F] (target features, or for EAGLE-3 also the
-        head's own previous hidden [B, S, H]); kv/attn as for LlamaModel (None: causal over S)."""
+        head's own previous hidden [B, S, H]); kv/attn as for LlamaModel (None: causal over S).
+        ``keep_rows``: as LlamaModel's (the head catching up on a prompt caches every position's
+        keys and values, and reads the output state of its last position at most) -> hidden
+        [1, len(keep_rows), H]."""
         H = self.args.hidden_size
         width = features.shape[-1]
         allowed = (self.cfg.target_hidden_size,) if self.kind == "eagle" else (self.cfg.feature_size, H)
@@ -332,10 +344,10 @@ class EagleHead(nn.Module):
         if self.kind == "eagle":
             x = self.fc(torch.cat((e, f), dim=-1))                   # [B, S, 2H] -> [B, S, H]
             for i, layer in enumerate(self.layers):
-                x = layer(x, cos, sin, i, kv, attn)
+                x = layer(x, cos, sin, i, kv, attn, keep=keep_rows if i == len(self.layers) - 1 else None)
         else:
             x = f if width == H else self.fc(f)                      # fc only on raw target features
-            x = self.layers[0](x, cos, sin, 0, kv, attn, embeds=e)
+            x = self.layers[0](x, cos, sin, 0, kv, attn, keep=keep_rows, embeds=e)
         return ForwardOutput(hidden=x)
 
     def _embed(self, token_ids: Tensor) -> Tensor:

@@ -89,12 +89,19 @@ class DecoderLayer(nn.Module):
         o = attend(q, k, v, layer, kv, attn)  # [B, S, H, Dh]
         if keep is not None and keep.numel() == 0:   # nothing read (a prompt chunk before its last)
             return x.new_empty(1, 0, x.shape[-1])
-        if keep is not None:   # [B, S, ...] -> [1, N, ...]: the kept tokens
-            o, x = o.reshape(B * S, -1)[keep][None], x.reshape(B * S, -1)[keep][None]
-            B, S = 1, len(keep)
+        if keep is not None:
+            o, x = self._kept(o, x, keep)
+            B, S = x.shape[:2]
         x = x + self._reduce(self.wo(o.reshape(B, S, a.q_size)))
         h = rms_norm(x, self.mlp_norm, a.rms_norm_eps, self.native_ops)
         return x + self._reduce(self.w2(self._silu_mul(self.w13(h))))
+
+    @staticmethod
+    def _kept(o: Tensor, x: Tensor, keep: Tensor) -> tuple[Tensor, Tensor]:
+        """The attention output [B, S, H, Dh] and residual [B, S, D] of the kept tokens (flat
+        indices into B x S) -> [1, N, H * Dh], [1, N, D]."""
+        B, S = x.shape[:2]
+        return o.reshape(B * S, -1)[keep][None], x.reshape(B * S, -1)[keep][None]
 
     def _reduce(self, partial: Tensor) -> Tensor:
         """Row-parallel output: the sum over ranks of each rank's partial product [B, S, D]."""
@@ -172,7 +179,7 @@ class LlamaModel(nn.Module):
         aux: list[Tensor] = []
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, i, kv, attn, keep_rows if i == last else None)
+            x = layer(x, cos, sin, i, kv, attn, keep=keep_rows if i == last else None)
             if i in aux_layers:
                 aux.append(x)
         if x.numel() == 0:   # no token kept (a prompt chunk before its last): its keys and values are cached

@@ -99,7 +99,7 @@ class SeqChunk:
 @dataclass
 class StepOutput:
     logits: Tensor         # [sum(num_logits), V] float32
-    hidden: Tensor | None  # [sum(len(token_ids)), F] per real token, chunk by chunk (when asked)
+    hidden: Tensor | None  # [sum(len(token_ids)), F] per real token, chunk by chunk (when asked; "logits_rows": [sum(num_logits), F])
     # compiled graphs: each logits row's largest logit and its token ([sum(num_logits)] each,
     # as logits.max(-1)), for greedy verification; None from eager forwards
     top: tuple[Tensor, Tensor] | None = None
@@ -371,7 +371,10 @@ class ModelRunner:
         """One forward. ``hidden`` asks for a state of every real token as well: "hidden" (the
         forward contract's ``hidden``: a target's final-norm state, what EAGLE-1 reads; an EAGLE
         head's output state, fed back at its next draft step), or a tuple of layer indices
-        (their residual-stream outputs concatenated: EAGLE-3's low/middle/high features)."""
+        (their residual-stream outputs concatenated: EAGLE-3's low/middle/high features);
+        "logits_rows": the "hidden" state of the logits rows only (an EAGLE head catching up on
+        a prompt). Eager forwards that read no other token's state run the model's last layer
+        past attention for those rows alone (``keep_rows``: LlamaModel, EagleHead)."""
         kv_len = max(c.start + len(c.token_ids) for c in chunks)
         bucket = self._bucket(chunks, hidden, kv_len)
         if bucket is not None:  # padding sequences: one token on the scratch row, never read
@@ -394,20 +397,23 @@ class ModelRunner:
             if isinstance(hidden, tuple):
                 kwargs["aux_layers"] = hidden
             # only the logits rows' hidden states are read (prefill): the last layer's MLP runs for them alone
-            kept = hidden is None and len(rows) < B * S and getattr(self.model, "keeps_rows", False)
+            kept = hidden in (None, "logits_rows") and len(rows) < B * S and getattr(self.model, "keeps_rows", False)
             if kept:
                 kwargs["keep_rows"] = torch.tensor(rows, dtype=torch.long, device=self.device)
             out = self.model(token_ids=tok, positions=posn, kv=self.kv, attn=meta, **kwargs)
             out_hidden, out_aux = out.hidden, out.aux
         feats = None
-        if hidden is not None:
+        if hidden == "logits_rows":
+            feats = out_hidden.reshape(len(rows), out_hidden.shape[-1]) if kept else (
+                _take(out_hidden.reshape(B * S, -1), rows) if rows else out_hidden.new_empty(0, out_hidden.shape[-1]))
+        elif hidden is not None:
             real = [b * S + i for b, c in enumerate(chunks) for i in range(len(c.token_ids))]
             src = out_hidden if hidden == "hidden" else torch.cat(out_aux, dim=-1)
             feats = _take(src.reshape(B * S, -1), real)
         if not rows:
             return StepOutput(torch.empty(0, self.model.args.vocab_size), feats)
         if kept:
-            return StepOutput(self.model.compute_logits(out_hidden.reshape(len(rows), -1)).cpu(), feats)
+            return StepOutput(self.model.compute_logits(out_hidden.reshape(len(rows), out_hidden.shape[-1])).cpu(), feats)
         if g is not None:
             logits = _take(g.logits, rows)
             if self._fp16:

@@ -309,6 +309,36 @@ def test_kv_cached_forward_equals_full_causal(tmp_path, target, kind):
     _close(got[1, :1], full[0, 9:10], 1e-5)
 
 
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@torch.no_grad()
+def test_keep_rows_caches_every_position_and_returns_the_kept_ones(tmp_path, target, kind):
+    """A head catching up on a prompt (runner: hidden="logits_rows") caches every position's keys
+    and values and runs its last layer past attention for the kept rows only: those rows' states
+    as the whole forward gives them, none for an empty keep, and later steps read the same cache."""
+    if kind == "eagle":
+        path, _ = write_eagle1(tmp_path / "h", layers=2)
+    else:
+        path, _, _ = write_eagle3(tmp_path / "h")
+    head = load_eagle_head(path, target)
+    S = 10
+    ids = _ids(S, B=1)
+    pos = torch.arange(S)[None]
+    feats = head.target_features(target(ids, pos, aux_layers=head.target_layer_ids))
+    full = head(ids, feats, pos).hidden  # [1, S, H]
+    kv = _kv(head)
+
+    def chunk(a, b, keep=None):
+        meta = build_attn_meta([0], [list(range(a, b))], kv.scratch_row, CPU)
+        return head(ids[:, a:b], feats[:, a:b], pos[:, a:b], kv, meta,
+                    keep_rows=None if keep is None else torch.tensor(keep)).hidden
+
+    assert chunk(0, 4, keep=[]).shape == (1, 0, full.shape[-1])   # a chunk before the prompt's last
+    got = chunk(4, 8, keep=[1, 3])
+    assert got.shape == (1, 2, full.shape[-1])
+    _close(got[0], full[0, [5, 7]], 1e-5)
+    _close(torch.cat([chunk(8, 9), chunk(9, 10)], 1), full[:, 8:10], 1e-5)
+
+
 @torch.no_grad()
 def test_tree_mask_siblings_equal_their_chains(tmp_path, target):
     path, _, _ = write_eagle3(tmp_path / "h")

@@ -412,18 +412,18 @@ class EagleProposer:
                 n = min(end - c, self.chunk)
                 f = self.feats[r.request_id]
                 feats = f.rows()[c - f.start:c - f.start + n]
-                chunks.append(SeqChunk(r.row, c, r.all_ids[c + 1:c + 1 + n], 1 if c + n == end else 0,
+                chunks.append(SeqChunk(r.row, c, r.all_ids[c + 1:c + 1 + n], 1 if c + n == end and not keep else 0,
                                        features=feats))
                 who.append(i)
                 self.computed[r.request_id] = c + n
             if not chunks:
                 break
-            out = self.runner.step(chunks, hidden="hidden")
-            o = li = 0
+            # every position's keys and values; the output state of each request's last one only
+            out = self.runner.step(chunks, hidden="logits_rows")
+            li = 0
             for i, ch in zip(who, chunks):
-                o += len(ch.token_ids)
                 if ch.num_logits:
-                    last_logits[i], last_state[i] = out.logits[li], out.hidden[o - 1]
+                    last_logits[i], last_state[i] = out.logits[li], out.hidden[li]
                     li += 1
         for r in reqs:  # features before the last caught-up position are never read again (reset)
             self.feats[r.request_id].drop_before(self.computed[r.request_id] - 1)
