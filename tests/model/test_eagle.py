@@ -275,19 +275,25 @@ def _kv(head, rows=2, max_len=64):
     return KVCache(a.num_hidden_layers, rows, max_len, a.num_key_value_heads, a.head_dim, head.dtype)
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
-@torch.no_grad()
-def test_kv_cached_forward_equals_full_causal(tmp_path, target, kind):
+def _head_on_features(tmp_path, target, kind: str, S: int):
+    """A random head of ``kind`` (EAGLE-1 with two layers, or EAGLE-3), S tokens with the target's
+    features for it, and its whole causal forward over them -> head, ids, feats, positions, hidden."""
     if kind == "eagle":
         path, _ = write_eagle1(tmp_path / "h", layers=2)
     else:
         path, _, _ = write_eagle3(tmp_path / "h")
     head = load_eagle_head(path, target)
-    S = 10
     ids = _ids(S, B=1)
     pos = torch.arange(S)[None]
     feats = head.target_features(target(ids, pos, aux_layers=head.target_layer_ids))
-    full = head(ids, feats, pos).hidden  # [1, S, H]
+    return head, ids, feats, pos, head(ids, feats, pos).hidden  # [1, S, H]
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@torch.no_grad()
+def test_kv_cached_forward_equals_full_causal(tmp_path, target, kind):
+    S = 10
+    head, ids, feats, pos, full = _head_on_features(tmp_path, target, kind, S)
     kv = _kv(head)
     # A 4-token chunk, then one token at a time (row 1 of the cache).
     steps = [(0, 4)] + [(s, s + 1) for s in range(4, S)]
@@ -315,16 +321,8 @@ def test_keep_rows_caches_every_position_and_returns_the_kept_ones(tmp_path, tar
     """A head catching up on a prompt (runner: hidden="logits_rows") caches every position's keys
     and values and runs its last layer past attention for the kept rows only: those rows' states
     as the whole forward gives them, none for an empty keep, and later steps read the same cache."""
-    if kind == "eagle":
-        path, _ = write_eagle1(tmp_path / "h", layers=2)
-    else:
-        path, _, _ = write_eagle3(tmp_path / "h")
-    head = load_eagle_head(path, target)
     S = 10
-    ids = _ids(S, B=1)
-    pos = torch.arange(S)[None]
-    feats = head.target_features(target(ids, pos, aux_layers=head.target_layer_ids))
-    full = head(ids, feats, pos).hidden  # [1, S, H]
+    head, ids, feats, pos, full = _head_on_features(tmp_path, target, kind, S)
     kv = _kv(head)
 
     def chunk(a, b, keep=None):
