@@ -46,6 +46,7 @@ from leapfrog.errors import LeapfrogError
 from leapfrog.model import native_linear as nl
 from leapfrog.model.args import LlamaArgs
 from leapfrog.model.loader import read_checkpoint
+from leapfrog.utils.cpp import openmp_flags
 
 
 @dataclass
@@ -92,7 +93,7 @@ def other_kernel(path: str, weights: list[torch.Tensor]) -> tuple[Callable, list
     spec.loader.exec_module(other)
     isa = nl.kernel_isa()
     source, flags = other.kernel_source(isa, namespace="leapfrog_gemm_other")
-    omp = ["-fopenmp"] if torch.backends.openmp.is_available() else []
+    omp = openmp_flags()
     digest = hashlib.sha256(source.encode()).hexdigest()[:12]   # (stable across runs: the build is cached)
     load_inline(f"leapfrog_gemm_other_{digest}", cpp_sources=source, is_python_module=False,
                 extra_cflags=[*flags, *omp], extra_ldflags=omp)

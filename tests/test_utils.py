@@ -1,4 +1,4 @@
-"""leapfrog/utils: the environment switches and the start-up heap freeze."""
+"""leapfrog/utils: the environment switches, the start-up heap freeze and the C++ builds' fallback."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import weakref
 
 import pytest
 
-from leapfrog.utils import env_off, env_on, freeze_heap
+import torch
+
+from leapfrog.utils import cpp, env_off, env_on, freeze_heap
 
 
 @pytest.mark.parametrize("switch,set_values,other", [
@@ -49,3 +51,29 @@ def test_freeze_heap_collects_first_then_freezes_the_survivors():
         gc.unfreeze()
     tracked = {id(o) for o in gc.get_objects()}
     assert all(id(n) in tracked for n in keep)
+
+
+def test_build_inline_falls_back_to_a_generic_build(monkeypatch):
+    """The CPU's instruction-set build first; where the compiler refuses its flags, the generic
+    build (its own cache entry, no set flags); the last build's error reaches the caller (who keeps
+    ATen's functions). The compiler is replaced by a recorder here: the real builds run in every
+    test of the ops (tests/attention, tests/model/test_native_ops.py)."""
+    import torch.utils.cpp_extension as ext
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    calls = []
+
+    def load_inline(name, cpp_sources, is_python_module, extra_cflags, extra_ldflags):
+        calls.append((name, extra_cflags))
+        if "-mavx2" in extra_cflags:
+            raise RuntimeError("unknown flag")
+    monkeypatch.setattr(ext, "load_inline", load_inline)
+    assert cpp.build_inline("op", "src", ["-O3"]) == "generic"
+    assert [n for n, _ in calls] == ["op_avx2", "op_generic"]
+    assert calls[0][1][:1] == ["-O3"] and set(cpp.ISA_FLAGS["AVX2"]) <= set(calls[0][1])
+    assert not set(cpp.ISA_FLAGS["AVX2"]) & set(calls[1][1])
+
+    def broken(name, **kw):
+        raise OSError("no compiler")
+    monkeypatch.setattr(ext, "load_inline", lambda name, **kw: broken(name))
+    with pytest.raises(OSError, match="no compiler"):
+        cpp.build_inline("op", "src", [])

@@ -37,7 +37,7 @@ vectorized on AVX2 too (``scale_mask_block``; it was the scalar loop there): flo
 
 On CUDA the op calls ATen (index_put_ and SDPA).
 
-It is built once with ``torch.utils.cpp_extension.load_inline`` (about 30 s on 2 cores, cached
+It is built once with ``torch.utils.cpp_extension.load_inline`` (utils/cpp.py; about 30 s on 2 cores, cached
 under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``, one build per CPU
 instruction set) when the fast path is first compiled; if it cannot be built, graphs call the
 Python op instead (logged).
@@ -49,6 +49,8 @@ import logging
 import threading
 
 import torch
+
+from leapfrog.utils.cpp import build_inline
 
 log = logging.getLogger("leapfrog.attention")
 
@@ -438,13 +440,6 @@ TORCH_LIBRARY_IMPL(leapfrog_native, CPU, m) { m.impl("cached_attention", &cached
 TORCH_LIBRARY_IMPL(leapfrog_native, CUDA, m) { m.impl("cached_attention", &cached_attention_aten); }
 """
 
-# Compiler flags per CPU instruction set (torch.backends.cpu.get_cpu_capability()): the kernel's
-# loops are written for the compiler to vectorize. Each set is its own build (its own cache entry).
-_ISA_FLAGS = {
-    "AVX512": ["-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mavx2"],
-    "AVX2": ["-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"],
-}
-
 _STATE: dict[str, bool] = {}  # memo of load_native_attention (the op is process-wide once loaded)
 _LOCK = threading.Lock()       # one build at a time; callers wait for its result
 
@@ -459,22 +454,8 @@ def load_native_attention() -> bool:
 
 def _load() -> bool:
     try:
-        from torch.utils.cpp_extension import load_inline
-        isa = torch.backends.cpu.get_cpu_capability()
-        omp = ["-fopenmp"] if torch.backends.openmp.is_available() else []   # else at::parallel_for is serial
         log.info("loading leapfrog's native attention op (built once, about 30 s)")
-        # this CPU's instruction set first; if the compiler refuses its flags, a generic build
-        builds = ([(isa.lower(), _ISA_FLAGS[isa])] if isa in _ISA_FLAGS else []) + [("generic", [])]
-        for i, (name, flags) in enumerate(builds):
-            try:
-                load_inline(f"leapfrog_native_attention_{name}", cpp_sources=_SOURCE, is_python_module=False,
-                            extra_cflags=["-O3", *omp, *flags], extra_ldflags=omp)
-                break
-            except Exception as e:  # noqa: BLE001 - the last build's error goes to the handler below
-                if i == len(builds) - 1:
-                    raise
-                log.warning("native attention op: %s build failed (%s); building it generic", name,
-                            type(e).__name__)
+        build_inline("leapfrog_native_attention", _SOURCE, ["-O3"])
         torch.library.register_fake("leapfrog_native::cached_attention")(_fake)
         return True
     except Exception as e:  # noqa: BLE001 - no compiler, headers, ...: the Python op serves

@@ -31,7 +31,8 @@ Numerics:
 Used by models packed for inference on CPU (``pack_for_inference`` sets their layers'
 ``native_ops``), outside ``torch.compile`` (graphs fuse these themselves) and without autograd
 (training keeps ATen's differentiable functions). Built once per CPU instruction set with
-``load_inline`` (20-60 s, cached under ``TORCH_EXTENSIONS_DIR``) at the first such load; if the
+``load_inline`` (utils/cpp.py, with a generic build where the compiler refuses the set's flags;
+20-60 s, cached under ``TORCH_EXTENSIONS_DIR``) at the first such load; if the
 build fails (logged), or with ``LEAPFROG_NATIVE_OPS=0`` (read at load), forwards keep ATen's
 functions.
 """
@@ -46,6 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from leapfrog.utils import env_off
+from leapfrog.utils.cpp import build_inline
 
 log = logging.getLogger("leapfrog.model")
 
@@ -234,15 +236,8 @@ def native_ops_wanted(device: torch.device) -> bool:
 
 def _load() -> bool:
     try:
-        from torch.utils.cpp_extension import load_inline
-
-        from leapfrog.attention.native import _ISA_FLAGS
-        isa = torch.backends.cpu.get_cpu_capability()
-        omp = ["-fopenmp"] if torch.backends.openmp.is_available() else []
         log.info("loading leapfrog's native norm and RoPE ops (built once, about 20 s)")
-        flags = ["-O3", "-ffp-contract=off", *omp, *_ISA_FLAGS.get(isa, [])]
-        load_inline(f"leapfrog_native_ops_{isa.lower() if isa in _ISA_FLAGS else 'generic'}", cpp_sources=_SOURCE,
-                    is_python_module=False, extra_cflags=flags, extra_ldflags=omp)
+        build_inline("leapfrog_native_ops", _SOURCE, ["-O3", "-ffp-contract=off"])
         # (shapes for tracers that reach them outside torch.compile, e.g. make_fx)
         torch.library.register_fake("leapfrog_ops::rms_norm")(lambda x, weight, eps: torch.empty_like(x))
         torch.library.register_fake("leapfrog_ops::rope")(lambda x, cos, sin: x.new_empty(x.shape))

@@ -1,0 +1,51 @@
+"""Building leapfrog's C++ ops from their inline sources: the compiler flags per CPU instruction
+set, and the generic build that serves where the compiler refuses them.
+
+The ops (attention/native.py's cached attention, model/native_ops.py's norm, RoPE and silu * up)
+are written for the compiler to vectorize, and each is built once per instruction set with
+``torch.utils.cpp_extension.load_inline`` (cached under ``TORCH_EXTENSIONS_DIR``: a build's name
+carries the set, so each set is its own cache entry). model/native_linear.py's kernel is written
+with the intrinsics of one set per build and picks its builds itself.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger("leapfrog.utils")
+
+#: compiler flags per CPU instruction set (torch.backends.cpu.get_cpu_capability(), what ATen's
+#: own kernels dispatch on, so an op's vector width is ATen's: model/native_ops.py's silu * up
+#: takes ATen's split between vector and scalar code from it)
+ISA_FLAGS = {
+    "AVX512": ["-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mavx2"],
+    "AVX2": ["-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"],
+}
+
+
+def openmp_flags() -> list[str]:
+    """-fopenmp where PyTorch was built with OpenMP (else at::parallel_for runs serially)."""
+    return ["-fopenmp"] if torch.backends.openmp.is_available() else []
+
+
+def build_inline(name: str, source: str, cflags: list[str]) -> str:
+    """Build (or load from the cache) and load ``source`` as ``{name}_{set}`` with this CPU's
+    instruction-set flags after ``cflags``; if the compiler refuses them, once more as
+    ``{name}_generic`` without them. -> the build's suffix ("avx2", "avx512" or "generic").
+    Raises the last build's error (no compiler, no headers: callers fall back to ATen)."""
+    from torch.utils.cpp_extension import load_inline
+    isa = torch.backends.cpu.get_cpu_capability()
+    omp = openmp_flags()
+    builds = ([(isa.lower(), ISA_FLAGS[isa])] if isa in ISA_FLAGS else []) + [("generic", [])]
+    for i, (suffix, flags) in enumerate(builds):
+        try:
+            load_inline(f"{name}_{suffix}", cpp_sources=source, is_python_module=False,
+                        extra_cflags=[*cflags, *omp, *flags], extra_ldflags=omp)
+            return suffix
+        except Exception as e:  # noqa: BLE001 - the last build's error goes to the caller
+            if i == len(builds) - 1:
+                raise
+            log.warning("%s: the %s build failed (%s); building it generic", name, suffix, type(e).__name__)
+    raise AssertionError("unreachable")
