@@ -12,13 +12,21 @@ model, the built-in EAGLE-3 head), each contender's two variants interleaved in 
 reports the median per-repetition time ratio; it also checks that both variants give the same
 first tokens.
 
+Then ragged batches: ``--batch-sizes`` prompts of random lengths in ``--ragged-lengths`` prefilled
+together (``LLM.generate``, one token each, no speculation), in eager forwards of similar lengths
+(``split_by_length``: the runner's default) against one forward padded to the longest prompt
+(``split_tokens = 0``), interleaved the same way.
+
     python benchmarks/prefill_bench.py [--lengths 64 256 1024] [--reps 12] [--methods none draft_model eagle3]
+                                       [--batch-sizes 4 16] [--ragged-lengths 16 256]
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
+import time
 
 import torch
 
@@ -37,6 +45,8 @@ def main() -> None:
     ap.add_argument("--methods", nargs="+", choices=list(SPECS), default=list(SPECS))
     ap.add_argument("--reps", type=int, default=12)
     ap.add_argument("--new-tokens", type=int, default=4, help="tokens generated per prompt (the first one times the prefill)")
+    ap.add_argument("--batch-sizes", type=int, nargs="*", default=[4, 16], help="ragged batches (none: skip)")
+    ap.add_argument("--ragged-lengths", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
@@ -69,6 +79,39 @@ def main() -> None:
                   f"{statistics.median(times[False]) * 1e3:.1f} | {ratio:.3f} | {outs[True] == outs[False]} |", flush=True)
         for m in models:
             m.keeps_rows = True
+    if args.batch_sizes:
+        ragged(args)
+
+
+def ragged(args: argparse.Namespace) -> None:
+    """Ragged batches' prefill: grouped by length (the default) against one padded forward."""
+    lo, hi = args.ragged_lengths
+    llm = LLM(str(DEMO_DIR / "target"), enforce_eager=True, dtype=args.dtype, max_num_seqs=max(args.batch_sizes),
+              max_model_len=hi + 8, max_num_batched_tokens=max(args.batch_sizes) * hi)
+    runner = llm.engine.runner
+    split = runner.split_tokens
+    sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    rng = random.Random(0)
+    print()
+    print(f"| batch | prompt tokens (sum / padded) | forwards by length, s | one padded forward, s | ratio (median per repetition) | same tokens |")
+    print("|---:|---:|---:|---:|---:|---|")
+    for b in args.batch_sizes:
+        lengths = [rng.randint(lo, hi) for _ in range(b)]
+        prompts = [{"prompt_token_ids": [(i * 37 + j) % 8000 + 5 for i in range(n)]} for j, n in enumerate(lengths)]
+        times: dict[int, list[float]] = {split: [], 0: []}
+        outs: dict[int, list[list[int]]] = {}
+        for rep in range(args.reps + 1):
+            for v in ((split, 0) if rep % 2 else (0, split)):
+                runner.split_tokens = v
+                t0 = time.perf_counter()
+                rs = llm.generate(prompts, sp, use_tqdm=False)
+                if rep:
+                    times[v].append(time.perf_counter() - t0)
+                outs[v] = [list(r.outputs[0].token_ids) for r in rs]
+        ratio = statistics.median(a / c for a, c in zip(times[split], times[0]))
+        print(f"| {b} | {sum(lengths)} / {b * max(lengths)} | {statistics.median(times[split]):.3f} | "
+              f"{statistics.median(times[0]):.3f} | {ratio:.3f} | {outs[split] == outs[0]} |", flush=True)
+    runner.split_tokens = split
 
 
 if __name__ == "__main__":

@@ -48,6 +48,11 @@ SAMPLED_ROUNDS_MAX_NOISE_BYTES = 256 << 20
 #: SDPA). The op measured faster up to 512-token prefill chunks too (bf16, 8 heads x 64: 256 tokens
 #: 1.2 ms against 1.5, 512 tokens 4.0 against 5.0), but its mask is chunk x max_model_len wide.
 NATIVE_EAGER_TOKENS = 256
+#: per device type, what one more eager forward costs in token rows of a prefill (split_by_length):
+#: mostly reading every weight once more. CPU: a one-token eager step of the built-in target costs
+#: about 19 prefill rows (7 ms against 0.37 ms a row, float32, Zen 3), of a 110M Llama about 6;
+#: CUDA: an 8B or 1B model's weights take about as long to read as 180-200 rows take to compute.
+SPLIT_FORWARD_TOKENS = {"cpu": 32, "cuda": 256}
 
 
 def _first(out: Any, n: int) -> Any:
@@ -135,6 +140,9 @@ class ModelRunner:
         self._arena_ok = (self.device.type == "cpu" and model.args.sliding_window is None
                           and not env_off("LEAPFROG_GRAPH_INPUTS"))
         self._arenas: dict[tuple[int, int], GraphInputs] = {}
+        #: what one more eager forward costs, in token rows (step: chunks of very different lengths
+        #: run in several forwards where padding them to the longest costs more; 0: never split)
+        self.split_tokens = SPLIT_FORWARD_TOKENS.get(self.device.type, 0)
 
     @property
     def compiled(self) -> CompiledForward | None:
@@ -374,7 +382,21 @@ class ModelRunner:
         (their residual-stream outputs concatenated: EAGLE-3's low/middle/high features);
         "logits_rows": the "hidden" state of the logits rows only (an EAGLE head catching up on
         a prompt). Eager forwards that read no other token's state run the model's last layer
-        past attention for those rows alone (``keep_rows``: LlamaModel, EagleHead)."""
+        past attention for those rows alone (``keep_rows``: LlamaModel, EagleHead).
+
+        Chunks of very different lengths (prompts prefilled together) are padded to the longest;
+        where that padding costs more than further forwards would (``split_by_length``), the
+        chunks run in several eager forwards of similar lengths, and their outputs come back in
+        the chunks' order as from one."""
+        groups = None if len(chunks) < 2 or self.split_tokens <= 0 else split_by_length(
+            [len(c.token_ids) for c in chunks], self.split_tokens)
+        if (groups is None or len(groups) < 2
+                or self._bucket(chunks, hidden, max(c.start + len(c.token_ids) for c in chunks)) is not None):
+            return self._forward(chunks, hidden)
+        outs = [self._forward([chunks[i] for i in g], hidden) for g in groups]
+        return _merge(chunks, groups, outs, hidden)
+
+    def _forward(self, chunks: list[SeqChunk], hidden: str | tuple[int, ...] | None) -> StepOutput:
         kv_len = max(c.start + len(c.token_ids) for c in chunks)
         bucket = self._bucket(chunks, hidden, kv_len)
         if bucket is not None:  # padding sequences: one token on the scratch row, never read
@@ -522,6 +544,48 @@ class ModelRunner:
                 mask[b, :n, :c.start + n] &= kpos > q - window
             mask[b, n:, 0] = True
         return mask.to(self.device)
+
+
+def split_by_length(lengths: list[int], forward_tokens: int) -> list[list[int]]:
+    """Chunks of these token counts, padded to the longest in one forward, grouped for the fewest
+    padded rows plus ``forward_tokens`` rows' worth of cost per further forward (what one more
+    forward costs on this device, mostly reading the weights once more, counted in token rows):
+    the lengths sorted, then the cheapest split into runs of neighbours (dynamic programming over
+    the n <= max_num_seqs chunks). -> each forward's chunk indices, longest first; one group
+    where padding costs less than a further forward."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    n = len(order)
+    best = [0.0] + [float("inf")] * n   # best[j]: cost of the first j chunks (longest first)
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j):   # a forward of chunks i..j-1, padded to the i-th (the longest)
+            c = best[i] + forward_tokens * (i > 0) + (j - i) * lengths[order[i]]
+            if c < best[j]:
+                best[j], cut[j] = c, i
+    groups, j = [], n
+    while j > 0:
+        groups.append(order[cut[j]:j])
+        j = cut[j]
+    return groups[::-1]
+
+
+def _merge(chunks: list[SeqChunk], groups: list[list[int]], outs: list[StepOutput],
+           hidden: str | tuple[int, ...] | None) -> StepOutput:
+    """Eager forwards over groups of the chunks -> one StepOutput in the chunks' order (the
+    logits rows and hidden states of chunk after chunk, as one forward gives them)."""
+    logits: list[Tensor | None] = [None] * len(chunks)
+    feats: list[Tensor | None] = [None] * len(chunks)
+    for g, out in zip(groups, outs):
+        li = fi = 0
+        for i in g:
+            n_log = chunks[i].num_logits
+            logits[i] = out.logits[li:li + n_log]
+            li += n_log
+            if out.hidden is not None:
+                n_f = n_log if hidden == "logits_rows" else len(chunks[i].token_ids)
+                feats[i] = out.hidden[fi:fi + n_f]
+                fi += n_f
+    return StepOutput(torch.cat(logits), None if outs[0].hidden is None else torch.cat(feats))
 
 
 def _take(flat: Tensor, rows: list[int]) -> Tensor:
