@@ -193,13 +193,13 @@ class _TargetRef:
 
 
 class EagleHead(nn.Module):
-    keeps_rows = True   # forward takes keep_rows (model/runner.py: the eager catch-up on a prompt)
-
     """An EAGLE-1 or EAGLE-3 draft head; see the module docstring for the math and the contract.
 
     Build one with :func:`load_eagle_head` or :func:`init_eagle_head`. The head shares the target's
     embedding when it has none of its own and, for EAGLE-1, the target's LM head: both through
     :meth:`bind_target`, which the loader calls."""
+
+    keeps_rows = True   # forward takes keep_rows (model/runner.py: the eager catch-up on a prompt)
 
     def __init__(self, args: LlamaArgs, cfg: EagleConfig, own_embedding: bool,
                  max_positions: int | None = None) -> None:

@@ -50,7 +50,7 @@ SAMPLED_ROUNDS_MAX_NOISE_BYTES = 256 << 20
 NATIVE_EAGER_TOKENS = 256
 #: per device type, what one more eager forward costs in token rows of a prefill (split_by_length):
 #: mostly reading every weight once more. CPU: a one-token eager step of the built-in target costs
-#: about 19 prefill rows (7 ms against 0.37 ms a row, float32, Zen 3), of a 110M Llama about 6;
+#: about 19 prefill rows (7 ms against 0.37 ms a row, float32, Zen 3), of a 110M Llama about 6 (estimated);
 #: CUDA: an 8B or 1B model's weights take about as long to read as 180-200 rows take to compute.
 SPLIT_FORWARD_TOKENS = {"cpu": 32, "cuda": 256}
 
