@@ -550,22 +550,27 @@ def split_by_length(lengths: list[int], forward_tokens: int) -> list[list[int]]:
     """Chunks of these token counts, padded to the longest in one forward, grouped for the fewest
     padded rows plus ``forward_tokens`` rows' worth of cost per further forward (what one more
     forward costs on this device, mostly reading the weights once more, counted in token rows):
-    the lengths sorted, then the cheapest split into runs of neighbours (dynamic programming over
-    the n <= max_num_seqs chunks). -> each forward's chunk indices, longest first; one group
-    where padding costs less than a further forward."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    n = len(order)
-    best = [0.0] + [float("inf")] * n   # best[j]: cost of the first j chunks (longest first)
-    cut = [0] * (n + 1)
-    for j in range(1, n + 1):
-        for i in range(j):   # a forward of chunks i..j-1, padded to the i-th (the longest)
-            c = best[i] + forward_tokens * (i > 0) + (j - i) * lengths[order[i]]
-            if c < best[j]:
-                best[j], cut[j] = c, i
-    groups, j = [], n
-    while j > 0:
-        groups.append(order[cut[j]:j])
-        j = cut[j]
+    the lengths sorted, then the cheapest split into runs of neighbours, cut only between
+    different lengths (dynamic programming over the d distinct lengths, O(d^2)). -> each
+    forward's chunk indices, longest first; one group where padding costs less than a further
+    forward."""
+    n = len(lengths)
+    order = sorted(range(n), key=lambda i: -lengths[i])
+    if n * max(lengths, default=0) - sum(lengths) <= forward_tokens:   # (decode and verify steps)
+        return [order] if n else []   # a split saves at most the padding, and costs more
+    starts = [j for j in range(n) if j == 0 or lengths[order[j]] != lengths[order[j - 1]]] + [n]
+    d = len(starts) - 1
+    best = [0.0] + [float("inf")] * d   # best[b]: cost of the chunks before distinct length b
+    cut = [0] * (d + 1)
+    for b in range(1, d + 1):
+        for a in range(b):   # one forward of the chunks of distinct lengths a..b-1, padded to a's
+            c = best[a] + forward_tokens * (a > 0) + (starts[b] - starts[a]) * lengths[order[starts[a]]]
+            if c < best[b]:
+                best[b], cut[b] = c, a
+    groups, b = [], d
+    while b > 0:
+        groups.append(order[starts[cut[b]]:starts[b]])
+        b = cut[b]
     return groups[::-1]
 
 

@@ -28,6 +28,18 @@ def test_split_by_length_partitions_and_never_costs_more(lengths, forward_tokens
     assert _cost(lengths, groups, forward_tokens) <= _cost(lengths, [list(range(len(lengths)))], forward_tokens)
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=8), st.integers(0, 40))
+def test_split_by_length_is_the_cheapest_split_of_the_sorted_lengths(lengths, forward_tokens):
+    """Against every split of the longest-first order into runs (brute force, n <= 8)."""
+    from itertools import combinations
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    n = len(order)
+    brute = min(_cost(lengths, [order[a:b] for a, b in zip((0, *cuts), (*cuts, n))], forward_tokens)
+                for k in range(n) for cuts in combinations(range(1, n), k))
+    assert _cost(lengths, split_by_length(lengths, forward_tokens), forward_tokens) == brute
+
+
 def test_split_by_length_examples():
     assert split_by_length([5, 5, 5], 32) == [[0, 1, 2]]              # no padding: one forward
     assert split_by_length([6, 1, 1, 1], 32) == [[0, 1, 2, 3]]        # a verify step: not worth a forward
