@@ -172,14 +172,7 @@ class EagleLayer(DecoderLayer):
         q = apply_rope(q.view(B, S, a.num_attention_heads, a.head_dim), cos, sin, self.native_ops)
         k = apply_rope(k.view(B, S, a.num_key_value_heads, a.head_dim), cos, sin, self.native_ops)
         o = attend(q, k, v.view(B, S, a.num_key_value_heads, a.head_dim), layer, kv, attn)  # [B, S, Hq, Dh]
-        if keep is not None and keep.numel() == 0:   # nothing read (a prompt chunk before its last)
-            return x.new_empty(1, 0, x.shape[-1])
-        if keep is not None:
-            o, x = self._kept(o, x, keep)
-            B, S = x.shape[:2]
-        x = x + self.wo(o.reshape(B, S, a.q_size))
-        h = rms_norm(x, self.mlp_norm, a.rms_norm_eps, self.native_ops)
-        return x + self.w2(self._silu_mul(self.w13(h)))
+        return self._after_attention(x, o, keep)   # (a head has no tensor-parallel group: no reduce)
 
 
 @dataclass

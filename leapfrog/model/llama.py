@@ -87,21 +87,21 @@ class DecoderLayer(nn.Module):
         k = apply_rope(k.view(B, S, a.num_key_value_heads, a.head_dim), cos, sin, self.native_ops)
         v = v.view(B, S, a.num_key_value_heads, a.head_dim)
         o = attend(q, k, v, layer, kv, attn)  # [B, S, H, Dh]
-        if keep is not None and keep.numel() == 0:   # nothing read (a prompt chunk before its last)
-            return x.new_empty(1, 0, x.shape[-1])
-        if keep is not None:
-            o, x = self._kept(o, x, keep)
-            B, S = x.shape[:2]
-        x = x + self._reduce(self.wo(o.reshape(B, S, a.q_size)))
-        h = rms_norm(x, self.mlp_norm, a.rms_norm_eps, self.native_ops)
-        return x + self._reduce(self.w2(self._silu_mul(self.w13(h))))
+        return self._after_attention(x, o, keep)
 
-    @staticmethod
-    def _kept(o: Tensor, x: Tensor, keep: Tensor) -> tuple[Tensor, Tensor]:
-        """The attention output [B, S, H, Dh] and residual [B, S, D] of the kept tokens (flat
-        indices into B x S) -> [1, N, H * Dh], [1, N, D]."""
+    def _after_attention(self, x: Tensor, o: Tensor, keep: Tensor | None) -> Tensor:
+        """The residual x [B, S, D] and the attention output o [B, S, H, Dh] -> the layer's output
+        [B, S, D] (output projection, residual, MLP); with ``keep`` (flat indices into B x S) for
+        those tokens only -> [1, len(keep), D] (none: nothing runs)."""
+        if keep is not None:
+            if keep.numel() == 0:   # nothing read (a prompt chunk before its last)
+                return x.new_empty(1, 0, x.shape[-1])
+            B, S = x.shape[:2]
+            o, x = o.reshape(B * S, -1)[keep][None], x.reshape(B * S, -1)[keep][None]
         B, S = x.shape[:2]
-        return o.reshape(B * S, -1)[keep][None], x.reshape(B * S, -1)[keep][None]
+        x = x + self._reduce(self.wo(o.reshape(B, S, self.a.q_size)))
+        h = rms_norm(x, self.mlp_norm, self.a.rms_norm_eps, self.native_ops)
+        return x + self._reduce(self.w2(self._silu_mul(self.w13(h))))
 
     def _reduce(self, partial: Tensor) -> Tensor:
         """Row-parallel output: the sum over ranks of each rank's partial product [B, S, D]."""
