@@ -424,24 +424,26 @@ class ModelRunner:
                 kwargs["keep_rows"] = torch.tensor(rows, dtype=torch.long, device=self.device)
             out = self.model(token_ids=tok, positions=posn, kv=self.kv, attn=meta, **kwargs)
             out_hidden, out_aux = out.hidden, out.aux
+        read = None   # the logits rows' states [len(rows), D] (kept: all the last layer computed)
+        if g is None or hidden == "logits_rows":   # (a graph's logits come with it)
+            D = out_hidden.shape[-1]
+            read = out_hidden.reshape(len(rows), D) if kept else (
+                _take(out_hidden.reshape(B * S, D), rows) if rows else out_hidden.new_empty(0, D))
         feats = None
         if hidden == "logits_rows":
-            feats = out_hidden.reshape(len(rows), out_hidden.shape[-1]) if kept else (
-                _take(out_hidden.reshape(B * S, -1), rows) if rows else out_hidden.new_empty(0, out_hidden.shape[-1]))
+            feats = read
         elif hidden is not None:
             real = [b * S + i for b, c in enumerate(chunks) for i in range(len(c.token_ids))]
             src = out_hidden if hidden == "hidden" else torch.cat(out_aux, dim=-1)
             feats = _take(src.reshape(B * S, -1), real)
         if not rows:
             return StepOutput(torch.empty(0, self.model.args.vocab_size), feats)
-        if kept:
-            return StepOutput(self.model.compute_logits(out_hidden.reshape(len(rows), out_hidden.shape[-1])).cpu(), feats)
         if g is not None:
             logits = _take(g.logits, rows)
             if self._fp16:
                 self.model.check_logits(logits)
             return StepOutput(logits.cpu(), feats, (_take(g.top, rows).cpu(), _take(g.top_ids, rows).cpu()))
-        return StepOutput(self.model.compute_logits(_take(out_hidden.reshape(B * S, -1), rows)).cpu(), feats)
+        return StepOutput(self.model.compute_logits(read).cpu(), feats)
 
     def _inputs(self, chunks: list[SeqChunk], S: int, kv_len: int, graph: bool) -> tuple[Tensor, Tensor, AttnMeta]:
         """Padded token ids and positions [B, S] and the attention metadata (``graph``: for a
