@@ -39,6 +39,11 @@ SPECS = {"none": None,
                     "eagle_topk": 1}}
 
 
+def prompt(n: int, vocab: int, salt: int = 0) -> dict:
+    """n token ids spread over the vocabulary (no tokenizer needed), different per ``salt``."""
+    return {"prompt_token_ids": [(i * 37 + salt) % (vocab - 10) + 5 for i in range(n)]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[64, 256, 1024])
@@ -63,14 +68,14 @@ def main() -> None:
             models = [llm.engine.proposer.runner.model] + (models if method == "draft_model" else [])
         vocab = models[-1].args.vocab_size
         for n in args.lengths:
-            prompt = {"prompt_token_ids": [(i * 37) % (vocab - 10) + 5 for i in range(n)]}
+            ids = prompt(n, vocab)
             times: dict[bool, list[float]] = {True: [], False: []}
             outs: dict[bool, list[int]] = {}
             for rep in range(args.reps + 1):
                 for keep in ((True, False) if rep % 2 else (False, True)):
                     for m in models:
                         m.keeps_rows = keep
-                    r = llm.generate([prompt], sp, use_tqdm=False)[0]
+                    r = llm.generate([ids], sp, use_tqdm=False)[0]
                     outs[keep] = list(r.outputs[0].token_ids)
                     if rep:   # (the first repetition warms up)
                         times[keep].append(r.metrics.first_token_time - r.metrics.first_scheduled_time)
@@ -97,7 +102,7 @@ def ragged(args: argparse.Namespace) -> None:
     print("|---:|---:|---:|---:|---:|---|")
     for b in args.batch_sizes:
         lengths = [rng.randint(lo, hi) for _ in range(b)]
-        prompts = [{"prompt_token_ids": [(i * 37 + j) % 8000 + 5 for i in range(n)]} for j, n in enumerate(lengths)]
+        prompts = [prompt(n, runner.model.args.vocab_size, salt=j) for j, n in enumerate(lengths)]
         times: dict[int, list[float]] = {split: [], 0: []}
         outs: dict[int, list[list[int]]] = {}
         for rep in range(args.reps + 1):
