@@ -222,3 +222,31 @@ def test_argmax_in_two_reductions_on_cuda(eagle_target, tmp_path, plain, monkeyp
         llm = LLM(model=str(eagle_target), num_scheduler_steps=4, speculative_config=spec, **CUDA_FP32)
         assert _generate(llm, prompts, max_tokens=23) == greedy, spec
         assert _generate(llm, prompts, max_tokens=21, temperature=0.9, seed=5) == seeded, spec
+
+
+def test_pruned_and_split_prefill_on_cuda(eagle_target, tmp_path):
+    """The eager prefill on the GPU: prompts of 5, 40 and 300 tokens prefilled together run in
+    forwards of similar lengths (model/runner.py split_by_length, 256 tokens a forward on CUDA),
+    and the last layer runs past attention for the logits rows only (keep_rows: the target, and
+    an EAGLE-3 head catching up on the prompts). Greedy output equals one unsplit, unpruned
+    forward's (float32)."""
+    prompts = [torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 40, 300)]
+    head = _head(eagle_target, tmp_path / "h", "eagle3")
+    for spec in (None, {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3, "eagle_topk": 1}):
+        outs = []
+        for fast in (True, False):
+            llm = LLM(model=str(eagle_target), dtype="float32", device="cuda", max_model_len=512, max_num_seqs=4,
+                      speculative_config=spec)
+            runner = llm.engine.runner
+            models = [runner.model] + ([llm.engine.proposer.runner.model] if spec else [])
+            assert runner.split_tokens == 256
+            forwards = []
+            step = runner._forward
+            runner._forward = lambda chunks, hidden: forwards.append(len(chunks)) or step(chunks, hidden)
+            if not fast:
+                runner.split_tokens = 0
+                for m in models:
+                    m.keeps_rows = False
+            outs.append(_generate(llm, prompts, max_tokens=12))
+            assert (forwards[:2] == [1, 2]) if fast else (forwards[0] == 3), (spec, forwards[:3])
+        assert outs[0] == outs[1], spec
