@@ -2,8 +2,9 @@
 # The GPU checks in one prepared command, for a session lent a GPU for a few minutes. Each part
 # is sized from H100 runs (start-up is 20-140 s per gpu_bench contender: graphs compile first;
 # the third run: 17 of 18 tests in 280 s, 8B 208 s, 1B without steps 180 s; the fourth: 8B 168-187 s,
-# 1B graphs and steps alone 107 s):
-#   tests   the CUDA tests (test_cuda_graphs.py, test_triton_decode.py), 4 workers ~6 min
+# 1B graphs and steps alone 107 s; the fifth, an H200: 28 tests in 222 s with 14 workers, where 8
+# workers had not finished in 235 s, since the graphs compile on the CPU; 8B 166 s, 1B 42-69 s):
+#   tests   the CUDA tests (test_cuda_graphs.py, test_triton_decode.py), 14 workers ~4 min
 #   1B      gpu_bench, Llama-3.2-1B shape: graphs, 4 steps, eagle3 chain/tree     ~4.5 min
 #   8B      gpu_bench, Llama-3-8B shape: graphs against 4 decode steps per step   ~3.5 min
 #   demo    gpu_bench, the built-in pair: graphs, draft_model, eagle3 chain/tree  ~3 min
@@ -25,7 +26,7 @@ for part in "$@"; do
     t0=$(date +%s)
     case $part in
         tests)
-            timeout 400 "$py" -m pytest tests/model/test_cuda_graphs.py tests/attention/test_triton_decode.py -k "not interpreter" -v -n 4 --dist load -p no:cacheprovider \
+            timeout 330 "$py" -m pytest tests/model/test_cuda_graphs.py tests/attention/test_triton_decode.py -k "not interpreter" -v -n 14 --dist load -p no:cacheprovider \
                 --tb=short > "$out/tests.log" 2>&1
             echo "== tests: exit $?"
             grep -E "PASSED|FAILED|ERROR|passed|failed|^E " "$out/tests.log" | tail -40 ;;

@@ -250,3 +250,20 @@ def test_pruned_and_split_prefill_on_cuda(eagle_target, tmp_path):
             outs.append(_generate(llm, prompts, max_tokens=12))
             assert (forwards[:2] == [1, 2]) if fast else (forwards[0] == 3), (spec, forwards[:3])
         assert outs[0] == outs[1], spec
+
+
+def test_unseeded_multi_step_and_rounds_on_cuda(eagle_target, tmp_path, tokenizer):
+    """Unseeded sampled rows in the multi-step graph and in EAGLE-3's sampled rounds draw by
+    ``torch.searchsorted`` over cumulative sums inside the graphs, with the engine's generator's
+    uniforms: on CUDA they decode to their length, the same per engine seed."""
+    prompts = prompts_of(tokenizer, 2)
+    head = _head(eagle_target, tmp_path / "h", "eagle3")
+    for spec in (None, {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3, "eagle_topk": 1}):
+        outs = []
+        for _ in range(2):
+            llm = LLM(model=str(eagle_target), num_scheduler_steps=4, speculative_config=spec, seed=3,
+                      **{**CUDA_FP32, "max_num_seqs": 2})
+            outs.append(_generate(llm, prompts, max_tokens=21, temperature=0.9))
+            runner = llm.engine.runner
+            assert _calls(runner.multi_step if spec is None else runner.round) > 0, spec
+        assert outs[0] == outs[1] and all(len(o) == 21 for o in outs[0]), spec
