@@ -264,6 +264,6 @@ def test_unseeded_multi_step_and_rounds_on_cuda(eagle_target, tmp_path, tokenize
             llm = LLM(model=str(eagle_target), num_scheduler_steps=4, speculative_config=spec, seed=3,
                       **{**CUDA_FP32, "max_num_seqs": 2})
             outs.append(_generate(llm, prompts, max_tokens=21, temperature=0.9))
-            runner = llm.engine.runner
-            assert _calls(runner.multi_step if spec is None else runner.round) > 0, spec
+            runner = llm.engine.runner   # (sampled batches run the rounds' sampled twin)
+            assert _calls(runner.multi_step if spec is None else runner.sampled_round) > 0, spec
         assert outs[0] == outs[1] and all(len(o) == 21 for o in outs[0]), spec
