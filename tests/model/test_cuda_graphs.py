@@ -230,7 +230,8 @@ def test_pruned_and_split_prefill_on_cuda(eagle_target, tmp_path):
     and the last layer runs past attention for the logits rows only (keep_rows: the target, and
     an EAGLE-3 head catching up on the prompts). Greedy output equals one unsplit, unpruned
     forward's (float32)."""
-    prompts = [torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 40, 300)]
+    from tests.model.test_split_prefill import _tokens
+    prompts = [_tokens(n, n) for n in (5, 40, 300)]
     head = _head(eagle_target, tmp_path / "h", "eagle3")
     for spec in (None, {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3, "eagle_topk": 1}):
         outs = []
