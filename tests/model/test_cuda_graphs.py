@@ -227,8 +227,8 @@ def test_argmax_in_two_reductions_on_cuda(eagle_target, tmp_path, plain, monkeyp
 def test_pruned_and_split_prefill_on_cuda(eagle_target, tmp_path):
     """The eager prefill on the GPU: prompts of 5, 40 and 300 tokens prefilled together run in
     forwards of similar lengths (model/runner.py split_by_length, 256 tokens a forward on CUDA),
-    and the last layer runs past attention for the logits rows only (keep_rows: the target, and
-    an EAGLE-3 head catching up on the prompts). Greedy output equals one unsplit, unpruned
+    and the last layer runs past attention for the logits rows only (keep_rows: the target without
+    speculation, and an EAGLE-3 head catching up on the prompts; its target reads every row). Greedy output equals one unsplit, unpruned
     forward's (float32)."""
     from tests.model.test_split_prefill import _tokens
     prompts = [_tokens(n, n) for n in (5, 40, 300)]
