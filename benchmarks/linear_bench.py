@@ -46,7 +46,7 @@ from leapfrog.errors import LeapfrogError
 from leapfrog.model import native_linear as nl
 from leapfrog.model.args import LlamaArgs
 from leapfrog.model.loader import read_checkpoint
-from leapfrog.utils.cpp import openmp_flags
+from leapfrog.utils.cpp import load_inline, openmp_flags
 
 
 @dataclass
@@ -85,7 +85,6 @@ def other_kernel(path: str, weights: list[torch.Tensor]) -> tuple[Callable, list
     """Another checkout's kernel for this CPU, built under op namespace leapfrog_gemm_other, and
     the weights packed in its block width. -> (op, packed weights)"""
     import importlib.util
-    from torch.utils.cpp_extension import load_inline
     spec = importlib.util.spec_from_file_location("leapfrog_other_native_linear", path)
     if spec is None or not Path(path).is_file():
         sys.exit(f"--other {path}: not a file")

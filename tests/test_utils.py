@@ -1,8 +1,11 @@
-"""leapfrog/utils: the environment switches, the start-up heap freeze and the C++ builds' fallback."""
+"""leapfrog/utils: the environment switches, the start-up heap freeze, the C++ builds' fallback and
+their lock."""
 
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 import weakref
 
 import pytest
@@ -53,12 +56,13 @@ def test_freeze_heap_collects_first_then_freezes_the_survivors():
     assert all(id(n) in tracked for n in keep)
 
 
-def test_build_inline_falls_back_to_a_generic_build(monkeypatch):
+def test_build_inline_falls_back_to_a_generic_build(monkeypatch, tmp_path):
     """The CPU's instruction-set build first; where the compiler refuses its flags, the generic
     build (its own cache entry, no set flags); the last build's error reaches the caller (who keeps
     ATen's functions). The compiler is replaced by a recorder here: the real builds run in every
     test of the ops (tests/attention, tests/model/test_native_ops.py)."""
     import torch.utils.cpp_extension as ext
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))   # (the lock's directories go there)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     calls = []
 
@@ -77,3 +81,30 @@ def test_build_inline_falls_back_to_a_generic_build(monkeypatch):
     monkeypatch.setattr(ext, "load_inline", lambda name, **kw: broken(name))
     with pytest.raises(OSError, match="no compiler"):
         cpp.build_inline("op", "src", [])
+
+
+@pytest.mark.timeout(300)
+def test_a_build_killed_mid_way_does_not_hang_the_next(monkeypatch, tmp_path):
+    """A process killed while it builds an op leaves torch's ``lock`` file behind (torch's
+    FileBaton, made before it compiles), on which every later build of that op would wait forever;
+    the next build removes it (the dead builder's flock went with it) and builds."""
+    from torch.utils import cpp_extension
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    name = "leapfrog_test_tiny"
+    lock = tmp_path / name / "lock"
+    mid_build = ("import sys, time; from torch.utils.file_baton import FileBaton; from leapfrog.utils import cpp\n"
+                 f"with cpp.build_lock({name!r}):\n"
+                 f"    assert FileBaton({str(lock)!r}).try_acquire()\n"
+                 "    print('building', flush=True); time.sleep(600)")
+    builder = subprocess.Popen([sys.executable, "-c", mid_build], stdout=subprocess.PIPE, text=True)
+    try:
+        assert builder.stdout.readline() == "building\n"
+    finally:
+        builder.kill()
+        builder.wait()
+    assert lock.exists()   # what the killed builder left
+    source = tmp_path / "tiny.cpp"
+    source.write_text("int leapfrog_test_tiny() { return 1; }\n")
+    with cpp.build_lock(name):
+        cpp_extension.load(name, sources=[str(source)], is_python_module=False)
+    assert not lock.exists() and (tmp_path / name / f"{name}.so").exists()

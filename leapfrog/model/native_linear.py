@@ -86,7 +86,7 @@ import torch
 from torch import Tensor, nn
 
 from leapfrog.utils import env_off
-from leapfrog.utils.cpp import openmp_flags
+from leapfrog.utils.cpp import load_inline, openmp_flags
 
 log = logging.getLogger("leapfrog.model")
 
@@ -550,7 +550,6 @@ def kernel_source(isa: str, prefetch_bytes: int | None = None, hint: str | None 
 def load_variant(prefetch_bytes: int, hint: str, namespace: str):
     """Build and load this CPU's kernel (``kernel_isa``) with another software prefetch under op
     namespace ``namespace`` (about 20 s, once; for timing variants side by side). -> its op."""
-    from torch.utils.cpp_extension import load_inline
     isa = kernel_isa()
     if isa is None:
         raise RuntimeError("no build of the kernel runs on this CPU (needs AVX-512 BF16 or AVX2)")
@@ -604,7 +603,6 @@ def _load(isa: str | None) -> bool:
     if isa is None:
         return False
     try:
-        from torch.utils.cpp_extension import load_inline
         omp = openmp_flags()
         log.info("loading leapfrog's bf16-weight linear kernel for %s (built once, about 20 s)", isa)
         source, flags = _BUILDS[isa]

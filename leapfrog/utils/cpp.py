@@ -10,7 +10,11 @@ with the intrinsics of one set per build and picks its builds itself.
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -30,12 +34,36 @@ def openmp_flags() -> list[str]:
     return ["-fopenmp"] if torch.backends.openmp.is_available() else []
 
 
+@contextmanager
+def build_lock(name: str) -> Iterator[None]:
+    """Hold an flock on extension ``name``'s build directory, so a builder killed mid-build cannot
+    hang every later one. torch's own guard is a ``lock`` file that the next builder waits on until
+    it is gone: forever, once the process that made it died mid-build (a server rank stopped by a
+    signal while it built an op, say). The kernel drops an flock with its holder, so a ``lock`` file
+    found while holding ours was left by a dead builder, and is removed before torch looks."""
+    from torch.utils import cpp_extension
+    build_dir = cpp_extension._get_build_directory(name, verbose=False)
+    with open(os.path.join(build_dir, "leapfrog.flock"), "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)   # (released on close, or by the kernel at the holder's death)
+        stale = os.path.join(build_dir, "lock")
+        if os.path.exists(stale):
+            log.warning("%s: removing the build lock a killed build left (%s)", name, stale)
+            os.remove(stale)
+        yield
+
+
+def load_inline(name: str, **kwargs) -> None:
+    """``torch.utils.cpp_extension.load_inline(name, **kwargs)`` under ``build_lock(name)``."""
+    from torch.utils import cpp_extension
+    with build_lock(name):
+        cpp_extension.load_inline(name, **kwargs)
+
+
 def build_inline(name: str, source: str, cflags: list[str]) -> str:
     """Build (or load from the cache) and load ``source`` as ``{name}_{set}`` with this CPU's
     instruction-set flags after ``cflags``; if the compiler refuses them, once more as
     ``{name}_generic`` without them. -> the build's suffix ("avx2", "avx512" or "generic").
     Raises the last build's error (no compiler, no headers: callers fall back to ATen)."""
-    from torch.utils.cpp_extension import load_inline
     isa = torch.backends.cpu.get_cpu_capability()
     omp = openmp_flags()
     builds = ([(isa.lower(), ISA_FLAGS[isa])] if isa in ISA_FLAGS else []) + [("generic", [])]
