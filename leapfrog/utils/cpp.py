@@ -36,11 +36,12 @@ def openmp_flags() -> list[str]:
 
 @contextmanager
 def build_lock(name: str) -> Iterator[None]:
-    """Hold an flock on extension ``name``'s build directory, so a builder killed mid-build cannot
-    hang every later one. torch's own guard is a ``lock`` file that the next builder waits on until
-    it is gone: forever, once the process that made it died mid-build (a server rank stopped by a
-    signal while it built an op, say). The kernel drops an flock with its holder, so a ``lock`` file
-    found while holding ours was left by a dead builder, and is removed before torch looks."""
+    """Hold an flock on extension ``name``'s build directory, so a process killed while it loads
+    the op cannot hang every later load. torch's own guard is a ``lock`` file, made and removed by
+    every load (a cached build too: ninja checks it), that the next loader waits on until it is
+    gone: forever, once the process that made it died in between (a server rank stopped by a
+    signal during start-up, say). The kernel drops an flock with its holder, so a ``lock`` file
+    found while holding ours was left by a dead loader, and is removed before torch looks."""
     from torch.utils import cpp_extension
     build_dir = cpp_extension._get_build_directory(name, verbose=False)
     with open(os.path.join(build_dir, "leapfrog.flock"), "w") as held:
