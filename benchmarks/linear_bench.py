@@ -46,7 +46,7 @@ from leapfrog.errors import LeapfrogError
 from leapfrog.model import native_linear as nl
 from leapfrog.model.args import LlamaArgs
 from leapfrog.model.loader import read_checkpoint
-from leapfrog.utils.cpp import load_inline, openmp_flags
+from leapfrog.utils.cpp import load_inline
 
 
 @dataclass
@@ -92,10 +92,8 @@ def other_kernel(path: str, weights: list[torch.Tensor]) -> tuple[Callable, list
     spec.loader.exec_module(other)
     isa = nl.kernel_isa()
     source, flags = other.kernel_source(isa, namespace="leapfrog_gemm_other")
-    omp = openmp_flags()
     digest = hashlib.sha256(source.encode()).hexdigest()[:12]   # (stable across runs: the build is cached)
-    load_inline(f"leapfrog_gemm_other_{digest}", cpp_sources=source, is_python_module=False,
-                extra_cflags=[*flags, *omp], extra_ldflags=omp)
+    load_inline(f"leapfrog_gemm_other_{digest}", source, flags)
     # its block width: BLOCK_COLUMNS per build, or (older checkouts) one BLOCK
     block = getattr(other, "BLOCK_COLUMNS", {}).get(isa) or getattr(other, "BLOCK", 32)
     return torch.ops.leapfrog_gemm_other.linear_bf16, [nl.pack_weight(w, block) for w in weights]

@@ -92,7 +92,7 @@ def test_a_build_killed_mid_way_does_not_hang_the_next(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     name = "leapfrog_test_tiny"
     lock = tmp_path / name / "lock"
-    mid_build = ("import sys, time; from torch.utils.file_baton import FileBaton; from leapfrog.utils import cpp\n"
+    mid_build = ("import time; from torch.utils.file_baton import FileBaton; from leapfrog.utils import cpp\n"
                  f"with cpp.build_lock({name!r}):\n"
                  f"    assert FileBaton({str(lock)!r}).try_acquire()\n"
                  "    print('building', flush=True); time.sleep(600)")

@@ -86,7 +86,7 @@ import torch
 from torch import Tensor, nn
 
 from leapfrog.utils import env_off
-from leapfrog.utils.cpp import load_inline, openmp_flags
+from leapfrog.utils.cpp import load_inline
 
 log = logging.getLogger("leapfrog.model")
 
@@ -554,9 +554,7 @@ def load_variant(prefetch_bytes: int, hint: str, namespace: str):
     if isa is None:
         raise RuntimeError("no build of the kernel runs on this CPU (needs AVX-512 BF16 or AVX2)")
     source, flags = kernel_source(isa, prefetch_bytes, hint, namespace)
-    omp = openmp_flags()
-    load_inline(f"{namespace}_{isa}_{hint.lower()}_{prefetch_bytes}", cpp_sources=source, is_python_module=False,
-                extra_cflags=[*flags, *omp], extra_ldflags=omp)
+    load_inline(f"{namespace}_{isa}_{hint.lower()}_{prefetch_bytes}", source, flags)
     return getattr(torch.ops, namespace).linear_bf16
 
 
@@ -603,11 +601,9 @@ def _load(isa: str | None) -> bool:
     if isa is None:
         return False
     try:
-        omp = openmp_flags()
         log.info("loading leapfrog's bf16-weight linear kernel for %s (built once, about 20 s)", isa)
         source, flags = _BUILDS[isa]
-        load_inline(f"leapfrog_native_linear_{isa.replace('_', '')}", cpp_sources=source, is_python_module=False,
-                    extra_cflags=[*flags, *omp], extra_ldflags=omp)
+        load_inline(f"leapfrog_native_linear_{isa.replace('_', '')}", source, flags)
         torch.library.register_fake("leapfrog_gemm::linear_bf16")(_fake)
         return True
     except Exception as e:  # noqa: BLE001 - no compiler, old assembler, ...: other linears serve

@@ -53,11 +53,14 @@ def build_lock(name: str) -> Iterator[None]:
         yield
 
 
-def load_inline(name: str, **kwargs) -> None:
-    """``torch.utils.cpp_extension.load_inline(name, **kwargs)`` under ``build_lock(name)``."""
+def load_inline(name: str, source: str, cflags: list[str]) -> None:
+    """Build (or load from the cache) and load ``source`` as op library ``name`` (torch's
+    ``load_inline``, no Python module) with ``cflags`` and OpenMP's flags, under ``build_lock``."""
     from torch.utils import cpp_extension
+    omp = openmp_flags()
     with build_lock(name):
-        cpp_extension.load_inline(name, **kwargs)
+        cpp_extension.load_inline(name, cpp_sources=source, is_python_module=False,
+                                  extra_cflags=[*cflags, *omp], extra_ldflags=omp)
 
 
 def build_inline(name: str, source: str, cflags: list[str]) -> str:
@@ -66,12 +69,10 @@ def build_inline(name: str, source: str, cflags: list[str]) -> str:
     ``{name}_generic`` without them. -> the build's suffix ("avx2", "avx512" or "generic").
     Raises the last build's error (no compiler, no headers: callers fall back to ATen)."""
     isa = torch.backends.cpu.get_cpu_capability()
-    omp = openmp_flags()
     builds = ([(isa.lower(), ISA_FLAGS[isa])] if isa in ISA_FLAGS else []) + [("generic", [])]
     for i, (suffix, flags) in enumerate(builds):
         try:
-            load_inline(f"{name}_{suffix}", cpp_sources=source, is_python_module=False,
-                        extra_cflags=[*cflags, *omp, *flags], extra_ldflags=omp)
+            load_inline(f"{name}_{suffix}", source, [*cflags, *flags])
             return suffix
         except Exception as e:  # noqa: BLE001 - the last build's error goes to the caller
             if i == len(builds) - 1:
