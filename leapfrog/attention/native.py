@@ -37,7 +37,7 @@ vectorized on AVX2 too (``scale_mask_block``; it was the scalar loop there): flo
 
 On CUDA the op calls ATen (index_put_ and SDPA).
 
-It is built once with ``torch.utils.cpp_extension.load_inline`` (utils/cpp.py; about 30 s on 2 cores, cached
+It is built once with ``torch.utils.cpp_extension.load_inline`` (utils/cpp.py; about 20 s on 2 cores, cached
 under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``, one build per CPU
 instruction set) when the fast path is first compiled; if it cannot be built, graphs call the
 Python op instead (logged).
@@ -55,7 +55,7 @@ from leapfrog.utils.cpp import build_inline
 log = logging.getLogger("leapfrog.attention")
 
 _SOURCE = r"""
-#include <torch/extension.h>
+#include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -454,7 +454,7 @@ def load_native_attention() -> bool:
 
 def _load() -> bool:
     try:
-        log.info("loading leapfrog's native attention op (built once, about 30 s)")
+        log.info("loading leapfrog's native attention op (built once, about 20 s)")
         build_inline("leapfrog_native_attention", _SOURCE, ["-O3"])
         torch.library.register_fake("leapfrog_native::cached_attention")(_fake)
         return True

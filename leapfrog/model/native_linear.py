@@ -96,7 +96,7 @@ log = logging.getLogger("leapfrog.model")
 BLOCK_COLUMNS = {"avx512_bf16": 32, "avx2": 16}
 
 _HEADER = r"""
-#include <torch/extension.h>
+#include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/EmptyTensor.h>

@@ -52,7 +52,7 @@ from leapfrog.utils.cpp import build_inline
 log = logging.getLogger("leapfrog.model")
 
 _SOURCE = r"""
-#include <torch/extension.h>
+#include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
