@@ -32,7 +32,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from unittest.mock import patch
 
@@ -86,6 +86,22 @@ def contenders(draft: str, k: int, heads: Sequence[str], depths: Sequence[int],
             name = f"eagle3 tree {d}x{topk}/{n}"
             out += [Contender(f"{name} eager", tree, True, tag=tag),
                     Contender(f"{name} compiled", tree, False, tag=tag)]
+    return out
+
+
+def with_draft_dtypes(kept: Sequence[Contender], dtypes: Sequence[str]) -> list[Contender]:
+    """Each contender, then (for speculative ones) a copy per ``dtypes`` entry with the drafter's
+    weights in that dtype (``draft_dtype``; tagged ", draft DTYPE"), side by side in each round.
+
+    >>> [c.name for c in with_draft_dtypes([Contender("none compiled", None, False),
+    ...     Contender("eagle3 chain 5 compiled", {"method": "eagle3"}, False)], ["bfloat16"])]
+    ['none compiled', 'eagle3 chain 5 compiled', 'eagle3 chain 5 compiled, draft bfloat16']
+    """
+    out = []
+    for c in kept:
+        out.append(c)
+        if c.spec is not None:
+            out += [replace(c, spec={**c.spec, "draft_dtype": dt}, tag=f"{c.tag}, draft {dt}") for dt in dtypes]
     return out
 
 
@@ -208,6 +224,9 @@ def main() -> None:
     ap.add_argument("--out", default="fastpath.json")
     ap.add_argument("--no-kernel-too", action="store_true",
                     help="also run each contender with the bf16 linear kernel off (LEAPFROG_NATIVE_LINEAR=0)")
+    ap.add_argument("--draft-dtype-too", nargs="*", default=[], metavar="DTYPE",
+                    help="also run each speculative contender with its drafter in DTYPE (draft_dtype), e.g. "
+                         "bfloat16 beside a float32 target")
     ap.add_argument("--env-too", nargs="*", default=[], metavar="VAR=VALUE",
                     help="also run each contender loaded with this environment setting, e.g. "
                          "LEAPFROG_BF16_HEAD_ROWS=0 (a bf16 target's LM head on float32 rows)")
@@ -228,6 +247,7 @@ def main() -> None:
     kept = [c for c in contenders(args.draft, args.k, [args.head, *args.head_too], args.eagle_depth, args.trees,
                                   args.steps)
             if args.only is None or c.base == "none eager" or c.base in args.only]
+    kept = with_draft_dtypes(kept, args.draft_dtype_too)
     envs = env_variants(args.no_kernel_too, args.env_too)
     suffixes = [suffix for suffix, _ in envs]
     # a contender's variants side by side in each round (the machine's pace drifts within a round)
