@@ -11,6 +11,7 @@ with the intrinsics of one set per build and picks its builds itself.
 from __future__ import annotations
 
 import fcntl
+import inspect
 import logging
 import os
 from collections.abc import Iterator
@@ -59,11 +60,14 @@ def load_inline(name: str, source: str, cflags: list[str]) -> None:
     No implicit ``torch/extension.h``: the ops register through ``TORCH_LIBRARY`` and include
     ``torch/library.h`` and ATen's headers themselves. The C++ frontend and pybind11 that
     ``torch/extension.h`` pulls in were most of a build's time: 43 s against 16 s for the attention
-    op on a 2-vCPU VM, paid by a user's first run and by every fresh CI machine, once per op."""
+    op on a 2-vCPU VM, paid by a user's first run and by every fresh CI machine, once per op.
+    (An older torch without ``no_implicit_headers`` adds the header: the same ops, built slower.)"""
     from torch.utils import cpp_extension
     omp = openmp_flags()
+    slim = ({"no_implicit_headers": True}
+            if "no_implicit_headers" in inspect.signature(cpp_extension.load_inline).parameters else {})
     with build_lock(name):
-        cpp_extension.load_inline(name, cpp_sources=source, is_python_module=False, no_implicit_headers=True,
+        cpp_extension.load_inline(name, cpp_sources=source, is_python_module=False, **slim,
                                   extra_cflags=[*cflags, *omp], extra_ldflags=omp)
 
 
