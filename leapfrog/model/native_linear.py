@@ -68,6 +68,18 @@ either way (tested bitwise). Only the AVX-512 build streams: the AVX2 build's fl
 its one hint, as a variant prefetching with ``_MM_HINT_NTA`` (``load_variant``) measured no
 different on a Zen 3 VM (the head's and the host path's data were evicted alike).
 
+The same build holds an int8-weight op, ``linear_int8`` (quant.Int8Linear's kernel: weight-only
+int8 targets and drafters): weights packed by ``pack_int8`` in blocks of 16 output columns, 16
+bytes per input k; AVX2 code in both builds: each k's 16 weights sign-extended and converted to
+float32 in registers, one fused multiply-add per row and weight in k order (one sum per column,
+whatever the rows or threads: row-invariant), the per-column scale and the bias applied to each
+sum at the end. One or two rows run over two blocks at once (four sums per row: with four, the
+widened weights spilled; measured 0.6-0.7x the time of four blocks at once for one row), up to
+four rows per tile; one software prefetch per 64-byte line (four k's). Measured (2 threads, AVX2
+EPYC, one row): the EAGLE-3 head's linears from memory 0.64x the bf16 kernel's time on the same
+weights, from cache 0.81x; the built-in target with int8 layers, compiled, 1.26-1.40x the float model's
+tokens/s, where PyTorch's ``_weight_int8pack_mm`` made it 0.15-0.16x (benchmarks/quant_bench.py).
+
 It is built once per instruction set with ``torch.utils.cpp_extension.load_inline`` (about 20 s,
 cached under ``TORCH_EXTENSIONS_DIR``) for the CPU's best (``/proc/cpuinfo``: AVX-512 BF16, else
 AVX2 with FMA); elsewhere, or if the build fails (logged), callers keep their other linears;
@@ -94,6 +106,8 @@ log = logging.getLogger("leapfrog.model")
 #: k-pair of 16 columns for vdpbf16ps), AVX2 16 (one 64-byte line a k-pair: a block streams as
 #: one contiguous run, and 5 float32 rows x 16 columns fit the 16 ymm registers)
 BLOCK_COLUMNS = {"avx512_bf16": 32, "avx2": 16}
+#: output columns per block of the int8-weight op (both builds: AVX2 code)
+INT8_BLOCK_COLUMNS = 16
 
 _HEADER = r"""
 #include <torch/library.h>
@@ -428,6 +442,128 @@ void f32_range(const float* A, int64_t M, int64_t K, const uint16_t* W, int64_t 
 }  // namespace
 """
 
+
+_INT8 = r"""
+// ---- int8 weights, float32 rows (a drafter's weight-only int8 linears; model/quant.py Int8Linear) ----
+// AVX2 + FMA (both builds). w [ceil(N/16), K, 16] int8 (pack_int8): block b, input k holds
+// q[16 b : 16 b + 16, k], 16 bytes; scale [N] float32. C[m, n] = (sum_k A[m, k] q[n, k]) * scale[n]
+// + bias[n]: each int8 widened to float32 in registers (exact), one fused multiply-add per k in k
+// order into one sum per column, whatever the rows, the tile or the thread (row invariance).
+namespace {
+
+constexpr int64_t I8_BLOCK = 16;   // output columns per block: two 8-lane vectors, 16 bytes a k
+constexpr int64_t I8_ROWS = 4;     // rows per tile: 4 x 2 sums (one or two rows: 2 blocks at once)
+constexpr int64_t I8_AHEAD = 2048; // bytes ahead in each block's stream (software prefetch into L1)
+
+#define I8_UNROLL _Pragma("GCC unroll 16")
+template <int M, int NB>
+void i8_tile(const float* A, int64_t lda, const int8_t* blk, int64_t K, const float* scale, const float* bias,
+             float* C, int64_t ldc, int64_t cols) {
+  constexpr int V = NB * 2;               // sums per row; with V widened weights and a broadcast, <= 16 registers
+  const int64_t bstride = K * I8_BLOCK;   // bytes from one block to the next
+  __m256 c[M][V];
+  I8_UNROLL for (int m = 0; m < M; ++m)
+    I8_UNROLL for (int v = 0; v < V; ++v) c[m][v] = _mm256_setzero_ps();
+  auto step = [&](int64_t k) __attribute__((always_inline)) {
+    const int8_t* w = blk + k * I8_BLOCK;
+    __m256 x[V];
+    I8_UNROLL for (int v = 0; v < V; ++v)
+      x[v] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+          _mm_loadl_epi64((const __m128i*)(w + (v / 2) * bstride + 8 * (v % 2)))));
+    I8_UNROLL for (int m = 0; m < M; ++m) {
+      const __m256 a = _mm256_broadcast_ss(A + m * lda + k);
+      I8_UNROLL for (int v = 0; v < V; ++v) c[m][v] = _mm256_fmadd_ps(a, x[v], c[m][v]);
+    }
+  };
+  int64_t k = 0;
+  for (; k + 4 <= K; k += 4) {   // four k's a 64-byte line of each block: one prefetch per line
+    I8_UNROLL for (int b = 0; b < NB; ++b)
+      _mm_prefetch((const char*)(blk + k * I8_BLOCK + b * bstride + I8_AHEAD), _MM_HINT_T0);
+    I8_UNROLL for (int j = 0; j < 4; ++j) step(k + j);
+  }
+  for (; k < K; ++k) step(k);
+  alignas(32) float sc[NB * I8_BLOCK] = {0}, bb[NB * I8_BLOCK] = {0}, out[M][NB * I8_BLOCK];
+  std::memcpy(sc, scale, cols * sizeof(float));
+  if (bias != nullptr) std::memcpy(bb, bias, cols * sizeof(float));
+  I8_UNROLL for (int m = 0; m < M; ++m)
+    I8_UNROLL for (int v = 0; v < V; ++v)
+      _mm256_store_ps(out[m] + 8 * v, _mm256_fmadd_ps(c[m][v], _mm256_load_ps(sc + 8 * v), _mm256_load_ps(bb + 8 * v)));
+  for (int m = 0; m < M; ++m) std::memcpy(C + m * ldc, out[m], cols * sizeof(float));
+}
+
+// M rows over blocks [b0, b1): NB blocks per tile while they last, then one at a time
+template <int M, int NB>
+void i8_rows(const float* A, int64_t K, const int8_t* W, int64_t b0, int64_t b1, const float* sp,
+             const float* bp, float* C, int64_t n) {
+  int64_t b = b0;
+  for (; b + NB <= b1; b += NB)
+    i8_tile<M, NB>(A, K, W + b * K * I8_BLOCK, K, sp + b * I8_BLOCK, bp ? bp + b * I8_BLOCK : nullptr,
+                   C + b * I8_BLOCK, n, std::min<int64_t>(NB * I8_BLOCK, n - b * I8_BLOCK));
+  for (; b < b1; ++b)
+    i8_tile<M, 1>(A, K, W + b * K * I8_BLOCK, K, sp + b * I8_BLOCK, bp ? bp + b * I8_BLOCK : nullptr,
+                  C + b * I8_BLOCK, n, std::min<int64_t>(I8_BLOCK, n - b * I8_BLOCK));
+}
+
+void i8_range(const float* A, int64_t M, int64_t K, const int8_t* W, int64_t b0, int64_t b1, const float* sp,
+              const float* bp, float* C, int64_t n) {
+  for (int64_t m0 = 0; m0 < M; m0 += I8_ROWS) {
+    const float* At = A + m0 * K;
+    float* Ct = C + m0 * n;
+    switch (std::min<int64_t>(I8_ROWS, M - m0)) {
+      case 1: i8_rows<1, 2>(At, K, W, b0, b1, sp, bp, Ct, n); break;
+      case 2: i8_rows<2, 2>(At, K, W, b0, b1, sp, bp, Ct, n); break;
+      case 3: i8_rows<3, 1>(At, K, W, b0, b1, sp, bp, Ct, n); break;
+      default: i8_rows<4, 1>(At, K, W, b0, b1, sp, bp, Ct, n); break;
+    }
+  }
+}
+
+}  // namespace
+
+// x [..., K] float32 or bf16 (widened; the result rounded back once), w [ceil(N/16), K, 16] int8
+// (pack_int8), scale [N] float32, bias [N] or None -> [..., N] in x's dtype
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                       const c10::optional<at::Tensor>& bias, int64_t n) {
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "linear_int8: CPU tensors only");
+  TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 3 && w.size(2) == I8_BLOCK && w.is_contiguous(),
+              "linear_int8: the weight must be packed by pack_int8, got ", w.scalar_type(), " ", w.sizes());
+  const int64_t nblocks = w.size(0), K = w.size(1);
+  TORCH_CHECK(K > 0 && nblocks > 0, "linear_int8: empty weight");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "linear_int8: input has ", x.size(-1), " features, the weight ", K);
+  TORCH_CHECK(n > (nblocks - 1) * I8_BLOCK && n <= nblocks * I8_BLOCK, "linear_int8: ", n,
+              " output features do not fit ", nblocks, " packed blocks");
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == n, "linear_int8: scale of shape ", scale.sizes(), " for ", n,
+              " outputs");
+  if (x.scalar_type() != at::kFloat) {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+                "linear_int8: float32, bf16 or float16 input, got ", x.scalar_type());
+    return linear_int8(x.to(at::kFloat), w, scale, bias, n).to(x.scalar_type());
+  }
+  const at::Tensor s = scale.to(at::kFloat).contiguous();
+  at::Tensor b;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "linear_int8: bias of shape ", bias->sizes(), " for ", n,
+                " outputs");
+    b = bias->to(at::kFloat).contiguous();
+  }
+  const at::Tensor xc = x.is_contiguous() ? x : x.contiguous();
+  const int64_t M = xc.numel() / K;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  at::Tensor out = at::detail::empty_cpu(shape, at::kFloat, std::nullopt, std::nullopt, std::nullopt, std::nullopt);
+  if (M == 0) return out;
+  const float* A = xc.data_ptr<float>();
+  const int8_t* W = reinterpret_cast<const int8_t*>(w.data_ptr());
+  const float* sp = s.data_ptr<float>();
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  float* C = out.data_ptr<float>();
+  // at least ~32 KiB of weights per thread: smaller products run on the calling thread
+  const int64_t grain = std::max<int64_t>(1, (32 << 10) / (K * I8_BLOCK));
+  at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) { i8_range(A, M, K, W, b0, b1, sp, bp, C, n); });
+  return out;
+}
+"""
+
 _OP = r"""
 
 // x [..., K] bf16 or float32, w [ceil(N/BLOCK), K/2, BLOCK, 2] bf16 (pack_weight), bias [N] or None
@@ -513,8 +649,12 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
 
 TORCH_LIBRARY(leapfrog_gemm, m) {
   m.def("linear_bf16(Tensor x, Tensor w, Tensor? bias, int n, bool f32_out=False, bool stream=False) -> Tensor");
+  m.def("linear_int8(Tensor x, Tensor w, Tensor scale, Tensor? bias, int n) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(leapfrog_gemm, CPU, m) { m.impl("linear_bf16", &linear_bf16); }
+TORCH_LIBRARY_IMPL(leapfrog_gemm, CPU, m) {
+  m.impl("linear_bf16", &linear_bf16);
+  m.impl("linear_int8", &linear_int8);
+}
 """
 
 #: each build's software prefetch: bytes ahead in the weight stream, and the hint (the cache level it
@@ -540,7 +680,7 @@ def kernel_source(isa: str, prefetch_bytes: int | None = None, hint: str | None 
         raise ValueError(f"prefetch distance {prefetch_bytes}: a positive even number of bytes")
     call = "((void)p)" if hint == "none" else f"_mm_prefetch((const char*)(p), _MM_HINT_{hint})"
     body = (_AVX512_BF16 if isa == "avx512_bf16" else _AVX2).replace("@PREFETCH@", str(prefetch_bytes // 2))
-    source = _HEADER + body.replace("@PREFETCH_CALL@", call) + _OP
+    source = _HEADER + body.replace("@PREFETCH_CALL@", call) + _INT8 + _OP
     if namespace != "leapfrog_gemm":
         source = source.replace("TORCH_LIBRARY(leapfrog_gemm,", f"TORCH_LIBRARY({namespace},").replace(
             "TORCH_LIBRARY_IMPL(leapfrog_gemm,", f"TORCH_LIBRARY_IMPL({namespace},")
@@ -605,6 +745,7 @@ def _load(isa: str | None) -> bool:
         source, flags = _BUILDS[isa]
         load_inline(f"leapfrog_native_linear_{isa.replace('_', '')}", source, flags)
         torch.library.register_fake("leapfrog_gemm::linear_bf16")(_fake)
+        torch.library.register_fake("leapfrog_gemm::linear_int8")(_fake_int8)
         return True
     except Exception as e:  # noqa: BLE001 - no compiler, old assembler, ...: other linears serve
         log.warning("bf16 linear kernel unavailable (%s: %s); keeping oneDNN/inductor linears",
@@ -616,12 +757,33 @@ def _fake(x, w, bias, n, f32_out=False, stream=False):
     return x.new_empty((*x.shape[:-1], n), dtype=torch.float32 if f32_out else x.dtype)
 
 
+def _fake_int8(x, w, scale, bias, n):
+    return x.new_empty((*x.shape[:-1], n))
+
+
 def native_linear_supported(dtype: torch.dtype, device: torch.device | str) -> bool:
     """Whether NativeLinear serves weights of this dtype on this device (read when a model is
     loaded: ``LEAPFROG_NATIVE_LINEAR=0`` in the environment turns the kernel off, e.g. to compare)."""
     if env_off("LEAPFROG_NATIVE_LINEAR"):
         return False
     return dtype == torch.bfloat16 and torch.device(device).type == "cpu" and load_native_linear()
+
+
+def native_int8_supported(device: torch.device | str) -> bool:
+    """Whether the int8-weight op (``linear_int8``, built with the bf16 kernel) serves on this
+    device (``LEAPFROG_NATIVE_LINEAR=0`` turns it off too: then PyTorch's int8 kernel serves)."""
+    return (torch.device(device).type == "cpu" and not env_off("LEAPFROG_NATIVE_LINEAR")
+            and load_native_linear())
+
+
+def pack_int8(q: Tensor) -> Tensor:
+    """q [N, K] int8 -> [ceil(N/16), K, 16] for ``linear_int8``: block b, input k holds
+    q[16 b : 16 b + 16, k] (zeros past N)."""
+    n, k = q.shape
+    nb = -(-n // INT8_BLOCK_COLUMNS)
+    w = torch.zeros(nb * INT8_BLOCK_COLUMNS, k, dtype=torch.int8)
+    w[:n] = q.detach()
+    return w.view(nb, INT8_BLOCK_COLUMNS, k).transpose(1, 2).contiguous()
 
 
 def bf16_exact(weight: Tensor) -> bool:

@@ -6,7 +6,9 @@ the bytes of weight streamed; storing weights in 8 or 4 bits cuts those bytes 2-
 dequantize on the fly and accumulate in float32.
 
 int8  per output channel, symmetric: w[n, k] ~= q[n, k] * s[n], q in [-127, 127],
-      s[n] = max_k |w[n, k]| / 127.  Kernel: ``aten._weight_int8pack_mm(x, q, s)``.
+      s[n] = max_k |w[n, k]| / 127.  Kernels: leapfrog's ``linear_int8`` on AVX2 / AVX-512 CPUs
+      (model/native_linear.py; on a 2-vCPU AVX2 EPYC PyTorch's took 15x its time for an EAGLE
+      head's linears), else ``aten._weight_int8pack_mm(x, q, s)``.
 int4  per group of ``group_size`` input features, asymmetric (the tinygemm convention shared by
       PyTorch's CPU and CUDA int4 kernels): w[n, k] ~= (q[n, k] - 8) * s[g, n] + z[g, n] with
       g = k // group_size, q in [0, 15], s = (max - min) / 15, z = min + 8 s over the group.
@@ -65,21 +67,42 @@ def dequantize_int4(q: Tensor, scale_zero: Tensor, group_size: int) -> Tensor:
 
 
 class Int8Linear(nn.Module):
-    """Weight-only int8 linear, one scale per output channel. Built from the float weight."""
+    """Weight-only int8 linear, one scale per output channel. Built from the float weight.
+
+    On CPUs with AVX2 (or AVX-512 BF16) and a compiler it runs leapfrog's own op
+    (``leapfrog_gemm.linear_int8``, model/native_linear.py: float32 sums of float32 rows times the
+    int8 weights widened in registers, scaled per column at the end; row-invariant); elsewhere, or
+    with ``LEAPFROG_NATIVE_LINEAR=0``, PyTorch's ``aten._weight_int8pack_mm``. Both compute with
+    ``reference_weight("int8", w)``; they differ in float rounding only."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
         super().__init__()
+        from leapfrog.model.native_linear import native_int8_supported, pack_int8
         self.out_features, self.in_features = weight.shape
-        self.qweight, scale = quantize_int8(weight)  # [N, K] int8, [N]
-        self.scale = scale.to(weight.dtype)  # the kernel wants the activations' dtype
+        q, scale = quantize_int8(weight)  # [N, K] int8, [N]
+        self.scale = scale.to(weight.dtype)  # the kernels compute with the scale in the weights' dtype
+        self.native = native_int8_supported(weight.device)
         self.bias = None if bias is None else bias.detach().clone()
+        if self.native:   # packed for the op; scale and bias once in float32 (the op adds the bias)
+            self.qweight = pack_int8(q)            # [ceil(N/16), K, 16]
+            self.scale_f32 = self.scale.float()
+            self.bias_f32 = None if bias is None else self.bias.float()
+        else:
+            self.qweight = q
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.native:
+            return torch.ops.leapfrog_gemm.linear_int8(x, self.qweight, self.scale_f32, self.bias_f32,
+                                                       self.out_features)   # [.., N]
         rows = x.reshape(-1, self.in_features)  # [M, K]
         y = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scale)  # [M, N]
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
+
+    def weight_bytes(self) -> int:
+        """Bytes of weight one forward streams (int8 values and scales)."""
+        return self.out_features * self.in_features + self.scale.numel() * self.scale.element_size()
 
 
 class Int4Linear(nn.Module):
@@ -170,7 +193,7 @@ def quantized_bytes(module: nn.Module) -> int:
     total = 0
     for m in module.modules():
         if isinstance(m, Int8Linear):
-            total += m.qweight.numel() + m.scale.numel() * m.scale.element_size()
+            total += m.weight_bytes()
         elif isinstance(m, Int4Linear):
             total += m.packed.numel() * m.packed.element_size() + m.scale_zero.numel() * m.scale_zero.element_size()
     return total
