@@ -389,18 +389,37 @@ class EagleHead(nn.Module):
         linear kernel (model/native_linear.py). -> whether the linear layers were packed."""
         from leapfrog.model.packed import can_pack, graph_linear, inference_linear, native_linears, pack_linears
         packed = pack_layers and can_pack(self.dtype, self.device)
+        fc_float = isinstance(self.fc, nn.Linear)   # (not quantized)
         if packed and not self.packed:
             pack_linears(self.layers)
-            self.fc = inference_linear(self.fc.weight, self.fc.bias)
+            if fc_float:
+                self.fc = inference_linear(self.fc.weight, self.fc.bias)
         elif not self.packed:  # compiled graphs: the bf16 kernel (if any) as an op
             native_linears(self.layers)
-            self.fc = graph_linear(self.fc.weight, self.fc.bias)
+            if fc_float:
+                self.fc = graph_linear(self.fc.weight, self.fc.bias)
         if self.lm_head is not None:
             self.head = LogitsHead(self.lm_head.weight, fp32_head, pack=pack_layers)
             self.lm_head = None
         self.packed = True
         use_native_ops(self, self.device)
         return packed
+
+    def quantize(self, method: str) -> int:
+        """Weight-only ``method`` ("int8" / "int4", model/quant.py) for the head's linears: fc, the
+        decoder layer and (EAGLE-3) its own LM head; an EAGLE-1 head's logits stay the target's.
+        Before ``pack_for_inference``; inference only. q only ranks candidates (the target's logits
+        decide every token), so a quantized head changes what is accepted, never the output.
+        -> linears quantized."""
+        from leapfrog.model.quant import QUANT_LINEARS, quantize_linears
+        if self.packed:
+            raise RuntimeError("EagleHead.quantize after pack_for_inference: quantize first")
+        n = quantize_linears(self.layers, method)
+        if isinstance(self.fc, nn.Linear):
+            self.fc, n = QUANT_LINEARS[method](self.fc.weight, self.fc.bias), n + 1
+        if self.lm_head is not None:
+            self.head, self.lm_head, n = LogitsHead(self.lm_head.weight, fp32=False, quantization=method), None, n + 1
+        return n
 
     def num_parameters(self) -> int:
         """The head's own parameters (shared target weights excluded; count before packing)."""

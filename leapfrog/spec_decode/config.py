@@ -45,8 +45,9 @@ class SpeculativeConfig:
     draft_dtype: str | None = None
     """Draft model dtype (default: the target's)."""
     draft_quantization: str | None = None
-    """draft_model: weight-only "int8" or "int4" quantization of the draft's layers and LM head
-    at load (model/quant.py); with model "self", the quantized self-draft."""
+    """draft_model, eagle, eagle3: weight-only "int8" or "int4" quantization of the drafter's
+    linears and its own LM head at load (model/quant.py); with model "self", the quantized
+    self-draft. An EAGLE-1 head's logits stay the target's LM head's."""
     disable_by_batch_size: int | None = None
     """Speculation is off for steps whose batch has more running requests than this."""
     adaptive: bool = False
@@ -118,9 +119,9 @@ class SpeculativeConfig:
         _check(self, "prompt_lookup_max", int, lo=1)
         _check(self, "draft_dtype", str, optional=True, choices=["auto", *DTYPES])
         _check(self, "draft_quantization", str, optional=True, choices=list(QUANT_METHODS))
-        if self.draft_quantization is not None and self.method != "draft_model":
-            raise ConfigError(f"speculative_config: draft_quantization applies to method 'draft_model' only, "
-                              f"not {self.method!r}")
+        if self.draft_quantization is not None and self.method not in ("draft_model", "eagle", "eagle3"):
+            raise ConfigError(f"speculative_config: draft_quantization applies to methods 'draft_model', 'eagle' "
+                              f"and 'eagle3' (a drafter with weights), not {self.method!r}")
         if self.model == SELF_DRAFT and self.method != "draft_model":
             raise ConfigError(f"speculative_config: model {SELF_DRAFT!r} (the target as its own draft) applies to "
                               f"method 'draft_model' only, not {self.method!r}")

@@ -119,7 +119,7 @@ def test_self_draft_shares_the_embedding(llama_dir):
     (dict(quantization="int3"), "quantization='int3'"),
     (dict(quantization="int8", batch_invariant=True), "batch_invariant"),
     (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "draft_quantization": "int4"}),
-     "draft_quantization applies to method 'draft_model'"),
+     "draft_quantization applies to methods 'draft_model', 'eagle'"),
     (dict(speculative_config={"method": "draft_model", "model": "self", "num_speculative_tokens": 2,
                               "draft_quantization": "fp8"}), "draft_quantization"),
     (dict(speculative_config={"method": "eagle", "model": "self", "num_speculative_tokens": 2}), "'self'"),

@@ -70,20 +70,43 @@ def test_greedy_equal(shapes, tokenizer, shape, kind):
             assert llm.get_metrics()["num_draft_tokens"] > 0, (tree, bs)
 
 
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_quantized_heads_greedy_equal(shapes, tokenizer, kind, quant):
+    """``draft_quantization`` quantizes a head's linears (and an EAGLE-3 head's own LM head): q
+    changes, the output does not (chains and trees, batched and ragged)."""
+    from leapfrog.model.quant import QUANT_LINEARS
+    target, heads = shapes["llama_gqa_llama3"]
+    prompts = prompts_of(tokenizer, 5)
+    sp = SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)
+    _, ref = _generate(target, None, prompts, sp)
+    for tree in ("chain", "dynamic"):
+        spec = {"method": kind, "model": str(heads[kind]), "draft_quantization": quant, **TREES[tree]}
+        for bs in (1, 5):
+            llm, got = _generate(target, spec, prompts[:bs], sp)
+            assert got == ref[:bs], (tree, bs)
+            assert llm.get_metrics()["num_draft_tokens"] > 0
+    head = llm.engine.proposer.head
+    cls = QUANT_LINEARS[quant]
+    assert isinstance(head.fc, cls) and isinstance(head.layers[0].w13, cls)
+    assert isinstance(head.head.proj, cls) if kind == "eagle3" else head.head is None
+
+
 @pytest.fixture(scope="module")
 def tiny3(tmp_path_factory):
     return save_random_llama(tmp_path_factory.mktemp("tiny3"), None, seed=3, **{**SMALL, "num_hidden_layers": 3})
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@pytest.mark.parametrize("kind, quant", [("eagle", None), ("eagle3", None), ("eagle3", "int8")])
 @pytest.mark.parametrize("i", [0, 1])
-def test_sampling_follows_target(tiny3, tmp_path, kind, i):
+def test_sampling_follows_target(tiny3, tmp_path, kind, quant, i):
+    """(quant: a quantized head's q, in the rejection test as everywhere: still the target's law.)"""
     target = tiny3
     head = make_head(target, tmp_path / "h", kind, seed=i, **({"draft_vocab_size": 9} if kind == "eagle3" else {}))
     # full support and flat enough: one prompt means one fixed tree, which must be able to hit
     sp = [SETTINGS[0], SamplingParams(temperature=1.6, top_p=0.98, max_tokens=3, ignore_eos=True)][i]
     assert_follows_target(target, {"method": kind, "model": str(head), "num_speculative_tokens": 2,
-                                   "eagle_topk": 3, "num_draft_tokens": 6}, sp, seed=i)
+                                   "eagle_topk": 3, "num_draft_tokens": 6, "draft_quantization": quant}, sp, seed=i)
 
 
 HOT = SamplingParams(temperature=1.6, max_tokens=3, ignore_eos=True)   # flat: noise reused between tokens would show

@@ -123,6 +123,10 @@ class EagleProposer:
             from leapfrog.errors import ConfigError
             raise ConfigError(f"speculative_config: method {cfg.method!r} but {cfg.model} is an "
                               f"{self.head.kind!r} head; use \"method\": \"{self.head.kind}\"")
+        if cfg.draft_quantization is not None:   # q only steers proposals, as for draft models
+            from leapfrog.model.quant import check_quantization
+            check_quantization(cfg.draft_quantization, dtype, target.device, "speculative_config.draft_quantization")
+            self.head.quantize(cfg.draft_quantization)
         # q only ranks candidates (verification uses the target's logits): a half-precision LM head
         # reads half the bytes per draft level, as for draft models
         self.head.pack_for_inference(fp32_head=False, pack_layers=target.enforce_eager)
