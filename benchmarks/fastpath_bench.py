@@ -89,19 +89,21 @@ def contenders(draft: str, k: int, heads: Sequence[str], depths: Sequence[int],
     return out
 
 
-def with_draft_dtypes(kept: Sequence[Contender], dtypes: Sequence[str]) -> list[Contender]:
-    """Each contender, then (for speculative ones) a copy per ``dtypes`` entry with the drafter's
-    weights in that dtype (``draft_dtype``; tagged ", draft DTYPE"), side by side in each round.
+def with_draft_variants(kept: Sequence[Contender], variants: Sequence[tuple[str, str]]) -> list[Contender]:
+    """Each contender, then (for speculative ones) a copy per ``variants`` entry (key, value) with
+    that speculative_config setting, e.g. ("draft_dtype", "bfloat16") or ("draft_quantization",
+    "int8") (tagged ", draft VALUE"), side by side in each round.
 
-    >>> [c.name for c in with_draft_dtypes([Contender("none compiled", None, False),
-    ...     Contender("eagle3 chain 5 compiled", {"method": "eagle3"}, False)], ["bfloat16"])]
-    ['none compiled', 'eagle3 chain 5 compiled', 'eagle3 chain 5 compiled, draft bfloat16']
+    >>> [c.name for c in with_draft_variants([Contender("none compiled", None, False),
+    ...     Contender("eagle3 chain 5 compiled", {"method": "eagle3"}, False)],
+    ...     [("draft_dtype", "bfloat16"), ("draft_quantization", "int8")])]
+    ['none compiled', 'eagle3 chain 5 compiled', 'eagle3 chain 5 compiled, draft bfloat16', 'eagle3 chain 5 compiled, draft int8']
     """
     out = []
     for c in kept:
         out.append(c)
         if c.spec is not None:
-            out += [replace(c, spec={**c.spec, "draft_dtype": dt}, tag=f"{c.tag}, draft {dt}") for dt in dtypes]
+            out += [replace(c, spec={**c.spec, key: v}, tag=f"{c.tag}, draft {v}") for key, v in variants]
     return out
 
 
@@ -227,6 +229,9 @@ def main() -> None:
     ap.add_argument("--draft-dtype-too", nargs="*", default=[], metavar="DTYPE",
                     help="also run each speculative contender with its drafter in DTYPE (draft_dtype), e.g. "
                          "bfloat16 beside a float32 target")
+    ap.add_argument("--draft-quantization-too", nargs="*", default=[], metavar="METHOD",
+                    help="also run each speculative contender with its drafter quantized (draft_quantization), "
+                         "e.g. int8")
     ap.add_argument("--env-too", nargs="*", default=[], metavar="VAR=VALUE",
                     help="also run each contender loaded with this environment setting, e.g. "
                          "LEAPFROG_BF16_HEAD_ROWS=0 (a bf16 target's LM head on float32 rows)")
@@ -247,7 +252,8 @@ def main() -> None:
     kept = [c for c in contenders(args.draft, args.k, [args.head, *args.head_too], args.eagle_depth, args.trees,
                                   args.steps)
             if args.only is None or c.base == "none eager" or c.base in args.only]
-    kept = with_draft_dtypes(kept, args.draft_dtype_too)
+    kept = with_draft_variants(kept, [("draft_dtype", dt) for dt in args.draft_dtype_too]
+                               + [("draft_quantization", q) for q in args.draft_quantization_too])
     envs = env_variants(args.no_kernel_too, args.env_too)
     suffixes = [suffix for suffix, _ in envs]
     # a contender's variants side by side in each round (the machine's pace drifts within a round)

@@ -100,6 +100,12 @@ class Int8Linear(nn.Module):
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
 
+    @property
+    def row_invariant(self) -> bool:
+        """Whether a row's result is the same bits whatever other rows come with it (leapfrog's op
+        is, by construction; PyTorch's kernel is not checked): batch-invariant mode needs it."""
+        return self.native
+
     def weight_bytes(self) -> int:
         """Bytes of weight one forward streams (int8 values and scales)."""
         return self.out_features * self.in_features + self.scale.numel() * self.scale.element_size()

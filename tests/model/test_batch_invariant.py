@@ -29,8 +29,8 @@ def wide_dir(tmp_path_factory, tokenizer):
                              num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.02)
 
 
-def _runner(path, dtype=BF16, invariant=True) -> ModelRunner:
-    model = load_model(read_checkpoint(path), dtype, torch.device("cpu"), 512, pack=True)
+def _runner(path, dtype=BF16, invariant=True, quantization=None) -> ModelRunner:
+    model = load_model(read_checkpoint(path), dtype, torch.device("cpu"), 512, pack=True, quantization=quantization)
     return ModelRunner(model, num_rows=4, max_model_len=512, batch_invariant=invariant)
 
 
@@ -38,9 +38,14 @@ def _tokens(n: int, seed: int) -> list[int]:
     return torch.randint(3, 320, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.mark.parametrize("name", [*CONFIGS, "wide"])
+@pytest.mark.parametrize("name", [*CONFIGS, "wide", "wide int8"])
 def test_token_logits_do_not_depend_on_the_batch(model_dirs, wide_dir, name):
-    r = _runner(wide_dir if name == "wide" else model_dirs[name])
+    """("wide int8": an int8 target on leapfrog's int8 op, whose rows are independent by construction.)"""
+    if name == "wide int8":
+        from leapfrog.model.native_linear import native_int8_supported
+        if not native_int8_supported("cpu"):
+            pytest.skip("needs leapfrog's int8 op (AVX2 and a C++ compiler)")
+    r = _runner(model_dirs[name] if name in CONFIGS else wide_dir, quantization="int8" if "int8" in name else None)
     prompt, other, third = _tokens(40, 0), _tokens(23, 1), _tokens(60, 2)
     r.run([SeqChunk(0, 0, prompt, 0), SeqChunk(1, 0, other, 0)])  # rows 0 and 1 hold a context
     t, c = 17, len(prompt)  # the token under test: t at column c of row 0

@@ -11,6 +11,7 @@ from leapfrog import LLM, SamplingParams
 from leapfrog.config import EngineConfig
 from leapfrog.errors import ConfigError
 from leapfrog.model.loader import load_model, read_checkpoint
+from leapfrog.model.native_linear import native_int8_supported
 from leapfrog.model.quant import (QUANT_LINEARS, Int4Linear, Int8Linear, check_quantization, int4_group_size,
                                   quantize_int4, quantize_int8, quantized_bytes, reference_weight)
 from tests.conftest import prompts_of
@@ -117,7 +118,7 @@ def test_self_draft_shares_the_embedding(llama_dir):
 
 @pytest.mark.parametrize("kw, match", [
     (dict(quantization="int3"), "quantization='int3'"),
-    (dict(quantization="int8", batch_invariant=True), "batch_invariant"),
+    (dict(quantization="int4", batch_invariant=True), "batch_invariant"),
     (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "draft_quantization": "int4"}),
      "draft_quantization applies to methods 'draft_model', 'eagle'"),
     (dict(speculative_config={"method": "draft_model", "model": "self", "num_speculative_tokens": 2,
@@ -142,3 +143,27 @@ def test_int4_pads_output_features_to_the_kernels_multiple(n_out):
     lin = Int4Linear(w, None)
     assert lin.padded == -n_out % 16
     torch.testing.assert_close(lin(x), F.linear(x, reference_weight("int4", w)), atol=1e-4, rtol=1e-4)
+
+
+def test_int8_batch_invariant_needs_the_row_invariant_op(llama_dir, monkeypatch):
+    """batch_invariant=True with int8 runs on leapfrog's int8 op (rows independent of the batch);
+    where it cannot serve, a clear error instead of PyTorch's kernel, which is not row-invariant."""
+    from leapfrog.model import native_linear
+    monkeypatch.setattr(native_linear, "native_int8_supported", lambda device: False)
+    with pytest.raises(ConfigError, match="int8 op"):
+        LLM(model=str(llama_dir), max_model_len=64, quantization="int8", batch_invariant=True)
+
+
+@pytest.mark.skipif(not native_int8_supported("cpu"), reason="needs leapfrog's int8 op (AVX2 and a C++ compiler)")
+def test_int8_batch_invariant_greedy_alone_equals_batched(llama_dir, tokenizer):
+    """An int8 target in batch-invariant mode: each prompt's greedy tokens alone equal those in a
+    batch of 5 with speculation (ngram drafts and verification rows in the same forwards)."""
+    prompts = [{"prompt_token_ids": p} for p in prompts_of(tokenizer, 5)]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    llm = LLM(model=str(llama_dir), dtype="bfloat16", max_model_len=128, max_num_seqs=5, quantization="int8",
+              batch_invariant=True, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                        "prompt_lookup_min": 1})
+    assert isinstance(llm.engine.model.layers[0].w13, Int8Linear) and llm.engine.model.layers[0].w13.row_invariant
+    batched = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    alone = [llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert batched == alone

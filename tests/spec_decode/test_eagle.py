@@ -308,6 +308,25 @@ def _recording(llm: LLM) -> list:
 
 
 @pytest.mark.slow
+def test_int8_head_in_compiled_rounds(shapes, tokenizer):
+    """An int8 EAGLE-3 head (leapfrog's int8 op where the CPU has it) inside the compiled
+    speculation rounds (num_scheduler_steps): greedy output equal to no speculation, the rounds
+    graph did the decoding."""
+    from leapfrog.model.quant import Int8Linear
+    target, heads = shapes["llama_gqa_llama3"]
+    prompts = prompts_of(tokenizer, 2)
+    sp = SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)
+    _, ref = _generate(target, None, prompts, sp)
+    spec = {"method": "eagle3", "model": str(heads["eagle3"]), "draft_quantization": "int8", **TREES["chain"]}
+    llm, got = _generate(target, spec, prompts, sp, enforce_eager=False, num_scheduler_steps=3)
+    assert got == ref
+    head = llm.engine.proposer.head
+    assert isinstance(head.layers[0].w13, Int8Linear) and isinstance(head.head.proj, Int8Linear)
+    g = llm.engine.runner.round
+    assert sum(d.calls for d in g.direct.values()) > 0
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,tree", [("eagle3", "chain"), ("eagle", "narrow"), ("eagle3", "dynamic"),
                                        ("eagle3", "auto")])
 def test_fast_path_drafts_as_eager(shapes, tokenizer, kind, tree, monkeypatch):
