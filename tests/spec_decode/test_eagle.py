@@ -41,7 +41,7 @@ def shapes(tmp_path_factory, tokenizer):
 
 
 def _generate(target, spec, prompts, sp, **kw):
-    llm = LLM(model=str(target), dtype="float32", max_model_len=256, max_num_seqs=8, speculative_config=spec, **kw)
+    llm = LLM(model=str(target), dtype="float32", max_model_len=256, speculative_config=spec, **{"max_num_seqs": 8, **kw})
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     return llm, [o.outputs[0].token_ids for o in outs]
 
@@ -70,8 +70,7 @@ def test_greedy_equal(shapes, tokenizer, shape, kind):
             assert llm.get_metrics()["num_draft_tokens"] > 0, (tree, bs)
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
-@pytest.mark.parametrize("quant", ["int8", "int4"])
+@pytest.mark.parametrize("kind, quant", [("eagle", "int8"), ("eagle3", "int8"), ("eagle3", "int4")])
 def test_quantized_heads_greedy_equal(shapes, tokenizer, kind, quant):
     """``draft_quantization`` quantizes a head's linears (and an EAGLE-3 head's own LM head): q
     changes, the output does not (chains and trees, batched and ragged)."""
@@ -80,12 +79,11 @@ def test_quantized_heads_greedy_equal(shapes, tokenizer, kind, quant):
     prompts = prompts_of(tokenizer, 5)
     sp = SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)
     _, ref = _generate(target, None, prompts, sp)
-    for tree in ("chain", "dynamic"):
+    for tree in ("chain", "dynamic"):   # (a batch of 5 ragged prompts)
         spec = {"method": kind, "model": str(heads[kind]), "draft_quantization": quant, **TREES[tree]}
-        for bs in (1, 5):
-            llm, got = _generate(target, spec, prompts[:bs], sp)
-            assert got == ref[:bs], (tree, bs)
-            assert llm.get_metrics()["num_draft_tokens"] > 0
+        llm, got = _generate(target, spec, prompts, sp)
+        assert got == ref, tree
+        assert llm.get_metrics()["num_draft_tokens"] > 0
     head = llm.engine.proposer.head
     cls = QUANT_LINEARS[quant]
     assert isinstance(head.fc, cls) and isinstance(head.layers[0].w13, cls)
@@ -97,8 +95,8 @@ def tiny3(tmp_path_factory):
     return save_random_llama(tmp_path_factory.mktemp("tiny3"), None, seed=3, **{**SMALL, "num_hidden_layers": 3})
 
 
-@pytest.mark.parametrize("kind, quant", [("eagle", None), ("eagle3", None), ("eagle3", "int8")])
-@pytest.mark.parametrize("i", [0, 1])
+@pytest.mark.parametrize("kind, quant, i", [("eagle", None, 0), ("eagle", None, 1), ("eagle3", None, 0),
+                                           ("eagle3", None, 1), ("eagle3", "int8", 1)])
 def test_sampling_follows_target(tiny3, tmp_path, kind, quant, i):
     """(quant: a quantized head's q, in the rejection test as everywhere: still the target's law.)"""
     target = tiny3
@@ -318,7 +316,8 @@ def test_int8_head_in_compiled_rounds(shapes, tokenizer):
     sp = SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)
     _, ref = _generate(target, None, prompts, sp)
     spec = {"method": "eagle3", "model": str(heads["eagle3"]), "draft_quantization": "int8", **TREES["chain"]}
-    llm, got = _generate(target, spec, prompts, sp, enforce_eager=False, num_scheduler_steps=3)
+    with patch.dict(compiled.INDUCTOR_OPTIONS, {"max_autotune": False}):
+        llm, got = _generate(target, spec, prompts, sp, enforce_eager=False, num_scheduler_steps=3, max_num_seqs=2)
     assert got == ref
     head = llm.engine.proposer.head
     assert isinstance(head.layers[0].w13, Int8Linear) and isinstance(head.head.proj, Int8Linear)
