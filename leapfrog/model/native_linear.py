@@ -73,9 +73,9 @@ int8 targets and drafters): weights packed by ``pack_int8`` in blocks of 16 outp
 bytes per input k; AVX2 code in both builds: each k's 16 weights sign-extended and converted to
 float32 in registers, one fused multiply-add per row and weight in k order (one sum per column,
 whatever the rows or threads: row-invariant), the per-column scale and the bias applied to each
-sum at the end. One or two rows run over two blocks at once (four sums per row: with four, the
-widened weights spilled; measured 0.6-0.7x the time of four blocks at once for one row), up to
-four rows per tile; one software prefetch per 64-byte line (four k's). Measured (2 threads, AVX2
+sum at the end. One or two rows run over two blocks at once (four blocks at once need 8 sums, 8
+widened weights and a broadcast: more than the 16 registers; two at once took 0.6-0.7x its time
+for one row), up to four rows per tile; one software prefetch per 64-byte line (four k's). Measured (2 threads, AVX2
 EPYC, one row): the EAGLE-3 head's linears from memory 0.64x the bf16 kernel's time on the same
 weights, from cache 0.81x; the built-in target with int8 layers, compiled, 1.26-1.40x the float model's
 tokens/s, where PyTorch's ``_weight_int8pack_mm`` made it 0.15-0.16x (benchmarks/quant_bench.py).
@@ -444,7 +444,7 @@ void f32_range(const float* A, int64_t M, int64_t K, const uint16_t* W, int64_t 
 
 
 _INT8 = r"""
-// ---- int8 weights, float32 rows (a drafter's weight-only int8 linears; model/quant.py Int8Linear) ----
+// ---- int8 weights, float32 rows (weight-only int8 linears of targets and drafters: quant.Int8Linear) ----
 // AVX2 + FMA (both builds). w [ceil(N/16), K, 16] int8 (pack_int8): block b, input k holds
 // q[16 b : 16 b + 16, k], 16 bytes; scale [N] float32. C[m, n] = (sum_k A[m, k] q[n, k]) * scale[n]
 // + bias[n]: each int8 widened to float32 in registers (exact), one fused multiply-add per k in k
