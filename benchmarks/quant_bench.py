@@ -43,9 +43,9 @@ def main() -> None:
     prompts = heldout_prompts(tok, docs, args.num_prompts, prompt_tokens=args.prompt_tokens)
     max_len = args.prompt_tokens + args.max_tokens + 16
     llms = {}
+    real = native_linear.native_int8_supported
     for name, quant, op in [("float", None, True), ("int8, leapfrog op", "int8", True),
                             ("int8, PyTorch kernel", "int8", False)]:
-        real = native_linear.native_int8_supported
         with patch.object(native_linear, "native_int8_supported", lambda device, _op=op: _op and real(device)):
             llms[name] = LLM(model=args.target, dtype=args.dtype, quantization=quant, max_num_seqs=1,
                              max_model_len=max_len, enforce_eager=args.enforce_eager)

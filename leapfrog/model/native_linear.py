@@ -771,9 +771,9 @@ def native_linear_supported(dtype: torch.dtype, device: torch.device | str) -> b
 
 def native_int8_supported(device: torch.device | str) -> bool:
     """Whether the int8-weight op (``linear_int8``, built with the bf16 kernel) serves on this
-    device (``LEAPFROG_NATIVE_LINEAR=0`` turns it off too: then PyTorch's int8 kernel serves)."""
-    return (torch.device(device).type == "cpu" and not env_off("LEAPFROG_NATIVE_LINEAR")
-            and load_native_linear())
+    device: wherever the build serves bf16 weights (``LEAPFROG_NATIVE_LINEAR=0`` turns it off too:
+    then PyTorch's int8 kernel serves)."""
+    return native_linear_supported(torch.bfloat16, device)
 
 
 def pack_int8(q: Tensor) -> Tensor:
