@@ -96,7 +96,7 @@ def tiny3(tmp_path_factory):
 
 
 @pytest.mark.parametrize("kind, quant, i", [("eagle", None, 0), ("eagle", None, 1), ("eagle3", None, 0),
-                                           ("eagle3", None, 1), ("eagle3", "int8", 1)])
+                                           ("eagle3", None, 1), ("eagle", "int8", 0), ("eagle3", "int8", 1)])
 def test_sampling_follows_target(tiny3, tmp_path, kind, quant, i):
     """(quant: a quantized head's q, in the rejection test as everywhere: still the target's law.)"""
     target = tiny3
