@@ -107,8 +107,10 @@ class Int8Linear(nn.Module):
         return self.native
 
     def weight_bytes(self) -> int:
-        """Bytes of weight one forward streams (int8 values and scales)."""
-        return self.out_features * self.in_features + self.scale.numel() * self.scale.element_size()
+        """Bytes of weight one forward streams: the int8 values and the scales the kernel reads
+        (float32 for leapfrog's op, the weights' dtype for PyTorch's)."""
+        scale = self.scale_f32 if self.native else self.scale
+        return self.out_features * self.in_features + scale.numel() * scale.element_size()
 
 
 class Int4Linear(nn.Module):

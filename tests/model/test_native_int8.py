@@ -125,4 +125,5 @@ def test_int8_linear_uses_the_op_and_agrees_with_pytorchs_kernel(monkeypatch, dt
     torch.testing.assert_close(ours(x).float(), ref, **tol)
     torch.testing.assert_close(theirs(x).float(), ref, **tol)
     assert ours(x).dtype == theirs(x).dtype == dtype
-    assert ours.weight_bytes() == theirs.weight_bytes() == 64 * 96 + 64 * w.element_size()
+    assert ours.weight_bytes() == 64 * 96 + 64 * 4                  # (the op reads float32 scales)
+    assert theirs.weight_bytes() == 64 * 96 + 64 * w.element_size()
