@@ -18,6 +18,14 @@ depth: a deeper chain pays when its tokens per round grow by more than its round
 
     python benchmarks/round_bench.py --k 5 6 7 8
 
+``--profile``: also split the greedy round's time by op (torch.profiler, op self time per round): each
+linear by its weight (named from the target and the head; one packed shape can be several layers'), the
+attention op, and the rest (inductor's fused kernels and the wrapper) as the round's wall time minus
+the ops'. It says where a round goes: weights streamed by the target, weights the head reads from cache,
+or the small kernels between them.
+
+    python benchmarks/round_bench.py --profile
+
 Every contender runs the round with the same inputs each time (one sequence whose newest token is at
 ``--col``; zero tokens and features: the arithmetic does not depend on the values). Sampled rounds
 verify by rejection sampling (an unseeded request: ``reject``) or by the race (a seeded one).
@@ -75,6 +83,52 @@ def rounds_of(cls, g, k: int, positions: int, batch: int) -> tuple:
     return greedy, sampled
 
 
+def weight_names(g) -> dict[tuple[int, ...], list[str]]:
+    """The packed weight shapes of the round's linears (leapfrog's ops) -> the layers that have them."""
+    names: dict[tuple[int, ...], list[str]] = {}
+    for owner, model in (("target", g.model), ("head", g.draft.model)):
+        for name, m in model.named_modules():
+            w = getattr(m, "packed", None) if hasattr(m, "packed") else getattr(m, "qweight", None)
+            if isinstance(w, torch.Tensor) and w.dim() >= 3:
+                short = ".".join(p for p in name.split(".") if not p.isdigit())
+                entry = f"{owner} {short}"
+                if entry not in names.setdefault(tuple(w.shape), []):
+                    names[tuple(w.shape)].append(entry)
+    return names
+
+
+def print_profile(g, call_args: tuple, calls: int) -> None:
+    """The greedy round's op self times per round (``--profile``), linears by weight and row count,
+    against the wall time of as many greedy rounds back to back, unprofiled."""
+    from torch.profiler import ProfilerActivity, profile
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            g._serve(call_args)
+        round_us = (time.perf_counter() - t0) / calls * 1e6
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            for _ in range(calls):
+                g._serve(call_args)
+    names = weight_names(g)
+    rows, ops_us = [], 0.0
+    for e in prof.key_averages(group_by_input_shape=True):
+        us = e.self_cpu_time_total / calls
+        if not e.key.startswith(("leapfrog_gemm::", "leapfrog_native::")):
+            continue
+        ops_us += us
+        shapes = e.input_shapes
+        what = f"queries {shapes[0]}" if "attention" in e.key else \
+            " / ".join(names.get(tuple(shapes[1]), ["?"])) + f", {shapes[0][:-1]} rows"
+        rows.append((us, e.key.split("::")[1], what, e.count / calls))
+    print(f"\nwhere the greedy round goes ({calls} rounds back to back: {round_us:.0f} us per round unprofiled):")
+    print("| op | weight, rows | calls per round | us per round | share |")
+    print("|---|---|---:|---:|---:|")
+    for us, op, what, n in sorted(rows, reverse=True):
+        print(f"| {op} | {what} | {n:.0f} | {us:.0f} | {us / round_us:.0%} |")
+    rest = max(round_us - ops_us, 0.0)
+    print(f"| rest | inductor's fused kernels, the wrapper, the host | | {rest:.0f} | {rest / round_us:.0%} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default=str(DEMO_DIR / "target"))
@@ -87,6 +141,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--other", default=None, metavar="COMPILED_PY", help="another checkout's model/compiled.py")
+    ap.add_argument("--profile", action="store_true", help="split the greedy round's time by op and weight")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.other and len(args.k) > 1:
@@ -140,6 +195,8 @@ def main() -> None:
             for kind in ("greedy", "sampled rejection", "sampled race"):
                 rs = [x / y for x, y in zip(times[f"{kind}, K={k}"], times[f"{kind}, K={k0}"])]
                 print(f"  K={k}, {kind}: {statistics.median(rs):.3f} [{min(rs):.3f}, {max(rs):.3f}]")
+    if args.profile:
+        print_profile(g, cases[next(iter(cases))][1], args.reps * args.calls)
     if args.other:
         print("\nthis / other, per repetition (median [min, max]):")
         for kind in ("greedy", "sampled rejection", "sampled race"):
