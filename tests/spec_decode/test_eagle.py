@@ -143,6 +143,21 @@ def test_errors(shapes, tmp_path):
             speculative_config={"method": "eagle3", "model": str(heads["eagle3"]), "num_speculative_tokens": 2})
 
 
+def test_draft_quantization_without_kernels_fails_before_the_head_loads(shapes, tmp_path, monkeypatch):
+    """A draft_quantization whose kernel fails here is a ConfigError naming the field, raised before
+    the head is read (the head path does not even exist)."""
+    from leapfrog.model import quant
+
+    class Broken:
+        def __init__(self, *args):
+            raise RuntimeError("no kernel for this dtype")
+    monkeypatch.setitem(quant.QUANT_LINEARS, "int8", Broken)
+    target, _ = shapes["llama_gqa_llama3"]
+    with pytest.raises(ConfigError, match="speculative_config.draft_quantization='int8'.*no working int8"):
+        LLM(model=str(target), speculative_config={"method": "eagle3", "model": str(tmp_path / "missing"),
+                                                   "num_speculative_tokens": 2, "draft_quantization": "int8"})
+
+
 def test_greedy_seeded_and_sampled_requests_mix_in_one_tree_batch(shapes, tokenizer):
     """Greedy requests keep the exact greedy output and seeded ones their seeded output while
     unseeded sampled requests share their tree-verification steps."""

@@ -111,9 +111,12 @@ class EagleProposer:
     def __init__(self, cfg: SpeculativeConfig, target: TargetInfo) -> None:
         from leapfrog.model.eagle import load_eagle_head
         from leapfrog.model.loader import DTYPES
+        from leapfrog.model.quant import check_quantization
         from leapfrog.parallel.replica import unsharded_view
 
         dtype = DTYPES[cfg.draft_dtype] if cfg.draft_dtype not in (None, "auto") else target.dtype
+        # (before loading: a draft_quantization without kernels here fails first, as for draft models)
+        check_quantization(cfg.draft_quantization, dtype, target.device, "speculative_config.draft_quantization")
         self.head = load_eagle_head(cfg.model, target.model, dtype, target.device, target.allow_pickle)
         # a tensor-parallel target holds a vocabulary slice: the head (rank 0 only) gets whole
         # copies of what it shares (its embedding unless it has one; EAGLE-1: the LM head)
@@ -124,8 +127,6 @@ class EagleProposer:
             raise ConfigError(f"speculative_config: method {cfg.method!r} but {cfg.model} is an "
                               f"{self.head.kind!r} head; use \"method\": \"{self.head.kind}\"")
         if cfg.draft_quantization is not None:   # q only steers proposals, as for draft models
-            from leapfrog.model.quant import check_quantization
-            check_quantization(cfg.draft_quantization, dtype, target.device, "speculative_config.draft_quantization")
             self.head.quantize(cfg.draft_quantization)
         # q only ranks candidates (verification uses the target's logits): a half-precision LM head
         # reads half the bytes per draft level, as for draft models
