@@ -88,12 +88,12 @@ def weight_names(g) -> dict[tuple[int, ...], list[str]]:
     names: dict[tuple[int, ...], list[str]] = {}
     for owner, model in (("target", g.model), ("head", g.draft.model)):
         for name, m in model.named_modules():
-            w = getattr(m, "packed", None) if hasattr(m, "packed") else getattr(m, "qweight", None)
+            w = getattr(m, "packed", getattr(m, "qweight", None))   # (bf16 kernel's, int8 op's)
             if isinstance(w, torch.Tensor) and w.dim() >= 3:
-                short = ".".join(p for p in name.split(".") if not p.isdigit())
-                entry = f"{owner} {short}"
-                if entry not in names.setdefault(tuple(w.shape), []):
-                    names[tuple(w.shape)].append(entry)
+                entry = owner + " " + ".".join(p for p in name.split(".") if not p.isdigit())
+                layers = names.setdefault(tuple(w.shape), [])
+                if entry not in layers:
+                    layers.append(entry)
     return names
 
 
