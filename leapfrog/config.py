@@ -126,10 +126,6 @@ class EngineConfig:
         from leapfrog.model.quant import QUANT_METHODS
         if self.quantization is not None and self.quantization not in QUANT_METHODS:
             raise ConfigError(f"quantization={self.quantization!r}: must be one of {list(QUANT_METHODS)} (or None)")
-        if self.quantization == "int4" and self.batch_invariant:
-            raise ConfigError("batch_invariant=True with quantization='int4' is not supported yet (PyTorch's int4 "
-                              "kernels are not row-invariant; int8 is, on CPUs where leapfrog's int8 op serves); "
-                              "drop one of them")
         from leapfrog.sampling.logprobs import LOGPROBS_MODES
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ConfigError(f"logprobs_mode={self.logprobs_mode!r}: must be one of {list(LOGPROBS_MODES)}")

@@ -28,7 +28,7 @@ from leapfrog.kv.manager import KVManager
 from leapfrog.model.compiled import RoundRace, can_compile, make_buckets
 from leapfrog.model.loader import load_model, load_tokenizer, read_checkpoint, resolve_dtype
 from leapfrog.model.native_linear import set_streaming
-from leapfrog.model.quant import check_quantization
+from leapfrog.model.quant import check_batch_invariant_quantization, check_quantization
 from leapfrog.model.runner import ModelRunner, SeqChunk
 from leapfrog.outputs import IterationStats, Logprob, PositionLogprobs, RequestOutput, SpecMetrics
 from leapfrog.request import Request
@@ -61,14 +61,9 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or min(mpe, 4096)
         if not config.enforce_eager and (why := can_compile(self.device)):
             raise ConfigError(f"enforce_eager=False: cannot compile here: {why}; use enforce_eager=True")
+        if config.batch_invariant:
+            check_batch_invariant_quantization(config.quantization, self.device)
         check_quantization(config.quantization, self.dtype, self.device)
-        if config.batch_invariant and config.quantization is not None:
-            from leapfrog.model.native_linear import native_int8_supported
-            if not native_int8_supported(self.device):   # (int4 is refused by EngineConfig)
-                raise ConfigError("batch_invariant=True with quantization='int8' needs leapfrog's int8 op, whose rows "
-                                  "do not depend on the batch (x86 CPUs with AVX2 and a C++ compiler; "
-                                  "LEAPFROG_NATIVE_LINEAR unset); PyTorch's int8 kernel is not row-invariant; "
-                                  "drop one of them")
         #: tensor parallelism (parallel/): this rank's group and the worker processes it spawned
         self.tp: Any = None
         self._workers: Any = None

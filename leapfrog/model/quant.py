@@ -190,6 +190,23 @@ def check_quantization(method: str | None, dtype: torch.dtype, device: torch.dev
                           "use another dtype, or no quantization")
 
 
+def check_batch_invariant_quantization(method: str | None, device: torch.device) -> None:
+    """ConfigError unless ``method``'s kernels give each row bitwise the same result whatever else is
+    in the batch (what ``batch_invariant=True`` promises for the target): leapfrog's int8 op does;
+    PyTorch's int8 and int4 kernels pick their loops by the batch's shape and do not."""
+    if method == "int4":
+        raise ConfigError("batch_invariant=True with quantization='int4' is not supported yet (PyTorch's int4 "
+                          "kernels are not row-invariant; int8 is, on CPUs where leapfrog's int8 op serves); "
+                          "drop one of them")
+    if method == "int8":
+        from leapfrog.model.native_linear import native_int8_supported
+        if not native_int8_supported(device):
+            raise ConfigError("batch_invariant=True with quantization='int8' needs leapfrog's int8 op, whose rows "
+                              "do not depend on the batch (x86 CPUs with AVX2 and a C++ compiler; "
+                              "LEAPFROG_NATIVE_LINEAR unset); PyTorch's int8 kernel is not row-invariant; "
+                              "drop one of them")
+
+
 def quantize_linears(module: nn.Module, method: str) -> int:
     """Replace every nn.Linear under ``module`` by its ``method`` weight-only version. -> count."""
     from leapfrog.model.packed import replace_linears
