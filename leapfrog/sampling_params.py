@@ -169,6 +169,9 @@ class SamplingParams:
                 raise bad("structured_outputs", f"unknown field ({e})") from None
         if so is not None and not isinstance(so, StructuredOutputsParams):
             raise bad("structured_outputs", "must be a StructuredOutputsParams or a dict of its fields")
+        if so is not None and self.min_tokens > 0:   # (the grammar, not min_tokens, would decide the end)
+            raise bad("min_tokens", "with structured outputs is not supported: the grammar decides where the "
+                                    "output may end; drop min_tokens")
         k = self.truncate_prompt_tokens
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or (k < 1 and k != -1)):
             raise bad("truncate_prompt_tokens", "must be None, -1 (as much as fits) or a positive integer")

@@ -241,8 +241,11 @@ class LLMEngine:
             raise RequestError("the prompt is empty")
         self._check_vocab(prompt_ids, "prompt")
         trunc = params.truncate_prompt_tokens
-        if trunc is not None:
-            keep = self.max_model_len - 1 if trunc == -1 else trunc
+        if trunc is not None:   # -1: the last tokens that fit beside max_tokens (one new token if unset)
+            keep = self.max_model_len - (params.max_tokens or 1) if trunc == -1 else trunc
+            if keep < 1:
+                raise RequestError(f"truncate_prompt_tokens=-1 with max_tokens={params.max_tokens} leaves no room for "
+                                   f"the prompt (max_model_len {self.max_model_len})", param="truncate_prompt_tokens")
             if keep > self.max_model_len - 1:
                 raise RequestError(f"truncate_prompt_tokens={trunc} is larger than the context allows "
                                    f"({self.max_model_len - 1}: the prompt plus one new token)",

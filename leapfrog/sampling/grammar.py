@@ -23,6 +23,11 @@ from torch import Tensor
 from leapfrog.errors import ConfigError, RequestError
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
+#: the most strings a ``choice`` constraint may list, and their total length: the matcher is
+#: built on the engine's thread, where 40,000 choices held every other request for seconds (and
+#: llguidance refuses a choice list past about 2000 entries only once decoding has begun)
+MAX_CHOICES = 1024
+MAX_CHOICE_CHARS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,11 @@ class StructuredOutputsParams:
         if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
                                         or any(not isinstance(c, str) or not c for c in self.choice)):
             raise ConfigError("structured outputs: choice must be a non-empty list of non-empty strings")
+        if self.choice is not None and (len(self.choice) > MAX_CHOICES
+                                        or sum(map(len, self.choice)) > MAX_CHOICE_CHARS):
+            raise ConfigError(f"structured outputs: choice lists {len(self.choice)} strings of "
+                              f"{sum(map(len, self.choice))} characters in all; at most {MAX_CHOICES} strings "
+                              f"and {MAX_CHOICE_CHARS} characters (use a regex or a grammar for larger sets)")
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
             raise ConfigError("structured outputs: grammar must be a non-empty string")
         if not isinstance(self.json_object, bool):

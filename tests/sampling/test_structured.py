@@ -13,7 +13,7 @@ import torch
 
 from leapfrog import LLM, SamplingParams
 from leapfrog.errors import ConfigError, RequestError
-from leapfrog.sampling.grammar import StructuredOutputsParams
+from leapfrog.sampling.grammar import MAX_CHOICE_CHARS, MAX_CHOICES, StructuredOutputsParams
 from tests.conftest import prompts_of
 from tests.stats import chisq_pvalue
 
@@ -46,6 +46,14 @@ def test_params_are_checked():
     with pytest.raises(ConfigError, match="structured_outputs"):
         SamplingParams(structured_outputs={"jsn": {}})
     assert SamplingParams(structured_outputs={"regex": "a+"}).structured_outputs.kind == "regex"
+    # bounded choice lists (the matcher is built on the engine's thread), and no min_tokens
+    # against a grammar that decides where the output ends
+    assert len(StructuredOutputsParams(choice=[f"c{i}" for i in range(MAX_CHOICES)]).choice) == MAX_CHOICES
+    for choice in ([f"c{i}" for i in range(MAX_CHOICES + 1)], ["x" * (MAX_CHOICE_CHARS + 1)]):
+        with pytest.raises(ConfigError, match="at most"):
+            StructuredOutputsParams(choice=choice)
+    with pytest.raises(ConfigError, match="min_tokens"):
+        SamplingParams(structured_outputs={"regex": "a"}, min_tokens=3)
 
 
 @pytest.fixture(scope="module")

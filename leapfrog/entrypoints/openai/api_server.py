@@ -154,11 +154,18 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
             return error(503, "the engine is not running", type_="server_unavailable", code="engine_down")
         return {"status": "ok"}
 
+    def model_card() -> dict:
+        return {"id": served_model_name, "object": "model", "created": int(time.time()), "owned_by": "leapfrog",
+                "root": str(engine.config.model), "parent": None, "max_model_len": engine.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "leapfrog", "root": str(engine.config.model),
-                                            "parent": None, "max_model_len": engine.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):   # OpenAI's retrieve (client.models.retrieve)
+        serving.check_model(model)
+        return model_card()
 
     @app.get("/metrics")
     async def prometheus():
@@ -189,7 +196,7 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
                 return None
             if echo:
                 ids, pos = o.prompt_token_ids + ids, (o.prompt_logprobs or [None] * len(o.prompt_token_ids)) + pos
-            return completion_logprobs(ids, pos, k_lp, offset)
+            return completion_logprobs(ids, pos, k_lp, offset, serving.decode)
 
         if req.stream:
             sent = {}   # choice -> text_offset of its next token (the token texts so far, as without streaming)

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Base(BaseModel):
-    # OpenAI clients send fields we do not use: they are kept in ``model_extra`` so that the ones
-    # that would change the answer can be refused (OpenAIServing.check_request), never ignored.
-    model_config = ConfigDict(extra="allow")
+    # Fields we do not define are kept in ``model_extra`` so that OpenAIServing.check_request can
+    # refuse them by name (never ignore them), and accept the few that cannot change the answer.
+    # Strict types: "0.5" is not a number, 1 is not true, true is not a token id (a 400, never a
+    # silent conversion); an integer is still a valid float.
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
     continuous_usage_stats: bool = False
     """vLLM: every chunk carries the usage so far (with include_usage)."""
@@ -22,19 +24,19 @@ class StreamOptions(BaseModel):
 
 class SpeculativeOptions(BaseModel):
     """Per-request narrowing of the server's speculation (never widening)."""
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     num_speculative_tokens: int = Field(ge=0, description="0 turns speculation off for this request")
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text"]
     text: str
 
 
 class Prediction(BaseModel):
     """OpenAI's predicted output: ``{"type": "content", "content": str | [text parts]}``."""
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["content"]
     content: str | list[TextPart]
 
@@ -44,7 +46,7 @@ class Prediction(BaseModel):
 
 
 class _Sampling(_Base):
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
@@ -90,9 +92,18 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(None, ge=0, le=20)
 
 
-class ChatMessage(_Base):
+class ChatMessage(BaseModel):
+    """A message as the chat template sees it: its role and its text. Other message fields
+    (``name``, ``tool_calls``, ``tool_call_id``, ...) would change the prompt and are refused."""
+    model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+
+    @model_validator(mode="after")
+    def _content_given(self) -> "ChatMessage":
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
 
     @field_validator("content")
     @classmethod
@@ -118,7 +129,7 @@ class ChatCompletionRequest(_Sampling):
 
 class TokenizeRequest(_Base):
     """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -128,6 +139,6 @@ class TokenizeRequest(_Base):
 
 
 class DetokenizeRequest(_Base):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     tokens: list[int]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
@@ -50,11 +51,15 @@ class OpenAIServing:
     def check_request(self, req: _Sampling) -> None:
         """Refuse what would change the answer but is not implemented (never silently ignore it),
         and fields that only make sense together."""
-        extra = req.model_extra or {}
-        for name, unused in _UNSUPPORTED.items():
-            if name in extra and not unused(extra[name]):
+        for name, value in (req.model_extra or {}).items():
+            unused = _UNSUPPORTED.get(name)
+            if unused is not None and not unused(value):
                 raise APIError(400, f"`{name}` is not supported by this server", param=name,
                                code="unsupported_parameter")
+            if unused is None and name not in _NO_EFFECT:
+                raise APIError(400, f"`{name}` is not a field this server knows; it is refused rather than ignored "
+                                    "(check its spelling, and the README's list of request fields)",
+                               param=name, code="unsupported_parameter")
         if req.stream_options is not None and not req.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
         if req.best_of is not None and req.best_of != req.n:
@@ -83,11 +88,11 @@ class OpenAIServing:
                 prompt_logprobs = max(prompt_logprobs or 0, logprobs)
         bias = None
         if req.logit_bias is not None:
-            try:
-                bias = {int(k): v for k, v in req.logit_bias.items()}
-            except ValueError:
-                raise APIError(400, "logit_bias keys must be token ids (integers as strings)",
-                               param="logit_bias") from None
+            bad = [k for k in req.logit_bias if not _TOKEN_ID_KEY.fullmatch(k)]
+            if bad:   # (int() would also take "5_0", " 5" or other scripts' digits)
+                raise APIError(400, f"logit_bias key {bad[0]!r}: keys must be token ids (decimal integers as "
+                                    "strings)", param="logit_bias")
+            bias = {int(k): v for k, v in req.logit_bias.items()}
         kw: dict[str, Any] = dict(
             structured_outputs=self.structured_outputs(req),
             n=req.n, max_tokens=max_tokens, stop=req.stop, seed=req.seed, presence_penalty=req.presence_penalty,
@@ -285,6 +290,8 @@ class OpenAIServing:
                 watch.cancel()
             if not gathered.done():
                 gathered.cancel()
+            # a cancelled choice leaves the gather's CancelledError unread: asyncio would log it
+            gathered.add_done_callback(lambda f: f.cancelled() or f.exception())
             self.engine.release(reservation)
         failed = [o for o in outs if o.outputs[0].finish_reason == "error"]
         if failed:
@@ -342,6 +349,14 @@ def error_text(out: RequestOutput) -> str:
 def _unused(*values: Any) -> Callable[[Any], bool]:
     return lambda v: v is None or any(v == x for x in values)
 
+
+#: a logit_bias key: a token id written in ASCII decimal digits
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]+")
+
+#: fields OpenAI clients send that cannot change the answer (stored-completion, tracing and
+#: service options); any other field the schema does not define is refused (check_request)
+_NO_EFFECT = frozenset({"metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
+                        "parallel_tool_calls"})
 
 # OpenAI/vLLM fields that would change the answer and are not implemented yet -> 400, with the
 # values that mean "not used" (which are accepted).
@@ -405,12 +420,16 @@ def _top(pos: PositionLogprobs, k: int) -> list[tuple[int, "Any"]]:
 
 
 def completion_logprobs(token_ids: list[int], positions: list[PositionLogprobs | None], k: int,
-                        text_offset: int) -> dict:
+                        text_offset: int, decode: Callable[[list[int]], str] | None = None) -> dict:
     """OpenAI's completions ``logprobs`` object for these tokens (a None position: the first
-    prompt token, which has none); offsets count characters from ``text_offset``."""
+    prompt token, which has no logprob; its text is ``decode([token])``); offsets count characters
+    from ``text_offset``."""
     tokens, values, tops, offsets = [], [], [], []
     for t, pos in zip(token_ids, positions):
-        text = "" if pos is None else (pos[t].decoded_token or "")
+        if pos is None:
+            text = decode([t]) if decode is not None else ""
+        else:
+            text = pos[t].decoded_token or ""
         tokens.append(text)
         values.append(None if pos is None else _lp(pos[t].logprob))
         top: dict[str, float] | None = None

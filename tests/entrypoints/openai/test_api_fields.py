@@ -64,6 +64,11 @@ def test_echo_with_logprobs_and_token_prompts_streaming_and_not(server, referenc
     lp = ch.logprobs
     assert len(lp.tokens) == len(ids) + 8 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert all(v is not None for v in lp.token_logprobs[1:])
+    # the first prompt token has no logprob but has its text, and each offset is where its token starts
+    assert lp.tokens[0] == reference.get_tokenizer().decode(ids[:1]) != ""
+    n = len(ids)   # (the prompt is ASCII; the random model's output tokens can be partial UTF-8)
+    assert "".join(lp.tokens[:n]) == prompt_text and lp.text_offset[1] == len(lp.tokens[0])
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
     chunks = list(c.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0, echo=True, logprobs=1,
                                        stream=True, extra_body={"ignore_eos": True}))
     assert "".join(x.choices[0].text for x in chunks if x.choices) == ch.text
@@ -127,6 +132,9 @@ def test_token_rules_and_truncation(server, reference):
     long = "x = 1\n" * 100
     r = c.completions.create(model="tiny", prompt=long, max_tokens=4, extra_body={"truncate_prompt_tokens": 20})
     assert r.usage.prompt_tokens == 20
+    longer = "x = 1\n" * 200   # past max_model_len (256): -1 keeps what fits beside max_tokens
+    r = c.completions.create(model="tiny", prompt=longer, max_tokens=6, extra_body={"truncate_prompt_tokens": -1})
+    assert r.usage.prompt_tokens == 256 - 6 and r.usage.completion_tokens == 6
     r = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, n=2, best_of=2, temperature=1.0,
                              user="someone")
     assert len(r.choices) == 2
@@ -188,6 +196,9 @@ def test_tokenize_detokenize_version_models(server, reference):
     assert httpx.get(server.url + "/version").json() == {"version": __version__}
     m = client(server).models.list().data[0]
     assert m.id == "tiny" and m.model_extra["root"] and m.model_extra["max_model_len"] == 256
+    assert client(server).models.retrieve("tiny").id == "tiny"   # GET /v1/models/{id}
+    r = httpx.get(server.url + "/v1/models/other")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
 def test_structured_outputs(server):

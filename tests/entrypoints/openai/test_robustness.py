@@ -82,6 +82,30 @@ BAD = [  # (path, body, param or message fragment)
     (C, {"prompt": [[1, 2], [3, 10**6]], "stream": True}, "prompt 1"),
     (C, {"prompt": [[1, 2], []]}, "prompt 1"),
     (C, {"prompt": "\ud800"}, "tokenize"),                     # a lone UTF-16 surrogate (found by fuzzing)
+    # a field the server does not know is refused, not ignored (a typo, or another API's name)
+    (C, {"prompt": "x", "temprature": 0}, "temprature"),
+    (C, {"prompt": "x", "max_completion_tokens": 1}, "max_completion_tokens"),
+    (CH, {"messages": [{"role": "user", "content": "hi"}], "typical_p": 0.5}, "typical_p"),
+    # wrong types are refused, never converted
+    (C, {"prompt": "x", "max_tokens": True}, "max_tokens"),
+    (C, {"prompt": "x", "temperature": "0.5"}, "temperature"),
+    (C, {"prompt": "x", "echo": "yes"}, "echo"),
+    (C, {"prompt": "x", "stream": "true"}, "stream"),
+    (C, {"prompt": [True, False]}, "prompt"),
+    (C, {"prompt": "x", "speculative": {"num_speculative_tokens": True}}, "num_speculative_tokens"),
+    # message fields the chat template would not see are refused
+    (CH, {"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, "name"),
+    (CH, {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]},
+                       {"role": "tool", "tool_call_id": "c1", "content": "42"}]}, "tool_calls"),
+    (CH, {"messages": [{"role": "user"}]}, "content"),
+    # logit_bias keys are decimal token ids, not whatever int() accepts
+    (C, {"prompt": "x", "logit_bias": {"5_0": 1}}, "logit_bias"),
+    (C, {"prompt": "x", "logit_bias": {" 5": 1}}, "logit_bias"),
+    (C, {"prompt": "x", "logit_bias": {"\u0665": 1}}, "logit_bias"),
+    # choice lists past the bound (built on the engine's thread) and min_tokens against a grammar
+    (C, {"prompt": "x", "guided_choice": [f"c{i}" for i in range(1025)]}, "choice"),
+    (C, {"prompt": "x", "guided_regex": "a", "min_tokens": 3}, "min_tokens"),
+    (C, {"prompt": "x", "max_tokens": 256, "truncate_prompt_tokens": -1}, "truncate_prompt_tokens"),
 ]
 
 
