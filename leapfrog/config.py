@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,9 +92,11 @@ class EngineConfig:
             raise ConfigError(f"max_model_len={self.max_model_len!r}: must be an integer >= 2")
         if self.device not in ("auto", "cpu") and not str(self.device).startswith("cuda"):
             raise ConfigError(f"device={self.device!r}: use 'auto', 'cpu' or 'cuda[:N]'")
-        for name in ("batch_invariant", "enforce_eager"):
+        for name in ("batch_invariant", "enforce_eager", "allow_pickle", "skip_tokenizer_init"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r}: must be True or False")
+        if self.tokenizer is not None and not isinstance(self.tokenizer, (str, os.PathLike)):
+            raise ConfigError(f"tokenizer={self.tokenizer!r}: must be a directory or hub id (a string), or None")
         if self.batch_invariant and not self.enforce_eager:
             raise ConfigError("batch_invariant=True runs eagerly (its kernels are picked per row tile); "
                               "leave enforce_eager=True")
@@ -142,7 +145,10 @@ def resolve_device(device: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if str(device).startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"device={device!r} but CUDA is not available on this machine")
-    return torch.device(device)
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"device={device!r}: use 'auto', 'cpu' or 'cuda[:N]'") from None
 
 
 def supports_rounds(spec: Any) -> bool:

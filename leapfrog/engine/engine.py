@@ -12,6 +12,7 @@ One step (STYLE "one engine step"):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -46,6 +47,26 @@ from leapfrog.spec_decode.verify.tree import tree_match_accept, tree_rejection_a
 log = logging.getLogger("leapfrog.engine")
 
 
+def _check_kv_fits(args: Any, max_num_seqs: int, max_model_len: int, dtype: torch.dtype,
+                   device: torch.device) -> None:
+    """ConfigError before anything is allocated when the target's KV cache alone (max_num_seqs + 1
+    rows of max_model_len columns, keys and values, every layer) exceeds the device's memory:
+    otherwise the allocation fails deep inside, or the OOM killer ends the process."""
+    per_token = 2 * args.num_hidden_layers * args.num_key_value_heads * args.head_dim * dtype.itemsize
+    need = (max_num_seqs + 1) * max_model_len * per_token
+    if device.type == "cuda":
+        have = torch.cuda.get_device_properties(device).total_memory
+    else:
+        try:
+            have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return
+    if need > have:
+        raise ConfigError(f"max_num_seqs={max_num_seqs} x max_model_len={max_model_len} needs "
+                          f"{need / 2**30:.1f} GiB of KV cache ({per_token} bytes per token), more than this "
+                          f"{device.type} device's {have / 2**30:.1f} GiB; lower max_num_seqs or max_model_len")
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -59,6 +80,7 @@ class LLMEngine:
                               f"max_position_embeddings={mpe} in {ckpt.path / 'config.json'}; positions beyond it "
                               "were never trained (use max_model_len <= that)")
         self.max_model_len = config.max_model_len or min(mpe, 4096)
+        _check_kv_fits(ckpt.args, config.max_num_seqs, self.max_model_len, self.dtype, self.device)
         if not config.enforce_eager and (why := can_compile(self.device)):
             raise ConfigError(f"enforce_eager=False: cannot compile here: {why}; use enforce_eager=True")
         if config.batch_invariant:
@@ -226,6 +248,9 @@ class LLMEngine:
             raise RequestError(f"request id {request_id!r} is already running")
         if not isinstance(params, SamplingParams):
             raise RequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        # checked again as they are now: a field set after construction (max_tokens = -5, a new
+        # stop list) is validated, and the request keeps its own copy
+        params = dataclasses.replace(params)
         self._check_params(params)
         if prompt_ids is None:
             if prompt is None:

@@ -38,6 +38,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from leapfrog.entrypoints.argtypes import nonneg_float, nonneg_int, positive_int, probability
 from leapfrog.errors import ConfigError, LeapfrogError
 from leapfrog.sampling_params import SamplingParams
 
@@ -484,7 +485,11 @@ def read_prompts(path: str | None) -> list[Prompt]:
     if path is None:
         return list(DEFAULT_PROMPTS)
     out: list[Prompt] = []
-    for ln in open(path, encoding="utf-8").read().splitlines():
+    try:
+        text = open(path, encoding="utf-8").read()
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e})") from None
+    for ln in text.splitlines():
         if not ln.strip():
             continue
         if ln.lstrip().startswith("{"):
@@ -492,8 +497,14 @@ def read_prompts(path: str | None) -> list[Prompt]:
                 d = json.loads(ln)
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{path}: invalid JSON line: {e}") from None
+            if not isinstance(d, dict):
+                raise ConfigError(f"{path}: a JSON line must be an object with 'prompt' or 'prompt_token_ids'")
             if "prompt_token_ids" in d:
-                out.append([int(t) for t in d["prompt_token_ids"]])
+                ids = d["prompt_token_ids"]
+                if not isinstance(ids, list) or not ids or any(isinstance(t, bool) or not isinstance(t, int)
+                                                               for t in ids):
+                    raise ConfigError(f"{path}: 'prompt_token_ids' must be a non-empty list of integers")
+                out.append(list(ids))
             elif isinstance(d.get("prompt"), str):
                 out.append(d["prompt"])
             else:
@@ -535,6 +546,9 @@ def cmd_check(args) -> int:
         args.samples = THOROUGH_SAMPLES if args.thorough else QUICK_SAMPLES
     if args.positions is None:
         args.positions = THOROUGH_POSITIONS if args.thorough else QUICK_POSITIONS
+    if args.max_tokens == 0 and (args.samples == 0 or args.positions == 0):
+        raise ConfigError("nothing to check: --max-tokens 0 skips the greedy part and --samples/--positions 0 "
+                          "the sampling part")
     prompts = read_prompts(args.prompts_file)
     if args.num_prompts is not None:
         prompts = prompts[:args.num_prompts]
@@ -578,28 +592,28 @@ def add_arguments(p) -> None:
                    help="token-id prompts only (JSONL lines with prompt_token_ids)")
     p.add_argument("--prompts-file", default=None,
                    help="one prompt per line, or JSONL with 'prompt' or 'prompt_token_ids' (default: built-in)")
-    p.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
-    p.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per prompt (0 skips the greedy part)")
-    p.add_argument("--samples", type=int, default=None,
+    p.add_argument("--num-prompts", type=positive_int, default=None, help="use the first N prompts")
+    p.add_argument("--max-tokens", type=nonneg_int, default=64, help="greedy tokens per prompt (0 skips the greedy part)")
+    p.add_argument("--samples", type=nonneg_int, default=None,
                    help=f"samples per prompt and engine (0 skips sampling; default {QUICK_SAMPLES}, "
                         f"{THOROUGH_SAMPLES} with --thorough)")
-    p.add_argument("--positions", type=int, default=None,
+    p.add_argument("--positions", type=nonneg_int, default=None,
                    help="how many prompts (the first ones) the sampling part uses (default "
                         f"{QUICK_POSITIONS}, {THOROUGH_POSITIONS} with --thorough)")
-    p.add_argument("--sample-tokens", type=int, default=None,
+    p.add_argument("--sample-tokens", type=positive_int, default=None,
                    help="generated tokens tested per sample (default: K + 2, at most 6, so that the first "
                         "verification step carries all K drafts and a bonus token)")
     p.add_argument("--setting", action="append", default=None,
                    help="sampling setting, e.g. 'temperature=0.7,top_k=20' (repeatable; default: 4 settings)")
-    p.add_argument("--alpha", type=float, default=1e-3, help="false-alarm rate of the whole sampling part")
-    p.add_argument("--tie-tol", type=float, default=1e-3,
+    p.add_argument("--alpha", type=probability, default=1e-3, help="false-alarm rate of the whole sampling part")
+    p.add_argument("--tie-tol", type=nonneg_float, default=1e-3,
                    help="greedy: relative logit margin below which a divergence is a numeric near-tie")
     p.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--batch-invariant", action="store_true",
                    help="run both engines batch-invariant (bf16 greedy outputs must then be identical)")
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0, help="engine seed (the speculative engine uses seed + 1)")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="KV rows (sampling batches)")
+    p.add_argument("--max-num-seqs", type=positive_int, default=64, help="KV rows (sampling batches)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="default: longest prompt + max(--max-tokens, --sample-tokens) + 1")
     p.add_argument("--json", default=None, metavar="OUT", help="write the full report as JSON")

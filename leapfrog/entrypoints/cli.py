@@ -9,7 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-from leapfrog.errors import LeapfrogError
+from leapfrog.entrypoints.argtypes import nonneg_float, nonneg_int, positive_float, positive_int
+from leapfrog.errors import ConfigError, LeapfrogError
 from leapfrog.utils import env_off, freeze_heap
 
 
@@ -81,13 +82,25 @@ def _torchrun_worker(args) -> int | None:
 
 def _read_prompts(args) -> list[str]:
     if args.prompts_file:
-        lines = [ln for ln in open(args.prompts_file, encoding="utf-8").read().splitlines() if ln.strip()]
+        f = args.prompts_file
+        try:
+            lines = [ln for ln in open(f, encoding="utf-8").read().splitlines() if ln.strip()]
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"--prompts-file {f}: not UTF-8 text ({e})") from None
         out = []
-        for ln in lines:
+        for i, ln in enumerate(lines, 1):
             if ln.lstrip().startswith("{"):
-                out.append(json.loads(ln)["prompt"])
+                try:
+                    prompt = json.loads(ln).get("prompt")
+                except (json.JSONDecodeError, AttributeError) as e:
+                    raise ConfigError(f"--prompts-file {f}, line {i}: not a JSON object ({e})") from None
+                if not isinstance(prompt, str):
+                    raise ConfigError(f"--prompts-file {f}, line {i}: a JSON line needs \"prompt\" (a string)")
+                out.append(prompt)
             else:
                 out.append(ln.replace("\\n", "\n"))
+        if not out:
+            raise ConfigError(f"--prompts-file {f}: no prompts in it")
         return out
     return [args.prompt if args.prompt is not None else "def quicksort(arr):"]
 
@@ -273,7 +286,7 @@ def _bench_parser(sub) -> None:
     p.add_argument("--warmup", type=int, default=1, help="untimed requests per contender first")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and compute dtype (auto: the checkpoint's)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's, <= 4096)")
     p.add_argument("--seed", type=int, default=0, help="engine seed (sampled requests)")
     p.add_argument("--request-seed", type=int, default=None,
@@ -363,9 +376,9 @@ def _train_draft_parser(sub) -> None:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--lr", type=positive_float, default=2e-3)
     p.add_argument("--warmup-steps", type=int, default=20)
-    p.add_argument("--ce-weight", type=float, default=0.0, help="add this x cross-entropy on the data's tokens")
+    p.add_argument("--ce-weight", type=nonneg_float, default=0.0, help="add this x cross-entropy on the data's tokens")
     e = p.add_argument_group("EAGLE (--method eagle / eagle3)")
     e.add_argument("--ttt-steps", type=int, default=None,
                    help="draft steps unrolled per batch (training-time test; default: eagle 1, eagle3 4)")
@@ -387,8 +400,8 @@ def _train_draft_parser(sub) -> None:
     p.add_argument("--gen-temperature", type=float, default=1.0, help="generate mode: 0 = greedy continuations")
     p.add_argument("--gen-prompt-tokens", type=int, default=32, help="generate mode: prompt length in tokens")
     p.add_argument("--gen-prompts-per-doc", type=int, default=1, help="generate mode: prompts cut from each document")
-    p.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts for the acceptance test (0: skip)")
-    p.add_argument("--eval-k", type=int, default=None,
+    p.add_argument("--eval-prompts", type=nonneg_int, default=16, help="held-out prompts for the acceptance test (0: skip)")
+    p.add_argument("--eval-k", type=positive_int, default=None,
                    help="num_speculative_tokens of the acceptance test and the hint (default: draft_model 4, EAGLE 5)")
     p.add_argument("--eval-max-tokens", type=int, default=64, help="tokens generated per held-out prompt")
     p.add_argument("--save-dtype", default="float32", choices=["float32", "bfloat16"])

@@ -98,6 +98,9 @@ class LLM:
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
+        if isinstance(sampling_params, dict):
+            raise RequestError("sampling_params must be a SamplingParams (or a list of them), got a dict: "
+                               "use SamplingParams(**fields)")
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:
@@ -199,6 +202,10 @@ def _split_prompt(prompt: PromptType) -> tuple[str | None, list[int] | None]:
     if isinstance(prompt, str):
         return prompt, None
     if isinstance(prompt, dict):
+        unknown = sorted(str(k) for k in prompt if k not in ("prompt", "prompt_token_ids"))
+        if unknown:   # (multi_modal_data, ...: refused, never ignored)
+            raise RequestError(f"prompt dict key(s) {unknown} are not supported; give 'prompt' and/or "
+                               "'prompt_token_ids'")
         ids = prompt.get("prompt_token_ids")
         text = prompt.get("prompt")
         if ids is None and not isinstance(text, str):

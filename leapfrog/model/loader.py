@@ -86,7 +86,20 @@ def read_checkpoint(model: str | os.PathLike) -> Checkpoint:
         if not isinstance(gen, dict):
             raise CheckpointError(f"{gen_file}: must be a JSON object ({{...}}), got {json_type(gen)}")
         eos += [e for e in token_ids_field(gen, "eos_token_id", str(gen_file)) if e not in eos]
+    bad_eos = [e for e in eos if not 0 <= e < args.vocab_size]
+    if bad_eos:   # (an end-of-sequence id the model can never produce: generation would not stop)
+        raise CheckpointError(f"{path}: eos_token_id {bad_eos[0]} (config.json / generation_config.json) is outside "
+                              f"the vocabulary [0, {args.vocab_size})")
+    qc = cfg.get("quantization_config")
+    if qc is not None:   # (read as float weights it would be silently wrong)
+        method = qc.get("quant_method") if isinstance(qc, dict) else qc
+        raise CheckpointError(f"{cfg_file}: quantization_config (quant_method {method!r}): pre-quantized "
+                              "checkpoints are not supported; load the unquantized checkpoint, and quantize at "
+                              "load with quantization='int8' or 'int4' if you want")
     dt = cfg.get("torch_dtype") or cfg.get("dtype")
+    if dt is not None and not (isinstance(dt, str) and dt in DTYPES):
+        raise CheckpointError(f"{cfg_file}: torch_dtype {dt!r} is not a dtype leapfrog runs "
+                              "(float32, bfloat16 or float16)")
     return Checkpoint(path, args, cfg, tuple(eos), DTYPES.get(dt) if isinstance(dt, str) else None)
 
 

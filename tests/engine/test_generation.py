@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from leapfrog import LLM, SamplingParams
-from leapfrog.errors import RequestError
+from leapfrog.errors import ConfigError, RequestError
 from leapfrog.model.loader import load_model, read_checkpoint
 from tests.conftest import prompts_of
 from tests.stats import chisq_pvalue
@@ -123,6 +123,21 @@ def test_over_long_and_bad_prompts(llm):
         llm.generate({"prompt_token_ids": []}, use_tqdm=False)
     with pytest.raises(RequestError):
         llm.generate(12, use_tqdm=False)
+    with pytest.raises(RequestError, match="multi_modal_data"):   # refused, not ignored
+        llm.generate({"prompt": "x", "multi_modal_data": {}}, use_tqdm=False)
+    with pytest.raises(RequestError, match="got a dict"):
+        llm.generate("x", {"max_tokens": 3}, use_tqdm=False)
+    # params changed after construction are checked when used, and the stop list is the one set now
+    sp = SamplingParams(temperature=0, max_tokens=3)
+    sp.max_tokens = -5
+    with pytest.raises(ConfigError, match="max_tokens"):
+        llm.generate("x", sp, use_tqdm=False)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    free = gen(llm, [1, 2, 3], temperature=0, max_tokens=12, ignore_eos=True)
+    sp.stop = [free.text[4:7]] if len(free.text) > 7 else None
+    if sp.stop:
+        got = llm.generate({"prompt_token_ids": [1, 2, 3]}, sp, use_tqdm=False)[0].outputs[0]
+        assert got.finish_reason == "stop" and len(got.text) < len(free.text)
     # the engine is still healthy afterwards
     assert gen(llm, [1, 2, 3], temperature=0, max_tokens=3, ignore_eos=True).token_ids
 

@@ -194,6 +194,18 @@ def test_max_model_len_beyond_the_model_is_refused(llama_dir):
         LLM(model=str(llama_dir), dtype="float32", max_model_len=513)
 
 
+@pytest.mark.parametrize("kw, match", [
+    (dict(max_num_seqs=10**9), "GiB of KV cache"),   # (not a MemoryError, nor the OOM killer)
+    (dict(allow_pickle="yes"), "allow_pickle"),
+    (dict(skip_tokenizer_init="no"), "skip_tokenizer_init"),
+    (dict(tokenizer=123), "tokenizer=123"),
+    (dict(device="bogus"), "device='bogus'"),
+])
+def test_engine_options_are_checked(llama_dir, kw, match):
+    with pytest.raises(ConfigError, match=match):
+        LLM(model=str(llama_dir), dtype="float32", **kw)
+
+
 def test_failures_after_the_commit_never_rerun_the_batch(llm, tokenizer):
     """A bookkeeping failure after the KV commit (here the K controller) must not make the engine
     verify the batch again on advanced state: outputs stay exactly the clean ones."""

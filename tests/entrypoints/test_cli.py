@@ -41,6 +41,37 @@ def test_bad_input_clear_errors(llama_dir, capsys):
     assert "num_scheduler_steps=4 needs the compiled fast path" in capsys.readouterr().err
 
 
+def test_bad_files_and_numbers_exit_two_with_one_line(llama_dir, tmp_path, capsys):
+    """Prompt files that do not parse, and numeric flags out of range, end with exit code 2 and a
+    message (no traceback, no silent default); a check that would test nothing is refused."""
+    import pytest
+    m = ["--model", str(llama_dir)]
+    spec = ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 2})]
+    for i, text in enumerate(['{"prompt": "a"}\n{oops', '{"prompt_token_ids": [1, 2]}', '{"prompt": 5}', "\n\n"]):
+        f = tmp_path / f"p{i}.jsonl"
+        f.write_text(text)
+        assert main(["generate", *m, "--prompts-file", str(f), "--speculative-config", "none"]) == 2
+        assert "prompts-file" in capsys.readouterr().err
+    f = tmp_path / "latin1.txt"
+    f.write_bytes(b"caf\xe9\n")
+    assert main(["generate", *m, "--prompts-file", str(f)]) == 2
+    assert "UTF-8" in capsys.readouterr().err
+    for bad in ({"prompt_token_ids": 5}, {"prompt_token_ids": ["a"]}):
+        f = tmp_path / "c.jsonl"
+        f.write_text(json.dumps(bad) + "\n")
+        assert main(["check", *m, *spec, "--prompts-file", str(f)]) == 2
+        assert "prompt_token_ids" in capsys.readouterr().err
+    assert main(["check", *m, *spec, "--max-tokens", "0", "--samples", "0"]) == 2
+    assert "nothing to check" in capsys.readouterr().err
+    for argv in (["check", *m, "--sample-tokens", "0"], ["check", *m, "--tie-tol", "nan"],
+                 ["bench", *m, "--threads", "-1"], ["train-draft", str(llama_dir), "--lr", "nan"],
+                 ["train-draft", str(llama_dir), "--eval-k", "0"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2, argv
+        assert "argument" in capsys.readouterr().err
+
+
 def test_default_model_fallback_without_the_demo_assets(tmp_path, monkeypatch, capsys):
     from leapfrog import demo
     monkeypatch.setattr(demo, "DEMO_DIR", tmp_path / "not-installed")

@@ -158,6 +158,18 @@ def test_bad_generation_config_named(tmp_path, llama_dir, text, pattern):
         LLM(model=str(d), dtype="float32")
 
 
+@pytest.mark.parametrize("where", ["config.json", "generation_config.json"])
+def test_eos_outside_the_vocabulary_named(tmp_path, llama_dir, where):
+    """An end-of-sequence id the model cannot produce would never stop generation."""
+    d = copy(llama_dir, tmp_path)
+    if where == "config.json":
+        edit_config(d, eos_token_id=99999)
+    else:
+        (d / where).write_text('{"eos_token_id": [2, 50000]}')
+    with pytest.raises(CheckpointError, match=r"eos_token_id \d+ .* is outside the vocabulary \[0, 320\)"):
+        read_checkpoint(d)
+
+
 def test_generation_config_without_eos_is_fine(tmp_path, llama_dir):
     d = copy(llama_dir, tmp_path)
     (d / "generation_config.json").write_text('{"eos_token_id": null, "do_sample": false}')
@@ -200,6 +212,8 @@ def test_generation_config_without_eos_is_fine(tmp_path, llama_dir):
     ({"bos_token_id": "<s>"}, r"field 'bos_token_id' must be an integer >= 0"),
     ({"eos_token_id": [2, None]}, r"null value for required field 'eos_token_id\[1\]'"),
     ({"mlp_bias": True}, r"unsupported mlp_bias"),
+    ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, r"quantization_config \(quant_method 'gptq'\)"),
+    ({"torch_dtype": "bogus"}, r"torch_dtype 'bogus' is not a dtype leapfrog runs"),
 ])
 def test_bad_config_field_named(tmp_path, llama_dir, change, pattern):
     d = copy(llama_dir, tmp_path)
