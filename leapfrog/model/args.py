@@ -176,6 +176,8 @@ class LlamaArgs:
         sliding = get("sliding_window", int, default=0, minimum=0) or None   # 0 / null: full attention
         if model_type == "qwen2" and not get("use_sliding_window", bool, default=False):
             sliding = None
+        if model_type == "llama":   # transformers' Llama attends to the whole context whatever it says
+            sliding = None
         return cls(
             model_type=model_type,
             vocab_size=get("vocab_size", int, minimum=1),

@@ -265,7 +265,25 @@ def _plan(ckpt: Checkpoint, allow_pickle: bool, names: tuple[str, ...] | None = 
         whole = LlamaModel(ckpt.args, max_positions=1)
     src = _TensorSource(ckpt.path, _weight_files(ckpt.path, allow_pickle))
     shapes = {n: tuple(p.shape) for n, p in whole.named_parameters() if names is None or n in names}
-    return src, _fill_plan(ckpt.args, src, shapes)
+    plan = _fill_plan(ckpt.args, src, shapes)
+    if names is None:
+        _refuse_unused(ckpt, src, plan)
+    return src, plan
+
+
+def _refuse_unused(ckpt: Checkpoint, src: _TensorSource, plan: dict[str, list[str]]) -> None:
+    """A tensor the model does not read means config.json describes another model (layers past
+    num_hidden_layers, say): loading would silently compute something else. Ignored as
+    transformers ignores them: RoPE's cached inv_freq, and lm_head.weight when config.json ties the
+    head to the embedding."""
+    used = {n for names in plan.values() for n in names}
+    unused = sorted(n for n in src.files if n not in used and not n.endswith("rotary_emb.inv_freq")
+                    and not (n == "lm_head.weight" and ckpt.args.tie_word_embeddings))
+    if unused:
+        raise CheckpointError(f"{ckpt.path}: {len(unused)} tensor(s) of the checkpoint are not used by the model "
+                              f"config.json describes, e.g. {unused[0]!r} (in {src.files[unused[0]].name}); "
+                              f"check num_hidden_layers ({ckpt.args.num_hidden_layers}), the architecture and "
+                              "its bias options")
 
 
 def check_weights(ckpt: Checkpoint, allow_pickle: bool = False) -> None:

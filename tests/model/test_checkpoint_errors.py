@@ -170,6 +170,29 @@ def test_eos_outside_the_vocabulary_named(tmp_path, llama_dir, where):
         read_checkpoint(d)
 
 
+def test_tensors_the_config_does_not_read_are_refused(tmp_path, llama_dir):
+    """config.json with fewer layers than the checkpoint holds would load a different model
+    silently: the unused tensors are named instead."""
+    d = copy(llama_dir, tmp_path)
+    edit_config(d, num_hidden_layers=1)
+    with pytest.raises(CheckpointError, match=r"not used by the model .* 'model\.layers\.1\..*num_hidden_layers \(1\)"):
+        LLM(model=str(d), dtype="float32")
+    check = copy(llama_dir, tmp_path, "m2")   # (check_weights, which train-draft runs first, too)
+    edit_config(check, num_hidden_layers=1)
+    with pytest.raises(CheckpointError, match="not used"):
+        check_weights(read_checkpoint(check))
+
+
+def test_sliding_window_is_read_as_transformers_reads_it(tmp_path, llama_dir):
+    """Mistral (and Qwen2 with use_sliding_window) attend through a window; Llama's attention in
+    transformers ignores a sliding_window field, and so does ours (the outputs would part)."""
+    d = copy(llama_dir, tmp_path)
+    edit_config(d, sliding_window=16)
+    assert read_checkpoint(d).args.sliding_window is None
+    edit_config(d, sliding_window=16, model_type="mistral", architectures=["MistralForCausalLM"])
+    assert read_checkpoint(d).args.sliding_window == 16
+
+
 def test_generation_config_without_eos_is_fine(tmp_path, llama_dir):
     d = copy(llama_dir, tmp_path)
     (d / "generation_config.json").write_text('{"eos_token_id": null, "do_sample": false}')
