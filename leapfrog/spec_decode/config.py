@@ -102,6 +102,16 @@ class SpeculativeConfig:
         given = [k for k in SUFFIX_KEYS if k in d]
         if given and d["method"] != "suffix":
             raise ConfigError(f"speculative_config: {given[0]} applies to method 'suffix' only, not {d['method']!r}")
+        # keys another method reads: refused, never silently ignored
+        given = [k for k in ("prompt_lookup_min", "prompt_lookup_max") if k in d]
+        if given and d["method"] != "ngram":
+            raise ConfigError(f"speculative_config: {given[0]} applies to method 'ngram' only, not {d['method']!r}")
+        if "draft_dtype" in d and d["method"] not in ("draft_model", *EAGLE_METHODS):
+            raise ConfigError(f"speculative_config: draft_dtype applies to methods 'draft_model', 'eagle' and "
+                              f"'eagle3' (a drafter with weights), not {d['method']!r}")
+        if "adaptive_explore_interval" in d and d.get("adaptive") is not True and d.get("num_draft_tokens") != "auto":
+            raise ConfigError("speculative_config: adaptive_explore_interval applies with \"adaptive\": true or "
+                              "\"num_draft_tokens\": \"auto\" (the controller that explores)")
         return cls(**d)
 
     def __post_init__(self) -> None:
@@ -136,7 +146,7 @@ class SpeculativeConfig:
         _check(self, "suffix_cache_max_requests", int, lo=0)
         for name in ("max_spec_factor", "max_spec_offset", "min_token_prob"):
             v = getattr(self, name)
-            lo, hi = (0.0, 1.0) if name == "min_token_prob" else (-1e6, 1e6)
+            lo, hi = {"min_token_prob": (0.0, 1.0), "max_spec_factor": (0.0, 1e6)}.get(name, (-1e6, 1e6))
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
                 raise ConfigError(f"speculative_config.{name}={v!r}: must be a number in [{lo:g}, {hi:g}]")
         if self.method in ("draft_model", *EAGLE_METHODS) and not self.model:

@@ -30,13 +30,32 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 2}
     ({"prompt_lookup_max": None}, r"speculative_config\.prompt_lookup_max=None: must be an integer >= 1"),
     ({"disable_by_batch_size": "4"}, r"speculative_config\.disable_by_batch_size='4': must be an integer >= 1 \(or null\)"),
     ({"adaptive": "yes"}, r"speculative_config\.adaptive='yes': must be true or false"),
-    ({"adaptive_explore_interval": 1}, r"speculative_config\.adaptive_explore_interval=1: must be an integer >= 2"),
+    ({"adaptive": True, "adaptive_explore_interval": 1},
+     r"speculative_config\.adaptive_explore_interval=1: must be an integer >= 2"),
     ({"method": "draft_model", "model": "d", "draft_dtype": "fp8"}, r"speculative_config\.draft_dtype='fp8': must be one of"),
     ({"method": "draft_model", "model": "d", "draft_dtype": 16}, r"speculative_config\.draft_dtype=16: must be a string"),
 ])
 def test_bad_field_named(change, pattern):
     with pytest.raises(ConfigError, match=pattern):
         SpeculativeConfig.from_dict({**NGRAM, **change})
+
+
+@pytest.mark.parametrize("spec, pattern", [
+    ({"method": "draft_model", "model": "d", "num_speculative_tokens": 2, "prompt_lookup_min": 1},
+     r"prompt_lookup_min applies to method 'ngram' only, not 'draft_model'"),
+    ({"method": "eagle3", "model": "h", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
+     r"prompt_lookup_max applies to method 'ngram' only"),
+    ({**NGRAM, "draft_dtype": "bfloat16"}, r"draft_dtype applies to methods 'draft_model', 'eagle' and 'eagle3'"),
+    ({**NGRAM, "adaptive_explore_interval": 8}, r"adaptive_explore_interval applies with \"adaptive\": true"),
+    ({"method": "suffix", "num_speculative_tokens": 4, "max_spec_factor": -5},
+     r"max_spec_factor=-5: must be a number in \[0, 1e\+06\]"),
+])
+def test_keys_no_method_reads_are_refused(spec, pattern):
+    """A key the chosen method never reads (or a value that turns it off in silence) is an error,
+    not a setting accepted and ignored."""
+    with pytest.raises(ConfigError, match=pattern):
+        SpeculativeConfig.from_dict(spec)
+    assert SpeculativeConfig.from_dict({**NGRAM, "adaptive": True, "adaptive_explore_interval": 8})
 
 
 def test_non_string_keys_and_non_dicts():
