@@ -50,6 +50,7 @@ BUDGET_S = 150  # soft budget for generating new cases (the whole test stays und
 PLAN = [
     ("GET", "/health", GenerationMode.POSITIVE, 5),
     ("GET", "/v1/models", GenerationMode.POSITIVE, 5),
+    ("GET", "/v1/models/{model}", GenerationMode.POSITIVE, 10),
     ("GET", "/metrics", GenerationMode.POSITIVE, 5),
     ("GET", "/version", GenerationMode.POSITIVE, 5),
     ("POST", "/tokenize", GenerationMode.POSITIVE, 30),
