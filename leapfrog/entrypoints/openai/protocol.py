@@ -46,7 +46,7 @@ class Prediction(BaseModel):
 
 
 class _Sampling(_Base):
-    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(allow_inf_nan=False)   # (with _Base's extra="allow", strict=True)
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
@@ -129,7 +129,7 @@ class ChatCompletionRequest(_Sampling):
 
 class TokenizeRequest(_Base):
     """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid")
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -139,6 +139,6 @@ class TokenizeRequest(_Base):
 
 
 class DetokenizeRequest(_Base):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid")
     model: str | None = None
     tokens: list[int]
