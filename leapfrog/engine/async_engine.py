@@ -4,7 +4,9 @@ Requests join and leave between steps (continuous batching). Only the engine thr
 the LLMEngine: callers send commands (add, abort) through a queue, and outputs come back on
 each request's asyncio.Queue through ``loop.call_soon_threadsafe``. The waiting queue is
 bounded (``max_waiting``): the server admits a whole request's sequences against it before
-calling ``generate`` (``OpenAIServing.admit``).
+calling ``generate`` (``OpenAIServing.admit``). Structured-output matchers are compiled on a
+thread of their own before a request reaches the engine's queue: a large JSON schema takes about
+a second, and on the engine's thread it would stall every running request for that long.
 """
 
 from __future__ import annotations
@@ -13,12 +15,14 @@ import asyncio
 import logging
 import queue
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from leapfrog.engine.engine import LLMEngine
 from leapfrog.errors import LeapfrogError, RequestError
 from leapfrog.outputs import IterationStats, RequestOutput
+from leapfrog.sampling.grammar import GrammarState
 from leapfrog.sampling_params import SamplingParams
 
 log = logging.getLogger("leapfrog.engine")
@@ -47,6 +51,7 @@ class _Add:
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue
     accepted: asyncio.Future
+    grammar: GrammarState | None = None   # compiled off the engine thread (structured outputs)
 
 
 class AsyncEngine:
@@ -61,6 +66,8 @@ class AsyncEngine:
         self._closed = False  # set by the engine thread before its final drain (guarded by _lock)
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="leapfrog-engine", daemon=True)
+        # one thread: grammars compile one at a time, so they never take both cores from the engine
+        self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="leapfrog-grammar")
         self.on_finished: Callable[[RequestOutput], None] | None = None
         self.on_iteration: Callable[[IterationStats], None] | None = None
 
@@ -79,6 +86,7 @@ class AsyncEngine:
         self.begin_shutdown()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
 
     @property
     def num_waiting(self) -> int:
@@ -105,8 +113,13 @@ class AsyncEngine:
         """Yield cumulative RequestOutputs until finished; leaving early (even before the engine
         accepted the request) aborts the request."""
         loop = asyncio.get_running_loop()
+        grammar = None
+        if params.structured_outputs is not None:   # a bad constraint raises its RequestError here
+            if self._closed or self._stop.is_set():
+                raise EngineStopped("the server is shutting down")
+            grammar = await loop.run_in_executor(self._grammar_pool, self.engine.compile_grammar, params)
         cmd = _Add(request_id, prompt, prompt_ids, params, num_speculative_tokens, loop, asyncio.Queue(),
-                   loop.create_future())
+                   loop.create_future(), grammar)
         with self._lock:  # the engine thread's final drain takes this lock after setting _closed
             if self._closed or self._stop.is_set():
                 raise EngineStopped("the server is shutting down")
@@ -161,7 +174,8 @@ class AsyncEngine:
             if isinstance(cmd, _Add):
                 try:
                     self.engine.add_request(cmd.request_id, cmd.prompt, cmd.prompt_ids, cmd.params,
-                                            num_speculative_tokens=cmd.num_speculative_tokens)
+                                            num_speculative_tokens=cmd.num_speculative_tokens,
+                                            grammar=cmd.grammar)
                 except Exception as e:  # noqa: BLE001 - reported to the caller
                     self._resolve(cmd, e)
                 else:

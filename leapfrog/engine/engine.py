@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import random
+import threading
 import time
 from typing import Any, Callable
 
@@ -34,6 +35,7 @@ from leapfrog.model.runner import ModelRunner, SeqChunk
 from leapfrog.outputs import IterationStats, Logprob, PositionLogprobs, RequestOutput, SpecMetrics
 from leapfrog.request import Request
 from leapfrog.sampling import logprobs as lp, sampler
+from leapfrog.sampling.grammar import GrammarState
 from leapfrog.sampling_params import SamplingParams
 from leapfrog.scheduler.scheduler import Scheduler
 from leapfrog.spec_decode.adaptive import cap_drafts
@@ -121,6 +123,7 @@ class LLMEngine:
             #: drafts for requests that carry a prediction (SamplingParams.prediction), whatever the config
             self.predictor = PredictionProposer()
             self._grammars: Any = None   # structured outputs' GrammarCompiler, built at the first such request
+            self._grammar_lock = threading.Lock()
             self._ones: torch.Tensor | None = None   # multi-step decode's noise of greedy-only steps (_no_noise)
             #: test-only fault injection: called with the requests of every sampling call; raising
             #: there simulates a failure in one request's sampling (tests/engine/test_isolation.py)
@@ -243,7 +246,9 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | None, prompt_ids: list[int] | None,
                     params: SamplingParams, index: int = 0,
-                    num_speculative_tokens: int | None = None) -> Request:
+                    num_speculative_tokens: int | None = None, grammar: GrammarState | None = None) -> Request:
+        """``grammar``: the matcher ``compile_grammar(params)`` built for this request (elsewhere,
+        ahead of time); compiled here when not given."""
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already running")
         if not isinstance(params, SamplingParams):
@@ -288,7 +293,8 @@ class LLMEngine:
         if num_speculative_tokens is not None and (isinstance(num_speculative_tokens, bool) or
                                                    not isinstance(num_speculative_tokens, int)
                                                    or num_speculative_tokens < 0):
-            raise RequestError(f"num_speculative_tokens={num_speculative_tokens!r}: must be an integer >= 0")
+            raise RequestError(f"num_speculative_tokens={num_speculative_tokens!r}: must be an integer >= 0",
+                               param="num_speculative_tokens")
         # Seeded requests draw from counter-based noise keyed by (seed, position): see sampling/sampler.py.
         key = sampler.seed_key(params.seed + index) if params.seed is not None else None
         gen = torch.Generator().manual_seed(self._seed_rng.getrandbits(63))
@@ -304,19 +310,10 @@ class LLMEngine:
             if set(params.allowed_token_ids) <= never:
                 raise RequestError("every one of allowed_token_ids is banned (by a one-token bad word, or as a stop "
                                    "token under min_tokens): no token is left to generate", param="allowed_token_ids")
-        grammar = None
-        if params.structured_outputs is not None:
-            if self.tokenizer is None:
-                raise RequestError("structured outputs need a tokenizer (skip_tokenizer_init=True was set)",
-                                   param="structured_outputs")
-            if params.allowed_token_ids is not None or params.bad_words:
-                # their bans could leave no token the grammar allows (found by fuzzing): refused
-                raise RequestError("structured outputs with allowed_token_ids or bad_words are not supported "
-                                   "(together they can leave no token to generate)", param="structured_outputs")
-            if self._grammars is None:
-                from leapfrog.sampling.grammar import GrammarCompiler
-                self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
-            grammar = self._grammars.matcher(params.structured_outputs)
+        if params.structured_outputs is None:
+            grammar = None
+        elif grammar is None or grammar.num_consumed:
+            grammar = self.compile_grammar(params)
         req = Request(request_id, prompt, prompt_ids, params, gen, detok, self.eos_ids,
                       max_tokens=min(params.max_tokens or room, room), index=index,
                       num_speculative_tokens=num_speculative_tokens, seed_key=key, prediction_ids=prediction_ids,
@@ -328,6 +325,26 @@ class LLMEngine:
         if proposer is not None:
             proposer.start(req)
         return req
+
+    def compile_grammar(self, params: SamplingParams) -> GrammarState | None:
+        """The matcher of ``params.structured_outputs`` (None without one), compiled with its first
+        mask computed. Safe on any thread: the server compiles here, off the engine's thread (a
+        large JSON schema takes a second, the first grammar of a process a few), and passes the
+        result to ``add_request(grammar=...)``; a bad constraint is a RequestError."""
+        if params.structured_outputs is None:
+            return None
+        if self.tokenizer is None:
+            raise RequestError("structured outputs need a tokenizer (skip_tokenizer_init=True was set)",
+                               param="structured_outputs")
+        if params.allowed_token_ids is not None or params.bad_words:
+            # their bans could leave no token the grammar allows (found by fuzzing): refused
+            raise RequestError("structured outputs with allowed_token_ids or bad_words are not supported "
+                               "(together they can leave no token to generate)", param="structured_outputs")
+        with self._grammar_lock:   # the tokenizer's llguidance view is built once
+            if self._grammars is None:
+                from leapfrog.sampling.grammar import GrammarCompiler
+                self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
+        return self._grammars.matcher(params.structured_outputs)
 
     def _prediction_ids(self, params: SamplingParams, room: int) -> list[int] | None:
         """The prediction's token ids, checked against the vocabulary and the context."""
@@ -386,17 +403,15 @@ class LLMEngine:
         """What SamplingParams cannot check alone: ids against this model's vocabulary, stop
         strings against the tokenizer."""
         ids = params.stop_token_ids or ()
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise RequestError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        self._check_vocab(list(ids), "stop_token_ids")
         if params.min_tokens and not params.ignore_eos and len(set(ids) | set(self.eos_ids)) >= self.vocab_size:
             raise RequestError("stop_token_ids and EOS cover the whole vocabulary, so min_tokens leaves no token "
-                               "to generate")
+                               "to generate", param="min_tokens")
         self._check_vocab(list(params.logit_bias or ()), "logit_bias")
         self._check_vocab(list(params.allowed_token_ids or ()), "allowed_token_ids")
         if params.stop_strings and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer (skip_tokenizer_init=True was set); "
-                               "use stop_token_ids instead")
+                               "use stop_token_ids instead", param="stop")
 
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self.requests.get(request_id)
@@ -476,7 +491,10 @@ class LLMEngine:
             self._fail(req, exc)
 
     def _fail(self, req: Request, exc: BaseException) -> None:
-        log.error("request %s failed: %s: %s", req.request_id, type(exc).__name__, exc, exc_info=exc)
+        if isinstance(exc, RequestError):   # the request's own fault (a grammar past its limits): no traceback
+            log.warning("request %s failed: %s: %s", req.request_id, type(exc).__name__, exc)
+        else:
+            log.error("request %s failed: %s: %s", req.request_id, type(exc).__name__, exc, exc_info=exc)
         req.finish_reason = "error"
         req.error = exc
         self._failed.append(self._finish(req))

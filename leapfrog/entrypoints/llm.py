@@ -159,7 +159,8 @@ class LLM:
 
     def _run(self, groups: list[list[str]], show: bool) -> list[RequestOutput]:
         """Step the engine until this call's requests finish. If one of them fails (finish_reason
-        "error"), the others of this call are aborted and the error is raised: the engine is
+        "error"), the others of this call are aborted and the error is raised (the request's own
+        RequestError when it was at fault, else an EngineError): the engine is
         clean for the next call, and requests of other callers are untouched."""
         finished: dict[str, RequestOutput] = {}
         total = sum(len(g) for g in groups)
@@ -172,6 +173,8 @@ class LLM:
                     if out.request_id not in mine:
                         continue
                     if out.outputs[0].finish_reason == "error":
+                        if isinstance(out.error, RequestError):   # the request's fault (a grammar's limits)
+                            raise out.error
                         raise EngineError(f"request {out.request_id} failed: {type(out.error).__name__}: "
                                           f"{out.error}") from out.error
                     if out.finished:

@@ -9,6 +9,13 @@ allows. The matcher advances only through committed tokens; a row's drafts are c
 read its mask and rolled back at once (``GrammarState.allowed``). A row after a draft token
 the grammar refuses is unreachable (the target gives that token probability 0): it gets no
 mask.
+
+Failures: llguidance's limits (items per Earley row, lexer fuel) can stop a matcher in an error
+state partway through an output (a JSON schema with thousands of properties does, after its
+``{``). On the committed output that fails the request with a ``GrammarError`` (a RequestError:
+the server's 400), never a silent "stop". A draft token that only *tries* such a path leaves the
+matcher's error sticky, so the matcher is rebuilt from the committed tokens and the row is
+treated as unreachable: the output stays the one without speculation.
 """
 
 from __future__ import annotations
@@ -21,6 +28,15 @@ import torch
 from torch import Tensor
 
 from leapfrog.errors import ConfigError, RequestError
+
+
+class GrammarError(RequestError):
+    """A structured-output constraint that failed while decoding (llguidance's complexity
+    limits, say): the request's fault, reported as such. ``detail``: llguidance's own words."""
+
+    def __init__(self, message: str, param: str | None = None, detail: str = "") -> None:
+        super().__init__(message, param=param)
+        self.detail = detail or message
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 #: the most strings a ``choice`` constraint may list, and their total length: the matcher is
@@ -93,7 +109,8 @@ class StructuredOutputsParams:
 
 
 class GrammarCompiler:
-    """Per engine: the tokenizer as llguidance sees it (built once), and matchers per request."""
+    """Per engine: the tokenizer as llguidance sees it (built once), and matchers per request.
+    Any thread may build matchers (llguidance releases the GIL while it compiles)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
         import llguidance.hf
@@ -101,37 +118,67 @@ class GrammarCompiler:
         self.vocab_size = vocab_size   # the model's (may exceed the tokenizer's: padding ids, never allowed)
 
     def matcher(self, params: StructuredOutputsParams, field: str = "structured_outputs") -> "GrammarState":
-        """A fresh matcher; a constraint that does not compile is the request's fault."""
-        import llguidance
+        """A fresh matcher with its first mask computed (the lexer and the first Earley rows are
+        built lazily: a large schema's cost lands here, on the caller's thread, not on the
+        engine's first step); a constraint that does not compile is the request's fault."""
         try:
             grammar = params.llguidance_grammar()
-            m = llguidance.LLMatcher(self.ll_tokenizer, grammar)
         except Exception as e:  # noqa: BLE001 - llguidance raises ValueError and others on bad input
             raise RequestError(f"invalid {params.kind} constraint: {e}", param=field) from None
-        if m.is_error():
-            raise RequestError(f"invalid {params.kind} constraint: {m.get_error()}", param=field)
-        return GrammarState(m, self.ll_tokenizer.vocab_size, self.vocab_size)
+        state = GrammarState(self.ll_tokenizer, grammar, self.vocab_size, f"{params.kind} constraint", field)
+        try:
+            state.allowed()
+        except GrammarError as e:
+            raise RequestError(f"invalid {params.kind} constraint: {e.detail}", param=field) from None
+        return state
 
 
 class GrammarState:
     """One request's matcher, advanced through its committed output tokens."""
 
-    def __init__(self, matcher: Any, tokenizer_vocab: int, vocab_size: int) -> None:
+    def __init__(self, ll_tokenizer: Any, grammar: str, vocab_size: int, what: str = "constraint",
+                 field: str = "structured_outputs") -> None:
         import llguidance.torch as lt
-        self.m = matcher
-        self.num_consumed = 0
-        self._bitmask = lt.allocate_token_bitmask(1, tokenizer_vocab)   # [1, ceil(Vt / 32)] int32
-        self._Vt, self._V = tokenizer_vocab, vocab_size
+        self._tok, self._grammar, self._what, self._field = ll_tokenizer, grammar, what, field
+        self.m = self._new_matcher()
+        self.committed: list[int] = []   # the output tokens the matcher consumed
+        self._bitmask = lt.allocate_token_bitmask(1, ll_tokenizer.vocab_size)   # [1, ceil(Vt / 32)] int32
+        self._Vt, self._V = ll_tokenizer.vocab_size, vocab_size
         self._bits = torch.arange(32, dtype=torch.int32)
+
+    def _new_matcher(self) -> Any:
+        import llguidance
+        try:
+            m = llguidance.LLMatcher(self._tok, self._grammar, log_level=0)
+        except Exception as e:  # noqa: BLE001 - llguidance raises ValueError and others on bad input
+            raise GrammarError(f"invalid {self._what}: {e}", param=self._field) from None
+        return m
+
+    @property
+    def num_consumed(self) -> int:
+        return len(self.committed)
+
+    def _check(self, at: int | None = None) -> None:
+        """GrammarError if the matcher failed (at output token ``at``, 1-based: the next one)."""
+        if self.m.is_error():
+            detail = self.m.get_error().split("\n", 1)[0]
+            if detail in ("NoExtension", "NoExtensionBias"):   # llguidance's stop reasons
+                detail = f"no output can satisfy it ({detail})"
+            at = self.num_consumed + 1 if at is None else at
+            raise GrammarError(f"the {self._what} failed at output token {at}: {detail}",
+                               param=self._field, detail=detail)
 
     def allowed(self, extra: Sequence[int] = ()) -> Tensor | None:
         """[V] bool: the tokens the grammar allows after the committed output plus ``extra``
         (drafted tokens, rolled back before returning); None when the grammar refuses one of
-        ``extra`` (the row is unreachable) or has ended (nothing to mask: the request stops)."""
+        ``extra`` (the row is unreachable) or has ended (nothing to mask: the request stops).
+        GrammarError when the matcher fails on the committed output."""
         import llguidance.torch as lt
-        n = 0
-        if extra:
-            n = self.m.try_consume_tokens(list(extra))
+        self._check()
+        n = self.m.try_consume_tokens(list(extra)) if extra else 0
+        if self.m.is_error():   # the drafts led it past a limit: sticky, so start again
+            self._rebuild()
+            return None
         try:
             if n < len(extra) or self.m.is_stopped():
                 return None
@@ -139,19 +186,33 @@ class GrammarState:
         finally:
             if n:
                 self.m.rollback(n)
+        if not extra:
+            self._check()   # a limit met while computing the committed output's mask
+        elif self.m.is_error():
+            self._rebuild()
+            return None
         words = self._bitmask[0]                                               # [ceil(Vt / 32)]
         bits = ((words[:, None] >> self._bits) & 1).bool().flatten()[:self._Vt]  # [Vt]
         if self._V > self._Vt:
             bits = torch.cat([bits, bits.new_zeros(self._V - self._Vt)])
         return bits[:self._V]
 
+    def _rebuild(self) -> None:
+        """A fresh matcher through the committed tokens (llguidance's errors do not roll back)."""
+        self.m = self._new_matcher()
+        if self.committed and self.m.try_consume_tokens(list(self.committed)) != len(self.committed):
+            self._check()
+            raise RuntimeError(f"the rebuilt grammar refused its committed tokens: {self.m.get_error()}")
+
     def advance(self, token_id: int) -> None:
         """Commit one generated token (the sampler only draws allowed ones)."""
         if not self.m.consume_token(token_id):
+            self._check()
             raise RuntimeError(f"the grammar refused committed token {token_id}: {self.m.get_error()}")
-        self.num_consumed += 1
+        self.committed.append(token_id)
 
     @property
     def finished(self) -> bool:
         """The grammar admits no further token (only the end of the output)."""
+        self._check(at=self.num_consumed)
         return self.m.is_stopped()

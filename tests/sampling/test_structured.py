@@ -13,7 +13,8 @@ import torch
 
 from leapfrog import LLM, SamplingParams
 from leapfrog.errors import ConfigError, RequestError
-from leapfrog.sampling.grammar import MAX_CHOICE_CHARS, MAX_CHOICES, StructuredOutputsParams
+from leapfrog.sampling.grammar import (MAX_CHOICE_CHARS, MAX_CHOICES, GrammarCompiler, GrammarError,
+                                       StructuredOutputsParams)
 from tests.conftest import prompts_of
 from tests.stats import chisq_pvalue
 
@@ -62,7 +63,8 @@ def plain(llama_dir):
 
 
 def test_bad_constraints_are_request_errors(plain):
-    for so in (dict(json={"type": "nonsense"}), dict(regex="(unclosed"), dict(grammar="start: undefined_rule")):
+    for so in (dict(json={"type": "nonsense"}), dict(regex="(unclosed"), dict(grammar="start: undefined_rule"),
+               dict(regex="[^\\x00-\\U0010FFFF]")):   # the last: no output can satisfy it (was an empty "stop")
         with pytest.raises(RequestError, match="constraint"):
             plain.generate("x", SamplingParams(max_tokens=4, structured_outputs=so), use_tqdm=False)
     for kw in (dict(allowed_token_ids=[0]), dict(bad_words=["LLM"])):   # could leave no token: refused
@@ -71,6 +73,47 @@ def test_bad_constraints_are_request_errors(plain):
                            use_tqdm=False)
     # the engine goes on
     assert plain.generate("x", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+
+
+#: compiles, but past llguidance's Earley row limit (2000 items) once its "{" is consumed
+BIG_OBJECT = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(3000)}}
+
+
+def test_a_grammar_past_its_limits_fails_its_request_alone(plain):
+    """The matcher errs partway through the output: the request fails with a GrammarError (a
+    RequestError: the server's 400) naming the token, never a silent "stop"; others go on."""
+    ref = plain.generate("x", SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False)
+    with pytest.raises(GrammarError, match="json constraint failed at output token 1: .*max is 2000"):
+        plain.generate("x", SamplingParams(max_tokens=4, structured_outputs={"json": BIG_OBJECT}), use_tqdm=False)
+    eng = plain.engine
+    eng.add_request("big", "x", None, SamplingParams(max_tokens=4, structured_outputs={"json": BIG_OBJECT}))
+    eng.add_request("plain", "x", None, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    done = {}
+    while eng.has_unfinished():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    assert done["big"].outputs[0].finish_reason == "error" and isinstance(done["big"].error, GrammarError)
+    assert done["plain"].outputs[0].token_ids == ref[0].outputs[0].token_ids
+
+
+def test_drafts_that_break_the_matcher_leave_the_committed_output_alone(tokenizer):
+    """A draft token that leads the matcher past a limit (its errors are sticky: rollback does
+    not clear them) makes the row unreachable and rebuilds the matcher from the committed tokens:
+    the output is the one without speculation."""
+    comp = GrammarCompiler(tokenizer, 320)
+    so = StructuredOutputsParams(json={"anyOf": [{"type": "string", "maxLength": 4}, BIG_OBJECT]})
+    state = comp.matcher(so)
+    brace, quote = (tokenizer.convert_tokens_to_ids(c) for c in ("{", '"'))
+    assert state.allowed()[brace] and state.allowed()[quote]
+    assert state.allowed([brace]) is None   # the draft's row: unreachable, and the matcher rebuilt
+    before = state.m
+    assert state.allowed([brace]) is None and state.m is not before
+    state.advance(quote)
+    assert state.num_consumed == 1 and state.allowed()[quote]   # inside the string: it may close
+    state.advance(quote)
+    assert state.finished   # the string '""' is the whole output
+    with pytest.raises(GrammarError, match="output token 1"):
+        fresh = comp.matcher(so)
+        fresh.advance(brace)
 
 
 def _spec(method, llama_dir, draft_dir, tmp_path):

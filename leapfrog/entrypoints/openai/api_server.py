@@ -35,7 +35,7 @@ from leapfrog import __version__
 from leapfrog.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                   StreamOptions, TokenizeRequest)
 from leapfrog.entrypoints.openai.serving import (APIError, ClientDisconnected, OpenAIServing, chat_logprobs,
-                                                 completion_logprobs, error_text, prompt_logprobs_json, sse, usage)
+                                                 completion_logprobs, failure, prompt_logprobs_json, sse, usage)
 from leapfrog.outputs import RequestOutput
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -375,8 +375,7 @@ async def _streaming(events, client_gone, head: dict, n: int, total: int, stream
         watch.cancel()
     if first is not None and total == 1 and first[1].finished and first[1].outputs[0].finish_reason == "error":
         await it.aclose()
-        raise APIError(500, f"the engine failed on this request: {error_text(first[1])}", type_="server_error",
-                       code="engine_error")
+        raise failure(first[1], "request")
 
 
     async def chunks():
@@ -396,8 +395,7 @@ async def _streaming(events, client_gone, head: dict, n: int, total: int, stream
                     choice["index"] = idx
                     extra = {}
                     if out.finished and out.outputs[0].finish_reason == "error":
-                        extra = APIError(500, f"the engine failed on this choice: {error_text(out)}",
-                                         "server_error", code="engine_error").body()
+                        extra = failure(out, "choice").body()
                     if continuous:
                         p, c = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
                         extra["usage"] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}

@@ -295,8 +295,7 @@ class OpenAIServing:
             self.engine.release(reservation)
         failed = [o for o in outs if o.outputs[0].finish_reason == "error"]
         if failed:
-            raise APIError(500, f"the engine failed on this request: {error_text(failed[0])}",
-                           type_="server_error", code="engine_error")
+            raise failure(failed[0], "request")
         return outs
 
     async def stream_all(self, prompts: list[Prompt], sp: SamplingParams, k: int | None
@@ -344,6 +343,16 @@ class ClientDisconnected(Exception):
 
 def error_text(out: RequestOutput) -> str:
     return f"{type(out.error).__name__}: {out.error}" if out.error is not None else "unknown error"
+
+
+def failure(out: RequestOutput, what: str) -> APIError:
+    """The error of a request (or choice: ``what``) that ended with finish_reason "error": a 400
+    when the request was at fault (a structured-output constraint past llguidance's limits
+    partway through), else the engine's 500."""
+    if isinstance(out.error, RequestError):
+        return APIError(400, f"this {what} failed: {out.error}", param=out.error.param)
+    return APIError(500, f"the engine failed on this {what}: {error_text(out)}", type_="server_error",
+                    code="engine_error")
 
 
 def _unused(*values: Any) -> Callable[[Any], bool]:

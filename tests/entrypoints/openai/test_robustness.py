@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 
 import httpx
@@ -13,6 +14,7 @@ import openai
 import pytest
 
 from tests.entrypoints.openai.conftest import greedy_text, make_server
+from tests.sampling.test_structured import BIG_OBJECT
 
 PROMPT = "def foo(x):\n    return"
 
@@ -106,6 +108,9 @@ BAD = [  # (path, body, param or message fragment)
     (C, {"prompt": "x", "guided_choice": [f"c{i}" for i in range(1025)]}, "choice"),
     (C, {"prompt": "x", "guided_regex": "a", "min_tokens": 3}, "min_tokens"),
     (C, {"prompt": "x", "max_tokens": 256, "truncate_prompt_tokens": -1}, "truncate_prompt_tokens"),
+    # a schema that compiles but passes llguidance's limits at its first token: the request's 400
+    (C, {"prompt": "x", "max_tokens": 4, "guided_json": BIG_OBJECT}, "max is 2000"),
+    (C, {"prompt": "x", "max_tokens": 4, "guided_json": BIG_OBJECT, "stream": True}, "max is 2000"),
 ]
 
 
@@ -118,6 +123,44 @@ def test_bad_requests_get_400_and_hurt_nobody(server, expected, path, body, what
     assert set(err) == {"message", "type", "param", "code"}
     assert what in (err["param"] or "") + err["message"]
     assert good(server) == expected and idle(server, 5)
+
+
+def test_grammars_compile_off_the_engine_thread(server, expected, monkeypatch):
+    """A structured-output request's matcher is built on the grammar thread, not the engine's:
+    while one compiles (held here until the other request is answered), other requests run."""
+    eng = engine_of(server)
+    real, answered, threads = eng.compile_grammar, threading.Event(), []
+
+    def slow_compile(params):
+        threads.append(threading.current_thread().name)
+        answered.wait(60)   # on the engine's thread this would hold the plain request back for 60 s
+        return real(params)
+    monkeypatch.setattr(eng, "compile_grammar", slow_compile)
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as h:
+            guided = asyncio.ensure_future(h.post(server.url + C, json={
+                "model": "tiny", "prompt": "x", "max_tokens": 4, "guided_regex": "[a-z]{4}"}))
+            while not threads:
+                await asyncio.sleep(0.01)
+            t0 = time.monotonic()
+            plain = await h.post(server.url + C, json={"model": "tiny", "prompt": PROMPT, "max_tokens": 16,
+                                                       "temperature": 0, "ignore_eos": True})
+            waited = time.monotonic() - t0
+            answered.set()
+            return plain, waited, await guided
+    plain, waited, guided = asyncio.run(main())
+    assert threads == ["leapfrog-grammar_0"]
+    assert plain.status_code == 200 and plain.json()["choices"][0]["text"] == expected and waited < 30
+    assert guided.status_code == 200 and len(guided.json()["choices"][0]["text"]) == 4
+
+
+@pytest.mark.parametrize("body, param", [({"stop_token_ids": [100000]}, "stop_token_ids"),
+                                         ({"min_tokens": 2, "stop_token_ids": list(range(320))}, "min_tokens"),
+                                         ({"logit_bias": {"100000": 1}}, "logit_bias")])
+def test_errors_name_the_field_at_fault(server, body, param):
+    r = httpx.post(server.url + C, timeout=30, json={"model": "tiny", "prompt": "x", "max_tokens": 4, **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 @pytest.mark.parametrize("raw", [b'{"model": "tiny", "prompt": "x", "temperature": NaN}',
