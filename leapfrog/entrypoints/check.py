@@ -38,6 +38,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from leapfrog.entrypoints import prompts_file
 from leapfrog.entrypoints.argtypes import nonneg_float, nonneg_int, positive_int, probability
 from leapfrog.errors import ConfigError, LeapfrogError
 from leapfrog.sampling_params import SamplingParams
@@ -69,7 +70,7 @@ POWER = 0.8
 _SETTING_KEYS = {"temperature": float, "top_k": int, "top_p": float, "min_p": float,
                  "repetition_penalty": float, "presence_penalty": float, "frequency_penalty": float}
 
-Prompt = str | list[int]
+Prompt = prompts_file.Prompt
 
 
 # ---------------------------------------------------------------------------------- results
@@ -481,39 +482,8 @@ def format_report(rep: CheckReport) -> str:
 
 
 def read_prompts(path: str | None) -> list[Prompt]:
-    """One prompt per line (\\n escapes allowed) or JSONL with "prompt" or "prompt_token_ids"."""
-    if path is None:
-        return list(DEFAULT_PROMPTS)
-    out: list[Prompt] = []
-    try:
-        text = open(path, encoding="utf-8").read()
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{path}: not UTF-8 text ({e})") from None
-    for ln in text.splitlines():
-        if not ln.strip():
-            continue
-        if ln.lstrip().startswith("{"):
-            try:
-                d = json.loads(ln)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}: invalid JSON line: {e}") from None
-            if not isinstance(d, dict):
-                raise ConfigError(f"{path}: a JSON line must be an object with 'prompt' or 'prompt_token_ids'")
-            if "prompt_token_ids" in d:
-                ids = d["prompt_token_ids"]
-                if not isinstance(ids, list) or not ids or any(isinstance(t, bool) or not isinstance(t, int)
-                                                               for t in ids):
-                    raise ConfigError(f"{path}: 'prompt_token_ids' must be a non-empty list of integers")
-                out.append(list(ids))
-            elif isinstance(d.get("prompt"), str):
-                out.append(d["prompt"])
-            else:
-                raise ConfigError(f"{path}: a JSON line needs 'prompt' or 'prompt_token_ids'")
-        else:
-            out.append(ln.replace("\\n", "\n"))
-    if not out:
-        raise ConfigError(f"{path}: no prompts")
-    return out
+    """The prompts of ``--prompts-file`` (entrypoints/prompts_file.py), or the default ones."""
+    return list(DEFAULT_PROMPTS) if path is None else prompts_file.read_prompts(path)
 
 
 def cmd_check(args) -> int:

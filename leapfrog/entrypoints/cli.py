@@ -80,28 +80,11 @@ def _torchrun_worker(args) -> int | None:
     return run_worker(args.tensor_parallel_size, int(os.environ["RANK"]), str(resolve_device(args.device)))
 
 
-def _read_prompts(args) -> list[str]:
+def _read_prompts(args) -> list[str | dict]:
+    """--prompts-file's prompts (token-id lines as LLM.generate's prompt dicts), or --prompt."""
     if args.prompts_file:
-        f = args.prompts_file
-        try:
-            lines = [ln for ln in open(f, encoding="utf-8").read().splitlines() if ln.strip()]
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"--prompts-file {f}: not UTF-8 text ({e})") from None
-        out = []
-        for i, ln in enumerate(lines, 1):
-            if ln.lstrip().startswith("{"):
-                try:
-                    prompt = json.loads(ln).get("prompt")
-                except (json.JSONDecodeError, AttributeError) as e:
-                    raise ConfigError(f"--prompts-file {f}, line {i}: not a JSON object ({e})") from None
-                if not isinstance(prompt, str):
-                    raise ConfigError(f"--prompts-file {f}, line {i}: a JSON line needs \"prompt\" (a string)")
-                out.append(prompt)
-            else:
-                out.append(ln.replace("\\n", "\n"))
-        if not out:
-            raise ConfigError(f"--prompts-file {f}: no prompts in it")
-        return out
+        from leapfrog.entrypoints.prompts_file import read_prompts
+        return [p if isinstance(p, str) else {"prompt_token_ids": p} for p in read_prompts(args.prompts_file)]
     return [args.prompt if args.prompt is not None else "def quicksort(arr):"]
 
 
@@ -153,7 +136,7 @@ def cmd_generate(args) -> int:
     n_tok = sum(len(c.token_ids) for o in outs for c in o.outputs)
     for o in outs:
         for c in o.outputs:
-            print(f"{o.prompt}{c.text}")
+            print(f"{o.prompt if o.prompt is not None else ''}{c.text}")
             print(f"--- [{len(c.token_ids)} tokens, finish_reason={c.finish_reason}]")
     line = f"[leapfrog] {n_tok} tokens in {dt:.2f}s = {n_tok / dt:.1f} tokens/s"
     from leapfrog.outputs import SpecMetrics

@@ -21,11 +21,11 @@ def test_generate_with_speculation_and_compare(llama_dir, capsys):
 
 def test_prompts_file_and_sampling_flags(llama_dir, tmp_path, capsys):
     f = tmp_path / "prompts.txt"
-    f.write_text("import os\n{\"prompt\": \"class A:\"}\n")
+    f.write_text("import os\n{\"prompt\": \"class A:\"}\n{\"prompt_token_ids\": [5, 6, 7]}\n")
     rc = main(["generate", "--model", str(llama_dir), "--prompts-file", str(f), "--temperature", "0.8",
                "--top-k", "5", "--top-p", "0.9", "--max-tokens", "6", "--seed", "3", "--speculative-config", "none"])
     out = capsys.readouterr().out
-    assert rc == 0 and out.count("finish_reason=") == 2 and "class A:" in out
+    assert rc == 0 and out.count("finish_reason=") == 3 and "class A:" in out
 
 
 def test_bad_input_clear_errors(llama_dir, capsys):
@@ -47,11 +47,16 @@ def test_bad_files_and_numbers_exit_two_with_one_line(llama_dir, tmp_path, capsy
     import pytest
     m = ["--model", str(llama_dir)]
     spec = ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 2})]
-    for i, text in enumerate(['{"prompt": "a"}\n{oops', '{"prompt_token_ids": [1, 2]}', '{"prompt": 5}', "\n\n"]):
+    for i, text in enumerate(['{"prompt": "a"}\n{oops', '{"prompt_token_ids": []}', '{"prompt": 5}', "\n\n",
+                              "[1, 2]\n{}"]):
         f = tmp_path / f"p{i}.jsonl"
         f.write_text(text)
         assert main(["generate", *m, "--prompts-file", str(f), "--speculative-config", "none"]) == 2
-        assert "prompts-file" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert "--prompts-file" in err and ("line" in err) == (i != 3), err
+    f = tmp_path / "missing.txt"
+    assert main(["generate", *m, "--prompts-file", str(f)]) == 2
+    assert "No such file" in capsys.readouterr().err
     f = tmp_path / "latin1.txt"
     f.write_bytes(b"caf\xe9\n")
     assert main(["generate", *m, "--prompts-file", str(f)]) == 2
