@@ -4,9 +4,10 @@ Requests join and leave between steps (continuous batching). Only the engine thr
 the LLMEngine: callers send commands (add, abort) through a queue, and outputs come back on
 each request's asyncio.Queue through ``loop.call_soon_threadsafe``. The waiting queue is
 bounded (``max_waiting``): the server admits a whole request's sequences against it before
-calling ``generate`` (``OpenAIServing.admit``). Structured-output matchers are compiled on a
-thread of their own before a request reaches the engine's queue: a large JSON schema takes about
-a second, and on the engine's thread it would stall every running request for that long.
+calling ``generate`` (``OpenAIServing.admit``). A request's text prompt is tokenized, and its
+structured-output matcher compiled, on threads of their own before it reaches the engine's
+queue: a 2.5 MB prompt takes about 4 s to tokenize and a large JSON schema about a second to
+compile, and on the engine's thread either would stall every running request for that long.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class _Add:
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue
     accepted: asyncio.Future
-    grammar: GrammarState | None = None   # compiled off the engine thread (structured outputs)
+    grammar: GrammarState | None = None   # compiled off the engine's thread (structured outputs)
 
 
 class AsyncEngine:
@@ -66,7 +67,9 @@ class AsyncEngine:
         self._closed = False  # set by the engine thread before its final drain (guarded by _lock)
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="leapfrog-engine", daemon=True)
-        # one thread: grammars compile one at a time, so they never take both cores from the engine
+        # a thread each: prompts tokenize one at a time and grammars compile one at a time (a slow
+        # grammar never holds a plain request back), and neither takes every core from the engine
+        self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="leapfrog-tokenize")
         self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="leapfrog-grammar")
         self.on_finished: Callable[[RequestOutput], None] | None = None
         self.on_iteration: Callable[[IterationStats], None] | None = None
@@ -86,7 +89,8 @@ class AsyncEngine:
         self.begin_shutdown()
         if self._thread.is_alive():
             self._thread.join(timeout)
-        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._tokenize_pool, self._grammar_pool):
+            pool.shutdown(wait=False, cancel_futures=True)
 
     @property
     def num_waiting(self) -> int:
@@ -114,10 +118,12 @@ class AsyncEngine:
         accepted the request) aborts the request."""
         loop = asyncio.get_running_loop()
         grammar = None
-        if params.structured_outputs is not None:   # a bad constraint raises its RequestError here
-            if self._closed or self._stop.is_set():
-                raise EngineStopped("the server is shutting down")
-            grammar = await loop.run_in_executor(self._grammar_pool, self.engine.compile_grammar, params)
+        if (prompt_ids is None and isinstance(prompt, str)) or params.structured_outputs is not None:
+            # prepared off the engine's thread (a bad prompt or constraint raises its RequestError here)
+            if prompt_ids is None and isinstance(prompt, str):
+                prompt_ids = await self.in_tokenizer_thread(self.engine.encode_prompt, prompt)
+            if params.structured_outputs is not None:
+                grammar = await self._in_thread(self._grammar_pool, self.engine.compile_grammar, params)
         cmd = _Add(request_id, prompt, prompt_ids, params, num_speculative_tokens, loop, asyncio.Queue(),
                    loop.create_future(), grammar)
         with self._lock:  # the engine thread's final drain takes this lock after setting _closed
@@ -146,6 +152,16 @@ class AsyncEngine:
         finally:
             if not finished:
                 self.abort(request_id)   # queued after the add, so it always finds the request
+
+    async def in_tokenizer_thread(self, fn: Callable, *args):
+        """``fn(*args)`` on the tokenizer's thread: tokenizing (a prompt, a chat template) on the
+        event loop would hold every stream's chunks, on the engine's thread every request."""
+        return await self._in_thread(self._tokenize_pool, fn, *args)
+
+    async def _in_thread(self, pool: ThreadPoolExecutor, fn: Callable, *args):
+        if self._closed or self._stop.is_set():   # the pools shut down with the engine
+            raise EngineStopped("the server is shutting down")
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
     def abort(self, request_id: str) -> None:
         self._cmds.put(("abort", request_id))

@@ -28,7 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from leapfrog.engine.async_engine import AsyncEngine
+from leapfrog.engine.async_engine import AsyncEngine, EngineStopped
 from leapfrog.engine.engine import LLMEngine
 from leapfrog.entrypoints.openai.metrics import ServerMetrics
 from leapfrog import __version__
@@ -132,6 +132,10 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError):
         return ASCIIJSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(EngineStopped)
+    async def stopped(_: Request, e: EngineStopped):
+        return error(503, str(e), type_="server_unavailable", code="shutting_down")
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, e: RequestValidationError):
@@ -245,7 +249,7 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
         max_tokens = req.max_completion_tokens or req.max_tokens
         sp = serving.sampling_params(req, max_tokens)
         k = serving.spec_tokens(req)
-        prompt = serving.chat_prompt(req)
+        prompt = await async_engine.in_tokenizer_thread(serving.chat_prompt, req)
         top = head("chatcmpl", "chat.completion")
         k_lp = req.top_logprobs or 0
 
@@ -288,7 +292,7 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
         serving.check_model(req.model)
-        ids = serving.tokenize(req)
+        ids = await async_engine.in_tokenizer_thread(serving.tokenize, req)
         body = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
         if req.return_token_strs:
             body["token_strs"] = serving.tokenizer.convert_ids_to_tokens(ids)

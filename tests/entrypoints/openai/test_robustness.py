@@ -125,34 +125,58 @@ def test_bad_requests_get_400_and_hurt_nobody(server, expected, path, body, what
     assert good(server) == expected and idle(server, 5)
 
 
-def test_grammars_compile_off_the_engine_thread(server, expected, monkeypatch):
-    """A structured-output request's matcher is built on the grammar thread, not the engine's:
-    while one compiles (held here until the other request is answered), other requests run."""
+@pytest.mark.parametrize("held", ["compile_grammar", "encode_prompt"])
+def test_requests_are_prepared_off_the_engine_thread(server, expected, monkeypatch, held):
+    """A text prompt is tokenized, and a structured-output matcher built, on threads of their
+    own, not the engine's: while one request's preparation is held (here until a running
+    stream has finished), the running stream goes on to its end."""
     eng = engine_of(server)
-    real, answered, threads = eng.compile_grammar, threading.Event(), []
+    real, answered, threads = getattr(eng, held), threading.Event(), []
 
-    def slow_compile(params):
-        threads.append(threading.current_thread().name)
-        answered.wait(60)   # on the engine's thread this would hold the plain request back for 60 s
-        return real(params)
-    monkeypatch.setattr(eng, "compile_grammar", slow_compile)
+    def slow(arg):
+        if held == "compile_grammar" or arg == "x":   # the held request's prompt is "x"
+            threads.append(threading.current_thread().name)
+            answered.wait(60)   # on the engine's thread this would hold the running stream for 60 s
+        return real(arg)
+    monkeypatch.setattr(eng, held, slow)
 
     async def main():
         async with httpx.AsyncClient(timeout=120) as h:
-            guided = asyncio.ensure_future(h.post(server.url + C, json={
-                "model": "tiny", "prompt": "x", "max_tokens": 4, "guided_regex": "[a-z]{4}"}))
-            while not threads:
-                await asyncio.sleep(0.01)
-            t0 = time.monotonic()
-            plain = await h.post(server.url + C, json={"model": "tiny", "prompt": PROMPT, "max_tokens": 16,
-                                                       "temperature": 0, "ignore_eos": True})
-            waited = time.monotonic() - t0
+            body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+                    "stream": True}
+            async with h.stream("POST", server.url + C, json=body) as r:
+                lines = r.aiter_lines()
+                got = [await lines.__anext__()]   # running: its first chunk is out
+                guided = asyncio.ensure_future(h.post(server.url + C, json={
+                    "model": "tiny", "prompt": "x", "max_tokens": 4, "guided_regex": "[a-z]{4}"}))
+                while not threads:
+                    await asyncio.sleep(0.01)
+                t0 = time.monotonic()
+                got += [ln async for ln in lines]
+                waited = time.monotonic() - t0
             answered.set()
-            return plain, waited, await guided
-    plain, waited, guided = asyncio.run(main())
-    assert threads == ["leapfrog-grammar_0"]
-    assert plain.status_code == 200 and plain.json()["choices"][0]["text"] == expected and waited < 30
+            return _sse(got), waited, await guided
+    (chunks, done), waited, guided = asyncio.run(main())
+    assert threads == [{"compile_grammar": "leapfrog-grammar_0", "encode_prompt": "leapfrog-tokenize_0"}[held]]
+    assert done and "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == expected and waited < 30
     assert guided.status_code == 200 and len(guided.json()["choices"][0]["text"]) == 4
+
+
+def test_chat_templates_and_tokenize_run_off_the_event_loop(server, monkeypatch):
+    """The chat template and /tokenize run on the tokenizer's thread (on the event loop a long
+    conversation would hold every stream's chunks)."""
+    tok = engine_of(server).tokenizer
+    threads = []
+    for name in ("apply_chat_template", "encode"):
+        real = getattr(tok, name)
+        monkeypatch.setattr(tok, name, lambda *a, _real=real, **k: threads.append(
+            threading.current_thread().name) or _real(*a, **k))
+    msgs = [{"role": "user", "content": "hi"}]
+    r = httpx.post(server.url + CH, timeout=30, json={"model": "tiny", "messages": msgs, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    r = httpx.post(server.url + "/tokenize", timeout=30, json={"model": "tiny", "prompt": "def f():"})
+    assert r.status_code == 200 and r.json()["count"] > 0
+    assert len(threads) >= 2 and set(threads) == {"leapfrog-tokenize_0"}, threads
 
 
 @pytest.mark.parametrize("body, param", [({"stop_token_ids": [100000]}, "stop_token_ids"),
