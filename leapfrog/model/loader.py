@@ -154,7 +154,9 @@ def _weight_files(path: Path, allow_pickle: bool) -> dict[str, Path]:
         out: dict[str, Path] = {}
         for f in single:
             with _safe_open(f) as sf:
-                out.update({k: f for k in sf.keys()})  # noqa: SIM118 (the handle is not iterable)
+                names = list(sf.keys())  # noqa: SIM118 (the handle is not iterable)
+            _refuse_repeats(out, names, f)
+            out.update({k: f for k in names})
         return out
     if list(path.glob("*.bin")) or list(path.glob("*.pt")):
         if not allow_pickle:
@@ -164,6 +166,16 @@ def _weight_files(path: Path, allow_pickle: bool) -> dict[str, Path]:
         # Tensor names are only known once unpickled: _TensorSource fills them in.
         return {_PICKLE + f.name: f for f in sorted(path.glob("*.bin")) + sorted(path.glob("*.pt"))}
     raise CheckpointError(f"{path}: no weights found (model.safetensors or an index with shards)")
+
+
+def _refuse_repeats(seen: dict[str, Path], names: list, f: Path) -> None:
+    """Without an index every weight file of the folder is read: a tensor in two of them (a
+    stray extra file, say) would silently take the later file's values."""
+    again = [k for k in names if k in seen]
+    if again:
+        raise CheckpointError(f"tensor {again[0]!r} is in both {seen[again[0]].name} and {f.name} of {f.parent} "
+                              f"({len(again)} repeated names): remove the extra file, or add a "
+                              "model.safetensors.index.json naming the shard of each tensor")
 
 
 def _hf_names(a: LlamaArgs) -> dict[str, list[str]]:
@@ -200,6 +212,7 @@ class _TensorSource:
                     raise _unreadable(f, e, "a readable pickle checkpoint") from None
                 if not isinstance(state, dict):
                     raise CheckpointError(f"{f}: holds a {type(state).__name__}, not a state dict of tensors")
+                _refuse_repeats(self.files, list(state), f)
                 self._pickled.update(state)
                 self.files.update({k: f for k in state})
 

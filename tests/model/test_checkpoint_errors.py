@@ -170,6 +170,23 @@ def test_eos_outside_the_vocabulary_named(tmp_path, llama_dir, where):
         read_checkpoint(d)
 
 
+@pytest.mark.parametrize("kind", ["safetensors", "pickle"])
+def test_a_tensor_in_two_weight_files_is_refused(tmp_path, llama_dir, kind):
+    """Without an index every weight file is read: a stray second file holding a tensor used to
+    replace the real one silently (a zero lm_head: greedy output all token 0)."""
+    from safetensors.torch import save_file
+    d = copy(llama_dir, tmp_path)
+    zero = {"model.norm.weight": torch.zeros_like(load_file(d / "model.safetensors")["model.norm.weight"])}
+    if kind == "safetensors":
+        save_file(zero, d / "zz-extra.safetensors")
+    else:
+        torch.save(load_file(d / "model.safetensors"), d / "pytorch_model-00001-of-00002.bin")
+        torch.save(zero, d / "pytorch_model-00002-of-00002.bin")
+        (d / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"'model\.norm\.weight' is in both .* and .*(zz-extra|00002)"):
+        LLM(model=str(d), dtype="float32", allow_pickle=True)
+
+
 def test_tensors_the_config_does_not_read_are_refused(tmp_path, llama_dir):
     """config.json with fewer layers than the checkpoint holds would load a different model
     silently: the unused tensors are named instead."""
