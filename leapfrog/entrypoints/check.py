@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from leapfrog.entrypoints import prompts_file
-from leapfrog.entrypoints.argtypes import nonneg_float, nonneg_int, positive_int, probability
+from leapfrog.entrypoints.argtypes import nonneg_float, nonneg_int, output_file, positive_int, probability
 from leapfrog.errors import ConfigError, LeapfrogError
 from leapfrog.sampling_params import SamplingParams
 
@@ -586,4 +586,4 @@ def add_arguments(p) -> None:
     p.add_argument("--max-num-seqs", type=positive_int, default=64, help="KV rows (sampling batches)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="default: longest prompt + max(--max-tokens, --sample-tokens) + 1")
-    p.add_argument("--json", default=None, metavar="OUT", help="write the full report as JSON")
+    p.add_argument("--json", default=None, metavar="OUT", type=output_file, help="write the full report as JSON")

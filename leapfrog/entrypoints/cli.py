@@ -9,7 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-from leapfrog.entrypoints.argtypes import nonneg_float, nonneg_int, positive_float, positive_int
+from leapfrog.entrypoints.argtypes import (nonneg_float, nonneg_int, output_dir, output_file, positive_float,
+                                          positive_int)
 from leapfrog.errors import ConfigError, LeapfrogError
 from leapfrog.utils import env_off, freeze_heap
 
@@ -280,7 +281,7 @@ def _bench_parser(sub) -> None:
     p.add_argument("--num-scheduler-steps", type=int, default=1,
                    help="with --no-enforce-eager: decode steps (speculation rounds) per engine step for none and "
                         "every contender that can run rounds (draft models, EAGLE chains, 'auto' tree sizes)")
-    p.add_argument("--out", default="bench_out", help="folder for bench.json, bench.csv and the plots")
+    p.add_argument("--out", default="bench_out", type=output_dir, help="folder for bench.json, bench.csv and the plots")
     p.add_argument("--no-plots", action="store_true", help="skip the matplotlib plots")
     p.add_argument("--backend", action="append", default=None, choices=["leapfrog", "transformers"],
                    help="transformers: also run each config's transformers counterpart (generate, assisted "
@@ -345,36 +346,38 @@ def _train_draft_parser(sub) -> None:
     p.add_argument("--corpus", required=True,
                    help="training text: a file, a directory of text files, or JSONL ('text', 'prompt' or 'messages'; "
                         "EAGLE also 'token_ids', for targets without a tokenizer)")
-    p.add_argument("--out", required=True, help="output directory (an HF checkpoint that draft_model loads, or the "
+    p.add_argument("--out", required=True, type=output_dir, help="output directory (an HF checkpoint that draft_model loads, or the "
                                                 "EAGLE head that method eagle/eagle3 loads)")
     p.add_argument("--data-mode", default="corpus", choices=["corpus", "generate"],
                    help="corpus: the target's distributions on your text; generate: on the target's own "
                         "continuations of your texts used as prompts (self-distillation)")
     p.add_argument("--init-draft", default=None, help="start from this draft checkpoint (fine-tune) instead of scratch")
-    p.add_argument("--hidden-size", type=int, default=256)
-    p.add_argument("--intermediate-size", type=int, default=512)
-    p.add_argument("--num-layers", type=int, default=2)
-    p.add_argument("--num-heads", type=int, default=4)
-    p.add_argument("--num-kv-heads", type=int, default=None, help="default: --num-heads")
+    p.add_argument("--hidden-size", type=positive_int, default=None, help="draft_model: the draft's shape (default 256)")
+    p.add_argument("--intermediate-size", type=positive_int, default=None, help="draft_model: the draft's shape (default 512)")
+    p.add_argument("--num-layers", type=positive_int, default=None, help="draft_model: the draft's shape (default 2)")
+    p.add_argument("--num-heads", type=positive_int, default=None, help="draft_model: the draft's shape (default 4)")
+    p.add_argument("--num-kv-heads", type=positive_int, default=None, help="draft_model (default: --num-heads)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--lr", type=positive_float, default=2e-3)
     p.add_argument("--warmup-steps", type=int, default=20)
-    p.add_argument("--ce-weight", type=nonneg_float, default=0.0, help="add this x cross-entropy on the data's tokens")
+    p.add_argument("--ce-weight", type=nonneg_float, default=None,
+                   help="draft_model: add this x cross-entropy on the data's tokens (default 0)")
     e = p.add_argument_group("EAGLE (--method eagle / eagle3)")
     e.add_argument("--ttt-steps", type=int, default=None,
                    help="draft steps unrolled per batch (training-time test; default: eagle 1, eagle3 4)")
-    e.add_argument("--draft-vocab-size", type=int, default=None,
+    e.add_argument("--draft-vocab-size", type=positive_int, default=None,
                    help="eagle3: the most frequent training tokens the head drafts from (default: half the "
                         "vocabulary, at most 32000; all of one up to 1024)")
-    e.add_argument("--head-intermediate-size", type=int, default=None, help="the head's MLP width (default: the "
+    e.add_argument("--head-intermediate-size", type=positive_int, default=None, help="the head's MLP width (default: the "
                                                                            "target's)")
-    e.add_argument("--head-kv-heads", type=int, default=None, help="the head's KV heads (default: the target's)")
-    e.add_argument("--calibration", default="greedy", choices=["greedy", "none"],
+    e.add_argument("--head-kv-heads", type=positive_int, default=None, help="the head's KV heads (default: the target's)")
+    e.add_argument("--calibration", default=None, choices=["greedy", "none"],
                    help="eagle3: after training, scale the draft logits so that the tree's path confidences "
                         "predict greedy (temperature 0) acceptance (default); none: keep the KL-trained q")
-    e.add_argument("--eagle-topk", type=int, default=4, help="eagle_topk of the acceptance test and of the hint")
+    e.add_argument("--eagle-topk", type=positive_int, default=None,
+                   help="eagle_topk of the acceptance test and of the hint (default 4)")
     e.add_argument("--resume", action="store_true",
                    help="continue the training checkpoint in --checkpoint-dir (an EAGLE run refuses to overwrite one "
                         "without it; draft_model always resumes)")
@@ -386,7 +389,7 @@ def _train_draft_parser(sub) -> None:
     p.add_argument("--eval-prompts", type=nonneg_int, default=16, help="held-out prompts for the acceptance test (0: skip)")
     p.add_argument("--eval-k", type=positive_int, default=None,
                    help="num_speculative_tokens of the acceptance test and the hint (default: draft_model 4, EAGLE 5)")
-    p.add_argument("--eval-max-tokens", type=int, default=64, help="tokens generated per held-out prompt")
+    p.add_argument("--eval-max-tokens", type=positive_int, default=64, help="tokens generated per held-out prompt")
     p.add_argument("--save-dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--bf16", default="auto", choices=["auto", "on", "off"],
                    help="bf16 autocast: auto = on for CUDA and CPUs with native bf16")
@@ -395,19 +398,35 @@ def _train_draft_parser(sub) -> None:
     p.add_argument("--checkpoint-dir", default=None,
                    help="default: OUT.ckpt; draft_model resumes from it, EAGLE with --resume")
     p.add_argument("--checkpoint-every", type=int, default=50)
-    p.add_argument("--json", default=None, help="also write the summary to this file")
+    p.add_argument("--json", default=None, type=output_file, help="also write the summary to this file")
 
 
 def cmd_train_draft(args) -> int:
     from leapfrog.train.loop import TrainConfig
 
+    from leapfrog.spec_decode.config import MAX_SPECULATIVE_TOKENS
+
+    # a flag the method never reads is refused, not ignored
     eagle_only = {"--ttt-steps": args.ttt_steps, "--draft-vocab-size": args.draft_vocab_size,
-                  "--head-intermediate-size": args.head_intermediate_size, "--head-kv-heads": args.head_kv_heads}
+                  "--head-intermediate-size": args.head_intermediate_size, "--head-kv-heads": args.head_kv_heads,
+                  "--eagle-topk": args.eagle_topk, "--calibration": args.calibration}
+    draft_only = {"--init-draft": args.init_draft, "--hidden-size": args.hidden_size,
+                  "--intermediate-size": args.intermediate_size, "--num-layers": args.num_layers,
+                  "--num-heads": args.num_heads, "--num-kv-heads": args.num_kv_heads, "--ce-weight": args.ce_weight}
     if args.method == "draft_model" and any(v is not None for v in eagle_only.values()):
         given = [k for k, v in eagle_only.items() if v is not None]
         raise LeapfrogError(f"{', '.join(given)}: EAGLE options; add --method eagle3 (or eagle)")
-    if args.method != "draft_model" and args.init_draft is not None:
-        raise LeapfrogError("--init-draft applies to --method draft_model")
+    if args.method != "draft_model" and any(v is not None for v in draft_only.values()):
+        given = [k for k, v in draft_only.items() if v is not None]
+        raise LeapfrogError(f"{', '.join(given)}: --method draft_model options (an EAGLE head takes the target's "
+                            "shape; see --head-intermediate-size and --head-kv-heads)")
+    if args.method == "eagle" and (args.draft_vocab_size is not None or args.calibration is not None):
+        raise LeapfrogError("--draft-vocab-size and --calibration are EAGLE-3 options (an EAGLE-1 head drafts over "
+                            "the whole vocabulary); add --method eagle3")
+    if args.draft_vocab_size == 1:
+        raise LeapfrogError("--draft-vocab-size 1: a head with one token to draft learns nothing (at least 2)")
+    if args.eval_k is not None and args.eval_k > MAX_SPECULATIVE_TOKENS:
+        raise LeapfrogError(f"--eval-k {args.eval_k}: at most {MAX_SPECULATIVE_TOKENS} (num_speculative_tokens)")
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                       warmup_steps=args.warmup_steps, seed=args.seed, device=args.device,
                       checkpoint_every=args.checkpoint_every, eval_every=max(1, min(50, args.steps // 4)))
@@ -416,11 +435,12 @@ def cmd_train_draft(args) -> int:
     from leapfrog.train.distill import DraftShape, train_draft
 
     k = args.eval_k or 4
-    shape = DraftShape(hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
-                       num_hidden_layers=args.num_layers, num_attention_heads=args.num_heads,
-                       num_key_value_heads=args.num_kv_heads or args.num_heads)
+    given = {"hidden_size": args.hidden_size, "intermediate_size": args.intermediate_size,
+             "num_hidden_layers": args.num_layers, "num_attention_heads": args.num_heads,
+             "num_key_value_heads": args.num_kv_heads or args.num_heads}
+    shape = DraftShape(**{k: v for k, v in given.items() if v is not None})
     res = train_draft(args.target, args.corpus, args.out, shape=shape, init_draft=args.init_draft,
-                      train_config=cfg, data_mode=args.data_mode, ce_weight=args.ce_weight,
+                      train_config=cfg, data_mode=args.data_mode, ce_weight=args.ce_weight or 0.0,
                       heldout_fraction=args.heldout_fraction, gen_tokens=args.gen_tokens,
                       gen_temperature=args.gen_temperature, gen_prompt_tokens=args.gen_prompt_tokens,
                       gen_prompts_per_doc=args.gen_prompts_per_doc, eval_prompts=args.eval_prompts, eval_k=k,
@@ -441,13 +461,13 @@ def cmd_train_draft(args) -> int:
 def _train_eagle(args, cfg) -> int:
     from leapfrog.train.eagle import EagleData, EagleEval, EagleRecipe, train_eagle
 
-    k, topk = args.eval_k or 5, args.eagle_topk
+    k, topk = args.eval_k or 5, args.eagle_topk or 4
     trees = ((k, topk, min(16, k * topk)), (k, 1, None)) if topk > 1 else ((k, 1, None),)
     res = train_eagle(
         args.target, args.corpus, args.out, args.method,
         recipe=EagleRecipe(ttt_steps=args.ttt_steps, draft_vocab_size=args.draft_vocab_size,
                            intermediate_size=args.head_intermediate_size, num_key_value_heads=args.head_kv_heads,
-                           greedy_calibration=args.calibration == "greedy"),
+                           greedy_calibration=(args.calibration or "greedy") == "greedy"),
         train_config=cfg,
         data=EagleData(mode=args.data_mode, heldout_fraction=args.heldout_fraction, gen_tokens=args.gen_tokens,
                        gen_temperature=args.gen_temperature,

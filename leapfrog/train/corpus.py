@@ -9,6 +9,7 @@ does not depend on the order files are listed in.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sysconfig
 from dataclasses import dataclass
@@ -31,6 +32,15 @@ class Document:
     @property
     def empty(self) -> bool:
         return not self.token_ids if self.token_ids is not None else not self.text.strip()
+
+
+def fingerprint(docs: list[Document]) -> str:
+    """The documents' names and contents, hashed: caches and resumed runs are keyed on what the
+    corpus says, not on file names (an edited file, or another folder's train.jsonl, is new data)."""
+    h = hashlib.sha256()
+    for d in docs:
+        h.update(json.dumps([d.name, d.text, list(d.token_ids) if d.token_ids is not None else None]).encode())
+    return h.hexdigest()
 
 
 def stdlib_documents(root: str | os.PathLike | None = None) -> list[Document]:

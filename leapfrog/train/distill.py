@@ -16,6 +16,7 @@ Training data, ``data_mode``:
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,8 +26,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from leapfrog.errors import CheckpointError, ConfigError
-from leapfrog.train.corpus import Document, pack_stream, read_documents, split_by_file
-from leapfrog.train.loop import TrainConfig, TrainState, plot_losses, train
+from leapfrog.train.corpus import Document, fingerprint, pack_stream, read_documents, split_by_file
+from leapfrog.train.loop import (CHECKPOINT_NAME, TrainConfig, TrainingDiverged, TrainState, check_finite,
+                                 plot_losses, train)
 
 
 @dataclass(frozen=True)
@@ -190,6 +192,28 @@ def check_target(target: str | os.PathLike, init_draft: str | os.PathLike | None
     return ckpt, tokenizer
 
 
+RESUME_NAME = "distill_settings.json"   # beside loop.py's train_state.pt
+
+
+def _check_resume(ckdir: Path, settings: dict) -> None:
+    """draft_model training resumes the checkpoint in ``ckdir``, if there is one, only when it was
+    made with these settings (the same target, draft shape, corpus contents and schedule but for
+    --steps, which may grow); the settings are written beside it for the next run."""
+    f = ckdir / RESUME_NAME
+    settings = json.loads(json.dumps(settings))
+    if (ckdir / CHECKPOINT_NAME).is_file() and f.is_file():   # (a checkpoint of an older version has none)
+        try:
+            saved = json.loads(f.read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{f}: unreadable ({e}); remove {ckdir} to start again") from None
+        if saved != settings:
+            diff = sorted(k for k in set(saved) | set(settings) if saved.get(k) != settings.get(k))
+            raise ConfigError(f"{ckdir} holds a training checkpoint made with other settings (they differ in "
+                              f"{diff}); remove it, or pass another --checkpoint-dir, to start again")
+    ckdir.mkdir(parents=True, exist_ok=True)
+    f.write_text(json.dumps(settings, indent=1))
+
+
 def train_draft(target: str | os.PathLike, corpus: str | os.PathLike | list[Document], out: str | os.PathLike,
                 *, shape: DraftShape | None = None, init_draft: str | os.PathLike | None = None,
                 train_config: TrainConfig | None = None, data_mode: str = "corpus", ce_weight: float = 0.0,
@@ -227,6 +251,9 @@ def train_draft(target: str | os.PathLike, corpus: str | os.PathLike | list[Docu
     else:
         stream = pack_stream(tokenizer, train_docs)
     held_stream = pack_stream(tokenizer, held)
+    V = ckpt.args.vocab_size
+    if any(x.numel() and int(x.max()) >= V for x in (stream, held_stream)):
+        raise ConfigError(f"the corpus has token ids >= the target's vocab_size {V}")
     if stream.numel() <= cfg.seq_len:
         raise ConfigError(f"the corpus gives {stream.numel()} training tokens; need more than "
                           f"seq_len={cfg.seq_len} (pass more text or a smaller --seq-len)")
@@ -248,9 +275,17 @@ def train_draft(target: str | os.PathLike, corpus: str | os.PathLike | list[Docu
     val = heldout_windows(held_stream, 8, min(cfg.seq_len, 256)).to(device)
     kl_before = mean_kl(draft, teacher, val)
     ckdir = Path(checkpoint_dir) if checkpoint_dir is not None else out.with_name(out.name + ".ckpt")
+    _check_resume(ckdir, {"target": target_path, "init_draft": str(init_draft) if init_draft else None,
+                          "shape": asdict(shape) if init_draft is None and shape else None, "data_mode": data_mode,
+                          "ce_weight": ce_weight, "corpus": fingerprint(train_docs + held),
+                          "train_config": {k: v for k, v in asdict(cfg).items()
+                                           if k not in ("steps", "checkpoint_every", "eval_every")}})
     state = train(draft, stream, distill_loss(teacher, ce_weight), cfg, checkpoint_dir=ckdir,
                   eval_fn=lambda m: mean_kl(m, teacher, val), desc="train-draft", stop_at=stop_at)
     kl_after = mean_kl(draft, teacher, val)
+    check_finite(draft, "train-draft")
+    if not math.isfinite(kl_after):
+        raise TrainingDiverged(f"train-draft: held-out KL is {kl_after} after training; nothing saved (lower --lr)")
 
     out.mkdir(parents=True, exist_ok=True)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}

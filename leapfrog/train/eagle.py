@@ -70,12 +70,14 @@ from leapfrog.attention.metadata import AttnMeta
 from leapfrog.errors import ConfigError
 from leapfrog.model.eagle import EagleHead, EagleKind, init_eagle_head, save_eagle_head
 from leapfrog.model.llama import LlamaModel
-from leapfrog.train.corpus import Document, pack_stream, read_documents, split_by_file
+from leapfrog.train.corpus import Document, fingerprint, pack_stream, read_documents, split_by_file
 from leapfrog.train.distill import check_target, heldout_prompts, heldout_windows, line_windows, resolve_autocast
 from leapfrog.train.loop import (
     TrainConfig,
+    TrainingDiverged,
     TrainState,
     batch_at,
+    check_finite,
     load_checkpoint,
     lr_at,
     make_optimizer,
@@ -385,7 +387,7 @@ def _step(head: EagleHead, target: LlamaModel, opt: torch.optim.Optimizer, windo
         noise = _noise(tb, recipe.feature_noise if head.kind == "eagle" else 0.0, cfg.seed, step)
         parts = eagle_loss(head, tb, recipe, noise)
     if not torch.isfinite(parts.total):
-        raise FloatingPointError(f"train-draft: loss is {parts.total.item()} at step {step}; lower the lr")
+        raise TrainingDiverged(f"train-draft: loss is {parts.total.item()} at step {step}; lower --lr")
     parts.total.backward()
     if cfg.grad_clip > 0:
         nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)
@@ -528,11 +530,14 @@ def _token_data(ckpt, tokenizer, train_docs: list[Document], held: list[Document
     """(training, held-out) tokens and the seconds it took to make them, from ``cache`` when it was
     made with the same settings."""
     eos = tokenizer.eos_token_id if tokenizer is not None else (ckpt.eos_token_ids or (None,))[0]
-    key = hashlib.sha256(json.dumps([str(ckpt.path), asdict(data), seed, [d.name for d in train_docs],
-                                     [d.name for d in held]]).encode()).hexdigest()
+    key = hashlib.sha256(json.dumps([str(ckpt.path), asdict(data), seed, fingerprint(train_docs),
+                                     fingerprint(held)]).encode()).hexdigest()
     if cache is not None and cache.is_file():
-        d = torch.load(cache, weights_only=True)
-        if d.get("key") == key:
+        try:
+            d = torch.load(cache, weights_only=True)
+        except Exception:  # noqa: BLE001 - a truncated cache is rebuilt
+            d = {}
+        if isinstance(d, dict) and d.get("key") == key:
             return TokenData(*d["train"]), TokenData(*d["heldout"]), float(d.get("seconds", 0.0))
     t0 = time.perf_counter()
     if data.mode == "generate":
@@ -640,8 +645,10 @@ def _start_meta(ckdir: Path, settings: dict) -> None:
     if not fresh and meta.is_file():
         saved = json.loads(meta.read_text()).get("settings")
         if saved is not None and saved != json.loads(json.dumps(settings)):
-            raise ConfigError(f"{ckdir}: the checkpoint was made with other settings ({saved}); resume it with "
-                              "those, or start again in another checkpoint directory")
+            diff = sorted(k for k in set(saved) | set(settings) if saved.get(k) != json.loads(json.dumps(settings)).get(k))
+            raise ConfigError(f"{ckdir}: the checkpoint was made with other settings (they differ in {diff}: "
+                              f"{ {k: saved.get(k) for k in diff} }); resume it with those, or start again in "
+                              "another checkpoint directory")
     ckdir.mkdir(parents=True, exist_ok=True)
     _write_meta(ckdir, settings=settings, **({"history": [], "wall_time_s": 0.0} if fresh else {}))
 
@@ -707,7 +714,7 @@ def train_eagle(target: str | os.PathLike, corpus: str | os.PathLike | list[Docu
     head = _new_head(kind, target_model, recipe, stream, cfg.seed, device)
     Vd = head.cfg.draft_vocab_size
     coverage = float(head.t2d[stream].float().mean()) if kind == "eagle3" else 1.0
-    settings = _settings(kind, recipe, data, cfg, Vd)
+    settings = {**_settings(kind, recipe, data, cfg, Vd), "corpus": fingerprint(train_docs + held)}
     _start_meta(ckdir, settings)
 
     val = held_data.heldout(16 if data.mode == "generate" else 8, cfg.seq_len)
@@ -725,6 +732,7 @@ def train_eagle(target: str | os.PathLike, corpus: str | os.PathLike | list[Docu
         head.cfg = dataclasses.replace(head.cfg, greedy_logit_scale=head.cfg.greedy_logit_scale * scale)
         calibration = {"scale": scale, "ce_before": ce1, "ce_after": ce}
         log(f"greedy calibration: draft logits x {scale:.3g} (CE to argmax p {ce1:.3f} -> {ce:.3f})")
+    check_finite(head, "train-draft")
     out.mkdir(parents=True, exist_ok=True)
     save_eagle_head(head if save_dtype == "float32" else copy.deepcopy(head).to(torch.bfloat16), out)
     what = (f"{recipe.feature_weight} SmoothL1(h, f) + {recipe.token_weight} KL(p || q)" if kind == "eagle"

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from leapfrog.errors import ConfigError
+from leapfrog.errors import CheckpointError, ConfigError, LeapfrogError
 
 CHECKPOINT_NAME = "train_state.pt"
 
@@ -78,16 +78,33 @@ def save_checkpoint(path: Path, model: nn.Module, opt: torch.optim.Optimizer, st
     os.replace(tmp, path / CHECKPOINT_NAME)
 
 
+class TrainingDiverged(LeapfrogError, FloatingPointError):
+    """The loss (or the weights) stopped being finite: nothing is saved as a draft."""
+
+
+def check_finite(model: nn.Module, desc: str) -> None:
+    """Refuse to save weights a diverged run left non-finite (the engine would load them)."""
+    bad = next((n for n, p in model.named_parameters() if not torch.isfinite(p).all()), None)
+    if bad is not None:
+        raise TrainingDiverged(f"{desc}: weight {bad} is not finite after training; nothing saved (lower --lr)")
+
+
 def load_checkpoint(path: Path, model: nn.Module, opt: torch.optim.Optimizer) -> TrainState | None:
     f = path / CHECKPOINT_NAME
     if not f.is_file():
         return None
-    ck = torch.load(f, map_location="cpu", weights_only=True)
-    model.load_state_dict(ck["model"])
-    opt.load_state_dict(ck["optimizer"])
-    s = ck["state"]
-    return TrainState(step=s["step"], losses=[tuple(x) for x in s["losses"]],
-                      evals=[tuple(x) for x in s["evals"]], tokens_seen=s["tokens_seen"])
+    try:
+        ck = torch.load(f, map_location="cpu", weights_only=True)
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["optimizer"])
+        s = ck["state"]
+        return TrainState(step=s["step"], losses=[tuple(x) for x in s["losses"]],
+                          evals=[tuple(x) for x in s["evals"]], tokens_seen=s["tokens_seen"])
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign file, another model's shapes
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise CheckpointError(f"{f}: cannot resume from this training checkpoint ({type(e).__name__}: "
+                              f"{first[:300]}); remove it (or pass another --checkpoint-dir) to start "
+                              "again") from None
 
 
 def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -124,7 +141,7 @@ def train(model: nn.Module, stream: Tensor, loss_fn: Callable[[nn.Module, Tensor
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
             loss = loss_fn(model, batch)
         if not torch.isfinite(loss):
-            raise FloatingPointError(f"{desc}: loss is {loss.item()} at step {state.step}; lower the lr")
+            raise TrainingDiverged(f"{desc}: loss is {loss.item()} at step {state.step}; lower --lr")
         loss.backward()
         if cfg.grad_clip > 0:
             nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
