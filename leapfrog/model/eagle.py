@@ -82,7 +82,7 @@ from leapfrog.errors import CheckpointError, ConfigError
 from leapfrog.kv.cache import KVCache
 from leapfrog.model.args import LlamaArgs, config_field, json_type
 from leapfrog.model.llama import DecoderLayer, ForwardOutput, LlamaModel, LogitsHead
-from leapfrog.model.loader import _TensorSource, _weight_files, read_json, resolve_model_path
+from leapfrog.model.loader import _TensorSource, _weight_files, check_stored_dtype, read_json, resolve_model_path
 from leapfrog.model.native_ops import rms_norm, use_native_ops
 from leapfrog.model.rope import apply_rope, rope_table
 
@@ -473,6 +473,9 @@ def _fill(head: EagleHead, src: _TensorSource, dtype: torch.dtype) -> set[str]:
     with torch.no_grad():
         for ours, ck_names in plan.items():
             parts = [src.get(n) for n in ck_names]
+            for n, t in zip(ck_names, parts):
+                if not t.dtype.is_floating_point:   # (an integer tensor would be cast silently)
+                    raise CheckpointError(f"{src.files[n]}: tensor {n!r} is {t.dtype}; weights must be floating point")
             params[ours].copy_((torch.cat(parts) if len(parts) > 1 else parts[0]).to(dtype))
     return {n for names in plan.values() for n in names}
 
@@ -498,6 +501,8 @@ def _read_draft_vocab(src: _TensorSource, cfg: EagleConfig, V: int, cfg_file: st
                               "target id (target id = draft id + d2t[draft id])")
     if "t2d" in src.files:
         t2d = src.get("t2d")
+        if not isinstance(t2d, Tensor):
+            raise CheckpointError(f"{src.files['t2d']}: entry 't2d' is a {type(t2d).__name__}, not a tensor")
         if tuple(t2d.shape) != (V,) or int(t2d.bool().sum()) != Vd or not bool(t2d.bool()[ids].all()):
             raise CheckpointError(f"{src.files['t2d']}: tensor 't2d' (shape {tuple(t2d.shape)}) does not mark "
                                   f"exactly the {Vd} target ids that 'd2t' maps to (expected [{V}] bool)")
@@ -510,7 +515,10 @@ def _read_layer_ids(cfg: dict[str, Any], eagle_config: dict[str, Any], source: s
     """leapfrog aux layers from either field (see the module docstring), checked against the target."""
     def ints(obj: dict[str, Any], key: str, name: str) -> list[int] | None:
         v = config_field(obj, key, list, source, default=None, name=name)
-        return None if not v else [config_field({name: x}, name, int, source) for x in v]
+        if v is not None and len(v) < 2:   # (an empty list used to mean "the default layers")
+            raise CheckpointError(f"{source}: {name}={v}: EAGLE-3 fuses the features of two or more target "
+                                  "layers (three in the EAGLE-3 paper: low, middle, high)")
+        return None if v is None else [config_field({name: x}, name, int, source) for x in v]
 
     top = ints(cfg, "eagle_aux_hidden_state_layer_ids", "eagle_aux_hidden_state_layer_ids")
     nested = ints(eagle_config, "eagle_aux_hidden_state_layer_ids", "eagle_config.eagle_aux_hidden_state_layer_ids")
@@ -551,17 +559,18 @@ def read_eagle_config(cfg: Any, source: str, target: LlamaArgs,
         raise CheckpointError(f"{source}: must be a JSON object ({{...}}), got {json_type(cfg)}")
     archs = config_field(cfg, "architectures", list, source, default=[])
     arch = config_field({"architectures[0]": archs[0]}, "architectures[0]", str, source) if archs else None
+    check_stored_dtype(cfg, source)
     kind: EagleKind
+    if arch is not None and arch not in EAGLE3_ARCHITECTURES and arch not in EAGLE_ARCHITECTURES:
+        raise CheckpointError(f"{source}: architecture {arch!r} is not an EAGLE head leapfrog reads (EAGLE-1: "
+                              f"{', '.join(EAGLE_ARCHITECTURES)}; EAGLE-3: {', '.join(EAGLE3_ARCHITECTURES)})")
     if arch in EAGLE3_ARCHITECTURES or any(n.startswith("midlayer.") for n in tensor_names):
         kind = "eagle3"
-    elif arch in EAGLE_ARCHITECTURES or arch is None:
+    else:
         if "fc.weight" not in tensor_names:
             raise CheckpointError(f"{source}: not an EAGLE head: no 'fc.weight' tensor beside it (a full "
                                   f"{arch or 'Llama'} model? use it as a draft model instead)")
         kind = "eagle"
-    else:
-        raise CheckpointError(f"{source}: architecture {arch!r} is not an EAGLE head leapfrog reads (EAGLE-1: "
-                              f"{', '.join(EAGLE_ARCHITECTURES)}; EAGLE-3: {', '.join(EAGLE3_ARCHITECTURES)})")
     if config_field(cfg, "add_para_norm", bool, source, default=False):
         raise CheckpointError(f"{source}: add_para_norm=true (the HASS variant's extra norms) is not supported")
     args = LlamaArgs.from_hf_config({**cfg, "architectures": ["LlamaForCausalLM"], "model_type": "llama"}, source)
@@ -572,6 +581,14 @@ def read_eagle_config(cfg: Any, source: str, target: LlamaArgs,
         raise CheckpointError(f"{source}: vocab_size={V}, but the target's vocabulary has {target.vocab_size} "
                               "tokens: the head was made for another target")
     if kind == "eagle":
+        eagle3_only = [k for k in ("draft_vocab_size", "eagle_aux_hidden_state_layer_ids")
+                       if k in cfg and not (k == "draft_vocab_size" and cfg[k] == V)]
+        eagle3_only += ["eagle_config.eagle_aux_hidden_state_layer_ids"] * bool(
+            isinstance(cfg.get("eagle_config"), dict) and "eagle_aux_hidden_state_layer_ids" in cfg["eagle_config"])
+        if eagle3_only:
+            raise CheckpointError(f"{source}: {', '.join(eagle3_only)}: EAGLE-3 fields in an EAGLE-1 head (it "
+                                  "drafts over the whole vocabulary from the target's last hidden state); is the "
+                                  "head an EAGLE-3 one (architectures LlamaForCausalLMEagle3, 'midlayer.*')?")
         if H != target.hidden_size:
             raise CheckpointError(f"{source}: hidden_size={H}, but the target's hidden_size is {target.hidden_size}; "
                                   "an EAGLE-1 head reads the target's hidden states, so they must be equal")

@@ -90,8 +90,15 @@ def read_checkpoint(model: str | os.PathLike) -> Checkpoint:
     if bad_eos:   # (an end-of-sequence id the model can never produce: generation would not stop)
         raise CheckpointError(f"{path}: eos_token_id {bad_eos[0]} (config.json / generation_config.json) is outside "
                               f"the vocabulary [0, {args.vocab_size})")
+    dt = check_stored_dtype(cfg, cfg_file)
+    return Checkpoint(path, args, cfg, tuple(eos), dt)
+
+
+def check_stored_dtype(cfg: dict, cfg_file: Path | str) -> torch.dtype | None:
+    """config.json's torch_dtype (None when absent); pre-quantized weights (quantization_config)
+    and other dtypes are refused: read as float weights they would be silently wrong."""
     qc = cfg.get("quantization_config")
-    if qc is not None:   # (read as float weights it would be silently wrong)
+    if qc is not None:
         method = qc.get("quant_method") if isinstance(qc, dict) else qc
         raise CheckpointError(f"{cfg_file}: quantization_config (quant_method {method!r}): pre-quantized "
                               "checkpoints are not supported; load the unquantized checkpoint, and quantize at "
@@ -100,7 +107,7 @@ def read_checkpoint(model: str | os.PathLike) -> Checkpoint:
     if dt is not None and not (isinstance(dt, str) and dt in DTYPES):
         raise CheckpointError(f"{cfg_file}: torch_dtype {dt!r} is not a dtype leapfrog runs "
                               "(float32, bfloat16 or float16)")
-    return Checkpoint(path, args, cfg, tuple(eos), DTYPES.get(dt) if isinstance(dt, str) else None)
+    return DTYPES.get(dt) if isinstance(dt, str) else None
 
 
 def resolve_dtype(dtype: str | torch.dtype, ckpt: Checkpoint, device: torch.device) -> torch.dtype:

@@ -5,6 +5,7 @@ the vLLM/EAGLE formulas, on a tiny random 8-layer target."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -503,6 +504,37 @@ def test_error_layer_id_out_of_range(tmp_path, target):
     path, _, _ = write_eagle3(tmp_path / "both", eagle_config={"eagle_aux_hidden_state_layer_ids": [2, 4, 6]})
     with pytest.raises(CheckpointError, match="different target layers"):
         load_eagle_head(path, target)
+
+
+def test_error_fields_and_tensors_that_would_be_misread(tmp_path, target):
+    """config.json fields and tensors the head's layout cannot honour are refused, not ignored:
+    pre-quantized weights, an integer dtype, EAGLE-3 fields in an EAGLE-1 head, fewer than two
+    feature layers (an empty list used to mean the default layers), an architecture of another
+    model, integer weights, a pickled t2d that is not a tensor."""
+    cases = [
+        (write_eagle3, dict(quantization_config={"quant_method": "awq"}), "quantization_config"),
+        (write_eagle3, dict(torch_dtype="int8"), "torch_dtype 'int8'"),
+        (write_eagle1, dict(draft_vocab_size=100), "EAGLE-3 fields in an EAGLE-1 head"),
+        (write_eagle1, dict(eagle_aux_hidden_state_layer_ids=[1, 2, 3]), "EAGLE-3 fields in an EAGLE-1 head"),
+        (write_eagle3, dict(eagle_aux_hidden_state_layer_ids=[]), "two or more target layers"),
+        (write_eagle3, dict(eagle_aux_hidden_state_layer_ids=[2]), "two or more target layers"),
+        (write_eagle3, dict(architectures=["MistralForCausalLM"]), "'MistralForCausalLM' is not an EAGLE head"),
+    ]
+    for i, (write, cfg, msg) in enumerate(cases):
+        path = write(tmp_path / f"h{i}")[0]
+        d = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**d, **cfg}))
+        with pytest.raises(CheckpointError, match=re.escape(msg)):
+            load_eagle_head(path, target)
+    path, t, _ = write_eagle3(tmp_path / "int")
+    save_file({**t, "fc.weight": t["fc.weight"].long()}, str(path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="'fc.weight' is torch.int64"):
+        load_eagle_head(path, target)
+    path, t, _ = write_eagle3(tmp_path / "pkl")
+    (path / "model.safetensors").unlink()
+    torch.save({**t, "t2d": t["t2d"].tolist()}, path / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="'t2d' is a list, not a tensor"):
+        load_eagle_head(path, target, allow_pickle=True)
 
 
 def test_error_not_an_eagle_head(tmp_path, target, target_dir):
