@@ -96,6 +96,9 @@ class SpeculativeConfig:
             raise ConfigError(f"speculative_config needs 'method', one of {list(METHODS)}")
         if "num_speculative_tokens" not in d:
             raise ConfigError("speculative_config needs 'num_speculative_tokens'")
+        if "eagle_topk" in d and d.get("speculative_token_tree") is not None:
+            raise ConfigError("speculative_config: eagle_topk with speculative_token_tree: the static tree "
+                              "sets each node's children; leave eagle_topk out")
         if "eagle_topk" in d and d["method"] not in EAGLE_METHODS:
             raise ConfigError(f"speculative_config: eagle_topk applies to methods {list(EAGLE_METHODS)} only, "
                               f"not {d['method']!r}")
@@ -181,6 +184,13 @@ class SpeculativeConfig:
         if self.adaptive and n is not None and n != "auto":
             raise ConfigError("speculative_config: adaptive with a fixed num_draft_tokens; use "
                               "num_draft_tokens='auto' to let the tree size adapt")
+        if isinstance(n, int) and self.speculative_token_tree is None:
+            k, w = self.num_speculative_tokens, self.eagle_topk
+            most = min(w + (k - 1) * w ** 2, sum(w ** d for d in range(1, k + 1)))   # tree_candidates at most
+            if n > most:
+                raise ConfigError(f"speculative_config: num_draft_tokens={n} but a tree {k} deep with eagle_topk={w} "
+                                  f"grows at most {most} candidate nodes; raise eagle_topk or "
+                                  "num_speculative_tokens, or lower num_draft_tokens")
 
     @property
     def tree(self) -> bool:
@@ -235,20 +245,23 @@ def parse_token_tree(tree: str | list) -> list[tuple[int, ...]]:
     """vLLM's ``speculative_token_tree`` (a string or a list of paths of child ranks) -> paths,
     parents before children; ConfigError naming what is wrong."""
     import ast
+    shown = repr(tree) if len(repr(tree)) <= 200 else repr(tree)[:200] + "..."
     try:
         raw = ast.literal_eval(tree) if isinstance(tree, str) else tree
+        if not isinstance(raw, (list, tuple)):   # (a dict or set would give its keys)
+            raise TypeError(f"a {type(raw).__name__}")
         paths = [tuple(p) for p in raw]
-    except (ValueError, SyntaxError, TypeError) as e:
-        raise ConfigError(f"speculative_config.speculative_token_tree={tree!r}: not a list of tuples "
-                          f"of child ranks like \"[(0,), (1,), (0, 0)]\" ({type(e).__name__})") from None
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError) as e:
+        raise ConfigError(f"speculative_config.speculative_token_tree={shown}: not a list of tuples "
+                          f"of child ranks like \"[(0,), (1,), (0, 0)]\" ({type(e).__name__}: {e})") from None
     if not paths or len(paths) > MAX_DRAFT_TOKENS:
         raise ConfigError(f"speculative_config.speculative_token_tree: 1 to {MAX_DRAFT_TOKENS} paths, "
                           f"got {len(paths)}")
     seen = set()
     for p in sorted(paths, key=len):
-        if not p or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in p):
+        if not p or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < MAX_DRAFT_TOKENS for i in p):
             raise ConfigError(f"speculative_config.speculative_token_tree: path {p!r} must be a non-empty "
-                              "tuple of child ranks >= 0")
+                              f"tuple of child ranks in [0, {MAX_DRAFT_TOKENS})")
         if p in seen:
             raise ConfigError(f"speculative_config.speculative_token_tree: path {p!r} appears twice")
         if len(p) > 1 and p[:-1] not in seen:

@@ -143,6 +143,15 @@ def test_errors(shapes, tmp_path):
             speculative_config={"method": "eagle3", "model": str(heads["eagle3"]), "num_speculative_tokens": 2})
 
 
+def test_static_tree_ranks_past_the_draft_vocabulary_are_refused(shapes, tmp_path):
+    target, _ = shapes["llama_gqa_llama3"]
+    head = make_head(target, tmp_path / "h", "eagle3", draft_vocab_size=64)
+    with pytest.raises(ConfigError, match="child rank 64 but the head drafts from 64 tokens"):
+        LLM(model=str(target), speculative_config={"method": "eagle3", "model": str(head),
+                                                      "num_speculative_tokens": 1,
+                                                      "speculative_token_tree": "[(0,), (64,)]"})
+
+
 def test_draft_quantization_without_kernels_fails_before_the_head_loads(shapes, tmp_path, monkeypatch):
     """A draft_quantization whose kernel fails here is a ConfigError naming the field, raised before
     the head is read (the head path does not even exist)."""

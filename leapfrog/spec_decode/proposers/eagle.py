@@ -138,6 +138,11 @@ class EagleProposer:
         self.depth = cfg.num_speculative_tokens
         self.topk = cfg.eagle_topk
         self.static = cfg.speculative_token_tree
+        Vd = self.head.cfg.draft_vocab_size if self.head.kind == "eagle3" else self.head.args.vocab_size
+        if self.static and max(max(p) for p in self.static) >= Vd:
+            from leapfrog.errors import ConfigError
+            raise ConfigError(f"speculative_config.speculative_token_tree: child rank {max(max(p) for p in self.static)} "
+                              f"but the head drafts from {Vd} tokens (ranks 0..{Vd - 1})")
         self.budget = cfg.draft_budget
         scratch = self.depth * max(self.topk, len(self.static or ()))  # tree columns after the prefix
         self.runner = ModelRunner(self.head, target.num_rows, target.max_model_len + scratch)
