@@ -9,6 +9,7 @@ refused unless the caller passes ``allow_pickle=True``.
 from __future__ import annotations
 
 import json
+import re
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,7 @@ DTYPES = {
 }
 _PICKLE = "__pickle__/"   # _weight_files key prefix of a pickle file (tensor names not yet known)
 _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+_HUB_TOKENIZER_PATTERNS = [p for p in _HUB_PATTERNS if p != "*.safetensors"]   # (no weights for a tokenizer)
 
 
 @dataclass(frozen=True)
@@ -45,21 +47,27 @@ class Checkpoint:
     config_dtype: torch.dtype | None
 
 
-def resolve_model_path(model: str | os.PathLike) -> Path:
-    """A local directory as is; otherwise a hub id downloaded (safetensors only) to the HF cache."""
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")   # owner/name, or a legacy name ("gpt2")
+
+
+def resolve_model_path(model: str | os.PathLike, what: str = "model") -> Path:
+    """A local directory as is; otherwise a hub id downloaded (safetensors only) to the HF cache.
+    ``what``: how errors name it ("model", "tokenizer")."""
     p = Path(model).expanduser()
     if p.is_dir():
         return p
     if p.exists():
         raise CheckpointError(f"{p} is a file; pass the checkpoint directory that holds config.json")
-    if str(model).count("/") != 1 or str(model).startswith((".", "/", "~")):
-        raise CheckpointError(f"model {str(model)!r}: no such directory, and not a hub id (owner/name)")
+    if not _HUB_ID.fullmatch(str(model)) or str(model).endswith((".", "-")):
+        raise CheckpointError(f"{what} {str(model)!r}: no such directory, and not a hub id (owner/name)")
     try:
         from huggingface_hub import snapshot_download
-        return Path(snapshot_download(str(model), allow_patterns=_HUB_PATTERNS))
+        patterns = _HUB_TOKENIZER_PATTERNS if what == "tokenizer" else _HUB_PATTERNS
+        return Path(snapshot_download(str(model), allow_patterns=patterns))
     except Exception as e:  # noqa: BLE001 (offline, unknown repo, gated repo: say which)
-        raise CheckpointError(f"model {str(model)!r}: not a local directory and the hub download "
-                              f"failed: {type(e).__name__}: {e}") from None
+        why = " ".join(str(e).split())   # one line (the hub's messages span several)
+        raise CheckpointError(f"{what} {str(model)!r}: not a local directory and the hub download "
+                              f"failed: {type(e).__name__}: {why[:400]}") from None
 
 
 def read_json(file: Path) -> Any:
@@ -422,6 +430,8 @@ def load_tokenizer(path: str | os.PathLike):
         raise CheckpointError(f"tokenizer {p} is a file; pass the directory that holds it "
                               "(tokenizer.json, tokenizer_config.json, ...)")
     found: list[str] = []
+    if not p.is_dir():   # a hub id: fetched the way models are (one quick failure offline, no retries)
+        p = resolve_model_path(path, "tokenizer")
     if p.is_dir():
         found = tokenizer_files(p)
         if not found:

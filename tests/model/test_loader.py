@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from leapfrog import LLM, SamplingParams
 from leapfrog.errors import CheckpointError, ConfigError
 from leapfrog.demo import save_random_llama
-from leapfrog.model.loader import load_model, read_checkpoint
+from leapfrog.model.loader import load_model, load_tokenizer, read_checkpoint
 from tests.conftest import BASE
 
 
@@ -107,6 +107,34 @@ def test_not_a_model_dir(tmp_path):
         LLM(model=str(tmp_path))
     with pytest.raises(CheckpointError, match="not a hub id|no such directory"):
         LLM(model=str(tmp_path / "nope" / "deeper"))
+
+
+def test_hub_ids_for_models_and_tokenizers(tmp_path, llama_dir, monkeypatch):
+    """Hub ids (owner/name, or a legacy name like "gpt2") go through one download path: a
+    tokenizer fetches no weights, and a failed download is one line naming the id (a tokenizer id
+    used to go through transformers' five retries: 51 s offline)."""
+    import huggingface_hub
+    asked = []
+
+    def fake_snapshot_download(repo_id, allow_patterns):
+        asked.append((repo_id, allow_patterns))
+        if repo_id == "org/tok":
+            return str(llama_dir)
+        raise OSError("Cannot reach the hub.\nCheck your connection.")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    tok = load_tokenizer("org/tok")
+    assert tok.encode("def f") and asked == [("org/tok", [p for p in asked[0][1] if p != "*.safetensors"])]
+    assert "*.safetensors" not in asked[0][1] and "tokenizer*" in asked[0][1]
+    for ident, what in (("gpt2", "model"), ("some-org/some-model", "model")):
+        with pytest.raises(CheckpointError, match=f"{what} '{ident}': not a local directory and the hub download "
+                                                  "failed: OSError: Cannot reach the hub. Check your connection."):
+            LLM(model=ident)
+    with pytest.raises(CheckpointError, match="tokenizer 'org/none': .*hub download failed"):
+        LLM(model=str(llama_dir), tokenizer="org/none")
+    for bad in ("a/b/c", "-x", "x y"):
+        with pytest.raises(CheckpointError, match="not a hub id"):
+            LLM(model=bad)
+    assert [a[0] for a in asked] == ["org/tok", "gpt2", "some-org/some-model", "org/none"]
 
 
 def test_missing_shard_named(tmp_path, tokenizer):
