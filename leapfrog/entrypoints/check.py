@@ -457,7 +457,10 @@ def format_report(rep: CheckReport) -> str:
         L.append(f"  {n} two-sample chi-square tests; fail if p < alpha / {n} = {rep.threshold:.2g} (Bonferroni: "
                  f"on a correct engine a false alarm happens in at most {rep.alpha:g} of runs)")
         L.append("  token 1 comes from the prefill (never speculated); tokens 2+ from verification")
-        if rep.detectable_shift is not None:
+        if rep.detectable_shift is not None and rep.detectable_shift >= 0.25:   # (all a 0.25 token has)
+            L.append(f"  power: none to speak of: with {rep.sampling_samples} samples a test misses even a token of probability "
+                     "0.25 losing all of it; use --thorough or more --samples")
+        elif rep.detectable_shift is not None:
             L.append(f"  power: each test catches (in {POWER:.0%} of runs) {rep.detectable_shift:.3f} of probability "
                      "moved between two tokens of probability 0.25; smaller differences can pass "
                      "(--thorough, or more --samples, sees finer: the size shrinks as 1/sqrt(samples))")

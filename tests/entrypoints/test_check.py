@@ -217,6 +217,18 @@ def test_detectable_shift_shrinks_with_samples():
     assert detectable_shift(400, 1e-6) > a                          # a stricter level needs a larger shift
 
 
+def test_cli_too_few_samples_says_it_has_no_power(tiny, tmp_path, capsys):
+    """With --samples 20 a test could not see even a whole token's probability move: the report
+    says so instead of a 'detectable shift' above 1."""
+    target, draft = tiny
+    spec = json.dumps(_spec("draft_model", draft, 2))
+    rc = main(["check", "--model", str(target), "--speculative-config", spec, "--skip-tokenizer-init",
+               "--prompts-file", str(_prompts_file(tmp_path)), "--max-tokens", "0", "--samples", "20",
+               "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc in (0, 1) and "power: none to speak of: with 20 samples" in out and "catches" not in out, out
+
+
 @pytest.mark.slow
 def test_check_without_arguments_checks_the_builtin_pair(capsys):
     t0 = time.perf_counter()
