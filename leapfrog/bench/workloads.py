@@ -35,8 +35,9 @@ class WorkloadItem:
     prediction: str | None = None  # the expected output (predicted-outputs contenders; EditEval: the input code)
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The objects of a JSONL file (optionally .gz); a clear ConfigError for anything else."""
+def read_jsonl(path: Path, what: str = "workload") -> list[dict[str, Any]]:
+    """The objects of a JSONL file (optionally .gz); a clear ConfigError for anything else.
+    ``what``: the file's role in the messages ("workload", "corpus")."""
     try:
         if path.name.endswith(".gz"):
             with gzip.open(path, "rt", encoding="utf-8") as f:
@@ -44,9 +45,9 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
         else:
             text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ConfigError(f"workload file not found: {path}") from None
+        raise ConfigError(f"{what} file not found: {path}") from None
     except (OSError, UnicodeDecodeError, EOFError) as e:
-        raise ConfigError(f"cannot read workload file {path}: {e}") from None
+        raise ConfigError(f"cannot read {what} file {path}: {e}") from None
     rows = []
     for n, ln in enumerate(text.splitlines(), 1):
         if not ln.strip():
@@ -54,7 +55,7 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
         try:
             d = json.loads(ln)
         except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}:{n}: not valid JSON ({e}); a workload is a JSONL file") from None
+            raise ConfigError(f"{path}:{n}: not valid JSON ({e}); a {what} file is JSONL") from None
         if not isinstance(d, dict):
             raise ConfigError(f"{path}:{n}: each line must be a JSON object")
         rows.append(d)

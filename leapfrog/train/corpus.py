@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,6 +78,17 @@ def _jsonl_text(obj: dict, where: str) -> str:
     raise ConfigError(f"{where}: a JSONL line needs a 'text', 'prompt' or 'messages' field (or 'token_ids')")
 
 
+def _read_text(f: Path) -> str:
+    """A corpus file's text; not UTF-8 (a binary file, a legacy encoding) is named, not trained
+    on as replacement characters."""
+    try:
+        return f.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"corpus file {f}: not UTF-8 text ({e}); convert it to UTF-8 or leave it out") from None
+    except OSError as e:
+        raise ConfigError(f"corpus file {f}: {e.strerror or e}") from None
+
+
 def read_documents(path: str | os.PathLike) -> list[Document]:
     """A text file (one document), a JSONL file (one document per line: ``text``, ``prompt``
     [+ ``completion``], chat ``messages``, or ``token_ids``: a list of the target's token ids, for
@@ -84,19 +96,28 @@ def read_documents(path: str | os.PathLike) -> list[Document]:
     p = Path(path).expanduser()
     if p.is_dir():
         files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES)
-        docs = [Document(f.relative_to(p).as_posix(), f.read_text(encoding="utf-8", errors="replace"))
-                for f in files]
+        docs = [Document(f.relative_to(p).as_posix(), _read_text(f)) for f in files]
     elif p.is_file() and p.name.endswith((".jsonl", ".jsonl.gz")):
         from leapfrog.bench.workloads import read_jsonl
-        docs = [_jsonl_document(obj, f"{p.name}:{i}", f"{p}:{i}") for i, obj in enumerate(read_jsonl(p), 1)]
+        docs = [_jsonl_document(obj, f"{p.name}:{i}", f"{p}:{i}") for i, obj in enumerate(read_jsonl(p, "corpus"), 1)]
     elif p.is_file():
-        docs = [Document(p.name, p.read_text(encoding="utf-8", errors="replace"))]
+        docs = [Document(p.name, _read_text(p))]
     else:
         raise ConfigError(f"corpus {str(path)!r}: no such file or directory")
     docs = [d for d in docs if not d.empty]
     if not docs:
         raise ConfigError(f"corpus {str(path)!r} holds no text")
     return docs
+
+
+def heldout_or_training(train: list[Document], held: list[Document]) -> list[Document]:
+    """The held-out documents; with none (one document, or --heldout-fraction 0) the last training
+    one, and a warning that the "held-out" figures then measure training text."""
+    if held:
+        return held
+    print("[leapfrog train-draft] warning: nothing is held out (one document, or --heldout-fraction 0): the "
+          "held-out figures below are measured on training text", file=sys.stderr)
+    return train[-1:]
 
 
 def _name_hash(name: str, seed: int) -> bytes:

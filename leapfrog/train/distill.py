@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from leapfrog.errors import CheckpointError, ConfigError
-from leapfrog.train.corpus import Document, fingerprint, pack_stream, read_documents, split_by_file
+from leapfrog.train.corpus import (Document, fingerprint, heldout_or_training, pack_stream, read_documents,
+                                   split_by_file)
 from leapfrog.train.loop import (CHECKPOINT_NAME, TrainConfig, TrainingDiverged, TrainState, check_finite,
                                  plot_losses, train)
 
@@ -243,8 +244,7 @@ def train_draft(target: str | os.PathLike, corpus: str | os.PathLike | list[Docu
     target_path = str(ckpt.path)
     docs = read_documents(corpus) if not isinstance(corpus, list) else corpus
     train_docs, held = split_by_file(docs, heldout_fraction, split_seed)
-    if not held:
-        held = train_docs[-1:]
+    held = heldout_or_training(train_docs, held)
     if data_mode == "generate":
         stream = _generate_stream(target_path, tokenizer, train_docs, gen_tokens, gen_temperature,
                                   cfg.seed, gen_prompt_tokens, gen_prompts_per_doc)

@@ -70,7 +70,8 @@ from leapfrog.attention.metadata import AttnMeta
 from leapfrog.errors import ConfigError
 from leapfrog.model.eagle import EagleHead, EagleKind, init_eagle_head, save_eagle_head
 from leapfrog.model.llama import LlamaModel
-from leapfrog.train.corpus import Document, fingerprint, pack_stream, read_documents, split_by_file
+from leapfrog.train.corpus import (Document, fingerprint, heldout_or_training, pack_stream, read_documents,
+                                   split_by_file)
 from leapfrog.train.distill import check_target, heldout_prompts, heldout_windows, line_windows, resolve_autocast
 from leapfrog.train.loop import (
     TrainConfig,
@@ -691,8 +692,7 @@ def train_eagle(target: str | os.PathLike, corpus: str | os.PathLike | list[Docu
     ckpt, tokenizer = check_target(target, require_tokenizer=False)
     docs = read_documents(corpus) if not isinstance(corpus, list) else corpus
     train_docs, held = split_by_file(docs, data.heldout_fraction, data.split_seed)
-    if not held:
-        held = train_docs[-1:]
+    held = heldout_or_training(train_docs, held)
     if tokenizer is None and any(d.token_ids is None for d in docs):
         raise ConfigError(f"{ckpt.path} has no tokenizer, so the corpus must be token ids: JSONL lines "
                           "{\"token_ids\": [...]} (or put the target's tokenizer files beside it)")

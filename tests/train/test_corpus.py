@@ -52,6 +52,30 @@ def test_read_documents_formats(tmp_path, tokenizer):
         read_documents(tmp_path / "bad.jsonl")
 
 
+def test_corpus_files_that_are_not_utf8_are_named(tmp_path):
+    """Not UTF-8 (a Latin-1 file, a binary .txt) is a ConfigError naming the file, in a folder too:
+    it used to be trained on as replacement characters. A JSONL corpus's errors say "corpus"."""
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9 au lait\n")
+    with pytest.raises(ConfigError, match=r"corpus file .*latin1\.txt: not UTF-8"):
+        read_documents(tmp_path / "latin1.txt")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "ok.py").write_text("import os\n")
+    (tmp_path / "d" / "blob.txt").write_bytes(bytes(range(256)))
+    with pytest.raises(ConfigError, match=r"blob\.txt: not UTF-8"):
+        read_documents(tmp_path / "d")
+    (tmp_path / "x.jsonl").write_text("{oops\n")
+    with pytest.raises(ConfigError, match="a corpus file is JSONL"):
+        read_documents(tmp_path / "x.jsonl")
+
+
+def test_nothing_held_out_is_said(capsys):
+    from leapfrog.train.corpus import Document, heldout_or_training
+    docs = [Document("a", "x"), Document("b", "y")]
+    assert heldout_or_training(docs, docs[:1]) == docs[:1] and capsys.readouterr().err == ""
+    assert heldout_or_training(docs, []) == docs[-1:]
+    assert "measured on training text" in capsys.readouterr().err
+
+
 def test_token_id_documents_need_no_tokenizer(tmp_path, tokenizer):
     (tmp_path / "ids.jsonl").write_text(json.dumps({"token_ids": [5, 6, 7]}) + "\n" + json.dumps({"token_ids": []})
                                         + "\n" + json.dumps({"token_ids": [8]}) + "\n")
