@@ -117,13 +117,13 @@ class AsyncEngine:
         """Yield cumulative RequestOutputs until finished; leaving early (even before the engine
         accepted the request) aborts the request."""
         loop = asyncio.get_running_loop()
+        # prepared off the engine's thread (a bad prompt or constraint raises its RequestError here;
+        # leaving now leaves nothing in the engine to abort)
+        if prompt_ids is None and isinstance(prompt, str):
+            prompt_ids = await self.in_tokenizer_thread(self.engine.encode_prompt, prompt)
         grammar = None
-        if (prompt_ids is None and isinstance(prompt, str)) or params.structured_outputs is not None:
-            # prepared off the engine's thread (a bad prompt or constraint raises its RequestError here)
-            if prompt_ids is None and isinstance(prompt, str):
-                prompt_ids = await self.in_tokenizer_thread(self.engine.encode_prompt, prompt)
-            if params.structured_outputs is not None:
-                grammar = await self._in_thread(self._grammar_pool, self.engine.compile_grammar, params)
+        if params.structured_outputs is not None:
+            grammar = await self._in_thread(self._grammar_pool, self.engine.compile_grammar, params)
         cmd = _Add(request_id, prompt, prompt_ids, params, num_speculative_tokens, loop, asyncio.Queue(),
                    loop.create_future(), grammar)
         with self._lock:  # the engine thread's final drain takes this lock after setting _closed
