@@ -80,3 +80,16 @@ def output_file(text: str) -> str:
     if not os.access(parent, os.W_OK):
         raise argparse.ArgumentTypeError(f"{text}: cannot write in {parent}")
     return text
+
+
+def port(text: str) -> int:
+    v = int(_number(text, int))
+    if not 0 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"{v}: a port is in 0..65535")
+    return v
+
+
+def non_empty(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text

@@ -9,8 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-from leapfrog.entrypoints.argtypes import (nonneg_float, nonneg_int, output_dir, output_file, positive_float,
-                                          positive_int)
+from leapfrog.entrypoints.argtypes import (non_empty, nonneg_float, nonneg_int, output_dir, output_file, port,
+                                          positive_float, positive_int)
 from leapfrog.errors import ConfigError, LeapfrogError
 from leapfrog.utils import env_off, freeze_heap
 
@@ -46,7 +46,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and compute dtype (auto: the checkpoint's)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-    p.add_argument("--seed", type=int, default=0, help="seeds requests that carry no seed")
+    p.add_argument("--seed", type=int, default=0,
+                   help="engine seed: the random streams of requests that carry no seed of their own (vLLM's --seed)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length, prompt + output (default: the model's, at most 4096)")
     p.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together (KV cache rows)")
@@ -107,7 +108,7 @@ def cmd_generate(args) -> int:
     spec, given = _spec_arg(args.speculative_config)
     prompts = _read_prompts(args)
     sp = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                        min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
+                        min_p=args.min_p, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
                         stop=args.stop, stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos,
                         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
                         frequency_penalty=args.frequency_penalty)
@@ -168,14 +169,15 @@ def _serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     p.add_argument("model", nargs="?", default=None, help="HF directory or hub id (default: the built-in demo model)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on")
-    p.add_argument("--max-waiting", type=int, default=256, help="queued requests beyond this get 503")
+    p.add_argument("--port", type=port, default=8000, help="port to listen on")
+    p.add_argument("--max-waiting", type=positive_int, default=256, help="queued requests beyond this get 503")
     _add_engine_args(p)
     p.add_argument("--speculative-config", default=None,
                    help="JSON, e.g. '{\"method\": \"suffix\", \"num_speculative_tokens\": 24}' (default with the "
                         "built-in model: its EAGLE-3 head, a chain of 5); 'none' turns speculation off")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set LEAPFROG_API_KEY)")
-    p.add_argument("--served-model-name", default=None,
+    p.add_argument("--api-key", default=None, type=non_empty,
+                   help="require 'Authorization: Bearer KEY' (or set LEAPFROG_API_KEY)")
+    p.add_argument("--served-model-name", default=None, type=non_empty,
                    help="the model name clients send (default: the model argument; 'leapfrog-default' for the "
                         "built-in model)")
     p.add_argument("--logprobs-mode", default="raw_logprobs",
@@ -196,6 +198,10 @@ def cmd_serve(args) -> int:
     if (code := _torchrun_worker(args)) is not None:
         return code
     spec, given = _spec_arg(args.speculative_config)
+    env_key = os.environ.get("LEAPFROG_API_KEY")
+    if env_key is not None and not env_key.strip() and args.api_key is None:
+        raise LeapfrogError("LEAPFROG_API_KEY is set but empty: unset it to serve without a key, or give a key")
+    _check_listen(args.host, args.port)   # before the model loads (minutes, for a large one)
     model = args.model
     if model is None:
         from leapfrog.demo import default_model
@@ -235,6 +241,19 @@ def cmd_serve(args) -> int:
         print(f"[leapfrog serve] {died[0]}; the server stopped", file=sys.stderr)
         return 1
     return 0
+
+
+def _check_listen(host: str, port: int) -> None:
+    """--host/--port the server can listen on, found out now rather than after the model loaded."""
+    import socket
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, addr = infos[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn binds
+            sock.bind(addr)
+    except OSError as e:
+        raise LeapfrogError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})") from None
 
 
 def _check_parser(sub) -> None:

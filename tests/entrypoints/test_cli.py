@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 from leapfrog.entrypoints.cli import main
 
@@ -26,6 +27,22 @@ def test_prompts_file_and_sampling_flags(llama_dir, tmp_path, capsys):
                "--top-k", "5", "--top-p", "0.9", "--max-tokens", "6", "--seed", "3", "--speculative-config", "none"])
     out = capsys.readouterr().out
     assert rc == 0 and out.count("finish_reason=") == 3 and "class A:" in out
+
+
+def test_seed_is_the_engine_seed_not_every_requests(llama_dir, tmp_path, capsys):
+    """--seed seeds the engine (vLLM's meaning): the same prompt three times gives three samples,
+    and the same command gives the same three again. (It used to seed every request alike, so
+    repeated prompts got one identical sample.)"""
+    f = tmp_path / "same.txt"
+    f.write_text("def f(x):\n" * 3)
+    argv = ["generate", "--model", str(llama_dir), "--prompts-file", str(f), "--temperature", "1.0",
+            "--max-tokens", "8", "--ignore-eos", "--seed", "5", "--speculative-config", "none"]
+    outs = []
+    for _ in range(2):
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        outs.append(re.split(r"--- \[[^\]]*\]\n", out)[:3])   # the three completions
+    assert outs[0] == outs[1] and len(set(outs[0])) > 1, outs
 
 
 def test_bad_input_clear_errors(llama_dir, capsys):

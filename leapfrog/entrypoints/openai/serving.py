@@ -248,7 +248,6 @@ class OpenAIServing:
     def admit(self, jobs: int, sp: SamplingParams) -> Reservation:
         """A request of ``jobs`` engine requests (prompts x n) must fit the waiting bound: one that
         never can is a 400 (retrying cannot help); one that cannot now is a 503."""
-        self.metrics.request_params(sp.n, sp.max_tokens)
         limit = self.engine.max_waiting
         if jobs > limit:
             raise APIError(400, f"this request needs {jobs} sequences (prompts x n) but the server queues at most "
@@ -296,6 +295,7 @@ class OpenAIServing:
         failed = [o for o in outs if o.outputs[0].finish_reason == "error"]
         if failed:
             raise failure(failed[0], "request")
+        self.metrics.request_params(sp.n, sp.max_tokens)   # served requests only, as vLLM counts them
         return outs
 
     async def stream_all(self, prompts: list[Prompt], sp: SamplingParams, k: int | None
@@ -330,6 +330,8 @@ class OpenAIServing:
                 new_tok = len(c.token_ids) - sent_tok[idx]
                 sent_text[idx], sent_tok[idx] = end, len(c.token_ids)
                 done += out.finished
+                if done == len(jobs):
+                    self.metrics.request_params(sp.n, sp.max_tokens)   # served requests only
                 yield idx, out, text, new_tok
         finally:
             for t in tasks:

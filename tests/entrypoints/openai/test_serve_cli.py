@@ -52,6 +52,34 @@ def test_serve_bad_config_exits_2(llama_dir):
     assert r.returncode == 2 and "num_speculative_tokens" in r.stderr
 
 
+def test_serve_flags_refused_before_the_model_loads(llama_dir, monkeypatch, capsys):
+    """Bad serve flags exit 2 with one line, before any model loads: a port outside 0..65535, one
+    already taken, --max-waiting 0 (every request would be a 400), an empty --api-key or
+    LEAPFROG_API_KEY (it silently turned authentication off), an empty --served-model-name."""
+    import socket
+
+    from leapfrog.engine import engine as engine_mod
+    from leapfrog.entrypoints.cli import main
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the flags were checked")
+    monkeypatch.setattr(engine_mod, "LLMEngine", no_load)
+    for extra in (["--port", "70000"], ["--port", "-1"], ["--max-waiting", "0"], ["--api-key", ""],
+                  ["--served-model-name", " "]):
+        with pytest.raises(SystemExit) as e:
+            main(["serve", str(llama_dir), *extra])
+        assert e.value.code == 2, extra
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", str(llama_dir), "--port", str(port)]) == 2
+        assert f"--port {port}: cannot listen there" in capsys.readouterr().err
+    monkeypatch.setenv("LEAPFROG_API_KEY", "")
+    assert main(["serve", str(llama_dir), "--port", "0"]) == 2
+    assert "LEAPFROG_API_KEY is set but empty" in capsys.readouterr().err
+
+
 def start_serve(args: list[str], port: int) -> subprocess.Popen:
     """`leapfrog serve ARGS --port PORT` as a subprocess, once /health answers 200 (within 120 s);
     a server that exits or never comes up fails the test with its output, and is killed."""

@@ -205,6 +205,9 @@ def test_metrics_counters_match_usage(llama_dir):
             for k in total:
                 total[k] += r.usage.model_dump()["speculative"][k]
             prompt_tokens += r.usage.prompt_tokens
+        for bad in ({"prompt": "x", "max_tokens": 4, "n": 999}, {"prompt": "x" * 5000, "max_tokens": 4},
+                    {"prompt": "x", "max_tokens": 4, "temprature": 1}):   # refused: not in the params family
+            assert httpx.post(s.url + "/v1/completions", json={"model": "tiny", **bad}, timeout=30).status_code == 400
         m = metric_values(s.url)
         # vLLM's request families: token histograms, phases, params; the step family's tokens add up
         assert m[("leapfrog:request_generation_tokens_sum", ())] == 120
