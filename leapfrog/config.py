@@ -132,8 +132,10 @@ class EngineConfig:
         from leapfrog.sampling.logprobs import LOGPROBS_MODES
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ConfigError(f"logprobs_mode={self.logprobs_mode!r}: must be one of {list(LOGPROBS_MODES)}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ConfigError(f"seed={self.seed!r}: must be an integer")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64:
+            raise ConfigError(f"seed={self.seed!r}: must be an integer in [-2**63, 2**64)")
+        if not isinstance(self.dtype, (str, torch.dtype)):
+            raise ConfigError(f"dtype={self.dtype!r}: must be a string (auto, float32, bfloat16, float16)")
 
     def torch_device(self) -> torch.device:
         return resolve_device(self.device)

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
@@ -53,6 +54,7 @@ class _Add:
     out: asyncio.Queue
     accepted: asyncio.Future
     grammar: GrammarState | None = None   # compiled off the engine's thread (structured outputs)
+    arrival_time: float | None = None     # time.monotonic() when generate() was called
 
 
 class AsyncEngine:
@@ -117,6 +119,7 @@ class AsyncEngine:
         """Yield cumulative RequestOutputs until finished; leaving early (even before the engine
         accepted the request) aborts the request."""
         loop = asyncio.get_running_loop()
+        arrival = time.monotonic()
         # prepared off the engine's thread (a bad prompt or constraint raises its RequestError here;
         # leaving now leaves nothing in the engine to abort)
         if prompt_ids is None and isinstance(prompt, str):
@@ -125,7 +128,7 @@ class AsyncEngine:
         if params.structured_outputs is not None:
             grammar = await self._in_thread(self._grammar_pool, self.engine.compile_grammar, params)
         cmd = _Add(request_id, prompt, prompt_ids, params, num_speculative_tokens, loop, asyncio.Queue(),
-                   loop.create_future(), grammar)
+                   loop.create_future(), grammar, arrival)
         with self._lock:  # the engine thread's final drain takes this lock after setting _closed
             if self._closed or self._stop.is_set():
                 raise EngineStopped("the server is shutting down")
@@ -191,7 +194,7 @@ class AsyncEngine:
                 try:
                     self.engine.add_request(cmd.request_id, cmd.prompt, cmd.prompt_ids, cmd.params,
                                             num_speculative_tokens=cmd.num_speculative_tokens,
-                                            grammar=cmd.grammar)
+                                            grammar=cmd.grammar, arrival_time=cmd.arrival_time)
                 except Exception as e:  # noqa: BLE001 - reported to the caller
                     self._resolve(cmd, e)
                 else:

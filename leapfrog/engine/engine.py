@@ -246,9 +246,12 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | None, prompt_ids: list[int] | None,
                     params: SamplingParams, index: int = 0,
-                    num_speculative_tokens: int | None = None, grammar: GrammarState | None = None) -> Request:
+                    num_speculative_tokens: int | None = None, grammar: GrammarState | None = None,
+                    arrival_time: float | None = None) -> Request:
         """``grammar``: the matcher ``compile_grammar(params)`` built for this request (elsewhere,
-        ahead of time); compiled here when not given."""
+        ahead of time); compiled here when not given. ``arrival_time`` (time.monotonic()): when
+        the request arrived, if before this call (the server's, before it tokenized the prompt
+        and compiled the grammar: TTFT and queue time count them, as vLLM's do); default now."""
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already running")
         if not isinstance(params, SamplingParams):
@@ -312,6 +315,8 @@ class LLMEngine:
                       num_speculative_tokens=num_speculative_tokens, seed_key=key, prediction_ids=prediction_ids,
                       bad_word_ids=bad_word_ids, grammar=grammar)
         req.metrics.num_prompt_tokens = len(prompt_ids)
+        if arrival_time is not None:
+            req.metrics.arrival_time = arrival_time
         self.requests[request_id] = req
         self.scheduler.add(req)
         proposer = self._proposer_of(req)

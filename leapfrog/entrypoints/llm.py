@@ -196,8 +196,11 @@ class LLM:
             results.append(RequestOutput(rid, first.prompt, first.prompt_token_ids, outs, True, first.metrics,
                                          prompt_logprobs=first.prompt_logprobs))
             if len(g) > 1:
-                for s in g[1:]:
-                    first.metrics.spec.merge(finished[s].metrics.spec)
+                for s in g[1:]:   # the request's figures: every choice's tokens and drafts
+                    m = finished[s].metrics
+                    first.metrics.spec.merge(m.spec)
+                    first.metrics.num_generated_tokens += m.num_generated_tokens
+                    first.metrics.num_target_forwards += m.num_target_forwards
         return results
 
 

@@ -102,6 +102,8 @@ def test_penalties_change_output_and_n(llm, tokenizer):
                         use_tqdm=False)
     assert len(outs) == 1 and len(outs[0].outputs) == 3
     assert len({tuple(o.token_ids) for o in outs[0].outputs}) > 1
+    # the request's metrics count every choice's tokens (they counted the first choice's)
+    assert outs[0].metrics.num_generated_tokens == sum(len(o.token_ids) for o in outs[0].outputs)
 
 
 def test_text_prompt_and_chat(llm):

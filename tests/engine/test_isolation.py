@@ -56,6 +56,16 @@ def test_bad_sampling_params_are_config_errors(kw):
         SamplingParams(**kw)
 
 
+@pytest.mark.parametrize("kw, name", [(dict(seed=2**80), "seed"), (dict(seed=-(2**64)), "seed"),
+                                      (dict(dtype=["x"]), "dtype")])
+def test_bad_engine_values_are_config_errors(llama_dir, kw, name):
+    """An engine seed past what torch's generators take (it failed deep inside with an
+    OverflowError) and a dtype that is not a string are ConfigErrors naming the field."""
+    from leapfrog import LLM
+    with pytest.raises(ConfigError, match=name):
+        LLM(model=str(llama_dir), **kw)
+
+
 def test_bad_requests_leave_the_engine_clean(llm, tokenizer):
     before = probe(llm, tokenizer)
     p = prompts_of(tokenizer, 1)[0]

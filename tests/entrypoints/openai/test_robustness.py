@@ -131,14 +131,18 @@ def test_requests_are_prepared_off_the_engine_thread(server, expected, monkeypat
     own, not the engine's: while one request's preparation is held (here until a running
     stream has finished), the running stream goes on to its end."""
     eng = engine_of(server)
-    real, answered, threads = getattr(eng, held), threading.Event(), []
+    real, answered, threads, held_for, finished = getattr(eng, held), threading.Event(), [], [], []
 
     def slow(arg):
         if held == "compile_grammar" or arg == "x":   # the held request's prompt is "x"
             threads.append(threading.current_thread().name)
+            t0 = time.monotonic()
             answered.wait(60)   # on the engine's thread this would hold the running stream for 60 s
+            held_for.append(time.monotonic() - t0)
         return real(arg)
     monkeypatch.setattr(eng, held, slow)
+    on_finished = server.app.state.engine.on_finished
+    monkeypatch.setattr(server.app.state.engine, "on_finished", lambda out: (finished.append(out), on_finished(out)))
 
     async def main():
         async with httpx.AsyncClient(timeout=120) as h:
@@ -160,6 +164,9 @@ def test_requests_are_prepared_off_the_engine_thread(server, expected, monkeypat
     assert threads == [{"compile_grammar": "leapfrog-grammar_0", "encode_prompt": "leapfrog-tokenize_0"}[held]]
     assert done and "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == expected and waited < 30
     assert guided.status_code == 200 and len(guided.json()["choices"][0]["text"]) == 4
+    # its time to first token counts the preparation (it arrived before it was held)
+    out = next(o for o in finished if o.prompt == "x")
+    assert out.metrics.time_to_first_token >= held_for[0] > 0
 
 
 def test_chat_templates_and_tokenize_run_off_the_event_loop(server, monkeypatch):
