@@ -192,8 +192,11 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
         raise ConfigError("need repeats >= 1, warmup >= 0 and max_tokens >= 1")
     if not batch_sizes or any(b < 1 for b in batch_sizes):
         raise ConfigError("batch sizes must be >= 1")
-    if not temperatures or any(t < 0 for t in temperatures):
-        raise ConfigError("temperatures must be >= 0")
+    if not temperatures or any(not math.isfinite(t) or t < 0 for t in temperatures):
+        raise ConfigError(f"temperatures must be finite and >= 0, got {list(temperatures)}")
+    if warmup == 0:
+        say("warning: --warmup 0: each contender's first timed batch pays one-time costs (the first run of a "
+            "shape, caches), which bias the first contender's figures")
     for s in specs:
         if s is not None and not isinstance(s, dict):
             raise ConfigError(f"a speculative config must be a JSON object, got {type(s).__name__}")
@@ -243,16 +246,22 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
     limit_len = base.engine.max_model_len
     ids_all = render(items, tok)
     kept: list[tuple[WorkloadItem, list[int]]] = []
-    skipped = []
+    skipped, empty = [], []
     for it, ids in zip(items, ids_all):
-        if len(ids) + max_tokens > limit_len or not ids:
+        if not ids:
+            empty.append(it.id)
+        elif len(ids) + max_tokens > limit_len:
             skipped.append(it.id)
         else:
             kept.append((it, ids))
+    if empty:
+        say(f"skipped {len(empty)} items whose prompt is empty (e.g. {empty[0]})")
     if skipped:
         say(f"skipped {len(skipped)} items longer than max_model_len {limit_len} - max_tokens {max_tokens}")
     if not kept:
-        raise ConfigError(f"no workload item fits max_model_len {limit_len} with max_tokens {max_tokens}")
+        raise ConfigError(f"no workload item to run: {len(empty)} empty, {len(skipped)} longer than max_model_len "
+                          f"{limit_len} - max_tokens {max_tokens}")
+    skipped += empty
     predictions = _predictions(contenders, kept, base, max_tokens, seed, say)
     categories = sorted({it.category for it, _ in kept})
     by_cat = {c: [(i, ids) for i, (it, ids) in enumerate(kept) if it.category == c] for c in categories}

@@ -281,7 +281,8 @@ def _bench_parser(sub) -> None:
                         "'rewrite-shown' (the same with the original shown in the prompt) or "
                         "'variations' (functions repeated with renamed arguments)")
     p.add_argument("--limit", type=int, default=None, help="at most N items per category of each workload")
-    p.add_argument("--temperature", type=float, nargs="+", default=[0.0], help="temperatures to measure (0 = greedy)")
+    p.add_argument("--temperature", type=nonneg_float, nargs="+", default=[0.0],
+                   help="temperatures to measure (0 = greedy)")
     p.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
     p.add_argument("--batch-size", type=int, nargs="+", default=[1], help="concurrent requests to measure")
     p.add_argument("--repeats", type=int, default=3,

@@ -105,6 +105,18 @@ def test_cli_bad_input(llama_dir, tmp_path, capsys):
     assert "not valid JSON" in capsys.readouterr().err
 
 
+def test_odd_workloads_and_values_are_named(llama_dir):
+    """Empty prompts are called empty (they were 'longer than max_model_len'); a NaN temperature is
+    refused before any contender loads (the model path does not even exist)."""
+    from leapfrog.errors import ConfigError
+    said = []
+    with pytest.raises(ConfigError, match="no workload item to run: 1 empty, 0 longer"):
+        run_bench(str(llama_dir), [NG2], [WorkloadItem("code", "", None, "e0")], max_tokens=4, log=said.append)
+    assert any("whose prompt is empty (e.g. e0)" in s for s in said)
+    with pytest.raises(ConfigError, match="temperatures must be finite"):
+        run_bench("/nonexistent", [NG2], ITEMS, temperatures=[float("nan")], max_tokens=4, log=said.append)
+
+
 def test_transformers_backend_side_by_side(llama_dir, draft_dir, tmp_path):
     dm = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 2}
     res = run_bench(str(llama_dir), [NG2, dm], ITEMS[:2], temperatures=[0.0], max_tokens=8, batch_sizes=[1],
