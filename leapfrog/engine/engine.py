@@ -77,10 +77,14 @@ class LLMEngine:
         self.checkpoint = ckpt
         self.dtype = resolve_dtype(config.dtype, ckpt, self.device)
         mpe = ckpt.args.max_position_embeddings
+        rope = ckpt.args.rope
+        if rope.rope_type == "linear" and rope.factor > 1:   # positions / factor: the context grows by it (vLLM)
+            mpe = int(mpe * rope.factor)
         if config.max_model_len is not None and config.max_model_len > mpe:
+            scaled = f" x linear rope factor {rope.factor:g}" if rope.rope_type == "linear" and rope.factor > 1 else ""
             raise ConfigError(f"max_model_len={config.max_model_len} is larger than the model's context, "
-                              f"max_position_embeddings={mpe} in {ckpt.path / 'config.json'}; positions beyond it "
-                              "were never trained (use max_model_len <= that)")
+                              f"{mpe} (max_position_embeddings in {ckpt.path / 'config.json'}{scaled}); positions "
+                              "beyond it were never trained (use max_model_len <= that)")
         self.max_model_len = config.max_model_len or min(mpe, 4096)
         _check_kv_fits(ckpt.args, config.max_num_seqs, self.max_model_len, self.dtype, self.device)
         if not config.enforce_eager and (why := can_compile(self.device)):

@@ -61,3 +61,26 @@ def test_aux_hidden_states_returned(llama_dir):
     out = ours(ids, torch.arange(3)[None], aux_layers=(0, 1))
     assert len(out.aux) == 2 and out.aux[0].shape == (1, 3, 64)
     assert not torch.equal(out.aux[0], out.aux[1])
+
+
+def test_linear_rope_context_is_scaled_and_matches_transformers(tmp_path, tokenizer):
+    """Linear RoPE scaling (positions / factor) stretches the context by its factor, as vLLM reads
+    it: max_position_embeddings 64 x factor 2 serves 128 positions, with the same greedy tokens
+    as transformers past position 64; past 128 is refused."""
+    from leapfrog.demo import save_random_llama
+    from leapfrog.errors import ConfigError
+    from tests.conftest import BASE
+    path = save_random_llama(tmp_path / "lin", tokenizer, seed=3, **{**BASE, "max_position_embeddings": 64,
+                                                                      "rope_scaling": {"rope_type": "linear",
+                                                                                       "factor": 2.0}})
+    llm = LLM(model=str(path), dtype="float32")
+    assert llm.engine.max_model_len == 128
+    p = prompts_of(tokenizer, 1)[0][:20]
+    out = llm.generate({"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    with torch.no_grad():
+        ref = hf_model(path).generate(torch.tensor([p]), max_new_tokens=100, min_new_tokens=100, do_sample=False,
+                                      pad_token_id=0)[0, len(p):].tolist()
+    assert out == ref
+    with pytest.raises(ConfigError, match=r"context, 128 \(max_position_embeddings .* x linear rope factor 2\)"):
+        LLM(model=str(path), dtype="float32", max_model_len=129)
