@@ -29,7 +29,7 @@ from leapfrog.errors import CheckpointError, ConfigError
 from leapfrog.train.corpus import (Document, fingerprint, heldout_or_training, pack_stream, read_documents,
                                    split_by_file)
 from leapfrog.train.loop import (CHECKPOINT_NAME, TrainConfig, TrainingDiverged, TrainState, check_finite,
-                                 plot_losses, train)
+                                 plot_losses, settings_diff, train)
 
 
 @dataclass(frozen=True)
@@ -201,14 +201,12 @@ def _check_resume(ckdir: Path, settings: dict) -> None:
     made with these settings (the same target, draft shape, corpus contents and schedule but for
     --steps, which may grow); the settings are written beside it for the next run."""
     f = ckdir / RESUME_NAME
-    settings = json.loads(json.dumps(settings))
     if (ckdir / CHECKPOINT_NAME).is_file() and f.is_file():   # (a checkpoint of an older version has none)
         try:
             saved = json.loads(f.read_text())
         except (OSError, ValueError) as e:
             raise ConfigError(f"{f}: unreadable ({e}); remove {ckdir} to start again") from None
-        if saved != settings:
-            diff = sorted(k for k in set(saved) | set(settings) if saved.get(k) != settings.get(k))
+        if diff := settings_diff(saved, settings):
             raise ConfigError(f"{ckdir} holds a training checkpoint made with other settings (they differ in "
                               f"{diff}); remove it, or pass another --checkpoint-dir, to start again")
     ckdir.mkdir(parents=True, exist_ok=True)

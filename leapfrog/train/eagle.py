@@ -74,6 +74,7 @@ from leapfrog.train.corpus import (Document, fingerprint, heldout_or_training, p
                                    split_by_file)
 from leapfrog.train.distill import check_target, heldout_prompts, heldout_windows, line_windows, resolve_autocast
 from leapfrog.train.loop import (
+    CHECKPOINT_NAME,
     TrainConfig,
     TrainingDiverged,
     TrainState,
@@ -84,6 +85,7 @@ from leapfrog.train.loop import (
     make_optimizer,
     plot_losses,
     save_checkpoint,
+    settings_diff,
 )
 
 META_NAME = "eagle_meta.json"   # beside loop.py's train_state.pt: settings + per-step metrics history
@@ -642,11 +644,11 @@ def _warm_start(head: EagleHead, target: LlamaModel) -> None:
 def _start_meta(ckdir: Path, settings: dict) -> None:
     """A resumed checkpoint must have been made with the same settings; a fresh run starts its history."""
     meta = ckdir / META_NAME
-    fresh = not (ckdir / "train_state.pt").is_file()
+    fresh = not (ckdir / CHECKPOINT_NAME).is_file()
     if not fresh and meta.is_file():
         saved = json.loads(meta.read_text()).get("settings")
-        if saved is not None and saved != json.loads(json.dumps(settings)):
-            diff = sorted(k for k in set(saved) | set(settings) if saved.get(k) != json.loads(json.dumps(settings)).get(k))
+        diff = settings_diff(saved, settings) if saved is not None else []
+        if diff:
             raise ConfigError(f"{ckdir}: the checkpoint was made with other settings (they differ in {diff}: "
                               f"{ {k: saved.get(k) for k in diff} }); resume it with those, or start again in "
                               "another checkpoint directory")
@@ -685,7 +687,7 @@ def train_eagle(target: str | os.PathLike, corpus: str | os.PathLike | list[Docu
     cfg.device = str(device)
     cfg.autocast_bf16 = resolve_autocast(bf16, device)
     ckdir = Path(checkpoint_dir) if checkpoint_dir is not None else out.with_name(out.name + ".ckpt")
-    if (ckdir / "train_state.pt").is_file() and not resume:
+    if (ckdir / CHECKPOINT_NAME).is_file() and not resume:
         raise ConfigError(f"{ckdir} holds a training checkpoint: pass resume=True (--resume) to continue it, or "
                           "remove it (or pass another checkpoint directory) to start again")
     # Fail in the first second, not after training: the target, then the corpus.

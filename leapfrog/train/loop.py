@@ -7,6 +7,7 @@ run would have. A checkpoint holds the model, the optimizer, the step and the lo
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Callable
@@ -87,6 +88,13 @@ def check_finite(model: nn.Module, desc: str) -> None:
     bad = next((n for n, p in model.named_parameters() if not torch.isfinite(p).all()), None)
     if bad is not None:
         raise TrainingDiverged(f"{desc}: weight {bad} is not finite after training; nothing saved (lower --lr)")
+
+
+def settings_diff(saved: dict, settings: dict) -> list[str]:
+    """The keys whose values differ between the settings a checkpoint recorded and this run's,
+    compared as JSON reads them back (tuples and lists alike); [] when a resume may go on."""
+    now = json.loads(json.dumps(settings))
+    return sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
 
 
 def load_checkpoint(path: Path, model: nn.Module, opt: torch.optim.Optimizer) -> TrainState | None:
