@@ -35,7 +35,7 @@ from leapfrog.model.runner import ModelRunner, SeqChunk
 from leapfrog.outputs import IterationStats, Logprob, PositionLogprobs, RequestOutput, SpecMetrics
 from leapfrog.request import Request
 from leapfrog.sampling import logprobs as lp, sampler
-from leapfrog.sampling.grammar import GrammarState
+from leapfrog.sampling.grammar import GrammarCompiler, GrammarState
 from leapfrog.sampling_params import SamplingParams
 from leapfrog.scheduler.scheduler import Scheduler
 from leapfrog.spec_decode.adaptive import cap_drafts
@@ -78,10 +78,10 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, ckpt, self.device)
         mpe = ckpt.args.max_position_embeddings
         rope = ckpt.args.rope
+        scaled = ""
         if rope.rope_type == "linear" and rope.factor > 1:   # positions / factor: the context grows by it (vLLM)
-            mpe = int(mpe * rope.factor)
+            mpe, scaled = int(mpe * rope.factor), f" x linear rope factor {rope.factor:g}"
         if config.max_model_len is not None and config.max_model_len > mpe:
-            scaled = f" x linear rope factor {rope.factor:g}" if rope.rope_type == "linear" and rope.factor > 1 else ""
             raise ConfigError(f"max_model_len={config.max_model_len} is larger than the model's context, "
                               f"{mpe} (max_position_embeddings in {ckpt.path / 'config.json'}{scaled}); positions "
                               "beyond it were never trained (use max_model_len <= that)")
@@ -357,7 +357,6 @@ class LLMEngine:
                                "(together they can leave no token to generate)", param="structured_outputs")
         with self._grammar_lock:   # the tokenizer's llguidance view is built once
             if self._grammars is None:
-                from leapfrog.sampling.grammar import GrammarCompiler
                 self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
         return self._grammars.matcher(params.structured_outputs)
 

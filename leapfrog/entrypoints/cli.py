@@ -422,9 +422,8 @@ def _train_draft_parser(sub) -> None:
 
 
 def cmd_train_draft(args) -> int:
-    from leapfrog.train.loop import TrainConfig
-
     from leapfrog.spec_decode.config import MAX_SPECULATIVE_TOKENS
+    from leapfrog.train.loop import TrainConfig
 
     # a flag the method never reads is refused, not ignored
     eagle_only = {"--ttt-steps": args.ttt_steps, "--draft-vocab-size": args.draft_vocab_size,
@@ -433,13 +432,13 @@ def cmd_train_draft(args) -> int:
     draft_only = {"--init-draft": args.init_draft, "--hidden-size": args.hidden_size,
                   "--intermediate-size": args.intermediate_size, "--num-layers": args.num_layers,
                   "--num-heads": args.num_heads, "--num-kv-heads": args.num_kv_heads, "--ce-weight": args.ce_weight}
-    if args.method == "draft_model" and any(v is not None for v in eagle_only.values()):
-        given = [k for k, v in eagle_only.items() if v is not None]
-        raise LeapfrogError(f"{', '.join(given)}: EAGLE options; add --method eagle3 (or eagle)")
-    if args.method != "draft_model" and any(v is not None for v in draft_only.values()):
-        given = [k for k, v in draft_only.items() if v is not None]
-        raise LeapfrogError(f"{', '.join(given)}: --method draft_model options (an EAGLE head takes the target's "
-                            "shape; see --head-intermediate-size and --head-kv-heads)")
+    if args.method == "draft_model":
+        unread, why = eagle_only, "EAGLE options; add --method eagle3 (or eagle)"
+    else:
+        unread, why = draft_only, ("--method draft_model options (an EAGLE head takes the target's shape; see "
+                                   "--head-intermediate-size and --head-kv-heads)")
+    if given := [k for k, v in unread.items() if v is not None]:
+        raise LeapfrogError(f"{', '.join(given)}: {why}")
     if args.method == "eagle" and (args.draft_vocab_size is not None or args.calibration is not None):
         raise LeapfrogError("--draft-vocab-size and --calibration are EAGLE-3 options (an EAGLE-1 head drafts over "
                             "the whole vocabulary); add --method eagle3")

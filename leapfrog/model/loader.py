@@ -52,7 +52,7 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")   # owner/name, or a lega
 
 def resolve_model_path(model: str | os.PathLike, what: str = "model") -> Path:
     """A local directory as is; otherwise a hub id downloaded (safetensors only) to the HF cache.
-    ``what``: how errors name it ("model", "tokenizer")."""
+    ``what``: how errors name it ("model", "tokenizer"); a tokenizer downloads no weights."""
     p = Path(model).expanduser()
     if p.is_dir():
         return p

@@ -186,7 +186,7 @@ class SpeculativeConfig:
                               "num_draft_tokens='auto' to let the tree size adapt")
         if isinstance(n, int) and self.speculative_token_tree is None:
             k, w = self.num_speculative_tokens, self.eagle_topk
-            most = min(w + (k - 1) * w ** 2, sum(w ** d for d in range(1, k + 1)))   # tree_candidates at most
+            most = min(_candidates(k, w), sum(w ** d for d in range(1, k + 1)))   # nor more than the full tree
             if n > most:
                 raise ConfigError(f"speculative_config: num_draft_tokens={n} but a tree {k} deep with eagle_topk={w} "
                                   f"grows at most {most} candidate nodes; raise eagle_topk or "
@@ -223,8 +223,7 @@ class SpeculativeConfig:
     def tree_candidates(self) -> int:
         """Candidates that tree grows (EAGLE-2: ``width`` children of the root, then ``width``
         children of each of the ``width`` frontier nodes per deeper level)."""
-        levels, width = self.grown_tree_shape
-        return width + (levels - 1) * width ** 2
+        return _candidates(*self.grown_tree_shape)
 
     @property
     def draft_budget(self) -> int:
@@ -239,6 +238,12 @@ class SpeculativeConfig:
         if self.auto_tree:
             return min(full, 64)
         return min(full, self.eagle_topk * self.num_speculative_tokens, 16)
+
+
+def _candidates(levels: int, width: int) -> int:
+    """Candidate nodes a dynamic tree grows (EAGLE-2): ``width`` children of the root, then
+    ``width`` children of each of the ``width`` frontier nodes per deeper level."""
+    return width + (levels - 1) * width ** 2
 
 
 def parse_token_tree(tree: str | list) -> list[tuple[int, ...]]:

@@ -139,9 +139,9 @@ class EagleProposer:
         self.topk = cfg.eagle_topk
         self.static = cfg.speculative_token_tree
         Vd = self.head.cfg.draft_vocab_size if self.head.kind == "eagle3" else self.head.args.vocab_size
-        if self.static and max(max(p) for p in self.static) >= Vd:
+        if self.static and (rank := max(max(p) for p in self.static)) >= Vd:
             from leapfrog.errors import ConfigError
-            raise ConfigError(f"speculative_config.speculative_token_tree: child rank {max(max(p) for p in self.static)} "
+            raise ConfigError(f"speculative_config.speculative_token_tree: child rank {rank} "
                               f"but the head drafts from {Vd} tokens (ranks 0..{Vd - 1})")
         self.budget = cfg.draft_budget
         scratch = self.depth * max(self.topk, len(self.static or ()))  # tree columns after the prefix
