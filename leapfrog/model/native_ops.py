@@ -81,8 +81,8 @@ static float sum_squares(const float* x, int64_t n) {
   return s;
 }
 
-template <typename T>
-static void rms_rows(const T* x, const float* w, T* y, int64_t rows, int64_t D, float eps) {
+template <typename T, typename W>
+static void rms_rows(const T* x, const W* w, T* y, int64_t rows, int64_t D, float eps) {
   int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(D, 1));
   at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
     std::vector<float> buf(std::is_same<T, float>::value ? 0 : D);
@@ -100,7 +100,7 @@ static void rms_rows(const T* x, const float* w, T* y, int64_t rows, int64_t D, 
       T* yr = y + r * D;
       for (int64_t i = 0; i < D; ++i) {
         float v = xf[i] * inv;
-        yr[i] = static_cast<T>(v * w[i]);
+        yr[i] = static_cast<T>(v * static_cast<float>(w[i]));
       }
     }
   });
@@ -110,13 +110,20 @@ at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double ep
   TORCH_CHECK(x.dim() >= 1 && weight.dim() == 1 && weight.size(0) == x.size(-1),
               "rms_norm: weight must be [D] for x [..., D]");
   at::Tensor xc = x.contiguous();
-  at::Tensor w = weight.to(at::kFloat).contiguous();
+  // the weight read in its own dtype, each element widened to float32 (as weight.float() would:
+  // exact), so a half-precision model's norms cast nothing per call; others go through float32
+  bool own = weight.scalar_type() == x.scalar_type() || weight.scalar_type() == at::kFloat;
+  at::Tensor w = (own ? weight : weight.to(at::kFloat)).contiguous();
   at::Tensor y = at::empty_like(xc);
   int64_t D = x.size(-1);
   int64_t rows = D == 0 ? 0 : xc.numel() / D;
+  float e = static_cast<float>(eps);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
-    rms_rows<scalar_t>(xc.data_ptr<scalar_t>(), w.data_ptr<float>(), y.data_ptr<scalar_t>(), rows, D,
-                       static_cast<float>(eps));
+    if (w.scalar_type() == at::kFloat) {
+      rms_rows<scalar_t, float>(xc.data_ptr<scalar_t>(), w.data_ptr<float>(), y.data_ptr<scalar_t>(), rows, D, e);
+    } else {
+      rms_rows<scalar_t, scalar_t>(xc.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), rows, D, e);
+    }
   });
   return y;
 }

@@ -51,6 +51,22 @@ def test_rms_norm_matches_aten(dtype, D):
         assert (got - ref).abs().max() <= 4 * torch.finfo(torch.float32).eps * ref.abs().max()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_reads_any_weight_dtype_as_its_float32_value(dtype):
+    """The op reads a weight of x's dtype in place (no cast per call) and a weight of another
+    dtype through float32: bitwise what the float32 copy of the weight gives."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(5, 96, generator=g) * 2).to(dtype)
+    w32 = (1 + torch.randn(96, generator=g) / 4).to(dtype).float()   # exactly representable in dtype
+    with torch.inference_mode():
+        ref = torch.ops.leapfrog_ops.rms_norm(x, w32, 1e-6)
+        for wd in DTYPES:
+            w = w32.to(wd)
+            if torch.equal(w.float(), w32):
+                assert torch.equal(torch.ops.leapfrog_ops.rms_norm(x, w, 1e-6), ref), wd
+        assert torch.equal(torch.ops.leapfrog_ops.rms_norm(x, w32[::1].to(dtype)[None].expand(2, 96)[0], 1e-6), ref)
+
+
 def test_rms_norm_rows_do_not_depend_on_the_batch():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(64, 512, generator=g)
