@@ -26,6 +26,10 @@ that fits no warmed bucket runs eagerly. Serving calls each warmed graph's induc
 (``DirectCall``: its inputs mapped at warm-up), skipping dynamo's frame hook and AOT autograd's
 wrappers, which cost 0.3-0.5 ms per call; a graph whose inputs cannot be mapped keeps them.
 
+The drafting loops also run uncompiled (``compile=False``, enforce_eager's default for EAGLE
+heads): the same function called eagerly, every bucket "warm" at once, no graphs. The model's
+ops still dispatch one by one, but the proposer's per-level Python is gone.
+
 Costs: compiling takes 10-30 s per bucket on 2 CPU cores (C++ compilation; frozen graphs are not
 kept in inductor's on-disk cache), and the frozen weights are a second copy of the layers'
 weights. ``enforce_eager=True`` (vLLM's name) turns the fast path off.
@@ -271,7 +275,7 @@ class CompiledForward:
     vocab: Tensor | None = None
 
     def __init__(self, model: torch.nn.Module, kv: KVCache, buckets: list[Bucket],
-                 aux_layers: tuple[int, ...] = (), feature_width: int | None = None) -> None:
+                 aux_layers: tuple[int, ...] = (), feature_width: int | None = None, compile: bool = True) -> None:
         # (an EAGLE-1 head has no LM head of its own: it reads the target's)
         if getattr(model, "head", None) is None and getattr(model, "kind", None) != "eagle":
             raise ValueError("compile a model after pack_for_inference(pack_layers=False) (it needs its head)")
@@ -289,10 +293,17 @@ class CompiledForward:
         # One graph per bucket, all from this one function: dynamo's per-function limit on
         # compiled variants must hold them all (targets, drafts and every engine of the process
         # share the code objects: each instance adds its own to the limit)
-        limit = 4 * len(self.buckets) + 8
-        torch._dynamo.config.cache_size_limit += limit
-        torch._dynamo.config.accumulated_cache_size_limit += 4 * limit
-        self._fn = torch.compile(self._forward, dynamic=False, fullgraph=True)
+        self.compiled = compile
+        if compile:
+            limit = 4 * len(self.buckets) + 8
+            torch._dynamo.config.cache_size_limit += limit
+            torch._dynamo.config.accumulated_cache_size_limit += 4 * limit
+        self._fn = self._wrap(self._forward)
+
+    def _wrap(self, fn: Callable) -> Callable:
+        """``fn`` as the graphs' function: compiled, or (``compile=False``: an eager fused loop,
+        e.g. an EAGLE chain's K head forwards without the proposer's per-level Python) itself."""
+        return torch.compile(fn, dynamic=False, fullgraph=True) if self.compiled else fn
 
     def _forward(self, tok: Tensor, pos: Tensor, mask: Tensor, rows: Tensor, write_rows: Tensor,
                  write_cols: Tensor, kv_len: Tensor, features: Tensor | None = None,
@@ -343,6 +354,8 @@ class CompiledForward:
         return tuple(args[0].shape)
 
     def _serve(self, args: tuple):
+        if not self.compiled:
+            return self._fn(*args)
         key = self._key(args)
         r = self.replays.get(key)
         if r is not None and r.matches(args):
@@ -427,7 +440,10 @@ class CompiledForward:
     @torch.inference_mode()
     def warm_up(self, progress: bool = True) -> float:
         """Compile every bucket (each run twice, at two context lengths, on the scratch row).
-        -> seconds taken."""
+        -> seconds taken. Eager (``compile=False``): nothing to compile; every bucket serves."""
+        if not self.compiled:
+            self.warmed = list(self.buckets)
+            return 0.0
         t0 = time.perf_counter()
         bar = None
         if progress:
@@ -585,11 +601,12 @@ class CompiledChain(CompiledForward):
     pick) and mapped to target ids."""
 
     def __init__(self, model: torch.nn.Module, kv: KVCache, buckets: list[Bucket], steps: int,
-                 feature_width: int | None = None, next_width: int | None = None, vocab: Tensor | None = None) -> None:
-        super().__init__(model, kv, buckets, (), feature_width)
+                 feature_width: int | None = None, next_width: int | None = None, vocab: Tensor | None = None,
+                 compile: bool = True) -> None:
+        super().__init__(model, kv, buckets, (), feature_width, compile)
         self.steps, self.next_width, self.vocab = steps, next_width, vocab
         self.window = model.args.sliding_window
-        self._fn = torch.compile(self._chain, dynamic=False, fullgraph=True)
+        self._fn = self._wrap(self._chain)
 
     def _chain(self, tok: Tensor, pos: Tensor, mask: Tensor, rows: Tensor, write_rows: Tensor, write_cols: Tensor,
                kv_len: Tensor, features: Tensor | None, last: Tensor, col: Tensor) -> ChainOutput:
@@ -704,7 +721,7 @@ class CompiledDecodeSteps(CompiledChain):
         super().__init__(model, kv, buckets, steps)
         self.aux_layers = states if isinstance(states, tuple) else ()
         self.states = states is not None
-        self._fn = torch.compile(self._decode_steps, dynamic=False, fullgraph=True)
+        self._fn = self._wrap(self._decode_steps)
 
     def _decode_steps(self, tok: Tensor, pos: Tensor, mask: Tensor, rows: Tensor, write_rows: Tensor,
                       write_cols: Tensor, kv_len: Tensor, features: Tensor | None, last: Tensor,
@@ -768,11 +785,12 @@ class CompiledSampledChain(CompiledChain):
     draft eagerly."""
 
     def __init__(self, model: torch.nn.Module, kv: KVCache, buckets: list[Bucket], steps: int, want: int,
-                 logit_scale: float = 1.0, feature_width: int | None = None, next_width: int | None = None) -> None:
-        super().__init__(model, kv, buckets, steps, feature_width, next_width)
+                 logit_scale: float = 1.0, feature_width: int | None = None, next_width: int | None = None,
+                 compile: bool = True) -> None:
+        super().__init__(model, kv, buckets, steps, feature_width, next_width, compile=compile)
         self.want, self.logit_scale = want, logit_scale
         self._unread_u: Tensor | None = None   # (``unread``)
-        self._fn = torch.compile(self._sampled_chain, dynamic=False, fullgraph=True)
+        self._fn = self._wrap(self._sampled_chain)
 
     def unread(self, batch: int, dev: torch.device) -> Tensor:
         """[batch, steps, V] float64 exp(-1) (E = 1): the race's uniforms of a step where no row
@@ -852,16 +870,17 @@ class CompiledTree(CompiledChain):
     (spec_decode/proposers/eagle.py) up to the order of exact ties."""
 
     def __init__(self, model: torch.nn.Module, kv: KVCache, buckets: list[Bucket], steps: int, topk: int,
-                 nodes: int, feature_width: int | None = None, next_width: int | None = None) -> None:
+                 nodes: int, feature_width: int | None = None, next_width: int | None = None,
+                 compile: bool = True) -> None:
         if model.args.sliding_window is not None:
             raise ValueError("fused draft trees need a drafter without a sliding window")
         if topk < 2 or steps < 2:
             raise ValueError("a fused draft tree has topk >= 2 and at least 2 levels (else: CompiledChain)")
-        super().__init__(model, kv, buckets, steps, feature_width, next_width)
+        super().__init__(model, kv, buckets, steps, feature_width, next_width, compile=compile)
         self.topk = topk
         self.grown = topk + (steps - 1) * topk * topk
         self.nodes = min(nodes, self.grown)
-        self._fn = torch.compile(self._tree, dynamic=False, fullgraph=True)
+        self._fn = self._wrap(self._tree)
 
     @property
     def tree_cols(self) -> int:
@@ -1015,7 +1034,7 @@ class CompiledSpecRound(CompiledForward):
         self.caches = (kv, draft_kv)
         self.k = k
         self.window = model.args.sliding_window
-        self._fn = torch.compile(self._round, dynamic=False, fullgraph=True)
+        self._fn = self._wrap(self._round)
 
     @staticmethod
     def _target_states(draft: torch.nn.Module) -> tuple[int, ...]:

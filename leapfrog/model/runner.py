@@ -160,31 +160,36 @@ class ModelRunner:
         return g.warm_up(progress)
 
     def compile_chain(self, buckets: list[Bucket], steps: int, feature_width: int | None = None,
-                      next_width: int | None = None, vocab: Tensor | None = None, progress: bool = True) -> float:
+                      next_width: int | None = None, vocab: Tensor | None = None, progress: bool = True,
+                      compile: bool = True) -> float:
         """Compile greedy chain drafting of ``steps`` tokens as one graph per bucket
         (model/compiled.py CompiledChain; ``draft_chain`` runs it; ``vocab``: its picks over an
-        EAGLE-3 head's own vocabulary, CompiledChain.vocab). -> seconds taken."""
-        self._check_compilable()
-        self.chain = CompiledChain(self.model, self.kv, buckets, steps, feature_width, next_width, vocab)
+        EAGLE-3 head's own vocabulary, CompiledChain.vocab; ``compile=False``: the same loop run
+        eagerly). -> seconds taken."""
+        if compile:
+            self._check_compilable()
+        self.chain = CompiledChain(self.model, self.kv, buckets, steps, feature_width, next_width, vocab, compile)
         return self.chain.warm_up(progress)
 
     def compile_sampled_chain(self, buckets: list[Bucket], steps: int, want: int, logit_scale: float = 1.0,
                               feature_width: int | None = None, next_width: int | None = None,
-                              progress: bool = True) -> float:
+                              progress: bool = True, compile: bool = True) -> float:
         """Compile sampled chain drafting (model/compiled.py CompiledSampledChain; ``draft_sampled_chain``
-        runs it). -> seconds taken."""
-        self._check_compilable()
+        runs it; ``compile=False``: eagerly). -> seconds taken."""
+        if compile:
+            self._check_compilable()
         self.sampled_chain = CompiledSampledChain(self.model, self.kv, buckets, steps, want, logit_scale,
-                                                  feature_width, next_width)
+                                                  feature_width, next_width, compile)
         return self.sampled_chain.warm_up(progress)
 
     def compile_tree(self, buckets: list[Bucket], steps: int, topk: int, nodes: int, feature_width: int | None = None,
-                     next_width: int | None = None, progress: bool = True) -> float:
+                     next_width: int | None = None, progress: bool = True, compile: bool = True) -> float:
         """Compile greedy dynamic tree drafting (``steps`` levels, ``topk`` children per frontier
         node, the best ``nodes`` kept) as one graph per bucket (model/compiled.py CompiledTree;
-        ``draft_tree`` runs it). -> seconds taken."""
-        self._check_compilable()
-        self.tree = CompiledTree(self.model, self.kv, buckets, steps, topk, nodes, feature_width, next_width)
+        ``draft_tree`` runs it; ``compile=False``: eagerly). -> seconds taken."""
+        if compile:
+            self._check_compilable()
+        self.tree = CompiledTree(self.model, self.kv, buckets, steps, topk, nodes, feature_width, next_width, compile)
         return self.tree.warm_up(progress)
 
     def compile_multi_step(self, buckets: list[Bucket], steps: int, states: str | tuple[int, ...] | None = None,

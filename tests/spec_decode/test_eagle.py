@@ -349,15 +349,57 @@ def test_int8_head_in_compiled_rounds(shapes, tokenizer):
     assert sum(d.calls for d in g.direct.values()) > 0
 
 
+@pytest.mark.parametrize("kind,tree", [("eagle3", "chain"), ("eagle", "chain"), ("eagle", "narrow"),
+                                       ("eagle3", "dynamic")])
+def test_eager_fused_drafts_equal_the_expansion(shapes, tokenizer, kind, tree, monkeypatch):
+    """enforce_eager=True (the default) drafts greedy chains and dynamic trees, and seeded
+    sampled chains, with the fused drafting loops run eagerly (one call per step): the same
+    tokens and parents every step as the level-by-level expansion (LEAPFROG_EAGER_FUSED_DRAFTS=0),
+    float32, greedy and seeded requests in one batch, and the same outputs."""
+    from leapfrog.model.compiled import CompiledChain
+    target, heads = shapes["llama_untied"]
+    prompts = prompts_of(tokenizer, 3)
+    shape = {"num_speculative_tokens": 4, "eagle_topk": 3, "num_draft_tokens": 6} if tree == "narrow" else TREES[tree]
+    spec = {"method": kind, "model": str(heads[kind]), **shape}
+
+    def make(fused):
+        with monkeypatch.context() as m:
+            m.setenv("LEAPFROG_EAGER_FUSED_DRAFTS", fused)
+            return LLM(model=str(target), dtype="float32", max_model_len=256, max_num_seqs=3, seed=3,
+                       speculative_config=spec)
+    llms = {fused: make(fused) for fused in ("0", "1")}
+    drafts = {fused: _recording(llm) for fused, llm in llms.items()}
+    calls = []
+    orig = CompiledChain.__call__   # (CompiledTree's and CompiledSampledChain's too)
+    monkeypatch.setattr(CompiledChain, "__call__", lambda self, *a: calls.append(type(self).__name__) or orig(self, *a))
+    sps = [SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True),
+           SamplingParams(temperature=0.8, seed=5, max_tokens=MAX, ignore_eos=True),
+           SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)]
+    outs = {}
+    for fused, llm in llms.items():
+        outs[fused] = [[o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ps], s,
+                                                                     use_tqdm=False)]
+                       for ps, s in ((prompts, sps[0]), (prompts[:2], sps[1:]))]
+        assert llm.get_metrics()["num_draft_tokens"] > 0
+    assert outs["0"] == outs["1"]
+    assert drafts["0"] == drafts["1"] and len(drafts["1"]) > 4
+    assert llms["0"].engine.proposer.runner.chain is None
+    want = {"CompiledChain"} if tree == "chain" else {"CompiledTree"}
+    assert want <= set(calls), calls
+    branching = [p != list(range(-1, len(p) - 1)) for _, ps in drafts["1"] for p in ps]
+    assert any(branching) == (tree != "chain")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind,tree", [("eagle3", "chain"), ("eagle", "narrow"), ("eagle3", "dynamic"),
                                        ("eagle3", "auto")])
 def test_fast_path_drafts_as_eager(shapes, tokenizer, kind, tree, monkeypatch):
-    """enforce_eager=False: greedy EAGLE chains and dynamic trees come from the fused graphs (one
-    call per step: CompiledChain / CompiledTree), draft exactly what the eager head drafts (the
-    same tokens and parents every step, float32) and keep the output equal to no speculation;
-    "auto" tree sizes (chains and trees by step, trees cut from the full fused tree) too; nothing
-    compiles while serving."""
+    """Greedy EAGLE chains and dynamic trees come from the fused drafting loops (one call per
+    step: CompiledChain / CompiledTree), compiled (enforce_eager=False) and run eagerly
+    (enforce_eager=True, the default), draft exactly what the level-by-level eager expansion
+    drafts (LEAPFROG_EAGER_FUSED_DRAFTS=0; the same tokens and parents every step, float32) and
+    keep the output equal to no speculation; "auto" tree sizes (chains and trees by step, trees
+    cut from the full fused tree) too; nothing compiles while serving."""
     from torch._dynamo.utils import counters
 
     from leapfrog.model.compiled import CompiledChain
@@ -368,35 +410,52 @@ def test_fast_path_drafts_as_eager(shapes, tokenizer, kind, tree, monkeypatch):
     shape = {"num_speculative_tokens": 4, "eagle_topk": 3, "num_draft_tokens": 6} if tree == "narrow" else TREES[tree]
     spec = {"method": kind, "model": str(heads[kind]), **shape}
     _, ref = _generate(target, None, prompts_of(tokenizer, 3), sp)
-    llms = {eager: LLM(model=str(target), dtype="float32", max_model_len=256, max_num_seqs=2,
-                       speculative_config=spec, enforce_eager=eager) for eager in (True, False)}
-    drafts = {eager: _recording(llm) for eager, llm in llms.items()}
-    calls = []
+
+    def make(way):
+        with monkeypatch.context() as m:
+            m.setenv("LEAPFROG_EAGER_FUSED_DRAFTS", "0" if way == "expansion" else "1")
+            return LLM(model=str(target), dtype="float32", max_model_len=256, max_num_seqs=2,
+                       speculative_config=spec, enforce_eager=way != "compiled")
+    llms = {way: make(way) for way in ("expansion", "eager", "compiled")}
+    assert llms["expansion"].engine.proposer.runner.chain is None
+    drafts = {way: _recording(llm) for way, llm in llms.items()}
+    calls = {way: [] for way in llms}
     orig = CompiledChain.__call__   # (CompiledTree's too)
-    monkeypatch.setattr(CompiledChain, "__call__", lambda self, *a: calls.append(type(self).__name__) or orig(self, *a))
+
+    def counted(self, *a):
+        way = "compiled" if self.compiled else "eager"
+        calls[way].append(type(self).__name__)
+        return orig(self, *a)
+    monkeypatch.setattr(CompiledChain, "__call__", counted)
     graphs = counters["stats"]["unique_graphs"]
-    outs = {eager: [o.outputs[0].token_ids for o in llm.generate(inputs, sp, use_tqdm=False)]
-            for eager, llm in llms.items()}
+    outs = {way: [o.outputs[0].token_ids for o in llm.generate(inputs, sp, use_tqdm=False)]
+            for way, llm in llms.items()}
     assert counters["stats"]["unique_graphs"] == graphs
-    assert outs[False] == outs[True] == ref
-    fast = llms[False]
-    assert fast.get_metrics()["num_draft_tokens"] > 0
-    runner = fast.engine.proposer.runner
-    fused = [g for g in (runner.chain, runner.tree) if g is not None]
-    if tree == "auto":   # the controller's sizes follow measured times: only the output is comparable
-        assert runner.chain is not None and runner.tree is not None and "CompiledTree" in calls
+    assert outs["expansion"] == outs["eager"] == outs["compiled"] == ref
+    assert calls["expansion"] == []
+    for way in ("eager", "compiled"):
+        llm = llms[way]
+        assert llm.get_metrics()["num_draft_tokens"] > 0
+        runner = llm.engine.proposer.runner
+        fused = [g for g in (runner.chain, runner.tree) if g is not None]
+        if tree == "auto":   # the controller's sizes follow measured times: only the output is comparable
+            assert runner.chain is not None and runner.tree is not None and "CompiledTree" in calls[way]
+        else:
+            assert len(fused) == 1 and set(calls[way]) == {"CompiledChain" if tree == "chain" else "CompiledTree"}
+            assert drafts[way] == drafts["expansion"]
+            branching = [p != list(range(-1, len(p) - 1)) for _, ps in drafts[way] for p in ps]
+            assert any(branching) == (tree != "chain")
+            if tree == "narrow":   # the loop grows the eager expansion's width, not eagle_topk
+                assert runner.tree.topk == 2
+    fast = llms["compiled"]
+    if tree == "auto":
         # verify buckets for small trees too (depth + 1, 9, 17 tokens), not only the largest: the
         # 3 + 2 x 9 = 21 candidates a depth-3 top-3 tree grows, + 1
         assert {b.tokens for b in fast.engine.runner.compiled.warmed} == {1, 4, 9, 17, 22}
-    else:
-        assert len(fused) == 1 and set(calls) == {"CompiledChain" if tree == "chain" else "CompiledTree"}
-        assert drafts[False] == drafts[True]
-        branching = [p != list(range(-1, len(p) - 1)) for _, ps in drafts[False] for p in ps]
-        assert any(branching) == (tree != "chain")
-        if tree == "narrow":   # the graph grows the eager expansion's width, not eagle_topk
-            assert runner.tree.topk == 2
     # the head's fused graphs and the target's verify graphs were called directly (no torch.compile wrappers)
-    assert sum(d.calls for g in fused for d in g.direct.values()) == len(calls)
+    runner = fast.engine.proposer.runner
+    fused = [g for g in (runner.chain, runner.tree) if g is not None]
+    assert sum(d.calls for g in fused for d in g.direct.values()) == len(calls["compiled"])
     assert sum(d.calls for d in fast.engine.runner.compiled.direct.values()) > 0
 
 

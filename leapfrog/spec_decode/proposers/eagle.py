@@ -56,6 +56,7 @@ from leapfrog.spec_decode.config import SpeculativeConfig
 from leapfrog.spec_decode.draft import DraftBatch
 from leapfrog.spec_decode.proposers.base import TargetInfo, register_proposer
 from leapfrog.spec_decode.verify.result import AcceptanceResult
+from leapfrog.utils import env_off
 
 
 @dataclass
@@ -151,6 +152,8 @@ class EagleProposer:
         self.feats: dict[str, _Feats] = {}
         self.static_children = _static_children(self.static) if self.static else None
         self.max_rank = max((p[-1] for p in self.static or ()), default=0)
+        if target.enforce_eager and not env_off("LEAPFROG_EAGER_FUSED_DRAFTS"):
+            self._fuse(compile=False)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, req: Request) -> None:
@@ -233,20 +236,27 @@ class EagleProposer:
         when chains can be asked for (a tree of width 1, or "auto" tree sizes up to the depth), a
         tree graph for the configured tree (depth x the width ``num_draft_tokens`` uses, as the
         eager expansion grows it; "auto": depth x eagle_topk, every size cut from it)."""
-        from leapfrog.model.compiled import make_buckets
+        self._fuse(compile=True)
+
+    def _fuse(self, compile: bool) -> None:
+        """The fused drafting loops of ``compile`` (compile=False: the same loops run eagerly,
+        enforce_eager's default: one Python call per draft instead of the level-by-level
+        expansion's bookkeeping; every batch size its own bucket, nothing padded)."""
+        from leapfrog.model.compiled import Bucket, make_buckets
         feats = self.head.cfg.target_hidden_size if self.head.kind == "eagle" else self.head.cfg.feature_size
-        buckets = make_buckets(self.runner.kv.num_rows, [self.depth + 1])
+        rows = self.runner.kv.num_rows
+        buckets = (make_buckets(rows, [self.depth + 1]) if compile
+                   else [Bucket(b, self.depth + 1) for b in range(1, rows + 1)])
         width = self.cfg.grown_tree_shape[1]
         tree = self.static_children is None and width > 1 and self.depth > 1 and self.head.args.sliding_window is None
+        kw = {"feature_width": feats, "next_width": self.head.args.hidden_size, "compile": compile}
         if not tree or self.cfg.auto_tree:
-            self.runner.compile_chain(buckets, self.depth, feature_width=feats, next_width=self.head.args.hidden_size,
-                                      vocab=self.head.own_vocab)
+            self.runner.compile_chain(buckets, self.depth, vocab=self.head.own_vocab, **kw)
         if self.static_children is None:   # sampled chains (temperature-only requests; unseeded ones in trees too)
             self.runner.compile_sampled_chain(buckets, self.depth, self._want(), self.head.cfg.greedy_logit_scale,
-                                              feature_width=feats, next_width=self.head.args.hidden_size)
+                                              **kw)
         if tree:
-            self.runner.compile_tree(buckets, self.depth, width, self.budget, feature_width=feats,
-                                     next_width=self.head.args.hidden_size)
+            self.runner.compile_tree(buckets, self.depth, width, self.budget, **kw)
 
     def _pending(self, rs: list[Request], keep: int) -> list[SeqChunk]:
         """The fused graphs' first forward: each request's pending head positions (after catching
