@@ -148,9 +148,23 @@ class CheckReport:
     def passed(self) -> bool:
         return self.greedy_passed and self.sampling_passed
 
+    @property
+    def untested(self) -> list[str]:
+        """The parts that ran without the speculative engine drafting a token (nothing was
+        checked there: a pass would say nothing)."""
+        return [part for part, ran, m in (("greedy", self.greedy_prompts, self.greedy_spec_metrics),
+                                          ("sampling", self.sampling_tests, self.sampling_spec_metrics))
+                if ran and not m.get("num_draft_tokens")]
+
+    @property
+    def exit_code(self) -> int:
+        """0 pass, 1 fail, 3 nothing to check in some part (2 is bad input, before any report)."""
+        return 1 if not self.passed else 3 if self.untested else 0
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d.update(passed=self.passed, greedy_passed=self.greedy_passed, sampling_passed=self.sampling_passed)
+        d.update(passed=self.passed, greedy_passed=self.greedy_passed, sampling_passed=self.sampling_passed,
+                 untested=self.untested)
         return d
 
 
@@ -479,8 +493,15 @@ def format_report(rep: CheckReport) -> str:
         L.append(f"\nnote: {note}")
     for w in rep.warnings:
         L.append(f"\nwarning: {w}")
-    L.append("\nRESULT: " + ("PASS: speculation did not change the output" if rep.passed
-                             else "FAIL: speculation changed the output") + f"  ({rep.seconds:.0f} s)")
+    if not rep.passed:
+        result = "FAIL: speculation changed the output"
+    elif rep.untested:
+        result = (f"NOT TESTED: the speculative engine drafted no tokens in the {' and '.join(rep.untested)} "
+                  "part, so speculation was never exercised there (other prompts, --max-tokens or "
+                  "--sample-tokens, or a config that drafts)")
+    else:
+        result = "PASS: speculation did not change the output"
+    L.append(f"\nRESULT: {result}  ({rep.seconds:.0f} s)")
     return "\n".join(L)
 
 
@@ -547,7 +568,7 @@ def cmd_check(args) -> int:
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(rep.to_dict(), f, indent=2)
-    return 0 if rep.passed else 1
+    return rep.exit_code
 
 
 def add_arguments(p) -> None:

@@ -258,7 +258,8 @@ def _check_listen(host: str, port: int) -> None:
 
 def _check_parser(sub) -> None:
     from leapfrog.entrypoints.check import add_arguments
-    p = sub.add_parser("check", help="prove that speculation does not change the output (greedy + sampling)")
+    p = sub.add_parser("check", help="prove that speculation does not change the output (greedy + sampling)",
+                       epilog="exit code: 0 pass, 1 fail, 2 bad input, 3 nothing tested (no token drafted)")
     add_arguments(p)
 
 

@@ -211,6 +211,23 @@ def test_cli_quick_defaults_catch_a_gross_bug(tiny, tmp_path, capsys, monkeypatc
     assert f"{QUICK_SAMPLES} samples per engine" in out and "power: each test catches" in out
 
 
+def test_cli_nothing_drafted_is_not_a_pass(tiny, tmp_path, capsys):
+    """A config that drafts nothing (an n-gram of 20 tokens in sequences of at most 22) checks
+    nothing: the result says so and the exit code is 3, not a PASS."""
+    target, _ = tiny
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 20,
+                       "prompt_lookup_max": 20})
+    out_json = tmp_path / "report.json"
+    rc = main(["check", "--model", str(target), "--speculative-config", spec, "--skip-tokenizer-init",
+               "--prompts-file", str(_prompts_file(tmp_path)), "--max-tokens", "16", "--samples", "50",
+               "--setting", "temperature=1.0", "--no-progress", "--json", str(out_json)])
+    out = capsys.readouterr().out
+    assert rc == 3, out
+    assert "RESULT: NOT TESTED" in out and "greedy and sampling part" in out and "RESULT: PASS" not in out
+    rep = json.loads(out_json.read_text())
+    assert rep["untested"] == ["greedy", "sampling"] and rep["passed"]
+
+
 def test_detectable_shift_shrinks_with_samples():
     a, b = detectable_shift(400, 1e-4), detectable_shift(1600, 1e-4)
     assert 0 < b < a < 0.5 and b == pytest.approx(a / 2, rel=1e-6)   # λ fixed: δ ∝ 1/sqrt(n)
