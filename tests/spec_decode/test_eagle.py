@@ -464,7 +464,8 @@ def test_fast_path_drafts_as_eager(shapes, tokenizer, kind, tree, monkeypatch):
 def test_fast_path_samples_chains_as_eager(shapes, tokenizer, tree, monkeypatch):
     """enforce_eager=False at temperature > 0: an EAGLE head's chains come from the sampled chain
     graph (CompiledSampledChain: one call per step). Seeded and greedy requests in one batch draw
-    exactly what the eager head draws (the same tokens and parents every step, float32), so the
+    exactly what the eager head's level-by-level expansion draws (LEAPFROG_EAGER_FUSED_DRAFTS=0;
+    the same tokens and parents every step, float32), so the
     outputs equal the eager engine's; a request with top_k sends its steps to the eager
     expansion. Unseeded requests draw each level by inverse CDF with the next uniform of their
     generator, replayed here against the graph's own q (one uniform per level, nothing more
@@ -479,8 +480,10 @@ def test_fast_path_samples_chains_as_eager(shapes, tokenizer, tree, monkeypatch)
     target, heads = shapes["llama_untied"]
     prompts = prompts_of(tokenizer, 3)
     spec = {"method": "eagle3", "model": str(heads["eagle3"]), **TREES[tree]}
-    llms = {eager: LLM(model=str(target), dtype="float32", max_model_len=256, max_num_seqs=4, seed=11,
-                       speculative_config=spec, enforce_eager=eager) for eager in (True, False)}
+    with monkeypatch.context() as m:   # the eager engine grows its chains level by level (the reference)
+        m.setenv("LEAPFROG_EAGER_FUSED_DRAFTS", "0")
+        llms = {eager: LLM(model=str(target), dtype="float32", max_model_len=256, max_num_seqs=4, seed=11,
+                           speculative_config=spec, enforce_eager=eager) for eager in (True, False)}
     seen = {eager: [] for eager in llms}
     streams = []   # compiled engine, unseeded requests: (generator state before, after, tokens, q)
     for eager, llm in llms.items():
@@ -501,7 +504,8 @@ def test_fast_path_samples_chains_as_eager(shapes, tokenizer, tree, monkeypatch)
         llm.engine.proposer.propose = record
     calls = []
     orig = CompiledSampledChain.__call__
-    monkeypatch.setattr(CompiledSampledChain, "__call__", lambda self, *a: calls.append(1) or orig(self, *a))
+    monkeypatch.setattr(CompiledSampledChain, "__call__",
+                        lambda self, *a: (self.compiled and calls.append(1)) or orig(self, *a))
     compared = [[SamplingParams(temperature=0.8, seed=5, max_tokens=MAX, ignore_eos=True),
                  SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)],
                 [SamplingParams(temperature=0.9, seed=6, max_tokens=MAX, ignore_eos=True),
