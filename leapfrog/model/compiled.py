@@ -53,7 +53,7 @@ from torch import Tensor
 from leapfrog.attention.metadata import AttnMeta, build_attn_meta
 from leapfrog.kv.cache import KVCache
 from leapfrog.sampling.sampler import inverse_cdf_draw
-from leapfrog.utils import env_on
+from leapfrog.utils import env_off, env_on
 
 log = logging.getLogger("leapfrog.compile")
 
@@ -238,7 +238,11 @@ class Bucket:
     tokens: int   # new tokens per sequence (padded up to)
 
 
-def make_buckets(max_seqs: int, tokens_per_seq: list[int], max_tokens: int = 256) -> list[Bucket]:
+#: the most tokens (batch x tokens per sequence) one bucket's forward takes
+BUCKET_TOKENS = 256
+
+
+def make_buckets(max_seqs: int, tokens_per_seq: list[int], max_tokens: int = BUCKET_TOKENS) -> list[Bucket]:
     """Buckets for batch sizes 1, 2, 4, ... up to ``max_seqs`` and each of ``tokens_per_seq``
     (1 = plain decode, K + 1 = a verify of K drafts), at most ``max_tokens`` tokens per forward.
 
@@ -283,8 +287,10 @@ class CompiledForward:
         self.caches: tuple[KVCache, ...] = (kv,)   # every cache the graphs read and write (DirectCall)
         self.feature_width = feature_width
         from leapfrog.attention.native import load_native_attention
-        # the attention op in C++ on CPU (else the Python one; on CUDA the Python one's Triton kernel)
-        self.native = kv.k[0].device.type == "cpu" and load_native_attention()
+        # the attention op in C++ on CPU (else the Python one; on CUDA the Python one's Triton kernel;
+        # eagerly, LEAPFROG_NATIVE_ATTENTION=0 picks the Python one too, as for other eager forwards)
+        self.native = (kv.k[0].device.type == "cpu" and (compile or not env_off("LEAPFROG_NATIVE_ATTENTION"))
+                       and load_native_attention())
         self.buckets = sorted(buckets)
         self.warmed: list[Bucket] = []
         self.direct: dict[tuple[int, int], DirectCall] = {}   # by [batch, tokens]
@@ -795,7 +801,11 @@ class CompiledSampledChain(CompiledChain):
     def unread(self, batch: int, dev: torch.device) -> Tensor:
         """[batch, steps, V] float64 exp(-1) (E = 1): the race's uniforms of a step where no row
         races (greedy and unseeded rows), rows of one buffer as large as the largest warmed
-        bucket, made at the first such step."""
+        bucket, made at the first such step (eagerly a broadcast view of one value: no buffer of
+        max_num_seqs x steps x V)."""
+        if not self.compiled:
+            return torch.tensor(math.exp(-1), dtype=torch.float64, device=dev).expand(
+                batch, self.steps, self.model.args.vocab_size)
         if self._unread_u is None:
             most = max(b.batch for b in self.warmed)
             self._unread_u = torch.full((most, self.steps, self.model.args.vocab_size), math.exp(-1),

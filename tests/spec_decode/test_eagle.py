@@ -390,6 +390,25 @@ def test_eager_fused_drafts_equal_the_expansion(shapes, tokenizer, kind, tree, m
     assert any(branching) == (tree != "chain")
 
 
+def test_eager_loops_stay_small_at_large_batches(shapes, monkeypatch):
+    """The eager drafting loops take batches up to the compiled buckets' token cap (larger ones
+    grow level by level), their "no race" uniforms are a broadcast view (no max_num_seqs x steps
+    x V buffer), and LEAPFROG_NATIVE_ATTENTION=0 reaches them as it reaches other eager forwards."""
+    from leapfrog.model.compiled import BUCKET_TOKENS
+    target, heads = shapes["llama_untied"]
+    spec = {"method": "eagle3", "model": str(heads["eagle3"]), **TREES["chain"]}
+    llm = LLM(model=str(target), dtype="float32", max_model_len=64, max_num_seqs=80, speculative_config=spec)
+    runner = llm.engine.proposer.runner
+    s = runner.chain.steps + 1
+    assert [b.batch for b in runner.chain.warmed] == list(range(1, BUCKET_TOKENS // s + 1))
+    u = runner.sampled_chain.unread(40, torch.device("cpu"))
+    assert u.shape == (40, runner.chain.steps, runner.model.args.vocab_size) and u.stride() == (0, 0, 0)
+    assert runner.chain.native == runner._native_attention()
+    monkeypatch.setenv("LEAPFROG_NATIVE_ATTENTION", "0")
+    off = LLM(model=str(target), dtype="float32", max_model_len=64, max_num_seqs=2, speculative_config=spec)
+    assert not off.engine.proposer.runner.chain.native
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind,tree", [("eagle3", "chain"), ("eagle", "narrow"), ("eagle3", "dynamic"),
                                        ("eagle3", "auto")])
