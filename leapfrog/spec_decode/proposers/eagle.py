@@ -241,7 +241,8 @@ class EagleProposer:
     def _fuse(self, compile: bool) -> None:
         """The fused drafting loops of ``compile`` (compile=False: the same loops run eagerly,
         enforce_eager's default: one Python call per draft instead of the level-by-level
-        expansion's bookkeeping; every batch size its own bucket, nothing padded)."""
+        expansion's bookkeeping; every batch size up to BUCKET_TOKENS tokens its own bucket,
+        nothing padded)."""
         from leapfrog.model.compiled import BUCKET_TOKENS, Bucket, make_buckets
         feats = self.head.cfg.target_hidden_size if self.head.kind == "eagle" else self.head.cfg.feature_size
         rows, s = self.runner.kv.num_rows, self.depth + 1
