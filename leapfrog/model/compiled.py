@@ -359,9 +359,12 @@ class CompiledForward:
         """The [batch, tokens] bucket of a call's arguments."""
         return tuple(args[0].shape)
 
-    def _serve(self, args: tuple):
+    def _serve(self, args: tuple, steps: int | None = None):
+        """``steps``: an eager chain's steps this call (compile=False only: fewer than the
+        graph's ``steps`` when no sequence drafts that deep; a graph always runs all of them)."""
         if not self.compiled:
-            return self._fn(*args)
+            return self._fn(*args) if steps is None else self._fn(*args, steps=steps)
+        assert steps is None, "a compiled chain runs all its steps"
         key = self._key(args)
         r = self.replays.get(key)
         if r is not None and r.matches(args):
@@ -615,8 +618,10 @@ class CompiledChain(CompiledForward):
         self._fn = self._wrap(self._chain)
 
     def _chain(self, tok: Tensor, pos: Tensor, mask: Tensor, rows: Tensor, write_rows: Tensor, write_cols: Tensor,
-               kv_len: Tensor, features: Tensor | None, last: Tensor, col: Tensor) -> ChainOutput:
-        toks, (lps,) = self._steps(tok, pos, mask, rows, write_rows, write_cols, kv_len, features, last, col)
+               kv_len: Tensor, features: Tensor | None, last: Tensor, col: Tensor,
+               steps: int | None = None) -> ChainOutput:
+        toks, (lps,) = self._steps(tok, pos, mask, rows, write_rows, write_cols, kv_len, features, last, col,
+                                   steps=steps)
         return ChainOutput(toks, lps)
 
     def _pick(self, logits: Tensor, j: int, *pick_args: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
@@ -627,8 +632,10 @@ class CompiledChain(CompiledForward):
 
     def _steps(self, tok: Tensor, pos: Tensor, mask: Tensor, rows: Tensor, write_rows: Tensor, write_cols: Tensor,
                kv_len: Tensor, features: Tensor | None, last: Tensor, col: Tensor,
-               *pick_args: Tensor) -> tuple[Tensor, list[Tensor]]:
-        """The chain: -> tokens [B, steps] and each of ``_pick``'s outputs stacked [B, steps, ...]."""
+               *pick_args: Tensor, steps: int | None = None) -> tuple[Tensor, list[Tensor]]:
+        """The chain: -> tokens [B, steps] and each of ``_pick``'s outputs stacked [B, steps, ...]
+        (``steps``: eagerly, fewer than the graph's; see ``_serve``)."""
+        steps = self.steps if steps is None else steps
         B, S = tok.shape
         at = torch.arange(B, device=tok.device) * S + last                        # [B] rows of the last tokens
         g = self._forward(tok, pos, mask, rows, write_rows, write_cols, kv_len, features, at if S > 1 else None)
@@ -637,13 +644,13 @@ class CompiledChain(CompiledForward):
         state = self._state(g, at)
         cols = torch.arange(mask.shape[-1], device=tok.device)                     # [W]
         toks, outs = [], []
-        for j in range(self.steps):
+        for j in range(steps):
             x, out = self._pick(logits, j, *pick_args)
             if self.vocab is not None:
                 x = self.vocab[x]                                                  # [B] target ids
             toks.append(x)
             outs.append(out if state is None else (*out, state))
-            if j == self.steps - 1:
+            if j == steps - 1:
                 break
             c = col + j                                                            # [B] this step's column
             m = causal_mask(cols, c[:, None], self.window)                         # [B, 1, 1, W]
@@ -660,8 +667,8 @@ class CompiledChain(CompiledForward):
         return None
 
     def __call__(self, tok: Tensor, pos: Tensor, meta: AttnMeta, features: Tensor | None,  # type: ignore[override]
-                 last: Tensor, col: Tensor) -> ChainOutput:
-        return self._serve(self._args(tok, pos, meta, features, last, col))
+                 last: Tensor, col: Tensor, steps: int | None = None) -> ChainOutput:
+        return self._serve(self._args(tok, pos, meta, features, last, col), steps)
 
     def _flatten(self, out: ChainOutput) -> list[Tensor]:  # type: ignore[override]
         return [out.tokens, out.logprobs]
@@ -815,9 +822,9 @@ class CompiledSampledChain(CompiledChain):
     def _sampled_chain(self, tok: Tensor, pos: Tensor, mask: Tensor, rows: Tensor, write_rows: Tensor,
                        write_cols: Tensor, kv_len: Tensor, features: Tensor | None, last: Tensor, col: Tensor,
                        temperature: Tensor, sampled: Tensor, u: Tensor, stream: Tensor,
-                       w: Tensor) -> SampledChainOutput:
+                       w: Tensor, steps: int | None = None) -> SampledChainOutput:
         toks, (lps, shares, q) = self._steps(tok, pos, mask, rows, write_rows, write_cols, kv_len, features, last,
-                                             col, temperature, sampled, u, stream, w)
+                                             col, temperature, sampled, u, stream, w, steps=steps)
         return SampledChainOutput(toks, lps, shares, q)
 
     def _pick(self, logits: Tensor, j: int, *pick_args: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
@@ -833,8 +840,9 @@ class CompiledSampledChain(CompiledChain):
 
     def __call__(self, tok: Tensor, pos: Tensor, meta: AttnMeta, features: Tensor | None,  # type: ignore[override]
                  last: Tensor, col: Tensor, temperature: Tensor, sampled: Tensor, u: Tensor, stream: Tensor,
-                 w: Tensor) -> SampledChainOutput:
-        return self._serve(self._args(tok, pos, meta, features, last, col, temperature, sampled, u, stream, w))
+                 w: Tensor, steps: int | None = None) -> SampledChainOutput:
+        return self._serve(self._args(tok, pos, meta, features, last, col, temperature, sampled, u, stream, w),
+                           steps)
 
     def _flatten(self, out: SampledChainOutput) -> list[Tensor]:  # type: ignore[override]
         return [out.tokens, out.logprobs, out.shares, out.q]

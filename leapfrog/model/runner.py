@@ -55,6 +55,12 @@ NATIVE_EAGER_TOKENS = 256
 SPLIT_FORWARD_TOKENS = {"cpu": 32, "cuda": 256}
 
 
+def _chain_steps(c: CompiledChain, steps: int) -> int:
+    """The steps a fused chain runs for drafts of ``steps`` tokens: a compiled graph all of its
+    own; eagerly just those (a chain of 2 from a depth-5 head: 2 head forwards, not 5)."""
+    return c.steps if c.compiled else steps
+
+
 def _first(out: Any, n: int) -> Any:
     """A fused graph's output dataclass (ChainOutput, SampledChainOutput, TreeOutput,
     DecodeStepsOutput) cut to its first ``n`` sequences (the rest padded the bucket); None stays None."""
@@ -279,12 +285,13 @@ class ModelRunner:
         """Greedy chains of ``steps`` tokens after each chunk, fused in one compiled graph: each
         chunk's pending tokens (chains, ``num_logits`` 1), then ``steps - 1`` tokens each fed
         the previous argmax (and an EAGLE head's own previous state). -> tokens and log q
-        [len(chunks), steps] in chunk order, or None when no warmed chain graph fits (the
+        [len(chunks), steps or more (a compiled graph runs all its own)] in chunk order, or None when no warmed chain graph fits (the
         caller drafts step by step)."""
         c = self.chain
         if c is None or steps > c.steps:
             return None
-        out = self._fused(c, chunks, c.steps - 1)   # the last draft's column must fit (all steps run)
+        run = _chain_steps(c, steps)
+        out = self._fused(c, chunks, run - 1, steps=None if run == c.steps else run)
         return _first(out, len(chunks))
 
     def fits_decode_steps(self, chunks: list[SeqChunk]) -> bool:
@@ -315,16 +322,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def draft_sampled_chain(self, chunks: list[SeqChunk], temperature: Tensor, sampled: Tensor,
-                            u: Tensor, stream: Tensor, w: Tensor) -> SampledChainOutput | None:
+                            u: Tensor, stream: Tensor, w: Tensor, steps: int | None = None) -> SampledChainOutput | None:
         """Chains of the sampled graph's ``steps`` tokens after each chunk (as ``draft_chain``):
         temperature [n], sampled [n] bool (False: the argmax), u [n, steps, V] float64 the race's
         uniforms of seeded rows, stream [n] bool the unseeded rows, which draw by inverse CDF
-        with w [n, steps] float64, all on the runner's device. -> per chunk, or None when no
-        graph fits."""
+        with w [n, steps] float64, all on the runner's device; ``steps``: the tokens wanted (default
+        the graph's; an eager chain runs just those). -> per chunk, or None when no graph fits."""
         c = self.sampled_chain
-        if c is None:
+        if c is None or (steps or 0) > c.steps:
             return None
-        out = self._fused(c, chunks, c.steps - 1, (temperature, sampled, u, stream, w))
+        run = _chain_steps(c, steps or c.steps)
+        out = self._fused(c, chunks, run - 1, (temperature, sampled, u, stream, w), None if run == c.steps else run)
         return _first(out, len(chunks))
 
     @torch.inference_mode()
@@ -351,10 +359,12 @@ class ModelRunner:
             return None
         return g.bucket_for(len(chunks), max(len(ch.token_ids) for ch in chunks), kv_len)
 
-    def _fused(self, g: CompiledChain, chunks: list[SeqChunk], after: int, extra: tuple[Tensor, ...] = ()) -> Any:
+    def _fused(self, g: CompiledChain, chunks: list[SeqChunk], after: int, extra: tuple[Tensor, ...] = (),
+               steps: int | None = None) -> Any:
         """Run a fused drafting graph over chunks' pending tokens, padded to its bucket; ``after``:
         cache columns it writes past the chunks; ``extra``: per-chunk inputs [n, ...] after the
-        graph's own (padding rows repeat the first). -> its output, or None when nothing fits."""
+        graph's own (padding rows repeat the first); ``steps``: an eager chain's steps this call
+        (``_chain_steps``). -> its output, or None when nothing fits."""
         bucket = self._fused_bucket(g, chunks, after)
         if bucket is None:
             return None
@@ -369,6 +379,8 @@ class ModelRunner:
         feats = self._pad_features(full, bucket.tokens) if g.feature_width is not None else None
         pad = bucket.batch - len(chunks)
         extra = tuple(torch.cat([x, x[:1].expand(pad, *x.shape[1:])]) if pad else x for x in extra)
+        if steps is not None:
+            return g(tok, posn, meta, feats, last, col, *extra, steps=steps)
         return g(tok, posn, meta, feats, last, col, *extra)
 
     def move_cols(self, row: int, src: list[int], dst: list[int]) -> None:

@@ -371,7 +371,8 @@ def test_eager_fused_drafts_equal_the_expansion(shapes, tokenizer, kind, tree, m
     drafts = {fused: _recording(llm) for fused, llm in llms.items()}
     calls = []
     orig = CompiledChain.__call__   # (CompiledTree's and CompiledSampledChain's too)
-    monkeypatch.setattr(CompiledChain, "__call__", lambda self, *a: calls.append(type(self).__name__) or orig(self, *a))
+    monkeypatch.setattr(CompiledChain, "__call__",
+                        lambda self, *a, **kw: calls.append(type(self).__name__) or orig(self, *a, **kw))
     sps = [SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True),
            SamplingParams(temperature=0.8, seed=5, max_tokens=MAX, ignore_eos=True),
            SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)]
@@ -388,6 +389,41 @@ def test_eager_fused_drafts_equal_the_expansion(shapes, tokenizer, kind, tree, m
     assert want <= set(calls), calls
     branching = [p != list(range(-1, len(p) - 1)) for _, ps in drafts["1"] for p in ps]
     assert any(branching) == (tree != "chain")
+
+
+def test_eager_chains_run_only_the_levels_drafted(shapes, tokenizer, monkeypatch):
+    """An eager drafting loop runs as many head forwards as the deepest draft of its step (a
+    request near its max_tokens drafts fewer levels), not the whole depth as a compiled graph
+    must: greedy and sampled chains, and the same output as the level-by-level expansion."""
+    from leapfrog.model.compiled import CompiledChain
+    target, heads = shapes["llama_untied"]
+    spec = {"method": "eagle3", "model": str(heads["eagle3"]), **TREES["chain"]}
+
+    def make(fused):
+        with monkeypatch.context() as m:
+            m.setenv("LEAPFROG_EAGER_FUSED_DRAFTS", fused)
+            return LLM(model=str(target), dtype="float32", max_model_len=64, max_num_seqs=2, seed=1,
+                       speculative_config=spec)
+    llm, ref = make("1"), make("0")
+    forwards, steps = [], []
+    fwd = CompiledChain._forward
+    monkeypatch.setattr(CompiledChain, "_forward", lambda self, *a, **kw: forwards.append(1) or fwd(self, *a, **kw))
+    propose = llm.engine.proposer.propose
+
+    def counted(reqs, ks):
+        forwards.clear()
+        d = propose(reqs, ks)
+        if forwards:
+            steps.append((max(d.num_draft), len(forwards)))
+        return d
+    llm.engine.proposer.propose = counted
+    prompts = [{"prompt_token_ids": p} for p in prompts_of(tokenizer, 2)]
+    for sp in (SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+               SamplingParams(temperature=0.8, max_tokens=7, ignore_eos=True, seed=2)):
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        assert outs == [o.outputs[0].token_ids for o in ref.generate(prompts, sp, use_tqdm=False)]
+    assert any(n < 4 for n, _ in steps) and any(n == 4 for n, _ in steps), steps
+    assert all(n == f for n, f in steps), steps
 
 
 def test_eager_loops_stay_small_at_large_batches(shapes, monkeypatch):
@@ -441,10 +477,10 @@ def test_fast_path_drafts_as_eager(shapes, tokenizer, kind, tree, monkeypatch):
     calls = {way: [] for way in llms}
     orig = CompiledChain.__call__   # (CompiledTree's too)
 
-    def counted(self, *a):
+    def counted(self, *a, **kw):
         way = "compiled" if self.compiled else "eager"
         calls[way].append(type(self).__name__)
-        return orig(self, *a)
+        return orig(self, *a, **kw)
     monkeypatch.setattr(CompiledChain, "__call__", counted)
     graphs = counters["stats"]["unique_graphs"]
     outs = {way: [o.outputs[0].token_ids for o in llm.generate(inputs, sp, use_tqdm=False)]

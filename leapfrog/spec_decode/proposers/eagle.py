@@ -353,7 +353,8 @@ class EagleProposer:
             return False
         if chain is None:
             return False
-        out = self.runner.draft_chain(self._pending(rs, chain.max_tokens), self.depth)
+        levels = max(self._levels(reqs[b], ks[b]) for b in active)
+        out = self.runner.draft_chain(self._pending(rs, chain.max_tokens), levels)
         if out is None:
             return False
         self._consumed(rs)
@@ -384,7 +385,8 @@ class EagleProposer:
         temperature = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in rs],
                                    device=self.runner.device)
         drawn = torch.tensor([not r.params.greedy for r in rs], device=self.runner.device)
-        out = self.runner.draft_sampled_chain(chunks, temperature, drawn, *self._chain_draws(rs, levels, chain))
+        out = self.runner.draft_sampled_chain(chunks, temperature, drawn, *self._chain_draws(rs, levels, chain),
+                                              steps=max(levels))
         if out is None:
             raise RuntimeError("sampled chain: no graph for a step its bucket check admitted")
         self._consumed(rs)
