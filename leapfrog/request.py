@@ -80,6 +80,12 @@ class Request:
         return self.generator
 
     @property
+    def unseeded_sampled(self) -> bool:
+        """Sampled from the request's own generator stream (no seed): its drafts are verified by
+        rejection sampling, so a tree proposer drafts it a chain drawn from q (proposers/eagle.py)."""
+        return not self.params.greedy and self.seed_key is None
+
+    @property
     def temperature_only(self) -> bool:
         """Every row of this request, drafts included, is drawn from softmax(logits / temperature):
         sampled with nothing else changing the logits, no grammar, past min_tokens."""

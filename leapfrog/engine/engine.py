@@ -592,9 +592,9 @@ class LLMEngine:
         if not groups and self.runner.multi_step is not None and self._decode_steps(reqs):
             return reqs
         parts = []
+        t_step = time.perf_counter()   # the whole step (the controller's t_host: what is neither below)
         t_draft = 0.0   # the configured proposer's drafting time (what the K controller weighs)
         for proposer, idx in groups:
-            t0 = time.perf_counter()
             sub = [reqs[i] for i in idx]
             if proposer is self.predictor:
                 ks = [cap_drafts(r, MAX_PREDICTION_DRAFT, self.max_model_len) for r in sub]
@@ -604,6 +604,7 @@ class LLMEngine:
                     return reqs
                 if len(sub) == len(reqs) and not any(ks) and self._plain_steps(reqs):
                     return reqs
+            t0 = time.perf_counter()
             parts.append((idx, proposer.propose(sub, ks) if any(ks) else DraftBatch.empty(len(sub))))
             if proposer is self.proposer:
                 t_draft = time.perf_counter() - t0
@@ -632,6 +633,7 @@ class LLMEngine:
             levels = max(depths(parent_lists[b]), default=0) if tree else n_draft
             req.metrics.spec.record(n_draft, n_acc, levels)
             self.spec_metrics.record(n_draft, n_acc, levels)
+        told = None   # (the controller hears of the step when it is over: t_step)
         for (proposer, idx), (_, part) in zip(groups, parts):
             sub, sub_result = [reqs[i] for i in idx], result.select(idx)
             try:
@@ -641,11 +643,14 @@ class LLMEngine:
                 for req in sub:
                     self._reset_proposer(req)
             if proposer is self.proposer:
-                self._tell_controller(self.spec_controller.observe, sub, part, sub_result, t_draft, t_verify,
-                                      batch_size=len(reqs), verify_tokens=max(drafts.num_draft, default=0) + 1)
+                told = (sub, part, sub_result)
         for b, (req, ids) in enumerate(zip(reqs, result.output_ids)):
             if req.request_id in self.requests:
                 self._guarded(req, self._append, req, ids, result.logprobs[b] if result.logprobs else None)
+        if told is not None:
+            self._tell_controller(self.spec_controller.observe, *told, t_draft, t_verify, batch_size=len(reqs),
+                                  verify_tokens=max(drafts.num_draft, default=0) + 1,
+                                  t_step=time.perf_counter() - t_step)
         return reqs
 
     def _decode_steps(self, reqs: list[Request]) -> bool:
@@ -750,7 +755,7 @@ class LLMEngine:
         out = self.runner.spec_rounds([r.row for r in reqs], state, cols, rounds, race)
         if not all(map(math.isfinite, out.top.flatten().tolist())):
             raise FloatingPointError("non-finite logits from the model (fp16 overflow? try bfloat16 or float32)")
-        accepted = drafted = 0
+        accepted = drafted = rejected = 0
         for req, drafts, target in zip(reqs, out.drafts.tolist(), out.target.tolist()):
             results = [greedy_accept(t, d, [g.k]) for d, t in zip(drafts, target)]
             ids = [x for res in results for x in res.output_ids[0]]
@@ -766,14 +771,14 @@ class LLMEngine:
                 req.metrics.num_target_forwards += 1
                 req.metrics.spec.record(g.k, n, g.k)
                 self.spec_metrics.record(g.k, n, g.k)
-                accepted, drafted = accepted + n, drafted + g.k
+                accepted, drafted, rejected = accepted + n, drafted + g.k, rejected + (n < g.k)
                 kept -= n + 1
         for b, req in enumerate(reqs):
             if req.request_id in self.requests:
                 self._guarded(req, self.proposer.after_rounds, req, tuple(x[b] for x in out.state))
         # (an adaptive K or "auto" tree size weighs the rounds by their measured time per round)
         self._tell_controller(self.spec_controller.observe_rounds, len(reqs), rounds, time.perf_counter() - t0,
-                              accepted, drafted)
+                              accepted, drafted, rejected=rejected)
         return True
 
     def _round_noise(self, reqs: list[Request], drawn: list[bool], n: int) -> RoundRace:

@@ -3,20 +3,25 @@
 Fixed policy: K for every request (capped by the request's own limit and by what is left
 of max_tokens and of the context), 0 when the batch is larger than disable_by_batch_size.
 
-Adaptive policy (``adaptive: true``). With per-token acceptance rate alpha (an exponential
-moving average of accepted / drafted), drafting k tokens yields, per sequence and step,
+Adaptive policy (``adaptive: true``). With per-token acceptance rate alpha, drafting k tokens
+yields, per sequence and step,
 
     E[tokens](k) = (1 - alpha^(k+1)) / (1 - alpha)            (Leviathan et al., eq. 1)
 
-and costs  cost(k) = k * c_draft(B) + t_verify(B, k + 1), where c_draft is the measured draft
-time per drafted token and t_verify(B, s) the measured time of one target forward over s
-tokens per sequence at batch size B (both moving averages, keyed by batch-size bucket). The
-controller picks
+and costs  cost(k) = k * c_draft(B) + t_verify(B, k + 1) + t_host(B), where c_draft is the
+measured draft time per drafted token, t_verify(B, s) the measured time of one target forward
+over s tokens per sequence at batch size B (with acceptance) and t_host(B) the rest of the
+step (choosing k, committing, outputs: the same whatever k, but paid per step, so it favours
+longer drafts; left out, it made no speculation look 8 % better than it was at T = 0.7), all
+moving averages keyed by batch-size bucket. The controller picks
 
     k* = argmax_{k in 0..K} E[tokens](k) / cost(k)            (goodput, tokens per second)
 
-k = 0 (no speculation) has E = 1 and cost t_verify(B, 1), which is measured first at every
-batch-size bucket. Unmeasured verify costs are interpolated linearly between measured ones
+k = 0 (no speculation) has E = 1 and cost t_verify(B, 1) + t_host(B), which is measured first at
+every batch-size bucket. alpha is the geometric model's maximum-likelihood estimate, accepted /
+tried (TokenRate: a draft token is tried when all before it were accepted), not accepted /
+drafted, which counts the untried tokens after a rejection as rejected and so underestimates
+alpha the more, the longer the drafts (0.59 for a true 0.8 at k = 4): it pulled K down. Unmeasured verify costs are interpolated linearly between measured ones
 (optimistically flat beyond them, so an unmeasured K gets tried once). Every
 ``adaptive_explore_interval`` steps the controller tries a neighbour of k* if its estimated
 goodput is within 15 % of k*'s, so close calls stay measured without paying for hopeless
@@ -54,11 +59,18 @@ down) and down by width when it is narrower than any measured one (a tree measur
 make the chain look as dear as itself: at T = 0.7 the chain was then never tried), so it gets
 tried. (A step's time includes the head's catch-up on the tokens just accepted, which does not
 shrink with the tree: scaled down to one level it made one-level trees look cheap, and those only
-ever show one candidate's confidence, so the tree never grew again.) a is the ratio of the moving
-averages of accepted and predicted tokens (not an average of per-step ratios, which single unlucky
-steps swing). The tree shrinks as verification stops being cheap (larger batches, slower CPUs) and
+ever show one candidate's confidence, so the tree never grew again.) a is accepted over predicted
+tokens, sums over a window of predicted tokens (TokenRate; not an average of per-step ratios, which
+single unlucky steps swing, nor moving averages per step). The tree shrinks as verification stops being cheap (larger batches, slower CPUs) and
 as the drafter gets less sure; acceptance needs no exploration, only the verify-cost curve does
-(as for K).
+(as for K). Unseeded sampled requests draft a chain whatever the size (the proposer's sampled
+chains: a node drawn from q has no confidence to rank it by, and its candidate scores are None):
+their expected tokens are E[tokens](L(n)) with alpha measured on them alone, and a batch of
+share f of them expects  f * E[tokens](L(n)) + (1 - f) * (1 + a * C(n))  tokens per sequence
+(f = 1: sizes up to the depth only, a chain's drafting and verification costs). (Scored as if
+confident, their chains made C(n) = n, which overrates long chains and underrates short ones:
+at T = 0.7 "auto" then kept speculation off 60 % of the steps, at 0.99x no speculation where a
+chain of 5 ran 1.14x.)
 
 Speculation rounds (num_scheduler_steps > 1 on the compiled fast path: engine ``_spec_rounds``).
 When the engine has a rounds graph for a chain of ``round_k`` drafts (K, or the chain of the
@@ -87,6 +99,7 @@ on the whole request when it next drafts.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections import defaultdict
 from dataclasses import dataclass
@@ -102,6 +115,8 @@ _PROBE_STEPS = 4   # a probe while speculation is off: this many steps in a row 
 _EXPLORE_MARGIN = 0.85  # explore a neighbouring K only if it is estimated within 15 % of the best
 _ROUND_TRIES = 3   # picks of the rounds' size at a batch size before giving up on measuring rounds there
 _PROBE_BACKOFF = 8   # a probe that finds speculation still not paying doubles the wait, up to this many times
+_RATE_WINDOW = 64   # tried (predicted) draft tokens: the acceptance rate's and calibration's memory (TokenRate)
+_RATE_STEPS = 16    # ... and steps, at most
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -122,7 +137,12 @@ class SpecController:
         self.cfg = cfg
         self.K = cfg.draft_budget
         self.max_model_len = max_model_len
-        self.alpha = 0.7          # prior; replaced by measurements within a few steps
+        self.acceptance = TokenRate()   # alpha (a prior until measured)
+        self.host_cost: dict[int, float] = {}   # bucket -> seconds per step outside drafting and verifying
+        #: auto tree size: the share of the batch last chosen for that drafts chains without
+        #: confidence (unseeded sampled requests: ``Request.unseeded_sampled``)
+        self.free_share = 0.0
+        self.shapes = [cfg.tree_shape(n) for n in range(1, self.K + 1)] if cfg.auto_tree else []
         self.verify_cost: dict[int, dict[int, float]] = {}   # bucket -> s -> seconds
         self.first_verify: dict[int, dict[int, float]] = {}  # bucket -> s -> first (cold) seconds
         self.confirm: dict[int, int] = {}                    # bucket -> size to run again (warm)
@@ -138,7 +158,7 @@ class SpecController:
         self.steps = 0
         self.last_k = self.K
         self.curve: list[float] | None = None   # auto tree size: mean C(n), n = 1..K
-        self._accepted = self._predicted = 0.0   # auto tree size: moving averages per step (calibration)
+        self.calibrated = TokenRate(prior=1.0)   # auto tree size: accepted / predicted (calibration)
         #: speculation rounds: the drafts per round of the engine's rounds graph (None: none compiled)
         self.round_k: int | None = None
         #: the sizes the engine runs as rounds: round_k, and 0 where it has multi-step decode
@@ -153,9 +173,18 @@ class SpecController:
         self.probe_wait: dict[int, int] = {}
 
     @property
+    def alpha(self) -> float:
+        """The per-token acceptance rate of chains (TokenRate)."""
+        return self.acceptance.value
+
+    @alpha.setter
+    def alpha(self, value: float) -> None:
+        self.acceptance = TokenRate(value, 1.0)
+
+    @property
     def calibration(self) -> float:
         """Auto tree size: measured accepted / predicted tokens (1 until a tree is verified)."""
-        return self._accepted / self._predicted if self._predicted else 1.0
+        return self.calibrated.value
 
     def cap(self, req: Request, k: int) -> int:
         return cap_drafts(req, k, self.max_model_len, self.cfg.tree)
@@ -166,6 +195,8 @@ class SpecController:
         disable_by_batch_size go by it)."""
         B = batch_size or len(reqs)
         bucket = _bucket(B)
+        if self.cfg.auto_tree:
+            self.free_share = sum(r.unseeded_sampled for r in reqs) / len(reqs) if reqs else 0.0
         for b in [b for b in self.probes if b != bucket]:   # the batch moved on: its probe is stale
             del self.probes[b]
         if self.cfg.disable_by_batch_size is not None and B > self.cfg.disable_by_batch_size:
@@ -182,7 +213,7 @@ class SpecController:
         elif (self.cfg.auto_tree or self.cfg.adaptive) and self._inherits_off(bucket) and not self.widened.get(bucket):
             k = self._inherited_off(bucket)
         elif self.cfg.auto_tree:
-            k = self._auto_tree_size(B)
+            k = self._auto_tree_size(B, self.free_share)
         elif self.cfg.adaptive:
             k = self._adaptive_k(B)
         else:
@@ -244,18 +275,21 @@ class SpecController:
         if k == 0:
             return 1.0 / self.round_time[(bucket, 0)]
         if self.cfg.auto_tree:
-            if self.curve is None:
+            f = self.free_share
+            if self.curve is None and f < 1:
                 return None
-            tokens = 1.0 + self.calibration * self.curve[k - 1]
+            tokens = f * expected_tokens(self.alpha, k) + (
+                (1 - f) * (1.0 + self.calibration * self.curve[k - 1]) if f < 1 else 0.0)
         else:
             tokens = expected_tokens(self.alpha, k)
         return tokens / self.round_time[(bucket, k)]
 
     def observe_rounds(self, batch_size: int, rounds: int, seconds: float, accepted: int = 0, drafted: int = 0,
-                       size: int | None = None) -> None:
+                       size: int | None = None, rejected: int = 0) -> None:
         """One engine step of ``rounds`` speculation rounds of ``size`` drafts (default round_k;
         0: ``rounds`` steps of multi-step decode) over ``batch_size`` sequences in ``seconds``,
-        whose kept rounds accepted ``accepted`` of ``drafted`` draft tokens (all sequences)."""
+        whose kept rounds accepted ``accepted`` of ``drafted`` draft tokens (all sequences), and
+        ``rejected`` of them ended on a rejected draft (alpha: accepted / (accepted + rejected))."""
         bucket = _bucket(batch_size)
         key = (bucket, self.round_k if size is None else size)
         if key[1]:
@@ -270,77 +304,94 @@ class SpecController:
         self.round_time[key] = per if old is None or seen < 2 else _bounded_ema(old, per)
         if not drafted or self.round_k is None:
             return
-        if not self.cfg.auto_tree:
-            self.alpha = _ema(self.alpha, accepted / drafted)
-        elif self.curve is not None:   # predicted: the chain's mean confidence sum per kept round
+        if not self.cfg.auto_tree or self.free_share == 1:
+            self.acceptance.update(accepted, accepted + rejected)
+        elif self.curve is not None and self.free_share == 0:   # predicted: the chain's mean confidence sum per kept round
             self._calibrate(accepted, self.curve[self.round_k - 1] * drafted / self.round_k)
 
     def _calibrate(self, accepted: float, predicted: float) -> None:
-        """Move the calibration's moving averages of accepted and predicted tokens by one step's."""
-        first = self._predicted == 0
-        self._accepted = _ema(self._accepted, accepted, first)
-        self._predicted = _ema(self._predicted, predicted, first)
+        """Move the calibration by one step's accepted and predicted tokens."""
+        self.calibrated.update(accepted, predicted)
 
     def _verify_time(self, bucket: int, s: int) -> float | None:
+        return self._verify_times(bucket, [s])[0]
+
+    def _verify_times(self, bucket: int, sizes: list[int]) -> list[float | None]:
+        """t_verify(B, s) for each s: measured, interpolated linearly between measured sizes,
+        extrapolated along the last measured slope beyond them (flat with one size measured),
+        flat below the smallest; None when nothing is measured at this bucket."""
         table = self.verify_cost.get(bucket, {})
-        if s in table:
-            return table[s]
-        lower = [x for x in table if x < s]
-        upper = [x for x in table if x > s]
-        if lower and upper:
-            a, b = max(lower), min(upper)
-            return table[a] + (table[b] - table[a]) * (s - a) / (b - a)
-        if len(lower) >= 2:  # extrapolate along the last measured slope
-            b, a = sorted(lower)[-2:]
-            return table[b] + max(0.0, (table[b] - table[a]) / (b - a)) * (s - b)
-        if lower:
-            return table[max(lower)]
-        if upper:
-            return table[min(upper)]
-        return None
+        xs = sorted(table)
+        out: list[float | None] = []
+        for s in sizes:
+            i = bisect.bisect_left(xs, s)
+            if i < len(xs) and xs[i] == s:
+                out.append(table[s])
+            elif 0 < i < len(xs):
+                a, b = xs[i - 1], xs[i]
+                out.append(table[a] + (table[b] - table[a]) * (s - a) / (b - a))
+            elif i >= 2:   # beyond the largest: along the last measured slope
+                a, b = xs[i - 2], xs[i - 1]
+                out.append(table[b] + max(0.0, (table[b] - table[a]) / (b - a)) * (s - b))
+            elif xs:
+                out.append(table[xs[i - 1]] if i else table[xs[0]])
+            else:
+                out.append(None)
+        return out
 
     def _adaptive_k(self, B: int) -> int:
         bucket = _bucket(B)
         t1 = self.verify_cost.get(bucket, {}).get(1)
         if t1 is None:   # measure plain decode at this batch size first (unless drafting is free now)
             return self.K if self.widened.get(bucket) else 0
-        c_d = self.draft_cost.get(bucket, 0.0)
+        c_d, host = self.draft_cost.get(bucket, 0.0), self.host_cost.get(bucket, 0.0)
 
         def goodput(k: int) -> float:
             if (rounds := self._rounds_goodput(bucket, k)) is not None:
                 return rounds
             if k == 0:
-                return 1.0 / t1
+                return 1.0 / (t1 + host)
             t = self._verify_time(bucket, k + 1) or t1
-            return expected_tokens(self.alpha, k) / (k * c_d + t)
+            return expected_tokens(self.alpha, k) / (k * c_d + t + host)
 
         best_k = max(range(self.K + 1), key=goodput)
         return self._explore(bucket, best_k, goodput, min(self.K, best_k + 1), max(0, best_k - 1), 1)
 
-    def _auto_tree_size(self, B: int) -> int:
+    def _auto_tree_size(self, B: int, free: float = 0.0) -> int:
+        """The tree size by goodput (module docstring) for a batch of B sequences, a share
+        ``free`` of them drafting chains without confidence (unseeded sampled requests)."""
         bucket = _bucket(B)
         t1 = self.verify_cost.get(bucket, {}).get(1)
         if t1 is None:   # measure plain decode at this batch size first (unless drafting is free now)
             return self._probe_size(B) if self.widened.get(bucket) else 0
-        if self.curve is None or not self.tree_draft_cost.get(bucket):
-            return self._probe_size(B)  # a first tree: the head's confidences and the costs
-        per_width = self.tree_draft_cost[bucket]
-
-        def goodput(n: int) -> float:
-            if (rounds := self._rounds_goodput(bucket, n)) is not None:
-                return rounds
-            if n == 0:
-                return 1.0 / t1
-            levels, width = self.cfg.tree_shape(n)
+        top = min(self.K, self.cfg.num_speculative_tokens) if free == 1 else self.K   # (chains only)
+        if (self.curve is None and free < 1) or not self.tree_draft_cost.get(bucket):
+            return min(top, self._probe_size(B))  # a first tree: the head's confidences and the costs
+        per_width, host = self.tree_draft_cost[bucket], self.host_cost.get(bucket, 0.0)
+        # what verifying n nodes drafts and verifies: all chains (free = 1), else the tree
+        shapes = [(lv, 1) if free == 1 else (lv, w) for lv, w in self.shapes[:top]]
+        verify = self._verify_times(bucket, [lv + 1 if free == 1 else n + 1 for n, (lv, _) in enumerate(shapes, 1)])
+        drafting: dict[tuple[int, int], float] = {}
+        for shape in set(shapes):
+            levels, width = shape
             near = min(per_width, key=lambda lw: (abs(lw[1] - width), abs(lw[0] - levels), lw))
             t_draft = per_width[near] * max(1.0, levels / near[0])
             if near[1] > width:   # unmeasured and narrower than any measured: optimistic, so it gets tried
                 t_draft *= width / near[1]
-            t = self._verify_time(bucket, n + 1) or t1
-            return (1.0 + self.calibration * self.curve[n - 1]) / (t_draft + t)
-
-        best = max(range(self.K + 1), key=goodput)
-        return self._explore(bucket, best, goodput, min(self.K, max(1, best * 2)), best // 2, self._probe_size(B))
+            drafting[shape] = t_draft
+        a, curve, alpha = self.calibration, self.curve, self.alpha
+        gp = [1.0 / (t1 + host)]
+        for n, (shape, t) in enumerate(zip(shapes, verify), 1):
+            tokens = free * expected_tokens(alpha, shape[0])
+            if free < 1:
+                tokens += (1 - free) * (1.0 + a * curve[n - 1])
+            gp.append(tokens / (drafting[shape] + (t or t1) + host))
+        for k in self.round_sizes:
+            if k < len(gp) and (rounds := self._rounds_goodput(bucket, k)) is not None:
+                gp[k] = rounds
+        best = max(range(len(gp)), key=gp.__getitem__)
+        return self._explore(bucket, best, gp.__getitem__, min(top, max(1, best * 2)), best // 2,
+                             min(top, self._probe_size(B)))
 
     def _explore(self, bucket: int, best: int, goodput: Callable[[int], float], up: int, down: int,
                  probe: int) -> int:
@@ -397,11 +448,16 @@ class SpecController:
         small tree says nothing about a larger one's n-th candidate (padding its sum flat made
         larger trees look worthless, so the tree never grew back)."""
         scores = drafts.candidate_scores
-        if not scores or not any(scores):
+        if not scores or not any(scores):   # (None: a sampled chain's, without confidence)
             return
         sums: list[list[float]] = [[] for _ in range(self.K)]   # per position: C(n) of each proposal that grew n
         predicted = 0.0
+        accepted = 0
         for b, sc in enumerate(scores):
+            if sc is None:
+                continue
+            if drafts.num_draft[b]:
+                accepted += result.num_accepted[b]
             run = list(itertools.accumulate(sc[:self.K]))
             for i, c in enumerate(run):
                 sums[i].append(c)
@@ -418,23 +474,27 @@ class SpecController:
         for i in range(1, self.K):   # C is a cumulative sum: never decreasing in n
             self.curve[i] = max(self.curve[i], self.curve[i - 1])
         if predicted > 0:
-            accepted = sum(result.num_accepted)
             if probe is not None:   # a probe's steps replace the moving sums by their own means
                 probe.accepted += accepted
                 probe.predicted += predicted
-                self._accepted, self._predicted = probe.accepted / probe.seen, probe.predicted / probe.seen
+                self.calibrated = TokenRate(probe.accepted, probe.predicted, 1.0)
             else:
                 self._calibrate(accepted, predicted)
 
     def observe(self, reqs: list[Request], drafts: DraftBatch, result: AcceptanceResult,
                 t_draft: float, t_verify: float, batch_size: int | None = None,
-                verify_tokens: int | None = None) -> None:
+                verify_tokens: int | None = None, t_step: float | None = None) -> None:
         """One verified step of ``reqs`` (this controller's requests) with ``drafts``; ``t_verify``
-        timed the whole step's forward, of ``batch_size`` sequences (default: len(reqs)) and
-        ``verify_tokens`` tokens per sequence (default: these drafts' longest + 1). A step widened
-        by another proposer's longer drafts updates acceptance and drafting cost, not the verify
-        costs of this method's widths."""
+        timed the whole step's forward (and acceptance), of ``batch_size`` sequences (default:
+        len(reqs)) and ``verify_tokens`` tokens per sequence (default: these drafts' longest + 1);
+        ``t_step`` the whole step, choosing the sizes, committing and outputs included (the rest
+        is t_host). A step widened by another proposer's longer drafts updates acceptance and
+        drafting cost, not the verify costs of this method's widths."""
         bucket = _bucket(batch_size or len(reqs))
+        if t_step is not None:
+            host = max(0.0, t_step - t_draft - t_verify)
+            old = self.host_cost.get(bucket)
+            self.host_cost[bucket] = host if old is None else _ema(old, min(host, 2 * old))
         s = max(drafts.num_draft, default=0) + 1
         probe = self.probes.get(bucket)
         if probe is not None and (not probe.pending or s == 1):   # not a probe step: the probe is cut short
@@ -478,12 +538,18 @@ class SpecController:
             old = costs.get(key)
             if not fresh or old is None:   # a probe's first drafting step also catches up on what it skipped
                 costs[key] = per if old is None or seen < 2 or fresh_draft else _bounded_ema(old, per)
-            if probe is not None:   # the probe's pooled rate replaces the estimate
-                probe.tokens += sum(result.num_accepted)
-                probe.drafted += n_draft
-                self.alpha = probe.tokens / probe.drafted
+            # alpha: from chains (auto tree sizes: the sampled chains, without confidence)
+            scores = drafts.candidate_scores if self.cfg.auto_tree else None
+            chains = [b for b, n in enumerate(drafts.num_draft)
+                      if n and (not self.cfg.auto_tree or (scores is not None and scores[b] is None))]
+            accepted = sum(result.num_accepted[b] for b in chains)
+            tried = accepted + sum(result.num_accepted[b] < drafts.num_draft[b] for b in chains)
+            if probe is not None and tried:   # the probe's pooled rate replaces the estimate
+                probe.tokens += accepted
+                probe.tried += tried
+                self.acceptance = TokenRate(probe.tokens, probe.tried)
             else:
-                self.alpha = _ema(self.alpha, sum(result.num_accepted) / n_draft)
+                self.acceptance.update(accepted, tried)
 
 
 def _ema(old: float, sample: float, first: bool = False) -> float:
@@ -513,10 +579,40 @@ def tree_depth_cap(req: Request) -> int:
 
 
 @dataclass
+class TokenRate:
+    """Accepted tokens per token of ``per``, over sums that forget at a rate per token of ``per``
+    (a window of about _RATE_WINDOW of them, however many steps or sequences brought them), and
+    within about _RATE_STEPS steps at most (when acceptance collapses, a chain tries one token a
+    step: 64 steps of drafting in vain before speculation turned off):
+
+    - alpha, the per-token acceptance rate of chains: accepted / tried. A draft token is tried
+      when every one before it in its chain was accepted, so a chain tries its accepted tokens
+      plus the rejected one, if any (the geometric model's maximum-likelihood estimate);
+    - an auto tree's calibration: accepted / predicted (the confidence sums C of the verified trees).
+
+    Moving averages per step swung with single steps (at T = 0.7, batch 1: a few unlucky steps
+    turned speculation off for 128 tokens; at T = 0 a tree's calibration for 24 steps). ``prior``
+    until something is measured."""
+    accepted: float = 0.0
+    per: float = 0.0
+    prior: float = 0.7
+
+    @property
+    def value(self) -> float:
+        return self.accepted / self.per if self.per > 0 else self.prior
+
+    def update(self, accepted: float, per: float) -> None:
+        """One step's accepted tokens, and tried (predicted) ones."""
+        if per > 0:
+            keep = min((1 - 1 / _RATE_WINDOW) ** per, 1 - 1 / _RATE_STEPS)
+            self.accepted, self.per = keep * self.accepted + accepted, keep * self.per + per
+
+
+@dataclass
 class _Probe:
     """A probe of ``size`` while speculation is off: steps chosen and observed so far (``pending``:
     this step's choice was the probe), the tokens it accepted and predicted (auto tree size: the
-    calibration), and accepted of drafted (the acceptance rate)."""
+    calibration), and accepted of tried (the acceptance rate: TokenRate)."""
     size: int
     chosen: int = 1
     seen: int = 0
@@ -524,4 +620,4 @@ class _Probe:
     accepted: float = 0.0
     predicted: float = 0.0
     tokens: int = 0
-    drafted: int = 0
+    tried: int = 0

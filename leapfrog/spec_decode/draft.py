@@ -31,9 +31,10 @@ class DraftBatch:
     num_draft: list[int]              # [B] drafts per request
     draft_probs: Tensor | None = None  # [T, V] q, None => point mass
     parents: Tensor | None = None     # [T] tree parents (None => chains)
-    # per request, the path confidences of every candidate the proposer considered, best first
-    # (tree proposers; read by the auto tree-size controller, spec_decode/adaptive.py)
-    candidate_scores: list[list[float]] | None = None
+    # per request, the path confidences of every candidate the proposer considered, best first,
+    # or None for a chain drawn without them (an unseeded sampled request's: x ~ q) (tree
+    # proposers; read by the auto tree-size controller, spec_decode/adaptive.py)
+    candidate_scores: list[list[float] | None] | None = None
 
     @classmethod
     def empty(cls, batch_size: int) -> "DraftBatch":

@@ -19,6 +19,7 @@ class _Req:
     max_tokens = 1000
     output_ids = [1]
     num_computed = 10
+    unseeded_sampled = False
 
 
 def _step(ctl: SpecController, n: int, confidences: list[float], accepted: int, t_draft: float, t_verify: float):
@@ -260,9 +261,9 @@ def test_rounds_are_weighed_by_their_measured_time():
 def test_rounds_update_the_acceptance_of_an_adaptive_k():
     ctl = SpecController(SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=True), 4096)
     ctl.round_k, ctl.round_sizes = 4, (4,)
-    for _ in range(30):
-        ctl.observe_rounds(2, 8, 0.016, 2 * 8 * 1, 2 * 8 * 4)   # 1 of 4 accepted per round
-    assert abs(ctl.alpha - 0.25) < 0.01 and abs(ctl.round_time[(2, 4)] - 0.002) < 1e-9
+    for _ in range(30):   # 1 of 4 accepted per round, the second rejected: alpha = 1 / 2 (accepted / tried)
+        ctl.observe_rounds(2, 8, 0.016, 2 * 8 * 1, 2 * 8 * 4, rejected=2 * 8)
+    assert abs(ctl.alpha - 0.5) < 0.01 and abs(ctl.round_time[(2, 4)] - 0.002) < 1e-9
     assert abs(ctl._rounds_goodput(2, 4) - expected_tokens(ctl.alpha, 4) / 0.002) < 1e-6
 
 
@@ -289,3 +290,67 @@ def test_multi_step_decode_is_weighed_as_no_speculation():
     assert chosen[:6] == [0, 0, 4, 4, 0, 0] and ctl.plain_steps_ready(1)
     assert abs(ctl.round_time[(1, 0)] - 0.5) < 1e-9 and ctl._rounds_goodput(1, 0) == 2.0
     assert chosen[-20:].count(0) >= 16
+
+
+def _chain_step(ctl: SpecController, k: int, accepted: int, t_draft: float = 0.0, t_verify: float = 1.0,
+                scores=None, t_step: float | None = None, req=None):
+    drafts = DraftBatch(torch.zeros(k, dtype=torch.long), [k], None, None, scores)
+    ctl.observe([req or _Req()], drafts, AcceptanceResult([accepted], [[0] * (accepted + 1)], [k]), t_draft,
+                t_verify, t_step=t_step)
+
+
+def test_alpha_is_accepted_over_tried_not_over_drafted():
+    """Chains of 4 whose tokens are each accepted with probability 0.8 (until the first
+    rejection): alpha comes out near 0.8. Accepted / drafted would say about 0.59, since the
+    tokens after a rejection were never tried."""
+    import random
+    rng = random.Random(0)
+    ctl = SpecController(SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=True), 4096)
+    for _ in range(400):
+        n = 0
+        while n < 4 and rng.random() < 0.8:
+            n += 1
+        _chain_step(ctl, 4, n)
+    assert abs(ctl.alpha - 0.8) < 0.06, ctl.alpha
+
+
+def test_the_steps_host_time_counts_against_every_size():
+    """Verifying two tokens costs 1.5 plain steps and alpha is 0.5: without the step's time outside
+    drafting and verification (1.0 here) no speculation and K = 1 tie; with it, K = 1 wins."""
+    cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=1, adaptive=True)
+    ctl = SpecController(cfg, 4096)
+    ctl.alpha, ctl.verify_cost, ctl.draft_cost = 0.5, {1: {1: 1.0, 2: 1.5}}, {1: 0.0}
+    tie = ctl._adaptive_k(1)
+    ctl.host_cost = {1: 1.0}
+    assert ctl._adaptive_k(1) == 1
+    ctl2 = SpecController(cfg, 4096)   # measured from the engine's t_step
+    for _ in range(3):
+        _chain_step(ctl2, 1, 1, 0.0, 1.5, t_step=2.5)
+    assert abs(ctl2.host_cost[1] - 1.0) < 1e-9 and tie in (0, 1)
+
+
+class _Sampled(_Req):
+    unseeded_sampled = True
+
+
+def test_sampled_chains_without_confidence_are_weighed_by_alpha():
+    """Unseeded sampled requests draft chains whose candidate scores are None: they leave the
+    confidence curve and calibration alone, measure alpha, and a batch of them chooses among
+    chain lengths (up to the depth) by E[tokens](L) = (1 - alpha^(L+1)) / (1 - alpha)."""
+    ctl = SpecController(CFG, 4096)
+    for t in (1.0, 1.0):
+        ctl.observe([_Sampled()], DraftBatch.empty(1), AcceptanceResult([0], [[0]], [0]), 0.0, t)
+    assert ctl.choose([_Sampled()]) == [4]   # the probe: a chain of the depth (no sizes above it)
+    for _ in range(30):
+        _chain_step(ctl, 4, 4, 0.2, 1.1, scores=[None], req=_Sampled())   # all accepted: alpha -> 1
+    assert ctl.curve is None and ctl.calibration == 1.0
+    assert ctl.alpha > 0.9 and ctl.free_share == 1.0
+    assert ctl.choose([_Sampled()]) == [4]
+    for _ in range(60):   # nothing accepted: alpha -> 0, no speculation pays
+        _chain_step(ctl, 4, 0, 0.2, 1.1, scores=[None], req=_Sampled())
+    assert ctl.alpha < 0.1 and ctl.choose([_Sampled()]) == [0]
+    # greedy requests' confidences stay their own: a mixed batch's None entries are skipped
+    two = DraftBatch(torch.zeros(8, dtype=torch.long), [4, 4], None, torch.tensor([-1, 0, 1, 2] * 2),
+                     [[0.5, 0.4, 0.3, 0.2], None])
+    ctl.observe([_Req(), _Sampled()], two, AcceptanceResult([1, 4], [[0, 0], [0] * 5], [4, 4]), 0.2, 1.1)
+    assert ctl.curve[:4] == [0.5, 0.9, 1.2, 1.4] and abs(ctl.calibration - 1 / 1.4) < 1e-9

@@ -426,6 +426,28 @@ def test_eager_chains_run_only_the_levels_drafted(shapes, tokenizer, monkeypatch
     assert all(n == f for n, f in steps), steps
 
 
+def test_sampled_chains_carry_no_confidence(shapes, tokenizer):
+    """An unseeded sampled request's drafts (a chain drawn from q) give the auto tree size no
+    candidate scores (None: what its controller weighs by alpha instead); greedy ones do."""
+    target, heads = shapes["llama_untied"]
+    spec = {"method": "eagle3", "model": str(heads["eagle3"]), **TREES["auto"]}
+    llm = LLM(model=str(target), dtype="float32", max_model_len=128, max_num_seqs=2, speculative_config=spec)
+    seen, propose = [], llm.engine.proposer.propose
+
+    def record(reqs, ks):
+        d = propose(reqs, ks)
+        seen.extend((r.unseeded_sampled, n, sc) for r, n, sc in zip(reqs, d.num_draft, d.candidate_scores))
+        return d
+    llm.engine.proposer.propose = record
+    prompts = [{"prompt_token_ids": p} for p in prompts_of(tokenizer, 2)]
+    for sp in (SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+               SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True)):
+        llm.generate(prompts, sp, use_tqdm=False)
+    drafted = [(free, sc) for free, n, sc in seen if n]
+    assert {free for free, _ in drafted} == {True, False}
+    assert all((sc is None) == free for free, sc in drafted)
+
+
 def test_eager_loops_stay_small_at_large_batches(shapes, monkeypatch):
     """The eager drafting loops take batches up to the compiled buckets' token cap (larger ones
     grow level by level), their "no race" uniforms are a broadcast view (no max_num_seqs x steps

@@ -217,7 +217,9 @@ class EagleProposer:
             draft_probs = torch.stack([q if q is not None else one_hot(torch.tensor(t, device=q0.device),
                                                                        q0.shape[-1]).to(q0)
                                        for q, t in zip(qs, toks)])  # [T, V]
-        scores = [sorted((math.exp(n.score) for n in nodes.get(b, [])), reverse=True) for b in range(len(reqs))]
+        # (a sampled chain's nodes have no confidence: None, for the auto tree size's controller)
+        scores = [None if any(n.sampled for n in nodes.get(b, ()))
+                  else sorted((math.exp(n.score) for n in nodes.get(b, [])), reverse=True) for b in range(len(reqs))]
         return DraftBatch(torch.tensor(toks, dtype=torch.long), nums, draft_probs,
                           torch.tensor(parents, dtype=torch.long), candidate_scores=scores)
 
@@ -375,7 +377,7 @@ class EagleProposer:
         chain = self.runner.sampled_chain
         rs = [reqs[b] for b in active]
         if chain is None or not all((r.params.greedy or r.temperature_only)
-                                    and (self._width(ks[b]) == 1 or (not r.params.greedy and r.seed_key is None))
+                                    and (self._width(ks[b]) == 1 or r.unseeded_sampled)
                                     for b, r in zip(active, rs)):
             return False
         chunks = self._pending(rs, chain.max_tokens)
@@ -394,7 +396,7 @@ class EagleProposer:
         for i, (b, r, n) in enumerate(zip(active, rs, levels)):
             score = 0.0
             for d in range(n):
-                q, unseeded = None, not r.params.greedy and r.seed_key is None
+                q, unseeded = None, r.unseeded_sampled
                 if r.params.greedy:
                     score += lps[i][d]
                 elif unseeded:
@@ -413,7 +415,7 @@ class EagleProposer:
         draws ``_candidates`` makes). When no row races, u is the graph's unread buffer: the
         draw of V uniforms per level is what inverse CDF saves."""
         dev, steps, vocab = self.runner.device, chain.steps, chain.model.args.vocab_size
-        stream = [not r.params.greedy and r.seed_key is None for r in rs]
+        stream = [r.unseeded_sampled for r in rs]
         if any(not r.params.greedy and r.seed_key is not None for r in rs):
             rngs = [r.rng(d) if d < n and not s else None for r, n, s in zip(rs, levels, stream) for d in range(steps)]
             u = sampler.noise(rngs, vocab, dev).view(len(rs), steps, vocab)
