@@ -33,8 +33,10 @@ The first time of a forward shape includes one-off costs (kernel selection and p
 new row count: the first 21-token verify of the demo target measured 11.7 ms, later ones about
 8), so a size's first measurement is only provisional: the next step runs the same size again
 and that measurement replaces it (the provisional one is never used in the estimates).
-Beyond the largest measured size the cost is extrapolated along the last measured slope (flat
-while only plain decode is measured, so the first probe happens). A sample counts for at most
+Beyond the largest measured size the cost is extrapolated along the slope from the smallest
+measured size to the largest (flat while only plain decode is measured, so the first probe
+happens). The first drafts at a batch size are a probe of _FIRST_PROBE_STEPS steps, judged
+together (below, ``_explore``). A sample counts for at most
 twice the current estimate, so one-off spikes (a drafter catching up on new prompts, a cold
 shape, the OS) move it by at most 20 %; lasting changes are followed within a few steps.
 
@@ -112,6 +114,10 @@ from leapfrog.spec_decode.verify.result import AcceptanceResult
 
 _EMA = 0.2
 _PROBE_STEPS = 4   # a probe while speculation is off: this many steps in a row (one is too noisy to judge by)
+#: the first drafts at a batch size: this many steps in a row, judged together (the first decode step
+#: after a prompt accepts about half as much as later ones: judged on two steps, a batch of 4 turned
+#: speculation off for 512 steps)
+_FIRST_PROBE_STEPS = 8
 _EXPLORE_MARGIN = 0.85  # explore a neighbouring K only if it is estimated within 15 % of the best
 _ROUND_TRIES = 3   # picks of the rounds' size at a batch size before giving up on measuring rounds there
 _PROBE_BACKOFF = 8   # a probe that finds speculation still not paying doubles the wait, up to this many times
@@ -201,12 +207,12 @@ class SpecController:
             del self.probes[b]
         if self.cfg.disable_by_batch_size is not None and B > self.cfg.disable_by_batch_size:
             k = 0
-        elif (self.cfg.auto_tree or self.cfg.adaptive) and bucket in self.confirm:
-            k = self.confirm.pop(bucket)  # a size measured once (cold): measure it warm
-        elif (probe := self.probes.get(bucket)) is not None and probe.chosen < _PROBE_STEPS:
-            probe.chosen += 1
+        elif (probe := self.probes.get(bucket)) is not None and probe.chosen < probe.steps:
+            probe.chosen += 1   # (its next step measures a cold first size again, as ``confirm`` would)
             probe.pending = True
             k = probe.size
+        elif (self.cfg.auto_tree or self.cfg.adaptive) and bucket in self.confirm:
+            k = self.confirm.pop(bucket)  # a size measured once (cold): measure it warm
         elif (self.cfg.auto_tree or self.cfg.adaptive) and (size := self._round_unmeasured(bucket)) is not None:
             k = size   # (rounds at this batch size: measure them before weighing them)
             self.round_tries[(bucket, k)] = self.round_tries.get((bucket, k), 0) + 1
@@ -255,10 +261,14 @@ class SpecController:
         as verification turns arithmetic-bound; acceptance does not depend on it), without first
         measuring what a smaller batch already ruled out (at a new batch of 32 that cost 16 % of a
         64-token run: two one-token steps, rounds, trees)."""
-        if (bucket in self.draft_cost or self.tree_draft_cost.get(bucket)
-                or any(size and b == bucket for b, size in self.round_samples)):
+        if self._drafted_at(bucket):
             return False
         return any(b < bucket and best == 0 for b, best in self.best.items())
+
+    def _drafted_at(self, bucket: int) -> bool:
+        """Whether drafts were measured at this batch size (one-round steps or rounds)."""
+        return bool(bucket in self.draft_cost or self.tree_draft_cost.get(bucket)
+                    or any(size and b == bucket for b, size in self.round_samples))
 
     def _inherited_off(self, bucket: int) -> int:
         """The choice at a batch size that inherits no speculation (_inherits_off): 0, and a
@@ -318,8 +328,10 @@ class SpecController:
 
     def _verify_times(self, bucket: int, sizes: list[int]) -> list[float | None]:
         """t_verify(B, s) for each s: measured, interpolated linearly between measured sizes,
-        extrapolated along the last measured slope beyond them (flat with one size measured),
-        flat below the smallest; None when nothing is measured at this bucket."""
+        extrapolated beyond them along the slope from the smallest to the largest measured (flat
+        with one size measured; the last two sizes' slope, noisy when they are close, came out
+        flat at a batch of 4, and a 65-token tree looked as cheap as 7 tokens), flat below the
+        smallest; None when nothing is measured at this bucket."""
         table = self.verify_cost.get(bucket, {})
         xs = sorted(table)
         out: list[float | None] = []
@@ -330,8 +342,8 @@ class SpecController:
             elif 0 < i < len(xs):
                 a, b = xs[i - 1], xs[i]
                 out.append(table[a] + (table[b] - table[a]) * (s - a) / (b - a))
-            elif i >= 2:   # beyond the largest: along the last measured slope
-                a, b = xs[i - 2], xs[i - 1]
+            elif i >= 2:   # beyond the largest: along the slope from the smallest
+                a, b = xs[0], xs[i - 1]
                 out.append(table[b] + max(0.0, (table[b] - table[a]) / (b - a)) * (s - b))
             elif xs:
                 out.append(table[xs[i - 1]] if i else table[xs[0]])
@@ -344,6 +356,8 @@ class SpecController:
         t1 = self.verify_cost.get(bucket, {}).get(1)
         if t1 is None:   # measure plain decode at this batch size first (unless drafting is free now)
             return self.K if self.widened.get(bucket) else 0
+        if not self._drafted_at(bucket):
+            return self._first_probe(bucket, self.K)
         c_d, host = self.draft_cost.get(bucket, 0.0), self.host_cost.get(bucket, 0.0)
 
         def goodput(k: int) -> float:
@@ -366,7 +380,7 @@ class SpecController:
             return self._probe_size(B) if self.widened.get(bucket) else 0
         top = min(self.K, self.cfg.num_speculative_tokens) if free == 1 else self.K   # (chains only)
         if (self.curve is None and free < 1) or not self.tree_draft_cost.get(bucket):
-            return min(top, self._probe_size(B))  # a first tree: the head's confidences and the costs
+            return self._first_probe(bucket, min(top, self._probe_size(B)))   # the head's confidences and the costs
         per_width, host = self.tree_draft_cost[bucket], self.host_cost.get(bucket, 0.0)
         # what verifying n nodes drafts and verifies: all chains (free = 1), else the tree
         shapes = [(lv, 1) if free == 1 else (lv, w) for lv, w in self.shapes[:top]]
@@ -379,12 +393,11 @@ class SpecController:
             if near[1] > width:   # unmeasured and narrower than any measured: optimistic, so it gets tried
                 t_draft *= width / near[1]
             drafting[shape] = t_draft
-        a, curve, alpha = self.calibration, self.curve, self.alpha
+        a, curve = self.calibration, self.curve
+        chain = [free * expected_tokens(self.alpha, lv) for lv in range(self.cfg.num_speculative_tokens + 1)]
         gp = [1.0 / (t1 + host)]
         for n, (shape, t) in enumerate(zip(shapes, verify), 1):
-            tokens = free * expected_tokens(alpha, shape[0])
-            if free < 1:
-                tokens += (1 - free) * (1.0 + a * curve[n - 1])
+            tokens = chain[shape[0]] + ((1 - free) * (1.0 + a * curve[n - 1]) if free < 1 else 0.0)
             gp.append(tokens / (drafting[shape] + (t or t1) + host))
         for k in self.round_sizes:
             if k < len(gp) and (rounds := self._rounds_goodput(bucket, k)) is not None:
@@ -417,6 +430,12 @@ class SpecController:
             if cand != best and goodput(cand) >= _EXPLORE_MARGIN * goodput(best):
                 return cand
         return best
+
+    def _first_probe(self, bucket: int, size: int) -> int:
+        """The first drafts at a batch size: a probe of ``size`` for _FIRST_PROBE_STEPS steps, whose
+        pooled measurements replace the estimates (as a probe's while speculation is off)."""
+        self.probes[bucket] = _Probe(size, steps=_FIRST_PROBE_STEPS)
+        return size
 
     def _probe_due(self, bucket: int) -> bool:
         """Whether speculation, off at this batch size, is due a probe: after 8 exploration intervals
@@ -503,7 +522,7 @@ class SpecController:
         elif probe is not None:   # (its drafts may be fewer than asked for: capped, or sampled chains)
             probe.pending = False
             probe.seen += 1
-            if probe.seen >= _PROBE_STEPS:
+            if probe.seen >= probe.steps:
                 del self.probes[bucket]
         fresh = probe is not None and probe.seen == 1         # verify cost
         fresh_draft = probe is not None and probe.seen == 2   # past the drafter's catch-up
@@ -614,6 +633,7 @@ class _Probe:
     this step's choice was the probe), the tokens it accepted and predicted (auto tree size: the
     calibration), and accepted of tried (the acceptance rate: TokenRate)."""
     size: int
+    steps: int = _PROBE_STEPS
     chosen: int = 1
     seen: int = 0
     pending: bool = True

@@ -354,3 +354,27 @@ def test_sampled_chains_without_confidence_are_weighed_by_alpha():
                      [[0.5, 0.4, 0.3, 0.2], None])
     ctl.observe([_Req(), _Sampled()], two, AcceptanceResult([1, 4], [[0, 0], [0] * 5], [4, 4]), 0.2, 1.1)
     assert ctl.curve[:4] == [0.5, 0.9, 1.2, 1.4] and abs(ctl.calibration - 1 / 1.4) < 1e-9
+
+
+def test_costs_beyond_the_measured_sizes_follow_the_whole_curve():
+    """Two close sizes measured out of order by noise (7 tokens cheaper than 6) must not make
+    a 65-token verification look as cheap as 7: the slope from the smallest measured size on."""
+    ctl = SpecController(CFG, 4096)
+    ctl.verify_cost = {4: {1: 4.0, 5: 7.0, 6: 8.0, 7: 7.9}}
+    t = ctl._verify_times(4, [3, 7, 65])
+    assert t[0] == 5.5 and t[1] == 7.9 and t[2] > 7.9 + 0.6 * 57
+
+
+def test_the_first_drafts_at_a_batch_size_are_judged_together():
+    """The first drafting steps at a batch size form one probe: first steps that accept nothing
+    (a prompt cut mid-word) are pooled with the next ones, not judged alone."""
+    ctl = SpecController(SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=True), 4096)
+    chosen = []
+    for i in range(12):
+        k = ctl.choose([_Req()])[0]
+        chosen.append(k)
+        if k:
+            _chain_step(ctl, k, 0 if i in (2, 3) else k, 0.0, 1.0 + 0.05 * k)
+        else:
+            ctl.observe([_Req()], DraftBatch.empty(1), AcceptanceResult([0], [[0]], [0]), 0.0, 1.0)
+    assert chosen[:10] == [0, 0] + [4] * 8 and chosen[-1] == 4
