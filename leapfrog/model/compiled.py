@@ -341,12 +341,15 @@ class CompiledForward:
         return max((b.tokens for b in self.warmed), default=0)
 
     def bucket_for(self, batch: int, tokens: int, kv_len: int) -> Bucket | None:
-        """The smallest warmed bucket a forward of this shape fits, or None (run eagerly)."""
+        """The smallest warmed bucket a forward of this shape fits, or None (run eagerly). An
+        eager loop (compile=False) pads nothing: the shape itself, where a warmed bucket takes it
+        (its chains' catch-up forward padded to depth + 1 tokens cost a batch of 32 three times
+        the rows it needed)."""
         if kv_len > self.kv.max_model_len:
             return None
         for b in self.warmed:
             if b.batch >= batch and b.tokens >= tokens:
-                return b
+                return b if self.compiled else Bucket(batch, tokens)
         return None
 
     def __call__(self, tok: Tensor, pos: Tensor, meta: AttnMeta, features: Tensor | None = None) -> GraphOutput:

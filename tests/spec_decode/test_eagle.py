@@ -450,15 +450,17 @@ def test_sampled_chains_carry_no_confidence(shapes, tokenizer):
 
 def test_eager_loops_stay_small_at_large_batches(shapes, monkeypatch):
     """The eager drafting loops take batches up to the compiled buckets' token cap (larger ones
-    grow level by level), their "no race" uniforms are a broadcast view (no max_num_seqs x steps
+    grow level by level) and pad no sequence to the bucket's tokens, their "no race" uniforms are a broadcast view (no max_num_seqs x steps
     x V buffer), and LEAPFROG_NATIVE_ATTENTION=0 reaches them as it reaches other eager forwards."""
-    from leapfrog.model.compiled import BUCKET_TOKENS
+    from leapfrog.model.compiled import BUCKET_TOKENS, Bucket
     target, heads = shapes["llama_untied"]
     spec = {"method": "eagle3", "model": str(heads["eagle3"]), **TREES["chain"]}
     llm = LLM(model=str(target), dtype="float32", max_model_len=64, max_num_seqs=80, speculative_config=spec)
     runner = llm.engine.proposer.runner
     s = runner.chain.steps + 1
     assert [b.batch for b in runner.chain.warmed] == list(range(1, BUCKET_TOKENS // s + 1))
+    # nothing padded: a catch-up of 2 tokens for 40 sequences runs 80 rows, not 40 x (depth + 1)
+    assert runner.chain.bucket_for(40, 2, 10) == Bucket(40, 2) and runner.chain.bucket_for(60, 2, 10) is None
     u = runner.sampled_chain.unread(40, torch.device("cpu"))
     assert u.shape == (40, runner.chain.steps, runner.model.args.vocab_size) and u.stride() == (0, 0, 0)
     assert runner.chain.native == runner._native_attention()
