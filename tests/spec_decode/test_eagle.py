@@ -352,10 +352,11 @@ def test_int8_head_in_compiled_rounds(shapes, tokenizer):
 @pytest.mark.parametrize("kind,tree", [("eagle3", "chain"), ("eagle", "chain"), ("eagle", "narrow"),
                                        ("eagle3", "dynamic")])
 def test_eager_fused_drafts_equal_the_expansion(shapes, tokenizer, kind, tree, monkeypatch):
-    """enforce_eager=True (the default) drafts greedy chains and dynamic trees, and seeded
-    sampled chains, with the fused drafting loops run eagerly (one call per step): the same
-    tokens and parents every step as the level-by-level expansion (LEAPFROG_EAGER_FUSED_DRAFTS=0),
-    float32, greedy and seeded requests in one batch, and the same outputs."""
+    """enforce_eager=True (the default) drafts greedy chains and dynamic trees, and seeded and
+    unseeded sampled chains, with the fused drafting loops run eagerly (one call per step): the
+    same tokens and parents every step as the level-by-level expansion
+    (LEAPFROG_EAGER_FUSED_DRAFTS=0), float32, greedy and seeded requests in one batch, unseeded
+    ones in another, and the same outputs."""
     from leapfrog.model.compiled import CompiledChain
     target, heads = shapes["llama_untied"]
     prompts = prompts_of(tokenizer, 3)
@@ -376,11 +377,12 @@ def test_eager_fused_drafts_equal_the_expansion(shapes, tokenizer, kind, tree, m
     sps = [SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True),
            SamplingParams(temperature=0.8, seed=5, max_tokens=MAX, ignore_eos=True),
            SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)]
+    unseeded = SamplingParams(temperature=0.8, max_tokens=MAX, ignore_eos=True)   # (no row races)
     outs = {}
     for fused, llm in llms.items():
         outs[fused] = [[o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ps], s,
                                                                      use_tqdm=False)]
-                       for ps, s in ((prompts, sps[0]), (prompts[:2], sps[1:]))]
+                       for ps, s in ((prompts, sps[0]), (prompts[:2], sps[1:]), (prompts[:2], unseeded))]
         assert llm.get_metrics()["num_draft_tokens"] > 0
     assert outs["0"] == outs["1"]
     assert drafts["0"] == drafts["1"] and len(drafts["1"]) > 4
