@@ -21,8 +21,11 @@ k = 0 (no speculation) has E = 1 and cost t_verify(B, 1) + t_host(B), which is m
 every batch-size bucket. alpha is the geometric model's maximum-likelihood estimate, accepted /
 tried (TokenRate: a draft token is tried when all before it were accepted), not accepted /
 drafted, which counts the untried tokens after a rejection as rejected and so underestimates
-alpha the more, the longer the drafts (0.59 for a true 0.8 at k = 4): it pulled K down. Unmeasured verify costs are interpolated linearly between measured ones
-(optimistically flat beyond them, so an unmeasured K gets tried once). Every
+alpha the more, the longer the drafts (0.59 for a true 0.8 at k = 4): it pulled K down. (For a
+tree, a step tries one more token than it accepted only where the accepted path stopped at a
+node with children.) Unmeasured verify costs are interpolated linearly between measured ones
+(beyond them see below; flat while one size is measured, so an unmeasured K gets tried once).
+The first drafts at a batch size are a probe of K for _FIRST_PROBE_STEPS steps. Every
 ``adaptive_explore_interval`` steps the controller tries a neighbour of k* if its estimated
 goodput is within 15 % of k*'s, so close calls stay measured without paying for hopeless
 ones; while speculation is off it drafts a probe (4 steps in a row) after 8 intervals of decode
@@ -295,11 +298,12 @@ class SpecController:
         return tokens / self.round_time[(bucket, k)]
 
     def observe_rounds(self, batch_size: int, rounds: int, seconds: float, accepted: int = 0, drafted: int = 0,
-                       size: int | None = None, rejected: int = 0) -> None:
+                       size: int | None = None, rejected: int | None = None) -> None:
         """One engine step of ``rounds`` speculation rounds of ``size`` drafts (default round_k;
         0: ``rounds`` steps of multi-step decode) over ``batch_size`` sequences in ``seconds``,
         whose kept rounds accepted ``accepted`` of ``drafted`` draft tokens (all sequences), and
-        ``rejected`` of them ended on a rejected draft (alpha: accepted / (accepted + rejected))."""
+        ``rejected`` of them ended on a rejected draft (alpha: accepted / (accepted + rejected);
+        not given: accepted / drafted, which underestimates it)."""
         bucket = _bucket(batch_size)
         key = (bucket, self.round_k if size is None else size)
         if key[1]:
@@ -315,7 +319,7 @@ class SpecController:
         if not drafted or self.round_k is None:
             return
         if not self.cfg.auto_tree or self.free_share == 1:
-            self.acceptance.update(accepted, accepted + rejected)
+            self.acceptance.update(accepted, drafted if rejected is None else accepted + rejected)
         elif self.curve is not None and self.free_share == 0:   # predicted: the chain's mean confidence sum per kept round
             self._calibrate(accepted, self.curve[self.round_k - 1] * drafted / self.round_k)
 
@@ -416,7 +420,10 @@ class SpecController:
         fresh samples into them would keep speculation off long after what turned it off is gone):
         verify cost from its first step, drafting cost from its second (the first also catches the
         drafter up on every token since it last ran), acceptance from all of them together (one
-        step's acceptance is too noisy: at T = 0.7 one unlucky step turned speculation off again)."""
+        step's acceptance is too noisy: at T = 0.7 one unlucky step turned speculation off again).
+        (A batch size's first probe, ``_first_probe``, runs _FIRST_PROBE_STEPS steps and adds its
+        acceptance to what other batch sizes measured: it replaces nothing, so one cut short by
+        the batch moving on cannot leave one step's acceptance as everyone's.)"""
         interval = self.cfg.adaptive_explore_interval
         self.best[bucket] = best
         if best == 0 and self._probe_due(bucket):
@@ -432,9 +439,13 @@ class SpecController:
         return best
 
     def _first_probe(self, bucket: int, size: int) -> int:
-        """The first drafts at a batch size: a probe of ``size`` for _FIRST_PROBE_STEPS steps, whose
-        pooled measurements replace the estimates (as a probe's while speculation is off)."""
-        self.probes[bucket] = _Probe(size, steps=_FIRST_PROBE_STEPS)
+        """The first drafts at a batch size: a probe of ``size`` for _FIRST_PROBE_STEPS steps (its
+        steps measure the costs of that size as a probe's do; acceptance goes into the running
+        estimates). Never the rounds' size: the engine runs that as rounds, which measure neither
+        a one-round drafting cost nor the confidences (the probe then came back every step)."""
+        if size == self.round_k and size in self.round_sizes:
+            size = size - 1 if size > 1 else size + 1
+        self.probes[bucket] = _Probe(size, steps=_FIRST_PROBE_STEPS, replaces=False)
         return size
 
     def _probe_due(self, bucket: int) -> bool:
@@ -493,7 +504,7 @@ class SpecController:
         for i in range(1, self.K):   # C is a cumulative sum: never decreasing in n
             self.curve[i] = max(self.curve[i], self.curve[i - 1])
         if predicted > 0:
-            if probe is not None:   # a probe's steps replace the moving sums by their own means
+            if probe is not None and probe.replaces:   # a probe's steps replace the sums by their own
                 probe.accepted += accepted
                 probe.predicted += predicted
                 self.calibrated = TokenRate(probe.accepted, probe.predicted, 1.0)
@@ -562,13 +573,25 @@ class SpecController:
             chains = [b for b, n in enumerate(drafts.num_draft)
                       if n and (not self.cfg.auto_tree or (scores is not None and scores[b] is None))]
             accepted = sum(result.num_accepted[b] for b in chains)
-            tried = accepted + sum(result.num_accepted[b] < drafts.num_draft[b] for b in chains)
-            if probe is not None and tried:   # the probe's pooled rate replaces the estimate
+            plists = drafts.parent_lists() if drafts.parents is not None and chains else None
+            tried = accepted + sum(_stopped_early(result, b, drafts.num_draft[b], plists and plists[b])
+                                   for b in chains)
+            if probe is not None and probe.replaces and tried:   # the probe's pooled rate replaces the estimate
                 probe.tokens += accepted
                 probe.tried += tried
                 self.acceptance = TokenRate(probe.tokens, probe.tried)
             else:
                 self.acceptance.update(accepted, tried)
+
+
+def _stopped_early(result: AcceptanceResult, b: int, num_draft: int, parents: list[int] | None) -> bool:
+    """Whether request b's accepted drafts stopped at a rejection (so one more draft was tried):
+    a chain (``parents`` None) accepted fewer than it drafted; a tree's accepted path ends at a
+    node with children (the root, -1, when nothing was accepted)."""
+    if parents is None:
+        return result.num_accepted[b] < num_draft
+    path = result.accepted(b)
+    return (path[-1] if path else -1) in parents
 
 
 def _ema(old: float, sample: float, first: bool = False) -> float:
@@ -629,11 +652,13 @@ class TokenRate:
 
 @dataclass
 class _Probe:
-    """A probe of ``size`` while speculation is off: steps chosen and observed so far (``pending``:
-    this step's choice was the probe), the tokens it accepted and predicted (auto tree size: the
-    calibration), and accepted of tried (the acceptance rate: TokenRate)."""
+    """A probe of ``size`` for ``steps`` steps (while speculation is off, or a batch size's first
+    drafts): steps chosen and observed so far (``pending``: this step's choice was the probe), the
+    tokens it accepted and predicted (auto tree size: the calibration), and accepted of tried (the
+    acceptance rate: TokenRate), which replace the running estimates when ``replaces``."""
     size: int
     steps: int = _PROBE_STEPS
+    replaces: bool = True
     chosen: int = 1
     seen: int = 0
     pending: bool = True

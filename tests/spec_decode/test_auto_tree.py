@@ -378,3 +378,60 @@ def test_the_first_drafts_at_a_batch_size_are_judged_together():
         else:
             ctl.observe([_Req()], DraftBatch.empty(1), AcceptanceResult([0], [[0]], [0]), 0.0, 1.0)
     assert chosen[:10] == [0, 0] + [4] * 8 and chosen[-1] == 4
+
+
+def test_a_first_probe_cut_short_keeps_the_acceptance_measured_elsewhere():
+    """A batch size's first probe adds to the acceptance other batch sizes measured: cut short
+    after one step that accepted nothing (the batch moved on), it must not leave alpha at 0."""
+    ctl = SpecController(SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=True), 4096)
+    for _ in range(60):
+        k = ctl.choose([_Req()])[0]
+        if k:   # all but one in five steps accept everything
+            _chain_step(ctl, k, k if ctl.steps % 5 else 0, 0.01 * k, 1.0 + 0.2 * k)
+        else:
+            ctl.observe([_Req()], DraftBatch.empty(1), AcceptanceResult([0], [[0]], [0]), 0.0, 1.0)
+    before = ctl.alpha
+    two = [_Req(), _Req()]
+    for t in (1.1, 1.1):
+        ctl.observe(two, DraftBatch.empty(2), AcceptanceResult([0, 0], [[0], [0]], [0, 0]), 0.0, t)
+    ks = ctl.choose(two)
+    assert ks == [4, 4] and 2 in ctl.probes
+    ctl.observe(two, DraftBatch.from_lists([[0] * 4] * 2), AcceptanceResult([0, 0], [[0], [0]], [4, 4]), 0.04, 2.0)
+    assert before > 0.8 and ctl.alpha > 0.7   # (the probe's one step alone: 0)
+    assert ctl.choose([_Req()]) != [0]   # back at batch 1: still speculating
+
+
+def test_a_first_probe_never_takes_the_rounds_size():
+    """With speculation rounds of the depth, the engine runs that size as rounds, which measure no
+    one-round drafting cost nor confidences: a first probe of that size came back every step and
+    the (slow) rounds ran forever. The probe takes another size, and goodput decides from there."""
+    ctl = SpecController(CFG, 4096)
+    ctl.round_k, ctl.round_sizes = 4, (4,)
+    chosen = []
+    for _ in range(40):
+        n = ctl.choose([_Sampled()])[0]
+        chosen.append(n)
+        if n == 0:
+            ctl.observe([_Sampled()], DraftBatch.empty(1), AcceptanceResult([0], [[0]], [0]), 0.0, 1.0)
+        elif n == 4:   # as rounds: 6 plain steps' time per round, one of four accepted
+            ctl.observe_rounds(1, 8, 8 * 6.0, 8, 8 * 4, rejected=8)
+        else:
+            _chain_step(ctl, n, 1, 0.3, 1.0 + 0.1 * n, scores=[None], req=_Sampled())
+    assert chosen[:4] == [0, 0, 4, 4] and chosen[4] == 3
+    assert chosen[-20:].count(4) <= 2
+
+
+def test_a_tree_tries_one_more_token_only_where_its_path_stopped_at_children():
+    """alpha from trees (adaptive with a static or suffix tree): a path accepted down to a leaf
+    tried only its own tokens; one that stopped at a node with children tried one more."""
+    ctl = SpecController(SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=True), 4096)
+    tree = DraftBatch(torch.zeros(8, dtype=torch.long), [4, 4], None, torch.tensor([-1, 0, 0, 1] * 2))
+    # request 0: path 0 -> 1 -> 3 (a leaf): 3 tried, 3 accepted; request 1: path 0 -> 2 (a leaf
+    # too): 2 and 2; so far alpha 1. Then a path stopping at node 1 (child 3 rejected): 2 of 3.
+    ctl.observe([_Req(), _Req()], tree, AcceptanceResult([3, 2], [[0] * 4, [0] * 3], [4, 4], [[0, 1, 3], [0, 2]]),
+                0.1, 1.0)
+    assert ctl.alpha == 1.0
+    ctl.observe([_Req(), _Req()], tree, AcceptanceResult([2, 0], [[0] * 3, [0]], [4, 4], [[0, 1], []]), 0.1, 1.0)
+    keep = min((1 - 1 / 64) ** 4, 1 - 1 / 16)   # (the window forgets per tried token, and per step at most)
+    acc, tried = 5 * keep + 2, 5 * keep + 4
+    assert abs(ctl.alpha - acc / tried) < 1e-9
