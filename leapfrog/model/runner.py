@@ -25,6 +25,7 @@ dynamic tree in one graph (CompiledTree).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -53,6 +54,9 @@ NATIVE_EAGER_TOKENS = 256
 #: about 19 prefill rows (7 ms against 0.37 ms a row, float32, Zen 3), of a 110M Llama about 6 (estimated);
 #: CUDA: an 8B or 1B model's weights take about as long to read as 180-200 rows take to compute.
 SPLIT_FORWARD_TOKENS = {"cpu": 32, "cuda": 256}
+
+
+_EAGER_ARENAS = 16   # eager drafting loops' input buffers kept (ModelRunner._fill)
 
 
 def _chain_steps(c: CompiledChain, steps: int) -> int:
@@ -146,6 +150,8 @@ class ModelRunner:
         self._arena_ok = (self.device.type == "cpu" and model.args.sliding_window is None
                           and not env_off("LEAPFROG_GRAPH_INPUTS"))
         self._arenas: dict[tuple[int, int], GraphInputs] = {}
+        #: the eager drafting loops' (every shape its own: the latest _EAGER_ARENAS, least recent out)
+        self._eager_arenas: OrderedDict[tuple[int, int], GraphInputs] = OrderedDict()
         #: what one more eager forward costs, in token rows (step: chunks of very different lengths
         #: run in several forwards where padding them to the longest costs more; 0: never split)
         self.split_tokens = SPLIT_FORWARD_TOKENS.get(self.device.type, 0)
@@ -370,7 +376,7 @@ class ModelRunner:
             return None
         full = chunks + [SeqChunk(self.kv.scratch_row, 0, [0], 1)] * (bucket.batch - len(chunks))
         if self._arena_ok:   # (_fused_bucket took chains only)
-            tok, posn, meta, last, col = self._fill(full, bucket.tokens)
+            tok, posn, meta, last, col = self._fill(full, bucket.tokens, eager=not g.compiled)
         else:
             kv_len = max(ch.start + len(ch.token_ids) for ch in chunks)
             tok, posn, meta = self._inputs(full, bucket.tokens, kv_len, graph=True)
@@ -484,13 +490,21 @@ class ModelRunner:
         posn = torch.tensor(positions, dtype=torch.long, device=self.device)
         return tok, posn, meta
 
-    def _fill(self, chunks: list[SeqChunk], S: int) -> tuple[Tensor, Tensor, AttnMeta, Tensor, Tensor]:
+    def _fill(self, chunks: list[SeqChunk], S: int, eager: bool = False) -> tuple[Tensor, Tensor, AttnMeta, Tensor, Tensor]:
         """Chains padded to a [len(chunks), S] graph bucket, written into that bucket's persistent
-        inputs (model/graph_inputs.py) -> token ids, positions, metadata, last index, next column."""
-        a = self._arenas.get((len(chunks), S))
+        inputs (model/graph_inputs.py) -> token ids, positions, metadata, last index, next column.
+        ``eager``: an eager drafting loop's call, whose every (batch, tokens) shape is its own
+        bucket: only the latest _EAGER_ARENAS shapes keep theirs (each holds a batch x tokens x
+        max_model_len mask: all of them, 80 MB at 4k context, 0.6 GB at 32k)."""
+        key = (len(chunks), S)
+        arenas = self._eager_arenas if eager else self._arenas
+        a = arenas.get(key)
         if a is None:
-            a = self._arenas[(len(chunks), S)] = GraphInputs(len(chunks), S, self.kv.max_model_len,
-                                                             self.kv.scratch_row)
+            a = arenas[key] = GraphInputs(len(chunks), S, self.kv.max_model_len, self.kv.scratch_row)
+            if eager and len(arenas) > _EAGER_ARENAS:
+                self._eager_arenas.popitem(last=False)
+        elif eager:
+            self._eager_arenas.move_to_end(key)
         return a.fill([c.row for c in chunks], [c.start for c in chunks], [c.token_ids for c in chunks])
 
     def _columns(self) -> Tensor:

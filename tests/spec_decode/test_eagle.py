@@ -463,6 +463,12 @@ def test_eager_loops_stay_small_at_large_batches(shapes, monkeypatch):
     assert [b.batch for b in runner.chain.warmed] == list(range(1, BUCKET_TOKENS // s + 1))
     # nothing padded: a catch-up of 2 tokens for 40 sequences runs 80 rows, not 40 x (depth + 1)
     assert runner.chain.bucket_for(40, 2, 10) == Bucket(40, 2) and runner.chain.bucket_for(60, 2, 10) is None
+    # so their persistent inputs (each with a batch x tokens x max_model_len mask) are kept for the
+    # latest 16 shapes only
+    from leapfrog.model.runner import SeqChunk
+    for b in range(1, 21):
+        runner._fill([SeqChunk(0, 0, [1], 1)] * b, 2, eager=True)
+    assert len(runner._eager_arenas) == 16 and (20, 2) in runner._eager_arenas and (1, 2) not in runner._eager_arenas
     u = runner.sampled_chain.unread(40, torch.device("cpu"))
     assert u.shape == (40, runner.chain.steps, runner.model.args.vocab_size) and u.stride() == (0, 0, 0)
     assert runner.chain.native == runner._native_attention()
