@@ -8,8 +8,10 @@ yields, per sequence and step,
 
     E[tokens](k) = (1 - alpha^(k+1)) / (1 - alpha)            (Leviathan et al., eq. 1)
 
-and costs  cost(k) = k * c_draft(B) + t_verify(B, k + 1) + t_host(B), where c_draft is the
-measured draft time per drafted token, t_verify(B, s) the measured time of one target forward
+and costs  cost(k) = t_draft(B, k) + t_verify(B, k + 1) + t_host(B), where t_draft(B, k) is the
+measured drafting time of a step of k drafts (interpolated as t_verify below once two k are
+measured: a draft model's catch-up forward does not grow with k; before that k times the measured
+time per drafted token), t_verify(B, s) the measured time of one target forward
 over s tokens per sequence at batch size B (with acceptance) and t_host(B) the rest of the
 step (choosing k, committing, outputs: the same whatever k, but paid per step, so it favours
 longer drafts; left out, it made no speculation look 8 % better than it was at T = 0.7), all
@@ -161,9 +163,11 @@ class SpecController:
         self.widened: dict[int, bool] = {}
         self.probes: dict[int, _Probe] = {}   # bucket -> the probe under way (its measurements replace the estimates)
         self.draft_cost: dict[int, float] = {}               # bucket -> seconds per draft token
+        #: bucket -> K -> seconds per drafting step (two or more K measured: an affine curve in K)
+        self.draft_time: dict[int, dict[int, float]] = {}
         #: auto tree: bucket -> (levels, width) -> seconds per drafting step
         self.tree_draft_cost: dict[int, dict[tuple[int, int], float]] = {}
-        self.draft_samples: dict[tuple, int] = {}           # (bucket, its key above) -> draft cost measurements
+        self.draft_samples: dict[tuple, int] = {}           # (bucket, "per" or "step", its key) -> draft cost measurements
         self.steps = 0
         self.last_k = self.K
         self.curve: list[float] | None = None   # auto tree size: mean C(n), n = 1..K
@@ -331,29 +335,8 @@ class SpecController:
         return self._verify_times(bucket, [s])[0]
 
     def _verify_times(self, bucket: int, sizes: list[int]) -> list[float | None]:
-        """t_verify(B, s) for each s: measured, interpolated linearly between measured sizes,
-        extrapolated beyond them along the slope from the smallest to the largest measured (flat
-        with one size measured; the last two sizes' slope, noisy when they are close, came out
-        flat at a batch of 4, and a 65-token tree looked as cheap as 7 tokens), flat below the
-        smallest; None when nothing is measured at this bucket."""
-        table = self.verify_cost.get(bucket, {})
-        xs = sorted(table)
-        out: list[float | None] = []
-        for s in sizes:
-            i = bisect.bisect_left(xs, s)
-            if i < len(xs) and xs[i] == s:
-                out.append(table[s])
-            elif 0 < i < len(xs):
-                a, b = xs[i - 1], xs[i]
-                out.append(table[a] + (table[b] - table[a]) * (s - a) / (b - a))
-            elif i >= 2:   # beyond the largest: along the slope from the smallest
-                a, b = xs[0], xs[i - 1]
-                out.append(table[b] + max(0.0, (table[b] - table[a]) / (b - a)) * (s - b))
-            elif xs:
-                out.append(table[xs[i - 1]] if i else table[xs[0]])
-            else:
-                out.append(None)
-        return out
+        """t_verify(B, s) for each s (``_curve``)."""
+        return _curve(self.verify_cost.get(bucket, {}), sizes)
 
     def _adaptive_k(self, B: int) -> int:
         bucket = _bucket(B)
@@ -363,6 +346,11 @@ class SpecController:
         if not self._drafted_at(bucket):
             return self._first_probe(bucket, self.K)
         c_d, host = self.draft_cost.get(bucket, 0.0), self.host_cost.get(bucket, 0.0)
+        # drafting K tokens: the measured curve in K once two K are measured (a drafter's step has
+        # a part that does not grow with K: a draft model's catch-up forward; K times the cost per
+        # token measured at a small K overrated large K), else K times the cost per token
+        per_k = self.draft_time.get(bucket, {})
+        drafting = _curve(per_k, list(range(1, self.K + 1))) if len(per_k) >= 2 else None
 
         def goodput(k: int) -> float:
             if (rounds := self._rounds_goodput(bucket, k)) is not None:
@@ -370,7 +358,8 @@ class SpecController:
             if k == 0:
                 return 1.0 / (t1 + host)
             t = self._verify_time(bucket, k + 1) or t1
-            return expected_tokens(self.alpha, k) / (k * c_d + t + host)
+            t_draft = k * c_d if drafting is None else drafting[k - 1]
+            return expected_tokens(self.alpha, k) / (t_draft + t + host)
 
         best_k = max(range(self.K + 1), key=goodput)
         return self._explore(bucket, best_k, goodput, min(self.K, best_k + 1), max(0, best_k - 1), 1)
@@ -563,11 +552,15 @@ class SpecController:
                 per, costs, key = t_draft / max(drafts.num_draft), self.draft_cost, bucket
             # the first drafting step also pays for catching up on the prompt (EAGLE's head, a
             # draft model's prefill) and for cold shapes: the second sample replaces it
-            seen = self.draft_samples.get((bucket, key), 0)
-            self.draft_samples[(bucket, key)] = seen + 1
-            old = costs.get(key)
-            if not fresh or old is None:   # a probe's first drafting step also catches up on what it skipped
-                costs[key] = per if old is None or seen < 2 or fresh_draft else _bounded_ema(old, per)
+            updates = [("per", costs, key, per)]
+            if not self.cfg.auto_tree:   # (and the step's time at its K: draft_time)
+                updates.append(("step", self.draft_time.setdefault(bucket, {}), max(drafts.num_draft), t_draft))
+            for kind, costs, key, per in updates:
+                seen = self.draft_samples.get((bucket, kind, key), 0)
+                self.draft_samples[(bucket, kind, key)] = seen + 1
+                old = costs.get(key)
+                if not fresh or old is None:   # a probe's first drafting step also catches up on what it skipped
+                    costs[key] = per if old is None or seen < 2 or fresh_draft else _bounded_ema(old, per)
             # alpha: from chains (auto tree sizes: the sampled chains, without confidence)
             scores = drafts.candidate_scores if self.cfg.auto_tree else None
             chains = [b for b, n in enumerate(drafts.num_draft)
@@ -582,6 +575,31 @@ class SpecController:
                 self.acceptance = TokenRate(probe.tokens, probe.tried)
             else:
                 self.acceptance.update(accepted, tried)
+
+
+def _curve(table: dict[int, float], sizes: list[int]) -> list[float | None]:
+    """A measured cost curve (size -> seconds) at each of ``sizes``: measured, interpolated linearly
+    between measured sizes, extrapolated beyond them along the slope from the smallest to the
+    largest measured (flat with one size measured; the last two sizes' slope, noisy when they are
+    close, came out flat at a batch of 4, and a 65-token tree looked as cheap as 7 tokens), flat
+    below the smallest; None when nothing is measured."""
+    xs = sorted(table)
+    out: list[float | None] = []
+    for s in sizes:
+        i = bisect.bisect_left(xs, s)
+        if i < len(xs) and xs[i] == s:
+            out.append(table[s])
+        elif 0 < i < len(xs):
+            a, b = xs[i - 1], xs[i]
+            out.append(table[a] + (table[b] - table[a]) * (s - a) / (b - a))
+        elif i >= 2:   # beyond the largest: along the slope from the smallest
+            a, b = xs[0], xs[i - 1]
+            out.append(table[b] + max(0.0, (table[b] - table[a]) / (b - a)) * (s - b))
+        elif xs:
+            out.append(table[xs[i - 1]] if i else table[xs[0]])
+        else:
+            out.append(None)
+    return out
 
 
 def _stopped_early(result: AcceptanceResult, b: int, num_draft: int, parents: list[int] | None) -> bool:

@@ -435,3 +435,18 @@ def test_a_tree_tries_one_more_token_only_where_its_path_stopped_at_children():
     keep = min((1 - 1 / 64) ** 4, 1 - 1 / 16)   # (the window forgets per tried token, and per step at most)
     acc, tried = 5 * keep + 2, 5 * keep + 4
     assert abs(ctl.alpha - acc / tried) < 1e-9
+
+
+def test_drafting_cost_is_a_curve_in_k_once_two_k_are_measured():
+    """A draft model's step costs a catch-up forward whatever K plus K draft forwards: measured
+    at K = 1 and K = 2 (0.5 + 0.1 K), K = 4 costs 0.9, not K times the cost per token (about 0.48
+    here, 1.9 for K = 4)."""
+    ctl = SpecController(SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=True), 4096)
+    for k in (1, 1, 1, 2, 2, 2):
+        _chain_step(ctl, k, k, 0.5 + 0.1 * k, 1.0)
+    assert ctl.draft_time[1] == {1: 0.6, 2: 0.7}
+    ctl.verify_cost = {1: {1: 1.0, 5: 1.0}}
+    ctl.alpha = 0.6
+    # goodput(4) = E(0.6, 4) / (0.9 + 1.0) = 2.31 / 1.9 = 1.22 > goodput(0) = 1: K = 4
+    # (with K times the cost per token, K = 1 would win: 1.6 / 1.48 = 1.08 against 2.31 / 2.9)
+    assert ctl._adaptive_k(1) == 4
