@@ -59,12 +59,6 @@ SPLIT_FORWARD_TOKENS = {"cpu": 32, "cuda": 256}
 _EAGER_ARENAS = 16   # eager drafting loops' input buffers kept (ModelRunner._fill)
 
 
-def _chain_steps(c: CompiledChain, steps: int) -> int:
-    """The steps a fused chain runs for drafts of ``steps`` tokens: a compiled graph all of its
-    own; eagerly just those (a chain of 2 from a depth-5 head: 2 head forwards, not 5)."""
-    return c.steps if c.compiled else steps
-
-
 def _first(out: Any, n: int) -> Any:
     """A fused graph's output dataclass (ChainOutput, SampledChainOutput, TreeOutput,
     DecodeStepsOutput) cut to its first ``n`` sequences (the rest padded the bucket); None stays None."""
@@ -291,14 +285,12 @@ class ModelRunner:
         """Greedy chains of ``steps`` tokens after each chunk, fused in one compiled graph: each
         chunk's pending tokens (chains, ``num_logits`` 1), then ``steps - 1`` tokens each fed
         the previous argmax (and an EAGLE head's own previous state). -> tokens and log q
-        [len(chunks), steps or more (a compiled graph runs all its own)] in chunk order, or None when no warmed chain graph fits (the
-        caller drafts step by step)."""
+        [len(chunks), steps or more (a compiled graph runs all its own)] in chunk order, or None
+        when no warmed chain graph fits (the caller drafts step by step)."""
         c = self.chain
         if c is None or steps > c.steps:
             return None
-        run = _chain_steps(c, steps)
-        out = self._fused(c, chunks, run - 1, steps=None if run == c.steps else run)
-        return _first(out, len(chunks))
+        return _first(self._fused_chain(c, chunks, steps), len(chunks))
 
     def fits_decode_steps(self, chunks: list[SeqChunk]) -> bool:
         """Whether ``decode_steps`` has a warmed graph for these chunks (the batch, and the last
@@ -328,7 +320,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def draft_sampled_chain(self, chunks: list[SeqChunk], temperature: Tensor, sampled: Tensor,
-                            u: Tensor, stream: Tensor, w: Tensor, steps: int | None = None) -> SampledChainOutput | None:
+                            u: Tensor, stream: Tensor, w: Tensor,
+                            steps: int | None = None) -> SampledChainOutput | None:
         """Chains of the sampled graph's ``steps`` tokens after each chunk (as ``draft_chain``):
         temperature [n], sampled [n] bool (False: the argmax), u [n, steps, V] float64 the race's
         uniforms of seeded rows, stream [n] bool the unseeded rows, which draw by inverse CDF
@@ -337,9 +330,8 @@ class ModelRunner:
         c = self.sampled_chain
         if c is None or (steps or 0) > c.steps:
             return None
-        run = _chain_steps(c, steps or c.steps)
-        out = self._fused(c, chunks, run - 1, (temperature, sampled, u, stream, w), None if run == c.steps else run)
-        return _first(out, len(chunks))
+        return _first(self._fused_chain(c, chunks, steps or c.steps, (temperature, sampled, u, stream, w)),
+                      len(chunks))
 
     @torch.inference_mode()
     def draft_tree(self, chunks: list[SeqChunk]) -> TreeOutput | None:
@@ -365,12 +357,20 @@ class ModelRunner:
             return None
         return g.bucket_for(len(chunks), max(len(ch.token_ids) for ch in chunks), kv_len)
 
+    def _fused_chain(self, c: CompiledChain, chunks: list[SeqChunk], steps: int,
+                     extra: tuple[Tensor, ...] = ()) -> Any:
+        """A fused chain for drafts of ``steps`` tokens (``_fused``): a compiled graph runs all of
+        its own steps, an eager loop just those (a chain of 2 from a depth-5 head: 2 head forwards,
+        not 5); the last one's cache column must fit."""
+        run = c.steps if c.compiled else steps
+        return self._fused(c, chunks, run - 1, extra, None if run == c.steps else run)
+
     def _fused(self, g: CompiledChain, chunks: list[SeqChunk], after: int, extra: tuple[Tensor, ...] = (),
                steps: int | None = None) -> Any:
         """Run a fused drafting graph over chunks' pending tokens, padded to its bucket; ``after``:
         cache columns it writes past the chunks; ``extra``: per-chunk inputs [n, ...] after the
         graph's own (padding rows repeat the first); ``steps``: an eager chain's steps this call
-        (``_chain_steps``). -> its output, or None when nothing fits."""
+        (``_fused_chain``). -> its output, or None when nothing fits."""
         bucket = self._fused_bucket(g, chunks, after)
         if bucket is None:
             return None
@@ -490,7 +490,8 @@ class ModelRunner:
         posn = torch.tensor(positions, dtype=torch.long, device=self.device)
         return tok, posn, meta
 
-    def _fill(self, chunks: list[SeqChunk], S: int, eager: bool = False) -> tuple[Tensor, Tensor, AttnMeta, Tensor, Tensor]:
+    def _fill(self, chunks: list[SeqChunk], S: int,
+              eager: bool = False) -> tuple[Tensor, Tensor, AttnMeta, Tensor, Tensor]:
         """Chains padded to a [len(chunks), S] graph bucket, written into that bucket's persistent
         inputs (model/graph_inputs.py) -> token ids, positions, metadata, last index, next column.
         ``eager``: an eager drafting loop's call, whose every (batch, tokens) shape is its own

@@ -68,16 +68,19 @@ tried. (A step's time includes the head's catch-up on the tokens just accepted, 
 shrink with the tree: scaled down to one level it made one-level trees look cheap, and those only
 ever show one candidate's confidence, so the tree never grew again.) a is accepted over predicted
 tokens, sums over a window of predicted tokens (TokenRate; not an average of per-step ratios, which
-single unlucky steps swing, nor moving averages per step). The tree shrinks as verification stops being cheap (larger batches, slower CPUs) and
-as the drafter gets less sure; acceptance needs no exploration, only the verify-cost curve does
-(as for K). Unseeded sampled requests draft a chain whatever the size (the proposer's sampled
-chains: a node drawn from q has no confidence to rank it by, and its candidate scores are None):
-their expected tokens are E[tokens](L(n)) with alpha measured on them alone, and a batch of
-share f of them expects  f * E[tokens](L(n)) + (1 - f) * (1 + a * C(n))  tokens per sequence
+single unlucky steps swing, nor moving averages per step). The tree shrinks as verification stops
+being cheap (larger batches, slower CPUs) and as the drafter gets less sure; acceptance needs no
+exploration, only the verify-cost curve does (as for K). Unseeded sampled requests draft a chain
+whatever the size (the proposer's sampled chains: a node drawn from q has no confidence to rank it
+by, and its candidate scores are None): their expected tokens are E[tokens](L(n)) with alpha
+measured on them alone, and a batch of share f of them expects, per sequence,
+
+    f * E[tokens](L(n)) + (1 - f) * (1 + a * C(n))  tokens
+
 (f = 1: sizes up to the depth only, a chain's drafting and verification costs). (Scored as if
-confident, their chains made C(n) = n, which overrates long chains and underrates short ones:
-at T = 0.7 "auto" then kept speculation off 60 % of the steps, at 0.99x no speculation where a
-chain of 5 ran 1.14x.)
+confident, their chains made C(n) = n, which overrates long chains and underrates short ones: at
+T = 0.7 "auto" then kept speculation off 60 % of the steps, at 0.99x no speculation where a chain
+of 5 ran 1.14x.)
 
 Speculation rounds (num_scheduler_steps > 1 on the compiled fast path: engine ``_spec_rounds``).
 When the engine has a rounds graph for a chain of ``round_k`` drafts (K, or the chain of the
@@ -167,7 +170,8 @@ class SpecController:
         self.draft_time: dict[int, dict[int, float]] = {}
         #: auto tree: bucket -> (levels, width) -> seconds per drafting step
         self.tree_draft_cost: dict[int, dict[tuple[int, int], float]] = {}
-        self.draft_samples: dict[tuple, int] = {}           # (bucket, "per" or "step", its key) -> draft cost measurements
+        #: (bucket, "per" or "step", its key above) -> draft cost measurements
+        self.draft_samples: dict[tuple, int] = {}
         self.steps = 0
         self.last_k = self.K
         self.curve: list[float] | None = None   # auto tree size: mean C(n), n = 1..K
@@ -292,11 +296,9 @@ class SpecController:
         if k == 0:
             return 1.0 / self.round_time[(bucket, 0)]
         if self.cfg.auto_tree:
-            f = self.free_share
-            if self.curve is None and f < 1:
+            if self.curve is None and self.free_share < 1:
                 return None
-            tokens = f * expected_tokens(self.alpha, k) + (
-                (1 - f) * (1.0 + self.calibration * self.curve[k - 1]) if f < 1 else 0.0)
+            tokens = self._tree_tokens(self.free_share * expected_tokens(self.alpha, k), self.free_share, k)
         else:
             tokens = expected_tokens(self.alpha, k)
         return tokens / self.round_time[(bucket, k)]
@@ -324,7 +326,8 @@ class SpecController:
             return
         if not self.cfg.auto_tree or self.free_share == 1:
             self.acceptance.update(accepted, drafted if rejected is None else accepted + rejected)
-        elif self.curve is not None and self.free_share == 0:   # predicted: the chain's mean confidence sum per kept round
+        elif self.curve is not None and self.free_share == 0:
+            # predicted: the chain's mean confidence sum per kept round
             self._calibrate(accepted, self.curve[self.round_k - 1] * drafted / self.round_k)
 
     def _calibrate(self, accepted: float, predicted: float) -> None:
@@ -386,18 +389,22 @@ class SpecController:
             if near[1] > width:   # unmeasured and narrower than any measured: optimistic, so it gets tried
                 t_draft *= width / near[1]
             drafting[shape] = t_draft
-        a, curve = self.calibration, self.curve
         chain = [free * expected_tokens(self.alpha, lv) for lv in range(self.cfg.num_speculative_tokens + 1)]
         gp = [1.0 / (t1 + host)]
         for n, (shape, t) in enumerate(zip(shapes, verify), 1):
-            tokens = chain[shape[0]] + ((1 - free) * (1.0 + a * curve[n - 1]) if free < 1 else 0.0)
-            gp.append(tokens / (drafting[shape] + (t or t1) + host))
+            gp.append(self._tree_tokens(chain[shape[0]], free, n) / (drafting[shape] + (t or t1) + host))
         for k in self.round_sizes:
             if k < len(gp) and (rounds := self._rounds_goodput(bucket, k)) is not None:
                 gp[k] = rounds
         best = max(range(len(gp)), key=gp.__getitem__)
         return self._explore(bucket, best, gp.__getitem__, min(top, max(1, best * 2)), best // 2,
                              min(top, self._probe_size(B)))
+
+    def _tree_tokens(self, chains: float, free: float, n: int) -> float:
+        """Expected tokens per sequence of a step verifying n nodes, in a batch whose share
+        ``free`` drafts chains without confidence (expecting ``chains``: free x E[tokens] of their
+        levels) and the rest trees (1 + a C(n))."""
+        return chains + ((1 - free) * (1.0 + self.calibration * self.curve[n - 1]) if free < 1 else 0.0)
 
     def _explore(self, bucket: int, best: int, goodput: Callable[[int], float], up: int, down: int,
                  probe: int) -> int:
@@ -513,7 +520,7 @@ class SpecController:
         if t_step is not None:
             host = max(0.0, t_step - t_draft - t_verify)
             old = self.host_cost.get(bucket)
-            self.host_cost[bucket] = host if old is None else _ema(old, min(host, 2 * old))
+            self.host_cost[bucket] = host if old is None else _bounded_ema(old, host)
         s = max(drafts.num_draft, default=0) + 1
         probe = self.probes.get(bucket)
         if probe is not None and (not probe.pending or s == 1):   # not a probe step: the probe is cut short
