@@ -27,7 +27,8 @@ alpha the more, the longer the drafts (0.59 for a true 0.8 at k = 4): it pulled 
 tree, a step tries one more token than it accepted only where the accepted path stopped at a
 node with children.) Unmeasured verify costs are interpolated linearly between measured ones
 (beyond them see below; flat while one size is measured, so an unmeasured K gets tried once).
-The first drafts at a batch size are a probe of K for _FIRST_PROBE_STEPS steps. Every
+The first drafts at a batch size are a probe of K (less at larger batches: _probe_size) for
+_FIRST_PROBE_STEPS steps. Every
 ``adaptive_explore_interval`` steps the controller tries a neighbour of k* if its estimated
 goodput is within 15 % of k*'s, so close calls stay measured without paying for hopeless
 ones; while speculation is off it drafts a probe (4 steps in a row) after 8 intervals of decode
@@ -346,8 +347,8 @@ class SpecController:
         t1 = self.verify_cost.get(bucket, {}).get(1)
         if t1 is None:   # measure plain decode at this batch size first (unless drafting is free now)
             return self.K if self.widened.get(bucket) else 0
-        if not self._drafted_at(bucket):
-            return self._first_probe(bucket, self.K)
+        if not self._drafted_at(bucket):   # (K at small batches, less as the batch grows: _probe_size)
+            return self._first_probe(bucket, self._probe_size(B))
         c_d, host = self.draft_cost.get(bucket, 0.0), self.host_cost.get(bucket, 0.0)
         # drafting K tokens: the measured curve in K once two K are measured (a drafter's step has
         # a part that does not grow with K: a draft model's catch-up forward; K times the cost per
@@ -462,10 +463,13 @@ class SpecController:
         return True
 
     def _probe_size(self, B: int) -> int:
-        """The tree size tried before any is measured at this batch size: 16 nodes per sequence
-        at batch 1, fewer as the batch grows (a batch of 32 verifying 17 tokens each costs about
-        8 plain steps on a 2-core CPU). Every candidate's confidence is known whatever the size
-        verified (DraftBatch.candidate_scores); the probe only has to measure the costs."""
+        """The tree size (or K) tried before any is measured at this batch size: 16 nodes per
+        sequence at batch 1, fewer as the batch grows (a batch of 32 verifying 17 tokens each costs
+        about 8 plain steps on a 2-core CPU). Every candidate's confidence is known whatever the size
+        verified (DraftBatch.candidate_scores); the probe only has to measure the costs. An
+        adaptive K's first probe likewise: K = 4 at a batch of 32 (110M shape, float32) cost 4.1
+        plain steps a step, and its 8 steps took the first 48-token run to 0.83x no speculation;
+        one token measures the verify slope, the drafting cost per token and alpha as well."""
         return max(1, min(self.K, 16 // B))
 
     def _observe_tree(self, drafts: DraftBatch, result: AcceptanceResult, probe: _Probe | None = None) -> None:

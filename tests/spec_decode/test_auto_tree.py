@@ -380,6 +380,19 @@ def test_the_first_drafts_at_a_batch_size_are_judged_together():
     assert chosen[:10] == [0, 0] + [4] * 8 and chosen[-1] == 4
 
 
+def test_an_adaptive_k_probes_less_at_large_batches():
+    """An adaptive K's first drafts at a batch size draft K at small batches, fewer at large ones
+    (16 // B tokens, as a tree's first size): K = 4 at a batch of 32 cost 4.1 plain steps a step,
+    and its 8 steps took the first 48-token run to 0.83x no speculation."""
+    for B, k in ((1, 4), (4, 4), (8, 2), (32, 1)):
+        ctl = SpecController(SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=True), 4096)
+        reqs = [_Req() for _ in range(B)]
+        for _ in range(2):   # plain decode is measured first
+            assert ctl.choose(reqs) == [0] * B
+            ctl.observe(reqs, DraftBatch.empty(B), AcceptanceResult([0] * B, [[0]] * B, [0] * B), 0.0, 1.0)
+        assert ctl.choose(reqs) == [k] * B and ctl.probes[B].steps == 8
+
+
 def test_a_first_probe_cut_short_keeps_the_acceptance_measured_elsewhere():
     """A batch size's first probe adds to the acceptance other batch sizes measured: cut short
     after one step that accepted nothing (the batch moved on), it must not leave alpha at 0."""
