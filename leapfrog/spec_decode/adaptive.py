@@ -28,12 +28,12 @@ tree, a step tries one more token than it accepted only where the accepted path 
 node with children.) Unmeasured verify costs are interpolated linearly between measured ones
 (beyond them see below; flat while one size is measured, so an unmeasured K gets tried once).
 The first drafts at a batch size are a probe of K (less at larger batches: _probe_size) for
-_FIRST_PROBE_STEPS steps. Every
-``adaptive_explore_interval`` steps the controller tries a neighbour of k* if its estimated
-goodput is within 15 % of k*'s, so close calls stay measured without paying for hopeless
-ones; while speculation is off it drafts a probe (4 steps in a row) after 8 intervals of decode
-steps (tokens per sequence) times the batch-size bucket to keep alpha current (and the costs: a
-transient that made speculation look bad must not turn it off for good), twice as long after each
+_FIRST_PROBE_STEPS steps. Every ``adaptive_explore_interval`` steps the controller tries a
+neighbour of k* if its estimated goodput is within 15 % of k*'s, so close calls stay measured
+without paying for hopeless ones; while speculation is off it drafts a probe (4 steps in a row)
+after 8 intervals of decode steps (tokens per sequence) times the batch-size bucket to keep alpha
+current (and the costs: a transient that made speculation look bad must not turn it off for
+good), twice as long after each
 probe that leaves it off (up to 8 times: at large batches it never pays, and probes cost).
 The first time of a forward shape includes one-off costs (kernel selection and packing for a
 new row count: the first 21-token verify of the demo target measured 11.7 ms, later ones about
