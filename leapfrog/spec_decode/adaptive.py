@@ -33,8 +33,8 @@ neighbour of k* if its estimated goodput is within 15 % of k*'s, so close calls 
 without paying for hopeless ones; while speculation is off it drafts a probe (4 steps in a row)
 after 8 intervals of decode steps (tokens per sequence) times the batch-size bucket to keep alpha
 current (and the costs: a transient that made speculation look bad must not turn it off for
-good), twice as long after each
-probe that leaves it off (up to 8 times: at large batches it never pays, and probes cost).
+good), twice as long after each probe that leaves it off (up to 8 times: at large batches it
+never pays, and probes cost).
 The first time of a forward shape includes one-off costs (kernel selection and packing for a
 new row count: the first 21-token verify of the demo target measured 11.7 ms, later ones about
 8), so a size's first measurement is only provisional: the next step runs the same size again
@@ -166,12 +166,12 @@ class SpecController:
         #: nothing about this method's widths
         self.widened: dict[int, bool] = {}
         self.probes: dict[int, _Probe] = {}   # bucket -> the probe under way (its measurements replace the estimates)
-        self.draft_cost: dict[int, float] = {}               # bucket -> seconds per draft token
-        #: bucket -> K -> seconds per drafting step (two or more K measured: an affine curve in K)
+        #: bucket -> K -> seconds per drafting step (one K measured: K times its time per token;
+        #: two or more: a curve in K, ``_curve``)
         self.draft_time: dict[int, dict[int, float]] = {}
         #: auto tree: bucket -> (levels, width) -> seconds per drafting step
         self.tree_draft_cost: dict[int, dict[tuple[int, int], float]] = {}
-        #: (bucket, "per" or "step", its key above) -> draft cost measurements
+        #: (bucket, its key in draft_time or tree_draft_cost) -> draft cost measurements
         self.draft_samples: dict[tuple, int] = {}
         self.steps = 0
         self.last_k = self.K
@@ -279,7 +279,7 @@ class SpecController:
 
     def _drafted_at(self, bucket: int) -> bool:
         """Whether drafts were measured at this batch size (one-round steps or rounds)."""
-        return bool(bucket in self.draft_cost or self.tree_draft_cost.get(bucket)
+        return bool(self.draft_time.get(bucket) or self.tree_draft_cost.get(bucket)
                     or any(size and b == bucket for b, size in self.round_samples))
 
     def _inherited_off(self, bucket: int) -> int:
@@ -349,12 +349,17 @@ class SpecController:
             return self.K if self.widened.get(bucket) else 0
         if not self._drafted_at(bucket):   # (K at small batches, less as the batch grows: _probe_size)
             return self._first_probe(bucket, self._probe_size(B))
-        c_d, host = self.draft_cost.get(bucket, 0.0), self.host_cost.get(bucket, 0.0)
+        host = self.host_cost.get(bucket, 0.0)
         # drafting K tokens: the measured curve in K once two K are measured (a drafter's step has
         # a part that does not grow with K: a draft model's catch-up forward; K times the cost per
-        # token measured at a small K overrated large K), else K times the cost per token
-        per_k = self.draft_time.get(bucket, {})
-        drafting = _curve(per_k, list(range(1, self.K + 1))) if len(per_k) >= 2 else None
+        # token measured at a small K overrated large K), else K times the cost per token (none
+        # measured in one-round steps, only rounds: free)
+        per_k, ks = self.draft_time.get(bucket, {}), list(range(1, self.K + 1))
+        if len(per_k) >= 2:
+            drafting = _curve(per_k, ks)
+        else:
+            per_token = sum(t / k for k, t in per_k.items())
+            drafting = [k * per_token for k in ks]
 
         def goodput(k: int) -> float:
             if (rounds := self._rounds_goodput(bucket, k)) is not None:
@@ -362,8 +367,7 @@ class SpecController:
             if k == 0:
                 return 1.0 / (t1 + host)
             t = self._verify_time(bucket, k + 1) or t1
-            t_draft = k * c_d if drafting is None else drafting[k - 1]
-            return expected_tokens(self.alpha, k) / (t_draft + t + host)
+            return expected_tokens(self.alpha, k) / (drafting[k - 1] + t + host)
 
         best_k = max(range(self.K + 1), key=goodput)
         return self._explore(bucket, best_k, goodput, min(self.K, best_k + 1), max(0, best_k - 1), 1)
@@ -555,23 +559,19 @@ class SpecController:
                 self.confirm[bucket] = s - 1
         n_draft = drafts.total
         if n_draft:
-            # sequential draft steps dominate: a chain's cost is per token; a tree's per step, at
-            # its width (how many nodes are verified out of those grown is free)
+            # a step's drafting time at its K; a tree's at its shape (how many nodes are verified
+            # out of those grown is free)
             if self.cfg.auto_tree:
-                per, costs, key = t_draft, self.tree_draft_cost.setdefault(bucket, {}), self.cfg.tree_shape(s - 1)
+                costs, key = self.tree_draft_cost.setdefault(bucket, {}), self.cfg.tree_shape(s - 1)
             else:
-                per, costs, key = t_draft / max(drafts.num_draft), self.draft_cost, bucket
+                costs, key = self.draft_time.setdefault(bucket, {}), max(drafts.num_draft)
             # the first drafting step also pays for catching up on the prompt (EAGLE's head, a
             # draft model's prefill) and for cold shapes: the second sample replaces it
-            updates = [("per", costs, key, per)]
-            if not self.cfg.auto_tree:   # (and the step's time at its K: draft_time)
-                updates.append(("step", self.draft_time.setdefault(bucket, {}), max(drafts.num_draft), t_draft))
-            for kind, costs, key, per in updates:
-                seen = self.draft_samples.get((bucket, kind, key), 0)
-                self.draft_samples[(bucket, kind, key)] = seen + 1
-                old = costs.get(key)
-                if not fresh or old is None:   # a probe's first drafting step also catches up on what it skipped
-                    costs[key] = per if old is None or seen < 2 or fresh_draft else _bounded_ema(old, per)
+            seen = self.draft_samples.get((bucket, key), 0)
+            self.draft_samples[(bucket, key)] = seen + 1
+            old = costs.get(key)
+            if not fresh or old is None:   # a probe's first drafting step also catches up on what it skipped
+                costs[key] = t_draft if old is None or seen < 2 or fresh_draft else _bounded_ema(old, t_draft)
             # alpha: from chains (auto tree sizes: the sampled chains, without confidence)
             scores = drafts.candidate_scores if self.cfg.auto_tree else None
             chains = [b for b, n in enumerate(drafts.num_draft)

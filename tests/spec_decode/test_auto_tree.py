@@ -319,7 +319,7 @@ def test_the_steps_host_time_counts_against_every_size():
     drafting and verification (1.0 here) no speculation and K = 1 tie; with it, K = 1 wins."""
     cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=1, adaptive=True)
     ctl = SpecController(cfg, 4096)
-    ctl.alpha, ctl.verify_cost, ctl.draft_cost = 0.5, {1: {1: 1.0, 2: 1.5}}, {1: 0.0}
+    ctl.alpha, ctl.verify_cost, ctl.draft_time = 0.5, {1: {1: 1.0, 2: 1.5}}, {1: {1: 0.0}}
     tie = ctl._adaptive_k(1)
     ctl.host_cost = {1: 1.0}
     assert ctl._adaptive_k(1) == 1

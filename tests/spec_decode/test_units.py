@@ -95,7 +95,7 @@ def test_controller_formula_and_caps():
                                          adaptive_explore_interval=1000), max_model_len=64)
     reqs = [_req()]
     # verification nearly free, high acceptance -> full K
-    c.alpha, c.verify_cost, c.draft_cost = 0.9, {1: {1: 1.0, 5: 1.05}}, {1: 0.0}
+    c.alpha, c.verify_cost, c.draft_time = 0.9, {1: {1: 1.0, 5: 1.05}}, {1: {1: 0.0}}
     assert c.choose(reqs) == [4]
     # verification cost grows with every token and acceptance is low -> off
     assert not c.drafting_off(1)
@@ -124,7 +124,7 @@ def test_controller_larger_batches_inherit_no_speculation():
     c = SpecController(SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=True,
                                          adaptive_explore_interval=2), max_model_len=64)
     assert c.choose([_req()] * 4) == [0] * 4 and not c.plain_steps_ready(4)   # nothing known: measure plain decode
-    c.alpha, c.verify_cost, c.draft_cost = 0.1, {1: {1: 1.0, 2: 2.0, 5: 5.0}}, {1: 0.0}
+    c.alpha, c.verify_cost, c.draft_time = 0.1, {1: {1: 1.0, 2: 2.0, 5: 5.0}}, {1: {1: 0.0}}
     assert c.choose([_req()]) == [0]                   # batch 1 settles on none
     assert c.plain_steps_ready(4) and c.drafting_off(4) and c.drafting_off(3)
     ks = []
@@ -145,7 +145,7 @@ def test_controller_probes_back_off_while_speculation_never_pays():
     from leapfrog.spec_decode.verify.result import AcceptanceResult
     c = SpecController(SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=True,
                                          adaptive_explore_interval=2), max_model_len=4096)
-    c.alpha, c.verify_cost, c.draft_cost = 0.1, {1: {1: 1.0, 2: 2.0, 5: 5.0}}, {1: 0.0}
+    c.alpha, c.verify_cost, c.draft_time = 0.1, {1: {1: 1.0, 2: 2.0, 5: 5.0}}, {1: {1: 0.0}}
     starts, prev = [], 0
     for i in range(700):
         k = c.choose([_req()])[0]
