@@ -798,12 +798,21 @@ class CompiledSampledChain(CompiledChain):
     float64 of their generator, both drawn on the host and passed in, so the graph draws the
     tokens the eager drafter draws. Rows with ``sampled`` False take the argmax, as
     CompiledChain. Only temperature: requests with penalties, token rules, top-k/p or min-p
-    draft eagerly."""
+    draft eagerly.
+
+    ``vocab`` (an EAGLE-3 head's own vocabulary, ascending target ids; CompiledChain.vocab): each
+    step's softmax, race and inverse-CDF draw run over the head's Vd logits, and q is spread over
+    the target's V once after the last step (the verification's p - q), not per level. In
+    ascending order an inverse-CDF draw over Vd picks the token the draw over V (zeros elsewhere)
+    picks, and the race's finishers are the same; the eager expansion computes such a q the same
+    way (proposers/eagle.py ``_candidates``), so both draw the same tokens."""
 
     def __init__(self, model: torch.nn.Module, kv: KVCache, buckets: list[Bucket], steps: int, want: int,
                  logit_scale: float = 1.0, feature_width: int | None = None, next_width: int | None = None,
-                 compile: bool = True) -> None:
-        super().__init__(model, kv, buckets, steps, feature_width, next_width, compile=compile)
+                 vocab: Tensor | None = None, compile: bool = True) -> None:
+        if vocab is not None and not bool((vocab[1:] > vocab[:-1]).all()):
+            raise ValueError("a sampled chain's own vocabulary must be in ascending target-id order")
+        super().__init__(model, kv, buckets, steps, feature_width, next_width, vocab, compile=compile)
         self.want, self.logit_scale = want, logit_scale
         self._unread_u: Tensor | None = None   # (``unread``)
         self._fn = self._wrap(self._sampled_chain)
@@ -828,19 +837,22 @@ class CompiledSampledChain(CompiledChain):
                        w: Tensor, steps: int | None = None) -> SampledChainOutput:
         toks, (lps, shares, q) = self._steps(tok, pos, mask, rows, write_rows, write_cols, kv_len, features, last,
                                              col, temperature, sampled, u, stream, w, steps=steps)
+        if self.vocab is not None:   # [B, steps, Vd] -> [B, steps, V]
+            q = q.new_zeros(*q.shape[:-1], u.shape[-1]).index_copy(-1, self.vocab, q)
         return SampledChainOutput(toks, lps, shares, q)
 
     def _pick(self, logits: Tensor, j: int, *pick_args: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
         temperature, sampled, u, stream, w = pick_args   # [B], [B] bool, [B, steps, V], [B] bool, [B, steps]
-        lf = logits.float()
+        lf = logits.float()                                                        # [B, V'] (V' = Vd: vocab)
         lp, greedy = first_max(torch.log_softmax(lf, -1))                          # [B], [B]
-        q = torch.softmax(lf / self.logit_scale / temperature[:, None], -1)        # [B, V] as the sampler's probs
+        q = race_probs(lf, temperature, self.logit_scale)                          # [B, V'] as the sampler's probs
         if not self.compiled and u.stride(-1) == 0:
             # eagerly, a step where no row races (u: ``unread``'s broadcast view): no race to run
             # (about 50 us a level: V logs, V float64 quotients, a top-k), no seeded row's share
             drawn = torch.where(stream, inverse_cdf_draw(q, w[:, j]), greedy)
             return torch.where(sampled, drawn, greedy), (lp, torch.zeros_like(lp), q)
-        top = (q.double() / -torch.log(u[:, j])).topk(self.want, -1)               # the race's first finishers
+        uj = u[:, j] if self.vocab is None else u[:, j].index_select(-1, self.vocab)   # [B, V']
+        top = (q.double() / -torch.log(uj)).topk(self.want, -1)                    # the race's first finishers
         drawn = torch.where(stream, inverse_cdf_draw(q, w[:, j]), top.indices[:, 0])
         x = torch.where(sampled, drawn, greedy)
         share = torch.log(top.values[:, 0] / top.values.sum(-1)).float()

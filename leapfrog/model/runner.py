@@ -179,13 +179,14 @@ class ModelRunner:
 
     def compile_sampled_chain(self, buckets: list[Bucket], steps: int, want: int, logit_scale: float = 1.0,
                               feature_width: int | None = None, next_width: int | None = None,
-                              progress: bool = True, compile: bool = True) -> float:
+                              vocab: Tensor | None = None, progress: bool = True, compile: bool = True) -> float:
         """Compile sampled chain drafting (model/compiled.py CompiledSampledChain; ``draft_sampled_chain``
-        runs it; ``compile=False``: eagerly). -> seconds taken."""
+        runs it; ``vocab``: its steps over an EAGLE-3 head's own vocabulary, ascending;
+        ``compile=False``: eagerly). -> seconds taken."""
         if compile:
             self._check_compilable()
         self.sampled_chain = CompiledSampledChain(self.model, self.kv, buckets, steps, want, logit_scale,
-                                                  feature_width, next_width, compile)
+                                                  feature_width, next_width, vocab, compile)
         return self.sampled_chain.warm_up(progress)
 
     def compile_tree(self, buckets: list[Bucket], steps: int, topk: int, nodes: int, feature_width: int | None = None,

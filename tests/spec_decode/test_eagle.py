@@ -627,6 +627,38 @@ def test_fast_path_samples_chains_as_eager(shapes, tokenizer, tree, monkeypatch)
             torch.testing.assert_close(q.sum(-1), torch.ones(len(toks)))
 
 
+def test_sampled_chains_draw_over_the_heads_own_vocabulary(shapes, tmp_path):
+    """An EAGLE-3 head with a reduced vocabulary (the target's odd ids) draws its sampled chains
+    over that vocabulary (CompiledSampledChain.vocab, run eagerly: softmax, race and inverse-CDF
+    draw over [B, Vd], q spread over the target's V once after the last step): the same tokens,
+    race shares and q, to float rounding, as a sampled chain over the whole V (-inf outside the
+    head's) with the same uniforms, for a row racing with its position noise and a row drawing
+    by inverse CDF; q is zero outside the head's vocabulary."""
+    from leapfrog.model.compiled import CompiledSampledChain
+    target, _ = shapes["qwen2"]
+    odd = list(range(1, 320, 2))
+    head_dir = make_head(target, tmp_path / "h", "eagle3", seed=1, draft_token_ids=odd)
+    spec = {"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": 3, "eagle_topk": 1}
+    llm = LLM(model=str(target), dtype="float32", max_model_len=64, max_num_seqs=2, speculative_config=spec,
+              skip_tokenizer_init=True)
+    own = llm.engine.proposer.runner.sampled_chain
+    assert not own.compiled and own.vocab is not None and own.vocab.tolist() == odd
+    whole = CompiledSampledChain(own.model, own.kv, own.buckets, own.steps, own.want, own.logit_scale,
+                                 own.feature_width, own.next_width, compile=False)
+    b = next(x for x in own.buckets if x.batch == 2)
+    args = list(own._warm_args(b, 20, torch.device("cpu"), own.kv.scratch_row))
+    g = torch.Generator().manual_seed(5)
+    args[0] = torch.randint(0, 320, args[0].shape, generator=g)        # tokens
+    args[7] = torch.randn(args[7].shape, generator=g)                    # the target's features
+    assert args[-2].tolist() == [False, True]                            # row 0 races, row 1 inverse CDF
+    with torch.inference_mode():
+        a, w = own._serve(tuple(args)), whole._serve(tuple(args))
+    assert torch.equal(a.tokens, w.tokens) and (a.tokens % 2 == 1).all()
+    assert a.q.shape == w.q.shape == (2, own.steps, 320) and not a.q[..., 0::2].any()
+    torch.testing.assert_close(a.q, w.q, rtol=0, atol=1e-6)
+    torch.testing.assert_close(a.shares, w.shares, rtol=0, atol=1e-5)
+
+
 def test_compiled_chain_picks_over_the_heads_own_vocabulary(shapes, tmp_path):
     """An EAGLE-3 head with a reduced vocabulary (the target's odd ids: a draft id is not its
     target id) drafts its compiled

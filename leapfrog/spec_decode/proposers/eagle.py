@@ -259,7 +259,7 @@ class EagleProposer:
             self.runner.compile_chain(buckets, self.depth, vocab=self.head.own_vocab, **kw)
         if self.static_children is None:   # sampled chains (temperature-only requests; unseeded ones in trees too)
             self.runner.compile_sampled_chain(buckets, self.depth, self._want(), self.head.cfg.greedy_logit_scale,
-                                              **kw)
+                                              vocab=self._sample_vocab, **kw)
         if tree:
             self.runner.compile_tree(buckets, self.depth, width, self.budget, **kw)
 
@@ -519,9 +519,7 @@ class EagleProposer:
             path = [n.token for n in _ancestry(ns, j)]
             specs.append(req.row_spec(path))
             rngs.append(req.rng(len(path)))
-        rows_q = sampler.build_rows(specs, logits.shape[-1])
-        # [R', V] q as trained
-        q = sampler.probs(logits[sampled] / self.head.cfg.greedy_logit_scale, rows_q, proposal=True)
+        q = self._draft_probs(logits[sampled], [rows[i][0] for i in sampled], specs)   # [R', V] q as trained
         # unseeded rows draw one token x ~ q by inverse CDF (one uniform of their stream, as
         # sampler.sample draws them); seeded rows race with their position noise
         seeded = [k for k, i in enumerate(sampled) if rows[i][0].seed_key is not None]
@@ -545,6 +543,29 @@ class EagleProposer:
             n = sum(x >= 0 for x in top)
             out[sampled[seeded[s]]] = _Cand(share[s][:n], top[:n])
         return out
+
+    @property
+    def _sample_vocab(self) -> torch.Tensor | None:
+        """An EAGLE-3 head's own vocabulary (target ids, ascending: a checkpoint's d2t could list
+        them in another order) where temperature-only q are computed (``_draft_probs``), else
+        None."""
+        vocab = self.head.own_vocab
+        return vocab if vocab is not None and bool((vocab[1:] > vocab[:-1]).all()) else None
+
+    def _draft_probs(self, logits: torch.Tensor, reqs: list[Request], specs: list) -> torch.Tensor:
+        """q [R, V] of sampled rows (logits [R, V], one request and row spec per row): the
+        request's processed distribution of the head's logits as trained (divided by its greedy
+        calibration). When every row is temperature-only and the head has its own vocabulary,
+        softmax over those Vd logits spread over V (zeros elsewhere: the same distribution),
+        computed as the sampled chain graph computes it (model/compiled.py
+        CompiledSampledChain), so the expansion and the graph draw the same tokens."""
+        scale, vocab = self.head.cfg.greedy_logit_scale, self._sample_vocab
+        if vocab is not None and all(r.temperature_only for r in reqs):
+            from leapfrog.model.compiled import race_probs
+            t = torch.tensor([r.params.temperature for r in reqs], device=logits.device)
+            qd = race_probs(logits.index_select(-1, vocab).float(), t, scale)                # [R, Vd]
+            return qd.new_zeros(len(reqs), logits.shape[-1]).index_copy_(-1, vocab, qd)
+        return sampler.probs(logits / scale, sampler.build_rows(specs, logits.shape[-1]), proposal=True)
 
     def _top(self, logits: torch.Tensor) -> tuple[list[list[float]], list[list[int]]]:
         """The most likely children of every row at once: log q and token ids, best first
