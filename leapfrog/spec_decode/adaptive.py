@@ -238,7 +238,8 @@ class SpecController:
             k = self.K
         self.steps += 1
         self.last_k = k
-        return [self.cap(r, k) for r in reqs]
+        # (no drafts: no cap to apply; at batch 32 capping each request cost 25 us a step)
+        return [self.cap(r, k) for r in reqs] if k else [0] * len(reqs)
 
     def drafting_off(self, batch_size: int) -> bool:
         """Whether this controller drafts nothing at ``batch_size`` for now (disable_by_batch_size,
@@ -396,8 +397,9 @@ class SpecController:
             drafting[shape] = t_draft
         chain = [free * expected_tokens(self.alpha, lv) for lv in range(self.cfg.num_speculative_tokens + 1)]
         gp = [1.0 / (t1 + host)]
+        cal = self.calibration   # (read once: every step weighs up to K sizes)
         for n, (shape, t) in enumerate(zip(shapes, verify), 1):
-            gp.append(self._tree_tokens(chain[shape[0]], free, n) / (drafting[shape] + (t or t1) + host))
+            gp.append(self._tree_tokens(chain[shape[0]], free, n, cal) / (drafting[shape] + (t or t1) + host))
         for k in self.round_sizes:
             if k < len(gp) and (rounds := self._rounds_goodput(bucket, k)) is not None:
                 gp[k] = rounds
@@ -405,11 +407,12 @@ class SpecController:
         return self._explore(bucket, best, gp.__getitem__, min(top, max(1, best * 2)), best // 2,
                              min(top, self._probe_size(B)))
 
-    def _tree_tokens(self, chains: float, free: float, n: int) -> float:
+    def _tree_tokens(self, chains: float, free: float, n: int, cal: float | None = None) -> float:
         """Expected tokens per sequence of a step verifying n nodes, in a batch whose share
         ``free`` drafts chains without confidence (expecting ``chains``: free x E[tokens] of their
-        levels) and the rest trees (1 + a C(n))."""
-        return chains + ((1 - free) * (1.0 + self.calibration * self.curve[n - 1]) if free < 1 else 0.0)
+        levels) and the rest trees (1 + a C(n)); ``cal``: the calibration a, when the caller read it."""
+        a = self.calibration if cal is None else cal
+        return chains + ((1 - free) * (1.0 + a * self.curve[n - 1]) if free < 1 else 0.0)
 
     def _explore(self, bucket: int, best: int, goodput: Callable[[int], float], up: int, down: int,
                  probe: int) -> int:
