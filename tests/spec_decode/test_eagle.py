@@ -657,6 +657,18 @@ def test_sampled_chains_draw_over_the_heads_own_vocabulary(shapes, tmp_path):
     assert a.q.shape == w.q.shape == (2, own.steps, 320) and not a.q[..., 0::2].any()
     torch.testing.assert_close(a.q, w.q, rtol=0, atol=1e-6)
     torch.testing.assert_close(a.shares, w.shares, rtol=0, atol=1e-5)
+    # a head listing its vocabulary out of order draws over the whole V (an inverse-CDF draw
+    # over its own order would pick other tokens than the expansion's)
+    with pytest.raises(ValueError, match="ascending"):
+        CompiledSampledChain(own.model, own.kv, own.buckets, own.steps, own.want, own.logit_scale,
+                             own.feature_width, own.next_width, vocab=own.vocab.flip(0), compile=False)
+    unordered = make_head(target, tmp_path / "r", "eagle3", seed=1, draft_token_ids=odd[::-1])
+    llm = LLM(model=str(target), dtype="float32", max_model_len=64, max_num_seqs=2, skip_tokenizer_init=True,
+              speculative_config={**spec, "model": str(unordered)})
+    assert llm.engine.proposer.runner.sampled_chain.vocab is None
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 12 and llm.get_metrics()["num_draft_tokens"] > 0
 
 
 def test_compiled_chain_picks_over_the_heads_own_vocabulary(shapes, tmp_path):

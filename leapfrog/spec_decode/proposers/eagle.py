@@ -133,6 +133,11 @@ class EagleProposer:
         # reads half the bytes per draft level, as for draft models
         self.head.pack_for_inference(fp32_head=False, pack_layers=target.enforce_eager)
         self._dtype = self.head.dtype   # (read once: on the step's host path a module lookup costs microseconds)
+        #: an EAGLE-3 head's own vocabulary (target ids) where temperature-only q are computed
+        #: (``_draft_probs``, CompiledSampledChain.vocab): when ascending (a checkpoint's d2t could
+        #: list them in another order, where an inverse-CDF draw over them would pick other tokens)
+        vocab = self.head.own_vocab
+        self._sample_vocab = vocab if vocab is not None and bool((vocab[1:] > vocab[:-1]).all()) else None
         #: what the engine hands over after every target forward (engine._commit)
         self.target_states = "hidden" if self.head.kind == "eagle" else tuple(self.head.target_layer_ids)
         self.cfg = cfg
@@ -545,14 +550,6 @@ class EagleProposer:
             n = sum(x >= 0 for x in top)
             out[sampled[seeded[s]]] = _Cand(share[s][:n], top[:n])
         return out
-
-    @property
-    def _sample_vocab(self) -> torch.Tensor | None:
-        """An EAGLE-3 head's own vocabulary (target ids, ascending: a checkpoint's d2t could list
-        them in another order) where temperature-only q are computed (``_draft_probs``), else
-        None."""
-        vocab = self.head.own_vocab
-        return vocab if vocab is not None and bool((vocab[1:] > vocab[:-1]).all()) else None
 
     def _draft_probs(self, logits: torch.Tensor, reqs: list[Request], specs: list) -> torch.Tensor:
         """q [R, V] of sampled rows (logits [R, V], one request and row spec per row): the
