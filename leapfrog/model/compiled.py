@@ -852,7 +852,7 @@ class CompiledSampledChain(CompiledChain):
             drawn = torch.where(stream, inverse_cdf_draw(q, w[:, j]), greedy)
             return torch.where(sampled, drawn, greedy), (lp, torch.zeros_like(lp), q)
         uj = u[:, j] if self.vocab is None else u[:, j].index_select(-1, self.vocab)   # [B, V']
-        top = (q.double() / -torch.log(uj)).topk(self.want, -1)                    # the race's first finishers
+        top = (q.double() / -torch.log(uj)).topk(min(self.want, q.shape[-1]), -1)  # the race's first finishers
         drawn = torch.where(stream, inverse_cdf_draw(q, w[:, j]), top.indices[:, 0])
         x = torch.where(sampled, drawn, greedy)
         share = torch.log(top.values[:, 0] / top.values.sum(-1)).float()

@@ -561,6 +561,7 @@ class EagleProposer:
         scale, vocab = self.head.cfg.greedy_logit_scale, self._sample_vocab
         if vocab is not None and all(r.temperature_only for r in reqs):
             from leapfrog.model.compiled import race_probs
+            vocab = vocab.to(logits.device)   # (the runner's logits are on the host; the head's ids on its device)
             t = torch.tensor([r.params.temperature for r in reqs], device=logits.device)
             qd = race_probs(logits.index_select(-1, vocab).float(), t, scale)                # [R, Vd]
             return qd.new_zeros(len(reqs), logits.shape[-1]).index_copy_(-1, vocab, qd)
