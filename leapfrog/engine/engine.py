@@ -938,7 +938,7 @@ class LLMEngine:
         other = [b for b in range(B) if not (reqs[b].params.greedy or reqs[b].seed_key is not None)]
         num_accepted, outputs, nodes = [0] * B, [[] for _ in range(B)], [[] for _ in range(B)]
         if matched:
-            sub = drafts if len(matched) == B else drafts.select(matched)
+            sub = drafts.select(matched)
             rngs = [reqs[b].rng(row_depth[i]) for b in matched for i in rows_of([b])]
             res = match(sampler.sample(p_of(matched), rngs).tolist(), sub,
                         [q for b in matched for q in parent_lists[b]])
@@ -949,7 +949,7 @@ class LLMEngine:
             for j, b in enumerate(other):
                 outputs[b] = [final[j]]
         elif other:
-            sub = drafts if len(other) == B else drafts.select(other)
+            sub = drafts.select(other)
             u = torch.cat([sampler.uniforms(drafts.num_draft[b], reqs[b].generator, p.device) for b in other])
             if tree:
                 outcome = tree_rejection_accept(p_of(other), sub.draft_probs, sub.token_ids,

@@ -545,6 +545,12 @@ def first_max(x: Tensor, chunks: int = 64, split: bool | None = None) -> tuple[T
     return top, c * n + i.gather(-1, c[..., None])[..., 0]
 
 
+def ascending(ids: Tensor) -> bool:
+    """Whether target ids [Vd] are in strictly ascending order: where an inverse-CDF draw over them
+    picks the token the draw over the whole vocabulary (zeros elsewhere) picks."""
+    return bool((ids[1:] > ids[:-1]).all())
+
+
 def race_probs(logits: Tensor, temperature: Tensor, scale: float = 1.0) -> Tensor:
     """The one sampler's distribution of a temperature-only row inside a graph (sampling/sampler.py
     ``temperature_probs``): logits [B, ..., V] float32, temperature [B] -> p = softmax(logits /
@@ -810,7 +816,7 @@ class CompiledSampledChain(CompiledChain):
     def __init__(self, model: torch.nn.Module, kv: KVCache, buckets: list[Bucket], steps: int, want: int,
                  logit_scale: float = 1.0, feature_width: int | None = None, next_width: int | None = None,
                  vocab: Tensor | None = None, compile: bool = True) -> None:
-        if vocab is not None and not bool((vocab[1:] > vocab[:-1]).all()):
+        if vocab is not None and not ascending(vocab):
             raise ValueError("a sampled chain's own vocabulary must be in ascending target-id order")
         super().__init__(model, kv, buckets, steps, feature_width, next_width, vocab, compile=compile)
         self.want, self.logit_scale = want, logit_scale

@@ -96,7 +96,10 @@ class DraftBatch:
         return [flat[o[b]:o[b + 1]] for b in range(len(self.num_draft))]
 
     def select(self, batch_idx: list[int]) -> "DraftBatch":
-        """The drafts of requests ``batch_idx`` (in that order) as a DraftBatch of their own."""
+        """The drafts of requests ``batch_idx`` (in that order) as a DraftBatch of their own (this
+        one when that is every request in order: nothing to copy)."""
+        if batch_idx == list(range(len(self.num_draft))):
+            return self
         o = self.offsets()
         flat = [i for b in batch_idx for i in range(o[b], o[b + 1])]
         idx = torch.tensor(flat, dtype=torch.long)

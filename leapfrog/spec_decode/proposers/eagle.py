@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
-from leapfrog.model.compiled import CompiledSampledChain
+from leapfrog.model.compiled import CompiledSampledChain, ascending
 from leapfrog.model.runner import ModelRunner, SeqChunk
 from leapfrog.request import Request
 from leapfrog.sampling import sampler
@@ -137,7 +137,7 @@ class EagleProposer:
         #: (``_draft_probs``, CompiledSampledChain.vocab): when ascending (a checkpoint's d2t could
         #: list them in another order, where an inverse-CDF draw over them would pick other tokens)
         vocab = self.head.own_vocab
-        self._sample_vocab = vocab if vocab is not None and bool((vocab[1:] > vocab[:-1]).all()) else None
+        self._sample_vocab = vocab if vocab is not None and ascending(vocab) else None
         #: what the engine hands over after every target forward (engine._commit)
         self.target_states = "hidden" if self.head.kind == "eagle" else tuple(self.head.target_layer_ids)
         self.cfg = cfg
