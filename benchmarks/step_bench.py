@@ -1,7 +1,8 @@
 """Where a decode step's time goes, side by side in one run (issue 12: the per-step framework time).
 
 Contenders (``--only``, default all): ``none``, ``eagle3`` (the built-in EAGLE-3 head as a chain of
-5) and ``draft_model`` (the demo draft, K = 4), each one LLM on the built-in target, run in
+5), ``draft_model`` (the demo draft, K = 4) and ``eagle3-python`` (eagle3 with its eager levels run
+by the Python forward rather than model/native_head.py's op), each one LLM on the built-in target, run in
 interleaved rounds (A B C A B C ...) over the same held-out prompts, one at a time (batch 1). Per
 contender, the median over its decode steps of:
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -49,6 +51,10 @@ CONTENDERS = {
     "eagle3": {"method": "eagle3", "model": str(DEMO_DIR / "eagle3"), "num_speculative_tokens": 5, "eagle_topk": 1},
     "draft_model": {"method": "draft_model", "model": str(DEMO_DIR / "draft"), "num_speculative_tokens": 4},
 }
+#: the eagle3 chain with its levels run by the Python forward (LEAPFROG_NATIVE_HEAD=0 at load:
+#: model/native_head.py's op off), for the op's A/B
+CONTENDERS["eagle3-python"] = CONTENDERS["eagle3"]
+ENV = {"eagle3-python": {"LEAPFROG_NATIVE_HEAD": "0"}}
 PARTS = ("step", "draft", "forward", "accept")
 
 
@@ -112,6 +118,20 @@ def verify_curve(llm: LLM, sizes: range, repeats: int) -> dict[int, float]:
     return {s: round(statistics.median(v) / t1, 3) for s, v in times.items()}
 
 
+def make_llm(name: str, enforce_eager: bool) -> LLM:
+    """Contender ``name``'s LLM on the built-in target, with its environment (ENV) at load."""
+    saved = {k: os.environ.get(k) for k in ENV.get(name, {})}
+    os.environ.update(ENV.get(name, {}))
+    try:
+        return LLM(model=str(DEMO_DIR / "target"), speculative_config=CONTENDERS[name], enforce_eager=enforce_eager)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", nargs="*", choices=list(CONTENDERS), default=list(CONTENDERS))
@@ -130,8 +150,7 @@ def main() -> None:
     tok = load_tokenizer(str(DEMO_DIR / "target"))
     prompts = heldout_prompts(tok, heldout_documents(DEMO_DIR), args.num_prompts)
     sp = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True)
-    llms = {name: LLM(model=str(DEMO_DIR / "target"), speculative_config=CONTENDERS[name],
-                      enforce_eager=not args.no_enforce_eager) for name in args.only}
+    llms = {name: make_llm(name, not args.no_enforce_eager) for name in args.only}
     for llm in llms.values():   # warm-up (and the compiled graphs' first calls) before the timers
         llm.generate(prompts[:1], sp, use_tqdm=False)
     timers = {name: StepTimer(llm) for name, llm in llms.items()}

@@ -52,6 +52,7 @@ from torch import Tensor
 
 from leapfrog.attention.metadata import AttnMeta, build_attn_meta
 from leapfrog.kv.cache import KVCache
+from leapfrog.model.native_head import NativeHeadLevel
 from leapfrog.sampling.sampler import inverse_cdf_draw
 from leapfrog.utils import env_off, env_on
 
@@ -625,6 +626,8 @@ class CompiledChain(CompiledForward):
         self.steps, self.next_width, self.vocab = steps, next_width, vocab
         self.window = model.args.sliding_window
         self._fn = self._wrap(self._chain)
+        # eagerly, an EAGLE-3 head's levels after the first as one C++ call each (model/native_head.py)
+        self.level = None if compile or not self.native else NativeHeadLevel.for_head(model)
 
     def _chain(self, tok: Tensor, pos: Tensor, mask: Tensor, rows: Tensor, write_rows: Tensor, write_cols: Tensor,
                kv_len: Tensor, features: Tensor | None, last: Tensor, col: Tensor,
@@ -662,6 +665,9 @@ class CompiledChain(CompiledForward):
             if j == steps - 1:
                 break
             c = col + j                                                            # [B] this step's column
+            if self.level is not None:   # (the same calls as below, from C++; chains have no state)
+                h, logits = self.level(x, h, c, rows, self.kv.k[0], self.kv.v[0], cols)
+                continue
             m = causal_mask(cols, c[:, None], self.window)                         # [B, 1, 1, W]
             g = self._forward(x[:, None], c[:, None], m, rows, rows, c, c.max() + 1,
                               h[:, None] if self.next_width is not None else None)
