@@ -52,7 +52,7 @@ from torch import Tensor
 
 from leapfrog.attention.metadata import AttnMeta, build_attn_meta
 from leapfrog.kv.cache import KVCache
-from leapfrog.model.native_head import NativeHeadLevel
+from leapfrog.model.native_head import NativeHeadForward
 from leapfrog.sampling.sampler import inverse_cdf_draw
 from leapfrog.utils import env_off, env_on
 
@@ -115,8 +115,9 @@ class GraphOutput:
     aux: list[Tensor]     # [batch, tokens, D] per aux layer
     logits: Tensor        # [batch * tokens, V] float32 (the model's head: a draft's may be half precision;
                           # ``_forward``'s ``at``: [len(at), V], those rows only)
-    top: Tensor           # [rows of logits] float32: each row's largest logit (the engine's greedy verify
-    top_ids: Tensor       # [rows of logits] long: and its token, the first of equal maxima: Tensor.max)
+    top: Tensor | None    # [rows of logits] float32: each row's largest logit (the engine's greedy verify
+    top_ids: Tensor | None  # [rows of logits] long: and its token, the first of equal maxima: Tensor.max;
+                          # None from an EAGLE-3 head's native forward, which the drafting loops pick from)
 
 
 @dataclass
@@ -626,12 +627,26 @@ class CompiledChain(CompiledForward):
         self.steps, self.next_width, self.vocab = steps, next_width, vocab
         self.window = model.args.sliding_window
         self._fn = self._wrap(self._chain)
-        # eagerly, an EAGLE-3 head's levels after the first as one C++ call each (model/native_head.py)
-        self.level = None if compile or not self.native else NativeHeadLevel.for_head(model)
+        # eagerly, each of an EAGLE-3 head's forwards as one C++ call (model/native_head.py)
+        self.native_head = None if compile or not self.native else NativeHeadForward.for_head(model)
+
+    def _forward(self, tok: Tensor, pos: Tensor, mask: Tensor, rows: Tensor, write_rows: Tensor,
+                 write_cols: Tensor, kv_len: Tensor, features: Tensor | None = None,
+                 at: Tensor | None = None) -> GraphOutput:
+        if self.native_head is None or features is None:
+            return super()._forward(tok, pos, mask, rows, write_rows, write_cols, kv_len, features, at)
+        # (the same kernel calls from C++; no argmax: the drafting loops pick from the logits themselves)
+        hidden, logits = self.native_head(tok, pos, mask, rows, write_rows, write_cols, kv_len, features, at,
+                                          self.kv.k[0], self.kv.v[0])
+        return GraphOutput(hidden, [], logits, None, None)
 
     def _chain(self, tok: Tensor, pos: Tensor, mask: Tensor, rows: Tensor, write_rows: Tensor, write_cols: Tensor,
                kv_len: Tensor, features: Tensor | None, last: Tensor, col: Tensor,
                steps: int | None = None) -> ChainOutput:
+        if self.native_head is not None and features is not None:   # (eagerly: the whole chain from C++)
+            return ChainOutput(*self.native_head.chain(
+                tok, pos, mask, rows, write_rows, write_cols, kv_len, features, last, col,
+                self.steps if steps is None else steps, self.vocab, self.window, self.kv.k[0], self.kv.v[0]))
         toks, (lps,) = self._steps(tok, pos, mask, rows, write_rows, write_cols, kv_len, features, last, col,
                                    steps=steps)
         return ChainOutput(toks, lps)
@@ -665,9 +680,6 @@ class CompiledChain(CompiledForward):
             if j == steps - 1:
                 break
             c = col + j                                                            # [B] this step's column
-            if self.level is not None:   # (the same calls as below, from C++; chains have no state)
-                h, logits = self.level(x, h, c, rows, self.kv.k[0], self.kv.v[0], cols)
-                continue
             m = causal_mask(cols, c[:, None], self.window)                         # [B, 1, 1, W]
             g = self._forward(x[:, None], c[:, None], m, rows, rows, c, c.max() + 1,
                               h[:, None] if self.next_width is not None else None)

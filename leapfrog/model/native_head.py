@@ -1,39 +1,48 @@
-"""One EAGLE-3 draft level as one C++ call: ``torch.ops.leapfrog_head.eagle3_level``.
+"""An EAGLE-3 head's eager forwards as one C++ call each: ``torch.ops.leapfrog_head``.
 
-Eagerly, a head level (EagleHead.forward for one token per sequence, then its own LM head) is
-some 25 operator calls through Python: embedding, three norms, the concatenation, five linears,
-two rotations, the cached attention and its mask, two residual adds, silu * up, and the modules
-and metadata around them. Measured on the built-in head (bf16, batch 1, 2-vCPU AVX-512 EPYC):
-about 0.45 ms a level, of which the kernels are about 0.2 ms; the rest is Python and dispatch,
-paid five times per drafted chain. This op makes the same calls, in the same order, on the same
-tensors, from C++ through the dispatcher (about a microsecond each): the kernels are leapfrog's
-own (model/native_linear.py, model/native_ops.py, attention/native.py) and ATen's, so a level's
-outputs are bitwise those of the Python forward (tests/model/test_native_head.py), and the KV
-cache is read and written by the same attention op the compiled graphs call.
+Eagerly, a head forward (EagleHead.forward, then its own LM head) is some 25 operator calls
+through Python: embedding, fc, three norms, the concatenation, five linears, two rotations, the
+cached attention, two residual adds, silu * up, and the modules and metadata around them.
+Measured on the built-in head (bf16, batch 1, 2-vCPU AVX-512 EPYC): about 0.45 ms a level, of
+which the kernels are under 0.2 ms; the rest is Python and dispatch, paid once per drafted
+token. These ops make the same calls, in the same order, on the same tensors, from C++ through
+the dispatcher (about a microsecond each): the kernels are leapfrog's own
+(model/native_linear.py, model/native_ops.py, attention/native.py) and ATen's, so the outputs
+are bitwise the Python forward's (tests/model/test_native_head.py), and the KV cache is read and
+written by the same attention op the compiled graphs call, with the caller's mask and columns.
 
-    eagle3_level(tok [B] long, h [B, H], col [B] long, rows [B] long, k_cache, v_cache,
-                 cols [W] long, embed [V, H], cos [P, Dh], sin [P, Dh], norms, weights, biases,
-                 sizes, eps, norm_before_residual, window) -> (hidden [B, H], logits [B, Vd] float32)
+    eagle3_forward(tok [B, S], features [B, S, F], pos [B, S], mask [B, 1, S, W], rows [B],
+                   write_rows, write_cols [B * S], kv_len [], at [N] (empty: every row), k_cache,
+                   v_cache, embed, cos, sin, norms, weights, biases, sizes, eps, norm_before_residual)
+        -> hidden [B, S, H], logits [N or B * S, Vd] float32
 
-    e = embed[tok] (in h's dtype); x = h; hn = hidden_norm(x); (x = hn if norm_before_residual)
-    q, k, v = wqkv(cat[input_layernorm(e), hn]); q, k = rope(q, k) at position col
-    o = attention(q, k, v) writing k/v at (rows, col), reading columns <= col (and > col - window)
+    e = embed[tok] (the head's dtype); x = fc(features) if F != H else features
+    hn = hidden_norm(x); (x = hn if norm_before_residual)
+    q, k, v = wqkv(cat[input_layernorm(e), hn]); q, k = rope(q, k) at pos
+    o = cached_attention(q, k, v) (writes k/v at write_rows/write_cols, reads what mask allows)
     x = x + wo(o); hidden = x + w2(silu_mul(w13(post_attention_layernorm(x))))
-    logits = lm_head(norm(hidden in float32) in the head's row dtype), float32
+    logits = lm_head(norm(hidden[at] in float32) in the LM head's row dtype), float32
 
-Where it applies (``NativeHeadLevel.for_head``): an EAGLE-3 head packed for inference on CPU with
-the native norm/RoPE ops and every linear, its LM head included, on the bf16 few-row kernel
-(NativeLinear: bf16 weights, or float32 weights of bf16 values). Elsewhere (EAGLE-1, other
-linears, CUDA) the Python forward runs. ``LEAPFROG_NATIVE_HEAD=0`` (read at load) turns it off.
-Built once like the other ops (utils/cpp.py, about 15 s, cached under ``TORCH_EXTENSIONS_DIR``);
-if it cannot be built the Python forward serves (logged).
+    eagle3_chain(the first forward's arguments, last [B], col [B], steps, vocab, window, ...)
+        -> tokens [B, steps] (target ids), log q [B, steps]: CompiledChain's greedy chain, its
+           one-token forwards at columns col, col + 1, ... each fed the previous argmax
+
+CompiledChain (model/compiled.py) runs its eager forwards through ``eagle3_forward`` (chains,
+sampled chains, dynamic trees) and its greedy chains through ``eagle3_chain``. Where it applies
+(``NativeHeadForward.for_head``): an EAGLE-3 head packed for inference on CPU with the native
+norm/RoPE ops and every linear, fc and its LM head included, on the bf16 few-row kernel
+(NativeLinear: bf16 weights, or float32 weights of bf16 values), the built-in head's case.
+Elsewhere (EAGLE-1, other linears, CUDA, compiled graphs) the Python forward runs.
+``LEAPFROG_NATIVE_HEAD=0`` (read at load) turns it off. Built once like the other ops
+(utils/cpp.py, about 15 s, cached under ``TORCH_EXTENSIONS_DIR``); if it cannot be built the
+Python forward serves (logged).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -81,63 +90,106 @@ const c10::TypedOperatorHandle<AttnSig>& attention_op() {
   return op;
 }
 
-// sizes: [n_qkv, n_o, n_13, n_2, n_head, heads, kv_heads, head_dim, f32_out of the LM head,
+// sizes: [n_qkv, n_o, n_13, n_2, n_head, n_fc, heads, kv_heads, head_dim, f32_out of the LM head,
 //         stream mask (bit i: weights[i] streamed), LM head rows in bf16]
-std::tuple<Tensor, Tensor> eagle3_level(
-    const Tensor& tok, const Tensor& h, const Tensor& col, const Tensor& rows, Tensor& k_cache,
-    Tensor& v_cache, const Tensor& cols, const Tensor& embed, const Tensor& cos_table,
-    const Tensor& sin_table, at::TensorList norms, at::TensorList weights, at::TensorList biases,
-    at::IntArrayRef sizes, double eps, bool norm_before_residual, int64_t window) {
-  TORCH_CHECK(norms.size() == 4 && weights.size() == 5 && biases.size() == 5 && sizes.size() == 11,
-              "eagle3_level: 4 norms, 5 weights, 5 biases and 11 sizes");
-  const int64_t B = tok.size(0), H = h.size(-1);
-  const int64_t heads = sizes[5], kv_heads = sizes[6], Dh = sizes[7];
+std::tuple<Tensor, Tensor> eagle3_forward(
+    const Tensor& tok, const Tensor& features, const Tensor& pos, const Tensor& mask, const Tensor& rows,
+    const Tensor& write_rows, const Tensor& write_cols, const Tensor& kv_len, const Tensor& at,
+    Tensor& k_cache, Tensor& v_cache, const Tensor& embed, const Tensor& cos_table, const Tensor& sin_table,
+    at::TensorList norms, at::TensorList weights, at::TensorList biases, at::IntArrayRef sizes, double eps,
+    bool norm_before_residual) {
+  TORCH_CHECK(norms.size() == 4 && weights.size() == 6 && biases.size() == 6 && sizes.size() == 12,
+              "eagle3_forward: 4 norms, 6 weights, 6 biases and 12 sizes");
+  const int64_t B = tok.size(0), S = tok.size(1), H = sizes[1];
+  const int64_t heads = sizes[6], kv_heads = sizes[7], Dh = sizes[8];
   const int64_t q_size = heads * Dh, kv_size = kv_heads * Dh;
-  auto bias = [&](int i) -> c10::optional<Tensor> {
-    return biases[i].numel() ? c10::optional<Tensor>(biases[i]) : c10::nullopt;
-  };
   auto linear = [&](const Tensor& x, int i, bool f32_out) {
-    return linear_op().call(x, weights[i], bias(i), sizes[i], f32_out, ((sizes[9] >> i) & 1) != 0);
+    c10::optional<Tensor> bias = biases[i].numel() ? c10::optional<Tensor>(biases[i]) : c10::nullopt;
+    return linear_op().call(x, weights[i], bias, sizes[i], f32_out, ((sizes[10] >> i) & 1) != 0);
   };
-  const auto dt = h.scalar_type();
-  // EagleHead.forward (one token per sequence, the previous level's state as the feature)
-  Tensor e = at::embedding(embed, tok.view({B, 1})).to(dt);                   // [B, 1, H]
-  Tensor x = h.view({B, 1, H}).to(dt);
-  Tensor cos = cos_table.index_select(0, col).to(dt).view({B, 1, 1, Dh});
-  Tensor sin = sin_table.index_select(0, col).to(dt).view({B, 1, 1, Dh});
+  // EagleHead.forward: the head's dtype is its norms'
+  const auto dt = norms[0].scalar_type();
+  Tensor e = at::embedding(embed, tok).to(dt);                                 // [B, S, H]
+  Tensor f = features.to(dt);
+  Tensor p = pos.reshape({-1});
+  Tensor cos = cos_table.index_select(0, p).to(dt).view({B, S, 1, Dh});
+  Tensor sin = sin_table.index_select(0, p).to(dt).view({B, S, 1, Dh});
+  Tensor x = f.size(-1) == H ? f : linear(f, 5, false);                         // fc on target features
   // EagleLayer.forward, form "eagle3"
   Tensor hn = norm_op().call(x, norms[1], eps);
   if (norm_before_residual) x = hn;
-  Tensor a = at::cat({norm_op().call(e, norms[0], eps), hn}, -1);             // [B, 1, 2H]
+  Tensor a = at::cat({norm_op().call(e, norms[0], eps), hn}, -1);             // [B, S, 2H]
   auto qkv = linear(a, 0, false).split_with_sizes({q_size, kv_size, kv_size}, -1);
-  Tensor q = rope_op().call(qkv[0].view({B, 1, heads, Dh}), cos, sin);
-  Tensor k = rope_op().call(qkv[1].view({B, 1, kv_heads, Dh}), cos, sin);
-  Tensor v = qkv[2].view({B, 1, kv_heads, Dh});
-  // compiled.causal_mask: [B, 1, 1, W]
-  Tensor c = col.view({B, 1, 1});
-  Tensor m = cols.view({1, 1, -1}).le(c);
-  if (window > 0) m.logical_and_(cols.view({1, 1, -1}).gt(c - window));
-  m = m.unsqueeze(1);
-  Tensor kv_len = col.max().add(1);
-  Tensor o = attention_op().call(q, k, v, k_cache, v_cache, rows, rows, col, m, kv_len);  // [B, 1, Hq, Dh]
+  Tensor q = rope_op().call(qkv[0].view({B, S, heads, Dh}), cos, sin);
+  Tensor k = rope_op().call(qkv[1].view({B, S, kv_heads, Dh}), cos, sin);
+  Tensor v = qkv[2].view({B, S, kv_heads, Dh});
+  Tensor o = attention_op().call(q, k, v, k_cache, v_cache, rows, write_rows, write_cols, mask, kv_len);
   // DecoderLayer._after_attention
-  x = x.add(linear(o.reshape({B, 1, q_size}), 1, false));
+  x = x.add(linear(o.reshape({B, S, q_size}), 1, false));
   Tensor g = norm_op().call(x, norms[2], eps);
-  x = x.add(linear(silu_op().call(linear(g, 2, false)), 3, false));           // [B, 1, H]
-  // EagleHead.compute_draft_logits: norm in float32, then LogitsHead (rows in its dtype)
-  Tensor hidden = x.reshape({B, H});
-  Tensor f = norm_op().call(hidden.to(at::kFloat), norms[3], eps);
-  Tensor logits = linear(f.to(sizes[10] ? at::kBFloat16 : at::kFloat), 4, sizes[8] != 0).to(at::kFloat);
-  return {x.select(1, 0), logits};
+  x = x.add(linear(silu_op().call(linear(g, 2, false)), 3, false));           // [B, S, H]
+  // CompiledForward._forward's logits rows, EagleHead.compute_draft_logits: norm in float32, then
+  // LogitsHead (rows in its dtype, float32 logits)
+  Tensor hidden = x.reshape({B * S, H});
+  if (at.numel()) hidden = hidden.index({at});
+  Tensor n = norm_op().call(hidden.to(at::kFloat), norms[3], eps);
+  Tensor logits = linear(n.to(sizes[11] ? at::kBFloat16 : at::kFloat), 4, sizes[9] != 0).to(at::kFloat);
+  return {x, logits};
+}
+// CompiledChain._steps with its greedy _pick: the first forward over each sequence's pending tokens
+// (``last``: the last real one's index), then steps - 1 one-token forwards, each fed the previous
+// argmax (mapped to target ids by ``vocab`` when given) at the next column and its output state
+// -> tokens [B, steps] (target ids), log q of each [B, steps] float32
+std::tuple<Tensor, Tensor> eagle3_chain(
+    const Tensor& tok, const Tensor& features, const Tensor& pos, const Tensor& mask, const Tensor& rows,
+    const Tensor& write_rows, const Tensor& write_cols, const Tensor& kv_len, const Tensor& last,
+    const Tensor& col, int64_t steps, const Tensor& vocab, int64_t window, Tensor& k_cache, Tensor& v_cache,
+    const Tensor& embed, const Tensor& cos_table, const Tensor& sin_table, at::TensorList norms,
+    at::TensorList weights, at::TensorList biases, at::IntArrayRef sizes, double eps, bool norm_before_residual) {
+  const int64_t B = tok.size(0), S = tok.size(1), H = sizes[1];
+  auto forward = [&](const Tensor& t, const Tensor& f, const Tensor& p, const Tensor& m, const Tensor& wr,
+                     const Tensor& wc, const Tensor& len, const Tensor& at) {
+    return eagle3_forward(t, f, p, m, rows, wr, wc, len, at, k_cache, v_cache, embed, cos_table, sin_table,
+                          norms, weights, biases, sizes, eps, norm_before_residual);
+  };
+  Tensor at = at::arange(B, last.options()).mul(S).add(last);                  // [B] rows of the last tokens
+  auto [hidden, logits] = forward(tok, features, pos, mask, write_rows, write_cols, kv_len,
+                                  S > 1 ? at : at.new_empty({0}));
+  Tensor h = hidden.reshape({B * S, H}).index({at});                           // [B, H]
+  Tensor cols = at::arange(mask.size(-1), col.options()).view({1, 1, -1});     // [1, 1, W]
+  std::vector<Tensor> toks, lps;
+  for (int64_t j = 0; j < steps; ++j) {
+    auto [lp, x] = at::log_softmax(logits.to(at::kFloat), -1).max(-1);          // [B], [B]
+    if (vocab.numel()) x = vocab.index({x});
+    toks.push_back(x);
+    lps.push_back(lp);
+    if (j == steps - 1) break;
+    Tensor c = col.add(j);                                                     // [B] this step's column
+    Tensor q = c.view({B, 1, 1});
+    Tensor m = cols.le(q);                                                     // compiled.causal_mask
+    if (window > 0) m.logical_and_(cols.gt(q.sub(window)));
+    std::tie(hidden, logits) = forward(x.view({B, 1}), h.view({B, 1, H}), c.view({B, 1}), m.unsqueeze(1), rows,
+                                       c, c.max().add(1), at.new_empty({0}));
+    h = hidden.select(1, 0);
+  }
+  return {at::stack(toks, 1), at::stack(lps, 1)};
 }
 }  // namespace
 
 TORCH_LIBRARY(leapfrog_head, m) {
-  m.def("eagle3_level(Tensor tok, Tensor h, Tensor col, Tensor rows, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-        "Tensor cols, Tensor embed, Tensor cos, Tensor sin, Tensor[] norms, Tensor[] weights, Tensor[] biases, "
-        "int[] sizes, float eps, bool norm_before_residual, int window) -> (Tensor, Tensor)");
+  m.def("eagle3_chain(Tensor tok, Tensor features, Tensor pos, Tensor mask, Tensor rows, Tensor write_rows, "
+        "Tensor write_cols, Tensor kv_len, Tensor last, Tensor col, int steps, Tensor vocab, int window, "
+        "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor embed, Tensor cos, Tensor sin, Tensor[] norms, "
+        "Tensor[] weights, Tensor[] biases, int[] sizes, float eps, bool norm_before_residual) -> (Tensor, Tensor)");
+  m.def("eagle3_forward(Tensor tok, Tensor features, Tensor pos, Tensor mask, Tensor rows, Tensor write_rows, "
+        "Tensor write_cols, Tensor kv_len, Tensor at, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor embed, "
+        "Tensor cos, Tensor sin, Tensor[] norms, Tensor[] weights, Tensor[] biases, int[] sizes, float eps, "
+        "bool norm_before_residual) -> (Tensor, Tensor)");
 }
-TORCH_LIBRARY_IMPL(leapfrog_head, CPU, m) { m.impl("eagle3_level", &eagle3_level); }
+TORCH_LIBRARY_IMPL(leapfrog_head, CPU, m) {
+  m.impl("eagle3_forward", &eagle3_forward);
+  m.impl("eagle3_chain", &eagle3_chain);
+}
 """
 
 _STATE: dict[str, bool] = {}  # memo of load_native_head (process-wide once loaded)
@@ -149,33 +201,33 @@ def load_native_head() -> bool:
     with _LOCK:
         if "ok" not in _STATE:
             try:
-                log.info("loading leapfrog's native EAGLE-3 level op (built once, about 15 s)")
+                log.info("loading leapfrog's native EAGLE-3 forward op (built once, about 15 s)")
                 load_inline("leapfrog_native_head", _SOURCE, ["-O2"])
                 _STATE["ok"] = True
             except Exception as e:  # noqa: BLE001 - no compiler, headers, ...: the Python forward serves
-                log.warning("native EAGLE-3 level op unavailable (%s: %s); heads draft in Python",
+                log.warning("native EAGLE-3 forward op unavailable (%s: %s); heads draft in Python",
                             type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
                 _STATE["ok"] = False
     return _STATE["ok"]
 
 
 @dataclass
-class NativeHeadLevel:
-    """An EAGLE-3 head's weights as ``eagle3_level`` takes them (see the module docstring)."""
+class NativeHeadForward:
+    """An EAGLE-3 head's weights as ``eagle3_forward`` takes them (see the module docstring)."""
 
     embed: Tensor            # [V, H] the head's embedding, or the target's
     cos: Tensor              # [P, Dh] float32 rope tables
     sin: Tensor
     norms: list[Tensor]      # input_layernorm, hidden_norm, post_attention_layernorm, norm (float32)
-    weights: list[Tensor]    # packed: wqkv, wo, w13, w2, lm_head
+    weights: list[Tensor]    # packed: wqkv, wo, w13, w2, lm_head, fc
     biases: list[Tensor]     # each linear's float32 bias, or an empty tensor
     sizes: list[int]
     eps: float
     norm_before_residual: bool
-    window: int              # 0: none
+    every_row: Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))   # ``at`` for all rows
 
     @classmethod
-    def for_head(cls, head: torch.nn.Module) -> NativeHeadLevel | None:
+    def for_head(cls, head: torch.nn.Module) -> NativeHeadForward | None:
         """The op's arguments for ``head``, or None where the op does not apply (module docstring)."""
         from leapfrog.model.native_linear import NativeLinear
         if (getattr(head, "kind", None) != "eagle3" or not getattr(head, "native_ops", False)
@@ -183,7 +235,7 @@ class NativeHeadLevel:
                 or head.head is None):
             return None
         layer, proj = head.layers[0], head.head.proj
-        lins = [layer.wqkv, layer.wo, layer.w13, layer.w2, proj]
+        lins = [layer.wqkv, layer.wo, layer.w13, layer.w2, proj, head.fc]
         if not all(isinstance(m, NativeLinear) for m in lins) or head.head.in_dtype not in (torch.bfloat16,
                                                                                             torch.float32):
             return None
@@ -199,12 +251,28 @@ class NativeHeadLevel:
                    [m.out_features for m in lins] + [a.num_attention_heads, a.num_key_value_heads, a.head_dim,
                                                      int(proj.f32_out), stream,
                                                      int(head.head.in_dtype == torch.bfloat16)],
-                   a.rms_norm_eps, head.cfg.norm_before_residual, a.sliding_window or 0)
+                   a.rms_norm_eps, head.cfg.norm_before_residual)
 
-    def __call__(self, tok: Tensor, h: Tensor, col: Tensor, rows: Tensor, k_cache: Tensor, v_cache: Tensor,
-                 cols: Tensor) -> tuple[Tensor, Tensor]:
-        """tok [B] target ids, h [B, H] the previous level's state, col [B] the level's column (its
-        position), rows [B] cache rows, cols [W] the cache's columns -> hidden [B, H], logits [B, Vd]."""
-        return torch.ops.leapfrog_head.eagle3_level(
-            tok, h, col, rows, k_cache, v_cache, cols, self.embed, self.cos, self.sin, self.norms, self.weights,
-            self.biases, self.sizes, self.eps, self.norm_before_residual, self.window)
+    def __call__(self, tok: Tensor, pos: Tensor, mask: Tensor, rows: Tensor, write_rows: Tensor,
+                 write_cols: Tensor, kv_len: Tensor, features: Tensor, at: Tensor | None,
+                 k_cache: Tensor, v_cache: Tensor) -> tuple[Tensor, Tensor]:
+        """CompiledForward._forward's arguments (tok, pos [B, S], mask [B, 1, S, W], the cache rows
+        and columns, features [B, S, F]: target features, or the head's own states; ``at``: the
+        flat rows whose logits are read, None: all), and the head's cache of its one layer ->
+        hidden [B, S, H] and logits [len(at) or B * S, Vd] float32."""
+        return torch.ops.leapfrog_head.eagle3_forward(
+            tok, features, pos, mask, rows, write_rows, write_cols, kv_len, self.every_row if at is None else at,
+            k_cache, v_cache, self.embed, self.cos, self.sin, self.norms, self.weights, self.biases, self.sizes,
+            self.eps, self.norm_before_residual)
+
+    def chain(self, tok: Tensor, pos: Tensor, mask: Tensor, rows: Tensor, write_rows: Tensor, write_cols: Tensor,
+              kv_len: Tensor, features: Tensor, last: Tensor, col: Tensor, steps: int, vocab: Tensor | None,
+              window: int | None, k_cache: Tensor, v_cache: Tensor) -> tuple[Tensor, Tensor]:
+        """CompiledChain's greedy chain (its ``_steps`` and ``_pick``) in one call: the first forward's
+        arguments as ``__call__``'s, ``last`` [B] each sequence's last real token, ``col`` [B] the
+        first drafted token's column, ``steps`` tokens to draft, ``vocab`` the head's target ids (None:
+        the target's), the head's sliding ``window`` -> tokens [B, steps], log q [B, steps]."""
+        return torch.ops.leapfrog_head.eagle3_chain(
+            tok, features, pos, mask, rows, write_rows, write_cols, kv_len, last, col, steps,
+            self.every_row if vocab is None else vocab, window or 0, k_cache, v_cache, self.embed, self.cos,
+            self.sin, self.norms, self.weights, self.biases, self.sizes, self.eps, self.norm_before_residual)

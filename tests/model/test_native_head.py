@@ -1,7 +1,7 @@
-"""The EAGLE-3 level op (model/native_head.py): eager chains drafted with it are the chains the
-Python forward drafts, bit for bit (the same tokens and draft probabilities every step), for
-greedy, seeded and unseeded sampled requests, on heads with GQA, q/k/v biases and a sliding
-window, in float32 and bf16; and greedy output stays the target's."""
+"""The EAGLE-3 forward op (model/native_head.py): eager chains and dynamic trees drafted with it
+are the drafts the Python forward drafts, bit for bit (the same tokens, parents and draft
+probabilities every step), for greedy, seeded and unseeded sampled requests, on heads with GQA,
+q/k/v biases and a sliding window, in float32 and bf16; and greedy output stays the target's."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from leapfrog import LLM, SamplingParams
-from leapfrog.model.compiled import CompiledChain
+from leapfrog.model.native_head import NativeHeadForward
 from leapfrog.model.native_linear import native_linear_supported
 from tests.conftest import BASE, CONFIGS, prompts_of, save_shapes
 from tests.spec_decode.test_eagle import make_head
@@ -32,26 +32,30 @@ def heads(tmp_path_factory, tokenizer):
             for name, t in save_shapes(tmp_path_factory, tokenizer, SHAPES).items()}
 
 
-def _run(target, head, dtype, native: str, monkeypatch, prompts, params):
+SPECS = {"chain": {"num_speculative_tokens": 4, "eagle_topk": 1},
+         "tree": {"num_speculative_tokens": 4, "eagle_topk": 3, "num_draft_tokens": 10}}
+
+
+def _run(target, head, dtype, native: str, monkeypatch, prompts, params, tree):
     with monkeypatch.context() as m:
         m.setenv("LEAPFROG_NATIVE_HEAD", native)
         llm = LLM(model=str(target), dtype=dtype, max_model_len=128, max_num_seqs=3, seed=3,
-                  speculative_config={"method": "eagle3", "model": str(head), "num_speculative_tokens": 4,
-                                      "eagle_topk": 1})
-    prop = llm.engine.proposer
-    levels = [c.level for c in (prop.runner.chain, prop.runner.sampled_chain)]
-    seen, propose = [], prop.propose
+                  speculative_config={"method": "eagle3", "model": str(head), **SPECS[tree]})
+    r = llm.engine.proposer.runner
+    graphs = [g for g in (r.chain, r.sampled_chain, r.tree) if g is not None]
+    assert len(graphs) == 2
+    seen, propose = [], llm.engine.proposer.propose
 
     def record(reqs, ks):
         d = propose(reqs, ks)
         q = None if d.draft_probs is None else d.draft_probs.clone()
-        seen.append((d.lists(), q))
+        seen.append((d.lists(), d.parent_lists(), q))
         return d
-    prop.propose = record
+    llm.engine.proposer.propose = record
     outs = [[o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)]
             for ps, sp in params(prompts)]
     assert llm.get_metrics()["num_accepted_tokens"] > 0
-    return levels, seen, outs
+    return [g.native_head for g in graphs], seen, outs
 
 
 def _params(prompts):
@@ -61,29 +65,29 @@ def _params(prompts):
     return [(prompts, greedy), (prompts[:2], [seeded, greedy]), (prompts[:2], unseeded)]
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_native_levels_draft_what_the_python_forward_drafts(heads, tokenizer, shape, dtype, monkeypatch):
+@pytest.mark.parametrize("shape,dtype,tree", [("qwen2", "float32", "chain"), ("qwen2", "bfloat16", "tree"),
+                                              ("gqa_window", "float32", "tree"), ("gqa_window", "bfloat16", "chain")])
+def test_native_forwards_draft_what_the_python_forward_drafts(heads, tokenizer, shape, dtype, tree, monkeypatch):
     target, head = heads[shape]
     prompts = prompts_of(tokenizer, 3)
     calls = []
-    level = CompiledChain.__init__
-
-    def spy(self, *a, **kw):
-        level(self, *a, **kw)
-        if self.level is not None:
-            fn = self.level
-            self.level = lambda *x: calls.append(1) or fn(*x)
-    monkeypatch.setattr(CompiledChain, "__init__", spy)
-    ref_levels, ref, ref_outs = _run(target, head, dtype, "0", monkeypatch, prompts, _params)
-    assert ref_levels == [None, None] and not calls
-    levels, got, outs = _run(target, head, dtype, "1", monkeypatch, prompts, _params)
-    assert all(lv is not None for lv in levels) and len(calls) > 20
+    for name in ("__call__", "chain"):   # (count the op's calls)
+        fn = getattr(NativeHeadForward, name)
+        monkeypatch.setattr(NativeHeadForward, name,
+                            lambda self, *a, _fn=fn, _name=name: calls.append(_name) or _fn(self, *a))
+    ref_ops, ref, ref_outs = _run(target, head, dtype, "0", monkeypatch, prompts, _params, tree)
+    assert ref_ops == [None, None] and not calls
+    ops, got, outs = _run(target, head, dtype, "1", monkeypatch, prompts, _params, tree)
+    assert all(op is not None for op in ops) and len(calls) > 10
+    # greedy chains in one call; the tree's and the sampled chains' forwards one call each
+    assert set(calls) == ({"chain", "__call__"} if tree == "chain" else {"__call__"})
     assert outs == ref_outs
     assert len(got) == len(ref) > 10
-    for (toks, q), (ref_toks, ref_q) in zip(got, ref):
-        assert toks == ref_toks
+    for (toks, parents, q), (ref_toks, ref_parents, ref_q) in zip(got, ref):
+        assert toks == ref_toks and parents == ref_parents
         assert (q is None) == (ref_q is None) and (q is None or torch.equal(q, ref_q))
+    if tree == "tree":
+        assert any(p != list(range(-1, len(p) - 1)) for _, ps, _ in got for p in ps)   # (branching drafts)
     if dtype == "float32":   # lossless: greedy output is the target's alone
         plain = LLM(model=str(target), dtype=dtype, max_model_len=128, max_num_seqs=3)
         sp = SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)
