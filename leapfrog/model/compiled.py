@@ -637,7 +637,9 @@ class CompiledChain(CompiledForward):
             return super()._forward(tok, pos, mask, rows, write_rows, write_cols, kv_len, features, at)
         # (the same kernel calls from C++; no argmax: the drafting loops pick from the logits themselves)
         hidden, logits = self.native_head(tok, pos, mask, rows, write_rows, write_cols, kv_len, features, at,
-                                          self.kv.k[0], self.kv.v[0])
+                                          self.kv.k[0], self.kv.v[0])                 # [.., Vd]
+        if self.vocab is None:   # (a tree's: over the target's vocabulary, as EagleHead.compute_logits)
+            logits = self.model.spread_logits(logits)                                  # [.., V]
         return GraphOutput(hidden, [], logits, None, None)
 
     def _chain(self, tok: Tensor, pos: Tensor, mask: Tensor, rows: Tensor, write_rows: Tensor, write_cols: Tensor,

@@ -364,7 +364,10 @@ class EagleHead(nn.Module):
     def compute_logits(self, hidden: Tensor, graph: bool = False) -> Tensor:
         """hidden [N, H] -> logits [N, V] float32 over the target vocabulary, -inf outside the draft
         vocabulary, so the engine's one sampler works in target-vocabulary space."""
-        logits = self.compute_draft_logits(hidden, graph)            # [N, Vd]
+        return self.spread_logits(self.compute_draft_logits(hidden, graph))
+
+    def spread_logits(self, logits: Tensor) -> Tensor:
+        """Draft-vocabulary logits [N, Vd] -> [N, V] over the target's vocabulary, -inf elsewhere."""
         if self.identity_vocab:
             return logits
         out = logits.new_full((logits.shape[0], self.args.vocab_size), float("-inf"))

@@ -27,8 +27,10 @@ MAX = 24
 @pytest.fixture(scope="module")
 def heads(tmp_path_factory, tokenizer):
     """{shape: (target dir, EAGLE-3 head dir)}; the head's weights bf16 values (the op's linears)."""
+    assert len(tokenizer) >= 300
+    # (a draft vocabulary that is not the target's first ids: draft id != target id)
     return {name: (t, make_head(t, tmp_path_factory.mktemp(f"{name}-head"), "eagle3", draft_vocab_size=200,
-                                dtype=torch.bfloat16))
+                                draft_token_ids=list(range(100, 300)), dtype=torch.bfloat16))
             for name, t in save_shapes(tmp_path_factory, tokenizer, SHAPES).items()}
 
 
