@@ -861,8 +861,15 @@ class CompiledSampledChain(CompiledChain):
                        write_cols: Tensor, kv_len: Tensor, features: Tensor | None, last: Tensor, col: Tensor,
                        temperature: Tensor, sampled: Tensor, u: Tensor, stream: Tensor,
                        w: Tensor, steps: int | None = None) -> SampledChainOutput:
-        toks, (lps, shares, q) = self._steps(tok, pos, mask, rows, write_rows, write_cols, kv_len, features, last,
-                                             col, temperature, sampled, u, stream, w, steps=steps)
+        if self.native_head is not None and features is not None:   # (eagerly: the whole chain from C++)
+            toks, lps, shares, q = self.native_head.sampled_chain(
+                tok, pos, mask, rows, write_rows, write_cols, kv_len, features, last, col,
+                self.steps if steps is None else steps, self.vocab, self.window, self.kv.k[0], self.kv.v[0],
+                temperature=temperature, sampled=sampled, u=u, stream=stream, w=w, want=self.want,
+                scale=self.logit_scale, race=u.stride(-1) != 0)
+        else:
+            toks, (lps, shares, q) = self._steps(tok, pos, mask, rows, write_rows, write_cols, kv_len, features,
+                                                 last, col, temperature, sampled, u, stream, w, steps=steps)
         if self.vocab is not None:   # [B, steps, Vd] -> [B, steps, V]
             q = q.new_zeros(*q.shape[:-1], u.shape[-1]).index_copy(-1, self.vocab, q)
         return SampledChainOutput(toks, lps, shares, q)

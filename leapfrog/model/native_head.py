@@ -136,16 +136,27 @@ std::tuple<Tensor, Tensor> eagle3_forward(
   Tensor logits = linear(n.to(sizes[11] ? at::kBFloat16 : at::kFloat), 4, sizes[9] != 0).to(at::kFloat);
   return {x, logits};
 }
-// CompiledChain._steps with its greedy _pick: the first forward over each sequence's pending tokens
-// (``last``: the last real one's index), then steps - 1 one-token forwards, each fed the previous
-// argmax (mapped to target ids by ``vocab`` when given) at the next column and its output state
-// -> tokens [B, steps] (target ids), log q of each [B, steps] float32
-std::tuple<Tensor, Tensor> eagle3_chain(
+// sampler.inverse_cdf_draw: mass [B, V] (non-negative), w [B] float64 -> [B] long
+Tensor inverse_cdf_draw(const Tensor& mass, const Tensor& w) {
+  Tensor cdf = mass.to(at::kDouble).cumsum(-1);
+  Tensor total = cdf.narrow(-1, cdf.size(-1) - 1, 1);
+  Tensor t = at::minimum(w.unsqueeze(-1).mul(total), at::nextafter(total, at::zeros_like(total)));
+  return at::searchsorted(cdf, t, false, /*right=*/true).select(-1, 0).clamp_max(mass.size(-1) - 1);
+}
+
+// CompiledChain._steps: the first forward over each sequence's pending tokens (``last``: the last
+// real one's index), then steps - 1 one-token forwards, each fed the previous pick (``pick(logits,
+// j)`` -> the token and what the step returns with it; mapped to target ids by ``vocab`` when
+// given) at the next column and its output state -> tokens [B, steps] (target ids), then each of
+// the picks' outputs stacked [B, steps, ...]
+template <typename Pick>
+std::vector<Tensor> chain_steps(
     const Tensor& tok, const Tensor& features, const Tensor& pos, const Tensor& mask, const Tensor& rows,
     const Tensor& write_rows, const Tensor& write_cols, const Tensor& kv_len, const Tensor& last,
     const Tensor& col, int64_t steps, const Tensor& vocab, int64_t window, Tensor& k_cache, Tensor& v_cache,
     const Tensor& embed, const Tensor& cos_table, const Tensor& sin_table, at::TensorList norms,
-    at::TensorList weights, at::TensorList biases, at::IntArrayRef sizes, double eps, bool norm_before_residual) {
+    at::TensorList weights, at::TensorList biases, at::IntArrayRef sizes, double eps, bool norm_before_residual,
+    Pick pick) {
   const int64_t B = tok.size(0), S = tok.size(1), H = sizes[1];
   auto forward = [&](const Tensor& t, const Tensor& f, const Tensor& p, const Tensor& m, const Tensor& wr,
                      const Tensor& wc, const Tensor& len, const Tensor& at) {
@@ -157,12 +168,13 @@ std::tuple<Tensor, Tensor> eagle3_chain(
                                   S > 1 ? at : at.new_empty({0}));
   Tensor h = hidden.reshape({B * S, H}).index({at});                           // [B, H]
   Tensor cols = at::arange(mask.size(-1), col.options()).view({1, 1, -1});     // [1, 1, W]
-  std::vector<Tensor> toks, lps;
+  std::vector<Tensor> toks;
+  std::vector<std::vector<Tensor>> outs;
   for (int64_t j = 0; j < steps; ++j) {
-    auto [lp, x] = at::log_softmax(logits.to(at::kFloat), -1).max(-1);          // [B], [B]
+    auto [x, out] = pick(logits, j);
     if (vocab.numel()) x = vocab.index({x});
     toks.push_back(x);
-    lps.push_back(lp);
+    outs.push_back(out);
     if (j == steps - 1) break;
     Tensor c = col.add(j);                                                     // [B] this step's column
     Tensor q = c.view({B, 1, 1});
@@ -172,7 +184,59 @@ std::tuple<Tensor, Tensor> eagle3_chain(
                                        c, c.max().add(1), at.new_empty({0}));
     h = hidden.select(1, 0);
   }
-  return {at::stack(toks, 1), at::stack(lps, 1)};
+  std::vector<Tensor> result{at::stack(toks, 1)};
+  for (size_t i = 0; i < outs[0].size(); ++i) {
+    std::vector<Tensor> col_i;
+    for (auto& o : outs) col_i.push_back(o[i]);
+    result.push_back(at::stack(col_i, 1));
+  }
+  return result;
+}
+
+#define CHAIN_ARGS                                                                                          \
+    const Tensor& tok, const Tensor& features, const Tensor& pos, const Tensor& mask, const Tensor& rows,     \
+    const Tensor& write_rows, const Tensor& write_cols, const Tensor& kv_len, const Tensor& last,             \
+    const Tensor& col, int64_t steps, const Tensor& vocab, int64_t window, Tensor& k_cache, Tensor& v_cache,  \
+    const Tensor& embed, const Tensor& cos_table, const Tensor& sin_table, at::TensorList norms,              \
+    at::TensorList weights, at::TensorList biases, at::IntArrayRef sizes, double eps, bool norm_before_residual
+#define CHAIN_CALL tok, features, pos, mask, rows, write_rows, write_cols, kv_len, last, col, steps, vocab, window, \
+    k_cache, v_cache, embed, cos_table, sin_table, norms, weights, biases, sizes, eps, norm_before_residual
+
+// CompiledChain's greedy chain: each step the argmax and its log q -> tokens, log q [B, steps]
+std::tuple<Tensor, Tensor> eagle3_chain(CHAIN_ARGS) {
+  auto r = chain_steps(CHAIN_CALL, [](const Tensor& logits, int64_t) {
+    auto [lp, x] = at::log_softmax(logits.to(at::kFloat), -1).max(-1);          // [B], [B]
+    return std::make_pair(x, std::vector<Tensor>{lp});
+  });
+  return {r[0], r[1]};
+}
+
+// CompiledSampledChain's chain (its _pick): rows with ``sampled`` draw from q = softmax(logits /
+// scale / T), unseeded ones (``stream``) by inverse CDF with w [B, steps] float64, seeded ones as the
+// race's winner argmax q / E, E = -log u [B, steps, V] (``race`` false: no row races, u unread);
+// the others take the argmax -> tokens, log q of the argmax, the winner's share, q [B, steps, Vd]
+std::tuple<Tensor, Tensor, Tensor, Tensor> eagle3_sampled_chain(
+    CHAIN_ARGS, const Tensor& temperature, const Tensor& sampled, const Tensor& u, const Tensor& stream,
+    const Tensor& w, int64_t want, double scale, bool race) {
+  auto r = chain_steps(CHAIN_CALL, [&](const Tensor& logits, int64_t j) {
+    Tensor lf = logits.to(at::kFloat);
+    auto [lp, greedy] = at::log_softmax(lf, -1).max(-1);                       // [B], [B]
+    Tensor z = scale != 1.0 ? lf.div(scale) : lf;
+    Tensor q = at::softmax(z.div(temperature.view({-1, 1})), -1);              // [B, V'] compiled.race_probs
+    Tensor wj = w.select(1, j);
+    if (!race) {
+      Tensor drawn = at::where(stream, inverse_cdf_draw(q, wj), greedy);
+      return std::make_pair(at::where(sampled, drawn, greedy), std::vector<Tensor>{lp, at::zeros_like(lp), q});
+    }
+    Tensor uj = u.select(1, j);
+    if (vocab.numel()) uj = uj.index_select(-1, vocab);
+    auto [values, indices] = q.to(at::kDouble).div(uj.log().neg()).topk(std::min<int64_t>(want, q.size(-1)), -1);
+    Tensor drawn = at::where(stream, inverse_cdf_draw(q, wj), indices.select(1, 0));
+    Tensor x = at::where(sampled, drawn, greedy);
+    Tensor share = values.select(1, 0).div(values.sum(-1)).log().to(at::kFloat);
+    return std::make_pair(x, std::vector<Tensor>{lp, share, q});
+  });
+  return {r[0], r[1], r[2], r[3]};
 }
 }  // namespace
 
@@ -181,6 +245,12 @@ TORCH_LIBRARY(leapfrog_head, m) {
         "Tensor write_cols, Tensor kv_len, Tensor last, Tensor col, int steps, Tensor vocab, int window, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor embed, Tensor cos, Tensor sin, Tensor[] norms, "
         "Tensor[] weights, Tensor[] biases, int[] sizes, float eps, bool norm_before_residual) -> (Tensor, Tensor)");
+  m.def("eagle3_sampled_chain(Tensor tok, Tensor features, Tensor pos, Tensor mask, Tensor rows, "
+        "Tensor write_rows, Tensor write_cols, Tensor kv_len, Tensor last, Tensor col, int steps, Tensor vocab, "
+        "int window, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor embed, Tensor cos, Tensor sin, Tensor[] norms, "
+        "Tensor[] weights, Tensor[] biases, int[] sizes, float eps, bool norm_before_residual, "
+        "Tensor temperature, Tensor sampled, Tensor u, Tensor stream, Tensor w, int want, float scale, bool race) "
+        "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def("eagle3_forward(Tensor tok, Tensor features, Tensor pos, Tensor mask, Tensor rows, Tensor write_rows, "
         "Tensor write_cols, Tensor kv_len, Tensor at, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor embed, "
         "Tensor cos, Tensor sin, Tensor[] norms, Tensor[] weights, Tensor[] biases, int[] sizes, float eps, "
@@ -189,6 +259,7 @@ TORCH_LIBRARY(leapfrog_head, m) {
 TORCH_LIBRARY_IMPL(leapfrog_head, CPU, m) {
   m.impl("eagle3_forward", &eagle3_forward);
   m.impl("eagle3_chain", &eagle3_chain);
+  m.impl("eagle3_sampled_chain", &eagle3_sampled_chain);
 }
 """
 
@@ -265,14 +336,26 @@ class NativeHeadForward:
             k_cache, v_cache, self.embed, self.cos, self.sin, self.norms, self.weights, self.biases, self.sizes,
             self.eps, self.norm_before_residual)
 
-    def chain(self, tok: Tensor, pos: Tensor, mask: Tensor, rows: Tensor, write_rows: Tensor, write_cols: Tensor,
-              kv_len: Tensor, features: Tensor, last: Tensor, col: Tensor, steps: int, vocab: Tensor | None,
-              window: int | None, k_cache: Tensor, v_cache: Tensor) -> tuple[Tensor, Tensor]:
-        """CompiledChain's greedy chain (its ``_steps`` and ``_pick``) in one call: the first forward's
-        arguments as ``__call__``'s, ``last`` [B] each sequence's last real token, ``col`` [B] the
-        first drafted token's column, ``steps`` tokens to draft, ``vocab`` the head's target ids (None:
-        the target's), the head's sliding ``window`` -> tokens [B, steps], log q [B, steps]."""
-        return torch.ops.leapfrog_head.eagle3_chain(
-            tok, features, pos, mask, rows, write_rows, write_cols, kv_len, last, col, steps,
-            self.every_row if vocab is None else vocab, window or 0, k_cache, v_cache, self.embed, self.cos,
-            self.sin, self.norms, self.weights, self.biases, self.sizes, self.eps, self.norm_before_residual)
+    def _chain_args(self, tok: Tensor, pos: Tensor, mask: Tensor, rows: Tensor, write_rows: Tensor,
+                    write_cols: Tensor, kv_len: Tensor, features: Tensor, last: Tensor, col: Tensor, steps: int,
+                    vocab: Tensor | None, window: int | None, k_cache: Tensor, v_cache: Tensor) -> tuple:
+        return (tok, features, pos, mask, rows, write_rows, write_cols, kv_len, last, col, steps,
+                self.every_row if vocab is None else vocab, window or 0, k_cache, v_cache, self.embed, self.cos,
+                self.sin, self.norms, self.weights, self.biases, self.sizes, self.eps, self.norm_before_residual)
+
+    def chain(self, *args) -> tuple[Tensor, Tensor]:
+        """CompiledChain's greedy chain (its ``_steps`` and ``_pick``) in one call. ``args``: the
+        first forward's as ``__call__``'s, then ``last`` [B] each sequence's last real token, ``col``
+        [B] the first drafted token's column, ``steps`` tokens to draft, ``vocab`` the head's target
+        ids (None: the target's), the head's sliding ``window``, k_cache, v_cache -> tokens
+        [B, steps], log q [B, steps]."""
+        return torch.ops.leapfrog_head.eagle3_chain(*self._chain_args(*args))
+
+    def sampled_chain(self, *args, temperature: Tensor, sampled: Tensor, u: Tensor, stream: Tensor, w: Tensor,
+                      want: int, scale: float, race: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """CompiledSampledChain's chain (its ``_steps`` and ``_pick``) in one call: ``args`` as
+        ``chain``'s, then the pick's (model/compiled.py); ``race`` False: no row races (u unread)
+        -> tokens, log q of the argmax, the winner's share [B, steps], q [B, steps, Vd]."""
+        return torch.ops.leapfrog_head.eagle3_sampled_chain(*self._chain_args(*args), temperature, sampled, u,
+                                                            stream, w, want, scale, race)
+

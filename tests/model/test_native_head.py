@@ -51,7 +51,7 @@ def _run(target, head, dtype, native: str, monkeypatch, prompts, params, tree):
     def record(reqs, ks):
         d = propose(reqs, ks)
         q = None if d.draft_probs is None else d.draft_probs.clone()
-        seen.append((d.lists(), d.parent_lists(), q))
+        seen.append((d.lists(), d.parent_lists(), q, d.candidate_scores))
         return d
     llm.engine.proposer.propose = record
     outs = [[o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)]
@@ -73,23 +73,23 @@ def test_native_forwards_draft_what_the_python_forward_drafts(heads, tokenizer, 
     target, head = heads[shape]
     prompts = prompts_of(tokenizer, 3)
     calls = []
-    for name in ("__call__", "chain"):   # (count the op's calls)
+    for name in ("__call__", "chain", "sampled_chain"):   # (count the op's calls)
         fn = getattr(NativeHeadForward, name)
         monkeypatch.setattr(NativeHeadForward, name,
-                            lambda self, *a, _fn=fn, _name=name: calls.append(_name) or _fn(self, *a))
+                            lambda self, *a, _fn=fn, _name=name, **kw: calls.append(_name) or _fn(self, *a, **kw))
     ref_ops, ref, ref_outs = _run(target, head, dtype, "0", monkeypatch, prompts, _params, tree)
     assert ref_ops == [None, None] and not calls
     ops, got, outs = _run(target, head, dtype, "1", monkeypatch, prompts, _params, tree)
     assert all(op is not None for op in ops) and len(calls) > 10
-    # greedy chains in one call; the tree's and the sampled chains' forwards one call each
-    assert set(calls) == ({"chain", "__call__"} if tree == "chain" else {"__call__"})
+    # chains in one call each (greedy, sampled); a tree's forwards one call each
+    assert set(calls) == ({"chain", "sampled_chain"} if tree == "chain" else {"__call__", "sampled_chain"})
     assert outs == ref_outs
     assert len(got) == len(ref) > 10
-    for (toks, parents, q), (ref_toks, ref_parents, ref_q) in zip(got, ref):
-        assert toks == ref_toks and parents == ref_parents
+    for (toks, parents, q, scores), (ref_toks, ref_parents, ref_q, ref_scores) in zip(got, ref):
+        assert toks == ref_toks and parents == ref_parents and scores == ref_scores
         assert (q is None) == (ref_q is None) and (q is None or torch.equal(q, ref_q))
     if tree == "tree":
-        assert any(p != list(range(-1, len(p) - 1)) for _, ps, _ in got for p in ps)   # (branching drafts)
+        assert any(p != list(range(-1, len(p) - 1)) for _, ps, _, _ in got for p in ps)   # (branching drafts)
     if dtype == "float32":   # lossless: greedy output is the target's alone
         plain = LLM(model=str(target), dtype=dtype, max_model_len=128, max_num_seqs=3)
         sp = SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)
