@@ -1,8 +1,9 @@
 """Where a decode step's time goes, side by side in one run (issue 12: the per-step framework time).
 
 Contenders (``--only``, default all): ``none``, ``eagle3`` (the built-in EAGLE-3 head as a chain of
-5), ``draft_model`` (the demo draft, K = 4) and ``eagle3-python`` (eagle3 with its eager levels run
-by the Python forward rather than model/native_head.py's op), each one LLM on the built-in target, run in
+5), ``draft_model`` (the demo draft, K = 4), ``eagle3-python`` (eagle3 with its eager levels run
+by the Python forward rather than model/native_head.py's op) and ``eagle3-tree16`` (a dynamic
+tree of 16 nodes, depth 5, width 4), each one LLM on the built-in target, run in
 interleaved rounds (A B C A B C ...) over the same held-out prompts, one at a time (batch 1). Per
 contender, the median over its decode steps of:
 
@@ -54,6 +55,8 @@ CONTENDERS = {
 #: the eagle3 chain with its levels run by the Python forward (LEAPFROG_NATIVE_HEAD=0 at load:
 #: model/native_head.py's op off), for the op's A/B
 CONTENDERS["eagle3-python"] = CONTENDERS["eagle3"]
+#: the 16-node dynamic tree of depth 5 and width 4 (tree_bench's)
+CONTENDERS["eagle3-tree16"] = {**CONTENDERS["eagle3"], "eagle_topk": 4, "num_draft_tokens": 16}
 ENV = {"eagle3-python": {"LEAPFROG_NATIVE_HEAD": "0"}}
 PARTS = ("step", "draft", "forward", "accept")
 

@@ -115,9 +115,8 @@ class GraphOutput:
     aux: list[Tensor]     # [batch, tokens, D] per aux layer
     logits: Tensor        # [batch * tokens, V] float32 (the model's head: a draft's may be half precision;
                           # ``_forward``'s ``at``: [len(at), V], those rows only)
-    top: Tensor | None    # [rows of logits] float32: each row's largest logit (the engine's greedy verify
-    top_ids: Tensor | None  # [rows of logits] long: and its token, the first of equal maxima: Tensor.max;
-                          # None from an EAGLE-3 head's native forward, which the drafting loops pick from)
+    top: Tensor           # [rows of logits] float32: each row's largest logit (the engine's greedy verify
+    top_ids: Tensor       # [rows of logits] long: and its token, the first of equal maxima: Tensor.max)
 
 
 @dataclass
@@ -627,20 +626,8 @@ class CompiledChain(CompiledForward):
         self.steps, self.next_width, self.vocab = steps, next_width, vocab
         self.window = model.args.sliding_window
         self._fn = self._wrap(self._chain)
-        # eagerly, each of an EAGLE-3 head's forwards as one C++ call (model/native_head.py)
+        # eagerly, an EAGLE-3 head's whole chain (tree) as one C++ call (model/native_head.py)
         self.native_head = None if compile or not self.native else NativeHeadForward.for_head(model)
-
-    def _forward(self, tok: Tensor, pos: Tensor, mask: Tensor, rows: Tensor, write_rows: Tensor,
-                 write_cols: Tensor, kv_len: Tensor, features: Tensor | None = None,
-                 at: Tensor | None = None) -> GraphOutput:
-        if self.native_head is None or features is None:
-            return super()._forward(tok, pos, mask, rows, write_rows, write_cols, kv_len, features, at)
-        # (the same kernel calls from C++; no argmax: the drafting loops pick from the logits themselves)
-        hidden, logits = self.native_head(tok, pos, mask, rows, write_rows, write_cols, kv_len, features, at,
-                                          self.kv.k[0], self.kv.v[0])                 # [.., Vd]
-        if self.vocab is None:   # (a tree's: over the target's vocabulary, as EagleHead.compute_logits)
-            logits = self.model.spread_logits(logits)                                  # [.., V]
-        return GraphOutput(hidden, [], logits, None, None)
 
     def _chain(self, tok: Tensor, pos: Tensor, mask: Tensor, rows: Tensor, write_rows: Tensor, write_cols: Tensor,
                kv_len: Tensor, features: Tensor | None, last: Tensor, col: Tensor,
@@ -960,6 +947,11 @@ class CompiledTree(CompiledChain):
 
     def _tree(self, tok: Tensor, pos: Tensor, mask: Tensor, rows: Tensor, write_rows: Tensor, write_cols: Tensor,
               kv_len: Tensor, features: Tensor | None, last: Tensor, col: Tensor) -> TreeOutput:
+        if self.native_head is not None and features is not None:   # (eagerly: the whole tree from C++)
+            spread = None if self.model.identity_vocab else self.model.draft_ids
+            return TreeOutput(*self.native_head.tree(
+                tok, pos, mask, rows, write_rows, write_cols, kv_len, features, last, col, self.steps, self.topk,
+                self.nodes, spread, self.model.args.vocab_size, self.kv.k[0], self.kv.v[0]))
         B, S = tok.shape
         k, T, dev = self.topk, self.tree_cols, tok.device
         at = torch.arange(B, device=dev) * S + last                               # [B] rows of the last tokens

@@ -1,20 +1,21 @@
-"""An EAGLE-3 head's eager forwards as one C++ call each: ``torch.ops.leapfrog_head``.
+"""An EAGLE-3 head's eager drafting loops as one C++ call each: ``torch.ops.leapfrog_head``.
 
 Eagerly, a head forward (EagleHead.forward, then its own LM head) is some 25 operator calls
 through Python: embedding, fc, three norms, the concatenation, five linears, two rotations, the
-cached attention, two residual adds, silu * up, and the modules and metadata around them.
-Measured on the built-in head (bf16, batch 1, 2-vCPU AVX-512 EPYC): about 0.45 ms a level, of
-which the kernels are under 0.2 ms; the rest is Python and dispatch, paid once per drafted
-token. These ops make the same calls, in the same order, on the same tensors, from C++ through
-the dispatcher (about a microsecond each): the kernels are leapfrog's own
-(model/native_linear.py, model/native_ops.py, attention/native.py) and ATen's, so the outputs
-are bitwise the Python forward's (tests/model/test_native_head.py), and the KV cache is read and
-written by the same attention op the compiled graphs call, with the caller's mask and columns.
+cached attention, two residual adds, silu * up, and the modules and metadata around them; the
+drafting loops around it (model/compiled.py CompiledChain, CompiledSampledChain, CompiledTree run
+eagerly) add the picks, masks and tree bookkeeping, some 10-30 more per level. Measured on the
+built-in head (bf16, batch 1, 2-vCPU AVX-512 EPYC): about 0.45 ms a chain level, of which the
+kernels are under 0.2 ms. These ops make the same calls, in the same order, on the same tensors,
+from C++ through the dispatcher (about a microsecond each): the kernels are leapfrog's own
+(model/native_linear.py, model/native_ops.py, attention/native.py) and ATen's, so the drafts are
+bitwise the Python loops' (tests/model/test_native_head.py), and the KV cache is read and written
+by the same attention op the compiled graphs call, with the loops' masks and columns.
 
-    eagle3_forward(tok [B, S], features [B, S, F], pos [B, S], mask [B, 1, S, W], rows [B],
-                   write_rows, write_cols [B * S], kv_len [], at [N] (empty: every row), k_cache,
-                   v_cache, embed, cos, sin, norms, weights, biases, sizes, eps, norm_before_residual)
-        -> hidden [B, S, H], logits [N or B * S, Vd] float32
+One forward (the ops' building block, C++ ``eagle3_forward``)::
+
+    tok [B, S], features [B, S, F], pos [B, S], mask [B, 1, S, W], the cache rows and columns,
+    kv_len, at [N] (empty: every row) -> hidden [B, S, H], logits [N or B * S, Vd] float32
 
     e = embed[tok] (the head's dtype); x = fc(features) if F != H else features
     hn = hidden_norm(x); (x = hn if norm_before_residual)
@@ -23,19 +24,20 @@ written by the same attention op the compiled graphs call, with the caller's mas
     x = x + wo(o); hidden = x + w2(silu_mul(w13(post_attention_layernorm(x))))
     logits = lm_head(norm(hidden[at] in float32) in the LM head's row dtype), float32
 
-    eagle3_chain(the first forward's arguments, last [B], col [B], steps, vocab, window, ...)
-        -> tokens [B, steps] (target ids), log q [B, steps]: CompiledChain's greedy chain, its
-           one-token forwards at columns col, col + 1, ... each fed the previous argmax
+The ops, each the loop of a CompiledForward subclass with the first forward's arguments:
 
-CompiledChain (model/compiled.py) runs its eager forwards through ``eagle3_forward`` (chains,
-sampled chains, dynamic trees) and its greedy chains through ``eagle3_chain``. Where it applies
-(``NativeHeadForward.for_head``): an EAGLE-3 head packed for inference on CPU with the native
-norm/RoPE ops and every linear, fc and its LM head included, on the bf16 few-row kernel
-(NativeLinear: bf16 weights, or float32 weights of bf16 values), the built-in head's case.
-Elsewhere (EAGLE-1, other linears, CUDA, compiled graphs) the Python forward runs.
-``LEAPFROG_NATIVE_HEAD=0`` (read at load) turns it off. Built once like the other ops
+    eagle3_chain          CompiledChain._chain: greedy chains -> tokens, log q [B, steps]
+    eagle3_sampled_chain  CompiledSampledChain._sampled_chain: sampled chains (the race, inverse-CDF
+                          draws) -> tokens, log q, shares [B, steps], q [B, steps, Vd]
+    eagle3_tree           CompiledTree._tree: greedy dynamic trees (EAGLE-2) -> TreeOutput's tensors
+
+Where they apply (``NativeHeadForward.for_head``): an EAGLE-3 head packed for inference on CPU
+with the native norm/RoPE ops and every linear, fc and its LM head included, on the bf16 few-row
+kernel (NativeLinear: bf16 weights, or float32 weights of bf16 values), the built-in head's
+case. Elsewhere (EAGLE-1, other linears, CUDA, compiled graphs) the Python loops run.
+``LEAPFROG_NATIVE_HEAD=0`` (read at load) turns them off. Built once like the other ops
 (utils/cpp.py, about 15 s, cached under ``TORCH_EXTENSIONS_DIR``); if it cannot be built the
-Python forward serves (logged).
+Python loops serve (logged).
 """
 
 from __future__ import annotations
@@ -238,6 +240,87 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> eagle3_sampled_chain(
   });
   return {r[0], r[1], r[2], r[3]};
 }
+// EagleHead.spread_logits: [N, Vd] -> [N, V], -inf outside the draft vocabulary (``ids`` its target
+// ids; empty: the draft vocabulary is the target's)
+Tensor spread(const Tensor& logits, const Tensor& ids, int64_t V) {
+  if (!ids.numel()) return logits;
+  Tensor out = at::full({logits.size(0), V}, -std::numeric_limits<float>::infinity(), logits.options());
+  out.index_put_({at::indexing::Slice(), ids}, logits);
+  return out;
+}
+
+// CompiledTree._tree: the greedy dynamic tree (EAGLE-2) of ``steps`` levels and width ``topk``, its
+// best ``nodes`` nodes -> tokens, parents, depths, ranks [B, nodes] long, scores [B, grown] float32
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> eagle3_tree(
+    const Tensor& tok, const Tensor& features, const Tensor& pos, const Tensor& mask, const Tensor& rows,
+    const Tensor& write_rows, const Tensor& write_cols, const Tensor& kv_len, const Tensor& last,
+    const Tensor& col, int64_t steps, int64_t k, int64_t nodes, const Tensor& spread_ids, int64_t V,
+    Tensor& k_cache, Tensor& v_cache, const Tensor& embed, const Tensor& cos_table, const Tensor& sin_table,
+    at::TensorList norms, at::TensorList weights, at::TensorList biases, at::IntArrayRef sizes, double eps,
+    bool norm_before_residual) {
+  const int64_t B = tok.size(0), S = tok.size(1), H = sizes[1], T = (steps - 1) * k;
+  auto forward = [&](const Tensor& t, const Tensor& f, const Tensor& p, const Tensor& m, const Tensor& wr,
+                     const Tensor& wc, const Tensor& len, const Tensor& at) {
+    return eagle3_forward(t, f, p, m, rows, wr, wc, len, at, k_cache, v_cache, embed, cos_table, sin_table,
+                          norms, weights, biases, sizes, eps, norm_before_residual);
+  };
+  auto lopt = col.options();
+  Tensor at = at::arange(B, lopt).mul(S).add(last);                            // [B] rows of the last tokens
+  auto [hidden, logits] = forward(tok, features, pos, mask, write_rows, write_cols, kv_len,
+                                  S > 1 ? at : at.new_empty({0}));
+  Tensor lp = at::log_softmax(spread(logits, spread_ids, V).to(at::kFloat), -1);  // [B, V]
+  auto [score, x] = lp.topk(k);                                                // [B, k] frontier, best first
+  Tensor h = hidden.reshape({B * S, H}).index({at}).unsqueeze(1).expand({B, k, H});  // [B, k, H]
+  Tensor ids = at::arange(k, lopt).expand({B, k});                             // [B, k] frontier node ids
+  std::vector<Tensor> toks{x}, scores{score}, parents{at::full({B, k}, -1, lopt)}, depths{at::ones({B, k}, lopt)};
+  Tensor anc = at::zeros({B, k, T}, col.options().dtype(at::kBool));           // [B, k, T] ancestors' columns
+  Tensor cols = at::arange(mask.size(-1), lopt);                               // [W]
+  Tensor slots = at::arange(k, lopt);                                          // [k]
+  Tensor rel = cols.unsqueeze(0).sub(col.unsqueeze(1));                        // [B, W] column - col
+  Tensor in_tree = rel.ge(0).logical_and(rel.lt(T));                           // [B, W]
+  Tensor before = rel.lt(0).unsqueeze(1);                                      // [B, 1, W]
+  Tensor rel_idx = rel.clamp(0, T - 1).unsqueeze(1).expand({B, k, -1});        // [B, k, W]
+  Tensor write = rows.repeat_interleave(k);                                    // [B * k]
+  int64_t offset = k;
+  for (int64_t d = 2; d <= steps; ++d) {
+    Tensor t = slots.add((d - 2) * k);                                         // [k] tree columns of the frontier
+    Tensor sees = anc.logical_or(at::one_hot(t, T).to(at::kBool).unsqueeze(0));  // [B, k, T] + itself
+    Tensor m = before.logical_or(sees.gather(2, rel_idx).logical_and(in_tree.unsqueeze(1)));  // [B, k, W]
+    Tensor c = col.unsqueeze(1).add(t.unsqueeze(0));                           // [B, k] columns written
+    Tensor p = col.add(d - 2).unsqueeze(1).expand({B, k});                     // [B, k] positions (depth)
+    std::tie(hidden, logits) = forward(x, h, p, m.unsqueeze(1), write, c.reshape({-1}), c.max().add(1),
+                                       at.new_empty({0}));
+    Tensor clp = at::log_softmax(spread(logits, spread_ids, V).to(at::kFloat), -1).reshape({B, k, -1});
+    auto [cs, cx] = clp.topk(k);                                               // [B, k, k] children
+    Tensor s3 = score.unsqueeze(2);
+    cs = at::minimum(s3.add(cs), s3).reshape({B, k * k});                      // path confidence <= parent's
+    cx = cx.reshape({B, k * k});
+    toks.push_back(cx);
+    scores.push_back(cs);
+    parents.push_back(ids.unsqueeze(2).expand({B, k, k}).reshape({B, k * k}));
+    depths.push_back(at::full({B, k * k}, d, lopt));
+    if (d == steps) break;
+    Tensor best;
+    std::tie(score, best) = cs.topk(k);                                        // [B, k] next frontier
+    x = cx.gather(1, best);
+    Tensor slot = best.div(k, "floor");                                        // [B, k] its parent's slot
+    h = hidden.reshape({B, k, -1}).gather(1, slot.unsqueeze(2).expand({B, k, hidden.size(-1)}));
+    anc = sees.gather(1, slot.unsqueeze(2).expand({B, k, T}));
+    ids = best.add(offset);
+    offset += k * k;
+  }
+  Tensor tok_all = at::cat(toks, 1), score_all = at::cat(scores, 1);          // [B, M]
+  Tensor par_all = at::cat(parents, 1), depth_all = at::cat(depths, 1);
+  auto [values, indices] = score_all.sort(/*stable=*/true, 1, /*descending=*/true);  // ties: shallower first
+  Tensor top = indices.narrow(1, 0, nodes);                                    // [B, n] by confidence
+  Tensor by_depth = std::get<1>(depth_all.gather(1, top).sort(/*stable=*/true, 1, false));  // [B, n]
+  Tensor order = top.gather(1, by_depth);                                      // [B, n] depth, confidence
+  Tensor local = at::full_like(tok_all, -1);                                   // [B, M] node -> its index
+  local.scatter_(1, order, at::arange(nodes, lopt).expand({B, nodes}));
+  Tensor par = par_all.gather(1, order);                                       // [B, n] global parents
+  Tensor par_local = at::where(par.lt(0), par, local.gather(1, par.clamp_min(0)));
+  return {tok_all.gather(1, order), par_local, depth_all.gather(1, order), by_depth, values};
+}
 }  // namespace
 
 TORCH_LIBRARY(leapfrog_head, m) {
@@ -251,15 +334,16 @@ TORCH_LIBRARY(leapfrog_head, m) {
         "Tensor[] weights, Tensor[] biases, int[] sizes, float eps, bool norm_before_residual, "
         "Tensor temperature, Tensor sampled, Tensor u, Tensor stream, Tensor w, int want, float scale, bool race) "
         "-> (Tensor, Tensor, Tensor, Tensor)");
-  m.def("eagle3_forward(Tensor tok, Tensor features, Tensor pos, Tensor mask, Tensor rows, Tensor write_rows, "
-        "Tensor write_cols, Tensor kv_len, Tensor at, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor embed, "
-        "Tensor cos, Tensor sin, Tensor[] norms, Tensor[] weights, Tensor[] biases, int[] sizes, float eps, "
-        "bool norm_before_residual) -> (Tensor, Tensor)");
+  m.def("eagle3_tree(Tensor tok, Tensor features, Tensor pos, Tensor mask, Tensor rows, Tensor write_rows, "
+        "Tensor write_cols, Tensor kv_len, Tensor last, Tensor col, int steps, int k, int nodes, Tensor spread_ids, "
+        "int V, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor embed, Tensor cos, Tensor sin, Tensor[] norms, "
+        "Tensor[] weights, Tensor[] biases, int[] sizes, float eps, bool norm_before_residual) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 TORCH_LIBRARY_IMPL(leapfrog_head, CPU, m) {
-  m.impl("eagle3_forward", &eagle3_forward);
   m.impl("eagle3_chain", &eagle3_chain);
   m.impl("eagle3_sampled_chain", &eagle3_sampled_chain);
+  m.impl("eagle3_tree", &eagle3_tree);
 }
 """
 
@@ -284,7 +368,7 @@ def load_native_head() -> bool:
 
 @dataclass
 class NativeHeadForward:
-    """An EAGLE-3 head's weights as ``eagle3_forward`` takes them (see the module docstring)."""
+    """An EAGLE-3 head's weights as the ops take them (see the module docstring)."""
 
     embed: Tensor            # [V, H] the head's embedding, or the target's
     cos: Tensor              # [P, Dh] float32 rope tables
@@ -324,18 +408,6 @@ class NativeHeadForward:
                                                      int(head.head.in_dtype == torch.bfloat16)],
                    a.rms_norm_eps, head.cfg.norm_before_residual)
 
-    def __call__(self, tok: Tensor, pos: Tensor, mask: Tensor, rows: Tensor, write_rows: Tensor,
-                 write_cols: Tensor, kv_len: Tensor, features: Tensor, at: Tensor | None,
-                 k_cache: Tensor, v_cache: Tensor) -> tuple[Tensor, Tensor]:
-        """CompiledForward._forward's arguments (tok, pos [B, S], mask [B, 1, S, W], the cache rows
-        and columns, features [B, S, F]: target features, or the head's own states; ``at``: the
-        flat rows whose logits are read, None: all), and the head's cache of its one layer ->
-        hidden [B, S, H] and logits [len(at) or B * S, Vd] float32."""
-        return torch.ops.leapfrog_head.eagle3_forward(
-            tok, features, pos, mask, rows, write_rows, write_cols, kv_len, self.every_row if at is None else at,
-            k_cache, v_cache, self.embed, self.cos, self.sin, self.norms, self.weights, self.biases, self.sizes,
-            self.eps, self.norm_before_residual)
-
     def _chain_args(self, tok: Tensor, pos: Tensor, mask: Tensor, rows: Tensor, write_rows: Tensor,
                     write_cols: Tensor, kv_len: Tensor, features: Tensor, last: Tensor, col: Tensor, steps: int,
                     vocab: Tensor | None, window: int | None, k_cache: Tensor, v_cache: Tensor) -> tuple:
@@ -345,7 +417,8 @@ class NativeHeadForward:
 
     def chain(self, *args) -> tuple[Tensor, Tensor]:
         """CompiledChain's greedy chain (its ``_steps`` and ``_pick``) in one call. ``args``: the
-        first forward's as ``__call__``'s, then ``last`` [B] each sequence's last real token, ``col``
+        first forward's (CompiledForward._forward's tok, pos [B, S], mask [B, 1, S, W], the cache
+        rows and columns, features [B, S, F] the target's), then ``last`` [B] each sequence's last real token, ``col``
         [B] the first drafted token's column, ``steps`` tokens to draft, ``vocab`` the head's target
         ids (None: the target's), the head's sliding ``window``, k_cache, v_cache -> tokens
         [B, steps], log q [B, steps]."""
@@ -359,3 +432,17 @@ class NativeHeadForward:
         return torch.ops.leapfrog_head.eagle3_sampled_chain(*self._chain_args(*args), temperature, sampled, u,
                                                             stream, w, want, scale, race)
 
+    def tree(self, tok: Tensor, pos: Tensor, mask: Tensor, rows: Tensor, write_rows: Tensor, write_cols: Tensor,
+             kv_len: Tensor, features: Tensor, last: Tensor, col: Tensor, steps: int, topk: int, nodes: int,
+             spread_ids: Tensor | None, vocab_size: int, k_cache: Tensor,
+             v_cache: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """CompiledTree's greedy dynamic tree (its ``_tree``) in one call: the first forward's
+        arguments and ``last``, ``col`` as ``chain``'s, the tree's ``steps`` levels, ``topk`` width
+        and ``nodes`` kept, ``spread_ids`` the head's target ids (its logits spread over the
+        target's ``vocab_size`` ids, as the Python tree's; None: the target's vocabulary) -> tokens,
+        parents, depths, ranks [B, nodes], scores [B, grown] (model/compiled.py TreeOutput)."""
+        return torch.ops.leapfrog_head.eagle3_tree(
+            tok, features, pos, mask, rows, write_rows, write_cols, kv_len, last, col, steps, topk, nodes,
+            self.every_row if spread_ids is None else spread_ids, vocab_size, k_cache, v_cache, self.embed,
+            self.cos, self.sin, self.norms, self.weights, self.biases, self.sizes, self.eps,
+            self.norm_before_residual)

@@ -73,7 +73,7 @@ def test_native_forwards_draft_what_the_python_forward_drafts(heads, tokenizer, 
     target, head = heads[shape]
     prompts = prompts_of(tokenizer, 3)
     calls = []
-    for name in ("__call__", "chain", "sampled_chain"):   # (count the op's calls)
+    for name in ("__call__", "chain", "sampled_chain", "tree"):   # (count the op's calls)
         fn = getattr(NativeHeadForward, name)
         monkeypatch.setattr(NativeHeadForward, name,
                             lambda self, *a, _fn=fn, _name=name, **kw: calls.append(_name) or _fn(self, *a, **kw))
@@ -81,8 +81,8 @@ def test_native_forwards_draft_what_the_python_forward_drafts(heads, tokenizer, 
     assert ref_ops == [None, None] and not calls
     ops, got, outs = _run(target, head, dtype, "1", monkeypatch, prompts, _params, tree)
     assert all(op is not None for op in ops) and len(calls) > 10
-    # chains in one call each (greedy, sampled); a tree's forwards one call each
-    assert set(calls) == ({"chain", "sampled_chain"} if tree == "chain" else {"__call__", "sampled_chain"})
+    # chains and trees in one call each (greedy chains, sampled chains, greedy trees)
+    assert set(calls) == ({"chain", "sampled_chain"} if tree == "chain" else {"tree", "sampled_chain"})
     assert outs == ref_outs
     assert len(got) == len(ref) > 10
     for (toks, parents, q, scores), (ref_toks, ref_parents, ref_q, ref_scores) in zip(got, ref):
