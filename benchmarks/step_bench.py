@@ -144,10 +144,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--curve-repeats", type=int, default=30)
     ap.add_argument("--no-enforce-eager", action="store_true", help="the compiled fast path (one-token steps)")
+    ap.add_argument("--eagle-depths", type=int, nargs="*", default=[],
+                    help="also the eagle3 chain at these depths (contenders eagle3-kD)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="bench_step")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    for d in args.eagle_depths:
+        CONTENDERS[f"eagle3-k{d}"] = {**CONTENDERS["eagle3"], "num_speculative_tokens": d}
+        args.only.append(f"eagle3-k{d}")
     sys.path.insert(0, str(Path(__file__).parent))
     from demo_bench import heldout_documents
     tok = load_tokenizer(str(DEMO_DIR / "target"))
