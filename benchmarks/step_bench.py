@@ -1,8 +1,8 @@
 """Where a decode step's time goes, side by side in one run (issue 12: the per-step framework time).
 
 Contenders (``--only``, default all): ``none``, ``eagle3`` (the built-in EAGLE-3 head as a chain of
-5), ``draft_model`` (the demo draft, K = 4), ``eagle3-python`` (eagle3 with its eager levels run
-by the Python forward rather than model/native_head.py's op) and ``eagle3-tree16`` (a dynamic
+5), ``draft_model`` (the demo draft, K = 4), ``eagle3-python`` and ``draft_model-python`` (drafting
+with the Python loops rather than model/native_draft.py's ops) and ``eagle3-tree16`` (a dynamic
 tree of 16 nodes, depth 5, width 4), each one LLM on the built-in target, run in
 interleaved rounds (A B C A B C ...) over the same held-out prompts, one at a time (batch 1). Per
 contender, the median over its decode steps of:
@@ -52,12 +52,13 @@ CONTENDERS = {
     "eagle3": {"method": "eagle3", "model": str(DEMO_DIR / "eagle3"), "num_speculative_tokens": 5, "eagle_topk": 1},
     "draft_model": {"method": "draft_model", "model": str(DEMO_DIR / "draft"), "num_speculative_tokens": 4},
 }
-#: the eagle3 chain with its levels run by the Python forward (LEAPFROG_NATIVE_HEAD=0 at load:
-#: model/native_head.py's op off), for the op's A/B
+#: the eagle3 chain and the draft model drafting with the Python loops (LEAPFROG_NATIVE_DRAFTS=0 at
+#: load: model/native_draft.py's ops off), for the ops' A/B
 CONTENDERS["eagle3-python"] = CONTENDERS["eagle3"]
+CONTENDERS["draft_model-python"] = CONTENDERS["draft_model"]
 #: the 16-node dynamic tree of depth 5 and width 4 (tree_bench's)
 CONTENDERS["eagle3-tree16"] = {**CONTENDERS["eagle3"], "eagle_topk": 4, "num_draft_tokens": 16}
-ENV = {"eagle3-python": {"LEAPFROG_NATIVE_HEAD": "0"}}
+ENV = {"eagle3-python": {"LEAPFROG_NATIVE_DRAFTS": "0"}, "draft_model-python": {"LEAPFROG_NATIVE_DRAFTS": "0"}}
 PARTS = ("step", "draft", "forward", "accept")
 
 

@@ -52,7 +52,7 @@ from torch import Tensor
 
 from leapfrog.attention.metadata import AttnMeta, build_attn_meta
 from leapfrog.kv.cache import KVCache
-from leapfrog.model.native_head import NativeHeadForward
+from leapfrog.model.native_draft import NativeHeadForward, NativeLlamaForward
 from leapfrog.sampling.sampler import inverse_cdf_draw
 from leapfrog.utils import env_off, env_on
 
@@ -626,16 +626,18 @@ class CompiledChain(CompiledForward):
         self.steps, self.next_width, self.vocab = steps, next_width, vocab
         self.window = model.args.sliding_window
         self._fn = self._wrap(self._chain)
-        # eagerly, an EAGLE-3 head's whole chain (tree) as one C++ call (model/native_head.py)
-        self.native_head = None if compile or not self.native else NativeHeadForward.for_head(model)
+        # eagerly, the whole chain (tree) of an EAGLE-3 head or a draft model as one C++ call
+        # (model/native_draft.py)
+        self.native_draft = (None if compile or not self.native
+                             else NativeHeadForward.for_head(model) or NativeLlamaForward.for_model(model))
 
     def _chain(self, tok: Tensor, pos: Tensor, mask: Tensor, rows: Tensor, write_rows: Tensor, write_cols: Tensor,
                kv_len: Tensor, features: Tensor | None, last: Tensor, col: Tensor,
                steps: int | None = None) -> ChainOutput:
-        if self.native_head is not None and features is not None:   # (eagerly: the whole chain from C++)
-            return ChainOutput(*self.native_head.chain(
+        if self.native_draft is not None:   # (eagerly: the whole chain from C++)
+            return ChainOutput(*self.native_draft.chain(
                 tok, pos, mask, rows, write_rows, write_cols, kv_len, features, last, col,
-                self.steps if steps is None else steps, self.vocab, self.window, self.kv.k[0], self.kv.v[0]))
+                self.steps if steps is None else steps, self.vocab, self.window, self.kv))
         toks, (lps,) = self._steps(tok, pos, mask, rows, write_rows, write_cols, kv_len, features, last, col,
                                    steps=steps)
         return ChainOutput(toks, lps)
@@ -848,10 +850,10 @@ class CompiledSampledChain(CompiledChain):
                        write_cols: Tensor, kv_len: Tensor, features: Tensor | None, last: Tensor, col: Tensor,
                        temperature: Tensor, sampled: Tensor, u: Tensor, stream: Tensor,
                        w: Tensor, steps: int | None = None) -> SampledChainOutput:
-        if self.native_head is not None and features is not None:   # (eagerly: the whole chain from C++)
-            toks, lps, shares, q = self.native_head.sampled_chain(
+        if isinstance(self.native_draft, NativeHeadForward):   # (eagerly: the whole chain from C++)
+            toks, lps, shares, q = self.native_draft.sampled_chain(
                 tok, pos, mask, rows, write_rows, write_cols, kv_len, features, last, col,
-                self.steps if steps is None else steps, self.vocab, self.window, self.kv.k[0], self.kv.v[0],
+                self.steps if steps is None else steps, self.vocab, self.window, self.kv,
                 temperature=temperature, sampled=sampled, u=u, stream=stream, w=w, want=self.want,
                 scale=self.logit_scale, race=u.stride(-1) != 0)
         else:
@@ -947,11 +949,11 @@ class CompiledTree(CompiledChain):
 
     def _tree(self, tok: Tensor, pos: Tensor, mask: Tensor, rows: Tensor, write_rows: Tensor, write_cols: Tensor,
               kv_len: Tensor, features: Tensor | None, last: Tensor, col: Tensor) -> TreeOutput:
-        if self.native_head is not None and features is not None:   # (eagerly: the whole tree from C++)
+        if isinstance(self.native_draft, NativeHeadForward):   # (eagerly: the whole tree from C++)
             spread = None if self.model.identity_vocab else self.model.draft_ids
-            return TreeOutput(*self.native_head.tree(
+            return TreeOutput(*self.native_draft.tree(
                 tok, pos, mask, rows, write_rows, write_cols, kv_len, features, last, col, self.steps, self.topk,
-                self.nodes, spread, self.model.args.vocab_size, self.kv.k[0], self.kv.v[0]))
+                self.nodes, spread, self.model.args.vocab_size, self.kv))
         B, S = tok.shape
         k, T, dev = self.topk, self.tree_cols, tok.device
         at = torch.arange(B, device=dev) * S + last                               # [B] rows of the last tokens

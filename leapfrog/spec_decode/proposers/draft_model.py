@@ -76,6 +76,19 @@ class DraftModelProposer:
         self.k = cfg.draft_budget  # the most drafts one step asks for (the chain graph's length)
         self.chunk = target.max_num_batched_tokens
         self.computed: dict[str, int] = {}
+        if target.enforce_eager:
+            self._eager_chain()
+
+    def _eager_chain(self) -> None:
+        """enforce_eager: greedy chains drafted by one C++ call (model/native_draft.py llama_chain,
+        CompiledChain run eagerly) where the draft's layers are on the bf16 few-row kernel; else
+        (and for sampled requests) one forward per draft token below."""
+        from leapfrog.model.compiled import BUCKET_TOKENS, Bucket
+        rows = self.runner.kv.num_rows
+        self.runner.compile_chain([Bucket(b, 2) for b in range(1, rows + 1) if b == 1 or 2 * b <= BUCKET_TOKENS],
+                                  self.k, progress=False, compile=False)
+        if self.runner.chain.native_draft is None:
+            self.runner.chain = None
 
     def start(self, req: Request) -> None:
         self.computed[req.request_id] = 0

@@ -1,4 +1,4 @@
-"""An EAGLE-3 head's eager drafting loops as one C++ call each: ``torch.ops.leapfrog_head``.
+"""Eager drafting loops as one C++ call each (EAGLE-3 heads, draft models): ``torch.ops.leapfrog_draft``.
 
 Eagerly, a head forward (EagleHead.forward, then its own LM head) is some 25 operator calls
 through Python: embedding, fc, three norms, the concatenation, five linears, two rotations, the
@@ -9,7 +9,7 @@ built-in head (bf16, batch 1, 2-vCPU AVX-512 EPYC): about 0.45 ms a chain level,
 kernels are under 0.2 ms. These ops make the same calls, in the same order, on the same tensors,
 from C++ through the dispatcher (about a microsecond each): the kernels are leapfrog's own
 (model/native_linear.py, model/native_ops.py, attention/native.py) and ATen's, so the drafts are
-bitwise the Python loops' (tests/model/test_native_head.py), and the KV cache is read and written
+bitwise the Python loops' (tests/model/test_native_draft.py), and the KV cache is read and written
 by the same attention op the compiled graphs call, with the loops' masks and columns.
 
 One forward (the ops' building block, C++ ``eagle3_forward``)::
@@ -30,12 +30,17 @@ The ops, each the loop of a CompiledForward subclass with the first forward's ar
     eagle3_sampled_chain  CompiledSampledChain._sampled_chain: sampled chains (the race, inverse-CDF
                           draws) -> tokens, log q, shares [B, steps], q [B, steps, Vd]
     eagle3_tree           CompiledTree._tree: greedy dynamic trees (EAGLE-2) -> TreeOutput's tensors
+    llama_chain           CompiledChain._chain of a draft model (LlamaModel.forward's layers, the
+                          float32 final norm, its LM head): greedy chains -> tokens, log q [B, steps]
 
-Where they apply (``NativeHeadForward.for_head``): an EAGLE-3 head packed for inference on CPU
-with the native norm/RoPE ops and every linear, fc and its LM head included, on the bf16 few-row
-kernel (NativeLinear: bf16 weights, or float32 weights of bf16 values), the built-in head's
-case. Elsewhere (EAGLE-1, other linears, CUDA, compiled graphs) the Python loops run.
-``LEAPFROG_NATIVE_HEAD=0`` (read at load) turns them off. Built once like the other ops
+Where they apply (``NativeHeadForward.for_head``, ``NativeLlamaForward.for_model``): an EAGLE-3
+head or a draft model packed for inference on CPU with the native norm/RoPE ops and every linear,
+fc and the LM head included, on the bf16 few-row kernel (NativeLinear: bf16 weights, or float32
+weights of bf16 values), the built-in head's and draft's case. A draft model drafts its greedy
+chains so (spec_decode/proposers/draft_model.py; sampled requests draft one forward per token as
+before). Elsewhere (EAGLE-1, quantized or other linears, CUDA, compiled graphs) the Python loops
+run.
+``LEAPFROG_NATIVE_DRAFTS=0`` (read at load) turns them off. Built once like the other ops
 (utils/cpp.py, about 15 s, cached under ``TORCH_EXTENSIONS_DIR``); if it cannot be built the
 Python loops serve (logged).
 """
@@ -45,12 +50,16 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from leapfrog.utils import env_off
 from leapfrog.utils.cpp import load_inline
+
+if TYPE_CHECKING:
+    from leapfrog.kv.cache import KVCache
 
 log = logging.getLogger("leapfrog.model")
 
@@ -151,23 +160,16 @@ Tensor inverse_cdf_draw(const Tensor& mass, const Tensor& w) {
 // j)`` -> the token and what the step returns with it; mapped to target ids by ``vocab`` when
 // given) at the next column and its output state -> tokens [B, steps] (target ids), then each of
 // the picks' outputs stacked [B, steps, ...]
-template <typename Pick>
-std::vector<Tensor> chain_steps(
-    const Tensor& tok, const Tensor& features, const Tensor& pos, const Tensor& mask, const Tensor& rows,
-    const Tensor& write_rows, const Tensor& write_cols, const Tensor& kv_len, const Tensor& last,
-    const Tensor& col, int64_t steps, const Tensor& vocab, int64_t window, Tensor& k_cache, Tensor& v_cache,
-    const Tensor& embed, const Tensor& cos_table, const Tensor& sin_table, at::TensorList norms,
-    at::TensorList weights, at::TensorList biases, at::IntArrayRef sizes, double eps, bool norm_before_residual,
-    Pick pick) {
-  const int64_t B = tok.size(0), S = tok.size(1), H = sizes[1];
-  auto forward = [&](const Tensor& t, const Tensor& f, const Tensor& p, const Tensor& m, const Tensor& wr,
-                     const Tensor& wc, const Tensor& len, const Tensor& at) {
-    return eagle3_forward(t, f, p, m, rows, wr, wc, len, at, k_cache, v_cache, embed, cos_table, sin_table,
-                          norms, weights, biases, sizes, eps, norm_before_residual);
-  };
+template <typename Forward, typename Pick>
+std::vector<Tensor> chain_loop(
+    Forward forward, const Tensor& tok, const Tensor& features, const Tensor& pos, const Tensor& mask,
+    const Tensor& rows, const Tensor& write_rows, const Tensor& write_cols, const Tensor& kv_len, const Tensor& last,
+    const Tensor& col, int64_t steps, const Tensor& vocab, int64_t window, Pick pick) {
+  const int64_t B = tok.size(0), S = tok.size(1);
   Tensor at = at::arange(B, last.options()).mul(S).add(last);                  // [B] rows of the last tokens
   auto [hidden, logits] = forward(tok, features, pos, mask, write_rows, write_cols, kv_len,
                                   S > 1 ? at : at.new_empty({0}));
+  const int64_t H = hidden.size(-1);
   Tensor h = hidden.reshape({B * S, H}).index({at});                           // [B, H]
   Tensor cols = at::arange(mask.size(-1), col.options()).view({1, 1, -1});     // [1, 1, W]
   std::vector<Tensor> toks;
@@ -182,8 +184,8 @@ std::vector<Tensor> chain_steps(
     Tensor q = c.view({B, 1, 1});
     Tensor m = cols.le(q);                                                     // compiled.causal_mask
     if (window > 0) m.logical_and_(cols.gt(q.sub(window)));
-    std::tie(hidden, logits) = forward(x.view({B, 1}), h.view({B, 1, H}), c.view({B, 1}), m.unsqueeze(1), rows,
-                                       c, c.max().add(1), at.new_empty({0}));
+    std::tie(hidden, logits) = forward(x.view({B, 1}), h.view({B, 1, H}), c.view({B, 1}), m.unsqueeze(1),
+                                       rows, c, c.max().add(1), at.new_empty({0}));
     h = hidden.select(1, 0);
   }
   std::vector<Tensor> result{at::stack(toks, 1)};
@@ -193,6 +195,95 @@ std::vector<Tensor> chain_steps(
     result.push_back(at::stack(col_i, 1));
   }
   return result;
+}
+
+// an EAGLE-3 head's forward as chain_loop calls it
+template <typename Pick>
+std::vector<Tensor> chain_steps(
+    const Tensor& tok, const Tensor& features, const Tensor& pos, const Tensor& mask, const Tensor& rows,
+    const Tensor& write_rows, const Tensor& write_cols, const Tensor& kv_len, const Tensor& last,
+    const Tensor& col, int64_t steps, const Tensor& vocab, int64_t window, Tensor& k_cache, Tensor& v_cache,
+    const Tensor& embed, const Tensor& cos_table, const Tensor& sin_table, at::TensorList norms,
+    at::TensorList weights, at::TensorList biases, at::IntArrayRef sizes, double eps, bool norm_before_residual,
+    Pick pick) {
+  auto forward = [&](const Tensor& t, const Tensor& f, const Tensor& p, const Tensor& m, const Tensor& wr,
+                     const Tensor& wc, const Tensor& len, const Tensor& at) {
+    return eagle3_forward(t, f, p, m, rows, wr, wc, len, at, k_cache, v_cache, embed, cos_table, sin_table,
+                          norms, weights, biases, sizes, eps, norm_before_residual);
+  };
+  return chain_loop(forward, tok, features, pos, mask, rows, write_rows, write_cols, kv_len, last, col, steps,
+                    vocab, window, pick);
+}
+
+// the greedy pick of CompiledChain._pick: the argmax and its log q
+std::pair<Tensor, std::vector<Tensor>> greedy_pick(const Tensor& logits, int64_t) {
+  auto [lp, x] = at::log_softmax(logits.to(at::kFloat), -1).max(-1);            // [B], [B]
+  return {x, {lp}};
+}
+
+// LlamaModel.forward (layers as DecoderLayer, final norm in float32), then CompiledForward._forward's
+// logits rows through the LogitsHead -> hidden [B, S, D] float32, logits [N or B * S, V] float32.
+// norms: per layer attention and MLP norms, then the final one (float32); weights/biases/outs/streams:
+// per layer wqkv, wo, w13, w2, then the LM head; dims: heads, kv_heads, head_dim, the LM head's
+// f32_out, its rows in bf16
+std::tuple<Tensor, Tensor> llama_forward(
+    const Tensor& tok, const Tensor& pos, const Tensor& mask, const Tensor& rows, const Tensor& write_rows,
+    const Tensor& write_cols, const Tensor& kv_len, const Tensor& at, at::TensorList k_caches,
+    at::TensorList v_caches, const Tensor& embed, const Tensor& cos_table, const Tensor& sin_table,
+    at::TensorList norms, at::TensorList weights, at::TensorList biases, at::IntArrayRef outs,
+    at::IntArrayRef streams, at::IntArrayRef dims, double eps) {
+  const int64_t L = k_caches.size();
+  TORCH_CHECK(v_caches.size() == (size_t)L && norms.size() == (size_t)(2 * L + 1) &&
+              weights.size() == (size_t)(4 * L + 1) && biases.size() == weights.size() &&
+              outs.size() == weights.size() && streams.size() == weights.size() && dims.size() == 5,
+              "llama_forward: per layer 2 norms and 4 linears, then the final norm and the LM head");
+  const int64_t B = tok.size(0), S = tok.size(1), D = embed.size(1);
+  const int64_t heads = dims[0], kv_heads = dims[1], Dh = dims[2];
+  const int64_t q_size = heads * Dh, kv_size = kv_heads * Dh;
+  auto linear = [&](const Tensor& x, int64_t i, bool f32_out) {
+    c10::optional<Tensor> bias = biases[i].numel() ? c10::optional<Tensor>(biases[i]) : c10::nullopt;
+    return linear_op().call(x, weights[i], bias, outs[i], f32_out, streams[i] != 0);
+  };
+  Tensor x = at::embedding(embed, tok);                                        // [B, S, D]
+  const auto dt = x.scalar_type();
+  Tensor p = pos.reshape({-1});
+  Tensor cos = cos_table.index_select(0, p).to(dt).view({B, S, 1, Dh});
+  Tensor sin = sin_table.index_select(0, p).to(dt).view({B, S, 1, Dh});
+  for (int64_t i = 0; i < L; ++i) {                                            // DecoderLayer.forward
+    Tensor h = norm_op().call(x, norms[2 * i], eps);
+    auto qkv = linear(h, 4 * i, false).split_with_sizes({q_size, kv_size, kv_size}, -1);
+    Tensor q = rope_op().call(qkv[0].view({B, S, heads, Dh}), cos, sin);
+    Tensor k = rope_op().call(qkv[1].view({B, S, kv_heads, Dh}), cos, sin);
+    Tensor v = qkv[2].view({B, S, kv_heads, Dh});
+    Tensor kc = k_caches[i], vc = v_caches[i];
+    Tensor o = attention_op().call(q, k, v, kc, vc, rows, write_rows, write_cols, mask, kv_len);
+    x = x.add(linear(o.reshape({B, S, q_size}), 4 * i + 1, false));
+    Tensor g = norm_op().call(x, norms[2 * i + 1], eps);
+    x = x.add(linear(silu_op().call(linear(g, 4 * i + 2, false)), 4 * i + 3, false));
+  }
+  Tensor hidden = norm_op().call(x.to(at::kFloat), norms[2 * L], eps);          // [B, S, D] float32
+  Tensor rows_h = hidden.reshape({B * S, D});
+  if (at.numel()) rows_h = rows_h.index({at});
+  Tensor logits = linear(rows_h.to(dims[4] ? at::kBFloat16 : at::kFloat), 4 * L, dims[3] != 0).to(at::kFloat);
+  return {hidden, logits};
+}
+
+// CompiledChain's greedy chain of a draft model (no features) -> tokens, log q [B, steps]
+std::tuple<Tensor, Tensor> llama_chain(
+    const Tensor& tok, const Tensor& pos, const Tensor& mask, const Tensor& rows, const Tensor& write_rows,
+    const Tensor& write_cols, const Tensor& kv_len, const Tensor& last, const Tensor& col, int64_t steps,
+    int64_t window, at::TensorList k_caches, at::TensorList v_caches, const Tensor& embed, const Tensor& cos_table,
+    const Tensor& sin_table, at::TensorList norms, at::TensorList weights, at::TensorList biases,
+    at::IntArrayRef outs, at::IntArrayRef streams, at::IntArrayRef dims, double eps) {
+  auto forward = [&](const Tensor& t, const Tensor&, const Tensor& p, const Tensor& m, const Tensor& wr,
+                     const Tensor& wc, const Tensor& len, const Tensor& at) {
+    return llama_forward(t, p, m, rows, wr, wc, len, at, k_caches, v_caches, embed, cos_table, sin_table, norms,
+                         weights, biases, outs, streams, dims, eps);
+  };
+  Tensor none = last.new_empty({0});
+  auto r = chain_loop(forward, tok, none, pos, mask, rows, write_rows, write_cols, kv_len, last, col, steps, none,
+                      window, greedy_pick);
+  return {r[0], r[1]};
 }
 
 #define CHAIN_ARGS                                                                                          \
@@ -206,10 +297,7 @@ std::vector<Tensor> chain_steps(
 
 // CompiledChain's greedy chain: each step the argmax and its log q -> tokens, log q [B, steps]
 std::tuple<Tensor, Tensor> eagle3_chain(CHAIN_ARGS) {
-  auto r = chain_steps(CHAIN_CALL, [](const Tensor& logits, int64_t) {
-    auto [lp, x] = at::log_softmax(logits.to(at::kFloat), -1).max(-1);          // [B], [B]
-    return std::make_pair(x, std::vector<Tensor>{lp});
-  });
+  auto r = chain_steps(CHAIN_CALL, greedy_pick);
   return {r[0], r[1]};
 }
 
@@ -323,7 +411,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> eagle3_tree(
 }
 }  // namespace
 
-TORCH_LIBRARY(leapfrog_head, m) {
+TORCH_LIBRARY(leapfrog_draft, m) {
   m.def("eagle3_chain(Tensor tok, Tensor features, Tensor pos, Tensor mask, Tensor rows, Tensor write_rows, "
         "Tensor write_cols, Tensor kv_len, Tensor last, Tensor col, int steps, Tensor vocab, int window, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor embed, Tensor cos, Tensor sin, Tensor[] norms, "
@@ -334,30 +422,35 @@ TORCH_LIBRARY(leapfrog_head, m) {
         "Tensor[] weights, Tensor[] biases, int[] sizes, float eps, bool norm_before_residual, "
         "Tensor temperature, Tensor sampled, Tensor u, Tensor stream, Tensor w, int want, float scale, bool race) "
         "-> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("llama_chain(Tensor tok, Tensor pos, Tensor mask, Tensor rows, Tensor write_rows, Tensor write_cols, "
+        "Tensor kv_len, Tensor last, Tensor col, int steps, int window, Tensor(a!)[] k_caches, "
+        "Tensor(b!)[] v_caches, Tensor embed, Tensor cos, Tensor sin, Tensor[] norms, Tensor[] weights, "
+        "Tensor[] biases, int[] outs, int[] streams, int[] dims, float eps) -> (Tensor, Tensor)");
   m.def("eagle3_tree(Tensor tok, Tensor features, Tensor pos, Tensor mask, Tensor rows, Tensor write_rows, "
         "Tensor write_cols, Tensor kv_len, Tensor last, Tensor col, int steps, int k, int nodes, Tensor spread_ids, "
         "int V, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor embed, Tensor cos, Tensor sin, Tensor[] norms, "
         "Tensor[] weights, Tensor[] biases, int[] sizes, float eps, bool norm_before_residual) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
-TORCH_LIBRARY_IMPL(leapfrog_head, CPU, m) {
+TORCH_LIBRARY_IMPL(leapfrog_draft, CPU, m) {
   m.impl("eagle3_chain", &eagle3_chain);
   m.impl("eagle3_sampled_chain", &eagle3_sampled_chain);
   m.impl("eagle3_tree", &eagle3_tree);
+  m.impl("llama_chain", &llama_chain);
 }
 """
 
-_STATE: dict[str, bool] = {}  # memo of load_native_head (process-wide once loaded)
+_STATE: dict[str, bool] = {}  # memo of load_native_draft (process-wide once loaded)
 _LOCK = threading.Lock()
 
 
-def load_native_head() -> bool:
+def load_native_draft() -> bool:
     """Build (once, cached on disk) and load the op. -> whether it is available."""
     with _LOCK:
         if "ok" not in _STATE:
             try:
                 log.info("loading leapfrog's native EAGLE-3 forward op (built once, about 15 s)")
-                load_inline("leapfrog_native_head", _SOURCE, ["-O2"])
+                load_inline("leapfrog_native_draft", _SOURCE, ["-O2"])
                 _STATE["ok"] = True
             except Exception as e:  # noqa: BLE001 - no compiler, headers, ...: the Python forward serves
                 log.warning("native EAGLE-3 forward op unavailable (%s: %s); heads draft in Python",
@@ -386,7 +479,7 @@ class NativeHeadForward:
         """The op's arguments for ``head``, or None where the op does not apply (module docstring)."""
         from leapfrog.model.native_linear import NativeLinear
         if (getattr(head, "kind", None) != "eagle3" or not getattr(head, "native_ops", False)
-                or head.device.type != "cpu" or env_off("LEAPFROG_NATIVE_HEAD") or len(head.layers) != 1
+                or head.device.type != "cpu" or env_off("LEAPFROG_NATIVE_DRAFTS") or len(head.layers) != 1
                 or head.head is None):
             return None
         layer, proj = head.layers[0], head.head.proj
@@ -394,7 +487,7 @@ class NativeHeadForward:
         if not all(isinstance(m, NativeLinear) for m in lins) or head.head.in_dtype not in (torch.bfloat16,
                                                                                             torch.float32):
             return None
-        if not load_native_head():
+        if not load_native_draft():
             return None
         a = head.args
         embed = head.embed.weight if head.embed is not None else head._bound().embed.weight
@@ -410,9 +503,9 @@ class NativeHeadForward:
 
     def _chain_args(self, tok: Tensor, pos: Tensor, mask: Tensor, rows: Tensor, write_rows: Tensor,
                     write_cols: Tensor, kv_len: Tensor, features: Tensor, last: Tensor, col: Tensor, steps: int,
-                    vocab: Tensor | None, window: int | None, k_cache: Tensor, v_cache: Tensor) -> tuple:
+                    vocab: Tensor | None, window: int | None, kv: KVCache) -> tuple:
         return (tok, features, pos, mask, rows, write_rows, write_cols, kv_len, last, col, steps,
-                self.every_row if vocab is None else vocab, window or 0, k_cache, v_cache, self.embed, self.cos,
+                self.every_row if vocab is None else vocab, window or 0, kv.k[0], kv.v[0], self.embed, self.cos,
                 self.sin, self.norms, self.weights, self.biases, self.sizes, self.eps, self.norm_before_residual)
 
     def chain(self, *args) -> tuple[Tensor, Tensor]:
@@ -420,29 +513,81 @@ class NativeHeadForward:
         first forward's (CompiledForward._forward's tok, pos [B, S], mask [B, 1, S, W], the cache
         rows and columns, features [B, S, F] the target's), then ``last`` [B] each sequence's last real token, ``col``
         [B] the first drafted token's column, ``steps`` tokens to draft, ``vocab`` the head's target
-        ids (None: the target's), the head's sliding ``window``, k_cache, v_cache -> tokens
+        ids (None: the target's), the head's sliding ``window``, its KV cache -> tokens
         [B, steps], log q [B, steps]."""
-        return torch.ops.leapfrog_head.eagle3_chain(*self._chain_args(*args))
+        return torch.ops.leapfrog_draft.eagle3_chain(*self._chain_args(*args))
 
     def sampled_chain(self, *args, temperature: Tensor, sampled: Tensor, u: Tensor, stream: Tensor, w: Tensor,
                       want: int, scale: float, race: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """CompiledSampledChain's chain (its ``_steps`` and ``_pick``) in one call: ``args`` as
         ``chain``'s, then the pick's (model/compiled.py); ``race`` False: no row races (u unread)
         -> tokens, log q of the argmax, the winner's share [B, steps], q [B, steps, Vd]."""
-        return torch.ops.leapfrog_head.eagle3_sampled_chain(*self._chain_args(*args), temperature, sampled, u,
+        return torch.ops.leapfrog_draft.eagle3_sampled_chain(*self._chain_args(*args), temperature, sampled, u,
                                                             stream, w, want, scale, race)
 
     def tree(self, tok: Tensor, pos: Tensor, mask: Tensor, rows: Tensor, write_rows: Tensor, write_cols: Tensor,
              kv_len: Tensor, features: Tensor, last: Tensor, col: Tensor, steps: int, topk: int, nodes: int,
-             spread_ids: Tensor | None, vocab_size: int, k_cache: Tensor,
-             v_cache: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+             spread_ids: Tensor | None, vocab_size: int, kv: KVCache) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """CompiledTree's greedy dynamic tree (its ``_tree``) in one call: the first forward's
         arguments and ``last``, ``col`` as ``chain``'s, the tree's ``steps`` levels, ``topk`` width
         and ``nodes`` kept, ``spread_ids`` the head's target ids (its logits spread over the
         target's ``vocab_size`` ids, as the Python tree's; None: the target's vocabulary) -> tokens,
         parents, depths, ranks [B, nodes], scores [B, grown] (model/compiled.py TreeOutput)."""
-        return torch.ops.leapfrog_head.eagle3_tree(
+        return torch.ops.leapfrog_draft.eagle3_tree(
             tok, features, pos, mask, rows, write_rows, write_cols, kv_len, last, col, steps, topk, nodes,
-            self.every_row if spread_ids is None else spread_ids, vocab_size, k_cache, v_cache, self.embed,
+            self.every_row if spread_ids is None else spread_ids, vocab_size, kv.k[0], kv.v[0], self.embed,
             self.cos, self.sin, self.norms, self.weights, self.biases, self.sizes, self.eps,
             self.norm_before_residual)
+
+
+@dataclass
+class NativeLlamaForward:
+    """A draft model's (LlamaModel's) weights as ``llama_chain`` takes them (module docstring)."""
+
+    embed: Tensor
+    cos: Tensor
+    sin: Tensor
+    norms: list[Tensor]      # per layer attention and MLP norms, then the final norm (float32)
+    weights: list[Tensor]    # packed: per layer wqkv, wo, w13, w2, then the LM head
+    biases: list[Tensor]
+    outs: list[int]
+    streams: list[int]
+    dims: list[int]          # heads, kv_heads, head_dim, the LM head's f32_out, its rows in bf16
+    eps: float
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module) -> NativeLlamaForward | None:
+        """The op's arguments for ``model``, or None where it does not apply: a LlamaModel packed
+        for inference on CPU with the native norm/RoPE ops, every linear (its LM head too) on the
+        bf16 few-row kernel, no tensor parallelism, not batch-invariant."""
+        from leapfrog.model.llama import LlamaModel
+        from leapfrog.model.native_linear import NativeLinear
+        if (not isinstance(model, LlamaModel) or not model.native_ops or model.device.type != "cpu"
+                or model.tp is not None or model.batch_invariant or model.head is None
+                or env_off("LEAPFROG_NATIVE_DRAFTS")):
+            return None
+        lins = [m for layer in model.layers for m in (layer.wqkv, layer.wo, layer.w13, layer.w2)] + [model.head.proj]
+        if not all(isinstance(m, NativeLinear) for m in lins) or model.head.in_dtype not in (torch.bfloat16,
+                                                                                             torch.float32):
+            return None
+        if not load_native_draft():
+            return None
+        a = model.args
+        norms = [w for layer in model.layers for w in (layer.attn_norm, layer.mlp_norm)] + [model.norm.float()]
+        return cls(model.embed.weight, model.rope_cos, model.rope_sin, norms, [m.packed for m in lins],
+                   [m.bias if m.bias is not None else torch.empty(0) for m in lins],
+                   [m.out_features for m in lins], [int(m.stream) for m in lins],
+                   [a.num_attention_heads, a.num_key_value_heads, a.head_dim, int(model.head.proj.f32_out),
+                    int(model.head.in_dtype == torch.bfloat16)], a.rms_norm_eps)
+
+    def chain(self, tok: Tensor, pos: Tensor, mask: Tensor, rows: Tensor, write_rows: Tensor, write_cols: Tensor,
+              kv_len: Tensor, features: Tensor | None, last: Tensor, col: Tensor, steps: int, vocab: Tensor | None,
+              window: int | None, kv: KVCache) -> tuple[Tensor, Tensor]:
+        """CompiledChain's greedy chain of a draft model in one call (``NativeHeadForward.chain``'s
+        arguments; a draft has no features and drafts over the target's vocabulary) -> tokens,
+        log q [B, steps]."""
+        assert features is None and vocab is None
+        return torch.ops.leapfrog_draft.llama_chain(
+            tok, pos, mask, rows, write_rows, write_cols, kv_len, last, col, steps, window or 0, kv.k, kv.v,
+            self.embed, self.cos, self.sin, self.norms, self.weights, self.biases, self.outs, self.streams,
+            self.dims, self.eps)

@@ -1,7 +1,8 @@
-"""The EAGLE-3 forward op (model/native_head.py): eager chains and dynamic trees drafted with it
-are the drafts the Python forward drafts, bit for bit (the same tokens, parents and draft
-probabilities every step), for greedy, seeded and unseeded sampled requests, on heads with GQA,
-q/k/v biases and a sliding window, in float32 and bf16; and greedy output stays the target's."""
+"""The native drafting ops (model/native_draft.py): eager EAGLE-3 chains and dynamic trees, and a
+draft model's greedy chains, drafted with them are the drafts the Python loops draft, bit for bit
+(the same tokens, parents, draft probabilities and scores every step), for greedy, seeded and
+unseeded sampled requests, on heads and drafts with GQA, q/k/v biases and a sliding window, in
+float32 and bf16; and greedy output stays the target's."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from leapfrog import LLM, SamplingParams
-from leapfrog.model.native_head import NativeHeadForward
+from leapfrog.model.native_draft import NativeHeadForward
 from leapfrog.model.native_linear import native_linear_supported
 from tests.conftest import BASE, CONFIGS, prompts_of, save_shapes
 from tests.spec_decode.test_eagle import make_head
@@ -40,7 +41,7 @@ SPECS = {"chain": {"num_speculative_tokens": 4, "eagle_topk": 1},
 
 def _run(target, head, dtype, native: str, monkeypatch, prompts, params, tree):
     with monkeypatch.context() as m:
-        m.setenv("LEAPFROG_NATIVE_HEAD", native)
+        m.setenv("LEAPFROG_NATIVE_DRAFTS", native)
         llm = LLM(model=str(target), dtype=dtype, max_model_len=128, max_num_seqs=3, seed=3,
                   speculative_config={"method": "eagle3", "model": str(head), **SPECS[tree]})
     r = llm.engine.proposer.runner
@@ -57,7 +58,7 @@ def _run(target, head, dtype, native: str, monkeypatch, prompts, params, tree):
     outs = [[o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)]
             for ps, sp in params(prompts)]
     assert llm.get_metrics()["num_accepted_tokens"] > 0
-    return [g.native_head for g in graphs], seen, outs
+    return [g.native_draft for g in graphs], seen, outs
 
 
 def _params(prompts):
@@ -95,3 +96,34 @@ def test_native_forwards_draft_what_the_python_forward_drafts(heads, tokenizer, 
         sp = SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)
         assert outs[0] == [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts],
                                                                           sp, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("shape,dtype", [("qwen2", "float32"), ("gqa_window", "bfloat16")])
+def test_native_draft_model_chains_draft_what_the_python_loop_drafts(heads, tokenizer, shape, dtype, monkeypatch):
+    """A draft model (the target's bf16-valued copy: accepting, yet not always) drafts greedy chains
+    with llama_chain: the drafts of its one-forward-per-token loop (LEAPFROG_NATIVE_DRAFTS=0, no
+    eager chain), the same output, and greedy output the target's alone."""
+    target, _ = heads[shape]
+    prompts = prompts_of(tokenizer, 3)
+    sp = SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)
+    runs = {}
+    for native in ("0", "1"):
+        with monkeypatch.context() as m:
+            m.setenv("LEAPFROG_NATIVE_DRAFTS", native)
+            llm = LLM(model=str(target), dtype=dtype, max_model_len=128, max_num_seqs=3,
+                      speculative_config={"method": "draft_model", "model": "self", "draft_dtype": "bfloat16",
+                                          "num_speculative_tokens": 3})
+        prop = llm.engine.proposer
+        assert (prop.runner.chain is not None) == (native == "1")
+        seen, propose = [], prop.propose
+        prop.propose = lambda reqs, ks: seen.append((d := propose(reqs, ks)).lists()) or d
+        outs = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp,
+                                                             use_tqdm=False)]
+        m = llm.get_metrics()
+        assert 0 < m["num_accepted_tokens"] < m["num_draft_tokens"]
+        runs[native] = (seen, outs)
+    assert runs["0"] == runs["1"] and len(runs["1"][0]) > 5
+    if dtype == "float32":
+        plain = LLM(model=str(target), dtype=dtype, max_model_len=128, max_num_seqs=3)
+        assert runs["1"][1] == [o.outputs[0].token_ids for o in plain.generate(
+            [{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)]
