@@ -634,7 +634,8 @@ class CompiledChain(CompiledForward):
     def _chain(self, tok: Tensor, pos: Tensor, mask: Tensor, rows: Tensor, write_rows: Tensor, write_cols: Tensor,
                kv_len: Tensor, features: Tensor | None, last: Tensor, col: Tensor,
                steps: int | None = None) -> ChainOutput:
-        if self.native_draft is not None:   # (eagerly: the whole chain from C++)
+        if self.native_draft is not None and (self.vocab is not None or getattr(self.model, "identity_vocab", True)):
+            # (eagerly: the whole chain from C++; over the target's vocabulary only when it is the head's)
             return ChainOutput(*self.native_draft.chain(
                 tok, pos, mask, rows, write_rows, write_cols, kv_len, features, last, col,
                 self.steps if steps is None else steps, self.vocab, self.window, self.kv))
@@ -850,7 +851,9 @@ class CompiledSampledChain(CompiledChain):
                        write_cols: Tensor, kv_len: Tensor, features: Tensor | None, last: Tensor, col: Tensor,
                        temperature: Tensor, sampled: Tensor, u: Tensor, stream: Tensor,
                        w: Tensor, steps: int | None = None) -> SampledChainOutput:
-        if isinstance(self.native_draft, NativeHeadForward):   # (eagerly: the whole chain from C++)
+        # (eagerly: the whole chain from C++, over the head's own vocabulary or the target's: a head
+        # whose vocabulary is not in ascending order picks over the spread logits, in Python)
+        if isinstance(self.native_draft, NativeHeadForward) and (self.vocab is not None or self.model.identity_vocab):
             toks, lps, shares, q = self.native_draft.sampled_chain(
                 tok, pos, mask, rows, write_rows, write_cols, kv_len, features, last, col,
                 self.steps if steps is None else steps, self.vocab, self.window, self.kv,

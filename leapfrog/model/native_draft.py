@@ -165,6 +165,7 @@ std::vector<Tensor> chain_loop(
     Forward forward, const Tensor& tok, const Tensor& features, const Tensor& pos, const Tensor& mask,
     const Tensor& rows, const Tensor& write_rows, const Tensor& write_cols, const Tensor& kv_len, const Tensor& last,
     const Tensor& col, int64_t steps, const Tensor& vocab, int64_t window, Pick pick) {
+  TORCH_CHECK(steps >= 1, "a drafting chain drafts at least one token");
   const int64_t B = tok.size(0), S = tok.size(1);
   Tensor at = at::arange(B, last.options()).mul(S).add(last);                  // [B] rows of the last tokens
   auto [hidden, logits] = forward(tok, features, pos, mask, write_rows, write_cols, kv_len,

@@ -1,8 +1,9 @@
 """The native drafting ops (model/native_draft.py): eager EAGLE-3 chains and dynamic trees, and a
 draft model's greedy chains, drafted with them are the drafts the Python loops draft, bit for bit
 (the same tokens, parents, draft probabilities and scores every step), for greedy, seeded and
-unseeded sampled requests, on heads and drafts with GQA, q/k/v biases and a sliding window, in
-float32 and bf16; and greedy output stays the target's."""
+unseeded sampled requests, on targets and drafts with GQA, q/k/v biases and a sliding window, heads
+with their own embedding, an fc bias, norm_before_residual, a greedy calibration and a vocabulary
+out of order, in float32 and bf16; and greedy output stays the target's."""
 
 from __future__ import annotations
 
@@ -25,14 +26,34 @@ SHAPES = {
 MAX = 24
 
 
+def _variant_head(target, out_dir):
+    """An EAGLE-3 head with the options the ops read besides the shapes: its own embedding, an fc
+    bias, norm_before_residual, a greedy calibration (sampled drafts divide it out) and a draft
+    vocabulary in descending target-id order (not ascending: sampled chains pick over the target's
+    vocabulary, in Python)."""
+    from dataclasses import replace
+
+    from leapfrog.model.eagle import init_eagle_head, save_eagle_head
+    from leapfrog.model.loader import load_model, read_checkpoint
+    t = load_model(read_checkpoint(target), None, "cpu", 256)
+    head = init_eagle_head("eagle3", t.args, seed=2, init_std=0.3, draft_token_ids=list(range(299, 99, -1)),
+                           fc_bias=True, own_embedding=True, dtype=torch.bfloat16)
+    head.cfg = replace(head.cfg, norm_before_residual=True, greedy_logit_scale=2.0)
+    head.layers[0].norm_before_residual = True
+    head.bind_target(t)
+    return save_eagle_head(head, out_dir)
+
+
 @pytest.fixture(scope="module")
 def heads(tmp_path_factory, tokenizer):
     """{shape: (target dir, EAGLE-3 head dir)}; the head's weights bf16 values (the op's linears)."""
     assert len(tokenizer) >= 300
     # (a draft vocabulary that is not the target's first ids: draft id != target id)
-    return {name: (t, make_head(t, tmp_path_factory.mktemp(f"{name}-head"), "eagle3", draft_vocab_size=200,
-                                draft_token_ids=list(range(100, 300)), dtype=torch.bfloat16))
-            for name, t in save_shapes(tmp_path_factory, tokenizer, SHAPES).items()}
+    out = {name: (t, make_head(t, tmp_path_factory.mktemp(f"{name}-head"), "eagle3", draft_vocab_size=200,
+                               draft_token_ids=list(range(100, 300)), dtype=torch.bfloat16))
+           for name, t in save_shapes(tmp_path_factory, tokenizer, SHAPES).items()}
+    out["variant"] = (out["qwen2"][0], _variant_head(out["qwen2"][0], tmp_path_factory.mktemp("variant-head")))
+    return out
 
 
 SPECS = {"chain": {"num_speculative_tokens": 4, "eagle_topk": 1},
@@ -69,12 +90,13 @@ def _params(prompts):
 
 
 @pytest.mark.parametrize("shape,dtype,tree", [("qwen2", "float32", "chain"), ("qwen2", "bfloat16", "tree"),
-                                              ("gqa_window", "float32", "tree"), ("gqa_window", "bfloat16", "chain")])
+                                              ("gqa_window", "float32", "tree"), ("gqa_window", "bfloat16", "chain"),
+                                              ("variant", "float32", "chain"), ("variant", "bfloat16", "tree")])
 def test_native_forwards_draft_what_the_python_forward_drafts(heads, tokenizer, shape, dtype, tree, monkeypatch):
     target, head = heads[shape]
     prompts = prompts_of(tokenizer, 3)
     calls = []
-    for name in ("__call__", "chain", "sampled_chain", "tree"):   # (count the op's calls)
+    for name in ("chain", "sampled_chain", "tree"):   # (count the ops' calls)
         fn = getattr(NativeHeadForward, name)
         monkeypatch.setattr(NativeHeadForward, name,
                             lambda self, *a, _fn=fn, _name=name, **kw: calls.append(_name) or _fn(self, *a, **kw))
@@ -82,8 +104,10 @@ def test_native_forwards_draft_what_the_python_forward_drafts(heads, tokenizer, 
     assert ref_ops == [None, None] and not calls
     ops, got, outs = _run(target, head, dtype, "1", monkeypatch, prompts, _params, tree)
     assert all(op is not None for op in ops) and len(calls) > 10
-    # chains and trees in one call each (greedy chains, sampled chains, greedy trees)
-    assert set(calls) == ({"chain", "sampled_chain"} if tree == "chain" else {"tree", "sampled_chain"})
+    # chains and trees in one call each (greedy chains, sampled chains, greedy trees); a head whose
+    # vocabulary is not ascending draws its sampled chains in Python
+    sampled = set() if shape == "variant" else {"sampled_chain"}
+    assert set(calls) == ({"chain"} if tree == "chain" else {"tree"}) | sampled
     assert outs == ref_outs
     assert len(got) == len(ref) > 10
     for (toks, parents, q, scores), (ref_toks, ref_parents, ref_q, ref_scores) in zip(got, ref):
@@ -103,9 +127,13 @@ def test_native_draft_model_chains_draft_what_the_python_loop_drafts(heads, toke
     """A draft model (the target's bf16-valued copy: accepting, yet not always) drafts greedy chains
     with llama_chain: the drafts of its one-forward-per-token loop (LEAPFROG_NATIVE_DRAFTS=0, no
     eager chain), the same output, and greedy output the target's alone."""
+    from leapfrog.model.native_draft import NativeLlamaForward
     target, _ = heads[shape]
     prompts = prompts_of(tokenizer, 3)
     sp = SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)
+    calls = []
+    fn = NativeLlamaForward.chain
+    monkeypatch.setattr(NativeLlamaForward, "chain", lambda self, *a: calls.append(1) or fn(self, *a))
     runs = {}
     for native in ("0", "1"):
         with monkeypatch.context() as m:
@@ -122,6 +150,7 @@ def test_native_draft_model_chains_draft_what_the_python_loop_drafts(heads, toke
         m = llm.get_metrics()
         assert 0 < m["num_accepted_tokens"] < m["num_draft_tokens"]
         runs[native] = (seen, outs)
+        assert (len(calls) >= len(seen)) == (native == "1")   # (every step's chain one op call)
     assert runs["0"] == runs["1"] and len(runs["1"][0]) > 5
     if dtype == "float32":
         plain = LLM(model=str(target), dtype=dtype, max_model_len=128, max_num_seqs=3)
