@@ -132,6 +132,9 @@ _ROUND_TRIES = 3   # picks of the rounds' size at a batch size before giving up 
 _PROBE_BACKOFF = 8   # a probe that finds speculation still not paying doubles the wait, up to this many times
 _RATE_WINDOW = 64   # tried (predicted) draft tokens: the acceptance rate's and calibration's memory (TokenRate)
 _RATE_STEPS = 16    # ... and steps, at most
+#: "auto" tree sizes: a size whose confidence C(n) is within this many tokens of the largest size's
+#: is the last weighed (larger ones expect less than this more, and cost more to verify)
+_FLAT_TOKENS = 0.05
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -384,6 +387,14 @@ class SpecController:
         if (self.curve is None and free < 1) or not self.tree_draft_cost.get(bucket):
             return self._first_probe(bucket, min(top, self._probe_size(B)))   # the head's confidences and the costs
         per_width, host = self.tree_draft_cost[bucket], self.host_cost.get(bucket, 0.0)
+        if free < 1 and self.curve is not None:
+            # sizes past the first within _FLAT_TOKENS of the most confidence expect no more tokens
+            # (about 1 % of a step's), at a higher verify cost: never weighed (the built-in head's
+            # curve is flat past about 6 of 64 sizes, and weighing all 64 was most of a choice's
+            # 0.11 ms a step)
+            most = self.curve[-1] - _FLAT_TOKENS
+            flat = next(n for n, c in enumerate(self.curve, 1) if c >= most)
+            top = min(top, max(flat, self.cfg.num_speculative_tokens))
         # what verifying n nodes drafts and verifies: all chains (free = 1), else the tree
         shapes = [(lv, 1) if free == 1 else (lv, w) for lv, w in self.shapes[:top]]
         verify = self._verify_times(bucket, [lv + 1 if free == 1 else n + 1 for n, (lv, _) in enumerate(shapes, 1)])

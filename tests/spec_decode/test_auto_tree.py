@@ -463,3 +463,22 @@ def test_drafting_cost_is_a_curve_in_k_once_two_k_are_measured():
     # goodput(4) = E(0.6, 4) / (0.9 + 1.0) = 2.31 / 1.9 = 1.22 > goodput(0) = 1: K = 4
     # (with K times the cost per token, K = 1 would win: 1.6 / 1.48 = 1.08 against 2.31 / 2.9)
     assert ctl._adaptive_k(1) == 4
+
+
+def test_sizes_past_the_flat_confidence_are_never_weighed():
+    """Past the first size whose confidence C(n) is within _FLAT_TOKENS of the largest's, a bigger
+    tree expects no more tokens: with verification so cheap that any size would otherwise pay,
+    the choice never goes past it (nor does exploration), and only those sizes are weighed."""
+    conf = [0.9, 0.9, 0.9, 0.9, 0.9, 0.9] + [1e-4] * 58   # six confident candidates, then nothing
+    chosen = _converge(0.001, conf, lambda n: min(n, 5))
+    assert chosen[2:10] == [16] * 8   # (the first probe, before any confidence is known)
+    assert set(chosen[10:]) == {6}    # (before, exploration tried 12 every other interval)
+    ctl = SpecController(CFG, 4096)
+    weighed = []
+    orig = ctl._tree_tokens
+    ctl._tree_tokens = lambda chains, free, n, cal=None: weighed.append(n) or orig(chains, free, n, cal)
+    for _ in range(12):
+        n = ctl.choose([_Req()])[0]
+        _step(ctl, n, conf, min(n, 5), 0.3, 1.0 + 0.001 * n) if n else ctl.observe(
+            [_Req()], DraftBatch.empty(1), AcceptanceResult([0], [[0]], [0]), 0.0, 1.0)
+    assert weighed and max(weighed) == 6
