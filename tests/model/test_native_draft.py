@@ -156,3 +156,27 @@ def test_native_draft_model_chains_draft_what_the_python_loop_drafts(heads, toke
         plain = LLM(model=str(target), dtype=dtype, max_model_len=128, max_num_seqs=3)
         assert runs["1"][1] == [o.outputs[0].token_ids for o in plain.generate(
             [{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)]
+
+
+def test_native_draft_model_chains_run_only_the_tokens_asked_for(heads, tokenizer, monkeypatch):
+    """An eager draft-model chain drafts as many tokens as the step's longest draft (a request near
+    its max_tokens asks for fewer), not the chain's K as a compiled graph must, with the output of
+    the one-forward-per-token loop."""
+    from leapfrog.model.native_draft import NativeLlamaForward
+    target, _ = heads["qwen2"]
+    prompts = prompts_of(tokenizer, 2)
+    # (max_tokens 3: the first step may draft one token before the request ends)
+    sps = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 16)]
+    spec = {"method": "draft_model", "model": "self", "draft_dtype": "bfloat16", "num_speculative_tokens": 4}
+    steps = []
+    fn = NativeLlamaForward.chain
+    monkeypatch.setattr(NativeLlamaForward, "chain", lambda self, *a: steps.append(a[10]) or fn(self, *a))
+    outs = {}
+    for native in ("0", "1"):
+        with monkeypatch.context() as m:
+            m.setenv("LEAPFROG_NATIVE_DRAFTS", native)
+            llm = LLM(model=str(target), dtype="float32", max_model_len=128, max_num_seqs=2, speculative_config=spec)
+        outs[native] = [[o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                                                      sp, use_tqdm=False)] for sp in sps]
+    assert outs["0"] == outs["1"]
+    assert steps[0] == 1 and 4 in steps, steps

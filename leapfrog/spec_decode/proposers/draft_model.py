@@ -155,7 +155,8 @@ class DraftModelProposer:
         rs = [reqs[b] for b in active]
         self._catch_up(rs, keep=chain.max_tokens)
         chunks = [SeqChunk(r.row, self.computed[r.request_id], r.all_ids[self.computed[r.request_id]:], 1) for r in rs]
-        out = self.runner.draft_chain(chunks, chain.steps)
+        # (an eager chain drafts only what this step asks for: a compiled graph runs all its steps)
+        out = self.runner.draft_chain(chunks, chain.steps if chain.compiled else max(ks[b] for b in active))
         if out is None:
             return False
         toks = out.tokens.tolist()
