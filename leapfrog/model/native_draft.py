@@ -460,6 +460,19 @@ def load_native_draft() -> bool:
     return _STATE["ok"]
 
 
+def _on_the_kernel(linears: list[torch.nn.Module], logits_head: torch.nn.Module) -> bool:
+    """Whether a drafter's ``linears`` (its LM head's projection among them) all run the bf16 few-row
+    kernel (NativeLinear), its LogitsHead takes bf16 or float32 rows, and the ops are built."""
+    from leapfrog.model.native_linear import NativeLinear
+    return (all(isinstance(m, NativeLinear) for m in linears)
+            and logits_head.in_dtype in (torch.bfloat16, torch.float32) and load_native_draft())
+
+
+def _biases(linears: list[torch.nn.Module]) -> list[Tensor]:
+    """Each NativeLinear's float32 bias, or an empty tensor (the ops' "no bias")."""
+    return [m.bias if m.bias is not None else torch.empty(0) for m in linears]
+
+
 @dataclass
 class NativeHeadForward:
     """An EAGLE-3 head's weights as the ops take them (see the module docstring)."""
@@ -478,25 +491,20 @@ class NativeHeadForward:
     @classmethod
     def for_head(cls, head: torch.nn.Module) -> NativeHeadForward | None:
         """The op's arguments for ``head``, or None where the op does not apply (module docstring)."""
-        from leapfrog.model.native_linear import NativeLinear
         if (getattr(head, "kind", None) != "eagle3" or not getattr(head, "native_ops", False)
                 or head.device.type != "cpu" or env_off("LEAPFROG_NATIVE_DRAFTS") or len(head.layers) != 1
                 or head.head is None):
             return None
         layer, proj = head.layers[0], head.head.proj
         lins = [layer.wqkv, layer.wo, layer.w13, layer.w2, proj, head.fc]
-        if not all(isinstance(m, NativeLinear) for m in lins) or head.head.in_dtype not in (torch.bfloat16,
-                                                                                            torch.float32):
-            return None
-        if not load_native_draft():
+        if not _on_the_kernel(lins, head.head):
             return None
         a = head.args
         embed = head.embed.weight if head.embed is not None else head._bound().embed.weight
         stream = sum(1 << i for i, m in enumerate(lins) if m.stream)
         return cls(embed, head.rope_cos, head.rope_sin,
                    [layer.attn_norm, layer.hidden_norm, layer.mlp_norm, head.norm.float()],
-                   [m.packed for m in lins],
-                   [m.bias if m.bias is not None else torch.empty(0) for m in lins],
+                   [m.packed for m in lins], _biases(lins),
                    [m.out_features for m in lins] + [a.num_attention_heads, a.num_key_value_heads, a.head_dim,
                                                      int(proj.f32_out), stream,
                                                      int(head.head.in_dtype == torch.bfloat16)],
@@ -562,21 +570,16 @@ class NativeLlamaForward:
         for inference on CPU with the native norm/RoPE ops, every linear (its LM head too) on the
         bf16 few-row kernel, no tensor parallelism, not batch-invariant."""
         from leapfrog.model.llama import LlamaModel
-        from leapfrog.model.native_linear import NativeLinear
         if (not isinstance(model, LlamaModel) or not model.native_ops or model.device.type != "cpu"
                 or model.tp is not None or model.batch_invariant or model.head is None
                 or env_off("LEAPFROG_NATIVE_DRAFTS")):
             return None
         lins = [m for layer in model.layers for m in (layer.wqkv, layer.wo, layer.w13, layer.w2)] + [model.head.proj]
-        if not all(isinstance(m, NativeLinear) for m in lins) or model.head.in_dtype not in (torch.bfloat16,
-                                                                                             torch.float32):
-            return None
-        if not load_native_draft():
+        if not _on_the_kernel(lins, model.head):
             return None
         a = model.args
         norms = [w for layer in model.layers for w in (layer.attn_norm, layer.mlp_norm)] + [model.norm.float()]
-        return cls(model.embed.weight, model.rope_cos, model.rope_sin, norms, [m.packed for m in lins],
-                   [m.bias if m.bias is not None else torch.empty(0) for m in lins],
+        return cls(model.embed.weight, model.rope_cos, model.rope_sin, norms, [m.packed for m in lins], _biases(lins),
                    [m.out_features for m in lins], [int(m.stream) for m in lins],
                    [a.num_attention_heads, a.num_key_value_heads, a.head_dim, int(model.head.proj.f32_out),
                     int(model.head.in_dtype == torch.bfloat16)], a.rms_norm_eps)
