@@ -180,3 +180,26 @@ def test_native_draft_model_chains_run_only_the_tokens_asked_for(heads, tokenize
                                                                       sp, use_tqdm=False)] for sp in sps]
     assert outs["0"] == outs["1"]
     assert steps[0] == 1 and 4 in steps, steps
+
+
+def test_native_sampled_chains_follow_the_target_law(tmp_path_factory):
+    """Unseeded and temperature-only sampled requests drafting through eagle3_sampled_chain (a head
+    of bf16 values on the kernel): tokens 2 and 3 of 2000 requests follow the target's exact law
+    (chi-square through the whole engine, tests/spec_decode/test_sampling_lossless.py)."""
+    from leapfrog.demo import save_random_llama
+    from leapfrog.model.native_draft import NativeHeadForward
+    from tests.spec_decode.test_sampling_lossless import SETTINGS, SMALL, assert_follows_target
+    target = save_random_llama(tmp_path_factory.mktemp("tiny3"), None, seed=3, **{**SMALL, "num_hidden_layers": 3})
+    head = make_head(target, tmp_path_factory.mktemp("head"), "eagle3", seed=1, draft_vocab_size=9,
+                     draft_token_ids=[1, 2, 3, 5, 6, 7, 8, 10, 11], dtype=torch.bfloat16)
+
+    def native(llm):
+        assert isinstance(llm.engine.proposer.runner.sampled_chain.native_draft, NativeHeadForward)
+    calls = []
+    fn = NativeHeadForward.sampled_chain
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(NativeHeadForward, "sampled_chain", lambda self, *a, **kw: calls.append(1) or fn(self, *a, **kw))
+        assert_follows_target(target, {"method": "eagle3", "model": str(head), "num_speculative_tokens": 2,
+                                       "eagle_topk": 1}, SETTINGS[1], seed=4, after=native,
+                              max_num_seqs=32)   # (batches the eager loops take: up to 85 sequences of 3 tokens)
+    assert len(calls) >= 2000 // 32
