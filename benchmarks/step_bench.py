@@ -58,6 +58,11 @@ CONTENDERS["eagle3-python"] = CONTENDERS["eagle3"]
 CONTENDERS["draft_model-python"] = CONTENDERS["draft_model"]
 #: the 16-node dynamic tree of depth 5 and width 4 (tree_bench's)
 CONTENDERS["eagle3-tree16"] = {**CONTENDERS["eagle3"], "eagle_topk": 4, "num_draft_tokens": 16}
+#: chains that end where the drafter's path confidence falls below 0.3 (min_draft_confidence): the
+#: head's up to 10 deep, the draft model's up to 8
+CONTENDERS["eagle3-conf"] = {**CONTENDERS["eagle3"], "num_speculative_tokens": 10, "min_draft_confidence": 0.3}
+CONTENDERS["draft_model-conf"] = {**CONTENDERS["draft_model"], "num_speculative_tokens": 8,
+                                  "min_draft_confidence": 0.3}
 ENV = {"eagle3-python": {"LEAPFROG_NATIVE_DRAFTS": "0"}, "draft_model-python": {"LEAPFROG_NATIVE_DRAFTS": "0"}}
 PARTS = ("step", "draft", "forward", "accept")
 

@@ -3,7 +3,9 @@
 Contenders (interleaved by ``leapfrog bench``: A B C ... A B C ...): no speculation, draft_model
 K=4 (the demo draft), ngram K=4, the built-in EAGLE-3 head as a chain (eagle_topk 1), as a fixed
 dynamic tree (EAGLE-2: depth 5, top-4 per level, best 16 nodes verified) and with the tree size
-chosen by goodput (num_draft_tokens "auto"), and draft_model with an adaptive K (index 5).
+chosen by goodput (num_draft_tokens "auto"), draft_model with an adaptive K (index 5), and chains
+that end where the drafter's path confidence falls below 0.3 (``min_draft_confidence``): the
+EAGLE-3 head's up to 10 deep (index 6) and the draft model's up to 8 (index 7).
 Prompts: code the models never trained on, either the demo's held-out standard-library files
 (``--source heldout``, default) or third-party files from this Python's site-packages
 (``--source site-packages``).
@@ -56,6 +58,8 @@ def contenders(draft: str, head: str, k: int) -> list[dict]:
         {**e3, "num_speculative_tokens": 5, "eagle_topk": 4, "num_draft_tokens": 16},
         {**e3, "num_speculative_tokens": 5, "eagle_topk": 4, "num_draft_tokens": "auto"},
         {"method": "draft_model", "model": draft, "num_speculative_tokens": k, "adaptive": True},
+        {**e3, "num_speculative_tokens": 10, "eagle_topk": 1, "min_draft_confidence": 0.3},
+        {"method": "draft_model", "model": draft, "num_speculative_tokens": 8, "min_draft_confidence": 0.3},
     ]
 
 
@@ -74,7 +78,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--only", nargs="*", default=None, help="contender indices to keep (0..5; none always runs)")
+    ap.add_argument("--only", nargs="*", default=None, help="contender indices to keep (0..7; none always runs)")
     ap.add_argument("--request-seed", type=int, default=None,
                     help="seed the requests (item i: this + i): sampled ones are verified by matching")
     ap.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,

@@ -109,6 +109,10 @@ class EngineConfig:
                 raise ConfigError(f"num_scheduler_steps={self.num_scheduler_steps} needs the compiled fast path "
                                   "(enforce_eager=False): the steps run as one graph")
             spec = self.speculative_config
+            if isinstance(spec, dict) and spec.get("min_draft_confidence") is not None:
+                raise ConfigError(f"num_scheduler_steps={self.num_scheduler_steps} with min_draft_confidence: "
+                                  "speculation rounds draft fixed chains in one graph, which cannot end them "
+                                  "early; drop one of them")
             if spec is not None and not supports_rounds(spec):
                 raise ConfigError(f"num_scheduler_steps={self.num_scheduler_steps} with speculative_config runs "
                                   "rounds of chains, one compiled graph each: it needs method 'draft_model', "

@@ -363,12 +363,14 @@ class CompiledForward:
         """The [batch, tokens] bucket of a call's arguments."""
         return tuple(args[0].shape)
 
-    def _serve(self, args: tuple, steps: int | None = None):
+    def _serve(self, args: tuple, steps: int | None = None, stop: Tensor | None = None):
         """``steps``: an eager chain's steps this call (compile=False only: fewer than the
-        graph's ``steps`` when no sequence drafts that deep; a graph always runs all of them)."""
+        graph's ``steps`` when no sequence drafts that deep; a graph always runs all of them);
+        ``stop``: an eager greedy chain's stopping confidences (CompiledChain._steps)."""
         if not self.compiled:
-            return self._fn(*args) if steps is None else self._fn(*args, steps=steps)
-        assert steps is None, "a compiled chain runs all its steps"
+            kw = {k: v for k, v in (("steps", steps), ("stop", stop)) if v is not None}
+            return self._fn(*args, **kw)
+        assert steps is None and stop is None, "a compiled chain runs all its steps"
         key = self._key(args)
         r = self.replays.get(key)
         if r is not None and r.matches(args):
@@ -633,14 +635,14 @@ class CompiledChain(CompiledForward):
 
     def _chain(self, tok: Tensor, pos: Tensor, mask: Tensor, rows: Tensor, write_rows: Tensor, write_cols: Tensor,
                kv_len: Tensor, features: Tensor | None, last: Tensor, col: Tensor,
-               steps: int | None = None) -> ChainOutput:
+               steps: int | None = None, stop: Tensor | None = None) -> ChainOutput:
         if self.native_draft is not None and (self.vocab is not None or getattr(self.model, "identity_vocab", True)):
             # (eagerly: the whole chain from C++; over the target's vocabulary only when it is the head's)
             return ChainOutput(*self.native_draft.chain(
                 tok, pos, mask, rows, write_rows, write_cols, kv_len, features, last, col,
-                self.steps if steps is None else steps, self.vocab, self.window, self.kv))
+                self.steps if steps is None else steps, self.vocab, self.window, self.kv, stop=stop))
         toks, (lps,) = self._steps(tok, pos, mask, rows, write_rows, write_cols, kv_len, features, last, col,
-                                   steps=steps)
+                                   steps=steps, stop=stop)
         return ChainOutput(toks, lps)
 
     def _pick(self, logits: Tensor, j: int, *pick_args: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
@@ -651,9 +653,12 @@ class CompiledChain(CompiledForward):
 
     def _steps(self, tok: Tensor, pos: Tensor, mask: Tensor, rows: Tensor, write_rows: Tensor, write_cols: Tensor,
                kv_len: Tensor, features: Tensor | None, last: Tensor, col: Tensor,
-               *pick_args: Tensor, steps: int | None = None) -> tuple[Tensor, list[Tensor]]:
+               *pick_args: Tensor, steps: int | None = None, stop: Tensor | None = None) -> tuple[Tensor, list[Tensor]]:
         """The chain: -> tokens [B, steps] and each of ``_pick``'s outputs stacked [B, steps, ...]
-        (``steps``: eagerly, fewer than the graph's; see ``_serve``)."""
+        (``steps``: eagerly, fewer than the graph's; see ``_serve``). ``stop`` [B] float32 (eagerly,
+        greedy chains: SpeculativeConfig.min_draft_confidence): once every row's path log confidence
+        (the float32 sum of its picks' log q) is below its stop, no further step runs (fewer than
+        ``steps`` columns; the native loop makes the same sums and test)."""
         steps = self.steps if steps is None else steps
         B, S = tok.shape
         at = torch.arange(B, device=tok.device) * S + last                        # [B] rows of the last tokens
@@ -663,6 +668,7 @@ class CompiledChain(CompiledForward):
         state = self._state(g, at)
         cols = torch.arange(mask.shape[-1], device=tok.device)                     # [W]
         toks, outs = [], []
+        path = None                                                                # [B] path log confidence
         for j in range(steps):
             x, out = self._pick(logits, j, *pick_args)
             if self.vocab is not None:
@@ -671,6 +677,10 @@ class CompiledChain(CompiledForward):
             outs.append(out if state is None else (*out, state))
             if j == steps - 1:
                 break
+            if stop is not None:
+                path = out[0] if path is None else path + out[0]
+                if bool((path < stop).all()):
+                    break
             c = col + j                                                            # [B] this step's column
             m = causal_mask(cols, c[:, None], self.window)                         # [B, 1, 1, W]
             g = self._forward(x[:, None], c[:, None], m, rows, rows, c, c.max() + 1,
@@ -686,8 +696,8 @@ class CompiledChain(CompiledForward):
         return None
 
     def __call__(self, tok: Tensor, pos: Tensor, meta: AttnMeta, features: Tensor | None,  # type: ignore[override]
-                 last: Tensor, col: Tensor, steps: int | None = None) -> ChainOutput:
-        return self._serve(self._args(tok, pos, meta, features, last, col), steps)
+                 last: Tensor, col: Tensor, steps: int | None = None, stop: Tensor | None = None) -> ChainOutput:
+        return self._serve(self._args(tok, pos, meta, features, last, col), steps, stop)
 
     def _flatten(self, out: ChainOutput) -> list[Tensor]:  # type: ignore[override]
         return [out.tokens, out.logprobs]

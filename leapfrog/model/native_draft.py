@@ -159,12 +159,15 @@ Tensor inverse_cdf_draw(const Tensor& mass, const Tensor& w) {
 // real one's index), then steps - 1 one-token forwards, each fed the previous pick (``pick(logits,
 // j)`` -> the token and what the step returns with it; mapped to target ids by ``vocab`` when
 // given) at the next column and its output state -> tokens [B, steps] (target ids), then each of
-// the picks' outputs stacked [B, steps, ...]
+// the picks' outputs stacked [B, steps, ...]. ``stop`` [B] float32 (empty: none): a row's chain
+// may stop once its path log confidence (the sum of the picks' first outputs, log q of the
+// greedy pick) is below its stop; the loop stops early, fewer than steps columns, once every
+// row's has (CompiledChain._steps: the same float32 sums and test)
 template <typename Forward, typename Pick>
 std::vector<Tensor> chain_loop(
     Forward forward, const Tensor& tok, const Tensor& features, const Tensor& pos, const Tensor& mask,
     const Tensor& rows, const Tensor& write_rows, const Tensor& write_cols, const Tensor& kv_len, const Tensor& last,
-    const Tensor& col, int64_t steps, const Tensor& vocab, int64_t window, Pick pick) {
+    const Tensor& col, int64_t steps, const Tensor& vocab, int64_t window, const Tensor& stop, Pick pick) {
   TORCH_CHECK(steps >= 1, "a drafting chain drafts at least one token");
   const int64_t B = tok.size(0), S = tok.size(1);
   Tensor at = at::arange(B, last.options()).mul(S).add(last);                  // [B] rows of the last tokens
@@ -175,12 +178,17 @@ std::vector<Tensor> chain_loop(
   Tensor cols = at::arange(mask.size(-1), col.options()).view({1, 1, -1});     // [1, 1, W]
   std::vector<Tensor> toks;
   std::vector<std::vector<Tensor>> outs;
+  Tensor path;                                                                 // [B] path log confidence
   for (int64_t j = 0; j < steps; ++j) {
     auto [x, out] = pick(logits, j);
     if (vocab.numel()) x = vocab.index({x});
     toks.push_back(x);
     outs.push_back(out);
     if (j == steps - 1) break;
+    if (stop.numel()) {
+      path = j == 0 ? out[0] : path.add(out[0]);
+      if (path.lt(stop).all().item<bool>()) break;
+    }
     Tensor c = col.add(j);                                                     // [B] this step's column
     Tensor q = c.view({B, 1, 1});
     Tensor m = cols.le(q);                                                     // compiled.causal_mask
@@ -206,14 +214,14 @@ std::vector<Tensor> chain_steps(
     const Tensor& col, int64_t steps, const Tensor& vocab, int64_t window, Tensor& k_cache, Tensor& v_cache,
     const Tensor& embed, const Tensor& cos_table, const Tensor& sin_table, at::TensorList norms,
     at::TensorList weights, at::TensorList biases, at::IntArrayRef sizes, double eps, bool norm_before_residual,
-    Pick pick) {
+    const Tensor& stop, Pick pick) {
   auto forward = [&](const Tensor& t, const Tensor& f, const Tensor& p, const Tensor& m, const Tensor& wr,
                      const Tensor& wc, const Tensor& len, const Tensor& at) {
     return eagle3_forward(t, f, p, m, rows, wr, wc, len, at, k_cache, v_cache, embed, cos_table, sin_table,
                           norms, weights, biases, sizes, eps, norm_before_residual);
   };
   return chain_loop(forward, tok, features, pos, mask, rows, write_rows, write_cols, kv_len, last, col, steps,
-                    vocab, window, pick);
+                    vocab, window, stop, pick);
 }
 
 // the greedy pick of CompiledChain._pick: the argmax and its log q
@@ -273,7 +281,7 @@ std::tuple<Tensor, Tensor> llama_forward(
 std::tuple<Tensor, Tensor> llama_chain(
     const Tensor& tok, const Tensor& pos, const Tensor& mask, const Tensor& rows, const Tensor& write_rows,
     const Tensor& write_cols, const Tensor& kv_len, const Tensor& last, const Tensor& col, int64_t steps,
-    int64_t window, at::TensorList k_caches, at::TensorList v_caches, const Tensor& embed, const Tensor& cos_table,
+    const Tensor& stop, int64_t window, at::TensorList k_caches, at::TensorList v_caches, const Tensor& embed, const Tensor& cos_table,
     const Tensor& sin_table, at::TensorList norms, at::TensorList weights, at::TensorList biases,
     at::IntArrayRef outs, at::IntArrayRef streams, at::IntArrayRef dims, double eps) {
   auto forward = [&](const Tensor& t, const Tensor&, const Tensor& p, const Tensor& m, const Tensor& wr,
@@ -283,7 +291,7 @@ std::tuple<Tensor, Tensor> llama_chain(
   };
   Tensor none = last.new_empty({0});
   auto r = chain_loop(forward, tok, none, pos, mask, rows, write_rows, write_cols, kv_len, last, col, steps, none,
-                      window, greedy_pick);
+                      window, stop, greedy_pick);
   return {r[0], r[1]};
 }
 
@@ -297,8 +305,8 @@ std::tuple<Tensor, Tensor> llama_chain(
     k_cache, v_cache, embed, cos_table, sin_table, norms, weights, biases, sizes, eps, norm_before_residual
 
 // CompiledChain's greedy chain: each step the argmax and its log q -> tokens, log q [B, steps]
-std::tuple<Tensor, Tensor> eagle3_chain(CHAIN_ARGS) {
-  auto r = chain_steps(CHAIN_CALL, greedy_pick);
+std::tuple<Tensor, Tensor> eagle3_chain(CHAIN_ARGS, const Tensor& stop) {
+  auto r = chain_steps(CHAIN_CALL, stop, greedy_pick);
   return {r[0], r[1]};
 }
 
@@ -309,7 +317,7 @@ std::tuple<Tensor, Tensor> eagle3_chain(CHAIN_ARGS) {
 std::tuple<Tensor, Tensor, Tensor, Tensor> eagle3_sampled_chain(
     CHAIN_ARGS, const Tensor& temperature, const Tensor& sampled, const Tensor& u, const Tensor& stream,
     const Tensor& w, int64_t want, double scale, bool race) {
-  auto r = chain_steps(CHAIN_CALL, [&](const Tensor& logits, int64_t j) {
+  auto r = chain_steps(CHAIN_CALL, w.new_empty({0}), [&](const Tensor& logits, int64_t j) {
     Tensor lf = logits.to(at::kFloat);
     auto [lp, greedy] = at::log_softmax(lf, -1).max(-1);                       // [B], [B]
     Tensor z = scale != 1.0 ? lf.div(scale) : lf;
@@ -416,7 +424,8 @@ TORCH_LIBRARY(leapfrog_draft, m) {
   m.def("eagle3_chain(Tensor tok, Tensor features, Tensor pos, Tensor mask, Tensor rows, Tensor write_rows, "
         "Tensor write_cols, Tensor kv_len, Tensor last, Tensor col, int steps, Tensor vocab, int window, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor embed, Tensor cos, Tensor sin, Tensor[] norms, "
-        "Tensor[] weights, Tensor[] biases, int[] sizes, float eps, bool norm_before_residual) -> (Tensor, Tensor)");
+        "Tensor[] weights, Tensor[] biases, int[] sizes, float eps, bool norm_before_residual, Tensor stop) "
+        "-> (Tensor, Tensor)");
   m.def("eagle3_sampled_chain(Tensor tok, Tensor features, Tensor pos, Tensor mask, Tensor rows, "
         "Tensor write_rows, Tensor write_cols, Tensor kv_len, Tensor last, Tensor col, int steps, Tensor vocab, "
         "int window, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor embed, Tensor cos, Tensor sin, Tensor[] norms, "
@@ -424,7 +433,7 @@ TORCH_LIBRARY(leapfrog_draft, m) {
         "Tensor temperature, Tensor sampled, Tensor u, Tensor stream, Tensor w, int want, float scale, bool race) "
         "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def("llama_chain(Tensor tok, Tensor pos, Tensor mask, Tensor rows, Tensor write_rows, Tensor write_cols, "
-        "Tensor kv_len, Tensor last, Tensor col, int steps, int window, Tensor(a!)[] k_caches, "
+        "Tensor kv_len, Tensor last, Tensor col, int steps, Tensor stop, int window, Tensor(a!)[] k_caches, "
         "Tensor(b!)[] v_caches, Tensor embed, Tensor cos, Tensor sin, Tensor[] norms, Tensor[] weights, "
         "Tensor[] biases, int[] outs, int[] streams, int[] dims, float eps) -> (Tensor, Tensor)");
   m.def("eagle3_tree(Tensor tok, Tensor features, Tensor pos, Tensor mask, Tensor rows, Tensor write_rows, "
@@ -487,6 +496,7 @@ class NativeHeadForward:
     eps: float
     norm_before_residual: bool
     every_row: Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))   # ``at`` for all rows
+    no_stop: Tensor = field(default_factory=lambda: torch.empty(0))   # ``stop``: every chain drafts all its steps
 
     @classmethod
     def for_head(cls, head: torch.nn.Module) -> NativeHeadForward | None:
@@ -517,14 +527,16 @@ class NativeHeadForward:
                 self.every_row if vocab is None else vocab, window or 0, kv.k[0], kv.v[0], self.embed, self.cos,
                 self.sin, self.norms, self.weights, self.biases, self.sizes, self.eps, self.norm_before_residual)
 
-    def chain(self, *args) -> tuple[Tensor, Tensor]:
+    def chain(self, *args, stop: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """CompiledChain's greedy chain (its ``_steps`` and ``_pick``) in one call. ``args``: the
         first forward's (CompiledForward._forward's tok, pos [B, S], mask [B, 1, S, W], the cache
         rows and columns, features [B, S, F] the target's), then ``last`` [B] each sequence's last real token, ``col``
         [B] the first drafted token's column, ``steps`` tokens to draft, ``vocab`` the head's target
-        ids (None: the target's), the head's sliding ``window``, its KV cache -> tokens
-        [B, steps], log q [B, steps]."""
-        return torch.ops.leapfrog_draft.eagle3_chain(*self._chain_args(*args))
+        ids (None: the target's), the head's sliding ``window``, its KV cache; ``stop`` [B] float32
+        (CompiledChain._steps: the chains end once every row's path log confidence is below its
+        stop) -> tokens [B, steps or fewer], log q [B, steps or fewer]."""
+        return torch.ops.leapfrog_draft.eagle3_chain(*self._chain_args(*args),
+                                                     self.no_stop if stop is None else stop)
 
     def sampled_chain(self, *args, temperature: Tensor, sampled: Tensor, u: Tensor, stream: Tensor, w: Tensor,
                       want: int, scale: float, race: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -563,6 +575,7 @@ class NativeLlamaForward:
     streams: list[int]
     dims: list[int]          # heads, kv_heads, head_dim, the LM head's f32_out, its rows in bf16
     eps: float
+    no_stop: Tensor = field(default_factory=lambda: torch.empty(0))   # ``stop``: every chain drafts all its steps
 
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> NativeLlamaForward | None:
@@ -586,12 +599,13 @@ class NativeLlamaForward:
 
     def chain(self, tok: Tensor, pos: Tensor, mask: Tensor, rows: Tensor, write_rows: Tensor, write_cols: Tensor,
               kv_len: Tensor, features: Tensor | None, last: Tensor, col: Tensor, steps: int, vocab: Tensor | None,
-              window: int | None, kv: KVCache) -> tuple[Tensor, Tensor]:
+              window: int | None, kv: KVCache, stop: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """CompiledChain's greedy chain of a draft model in one call (``NativeHeadForward.chain``'s
         arguments; a draft has no features and drafts over the target's vocabulary) -> tokens,
-        log q [B, steps]."""
+        log q [B, steps or fewer]."""
         assert features is None and vocab is None
         return torch.ops.leapfrog_draft.llama_chain(
-            tok, pos, mask, rows, write_rows, write_cols, kv_len, last, col, steps, window or 0, kv.k, kv.v,
+            tok, pos, mask, rows, write_rows, write_cols, kv_len, last, col, steps,
+            self.no_stop if stop is None else stop, window or 0, kv.k, kv.v,
             self.embed, self.cos, self.sin, self.norms, self.weights, self.biases, self.outs, self.streams,
             self.dims, self.eps)

@@ -25,6 +25,8 @@ dynamic tree in one graph (CompiledTree).
 
 from __future__ import annotations
 
+import math
+
 from collections import OrderedDict
 from dataclasses import dataclass, fields
 from typing import Any
@@ -282,16 +284,19 @@ class ModelRunner:
             raise ValueError("batch-invariant mode runs eagerly (its kernels are chosen per row tile)")
 
     @torch.inference_mode()
-    def draft_chain(self, chunks: list[SeqChunk], steps: int) -> ChainOutput | None:
+    def draft_chain(self, chunks: list[SeqChunk], steps: int, min_confidence: float | None = None
+                    ) -> ChainOutput | None:
         """Greedy chains of ``steps`` tokens after each chunk, fused in one compiled graph: each
         chunk's pending tokens (chains, ``num_logits`` 1), then ``steps - 1`` tokens each fed
         the previous argmax (and an EAGLE head's own previous state). -> tokens and log q
         [len(chunks), steps or more (a compiled graph runs all its own)] in chunk order, or None
-        when no warmed chain graph fits (the caller drafts step by step)."""
+        when no warmed chain graph fits (the caller drafts step by step). ``min_confidence``
+        (eagerly): no step runs after every chain's path confidence (the product of its q) is
+        below it, so fewer than ``steps`` columns may come back."""
         c = self.chain
         if c is None or steps > c.steps:
             return None
-        return _first(self._fused_chain(c, chunks, steps), len(chunks))
+        return _first(self._fused_chain(c, chunks, steps, min_confidence=min_confidence), len(chunks))
 
     def fits_decode_steps(self, chunks: list[SeqChunk]) -> bool:
         """Whether ``decode_steps`` has a warmed graph for these chunks (the batch, and the last
@@ -359,19 +364,22 @@ class ModelRunner:
         return g.bucket_for(len(chunks), max(len(ch.token_ids) for ch in chunks), kv_len)
 
     def _fused_chain(self, c: CompiledChain, chunks: list[SeqChunk], steps: int,
-                     extra: tuple[Tensor, ...] = ()) -> Any:
+                     extra: tuple[Tensor, ...] = (), min_confidence: float | None = None) -> Any:
         """A fused chain for drafts of ``steps`` tokens (``_fused``): a compiled graph runs all of
         its own steps, an eager loop just those (a chain of 2 from a depth-5 head: 2 head forwards,
-        not 5); the last one's cache column must fit."""
+        not 5, and with ``min_confidence`` none after every chain's confidence fell below it); the
+        last one's cache column must fit."""
         run = c.steps if c.compiled else steps
-        return self._fused(c, chunks, run - 1, extra, None if run == c.steps else run)
+        return self._fused(c, chunks, run - 1, extra, None if run == c.steps else run,
+                           None if c.compiled else min_confidence)
 
     def _fused(self, g: CompiledChain, chunks: list[SeqChunk], after: int, extra: tuple[Tensor, ...] = (),
-               steps: int | None = None) -> Any:
+               steps: int | None = None, min_confidence: float | None = None) -> Any:
         """Run a fused drafting graph over chunks' pending tokens, padded to its bucket; ``after``:
         cache columns it writes past the chunks; ``extra``: per-chunk inputs [n, ...] after the
-        graph's own (padding rows repeat the first); ``steps``: an eager chain's steps this call
-        (``_fused_chain``). -> its output, or None when nothing fits."""
+        graph's own (padding rows repeat the first); ``steps``, ``min_confidence``: an eager
+        chain's steps this call and stopping confidence (``_fused_chain``; padding rows stop at
+        once). -> its output, or None when nothing fits."""
         bucket = self._fused_bucket(g, chunks, after)
         if bucket is None:
             return None
@@ -386,9 +394,11 @@ class ModelRunner:
         feats = self._pad_features(full, bucket.tokens) if g.feature_width is not None else None
         pad = bucket.batch - len(chunks)
         extra = tuple(torch.cat([x, x[:1].expand(pad, *x.shape[1:])]) if pad else x for x in extra)
-        if steps is not None:
-            return g(tok, posn, meta, feats, last, col, *extra, steps=steps)
-        return g(tok, posn, meta, feats, last, col, *extra)
+        kw: dict[str, Any] = {} if steps is None else {"steps": steps}
+        if min_confidence is not None:
+            kw["stop"] = torch.full((bucket.batch,), math.inf, device=self.device)   # [bucket] log confidence
+            kw["stop"][:len(chunks)] = math.log(min_confidence)
+        return g(tok, posn, meta, feats, last, col, *extra, **kw)
 
     def move_cols(self, row: int, src: list[int], dst: list[int]) -> None:
         """Copy a row's KV columns ``src`` to ``dst`` (an accepted tree path made contiguous)."""

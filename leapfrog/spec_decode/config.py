@@ -63,6 +63,13 @@ class SpeculativeConfig:
     """EAGLE: a static tree instead of the dynamic one, as vLLM writes it: a list of paths of
     child ranks, e.g. "[(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]" ((0, 1) = the second most likely
     child of the most likely first token); every path's parent must be in the list."""
+    min_draft_confidence: float | None = None
+    """draft_model, and eagle/eagle3 chains (eagle_topk 1): each step, a greedy request's chain
+    ends at the first draft whose path confidence (the product of the drafter's probabilities
+    along the chain) is below this, instead of at num_speculative_tokens; eagerly no drafter
+    forward runs once every chain in the batch has ended. Long chains where the drafter is sure,
+    short ones where it is not: with it, raise num_speculative_tokens (the built-in default: 10
+    and 0.3). Sampled requests draft their full chains. None: off."""
 
     suffix_cache_max_depth: int = 24
     """suffix: the deepest path of the suffix trees (matched context + drafted continuation);
@@ -161,9 +168,26 @@ class SpeculativeConfig:
                               f"only, not {self.method!r}")
         if self.method in EAGLE_METHODS:
             self._check_tree()
+        if self.min_draft_confidence is not None:
+            self._check_min_draft_confidence()
         if self.method in MODEL_FREE and self.model:
             raise ConfigError(f"speculative_config: method {self.method!r} takes no 'model'")
 
+
+    def _check_min_draft_confidence(self) -> None:
+        v = self.min_draft_confidence
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < v <= 1.0:
+            raise ConfigError(f"speculative_config.min_draft_confidence={v!r}: must be a number in (0, 1] (or null)")
+        if self.method not in ("draft_model", *EAGLE_METHODS):
+            raise ConfigError(f"speculative_config: min_draft_confidence applies to methods 'draft_model', 'eagle' "
+                              f"and 'eagle3' (a drafter with probabilities), not {self.method!r}")
+        if self.adaptive or self.num_draft_tokens == "auto":
+            raise ConfigError("speculative_config: min_draft_confidence with adaptive sizes: both choose how long "
+                              "the drafts are (one from the drafter's confidence, one from measured costs); "
+                              "drop one of them")
+        if self.method in EAGLE_METHODS and (self.eagle_topk != 1 or self.speculative_token_tree is not None):
+            raise ConfigError("speculative_config: min_draft_confidence ends chains; it needs \"eagle_topk\": 1 "
+                              "(trees already keep their most confident nodes: num_draft_tokens)")
 
     def _check_tree(self) -> None:
         n = self.num_draft_tokens

@@ -19,6 +19,7 @@ scored by the row of its parent (row 0 for the root's children).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -124,6 +125,23 @@ class DraftBatch:
     @property
     def total(self) -> int:
         return sum(self.num_draft)
+
+
+def chain_length(logprobs: list[float], levels: int, min_confidence: float | None) -> int:
+    """How many of a greedy chain's drafts to verify: ``levels``, or fewer when its path
+    confidence (the product of the drafter's q along it; ``logprobs``: log q of each draft, as
+    many as were drafted) falls below ``min_confidence`` (SpeculativeConfig.min_draft_confidence):
+    the draft where it does is the chain's last (already drafted, it costs one verified row; the
+    next would cost a drafter forward too). At least one draft when any was drafted."""
+    n = min(levels, len(logprobs))
+    if min_confidence is None:
+        return n
+    stop, path = math.log(min_confidence), 0.0
+    for d in range(n):
+        path += logprobs[d]
+        if path < stop:
+            return d + 1
+    return n
 
 
 def depths(parents: list[int]) -> list[int]:

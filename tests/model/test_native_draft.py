@@ -122,25 +122,30 @@ def test_native_forwards_draft_what_the_python_forward_drafts(heads, tokenizer, 
                                                                           sp, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("shape,dtype", [("qwen2", "float32"), ("gqa_window", "bfloat16")])
-def test_native_draft_model_chains_draft_what_the_python_loop_drafts(heads, tokenizer, shape, dtype, monkeypatch):
+@pytest.mark.parametrize("shape,dtype,conf", [("qwen2", "float32", None), ("gqa_window", "bfloat16", None),
+                                              ("qwen2", "float32", 0.04), ("gqa_window", "bfloat16", 0.01)])
+def test_native_draft_model_chains_draft_what_the_python_loop_drafts(heads, tokenizer, shape, dtype, conf,
+                                                                     monkeypatch):
     """A draft model (the target's bf16-valued copy: accepting, yet not always) drafts greedy chains
     with llama_chain: the drafts of its one-forward-per-token loop (LEAPFROG_NATIVE_DRAFTS=0, no
-    eager chain), the same output, and greedy output the target's alone."""
+    eager chain), the same output, and greedy output the target's alone; with min_draft_confidence
+    (``conf``, low: a random model's probabilities are) chains ended early where the loop ends
+    them."""
     from leapfrog.model.native_draft import NativeLlamaForward
     target, _ = heads[shape]
     prompts = prompts_of(tokenizer, 3)
     sp = SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)
     calls = []
     fn = NativeLlamaForward.chain
-    monkeypatch.setattr(NativeLlamaForward, "chain", lambda self, *a: calls.append(1) or fn(self, *a))
+    monkeypatch.setattr(NativeLlamaForward, "chain", lambda self, *a, **kw: calls.append(1) or fn(self, *a, **kw))
     runs = {}
     for native in ("0", "1"):
         with monkeypatch.context() as m:
             m.setenv("LEAPFROG_NATIVE_DRAFTS", native)
             llm = LLM(model=str(target), dtype=dtype, max_model_len=128, max_num_seqs=3,
                       speculative_config={"method": "draft_model", "model": "self", "draft_dtype": "bfloat16",
-                                          "num_speculative_tokens": 3})
+                                          "num_speculative_tokens": 3,
+                                          **({} if conf is None else {"min_draft_confidence": conf})})
         prop = llm.engine.proposer
         assert (prop.runner.chain is not None) == (native == "1")
         seen, propose = [], prop.propose
@@ -152,6 +157,9 @@ def test_native_draft_model_chains_draft_what_the_python_loop_drafts(heads, toke
         runs[native] = (seen, outs)
         assert (len(calls) >= len(seen)) == (native == "1")   # (every step's chain one op call)
     assert runs["0"] == runs["1"] and len(runs["1"][0]) > 5
+    lengths = [len(d) for step in runs["1"][0] for d in step if d]
+    if conf is not None:   # (more short chains than the requests' ends make, and long ones)
+        assert sum(n < 3 for n in lengths) > 2 * len(prompts) and 2 in lengths, lengths
     if dtype == "float32":
         plain = LLM(model=str(target), dtype=dtype, max_model_len=128, max_num_seqs=3)
         assert runs["1"][1] == [o.outputs[0].token_ids for o in plain.generate(
@@ -170,7 +178,7 @@ def test_native_draft_model_chains_run_only_the_tokens_asked_for(heads, tokenize
     spec = {"method": "draft_model", "model": "self", "draft_dtype": "bfloat16", "num_speculative_tokens": 4}
     steps = []
     fn = NativeLlamaForward.chain
-    monkeypatch.setattr(NativeLlamaForward, "chain", lambda self, *a: steps.append(a[10]) or fn(self, *a))
+    monkeypatch.setattr(NativeLlamaForward, "chain", lambda self, *a, **kw: steps.append(a[10]) or fn(self, *a, **kw))
     outs = {}
     for native in ("0", "1"):
         with monkeypatch.context() as m:

@@ -15,6 +15,8 @@ old_len + accepted). Nothing is copied; later writes overwrite the rejected colu
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from leapfrog.errors import ConfigError
@@ -25,7 +27,7 @@ from leapfrog.model.runner import ModelRunner, SeqChunk
 from leapfrog.request import Request
 from leapfrog.sampling import sampler
 from leapfrog.spec_decode.config import SELF_DRAFT, SpeculativeConfig
-from leapfrog.spec_decode.draft import DraftBatch
+from leapfrog.spec_decode.draft import DraftBatch, chain_length
 from leapfrog.spec_decode.proposers.base import TargetInfo, register_proposer
 from leapfrog.spec_decode.verify.result import AcceptanceResult
 
@@ -74,6 +76,7 @@ class DraftModelProposer:
                                   batch_invariant=target.batch_invariant)
         self.vocab_size = target.vocab_size
         self.k = cfg.draft_budget  # the most drafts one step asks for (the chain graph's length)
+        self.min_confidence = cfg.min_draft_confidence   # greedy chains end below it (draft.chain_length)
         self.chunk = target.max_num_batched_tokens
         self.computed: dict[str, int] = {}
         if target.enforce_eager:
@@ -117,6 +120,7 @@ class DraftModelProposer:
             c = self.computed[r.request_id]
             chunks.append(SeqChunk(r.row, c, r.all_ids[c:], 1))
         step = 0
+        path = [0.0] * len(reqs)   # greedy requests' path log confidence (min_confidence)
         while active:
             logits = self.runner.run(chunks)  # [len(active), V]
             specs = [reqs[b].row_spec(drafts[b]) for b in active]
@@ -129,13 +133,21 @@ class DraftModelProposer:
                 # seeded requests draw with the noise of the position the target will verify
                 # (a coupling: the same noise makes the target's draw likely to match)
                 tokens = sampler.sample(q, [reqs[b].rng(len(drafts[b])) for b in active])
+            ended = set()
+            if self.min_confidence is not None:   # (greedy chains end as draft.chain_length ends them)
+                lq = torch.log_softmax(logits.float(), -1).gather(-1, tokens.view(-1, 1).to(logits.device))[:, 0]
+                for i, b in enumerate(active):
+                    if reqs[b].params.greedy:
+                        path[b] += float(lq[i])
+                        if path[b] < math.log(self.min_confidence):
+                            ended.add(b)
             for i, b in enumerate(active):
                 drafts[b].append(int(tokens[i]))
                 qs[b].append(q[i] if q is not None else None)  # None: greedy, a point mass
                 r = reqs[b]
                 self.computed[r.request_id] = r.num_tokens + step  # tokens fed so far
             step += 1
-            active = [b for b in active if len(drafts[b]) < ks[b]]
+            active = [b for b in active if len(drafts[b]) < ks[b] and b not in ended]
             chunks = [SeqChunk(reqs[b].row, reqs[b].num_tokens + step - 1, [drafts[b][-1]], 1) for b in active]
         if all(q is None for b in range(len(reqs)) for q in qs[b]):
             return DraftBatch.from_lists(drafts)  # greedy drafts are point masses: q = None
@@ -156,13 +168,15 @@ class DraftModelProposer:
         self._catch_up(rs, keep=chain.max_tokens)
         chunks = [SeqChunk(r.row, self.computed[r.request_id], r.all_ids[self.computed[r.request_id]:], 1) for r in rs]
         # (an eager chain drafts only what this step asks for: a compiled graph runs all its steps)
-        out = self.runner.draft_chain(chunks, chain.steps if chain.compiled else max(ks[b] for b in active))
+        out = self.runner.draft_chain(chunks, chain.steps if chain.compiled else max(ks[b] for b in active),
+                                      self.min_confidence)
         if out is None:
             return False
-        toks = out.tokens.tolist()
+        toks, lps = out.tokens.tolist(), out.logprobs.tolist()
         for i, b in enumerate(active):
-            drafts[b] = toks[i][:ks[b]]
-            self.computed[reqs[b].request_id] = reqs[b].num_tokens + ks[b] - 1  # tokens fed
+            n = chain_length(lps[i], ks[b], self.min_confidence)
+            drafts[b] = toks[i][:n]
+            self.computed[reqs[b].request_id] = reqs[b].num_tokens + n - 1  # tokens fed
         return True
 
     def _catch_up(self, reqs: list[Request], keep: int = 1) -> None:

@@ -53,7 +53,7 @@ from leapfrog.request import Request
 from leapfrog.sampling import sampler
 from leapfrog.spec_decode.adaptive import tree_depth_cap
 from leapfrog.spec_decode.config import SpeculativeConfig
-from leapfrog.spec_decode.draft import DraftBatch
+from leapfrog.spec_decode.draft import DraftBatch, chain_length
 from leapfrog.spec_decode.proposers.base import TargetInfo, register_proposer
 from leapfrog.spec_decode.verify.result import AcceptanceResult
 from leapfrog.utils import env_off
@@ -363,14 +363,14 @@ class EagleProposer:
         if chain is None:
             return False
         levels = max(self._levels(reqs[b], ks[b]) for b in active)
-        out = self.runner.draft_chain(self._pending(rs, chain.max_tokens), levels)
+        out = self.runner.draft_chain(self._pending(rs, chain.max_tokens), levels, self.cfg.min_draft_confidence)
         if out is None:
             return False
         self._consumed(rs)
         toks, lps = out.tokens.tolist(), out.logprobs.tolist()
         for i, b in enumerate(active):
             score = 0.0
-            for d in range(self._levels(reqs[b], ks[b])):
+            for d in range(chain_length(lps[i], self._levels(reqs[b], ks[b]), self.cfg.min_draft_confidence)):
                 score += lps[i][d]
                 nodes[b].append(_Node(toks[i][d], d - 1, score, d + 1, 0, None))
         return True
@@ -401,6 +401,8 @@ class EagleProposer:
         self._consumed(rs)
         toks, lps, shares = out.tokens.tolist(), out.logprobs.tolist(), out.shares.tolist()
         for i, (b, r, n) in enumerate(zip(active, rs, levels)):
+            if r.params.greedy:   # (sampled requests draft their full chains)
+                n = chain_length(lps[i], n, self.cfg.min_draft_confidence)
             score = 0.0
             for d in range(n):
                 q, unseeded = None, r.unseeded_sampled
@@ -477,7 +479,8 @@ class EagleProposer:
         next_col = {b: self.computed[reqs[b].request_id] for b in active}
         context = dict(next_col)
         for depth in range(2, self.depth + 1):
-            todo = [b for b in active if frontier[b] and depth <= self._levels(reqs[b], ks[b])]
+            todo = [b for b in active if frontier[b] and depth <= self._levels(reqs[b], ks[b])
+                    and not self._chain_ended(reqs[b], nodes[b], frontier[b])]
             if not todo:
                 break
             chunks = []
@@ -510,6 +513,13 @@ class EagleProposer:
                                            self._width(ks[b]))
                     o += 1
                 frontier[b] = self._next_frontier(nodes[b], cand, self._width(ks[b]))
+
+    def _chain_ended(self, req: Request, ns: list[_Node], frontier: list[int]) -> bool:
+        """Whether a greedy request's chain ends before this level: its last draft's path
+        confidence is below min_draft_confidence (as ``chain_length`` cuts the fused chains)."""
+        c = self.cfg.min_draft_confidence
+        return (c is not None and req.params.greedy and len(frontier) == 1 and len(ns) == ns[frontier[0]].depth
+                and ns[frontier[0]].score < math.log(c))
 
     def _candidates(self, logits: torch.Tensor, rows: list[tuple[Request, list[_Node], int]]) -> list[_Cand]:
         """Children candidates of each row's node (rows: (request, its nodes, the node; -1 = the
