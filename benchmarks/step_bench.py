@@ -63,7 +63,11 @@ CONTENDERS["eagle3-tree16"] = {**CONTENDERS["eagle3"], "eagle_topk": 4, "num_dra
 CONTENDERS["eagle3-conf"] = {**CONTENDERS["eagle3"], "num_speculative_tokens": 10, "min_draft_confidence": 0.3}
 CONTENDERS["draft_model-conf"] = {**CONTENDERS["draft_model"], "num_speculative_tokens": 8,
                                   "min_draft_confidence": 0.3}
-ENV = {"eagle3-python": {"LEAPFROG_NATIVE_DRAFTS": "0"}, "draft_model-python": {"LEAPFROG_NATIVE_DRAFTS": "0"}}
+#: the eagle3 chain verifying sampled chains in Python (LEAPFROG_NATIVE_VERIFY=0: spec_decode/verify/native.py's
+#: op off), for the op's A/B at a temperature
+CONTENDERS["eagle3-python-verify"] = CONTENDERS["eagle3"]
+ENV = {"eagle3-python": {"LEAPFROG_NATIVE_DRAFTS": "0"}, "draft_model-python": {"LEAPFROG_NATIVE_DRAFTS": "0"},
+       "eagle3-python-verify": {"LEAPFROG_NATIVE_VERIFY": "0"}}
 PARTS = ("step", "draft", "forward", "accept")
 
 

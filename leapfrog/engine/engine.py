@@ -42,6 +42,7 @@ from leapfrog.spec_decode.adaptive import cap_drafts
 from leapfrog.spec_decode.draft import DraftBatch, depths, path_to
 from leapfrog.spec_decode.proposers.prediction import MAX_DRAFT as MAX_PREDICTION_DRAFT, PredictionProposer
 from leapfrog.spec_decode.verify.greedy import greedy_accept
+from leapfrog.spec_decode.verify.native import chain_rejection, load_native_verify
 from leapfrog.spec_decode.verify.rejection import rejection_accept
 from leapfrog.spec_decode.verify.result import AcceptanceResult
 from leapfrog.spec_decode.verify.tree import tree_match_accept, tree_rejection_accept
@@ -145,6 +146,10 @@ class LLMEngine:
                         log.info("target weights stream non-temporally (%d linears) beside the drafter", n)
             #: which target states the proposer reads (EAGLE: "hidden" or aux layers), else None
             self._target_states = getattr(self.proposer, "target_states", None)
+            #: chains of unseeded temperature-only requests verified by one C++ call (on CPU:
+            #: spec_decode/verify/native.py; LEAPFROG_NATIVE_VERIFY=0, read here, turns it off)
+            self._native_verify = (self.proposer is not None and self.device.type == "cpu"
+                                   and load_native_verify())
             if not config.enforce_eager:
                 self._compile()
         except BaseException:
@@ -911,6 +916,10 @@ class LLMEngine:
         flat_parents = [p for ps in parent_lists for p in ps]
         if all(r.raw_argmax for r in reqs):   # nothing processes the logits: no sampler rows to build
             return match(checked(*(top if top is not None else logits.max(dim=-1))), drafts, flat_parents)
+        if (self._native_verify and not tree and drafts.total and logits.device.type == "cpu"
+                and all(r.unseeded_sampled and r.temperature_only for r in reqs)):
+            # (a chat's batch: rejection sampling of chains as one C++ call, bitwise this Python path)
+            return self._verify_chains_natively(reqs, logits, drafts, draft_lists)
         row_depth = [d for ps in parent_lists for d in (0, *depths(ps))]   # per target row
         if all(r.raw_argmax or r.temperature_only for r in reqs):   # only temperatures: no sampler rows
             p = sampler.temperature_probs(logits, [None if r.params.greedy else r.params.temperature
@@ -963,6 +972,21 @@ class LLMEngine:
                 num_accepted[b], nodes[b] = len(paths[j]), paths[j]
                 outputs[b] = [draft_lists[b][i] for i in paths[j]] + [final[j]]
         return AcceptanceResult(num_accepted, outputs, list(drafts.num_draft), nodes if tree else [])
+
+    def _verify_chains_natively(self, reqs: list[Request], logits: torch.Tensor, drafts: DraftBatch,
+                       draft_lists: list[list[int]]) -> AcceptanceResult:
+        """``verify`` of chains of unseeded temperature-only requests by spec_decode/verify/native.py's
+        op, with the uniforms the Python path draws from each request's generator, in its order
+        (the acceptance tests', then the final draws')."""
+        temps = [r.params.temperature for r, d in zip(reqs, draft_lists) for _ in range(len(d) + 1)]
+        u = torch.cat([sampler.uniforms(n, r.generator) for r, n in zip(reqs, drafts.num_draft)])
+        w = sampler.stream_uniforms([r.generator for r in reqs])
+        draw = chain_rejection(logits, temps, drafts.draft_probs, drafts.token_ids, list(drafts.num_draft), u, w)
+        if draw is None:   # a non-finite row: the Python path names it
+            sampler.temperature_probs(logits, temps)
+            raise FloatingPointError("non-finite probabilities (non-finite logits?)")
+        outputs = [d[:n] + [t] for d, n, t in zip(draft_lists, draw.num_accepted, draw.tokens)]
+        return AcceptanceResult(draw.num_accepted, outputs, list(drafts.num_draft), [])
 
     # ------------------------------------------------------------------ bookkeeping
     def _commit(self, req: Request, length: int, tree_path: list[int] | None = None,

@@ -47,8 +47,6 @@ Python loops serve (logged).
 
 from __future__ import annotations
 
-import logging
-import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -56,12 +54,11 @@ import torch
 from torch import Tensor
 
 from leapfrog.utils import env_off
-from leapfrog.utils.cpp import load_inline
+from leapfrog.sampling.native import INVERSE_CDF_DRAW_CPP
+from leapfrog.utils.cpp import OpLibrary
 
 if TYPE_CHECKING:
     from leapfrog.kv.cache import KVCache
-
-log = logging.getLogger("leapfrog.model")
 
 _SOURCE = r"""
 #include <torch/library.h>
@@ -147,13 +144,8 @@ std::tuple<Tensor, Tensor> eagle3_forward(
   Tensor logits = linear(n.to(sizes[11] ? at::kBFloat16 : at::kFloat), 4, sizes[9] != 0).to(at::kFloat);
   return {x, logits};
 }
-// sampler.inverse_cdf_draw: mass [B, V] (non-negative), w [B] float64 -> [B] long
-Tensor inverse_cdf_draw(const Tensor& mass, const Tensor& w) {
-  Tensor cdf = mass.to(at::kDouble).cumsum(-1);
-  Tensor total = cdf.narrow(-1, cdf.size(-1) - 1, 1);
-  Tensor t = at::minimum(w.unsqueeze(-1).mul(total), at::nextafter(total, at::zeros_like(total)));
-  return at::searchsorted(cdf, t, false, /*right=*/true).select(-1, 0).clamp_max(mass.size(-1) - 1);
-}
+// sampler.inverse_cdf_draw (sampling/native.py)
+""" + INVERSE_CDF_DRAW_CPP + r"""
 
 // CompiledChain._steps: the first forward over each sequence's pending tokens (``last``: the last
 // real one's index), then steps - 1 one-token forwards, each fed the previous pick (``pick(logits,
@@ -450,23 +442,15 @@ TORCH_LIBRARY_IMPL(leapfrog_draft, CPU, m) {
 }
 """
 
-_STATE: dict[str, bool] = {}  # memo of load_native_draft (process-wide once loaded)
-_LOCK = threading.Lock()
+
+
+_LIBRARY = OpLibrary("leapfrog_native_draft", _SOURCE, ["-O2"], "native drafting ops (about 15 s)",
+                     "drafters draft in Python")
 
 
 def load_native_draft() -> bool:
-    """Build (once, cached on disk) and load the op. -> whether it is available."""
-    with _LOCK:
-        if "ok" not in _STATE:
-            try:
-                log.info("loading leapfrog's native EAGLE-3 forward op (built once, about 15 s)")
-                load_inline("leapfrog_native_draft", _SOURCE, ["-O2"])
-                _STATE["ok"] = True
-            except Exception as e:  # noqa: BLE001 - no compiler, headers, ...: the Python forward serves
-                log.warning("native EAGLE-3 forward op unavailable (%s: %s); heads draft in Python",
-                            type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
-                _STATE["ok"] = False
-    return _STATE["ok"]
+    """Build (once, cached on disk) and load the ops. -> whether they are available."""
+    return _LIBRARY.available()
 
 
 def _on_the_kernel(linears: list[torch.nn.Module], logits_head: torch.nn.Module) -> bool:

@@ -14,6 +14,7 @@ import fcntl
 import inspect
 import logging
 import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -87,3 +88,27 @@ def build_inline(name: str, source: str, cflags: list[str]) -> str:
                 raise
             log.warning("%s: the %s build failed (%s); building it generic", name, suffix, type(e).__name__)
     raise AssertionError("unreachable")
+
+
+class OpLibrary:
+    """An op library of one inline source (``load_inline``), built on first use, once per process:
+    ``available()`` -> whether it loaded. A build that fails (no compiler, no headers) is logged
+    once, naming ``fallback`` (what serves instead), and the callers take their Python path."""
+
+    def __init__(self, name: str, source: str, cflags: list[str], what: str, fallback: str) -> None:
+        self.name, self.source, self.cflags, self.what, self.fallback = name, source, cflags, what, fallback
+        self._ok: bool | None = None
+        self._lock = threading.Lock()
+
+    def available(self) -> bool:
+        with self._lock:
+            if self._ok is None:
+                try:
+                    log.info("loading leapfrog's %s (built once)", self.what)
+                    load_inline(self.name, self.source, self.cflags)
+                    self._ok = True
+                except Exception as e:  # noqa: BLE001 - no compiler, headers, ...: the Python path serves
+                    log.warning("%s unavailable (%s: %s); %s", self.what, type(e).__name__,
+                                str(e).splitlines()[0][:200] if str(e) else "", self.fallback)
+                    self._ok = False
+        return self._ok

@@ -1,0 +1,107 @@
+"""The native chain verification (spec_decode/verify/native.py): unseeded temperature-only sampled
+chains verified by one C++ call draw bitwise what the Python path draws (sampler.temperature_probs,
+verify/rejection.py, sampler.inverse_cdf_draw), with draft distributions and with point masses;
+through the engine the same output with the op on and off, and the target's exact law."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from leapfrog import LLM, SamplingParams
+from leapfrog.demo import save_random_llama
+from leapfrog.sampling import sampler
+from leapfrog.spec_decode.verify import native
+from leapfrog.spec_decode.verify.rejection import rejection_accept
+from tests.conftest import prompts_of
+from tests.spec_decode.test_sampling_lossless import SMALL, assert_follows_target
+
+pytestmark = pytest.mark.skipif(not native.load_native_verify(), reason="the op could not be built here")
+
+
+def _python(logits, temps, q, draft_ids, num_draft, u, w):
+    p = sampler.temperature_probs(logits, temps)
+    out = rejection_accept(p, q, draft_ids, num_draft, u)
+    return out.num_accepted, sampler.inverse_cdf_draw(out.final_probs, w).tolist()
+
+
+@pytest.mark.parametrize("point_mass", [False, True])
+@pytest.mark.parametrize("seed", range(6))
+def test_op_draws_what_the_python_path_draws(point_mass, seed):
+    g = torch.Generator().manual_seed(seed)
+    V, num_draft = 50, [3, 0, 5, 1, 4]
+    B, T = len(num_draft), sum(num_draft)
+    logits = torch.randn(T + B, V, generator=g) * 3
+    temps = [t for k, t in zip(num_draft, (0.7, 1.0, 0.5, 1.3, 0.9)) for _ in range(k + 1)]
+    q = None if point_mass else torch.softmax(torch.randn(T, V, generator=g) * 2, -1)
+    # drafts: the target's likeliest tokens (accepted often) or random ones (rejected often)
+    rows = [s + j for s, k in zip([0, 4, 5, 11, 13], num_draft) for j in range(k)]
+    likely = logits[rows].argmax(-1)
+    draft_ids = torch.where(torch.rand(T, generator=g) < 0.6, likely, torch.randint(V, (T,), generator=g))
+    u = torch.rand(T, generator=g)
+    w = torch.rand(B, generator=g, dtype=torch.float64)
+    draw = native.chain_rejection(logits, temps, q, draft_ids, num_draft, u, w)
+    n, tokens = _python(logits, temps, q, draft_ids, num_draft, u, w)
+    assert draw.num_accepted == n and draw.tokens == tokens
+    assert set(n) != {0} or seed  # (some acceptances)
+
+
+def test_op_all_accepted_and_non_finite():
+    logits = torch.zeros(3, 10)
+    logits[:, 4] = 10.0
+    draft_ids = torch.tensor([4, 4])
+    u = torch.full((2,), 0.5)
+    w = torch.tensor([0.3], dtype=torch.float64)
+    draw = native.chain_rejection(logits, [1.0] * 3, None, draft_ids, [2], u, w)
+    assert draw.num_accepted == [2] and draw.tokens == _python(logits, [1.0] * 3, None, draft_ids, [2], u, w)[1]
+    logits[1, 3] = float("nan")
+    assert native.chain_rejection(logits, [1.0] * 3, None, draft_ids, [2], u, w) is None
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, tokenizer):
+    t = save_random_llama(tmp_path_factory.mktemp("nv-t"), tokenizer, seed=1, hidden_size=64, intermediate_size=128,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=256, initializer_range=0.2)
+    return t
+
+
+@pytest.mark.parametrize("spec", [{"method": "draft_model", "model": "self", "num_speculative_tokens": 3,
+                                   "draft_quantization": "int4"},
+                                  {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}])
+def test_engine_output_is_the_same_with_the_op_on_and_off(pair, tokenizer, spec, monkeypatch):
+    """Unseeded temperature-only requests (the LLM's seed makes their streams reproducible), batched
+    with ragged drafts: the op verifies every step (draft distributions, or n-gram point masses),
+    and the output is the Python path's token for token."""
+    calls = []
+    fn = native.chain_rejection
+    monkeypatch.setattr("leapfrog.engine.engine.chain_rejection", lambda *a: calls.append(1) or fn(*a))
+    prompts = prompts_of(tokenizer, 4)
+    sp = SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True)
+    outs = {}
+    for on in ("0", "1"):
+        monkeypatch.setenv("LEAPFROG_NATIVE_VERIFY", on)
+        llm = LLM(model=str(pair), dtype="float32", max_model_len=128, max_num_seqs=4, seed=7,
+                  speculative_config=spec)
+        outs[on] = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp,
+                                                                 use_tqdm=False)]
+        m = llm.get_metrics()
+        assert m["num_accepted_tokens"] < m["num_draft_tokens"]   # (rejections; a random model's n-grams: all)
+        assert m["num_accepted_tokens"] > 0 or spec["method"] == "ngram"
+        assert (len(calls) > 5) == (on == "1"), len(calls)
+    assert outs["0"] == outs["1"]
+
+
+def test_op_verified_sampling_follows_the_target_law(tmp_path_factory):
+    """Tokens 2 and 3 of 2000 requests at temperature 0.7, every verify step through the op: the
+    target's exact law (chi-square through the whole engine)."""
+    from tests.spec_decode.test_sampling_lossless import SETTINGS
+    target = save_random_llama(tmp_path_factory.mktemp("nv-tiny"), None, seed=3, **SMALL)
+    draft = save_random_llama(tmp_path_factory.mktemp("nv-draft"), None, seed=11, **SMALL)
+    calls = []
+    fn = native.chain_rejection
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr("leapfrog.engine.engine.chain_rejection", lambda *a: calls.append(1) or fn(*a))
+        assert_follows_target(target, {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2},
+                              SETTINGS[1], seed=5)
+    assert len(calls) >= 2
