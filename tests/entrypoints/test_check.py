@@ -154,6 +154,7 @@ def test_sampling_detects_broken_verifier(tiny, monkeypatch, bug):
     base, spec = build_llms(str(target), _spec("draft_model", draft, 1), skip_tokenizer_init=True,
                             max_model_len=16)
     monkeypatch.setattr(engine_mod, "rejection_accept", bug)
+    monkeypatch.setattr(spec.engine, "_native_verify", False)   # (the Python verifier the bug is in)
     res = check_sampling(base, spec, TINY_PROMPTS, "temperature=1.0", samples=2000, num_tokens=3)
     p, n = _min_p(res)
     assert p < ALPHA / n * 1e-3                          # far below the Bonferroni threshold
@@ -190,6 +191,7 @@ def test_cli_fails_on_broken_verifiers(tiny, tmp_path, capsys, monkeypatch):
     target, draft = tiny
     monkeypatch.setattr(engine_mod, "greedy_accept", accept_first_draft)
     monkeypatch.setattr(engine_mod, "rejection_accept", skip_residual)
+    monkeypatch.setenv("LEAPFROG_NATIVE_VERIFY", "0")   # (the Python verifier the bug is in)
     rc = _cli(target, draft, tmp_path)
     out = capsys.readouterr().out
     assert rc == 1, out
@@ -203,6 +205,7 @@ def test_cli_quick_defaults_catch_a_gross_bug(tiny, tmp_path, capsys, monkeypatc
     power is 0.15 of probability moved, and that bug moves less there.)"""
     target, draft = tiny
     monkeypatch.setattr(engine_mod, "rejection_accept", bonus_from_q)
+    monkeypatch.setenv("LEAPFROG_NATIVE_VERIFY", "0")   # (the Python verifier the bug is in)
     spec = json.dumps(_spec("draft_model", draft, 2))
     rc = main(["check", "--model", str(target), "--speculative-config", spec, "--skip-tokenizer-init",
                "--prompts-file", str(_prompts_file(tmp_path)), "--max-tokens", "0", "--no-progress"])
