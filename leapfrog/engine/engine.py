@@ -42,7 +42,8 @@ from leapfrog.spec_decode.adaptive import cap_drafts
 from leapfrog.spec_decode.draft import DraftBatch, depths, path_to
 from leapfrog.spec_decode.proposers.prediction import MAX_DRAFT as MAX_PREDICTION_DRAFT, PredictionProposer
 from leapfrog.spec_decode.verify.greedy import greedy_accept
-from leapfrog.spec_decode.verify.native import chain_rejection, load_native_verify
+from leapfrog.spec_decode.verify.native import (chain_rejection, finite_rows, load_native_verify,
+                                                native_verify_enabled)
 from leapfrog.spec_decode.verify.rejection import rejection_accept
 from leapfrog.spec_decode.verify.result import AcceptanceResult
 from leapfrog.spec_decode.verify.tree import tree_match_accept, tree_rejection_accept
@@ -149,7 +150,7 @@ class LLMEngine:
             #: chains of unseeded temperature-only requests verified by one C++ call (on CPU:
             #: spec_decode/verify/native.py; LEAPFROG_NATIVE_VERIFY=0, read here, turns it off)
             self._native_verify = (self.proposer is not None and self.device.type == "cpu"
-                                   and load_native_verify())
+                                   and native_verify_enabled())
             if not config.enforce_eager:
                 self._compile()
         except BaseException:
@@ -917,7 +918,7 @@ class LLMEngine:
         if all(r.raw_argmax for r in reqs):   # nothing processes the logits: no sampler rows to build
             return match(checked(*(top if top is not None else logits.max(dim=-1))), drafts, flat_parents)
         if (self._native_verify and not tree and drafts.total and logits.device.type == "cpu"
-                and all(r.unseeded_sampled and r.temperature_only for r in reqs)):
+                and all(r.unseeded_sampled and r.temperature_only for r in reqs) and load_native_verify()):
             # (a chat's batch: rejection sampling of chains as one C++ call, bitwise this Python path)
             return self._verify_chains_natively(reqs, logits, drafts, draft_lists)
         row_depth = [d for ps in parent_lists for d in (0, *depths(ps))]   # per target row
@@ -979,11 +980,13 @@ class LLMEngine:
         op, with the uniforms the Python path draws from each request's generator, in its order
         (the acceptance tests', then the final draws')."""
         temps = [r.params.temperature for r, d in zip(reqs, draft_lists) for _ in range(len(d) + 1)]
+        t = torch.tensor(temps, dtype=torch.float32)
+        if not finite_rows(logits, t):   # (before any uniform is drawn, as the Python path raises)
+            sampler.temperature_probs(logits, temps)   # raises, naming the rows
         u = torch.cat([sampler.uniforms(n, r.generator) for r, n in zip(reqs, drafts.num_draft)])
         w = sampler.stream_uniforms([r.generator for r in reqs])
-        draw = chain_rejection(logits, temps, drafts.draft_probs, drafts.token_ids, list(drafts.num_draft), u, w)
-        if draw is None:   # a non-finite row: the Python path names it
-            sampler.temperature_probs(logits, temps)
+        draw = chain_rejection(logits, t, drafts.draft_probs, drafts.token_ids, list(drafts.num_draft), u, w)
+        if draw is None:
             raise FloatingPointError("non-finite probabilities (non-finite logits?)")
         outputs = [d[:n] + [t] for d, n, t in zip(draft_lists, draw.num_accepted, draw.tokens)]
         return AcceptanceResult(draw.num_accepted, outputs, list(drafts.num_draft), [])

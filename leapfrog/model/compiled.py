@@ -655,10 +655,11 @@ class CompiledChain(CompiledForward):
                kv_len: Tensor, features: Tensor | None, last: Tensor, col: Tensor,
                *pick_args: Tensor, steps: int | None = None, stop: Tensor | None = None) -> tuple[Tensor, list[Tensor]]:
         """The chain: -> tokens [B, steps] and each of ``_pick``'s outputs stacked [B, steps, ...]
-        (``steps``: eagerly, fewer than the graph's; see ``_serve``). ``stop`` [B] float32 (eagerly,
+        (``steps``: eagerly, fewer than the graph's; see ``_serve``). ``stop`` [B] float64 (eagerly,
         greedy chains: SpeculativeConfig.min_draft_confidence): once every row's path log confidence
-        (the float32 sum of its picks' log q) is below its stop, no further step runs (fewer than
-        ``steps`` columns; the native loop makes the same sums and test)."""
+        (the float64 sum of its picks' log q, as spec_decode/draft.py chain_length sums them) is below
+        its stop, no further step runs (fewer than ``steps`` columns; the native loop makes the same
+        sums and test)."""
         steps = self.steps if steps is None else steps
         B, S = tok.shape
         at = torch.arange(B, device=tok.device) * S + last                        # [B] rows of the last tokens
@@ -678,7 +679,8 @@ class CompiledChain(CompiledForward):
             if j == steps - 1:
                 break
             if stop is not None:
-                path = out[0] if path is None else path + out[0]
+                lq = out[0].double()
+                path = lq if path is None else path + lq
                 if bool((path < stop).all()):
                     break
             c = col + j                                                            # [B] this step's column

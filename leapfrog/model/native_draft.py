@@ -151,10 +151,10 @@ std::tuple<Tensor, Tensor> eagle3_forward(
 // real one's index), then steps - 1 one-token forwards, each fed the previous pick (``pick(logits,
 // j)`` -> the token and what the step returns with it; mapped to target ids by ``vocab`` when
 // given) at the next column and its output state -> tokens [B, steps] (target ids), then each of
-// the picks' outputs stacked [B, steps, ...]. ``stop`` [B] float32 (empty: none): a row's chain
-// may stop once its path log confidence (the sum of the picks' first outputs, log q of the
-// greedy pick) is below its stop; the loop stops early, fewer than steps columns, once every
-// row's has (CompiledChain._steps: the same float32 sums and test)
+// the picks' outputs stacked [B, steps, ...]. ``stop`` [B] float64 (empty: none): a row's chain
+// may stop once its path log confidence (the float64 sum of the picks' first outputs, log q of
+// the greedy pick) is below its stop; the loop stops early, fewer than steps columns, once every
+// row's has (CompiledChain._steps and spec_decode/draft.py chain_length: the same sums and test)
 template <typename Forward, typename Pick>
 std::vector<Tensor> chain_loop(
     Forward forward, const Tensor& tok, const Tensor& features, const Tensor& pos, const Tensor& mask,
@@ -178,7 +178,8 @@ std::vector<Tensor> chain_loop(
     outs.push_back(out);
     if (j == steps - 1) break;
     if (stop.numel()) {
-      path = j == 0 ? out[0] : path.add(out[0]);
+      Tensor lq = out[0].to(at::kDouble);
+      path = j == 0 ? lq : path.add(lq);
       if (path.lt(stop).all().item<bool>()) break;
     }
     Tensor c = col.add(j);                                                     // [B] this step's column
@@ -442,8 +443,6 @@ TORCH_LIBRARY_IMPL(leapfrog_draft, CPU, m) {
 }
 """
 
-
-
 _LIBRARY = OpLibrary("leapfrog_native_draft", _SOURCE, ["-O2"], "native drafting ops (about 15 s)",
                      "drafters draft in Python")
 
@@ -480,7 +479,7 @@ class NativeHeadForward:
     eps: float
     norm_before_residual: bool
     every_row: Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))   # ``at`` for all rows
-    no_stop: Tensor = field(default_factory=lambda: torch.empty(0))   # ``stop``: every chain drafts all its steps
+    no_stop: Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.float64))   # ``stop``: none
 
     @classmethod
     def for_head(cls, head: torch.nn.Module) -> NativeHeadForward | None:
@@ -516,7 +515,7 @@ class NativeHeadForward:
         first forward's (CompiledForward._forward's tok, pos [B, S], mask [B, 1, S, W], the cache
         rows and columns, features [B, S, F] the target's), then ``last`` [B] each sequence's last real token, ``col``
         [B] the first drafted token's column, ``steps`` tokens to draft, ``vocab`` the head's target
-        ids (None: the target's), the head's sliding ``window``, its KV cache; ``stop`` [B] float32
+        ids (None: the target's), the head's sliding ``window``, its KV cache; ``stop`` [B] float64
         (CompiledChain._steps: the chains end once every row's path log confidence is below its
         stop) -> tokens [B, steps or fewer], log q [B, steps or fewer]."""
         return torch.ops.leapfrog_draft.eagle3_chain(*self._chain_args(*args),
@@ -559,7 +558,7 @@ class NativeLlamaForward:
     streams: list[int]
     dims: list[int]          # heads, kv_heads, head_dim, the LM head's f32_out, its rows in bf16
     eps: float
-    no_stop: Tensor = field(default_factory=lambda: torch.empty(0))   # ``stop``: every chain drafts all its steps
+    no_stop: Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.float64))   # ``stop``: none
 
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> NativeLlamaForward | None:

@@ -26,7 +26,6 @@ dynamic tree in one graph (CompiledTree).
 from __future__ import annotations
 
 import math
-
 from collections import OrderedDict
 from dataclasses import dataclass, fields
 from typing import Any
@@ -396,7 +395,7 @@ class ModelRunner:
         extra = tuple(torch.cat([x, x[:1].expand(pad, *x.shape[1:])]) if pad else x for x in extra)
         kw: dict[str, Any] = {} if steps is None else {"steps": steps}
         if min_confidence is not None:
-            kw["stop"] = torch.full((bucket.batch,), math.inf, device=self.device)   # [bucket] log confidence
+            kw["stop"] = torch.full((bucket.batch,), math.inf, dtype=torch.float64, device=self.device)   # [bucket]
             kw["stop"][:len(chunks)] = math.log(min_confidence)
         return g(tok, posn, meta, feats, last, col, *extra, **kw)
 

@@ -68,8 +68,8 @@ class SpeculativeConfig:
     ends at the first draft whose path confidence (the product of the drafter's probabilities
     along the chain) is below this, instead of at num_speculative_tokens; eagerly no drafter
     forward runs once every chain in the batch has ended. Long chains where the drafter is sure,
-    short ones where it is not: with it, raise num_speculative_tokens (the built-in default: 10
-    and 0.3). Sampled requests draft their full chains. None: off."""
+    short ones where it is not: with it, raise num_speculative_tokens (README, "Trees and EAGLE":
+    what it measured). Sampled requests draft their full chains. None: off."""
 
     suffix_cache_max_depth: int = 24
     """suffix: the deepest path of the suffix trees (matched context + drafted continuation);
@@ -172,7 +172,6 @@ class SpeculativeConfig:
             self._check_min_draft_confidence()
         if self.method in MODEL_FREE and self.model:
             raise ConfigError(f"speculative_config: method {self.method!r} takes no 'model'")
-
 
     def _check_min_draft_confidence(self) -> None:
         v = self.min_draft_confidence

@@ -40,7 +40,7 @@ def test_op_draws_what_the_python_path_draws(point_mass, seed):
     draft_ids = torch.where(torch.rand(T, generator=g) < 0.6, likely, torch.randint(V, (T,), generator=g))
     u = torch.rand(T, generator=g)
     w = torch.rand(B, generator=g, dtype=torch.float64)
-    draw = native.chain_rejection(logits, temps, q, draft_ids, num_draft, u, w)
+    draw = native.chain_rejection(logits, torch.tensor(temps), q, draft_ids, num_draft, u, w)
     n, tokens = _python(logits, temps, q, draft_ids, num_draft, u, w)
     assert draw.num_accepted == n and draw.tokens == tokens
     assert set(n) != {0} or seed  # (some acceptances)
@@ -52,10 +52,34 @@ def test_op_all_accepted_and_non_finite():
     draft_ids = torch.tensor([4, 4])
     u = torch.full((2,), 0.5)
     w = torch.tensor([0.3], dtype=torch.float64)
-    draw = native.chain_rejection(logits, [1.0] * 3, None, draft_ids, [2], u, w)
+    t = torch.ones(3)
+    draw = native.chain_rejection(logits, t, None, draft_ids, [2], u, w)
     assert draw.num_accepted == [2] and draw.tokens == _python(logits, [1.0] * 3, None, draft_ids, [2], u, w)[1]
+    assert native.finite_rows(logits, t) and not native.finite_rows(logits, torch.tensor([1.0, 1e-40, 1.0]))
     logits[1, 3] = float("nan")
-    assert native.chain_rejection(logits, [1.0] * 3, None, draft_ids, [2], u, w) is None
+    assert native.chain_rejection(logits, t, None, draft_ids, [2], u, w) is None and not native.finite_rows(logits, t)
+    with pytest.raises(RuntimeError, match="chain_rejection"):   # (shapes checked: 3 drafts counted, 2 given)
+        native.chain_rejection(logits, t, None, draft_ids, [3], u, w)
+
+
+def test_non_finite_logits_fail_the_request_before_any_draw(pair, tokenizer, monkeypatch):
+    """A verify step whose logits are not finite raises the sampler's error before drawing any
+    uniform: the requests' generators are where the Python path leaves them."""
+    llm = LLM(model=str(pair), dtype="float32", max_model_len=128, max_num_seqs=2, seed=7,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    eng = llm.engine
+    from leapfrog.spec_decode.draft import DraftBatch
+    reqs = []
+    for i, p in enumerate(prompts_of(tokenizer, 2)):
+        eng.add_request(str(i), None, p, SamplingParams(temperature=0.8, max_tokens=4))
+    reqs = list(eng.requests.values())
+    states = [r.generator.get_state() for r in reqs]
+    logits = torch.zeros(4, eng.vocab_size)   # [T + B, V]
+    logits[1, 0] = float("inf")
+    drafts = DraftBatch.from_lists([[1, 2], []])
+    with pytest.raises(FloatingPointError, match="non-finite"):
+        eng.verify(reqs, logits, drafts)
+    assert all(torch.equal(s, r.generator.get_state()) for s, r in zip(states, reqs))
 
 
 @pytest.fixture(scope="module")

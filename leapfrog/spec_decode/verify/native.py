@@ -48,7 +48,17 @@ using at::Tensor;
 std::tuple<Tensor, Tensor, Tensor> chain_rejection(
     const Tensor& logits, const Tensor& temperature, const Tensor& q, const Tensor& draft_ids,
     at::IntArrayRef num_draft, const Tensor& u, const Tensor& w) {
-  const int64_t B = num_draft.size();
+  const int64_t B = num_draft.size(), T = draft_ids.size(0);
+  int64_t drafted = 0;
+  for (int64_t k : num_draft) {
+    TORCH_CHECK(k >= 0, "chain_rejection: negative draft count");
+    drafted += k;
+  }
+  TORCH_CHECK(logits.dim() == 2 && logits.size(0) == T + B && drafted == T && u.numel() == T && w.numel() == B &&
+              temperature.numel() == T + B && (!q.numel() || (q.dim() == 2 && q.size(0) == T &&
+                                                                q.size(1) == logits.size(1))),
+              "chain_rejection: logits [T + B, V], temperature [T + B], q [T, V] or empty, drafts and u [T], "
+              "w [B], sum(num_draft) == T");
   auto longs = logits.options().dtype(at::kLong);
   // sampler.temperature_probs (no greedy rows) and _finite's check
   Tensor p = at::softmax(logits.div(temperature.unsqueeze(1)), -1);             // [N, V]
@@ -62,7 +72,6 @@ std::tuple<Tensor, Tensor, Tensor> chain_rejection(
     for (int64_t j = 0; j < num_draft[b]; ++j) rows.push_back(s + j);
     s += num_draft[b] + 1;
   }
-  const int64_t T = draft_ids.size(0);
   std::vector<uint8_t> accept;
   if (T) {
     Tensor draft_rows = at::tensor(rows, longs);
@@ -112,10 +121,15 @@ _LIBRARY = OpLibrary("leapfrog_native_verify", _SOURCE, ["-O2"], "native chain v
                      "verifying in Python")
 
 
+def native_verify_enabled() -> bool:
+    """Whether the op may serve (LEAPFROG_NATIVE_VERIFY=0 turns it off); read when an engine is built."""
+    return not env_off("LEAPFROG_NATIVE_VERIFY")
+
+
 def load_native_verify() -> bool:
-    """Build (once, cached on disk) and load the op -> whether it is available (and not switched
-    off by LEAPFROG_NATIVE_VERIFY=0)."""
-    return not env_off("LEAPFROG_NATIVE_VERIFY") and _LIBRARY.available()
+    """Build (once, cached on disk; at the first step that can use it) and load the op -> whether it
+    is available."""
+    return _LIBRARY.available()
 
 
 @dataclass
@@ -124,15 +138,21 @@ class ChainDraw:
     tokens: list[int]         # [B] each request's final token (recovered or bonus)
 
 
-def chain_rejection(logits: Tensor, temperatures: list[float], q: Tensor | None, draft_ids: Tensor,
+def chain_rejection(logits: Tensor, temperatures: Tensor, q: Tensor | None, draft_ids: Tensor,
                     num_draft: list[int], u: Tensor, w: Tensor) -> ChainDraw | None:
     """Speculative sampling of chains (module docstring) on CPU logits [T + B, V] float32:
-    ``temperatures`` per target row, q [T, V] (None: point masses), the drafts [T], the acceptance
-    tests' uniforms u [T] and the final draws' w [B] float64. -> None when a row of p is not finite
-    (the caller's Python path then raises, naming the rows)."""
-    t = torch.tensor(temperatures, dtype=torch.float32)
+    ``temperatures`` [T + B] float32 per target row, q [T, V] (None: point masses), the drafts [T],
+    the acceptance tests' uniforms u [T] and the final draws' w [B] float64. -> None when a row of
+    p is not finite (``finite_rows`` tells beforehand, without drawing the uniforms)."""
     ok, n, tok = torch.ops.leapfrog_verify.chain_rejection(
-        logits, t, torch.empty(0) if q is None else q, draft_ids, num_draft, u, w)
+        logits, temperatures, torch.empty(0) if q is None else q, draft_ids, num_draft, u, w)
     if not bool(ok):
         return None
     return ChainDraw(n.tolist(), tok.tolist())
+
+
+def finite_rows(logits: Tensor, temperatures: Tensor) -> bool:
+    """Whether every row of softmax(logits / T) is finite, from each row's max alone: the max
+    propagates NaN, and when max / T is finite every other l / T is at most it, so exp(l / T - max / T)
+    and the row's sum are finite (an all -inf row has max -inf)."""
+    return bool(torch.isfinite(logits.max(-1).values / temperatures).all())
