@@ -917,7 +917,7 @@ class LLMEngine:
         flat_parents = [p for ps in parent_lists for p in ps]
         if all(r.raw_argmax for r in reqs):   # nothing processes the logits: no sampler rows to build
             return match(checked(*(top if top is not None else logits.max(dim=-1))), drafts, flat_parents)
-        if (self._native_verify and not tree and drafts.total and logits.device.type == "cpu"
+        if (self._native_verify and not tree and drafts.total   # (_native_verify: CPU logits)
                 and all(r.unseeded_sampled and r.temperature_only for r in reqs) and load_native_verify()):
             # (a chat's batch: rejection sampling of chains as one C++ call, bitwise this Python path)
             return self._verify_chains_natively(reqs, logits, drafts, draft_lists)

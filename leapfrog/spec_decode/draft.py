@@ -136,12 +136,20 @@ def chain_length(logprobs: list[float], levels: int, min_confidence: float | Non
     n = min(levels, len(logprobs))
     if min_confidence is None:
         return n
-    stop, path = math.log(min_confidence), 0.0
+    path = 0.0
     for d in range(n):
         path += logprobs[d]
-        if path < stop:
+        if chain_ended(path, min_confidence):
             return d + 1
     return n
+
+
+def chain_ended(path: float, min_confidence: float | None) -> bool:
+    """Whether a greedy chain whose drafts' log q sum to ``path`` (in float64, draft by draft) drafts
+    no further: its path confidence is below ``min_confidence`` (None: never). The one test of
+    ``chain_length``, the eager expansion and the draft model's per-token loop; the fused loops
+    make it on tensors (model/compiled.py CompiledChain._steps)."""
+    return min_confidence is not None and path < math.log(min_confidence)
 
 
 def depths(parents: list[int]) -> list[int]:

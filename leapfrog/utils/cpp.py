@@ -101,6 +101,8 @@ class OpLibrary:
         self._lock = threading.Lock()
 
     def available(self) -> bool:
+        if self._ok is not None:   # (decided: no lock on the steps that ask)
+            return self._ok
         with self._lock:
             if self._ok is None:
                 try:

@@ -15,8 +15,6 @@ old_len + accepted). Nothing is copied; later writes overwrite the rejected colu
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from leapfrog.errors import ConfigError
@@ -27,7 +25,7 @@ from leapfrog.model.runner import ModelRunner, SeqChunk
 from leapfrog.request import Request
 from leapfrog.sampling import sampler
 from leapfrog.spec_decode.config import SELF_DRAFT, SpeculativeConfig
-from leapfrog.spec_decode.draft import DraftBatch, chain_length
+from leapfrog.spec_decode.draft import DraftBatch, chain_ended, chain_length
 from leapfrog.spec_decode.proposers.base import TargetInfo, register_proposer
 from leapfrog.spec_decode.verify.result import AcceptanceResult
 
@@ -139,7 +137,7 @@ class DraftModelProposer:
                 for i, b in enumerate(active):
                     if reqs[b].params.greedy:
                         path[b] += float(lq[i])
-                        if path[b] < math.log(self.min_confidence):
+                        if chain_ended(path[b], self.min_confidence):
                             ended.add(b)
             for i, b in enumerate(active):
                 drafts[b].append(int(tokens[i]))

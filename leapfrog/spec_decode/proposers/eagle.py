@@ -53,7 +53,7 @@ from leapfrog.request import Request
 from leapfrog.sampling import sampler
 from leapfrog.spec_decode.adaptive import tree_depth_cap
 from leapfrog.spec_decode.config import SpeculativeConfig
-from leapfrog.spec_decode.draft import DraftBatch, chain_length
+from leapfrog.spec_decode.draft import DraftBatch, chain_ended, chain_length
 from leapfrog.spec_decode.proposers.base import TargetInfo, register_proposer
 from leapfrog.spec_decode.verify.result import AcceptanceResult
 from leapfrog.utils import env_off
@@ -517,9 +517,8 @@ class EagleProposer:
     def _chain_ended(self, req: Request, ns: list[_Node], frontier: list[int]) -> bool:
         """Whether a greedy request's chain ends before this level: its last draft's path
         confidence is below min_draft_confidence (as ``chain_length`` cuts the fused chains)."""
-        c = self.cfg.min_draft_confidence
-        return (c is not None and req.params.greedy and len(frontier) == 1 and len(ns) == ns[frontier[0]].depth
-                and ns[frontier[0]].score < math.log(c))
+        return (req.params.greedy and len(frontier) == 1 and len(ns) == ns[frontier[0]].depth
+                and chain_ended(ns[frontier[0]].score, self.cfg.min_draft_confidence))
 
     def _candidates(self, logits: torch.Tensor, rows: list[tuple[Request, list[_Node], int]]) -> list[_Cand]:
         """Children candidates of each row's node (rows: (request, its nodes, the node; -1 = the
