@@ -5,7 +5,9 @@ K=4 (the demo draft), ngram K=4, the built-in EAGLE-3 head as a chain (eagle_top
 dynamic tree (EAGLE-2: depth 5, top-4 per level, best 16 nodes verified) and with the tree size
 chosen by goodput (num_draft_tokens "auto"), draft_model with an adaptive K (index 5), and chains
 that end where the drafter's path confidence falls below 0.3 (``min_draft_confidence``): the
-EAGLE-3 head's up to 10 deep (index 6) and the draft model's up to 8 (index 7).
+EAGLE-3 head's up to 10 deep (index 6) and the draft model's up to 8 (index 7). ``--compare-head
+HEAD`` adds another EAGLE-3 head (a retrained one) as the chain of 5 (index 8) and the chain up to
+10 with c = 0.3 (index 9), to compare heads in one interleaved run.
 Prompts: code the models never trained on, either the demo's held-out standard-library files
 (``--source heldout``, default) or third-party files from this Python's site-packages
 (``--source site-packages``).
@@ -49,8 +51,12 @@ def site_package_documents(limit_files: int = 60) -> list[Document]:
     return docs
 
 
-def contenders(draft: str, head: str, k: int) -> list[dict]:
+def contenders(draft: str, head: str, k: int, compare_head: str | None = None) -> list[dict]:
     e3 = {"method": "eagle3", "model": head}
+    other = [] if compare_head is None else [
+        {"method": "eagle3", "model": compare_head, "num_speculative_tokens": 5, "eagle_topk": 1},
+        {"method": "eagle3", "model": compare_head, "num_speculative_tokens": 10, "eagle_topk": 1,
+         "min_draft_confidence": 0.3}]
     return [
         {"method": "draft_model", "model": draft, "num_speculative_tokens": k},
         {"method": "ngram", "num_speculative_tokens": k},
@@ -60,7 +66,7 @@ def contenders(draft: str, head: str, k: int) -> list[dict]:
         {"method": "draft_model", "model": draft, "num_speculative_tokens": k, "adaptive": True},
         {**e3, "num_speculative_tokens": 10, "eagle_topk": 1, "min_draft_confidence": 0.3},
         {"method": "draft_model", "model": draft, "num_speculative_tokens": 8, "min_draft_confidence": 0.3},
-    ]
+    ] + other
 
 
 def main() -> None:
@@ -68,6 +74,8 @@ def main() -> None:
     ap.add_argument("--target", default=str(DEMO_DIR / "target"))
     ap.add_argument("--draft", default=str(DEMO_DIR / "draft"))
     ap.add_argument("--head", default=str(DEMO_DIR / "eagle3"))
+    ap.add_argument("--compare-head", default=None,
+                    help="another EAGLE-3 head: adds its chain of 5 (index 8) and its chain up to 10, c = 0.3 (9)")
     ap.add_argument("--source", default="heldout", choices=["heldout", "site-packages"])
     ap.add_argument("--num-prompts", type=int, default=12)
     ap.add_argument("--prompt-tokens", type=int, default=64)
@@ -78,7 +86,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--only", nargs="*", default=None, help="contender indices to keep (0..7; none always runs)")
+    ap.add_argument("--only", nargs="*", default=None, help="contender indices to keep (0..7, 8 and 9 with --compare-head; none always runs)")
     ap.add_argument("--request-seed", type=int, default=None,
                     help="seed the requests (item i: this + i): sampled ones are verified by matching")
     ap.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
@@ -100,7 +108,7 @@ def main() -> None:
         docs = site_package_documents()
     prompts = heldout_prompts(tok, docs, args.num_prompts, prompt_tokens=args.prompt_tokens)
     items = [WorkloadItem(f"code-{args.source}", p, None, str(i)) for i, p in enumerate(prompts)]
-    specs = contenders(args.draft, args.head, args.k)
+    specs = contenders(args.draft, args.head, args.k, args.compare_head)
     if args.only is not None:
         specs = [specs[int(i)] for i in args.only]
     res = run_bench(args.target, specs, items, temperatures=args.temperatures, max_tokens=args.max_tokens,

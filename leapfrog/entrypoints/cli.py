@@ -372,7 +372,9 @@ def _train_draft_parser(sub) -> None:
     p.add_argument("--data-mode", default="corpus", choices=["corpus", "generate"],
                    help="corpus: the target's distributions on your text; generate: on the target's own "
                         "continuations of your texts used as prompts (self-distillation)")
-    p.add_argument("--init-draft", default=None, help="start from this draft checkpoint (fine-tune) instead of scratch")
+    p.add_argument("--init-draft", default=None,
+                   help="fine-tune this draft checkpoint (draft_model) or EAGLE head (eagle / eagle3: its shape and "
+                        "draft vocabulary are kept) instead of starting from scratch")
     p.add_argument("--hidden-size", type=positive_int, default=None, help="draft_model: the draft's shape (default 256)")
     p.add_argument("--intermediate-size", type=positive_int, default=None, help="draft_model: the draft's shape (default 512)")
     p.add_argument("--num-layers", type=positive_int, default=None, help="draft_model: the draft's shape (default 2)")
@@ -404,7 +406,8 @@ def _train_draft_parser(sub) -> None:
                         "without it; draft_model always resumes)")
     p.add_argument("--heldout-fraction", type=float, default=0.05, help="files held out for evaluation")
     p.add_argument("--gen-tokens", type=int, default=128, help="generate mode: tokens per continuation")
-    p.add_argument("--gen-temperature", type=float, default=1.0, help="generate mode: 0 = greedy continuations")
+    p.add_argument("--gen-temperature", type=float, nargs="+", default=[1.0],
+                   help="generate mode: 0 = greedy continuations; several values: a mix (prompt i at the (i mod n)-th)")
     p.add_argument("--gen-prompt-tokens", type=int, default=32, help="generate mode: prompt length in tokens")
     p.add_argument("--gen-prompts-per-doc", type=int, default=1, help="generate mode: prompts cut from each document")
     p.add_argument("--eval-prompts", type=nonneg_int, default=16, help="held-out prompts for the acceptance test (0: skip)")
@@ -430,7 +433,7 @@ def cmd_train_draft(args) -> int:
     eagle_only = {"--ttt-steps": args.ttt_steps, "--draft-vocab-size": args.draft_vocab_size,
                   "--head-intermediate-size": args.head_intermediate_size, "--head-kv-heads": args.head_kv_heads,
                   "--eagle-topk": args.eagle_topk, "--calibration": args.calibration}
-    draft_only = {"--init-draft": args.init_draft, "--hidden-size": args.hidden_size,
+    draft_only = {"--hidden-size": args.hidden_size,
                   "--intermediate-size": args.intermediate_size, "--num-layers": args.num_layers,
                   "--num-heads": args.num_heads, "--num-kv-heads": args.num_kv_heads, "--ce-weight": args.ce_weight}
     if args.method == "draft_model":
@@ -462,7 +465,7 @@ def cmd_train_draft(args) -> int:
     res = train_draft(args.target, args.corpus, args.out, shape=shape, init_draft=args.init_draft,
                       train_config=cfg, data_mode=args.data_mode, ce_weight=args.ce_weight or 0.0,
                       heldout_fraction=args.heldout_fraction, gen_tokens=args.gen_tokens,
-                      gen_temperature=args.gen_temperature, gen_prompt_tokens=args.gen_prompt_tokens,
+                      gen_temperature=_temperatures(args.gen_temperature), gen_prompt_tokens=args.gen_prompt_tokens,
                       gen_prompts_per_doc=args.gen_prompts_per_doc, eval_prompts=args.eval_prompts, eval_k=k,
                       eval_max_tokens=args.eval_max_tokens, save_dtype=args.save_dtype, bf16=args.bf16,
                       checkpoint_dir=args.checkpoint_dir)
@@ -478,6 +481,10 @@ def cmd_train_draft(args) -> int:
                   s, args.json)
 
 
+def _temperatures(values: list[float]) -> float | tuple[float, ...]:
+    return values[0] if len(values) == 1 else tuple(values)
+
+
 def _train_eagle(args, cfg) -> int:
     from leapfrog.train.eagle import EagleData, EagleEval, EagleRecipe, train_eagle
 
@@ -490,10 +497,11 @@ def _train_eagle(args, cfg) -> int:
                            greedy_calibration=(args.calibration or "greedy") == "greedy"),
         train_config=cfg,
         data=EagleData(mode=args.data_mode, heldout_fraction=args.heldout_fraction, gen_tokens=args.gen_tokens,
-                       gen_temperature=args.gen_temperature,
+                       gen_temperature=_temperatures(args.gen_temperature),
                        gen_prompt_tokens=args.gen_prompt_tokens, gen_prompts_per_doc=args.gen_prompts_per_doc),
         evaluation=EagleEval(prompts=args.eval_prompts, max_tokens=args.eval_max_tokens, trees=trees),
-        save_dtype=args.save_dtype, bf16=args.bf16, checkpoint_dir=args.checkpoint_dir, resume=args.resume)
+        save_dtype=args.save_dtype, bf16=args.bf16, checkpoint_dir=args.checkpoint_dir, resume=args.resume,
+        init_head=args.init_draft)
     s = res.summary()
     b, a = res.heldout_before, res.heldout_after
     print(f"[leapfrog train-draft] {args.method} head {s['head_parameters']:,} parameters "

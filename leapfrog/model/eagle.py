@@ -671,6 +671,23 @@ def _resolve(path: str | os.PathLike, allow_pickle: bool) -> Path:
                               f"{type(e).__name__}: {e}") from None
 
 
+def _open_head(path: str | os.PathLike, target_args: LlamaArgs, allow_pickle: bool
+               ) -> tuple[Path, _TensorSource, LlamaArgs, EagleConfig]:
+    """A head's directory, its tensors (headers only) and its config, checked against the target's."""
+    root = _resolve(path, allow_pickle)
+    cfg_file = root / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{root}: no config.json (an EAGLE head directory holds config.json and weights)")
+    src = _TensorSource(root, _weight_files(root, allow_pickle))
+    args, cfg = read_eagle_config(read_json(cfg_file), str(cfg_file), target_args, set(src.files))
+    return root, src, args, cfg
+
+
+def read_head_config(path: str | os.PathLike, target_args: LlamaArgs, allow_pickle: bool = False) -> EagleConfig:
+    """A saved head's EagleConfig (its kind, draft vocabulary size, ...) without reading its weights."""
+    return _open_head(path, target_args, allow_pickle)[3]
+
+
 def load_eagle_head(path: str | os.PathLike, target: LlamaModel, dtype: torch.dtype | None = None,
                     device: torch.device | str | None = None, allow_pickle: bool = False,
                     max_positions: int | None = None) -> EagleHead:
@@ -678,14 +695,10 @@ def load_eagle_head(path: str | os.PathLike, target: LlamaModel, dtype: torch.dt
     with an index, or pytorch_model.bin with ``allow_pickle``), checked against ``target`` and bound
     to it. dtype/device default to the target's; ``max_positions`` (RoPE table length) to the longer
     of the head's max_position_embeddings and the target's table."""
-    root = _resolve(path, allow_pickle)
+    root, src, args, cfg = _open_head(path, target.args, allow_pickle)
     cfg_file = root / "config.json"
-    if not cfg_file.is_file():
-        raise CheckpointError(f"{root}: no config.json (an EAGLE head directory holds config.json and weights)")
     dtype = dtype or target.dtype
     device = torch.device(device) if device is not None else target.device
-    src = _TensorSource(root, _weight_files(root, allow_pickle))
-    args, cfg = read_eagle_config(read_json(cfg_file), str(cfg_file), target.args, set(src.files))
     own_embedding = "embed_tokens.weight" in src.files
     if not own_embedding and args.hidden_size != target.args.hidden_size:
         raise CheckpointError(f"{root}: tensor 'embed_tokens.weight' is missing, and the head's hidden_size "

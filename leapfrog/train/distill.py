@@ -9,8 +9,9 @@ Training data, ``data_mode``:
   * ``"corpus"``: windows of the user's text; the target labels every position with p.
   * ``"generate"``: prompts cut from each document (``gen_prompts_per_doc`` of them, at evenly
     spaced lines); the target's own continuations (from the engine at ``gen_temperature``; 0 =
-    greedy) are the text, so the draft learns what the target says, not what the corpus says
-    (self-distillation), on the states it will meet at inference.
+    greedy; several temperatures: a mix, prompt i continued at the (i mod n)-th) are the text, so
+    the draft learns what the target says, not what the corpus says (self-distillation), on the
+    states it will meet at inference.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -136,16 +138,28 @@ def resolve_autocast(flag: str, device: torch.device) -> bool:
     return can_pack(torch.bfloat16, device)
 
 
+def generation_params(temperatures: float | Sequence[float], n: int, max_tokens: int, seed: int) -> list:
+    """SamplingParams of ``n`` prompts continued for training data: prompt i at temperature
+    ``temperatures[i % len(temperatures)]`` (a single float: all of them)."""
+    from leapfrog import SamplingParams
+    ts = [float(temperatures)] if isinstance(temperatures, (int, float)) else [float(t) for t in temperatures]
+    if not ts or any(not math.isfinite(t) or t < 0 for t in ts):
+        raise ConfigError(f"gen_temperature must be one or more finite numbers >= 0, got {temperatures!r}")
+    params = [SamplingParams(temperature=t, max_tokens=max_tokens, seed=seed) for t in ts]
+    return [params[i % len(ts)] for i in range(n)]
+
+
 def _generate_stream(target_path: str, tokenizer, docs: list[Document], gen_tokens: int,
-                     gen_temperature: float, seed: int, prompt_tokens: int, prompts_per_doc: int) -> Tensor:
-    from leapfrog import LLM, SamplingParams
+                     gen_temperature: float | Sequence[float], seed: int, prompt_tokens: int,
+                     prompts_per_doc: int) -> Tensor:
+    from leapfrog import LLM
     prompts = [{"prompt_token_ids": tokenizer(w, add_special_tokens=False)["input_ids"][:prompt_tokens]}
                for d in docs for w in line_windows(d, prompts_per_doc)]
     prompts = [p for p in prompts if p["prompt_token_ids"]]
     from leapfrog.model.loader import read_checkpoint
     context = read_checkpoint(target_path).args.max_position_embeddings
     llm = LLM(model=target_path, dtype="float32", seed=seed, max_model_len=min(prompt_tokens + gen_tokens + 8, context))
-    outs = llm.generate(prompts, SamplingParams(temperature=gen_temperature, max_tokens=gen_tokens, seed=seed))
+    outs = llm.generate(prompts, generation_params(gen_temperature, len(prompts), gen_tokens, seed))
     sep = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
     ids: list[int] = []
     for p, o in zip(prompts, outs):
@@ -216,7 +230,8 @@ def _check_resume(ckdir: Path, settings: dict) -> None:
 def train_draft(target: str | os.PathLike, corpus: str | os.PathLike | list[Document], out: str | os.PathLike,
                 *, shape: DraftShape | None = None, init_draft: str | os.PathLike | None = None,
                 train_config: TrainConfig | None = None, data_mode: str = "corpus", ce_weight: float = 0.0,
-                heldout_fraction: float = 0.05, gen_tokens: int = 128, gen_temperature: float = 1.0,
+                heldout_fraction: float = 0.05, gen_tokens: int = 128,
+                gen_temperature: float | Sequence[float] = 1.0,
                 gen_prompt_tokens: int = 32, gen_prompts_per_doc: int = 1, eval_prompts: int = 16, eval_k: int = 4, eval_max_tokens: int = 64,
                 save_dtype: str = "float32", bf16: str = "auto", checkpoint_dir: str | os.PathLike | None = None,
                 stop_at: int | None = None, split_seed: int = 0, max_shard_size: str | None = None) -> DraftResult:

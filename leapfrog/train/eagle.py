@@ -72,7 +72,8 @@ from leapfrog.model.eagle import EagleHead, EagleKind, init_eagle_head, save_eag
 from leapfrog.model.llama import LlamaModel
 from leapfrog.train.corpus import (Document, fingerprint, heldout_or_training, pack_stream, read_documents,
                                    split_by_file)
-from leapfrog.train.distill import check_target, heldout_prompts, heldout_windows, line_windows, resolve_autocast
+from leapfrog.train.distill import (check_target, generation_params, heldout_prompts, heldout_windows, line_windows,
+                                    resolve_autocast)
 from leapfrog.train.loop import (
     CHECKPOINT_NAME,
     TrainConfig,
@@ -129,7 +130,8 @@ class EagleData:
     heldout_fraction: float = 0.05  # files held out (split by file, corpus.split_by_file)
     split_seed: int = 0
     gen_tokens: int = 128          # generate: tokens per continuation
-    gen_temperature: float = 1.0   # generate: 0 = greedy
+    gen_temperature: float | tuple[float, ...] = 1.0  # generate: 0 = greedy; several: a mix, prompt i
+                                   #   continued at the (i mod n)-th (one head for greedy and sampled requests)
     gen_prompt_tokens: int = 32    # generate: prompt length
     gen_prompts_per_doc: int = 1   # generate: prompts cut from each document (evenly spaced)
     gen_max_num_seqs: int = 64     # generate: the engine's batch
@@ -516,7 +518,7 @@ def generate_samples(target_path: str, tokenizer, docs: list[Document], data: Ea
     llm = LLM(model=target_path, dtype="float32", seed=seed, skip_tokenizer_init=tokenizer is None,
               max_model_len=min(data.gen_prompt_tokens + data.gen_tokens + 8, context),
               max_num_seqs=data.gen_max_num_seqs)
-    sp = SamplingParams(temperature=data.gen_temperature, max_tokens=data.gen_tokens, seed=seed)
+    sp = generation_params(data.gen_temperature, len(prompts), data.gen_tokens, seed)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=sys.stderr.isatty())
     sep = [] if eos_token_id is None else [eos_token_id]
     ids: list[int] = []
@@ -624,6 +626,34 @@ def _new_head(kind: EagleKind, target: LlamaModel, recipe: EagleRecipe, stream: 
     return head
 
 
+def _check_init_head(path: str | os.PathLike, kind: EagleKind, target_args, recipe: EagleRecipe) -> None:
+    """Refuse a head to tune that is of the other kind or does not fit the target, and recipe
+    shape fields (the head has its shape), before any data is made."""
+    from leapfrog.model.eagle import read_head_config
+    fixed = {"draft_vocab_size": recipe.draft_vocab_size, "intermediate_size": recipe.intermediate_size,
+             "num_key_value_heads": recipe.num_key_value_heads, "target_layer_ids": recipe.target_layer_ids}
+    if given := [k for k, v in fixed.items() if v is not None]:
+        raise ConfigError(f"{', '.join(given)}: a fine-tuned head keeps the shape of init_head {path}; leave them unset")
+    have = read_head_config(path, target_args).kind
+    if have != kind:
+        raise ConfigError(f"init_head {path} is an {have} head; this run trains {kind}")
+
+
+def _head_to_tune(path: str | os.PathLike, target: LlamaModel, device: torch.device) -> EagleHead:
+    """A saved head to fine-tune (``_check_init_head`` passed), in float32 and trainable, its logits
+    as KL training left them (a greedy calibration folded into lm_head is divided out; training
+    fits a new one)."""
+    from leapfrog.model.eagle import load_eagle_head
+    head = load_eagle_head(path, target, dtype=torch.float32, device=device)
+    scale = head.cfg.greedy_logit_scale
+    if scale != 1.0:
+        assert head.lm_head is not None
+        with torch.no_grad():
+            head.lm_head.weight.div_(scale)
+        head.cfg = dataclasses.replace(head.cfg, greedy_logit_scale=1.0)
+    return head.requires_grad_(True)
+
+
 @torch.no_grad()
 def _warm_start(head: EagleHead, target: LlamaModel) -> None:
     """EAGLE-3 head in the target's output space from step 0: lm_head = the target's LM head rows
@@ -661,14 +691,18 @@ def train_eagle(target: str | os.PathLike, corpus: str | os.PathLike | list[Docu
                 train_config: TrainConfig | None = None, data: EagleData | None = None,
                 evaluation: EagleEval | None = None, save_dtype: str = "float32", bf16: str = "auto",
                 checkpoint_dir: str | os.PathLike | None = None, resume: bool = False,
-                stop_at: int | None = None, log: Callable[[str], None] = _log) -> EagleResult:
+                stop_at: int | None = None, init_head: str | os.PathLike | None = None,
+                log: Callable[[str], None] = _log) -> EagleResult:
     """Train an EAGLE-1 (``kind="eagle"``) or EAGLE-3 head for ``target`` (an HF checkpoint directory
     or hub id) and save it at ``out`` (config.json + model.safetensors, the release layout), which
     ``speculative_config={"method": kind, "model": out, ...}`` loads.
 
     ``corpus``: a path (read_documents: text, JSONL with "text"/"prompt"/"messages"/"token_ids") or
     documents; token-id documents need no tokenizer. A checkpoint is kept in ``checkpoint_dir``
-    (default OUT.ckpt); an existing one is continued only with ``resume`` (else an error)."""
+    (default OUT.ckpt); an existing one is continued only with ``resume`` (else an error).
+    ``init_head``: fine-tune this head (a directory or hub id of the ``kind`` asked for, loaded as
+    inference loads it, its greedy calibration undone) instead of starting a new one; its shapes and
+    draft vocabulary are kept, so the recipe's shape fields must be left unset."""
     from leapfrog.config import resolve_device
     from leapfrog.model.loader import load_model
 
@@ -690,8 +724,10 @@ def train_eagle(target: str | os.PathLike, corpus: str | os.PathLike | list[Docu
     if (ckdir / CHECKPOINT_NAME).is_file() and not resume:
         raise ConfigError(f"{ckdir} holds a training checkpoint: pass resume=True (--resume) to continue it, or "
                           "remove it (or pass another checkpoint directory) to start again")
-    # Fail in the first second, not after training: the target, then the corpus.
+    # Fail in the first second, not after training: the target, the head to tune, then the corpus.
     ckpt, tokenizer = check_target(target, require_tokenizer=False)
+    if init_head is not None:
+        _check_init_head(init_head, kind, ckpt.args, recipe)
     docs = read_documents(corpus) if not isinstance(corpus, list) else corpus
     train_docs, held = split_by_file(docs, data.heldout_fraction, data.split_seed)
     held = heldout_or_training(train_docs, held)
@@ -713,10 +749,14 @@ def train_eagle(target: str | os.PathLike, corpus: str | os.PathLike | list[Docu
 
     tdtype = torch.bfloat16 if cfg.autocast_bf16 else torch.float32
     target_model = load_model(ckpt, tdtype, device, max(cfg.seq_len, 2))
-    head = _new_head(kind, target_model, recipe, stream, cfg.seed, device)
+    if init_head is None:
+        head = _new_head(kind, target_model, recipe, stream, cfg.seed, device)
+    else:
+        head = _head_to_tune(init_head, target_model, device)
     Vd = head.cfg.draft_vocab_size
     coverage = float(head.t2d[stream].float().mean()) if kind == "eagle3" else 1.0
-    settings = {**_settings(kind, recipe, data, cfg, Vd), "corpus": fingerprint(train_docs + held)}
+    settings = {**_settings(kind, recipe, data, cfg, Vd), "corpus": fingerprint(train_docs + held),
+                **({} if init_head is None else {"init_head": str(init_head)})}
     _start_meta(ckdir, settings)
 
     val = held_data.heldout(16 if data.mode == "generate" else 8, cfg.seq_len)

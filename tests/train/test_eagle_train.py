@@ -23,11 +23,14 @@ from leapfrog.train.eagle import (
     EagleRecipe,
     _new_head,
     frequent_tokens,
+    generate_samples,
     target_batch,
     train_eagle,
     ttt_mask,
     unroll,
 )
+from leapfrog.train.corpus import read_documents
+from leapfrog.train.distill import generation_params
 from leapfrog.train.loop import TrainConfig
 from tests.train.conftest import assert_resumed_like
 
@@ -200,6 +203,65 @@ def test_losses_fall_and_the_head_drafts_in_the_engine(trained, target4, kind):
         assert (res.path / f).is_file(), f
 
 
+def test_fine_tuning_a_saved_head_starts_where_its_training_ended(trained, target4, corpus_dir, tmp_path):
+    """init_head: the saved head (greedy calibration folded into lm_head) is loaded with the
+    calibration divided out, so on the same held-out data its loss before fine-tuning is the
+    original run's loss after training; it keeps its draft vocabulary and still drafts losslessly."""
+    src = trained["eagle3"]
+    data = EagleData(mode="generate", gen_temperature=0.0, gen_tokens=48, gen_prompts_per_doc=2, heldout_fraction=0.2)
+    res = train_eagle(target4, corpus_dir, tmp_path / "tuned", "eagle3", train_config=cfg(4, batch_size=8, lr=1e-3),
+                      recipe=EagleRecipe(ttt_steps=3), data=data, evaluation=EagleEval(prompts=0),
+                      init_head=src.path)
+    assert res.heldout_before["loss"] == pytest.approx(src.heldout_after["loss"], rel=2e-3)
+    assert res.heldout_before["loss"] < 0.5 * src.heldout_before["loss"]
+    assert res.heldout_after["loss"] < 1.2 * res.heldout_before["loss"]
+    assert res.calibration["scale"] == pytest.approx(src.calibration["scale"], rel=0.2)
+    t = load_model(read_checkpoint(target4), torch.float32, torch.device("cpu"), 256)
+    a, b = load_eagle_head(src.path, t), load_eagle_head(res.path, t)
+    assert torch.equal(a.draft_ids, b.draft_ids)
+    prompts = ["def foo(x):\n    return", "import os\n"]
+    sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    ref = LLM(model=str(target4), dtype="float32").generate(prompts, sp, use_tqdm=False)
+    llm = LLM(model=str(target4), dtype="float32",
+              speculative_config={"method": "eagle3", "model": str(res.path), "num_speculative_tokens": 3})
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in ref]
+    assert llm.get_metrics()["mean_acceptance_length"] > 2.0
+    # the head decides its shape; a head of the other kind is refused
+    with pytest.raises(ConfigError, match="keeps the shape"):
+        train_eagle(target4, corpus_dir, tmp_path / "x", "eagle3", train_config=cfg(1), data=data,
+                    recipe=EagleRecipe(draft_vocab_size=128), evaluation=EagleEval(prompts=0), init_head=src.path)
+    with pytest.raises(ConfigError, match="eagle3 head"):
+        train_eagle(target4, corpus_dir, tmp_path / "y", "eagle", train_config=cfg(1), data=data,
+                    evaluation=EagleEval(prompts=0), init_head=src.path)
+
+
+def test_generation_params_mix_temperatures():
+    sp = generation_params((0.0, 0.7), 5, 32, seed=3)
+    assert [p.temperature for p in sp] == [0.0, 0.7, 0.0, 0.7, 0.0]
+    assert all(p.max_tokens == 32 and p.seed == 3 for p in sp)
+    assert [p.temperature for p in generation_params(1.0, 2, 8, 0)] == [1.0, 1.0]
+    for bad in ((), (0.5, -1.0), (float("nan"),)):
+        with pytest.raises(ConfigError, match="gen_temperature"):
+            generation_params(bad, 3, 8, 0)
+
+
+def test_generated_samples_with_a_temperature_mix(target4, tokenizer, corpus_dir):
+    """Prompt i is continued at the (i mod n)-th temperature: the greedy ones are the greedy
+    generation's samples, the sampled ones are not."""
+    docs = read_documents(corpus_dir)[:3]
+    kw = dict(gen_tokens=24, gen_prompt_tokens=12, gen_prompts_per_doc=2)
+    greedy = generate_samples(str(target4), tokenizer, docs, EagleData(mode="generate", gen_temperature=0.0, **kw),
+                              0, tokenizer.eos_token_id)
+    mixed = generate_samples(str(target4), tokenizer, docs,
+                             EagleData(mode="generate", gen_temperature=(0.0, 1.5), **kw), 0, tokenizer.eos_token_id)
+    samples = [[d.stream[d.bounds[i]:d.bounds[i + 1]].tolist() for i in range(len(d.bounds) - 1)]
+               for d in (greedy, mixed)]
+    assert len(samples[0]) == len(samples[1]) == 6
+    assert [samples[1][i] for i in (0, 2, 4)] == [samples[0][i] for i in (0, 2, 4)]
+    assert [samples[1][i] for i in (1, 3, 5)] != [samples[0][i] for i in (1, 3, 5)]
+
+
 def test_resume_equals_a_straight_run(tmp_path, target4, corpus_dir):
     kw = dict(kind="eagle3", recipe=EagleRecipe(draft_vocab_size=200, ttt_steps=2),
               data=EagleData(heldout_fraction=0.2), evaluation=EagleEval(prompts=0))
@@ -248,6 +310,25 @@ def test_cli_train_draft_eagle3(tmp_path, target4, corpus_dir, capsys):
                  "--steps", "2", "--batch-size", "2", "--seq-len", "32", "--eval-prompts", "0"]) == 2
     assert main(["train-draft", str(target4), "--method", "eagle", "--corpus", str(corpus_dir), "--out", str(out),
                  "--draft-vocab-size", "100"]) == 2
+
+
+def test_cli_fine_tunes_a_head_on_a_temperature_mix(trained, tmp_path, target4, corpus_dir, capsys):
+    src = str(trained["eagle3"].path)
+    out = tmp_path / "tuned"
+    base = ["train-draft", str(target4), "--method", "eagle3", "--corpus", str(corpus_dir), "--steps", "2",
+            "--batch-size", "2", "--seq-len", "32", "--eval-prompts", "0", "--init-draft", src]
+    assert main(base + ["--out", str(out), "--data-mode", "generate", "--gen-tokens", "16",
+                        "--gen-temperature", "0", "1.0", "--json", str(tmp_path / "s.json")]) == 0
+    settings = json.loads((out / "train_eagle.json").read_text())["settings"]
+    assert settings["init_head"] == src and settings["data"]["gen_temperature"] == [0.0, 1.0]
+    assert (out / "model.safetensors").is_file()
+    capsys.readouterr()
+    # refused before any data is made: shape flags with a head to tune, a head of the other kind
+    assert main(base + ["--out", str(tmp_path / "x"), "--draft-vocab-size", "64"]) == 2
+    assert "keeps the shape" in capsys.readouterr().err
+    assert main([*base[:3], "eagle", *base[4:], "--out", str(tmp_path / "y")]) == 2
+    assert "eagle3 head" in capsys.readouterr().err
+    assert not (tmp_path / "x.ckpt").exists() and not (tmp_path / "y.ckpt").exists()
 
 
 def test_cli_draft_model_hint_names_k(tmp_path, target4, corpus_dir, capsys):
