@@ -56,7 +56,7 @@ RECIPE = EagleRecipe(ttt_steps=4, step_decay=0.8, draft_vocab_size=4096, interme
 TRAIN = TrainConfig(steps=800, batch_size=24, seq_len=256, lr=4e-3, warmup_steps=30, min_lr_ratio=0.05,
                     weight_decay=0.0, grad_clip=1.0, seed=SEED, checkpoint_every=10, eval_every=40,
                     autocast_bf16=True)
-#: phase 2 (module docstring): 5 prompts per file, prompt i continued at gen_temperature[i % 5]
+#: phase 2 (module docstring): 5 prompts per file, shared evenly among the temperatures at random
 DATA2 = replace(DATA, gen_temperature=(0.0, 0.7, 0.0, 0.7, 1.0), gen_prompts_per_doc=5)
 RECIPE2 = EagleRecipe(ttt_steps=6, step_decay=0.8)
 # 400 steps = about 31 minutes on 2 AVX-512 cores (6 unrolled steps cost 1.4x phase 1's 4)
@@ -148,12 +148,12 @@ def stage_export(work: Path, held, phase: int = 1) -> None:
     if not same:
         log("WARNING: greedy outputs differ between methods (fp32): see outputs_equal_across_methods")
     phase1 = None
-    if phase == 2:   # the shipped phase-1 record (or, exporting phase 2 again, the one it kept)
+    if phase == 2:   # the shipped phase-1 record and curve (or, exporting phase 2 again, the ones it kept)
         old = json.loads((OUT / "training_record.json").read_text())
         phase1 = old.get("phase1", old)
         phase1.pop("heldout_files", None)
-        if "phase1" not in old:
-            shutil.copy(OUT / "training_loss.png", work / "training_loss_phase1.png")
+        curve = OUT / ("training_loss_phase1.png" if "phase1" in old else "training_loss.png")
+        shutil.copy(curve, work / "training_loss_phase1.png")   # read before OUT is replaced
     if OUT.exists():
         shutil.rmtree(OUT)
     OUT.mkdir(parents=True)

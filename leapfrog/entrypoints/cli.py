@@ -443,6 +443,11 @@ def cmd_train_draft(args) -> int:
                                    "--head-intermediate-size and --head-kv-heads)")
     if given := [k for k, v in unread.items() if v is not None]:
         raise LeapfrogError(f"{', '.join(given)}: {why}")
+    shape = [k for k, v in {**draft_only, "--draft-vocab-size": args.draft_vocab_size,
+                            "--head-intermediate-size": args.head_intermediate_size,
+                            "--head-kv-heads": args.head_kv_heads}.items() if v is not None and k != "--ce-weight"]
+    if args.init_draft is not None and shape:
+        raise LeapfrogError(f"{', '.join(shape)}: --init-draft {args.init_draft} keeps its own shape")
     if args.method == "eagle" and (args.draft_vocab_size is not None or args.calibration is not None):
         raise LeapfrogError("--draft-vocab-size and --calibration are EAGLE-3 options (an EAGLE-1 head drafts over "
                             "the whole vocabulary); add --method eagle3")

@@ -9,7 +9,7 @@ Training data, ``data_mode``:
   * ``"corpus"``: windows of the user's text; the target labels every position with p.
   * ``"generate"``: prompts cut from each document (``gen_prompts_per_doc`` of them, at evenly
     spaced lines); the target's own continuations (from the engine at ``gen_temperature``; 0 =
-    greedy; several temperatures: a mix, prompt i continued at the (i mod n)-th) are the text, so
+    greedy; several temperatures: a mix, sharing the prompts evenly) are the text, so
     the draft learns what the target says, not what the corpus says (self-distillation), on the
     states it will meet at inference.
 """
@@ -138,15 +138,25 @@ def resolve_autocast(flag: str, device: torch.device) -> bool:
     return can_pack(torch.bfloat16, device)
 
 
-def generation_params(temperatures: float | Sequence[float], n: int, max_tokens: int, seed: int) -> list:
-    """SamplingParams of ``n`` prompts continued for training data: prompt i at temperature
-    ``temperatures[i % len(temperatures)]`` (a single float: all of them)."""
-    from leapfrog import SamplingParams
+def generation_temperatures(temperatures: float | Sequence[float]) -> list[float]:
+    """``gen_temperature`` (one number or several) as a checked list."""
     ts = [float(temperatures)] if isinstance(temperatures, (int, float)) else [float(t) for t in temperatures]
     if not ts or any(not math.isfinite(t) or t < 0 for t in ts):
         raise ConfigError(f"gen_temperature must be one or more finite numbers >= 0, got {temperatures!r}")
-    params = [SamplingParams(temperature=t, max_tokens=max_tokens, seed=seed) for t in ts]
-    return [params[i % len(ts)] for i in range(n)]
+    return ts
+
+
+def generation_params(temperatures: float | Sequence[float], n: int, max_tokens: int, seed: int) -> list:
+    """SamplingParams of ``n`` prompts continued for training data. Several temperatures share the
+    prompts evenly (prompt i gets ``temperatures[perm[i] % len]``, perm a permutation seeded by
+    ``seed``, so the share does not follow a prompt's place in its file); each prompt has its own
+    seed (seed x 1_000_003 + i: a seeded request's noise depends on its seed and position only, so
+    one seed for all would draw every continuation with the same noise)."""
+    from leapfrog import SamplingParams
+    ts = generation_temperatures(temperatures)
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist() if len(ts) > 1 else [0] * n
+    return [SamplingParams(temperature=ts[perm[i] % len(ts)], max_tokens=max_tokens, seed=seed * 1_000_003 + i)
+            for i in range(n)]
 
 
 def _generate_stream(target_path: str, tokenizer, docs: list[Document], gen_tokens: int,
@@ -291,6 +301,8 @@ def train_draft(target: str | os.PathLike, corpus: str | os.PathLike | list[Docu
     _check_resume(ckdir, {"target": target_path, "init_draft": str(init_draft) if init_draft else None,
                           "shape": asdict(shape) if init_draft is None and shape else None, "data_mode": data_mode,
                           "ce_weight": ce_weight, "corpus": fingerprint(train_docs + held),
+                          **({"generation": [gen_tokens, generation_temperatures(gen_temperature), gen_prompt_tokens,
+                                             gen_prompts_per_doc]} if data_mode == "generate" else {}),
                           "train_config": {k: v for k, v in asdict(cfg).items()
                                            if k not in ("steps", "checkpoint_every", "eval_every")}})
     state = train(draft, stream, distill_loss(teacher, ce_weight), cfg, checkpoint_dir=ckdir,

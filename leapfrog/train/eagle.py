@@ -72,8 +72,8 @@ from leapfrog.model.eagle import EagleHead, EagleKind, init_eagle_head, save_eag
 from leapfrog.model.llama import LlamaModel
 from leapfrog.train.corpus import (Document, fingerprint, heldout_or_training, pack_stream, read_documents,
                                    split_by_file)
-from leapfrog.train.distill import (check_target, generation_params, heldout_prompts, heldout_windows, line_windows,
-                                    resolve_autocast)
+from leapfrog.train.distill import (check_target, generation_params, generation_temperatures, heldout_prompts,
+                                    heldout_windows, line_windows, resolve_autocast)
 from leapfrog.train.loop import (
     CHECKPOINT_NAME,
     TrainConfig,
@@ -130,8 +130,8 @@ class EagleData:
     heldout_fraction: float = 0.05  # files held out (split by file, corpus.split_by_file)
     split_seed: int = 0
     gen_tokens: int = 128          # generate: tokens per continuation
-    gen_temperature: float | tuple[float, ...] = 1.0  # generate: 0 = greedy; several: a mix, prompt i
-                                   #   continued at the (i mod n)-th (one head for greedy and sampled requests)
+    gen_temperature: float | tuple[float, ...] = 1.0  # generate: 0 = greedy; several: a mix sharing the
+                                   #   prompts evenly (distill.generation_params): one head for greedy and sampled
     gen_prompt_tokens: int = 32    # generate: prompt length
     gen_prompts_per_doc: int = 1   # generate: prompts cut from each document (evenly spaced)
     gen_max_num_seqs: int = 64     # generate: the engine's batch
@@ -645,13 +645,31 @@ def _head_to_tune(path: str | os.PathLike, target: LlamaModel, device: torch.dev
     fits a new one)."""
     from leapfrog.model.eagle import load_eagle_head
     head = load_eagle_head(path, target, dtype=torch.float32, device=device)
+    head.requires_grad_(True)
+    if head.embed is not None:   # a head shipping its own embedding keeps it, frozen like the target's
+        head.embed.requires_grad_(False)
     scale = head.cfg.greedy_logit_scale
     if scale != 1.0:
         assert head.lm_head is not None
         with torch.no_grad():
             head.lm_head.weight.div_(scale)
         head.cfg = dataclasses.replace(head.cfg, greedy_logit_scale=1.0)
-    return head.requires_grad_(True)
+    return head
+
+
+def head_fingerprint(path: str | os.PathLike) -> str:
+    """A hash of a head directory's config and weights: a resumed fine-tune must start from the same
+    head, wherever it was copied to (its checkpoint holds d2t/t2d, not the vocabulary built at load)."""
+    from leapfrog.model.eagle import _resolve
+    root = _resolve(path, False)
+    h = hashlib.sha256()
+    for f in sorted(root.iterdir()):
+        if f.name == "config.json" or f.suffix in (".safetensors", ".bin"):
+            h.update(f.name.encode())
+            with open(f, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 24), b""):
+                    h.update(block)
+    return h.hexdigest()
 
 
 @torch.no_grad()
@@ -728,6 +746,8 @@ def train_eagle(target: str | os.PathLike, corpus: str | os.PathLike | list[Docu
     ckpt, tokenizer = check_target(target, require_tokenizer=False)
     if init_head is not None:
         _check_init_head(init_head, kind, ckpt.args, recipe)
+    if data.mode == "generate":
+        generation_temperatures(data.gen_temperature)
     docs = read_documents(corpus) if not isinstance(corpus, list) else corpus
     train_docs, held = split_by_file(docs, data.heldout_fraction, data.split_seed)
     held = heldout_or_training(train_docs, held)
@@ -756,7 +776,7 @@ def train_eagle(target: str | os.PathLike, corpus: str | os.PathLike | list[Docu
     Vd = head.cfg.draft_vocab_size
     coverage = float(head.t2d[stream].float().mean()) if kind == "eagle3" else 1.0
     settings = {**_settings(kind, recipe, data, cfg, Vd), "corpus": fingerprint(train_docs + held),
-                **({} if init_head is None else {"init_head": str(init_head)})}
+                **({} if init_head is None else {"init_head": head_fingerprint(init_head)})}
     _start_meta(ckdir, settings)
 
     val = held_data.heldout(16 if data.mode == "generate" else 8, cfg.seq_len)

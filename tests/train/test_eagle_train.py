@@ -24,6 +24,7 @@ from leapfrog.train.eagle import (
     _new_head,
     frequent_tokens,
     generate_samples,
+    head_fingerprint,
     target_batch,
     train_eagle,
     ttt_mask,
@@ -236,10 +237,46 @@ def test_fine_tuning_a_saved_head_starts_where_its_training_ended(trained, targe
                     evaluation=EagleEval(prompts=0), init_head=src.path)
 
 
+def test_a_resumed_fine_tune_needs_the_same_head(trained, target4, corpus_dir, tmp_path):
+    """The checkpoint records the head's content: a copy elsewhere resumes, another head is refused.
+    A head with its own embedding keeps it frozen."""
+    import shutil
+
+    from safetensors.torch import save_file
+    src = trained["eagle3"].path
+    copy_dir, other = tmp_path / "copy", tmp_path / "other"
+    shutil.copytree(src, copy_dir)
+    shutil.copytree(src, other)
+    w = load_file(other / "model.safetensors")
+    a = read_checkpoint(target4).args
+    w["embed_tokens.weight"] = torch.randn(a.vocab_size, a.hidden_size) * 0.1   # a head with its own embedding
+    save_file(w, other / "model.safetensors")
+    kw = dict(kind="eagle3", recipe=EagleRecipe(ttt_steps=2), data=EagleData(heldout_fraction=0.2),
+              evaluation=EagleEval(prompts=0))
+    part = train_eagle(target4, corpus_dir, tmp_path / "h", train_config=cfg(4), stop_at=2, init_head=src, **kw)
+    assert part.state.step == 2
+    with pytest.raises(ConfigError, match="other settings"):
+        train_eagle(target4, corpus_dir, tmp_path / "h", train_config=cfg(4), resume=True, init_head=other, **kw)
+    resumed = train_eagle(target4, corpus_dir, tmp_path / "h", train_config=cfg(4), resume=True,
+                          init_head=copy_dir, **kw)
+    assert resumed.state.step == 4
+    t = load_model(read_checkpoint(target4), torch.float32, torch.device("cpu"), 256)
+    from leapfrog.train.eagle import _head_to_tune
+    head = _head_to_tune(other, t, torch.device("cpu"))
+    assert head.embed is not None and not head.embed.weight.requires_grad
+    assert all(p.requires_grad for n, p in head.named_parameters() if not n.startswith("embed"))
+
+
 def test_generation_params_mix_temperatures():
-    sp = generation_params((0.0, 0.7), 5, 32, seed=3)
-    assert [p.temperature for p in sp] == [0.0, 0.7, 0.0, 0.7, 0.0]
-    assert all(p.max_tokens == 32 and p.seed == 3 for p in sp)
+    """Temperatures share the prompts evenly, not by place (prompt j of every file would always get
+    the same one), and every prompt has its own seed."""
+    sp = generation_params((0.0, 0.7, 1.0), 30, 32, seed=3)
+    ts = [p.temperature for p in sp]
+    assert sorted(ts) == [0.0] * 10 + [0.7] * 10 + [1.0] * 10
+    assert ts != [(0.0, 0.7, 1.0)[i % 3] for i in range(30)]
+    assert ts == [p.temperature for p in generation_params((0.0, 0.7, 1.0), 30, 32, seed=3)]
+    assert ts != [p.temperature for p in generation_params((0.0, 0.7, 1.0), 30, 32, seed=4)]
+    assert all(p.max_tokens == 32 for p in sp) and len({p.seed for p in sp}) == 30
     assert [p.temperature for p in generation_params(1.0, 2, 8, 0)] == [1.0, 1.0]
     for bad in ((), (0.5, -1.0), (float("nan"),)):
         with pytest.raises(ConfigError, match="gen_temperature"):
@@ -247,8 +284,8 @@ def test_generation_params_mix_temperatures():
 
 
 def test_generated_samples_with_a_temperature_mix(target4, tokenizer, corpus_dir):
-    """Prompt i is continued at the (i mod n)-th temperature: the greedy ones are the greedy
-    generation's samples, the sampled ones are not."""
+    """Each prompt is continued at its temperature (generation_params): the greedy ones are the
+    greedy generation's samples, the sampled ones are not."""
     docs = read_documents(corpus_dir)[:3]
     kw = dict(gen_tokens=24, gen_prompt_tokens=12, gen_prompts_per_doc=2)
     greedy = generate_samples(str(target4), tokenizer, docs, EagleData(mode="generate", gen_temperature=0.0, **kw),
@@ -258,8 +295,11 @@ def test_generated_samples_with_a_temperature_mix(target4, tokenizer, corpus_dir
     samples = [[d.stream[d.bounds[i]:d.bounds[i + 1]].tolist() for i in range(len(d.bounds) - 1)]
                for d in (greedy, mixed)]
     assert len(samples[0]) == len(samples[1]) == 6
-    assert [samples[1][i] for i in (0, 2, 4)] == [samples[0][i] for i in (0, 2, 4)]
-    assert [samples[1][i] for i in (1, 3, 5)] != [samples[0][i] for i in (1, 3, 5)]
+    ts = [p.temperature for p in generation_params((0.0, 1.5), 6, 24, 0)]
+    greedy_ones, sampled = [i for i in range(6) if ts[i] == 0], [i for i in range(6) if ts[i] > 0]
+    assert len(greedy_ones) == len(sampled) == 3
+    assert [samples[1][i] for i in greedy_ones] == [samples[0][i] for i in greedy_ones]
+    assert all(samples[1][i] != samples[0][i] for i in sampled)
 
 
 def test_resume_equals_a_straight_run(tmp_path, target4, corpus_dir):
@@ -320,12 +360,12 @@ def test_cli_fine_tunes_a_head_on_a_temperature_mix(trained, tmp_path, target4, 
     assert main(base + ["--out", str(out), "--data-mode", "generate", "--gen-tokens", "16",
                         "--gen-temperature", "0", "1.0", "--json", str(tmp_path / "s.json")]) == 0
     settings = json.loads((out / "train_eagle.json").read_text())["settings"]
-    assert settings["init_head"] == src and settings["data"]["gen_temperature"] == [0.0, 1.0]
+    assert settings["init_head"] == head_fingerprint(src) and settings["data"]["gen_temperature"] == [0.0, 1.0]
     assert (out / "model.safetensors").is_file()
     capsys.readouterr()
     # refused before any data is made: shape flags with a head to tune, a head of the other kind
     assert main(base + ["--out", str(tmp_path / "x"), "--draft-vocab-size", "64"]) == 2
-    assert "keeps the shape" in capsys.readouterr().err
+    assert "keeps its own shape" in capsys.readouterr().err
     assert main([*base[:3], "eagle", *base[4:], "--out", str(tmp_path / "y")]) == 2
     assert "eagle3 head" in capsys.readouterr().err
     assert not (tmp_path / "x.ckpt").exists() and not (tmp_path / "y.ckpt").exists()
