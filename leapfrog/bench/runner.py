@@ -111,6 +111,8 @@ def contender_name(spec: dict | None, taken: set[str]) -> str:
                  if k not in ("method", "num_speculative_tokens", "model", "eagle_topk", "num_draft_tokens")}
         if base in taken and extra:   # the short name is taken: spell out the other keys
             base += "-" + ",".join(f"{k}={v}" for k, v in sorted(extra.items()))
+        if base in taken and spec.get("model"):   # still taken: say which drafter (two heads compared)
+            base += f"@{Path(str(spec['model'])).name}"
     name, i = base, 2
     while name in taken:
         name, i = f"{base}#{i}", i + 1

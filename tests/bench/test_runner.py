@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from leapfrog.bench.runner import (CSV_FIELDS, MIN_CI_REPEATS, format_peers, format_recommendation, format_table,
-                                   run_bench, t_interval)
+from leapfrog.bench.runner import (CSV_FIELDS, MIN_CI_REPEATS, contender_name, format_peers, format_recommendation,
+                                   format_table, run_bench, t_interval)
 from leapfrog.bench.workloads import WorkloadItem
 from leapfrog.entrypoints.cli import main
 
@@ -223,3 +223,16 @@ def test_no_enforce_eager_loads_every_contender_on_the_fast_path(llama_dir, tmp_
     assert seen == [(False, 4), (False, 1), (False, 4)]
     settings = json.loads((tmp_path / "out" / "bench.json").read_text())["settings"]
     assert settings["num_scheduler_steps"] == 4 and settings["multi_step"] == ["none", "draft_model-k2"]
+
+
+def test_contender_names_tell_two_drafters_apart():
+    """Two heads with the same settings (tree_bench --compare-head) are named by their folder."""
+    taken: set[str] = set()
+    names = []
+    for spec in (None, {"method": "eagle3", "model": "/a/eagle3", "num_speculative_tokens": 5, "eagle_topk": 1},
+                 {"method": "eagle3", "model": "/b/tuned", "num_speculative_tokens": 5, "eagle_topk": 1},
+                 {"method": "eagle3", "model": "/b/tuned", "num_speculative_tokens": 5, "eagle_topk": 1,
+                  "min_draft_confidence": 0.3}):
+        names.append(contender_name(spec, taken))
+        taken.add(names[-1])
+    assert names == ["none", "eagle3-k5-topk1", "eagle3-k5-topk1@tuned", "eagle3-k5-topk1-min_draft_confidence=0.3"]
