@@ -110,6 +110,9 @@ def main() -> None:
     items = [WorkloadItem(f"code-{args.source}", p, None, str(i)) for i, p in enumerate(prompts)]
     specs = contenders(args.draft, args.head, args.k, args.compare_head)
     if args.only is not None:
+        if bad := [i for i in args.only if not 0 <= int(i) < len(specs)]:
+            raise SystemExit(f"--only {' '.join(bad)}: contenders are 0..{len(specs) - 1}"
+                             + ("" if args.compare_head else " (8 and 9 need --compare-head)"))
         specs = [specs[int(i)] for i in args.only]
     res = run_bench(args.target, specs, items, temperatures=args.temperatures, max_tokens=args.max_tokens,
                     batch_sizes=args.batch_sizes, repeats=args.repeats, warmup=1, out_dir=args.out,

@@ -109,10 +109,11 @@ def contender_name(spec: dict | None, taken: set[str]) -> str:
                 base += f"-{short}{spec[key]}"
         extra = {k: v for k, v in spec.items()
                  if k not in ("method", "num_speculative_tokens", "model", "eagle_topk", "num_draft_tokens")}
-        if base in taken and extra:   # the short name is taken: spell out the other keys
+        if base in taken and spec.get("model"):   # the short name is taken: say which drafter (two heads
+            m = Path(str(spec["model"]))           # compared; folders are often named alike: parent too)
+            base += f"@{m.parent.name}/{m.name}" if m.parent.name else f"@{m.name}"
+        if base in taken and extra:   # still taken: spell out the other keys
             base += "-" + ",".join(f"{k}={v}" for k, v in sorted(extra.items()))
-        if base in taken and spec.get("model"):   # still taken: say which drafter (two heads compared)
-            base += f"@{Path(str(spec['model'])).name}"
     name, i = base, 2
     while name in taken:
         name, i = f"{base}#{i}", i + 1

@@ -407,7 +407,8 @@ def _train_draft_parser(sub) -> None:
     p.add_argument("--heldout-fraction", type=float, default=0.05, help="files held out for evaluation")
     p.add_argument("--gen-tokens", type=int, default=128, help="generate mode: tokens per continuation")
     p.add_argument("--gen-temperature", type=float, nargs="+", default=[1.0],
-                   help="generate mode: 0 = greedy continuations; several values: a mix (prompt i at the (i mod n)-th)")
+                   help="generate mode: 0 = greedy continuations; several values: a mix, the prompts shared evenly "
+                        "among them at random (seeded); repeat a value to weight it")
     p.add_argument("--gen-prompt-tokens", type=int, default=32, help="generate mode: prompt length in tokens")
     p.add_argument("--gen-prompts-per-doc", type=int, default=1, help="generate mode: prompts cut from each document")
     p.add_argument("--eval-prompts", type=nonneg_int, default=16, help="held-out prompts for the acceptance test (0: skip)")

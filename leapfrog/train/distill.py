@@ -301,8 +301,10 @@ def train_draft(target: str | os.PathLike, corpus: str | os.PathLike | list[Docu
     _check_resume(ckdir, {"target": target_path, "init_draft": str(init_draft) if init_draft else None,
                           "shape": asdict(shape) if init_draft is None and shape else None, "data_mode": data_mode,
                           "ce_weight": ce_weight, "corpus": fingerprint(train_docs + held),
+                          # sampled data only: greedy data is what it was before this key existed
                           **({"generation": [gen_tokens, generation_temperatures(gen_temperature), gen_prompt_tokens,
-                                             gen_prompts_per_doc]} if data_mode == "generate" else {}),
+                                             gen_prompts_per_doc]}
+                             if data_mode == "generate" and any(generation_temperatures(gen_temperature)) else {}),
                           "train_config": {k: v for k, v in asdict(cfg).items()
                                            if k not in ("steps", "checkpoint_every", "eval_every")}})
     state = train(draft, stream, distill_loss(teacher, ce_weight), cfg, checkpoint_dir=ckdir,

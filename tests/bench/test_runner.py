@@ -226,7 +226,7 @@ def test_no_enforce_eager_loads_every_contender_on_the_fast_path(llama_dir, tmp_
 
 
 def test_contender_names_tell_two_drafters_apart():
-    """Two heads with the same settings (tree_bench --compare-head) are named by their folder."""
+    """Two heads with the same settings (tree_bench --compare-head) are named by their folder and its parent."""
     taken: set[str] = set()
     names = []
     for spec in (None, {"method": "eagle3", "model": "/a/eagle3", "num_speculative_tokens": 5, "eagle_topk": 1},
@@ -235,4 +235,5 @@ def test_contender_names_tell_two_drafters_apart():
                   "min_draft_confidence": 0.3}):
         names.append(contender_name(spec, taken))
         taken.add(names[-1])
-    assert names == ["none", "eagle3-k5-topk1", "eagle3-k5-topk1@tuned", "eagle3-k5-topk1-min_draft_confidence=0.3"]
+    assert names == ["none", "eagle3-k5-topk1", "eagle3-k5-topk1@b/tuned",
+                     "eagle3-k5-topk1@b/tuned-min_draft_confidence=0.3"]

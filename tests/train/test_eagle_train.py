@@ -369,6 +369,10 @@ def test_cli_fine_tunes_a_head_on_a_temperature_mix(trained, tmp_path, target4, 
     assert main([*base[:3], "eagle", *base[4:], "--out", str(tmp_path / "y")]) == 2
     assert "eagle3 head" in capsys.readouterr().err
     assert not (tmp_path / "x.ckpt").exists() and not (tmp_path / "y.ckpt").exists()
+    # draft_model: a draft to fine-tune keeps its shape too (the flags were silently dropped before)
+    assert main(["train-draft", str(target4), "--corpus", str(corpus_dir), "--out", str(tmp_path / "z"),
+                 "--init-draft", str(target4), "--hidden-size", "32"]) == 2
+    assert "keeps its own shape" in capsys.readouterr().err and not (tmp_path / "z").exists()
 
 
 def test_cli_draft_model_hint_names_k(tmp_path, target4, corpus_dir, capsys):
