@@ -32,7 +32,7 @@ import platform
 import shutil
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -61,6 +61,18 @@ DATA2 = replace(DATA, gen_temperature=(0.0, 0.7, 0.0, 0.7, 1.0), gen_prompts_per
 RECIPE2 = EagleRecipe(ttt_steps=6, step_decay=0.8)
 # 400 steps = about 31 minutes on 2 AVX-512 cores (6 unrolled steps cost 1.4x phase 1's 4)
 TRAIN2 = replace(TRAIN, steps=400, lr=1.5e-3, warmup_steps=10, eval_every=50)
+
+
+@dataclass(frozen=True)
+class Phase:
+    train: TrainConfig
+    recipe: EagleRecipe
+    data: EagleData
+    head: str      # the head's output folder in --work
+    ckpt: str      # its checkpoint folder in --work
+
+
+PHASES = {1: Phase(TRAIN, RECIPE, DATA, "eagle3", "ckpt"), 2: Phase(TRAIN2, RECIPE2, DATA2, "eagle3-phase2", "ckpt-phase2")}
 #: the acceptance test: held-out prompts (distill.heldout_prompts: 32 tokens at a line start of each
 #: held-out file), temperature 0, fp32, 128 new tokens; (depth, eagle_topk, num_draft_tokens)
 EVAL = EagleEval(prompts=36, max_tokens=128, trees=((5, 4, 16), (5, 1, None)), dtype="float32")
@@ -95,26 +107,21 @@ def baselines(target: str, prompts: list[str]) -> dict:
     return out
 
 
-def phase_dirs(work: Path, phase: int) -> tuple[Path, Path]:
-    """(the head's output directory, its checkpoint directory) of a phase."""
-    return (work / "eagle3", work / "ckpt") if phase == 1 else (work / "eagle3-phase2", work / "ckpt-phase2")
-
-
 def stage_train(work: Path, steps: int | None, stop_at: int | None, phase: int = 1):
     docs = stdlib_documents()
     train_docs, held = split_by_file(docs, HELDOUT_FRACTION, SEED)
     split_check([d.name for d in held])
     log(f"corpus: {len(docs)} files, train {len(train_docs)}, held-out {len(held)}")
-    base, recipe, data = (TRAIN, RECIPE, DATA) if phase == 1 else (TRAIN2, RECIPE2, DATA2)
-    cfg = replace(base, steps=steps or base.steps)
-    out, ckdir = phase_dirs(work, phase)
+    ph = PHASES[phase]
+    cfg = replace(ph.train, steps=steps or ph.train.steps)
+    out, ckdir = work / ph.head, work / ph.ckpt
     init = None
     if phase == 2:
-        init = phase_dirs(work, 1)[0]
+        init = work / PHASES[1].head
         if not (init / "model.safetensors").is_file():
             raise SystemExit(f"phase 2 fine-tunes phase 1's head: run phase 1 first (or copy its head to {init})")
     t0 = time.perf_counter()
-    res = train_eagle(DEMO / "target", docs, out, "eagle3", recipe=recipe, train_config=cfg, data=data,
+    res = train_eagle(DEMO / "target", docs, out, "eagle3", recipe=ph.recipe, train_config=cfg, data=ph.data,
                       evaluation=EagleEval(prompts=0), save_dtype="bfloat16", bf16="on",
                       checkpoint_dir=ckdir, resume=True, stop_at=stop_at, init_head=init,
                       log=lambda m: log(f"train-draft: {m}"))
@@ -123,7 +130,7 @@ def stage_train(work: Path, steps: int | None, stop_at: int | None, phase: int =
         f"training {res.wall_time_s:.0f}s (this run {total:.0f}s); held-out {res.heldout_before} -> "
         f"{res.heldout_after}; calibration {res.calibration}")
     summary = {**res.summary(), "history": res.history, "loss_history": res.state.losses, "steps_planned": cfg.steps}
-    (out.parent / f"summary-phase{phase}.json").write_text(json.dumps(summary, indent=1, default=str))
+    (work / f"summary-phase{phase}.json").write_text(json.dumps(summary, indent=1, default=str))
     return res, held
 
 
@@ -131,8 +138,9 @@ def stage_export(work: Path, held, phase: int = 1) -> None:
     from leapfrog.model.loader import load_tokenizer
     from leapfrog.train.distill import heldout_prompts
     s = json.loads((work / f"summary-phase{phase}.json").read_text())
-    head_dir, ckdir = phase_dirs(work, phase)
-    ck = json.loads((ckdir / "eagle_meta.json").read_text())
+    ph = PHASES[phase]
+    head_dir = work / ph.head
+    ck = json.loads((work / ph.ckpt / "eagle_meta.json").read_text())
     if s["steps"] != s["steps_planned"]:
         raise SystemExit(f"training stopped at step {s['steps']}/{s['steps_planned']}; rerun to finish it")
     target = str(DEMO / "target")
@@ -161,13 +169,12 @@ def stage_export(work: Path, held, phase: int = 1) -> None:
         shutil.copy(head_dir / f, OUT / f)
     if phase == 2:
         shutil.copy(work / "training_loss_phase1.png", OUT / "training_loss_phase1.png")
-    recipe, data = (RECIPE, DATA) if phase == 1 else (RECIPE2, DATA2)
     record = {
         "python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
         "cpu": platform.processor() or platform.machine(), "seed": SEED,
         "command": "python scripts/train_eagle_demo.py --work DIR" + (" --phase 2" if phase == 2 else ""),
         "phase": phase, **({"init_head": "phase 1's head (its record: phase1)"} if phase == 2 else {}),
-        "kind": "eagle3", "target": "stdlib-demo/target", "data": asdict(data), "recipe": asdict(recipe),
+        "kind": "eagle3", "target": "stdlib-demo/target", "data": asdict(ph.data), "recipe": asdict(ph.recipe),
         "train_config": ck["settings"]["train_config"], "heldout_files": [d.name for d in held],
         "head_parameters": s["head_parameters"], "target_parameters": s["target_parameters"],
         "file_bytes": (OUT / "model.safetensors").stat().st_size, "draft_vocab_size": s["draft_vocab_size"],
@@ -200,7 +207,7 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     log(f"python {platform.python_version()}, torch {torch.__version__}, threads {torch.get_num_threads()}")
     res, held = stage_train(args.work, args.steps, args.stop_at, args.phase)
-    if args.stage in ("all", "export") and res.state.step == (args.steps or (TRAIN, TRAIN2)[args.phase - 1].steps):
+    if args.stage in ("all", "export") and res.state.step == (args.steps or PHASES[args.phase].train.steps):
         stage_export(args.work, held, args.phase)
     elif args.stage != "train":
         log("training not finished: rerun to continue")

@@ -430,25 +430,24 @@ def cmd_train_draft(args) -> int:
     from leapfrog.spec_decode.config import MAX_SPECULATIVE_TOKENS
     from leapfrog.train.loop import TrainConfig
 
-    # a flag the method never reads is refused, not ignored
-    eagle_only = {"--ttt-steps": args.ttt_steps, "--draft-vocab-size": args.draft_vocab_size,
-                  "--head-intermediate-size": args.head_intermediate_size, "--head-kv-heads": args.head_kv_heads,
-                  "--eagle-topk": args.eagle_topk, "--calibration": args.calibration}
-    draft_only = {"--hidden-size": args.hidden_size,
-                  "--intermediate-size": args.intermediate_size, "--num-layers": args.num_layers,
-                  "--num-heads": args.num_heads, "--num-kv-heads": args.num_kv_heads, "--ce-weight": args.ce_weight}
+    # a flag the method never reads is refused, not ignored; so are shape flags with a draft to fine-tune
+    head_shape = {"--draft-vocab-size": args.draft_vocab_size, "--head-intermediate-size": args.head_intermediate_size,
+                  "--head-kv-heads": args.head_kv_heads}
+    draft_shape = {"--hidden-size": args.hidden_size, "--intermediate-size": args.intermediate_size,
+                   "--num-layers": args.num_layers, "--num-heads": args.num_heads, "--num-kv-heads": args.num_kv_heads}
+    eagle_only = {"--ttt-steps": args.ttt_steps, **head_shape, "--eagle-topk": args.eagle_topk,
+                  "--calibration": args.calibration}
+    draft_only = {**draft_shape, "--ce-weight": args.ce_weight}
     if args.method == "draft_model":
-        unread, why = eagle_only, "EAGLE options; add --method eagle3 (or eagle)"
+        unread, own_shape, why = eagle_only, draft_shape, "EAGLE options; add --method eagle3 (or eagle)"
     else:
-        unread, why = draft_only, ("--method draft_model options (an EAGLE head takes the target's shape; see "
-                                   "--head-intermediate-size and --head-kv-heads)")
+        unread, own_shape, why = draft_only, head_shape, ("--method draft_model options (an EAGLE head takes the "
+                                                          "target's shape; see --head-intermediate-size and "
+                                                          "--head-kv-heads)")
     if given := [k for k, v in unread.items() if v is not None]:
         raise LeapfrogError(f"{', '.join(given)}: {why}")
-    shape = [k for k, v in {**draft_only, "--draft-vocab-size": args.draft_vocab_size,
-                            "--head-intermediate-size": args.head_intermediate_size,
-                            "--head-kv-heads": args.head_kv_heads}.items() if v is not None and k != "--ce-weight"]
-    if args.init_draft is not None and shape:
-        raise LeapfrogError(f"{', '.join(shape)}: --init-draft {args.init_draft} keeps its own shape")
+    if args.init_draft is not None and (given := [k for k, v in own_shape.items() if v is not None]):
+        raise LeapfrogError(f"{', '.join(given)}: --init-draft {args.init_draft} keeps its own shape")
     if args.method == "eagle" and (args.draft_vocab_size is not None or args.calibration is not None):
         raise LeapfrogError("--draft-vocab-size and --calibration are EAGLE-3 options (an EAGLE-1 head drafts over "
                             "the whole vocabulary); add --method eagle3")

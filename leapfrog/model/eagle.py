@@ -65,6 +65,7 @@ token appended): row t pairs token x_{t+1} with feature f_t at position t; its o
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Sequence
@@ -681,6 +682,19 @@ def _open_head(path: str | os.PathLike, target_args: LlamaArgs, allow_pickle: bo
     src = _TensorSource(root, _weight_files(root, allow_pickle))
     args, cfg = read_eagle_config(read_json(cfg_file), str(cfg_file), target_args, set(src.files))
     return root, src, args, cfg
+
+
+def head_fingerprint(path: str | os.PathLike, allow_pickle: bool = False) -> str:
+    """A hash of a head's config.json and the weight files the loader reads from it (shards by
+    name): the same head wherever it was copied to (a resumed fine-tune must start from it)."""
+    root = _resolve(path, allow_pickle)
+    h = hashlib.sha256()
+    for f in [root / "config.json", *sorted(set(_weight_files(root, allow_pickle).values()))]:
+        h.update(f.name.encode())
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 24), b""):
+                h.update(block)
+    return h.hexdigest()
 
 
 def read_head_config(path: str | os.PathLike, target_args: LlamaArgs, allow_pickle: bool = False) -> EagleConfig:

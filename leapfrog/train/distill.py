@@ -264,12 +264,13 @@ def train_draft(target: str | os.PathLike, corpus: str | os.PathLike | list[Docu
     cfg.autocast_bf16 = resolve_autocast(bf16, device)
     # Fail in the first second, not after training: the target (and init draft), then the corpus.
     ckpt, tokenizer = check_target(target, init_draft)
+    temperatures = generation_temperatures(gen_temperature) if data_mode == "generate" else None
     target_path = str(ckpt.path)
     docs = read_documents(corpus) if not isinstance(corpus, list) else corpus
     train_docs, held = split_by_file(docs, heldout_fraction, split_seed)
     held = heldout_or_training(train_docs, held)
     if data_mode == "generate":
-        stream = _generate_stream(target_path, tokenizer, train_docs, gen_tokens, gen_temperature,
+        stream = _generate_stream(target_path, tokenizer, train_docs, gen_tokens, temperatures,
                                   cfg.seed, gen_prompt_tokens, gen_prompts_per_doc)
     else:
         stream = pack_stream(tokenizer, train_docs)
@@ -302,9 +303,8 @@ def train_draft(target: str | os.PathLike, corpus: str | os.PathLike | list[Docu
                           "shape": asdict(shape) if init_draft is None and shape else None, "data_mode": data_mode,
                           "ce_weight": ce_weight, "corpus": fingerprint(train_docs + held),
                           # sampled data only: greedy data is what it was before this key existed
-                          **({"generation": [gen_tokens, generation_temperatures(gen_temperature), gen_prompt_tokens,
-                                             gen_prompts_per_doc]}
-                             if data_mode == "generate" and any(generation_temperatures(gen_temperature)) else {}),
+                          **({"generation": [gen_tokens, temperatures, gen_prompt_tokens, gen_prompts_per_doc]}
+                             if temperatures is not None and any(temperatures) else {}),
                           "train_config": {k: v for k, v in asdict(cfg).items()
                                            if k not in ("steps", "checkpoint_every", "eval_every")}})
     state = train(draft, stream, distill_loss(teacher, ce_weight), cfg, checkpoint_dir=ckdir,

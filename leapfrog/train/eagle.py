@@ -68,7 +68,7 @@ from torch import Tensor, nn
 
 from leapfrog.attention.metadata import AttnMeta
 from leapfrog.errors import ConfigError
-from leapfrog.model.eagle import EagleHead, EagleKind, init_eagle_head, save_eagle_head
+from leapfrog.model.eagle import EagleHead, EagleKind, head_fingerprint, init_eagle_head, save_eagle_head
 from leapfrog.model.llama import LlamaModel
 from leapfrog.train.corpus import (Document, fingerprint, heldout_or_training, pack_stream, read_documents,
                                    split_by_file)
@@ -655,21 +655,6 @@ def _head_to_tune(path: str | os.PathLike, target: LlamaModel, device: torch.dev
             head.lm_head.weight.div_(scale)
         head.cfg = dataclasses.replace(head.cfg, greedy_logit_scale=1.0)
     return head
-
-
-def head_fingerprint(path: str | os.PathLike) -> str:
-    """A hash of a head directory's config and weights: a resumed fine-tune must start from the same
-    head, wherever it was copied to (its checkpoint holds d2t/t2d, not the vocabulary built at load)."""
-    from leapfrog.model.eagle import _resolve
-    root = _resolve(path, False)
-    h = hashlib.sha256()
-    for f in sorted(root.iterdir()):
-        if f.name == "config.json" or f.suffix in (".safetensors", ".bin"):
-            h.update(f.name.encode())
-            with open(f, "rb") as fh:
-                for block in iter(lambda: fh.read(1 << 24), b""):
-                    h.update(block)
-    return h.hexdigest()
 
 
 @torch.no_grad()

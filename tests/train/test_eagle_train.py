@@ -14,7 +14,7 @@ from leapfrog import LLM, SamplingParams
 from leapfrog.demo import save_random_llama
 from leapfrog.entrypoints.cli import main
 from leapfrog.errors import ConfigError
-from leapfrog.model.eagle import init_eagle_head, load_eagle_head
+from leapfrog.model.eagle import head_fingerprint, init_eagle_head, load_eagle_head
 from leapfrog.model.loader import load_model, read_checkpoint
 from leapfrog.model.runner import ModelRunner, SeqChunk
 from leapfrog.train.eagle import (
@@ -24,7 +24,6 @@ from leapfrog.train.eagle import (
     _new_head,
     frequent_tokens,
     generate_samples,
-    head_fingerprint,
     target_batch,
     train_eagle,
     ttt_mask,
