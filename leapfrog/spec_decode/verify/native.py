@@ -154,5 +154,6 @@ def chain_rejection(logits: Tensor, temperatures: Tensor, q: Tensor | None, draf
 def finite_rows(logits: Tensor, temperatures: Tensor) -> bool:
     """Whether every row of softmax(logits / T) is finite, from each row's max alone: the max
     propagates NaN, and when max / T is finite every other l / T is at most it, so exp(l / T - max / T)
-    and the row's sum are finite (an all -inf row has max -inf)."""
-    return bool(torch.isfinite(logits.max(-1).values / temperatures).all())
+    and the row's sum are finite (an all -inf row has max -inf). ``amax``, not ``max(-1)``: the
+    values alone, vectorised (7 against 27 us on [6, 8192] here; both propagate NaN)."""
+    return bool(torch.isfinite(logits.amax(-1) / temperatures).all())
