@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
 import shutil
 import sys
 import time
@@ -61,6 +62,11 @@ DATA2 = replace(DATA, gen_temperature=(0.0, 0.7, 0.0, 0.7, 1.0), gen_prompts_per
 RECIPE2 = EagleRecipe(ttt_steps=6, step_decay=0.8)
 # 400 steps = about 31 minutes on 2 AVX-512 cores (6 unrolled steps cost 1.4x phase 1's 4)
 TRAIN2 = replace(TRAIN, steps=400, lr=1.5e-3, warmup_steps=10, eval_every=50)
+#: phase 3 (module docstring): phase 2's recipe on new continuations (7 prompts per file: apart
+#: from each file's first, cut at other places than phase 2's 5), a lower learning rate and another
+#: batch order
+DATA3 = replace(DATA2, gen_prompts_per_doc=7)
+TRAIN3 = replace(TRAIN2, lr=1e-3, seed=1)
 
 
 @dataclass(frozen=True)
@@ -70,9 +76,12 @@ class Phase:
     data: EagleData
     head: str      # the head's output folder in --work
     ckpt: str      # its checkpoint folder in --work
+    init: int | None = None   # the phase whose head this one fine-tunes (None: from the target)
 
 
-PHASES = {1: Phase(TRAIN, RECIPE, DATA, "eagle3", "ckpt"), 2: Phase(TRAIN2, RECIPE2, DATA2, "eagle3-phase2", "ckpt-phase2")}
+PHASES = {1: Phase(TRAIN, RECIPE, DATA, "eagle3", "ckpt"),
+          2: Phase(TRAIN2, RECIPE2, DATA2, "eagle3-phase2", "ckpt-phase2", init=1),
+          3: Phase(TRAIN3, RECIPE2, DATA3, "eagle3-phase3", "ckpt-phase3", init=2)}
 #: the acceptance test: held-out prompts (distill.heldout_prompts: 32 tokens at a line start of each
 #: held-out file), temperature 0, fp32, 128 new tokens; (depth, eagle_topk, num_draft_tokens)
 EVAL = EagleEval(prompts=36, max_tokens=128, trees=((5, 4, 16), (5, 1, None)), dtype="float32")
@@ -116,10 +125,11 @@ def stage_train(work: Path, steps: int | None, stop_at: int | None, phase: int =
     cfg = replace(ph.train, steps=steps or ph.train.steps)
     out, ckdir = work / ph.head, work / ph.ckpt
     init = None
-    if phase == 2:
-        init = work / PHASES[1].head
+    if ph.init is not None:
+        init = work / PHASES[ph.init].head
         if not (init / "model.safetensors").is_file():
-            raise SystemExit(f"phase 2 fine-tunes phase 1's head: run phase 1 first (or copy its head to {init})")
+            raise SystemExit(f"phase {phase} fine-tunes phase {ph.init}'s head: run phase {ph.init} first "
+                             f"(or copy its head to {init})")
     t0 = time.perf_counter()
     res = train_eagle(DEMO / "target", docs, out, "eagle3", recipe=ph.recipe, train_config=cfg, data=ph.data,
                       evaluation=EagleEval(prompts=0), save_dtype="bfloat16", bf16="on",
@@ -132,6 +142,34 @@ def stage_train(work: Path, steps: int | None, stop_at: int | None, phase: int =
     summary = {**res.summary(), "history": res.history, "loss_history": res.state.losses, "steps_planned": cfg.steps}
     (work / f"summary-phase{phase}.json").write_text(json.dumps(summary, indent=1, default=str))
     return res, held
+
+
+def check_order(phase: int) -> int:
+    """Phase ``phase`` exports after the previous one (or again): -> the shipped head's phase."""
+    shipped = json.loads((OUT / "training_record.json").read_text()).get("phase", 1)
+    if phase > 1 and shipped not in (phase - 1, phase):
+        raise SystemExit(f"the shipped head is phase {shipped}'s: export phases in order (phase {phase - 1} first)")
+    return shipped
+
+
+def earlier_records(work: Path, phase: int) -> dict[int, dict]:
+    """The records of the phases before ``phase`` (each without the records nested in it), from the
+    shipped head's record: the previous phase's own (its head is what this phase fine-tuned) or,
+    exporting ``phase`` again, the ones it kept; their loss curves are copied into ``work`` as
+    training_loss_phaseK.png."""
+    if phase == 1:
+        return {}
+    old = json.loads((OUT / "training_record.json").read_text())
+    shipped = check_order(phase)
+    out = {}
+    for k in range(1, phase):
+        rec = old if k == shipped else old.get(f"phase{k}")
+        if rec is None:
+            raise SystemExit(f"the shipped head's record keeps no phase {k} record")
+        out[k] = {key: v for key, v in rec.items() if key != "heldout_files" and not re.fullmatch(r"phase\d+", key)}
+        curve = OUT / ("training_loss.png" if k == shipped else f"training_loss_phase{k}.png")
+        shutil.copy(curve, work / f"training_loss_phase{k}.png")
+    return out
 
 
 def stage_export(work: Path, held, phase: int = 1) -> None:
@@ -155,25 +193,20 @@ def stage_export(work: Path, held, phase: int = 1) -> None:
         f"{a['speculative_config']}: {a['mean_acceptance_length']:.2f}" for a in [*acc, *base.values()]))
     if not same:
         log("WARNING: greedy outputs differ between methods (fp32): see outputs_equal_across_methods")
-    phase1 = None
-    if phase == 2:   # the shipped phase-1 record and curve (or, exporting phase 2 again, the ones it kept)
-        old = json.loads((OUT / "training_record.json").read_text())
-        phase1 = old.get("phase1", old)
-        phase1.pop("heldout_files", None)
-        curve = OUT / ("training_loss_phase1.png" if "phase1" in old else "training_loss.png")
-        shutil.copy(curve, work / "training_loss_phase1.png")   # read before OUT is replaced
+    earlier = earlier_records(work, phase)   # (read before OUT is replaced)
     if OUT.exists():
         shutil.rmtree(OUT)
     OUT.mkdir(parents=True)
     for f in ("config.json", "model.safetensors", "training_loss.png"):
         shutil.copy(head_dir / f, OUT / f)
-    if phase == 2:
-        shutil.copy(work / "training_loss_phase1.png", OUT / "training_loss_phase1.png")
+    for k in earlier:
+        shutil.copy(work / f"training_loss_phase{k}.png", OUT / f"training_loss_phase{k}.png")
     record = {
         "python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
         "cpu": platform.processor() or platform.machine(), "seed": SEED,
-        "command": "python scripts/train_eagle_demo.py --work DIR" + (" --phase 2" if phase == 2 else ""),
-        "phase": phase, **({"init_head": "phase 1's head (its record: phase1)"} if phase == 2 else {}),
+        "command": "python scripts/train_eagle_demo.py --work DIR" + (f" --phase {phase}" if phase > 1 else ""),
+        "phase": phase,
+        **({"init_head": f"phase {phase - 1}'s head (its record: phase{phase - 1})"} if phase > 1 else {}),
         "kind": "eagle3", "target": "stdlib-demo/target", "data": asdict(ph.data), "recipe": asdict(ph.recipe),
         "train_config": ck["settings"]["train_config"], "heldout_files": [d.name for d in held],
         "head_parameters": s["head_parameters"], "target_parameters": s["target_parameters"],
@@ -187,7 +220,7 @@ def stage_export(work: Path, held, phase: int = 1) -> None:
         "acceptance": {"prompts": len(prompts), "max_tokens": EVAL.max_tokens, "temperature": 0.0,
                        "dtype": EVAL.dtype, "eagle3": acc, "baselines": base,
                        "outputs_equal_across_methods": same},
-        **({"phase1": phase1} if phase1 is not None else {}),
+        **{f"phase{k}": rec for k, rec in earlier.items()},
     }
     (OUT / "training_record.json").write_text(json.dumps(record, indent=1))
     log(f"exported to {OUT}: {record['file_bytes'] / 1e6:.1f} MB")
@@ -200,11 +233,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="override the step count (experiments)")
     ap.add_argument("--stop-at", type=int, default=None, help="end the training early at this step (resumable)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--phase", type=int, default=1, choices=[1, 2],
-                    help="1: train from the target; 2: fine-tune phase 1's head (module docstring)")
+    ap.add_argument("--phase", type=int, default=1, choices=sorted(PHASES),
+                    help="1: train from the target; 2, 3: fine-tune the previous phase's head (module docstring)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     args.work.mkdir(parents=True, exist_ok=True)
+    if args.stage != "train":
+        check_order(args.phase)   # (before training and the acceptance test, not after)
     log(f"python {platform.python_version()}, torch {torch.__version__}, threads {torch.get_num_threads()}")
     res, held = stage_train(args.work, args.steps, args.stop_at, args.phase)
     if args.stage in ("all", "export") and res.state.step == (args.steps or PHASES[args.phase].train.steps):
