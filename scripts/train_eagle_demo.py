@@ -1,7 +1,8 @@
 """Train the built-in demo target's EAGLE-3 head (``leapfrog/assets/stdlib-demo/eagle3``).
 
     python scripts/train_eagle_demo.py --work /tmp/eagle-run [--stage all|train|export]
-    python scripts/train_eagle_demo.py --work /tmp/eagle-run --phase 2     # then: the shipped head
+    python scripts/train_eagle_demo.py --work /tmp/eagle-run --phase 2     # then
+    python scripts/train_eagle_demo.py --work /tmp/eagle-run --phase 3     # then: the shipped head
 
   1. data: the split of scripts/train_demo.py (the standard library's ``*.py`` by file, seed 0,
      2 % held out; checked against the demo's training_record.json), and the target's own greedy
@@ -19,6 +20,11 @@ with 6 unrolled steps instead of 4: phase 1 saw only greedy text, so sampled req
 it never trained on (stop 73: KL(p || q) on T = 0.7 continuations 0.14 against 0.06 on greedy
 ones). Its record keeps phase 1's under "phase1", and phase 1's loss curve as
 training_loss_phase1.png.
+
+Phase 3 (``--phase 3``, the shipped head) fine-tunes phase 2's head with phase 2's recipe on new
+continuations (7 prompts per file: apart from each file's first, cut at other places than phase
+2's 5) at a lower learning rate and another batch order; its record keeps phases 1 and 2 under
+"phase1" and "phase2", with both earlier curves.
 
 The configuration below is recorded verbatim; the run is deterministic given the seed (on the same
 CPU type, torch version and Python standard library).
