@@ -151,9 +151,12 @@ def stage_train(work: Path, steps: int | None, stop_at: int | None, phase: int =
 
 
 def check_order(phase: int) -> int:
-    """Phase ``phase`` exports after the previous one (or again): -> the shipped head's phase."""
+    """Phase ``phase`` exports after the previous one (or again): -> the shipped head's phase (phase 1
+    replaces whatever is shipped, or nothing)."""
+    if phase == 1:
+        return 1
     shipped = json.loads((OUT / "training_record.json").read_text()).get("phase", 1)
-    if phase > 1 and shipped not in (phase - 1, phase):
+    if shipped not in (phase - 1, phase):
         raise SystemExit(f"the shipped head is phase {shipped}'s: export phases in order (phase {phase - 1} first)")
     return shipped
 

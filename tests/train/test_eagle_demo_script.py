@@ -44,7 +44,10 @@ def test_earlier_records_from_the_previous_phase_and_a_re_export(script, tmp_pat
     monkeypatch.setattr(script, "OUT", out)
     phase1 = {"steps": 800, "heldout_files": ["a.py"]}   # (phase 1's record names no phase)
     _ship(out, phase1, ["training_loss.png"])
-    assert script.earlier_records(work, 1) == {}
+    assert script.earlier_records(work, 1) == {} and script.check_order(1) == 1
+    monkeypatch.setattr(script, "OUT", tmp_path / "nothing shipped")
+    assert script.check_order(1) == 1   # phase 1 needs no earlier head
+    monkeypatch.setattr(script, "OUT", out)
     assert script.earlier_records(work, 2) == {1: {"steps": 800}}   # phase 2 after phase 1, as shipped
     assert (work / "training_loss_phase1.png").read_text() == "training_loss.png"
     phase2 = {"phase": 2, "steps": 400, "heldout_files": ["a.py"], "phase1": phase1}
