@@ -150,12 +150,17 @@ def stage_train(work: Path, steps: int | None, stop_at: int | None, phase: int =
     return res, held
 
 
-def check_order(phase: int) -> int:
+def shipped_record() -> dict:
+    """The shipped head's training_record.json."""
+    return json.loads((OUT / "training_record.json").read_text())
+
+
+def check_order(phase: int, record: dict | None = None) -> int:
     """Phase ``phase`` exports after the previous one (or again): -> the shipped head's phase (phase 1
-    replaces whatever is shipped, or nothing)."""
+    replaces whatever is shipped, or nothing). ``record``: the shipped record, when already read."""
     if phase == 1:
         return 1
-    shipped = json.loads((OUT / "training_record.json").read_text()).get("phase", 1)
+    shipped = (shipped_record() if record is None else record).get("phase", 1)
     if shipped not in (phase - 1, phase):
         raise SystemExit(f"the shipped head is phase {shipped}'s: export phases in order (phase {phase - 1} first)")
     return shipped
@@ -168,8 +173,8 @@ def earlier_records(work: Path, phase: int) -> dict[int, dict]:
     training_loss_phaseK.png."""
     if phase == 1:
         return {}
-    old = json.loads((OUT / "training_record.json").read_text())
-    shipped = check_order(phase)
+    old = shipped_record()
+    shipped = check_order(phase, old)
     out = {}
     for k in range(1, phase):
         rec = old if k == shipped else old.get(f"phase{k}")
@@ -215,7 +220,7 @@ def stage_export(work: Path, held, phase: int = 1) -> None:
         "cpu": platform.processor() or platform.machine(), "seed": SEED,
         "command": "python scripts/train_eagle_demo.py --work DIR" + (f" --phase {phase}" if phase > 1 else ""),
         "phase": phase,
-        **({"init_head": f"phase {phase - 1}'s head (its record: phase{phase - 1})"} if phase > 1 else {}),
+        **({"init_head": f"phase {ph.init}'s head (its record: phase{ph.init})"} if ph.init is not None else {}),
         "kind": "eagle3", "target": "stdlib-demo/target", "data": asdict(ph.data), "recipe": asdict(ph.recipe),
         "train_config": ck["settings"]["train_config"], "heldout_files": [d.name for d in held],
         "head_parameters": s["head_parameters"], "target_parameters": s["target_parameters"],
