@@ -4,7 +4,7 @@ Llama-family model saved with ``transformers`` (safetensors + config.json + toke
 ``default_model()`` is what ``LLM()`` and ``leapfrog generate`` use when no model is given: the
 demo pair shipped in the package (``leapfrog/assets/stdlib-demo``: a target and a draft trained
 on the Python standard library's source by ``scripts/train_demo.py``) with the built-in method
-measured fastest (``DEMO_EAGLE3``: the EAGLE-3 head's tree when shipped, else draft_model at
+measured fastest (``DEMO_EAGLE3``: the EAGLE-3 head's chain when shipped, else draft_model at
 K = 4). Should the assets be missing (a build without package data), it falls back
 to a tiny *random-init* Llama created once under ``~/.cache/leapfrog`` (or ``$LEAPFROG_CACHE``):
 the engine then runs end to end offline, but its text is not meaningful.
@@ -95,22 +95,37 @@ def demo_pair() -> tuple[Path, Path] | None:
     return None
 
 
-#: The built-in method that measured fastest on the demo family (benchmarks/tree_bench.py; README
-#: "Trees and EAGLE"): the EAGLE-3 head as a 5-deep chain when the head is shipped (the calibrated
-#: head's 16-node tree accepts ~1 token more per step but costs as much more: 1.84x against 1.89x
-#: at batch 1), else draft_model K=4. Off above 8 sequences: at batch 16 and 32 the chain measured
-#: 0.94-0.98x plain decode.
+#: The built-in method that measured fastest on the demo family (benchmarks/tree_bench.py,
+#: fastpath_bench.py; README "Trees and EAGLE"): the EAGLE-3 head as a chain when the head is
+#: shipped (the calibrated head's 16-node tree accepts ~1 token more per step but costs as much
+#: more: 1.84x against 1.89x at batch 1), else draft_model K=4. Off above 8 sequences: at batch 16
+#: and 32 the chain measured 0.94-0.98x plain decode. The chain's depth is ``demo_chain_depth``'s.
 DEMO_EAGLE3 = {"method": "eagle3", "num_speculative_tokens": 5, "eagle_topk": 1, "disable_by_batch_size": 8}
 
 
-def default_model() -> tuple[str, dict[str, Any] | None]:
+def demo_chain_depth(dtype: str = "auto") -> int:
+    """The built-in head's chain depth on this CPU: 7 where the target runs in bf16 on the AVX-512
+    BF16 linear kernel (``dtype`` "auto" or "bfloat16" there; its register tile holds 8 rows, so a
+    chain of 7 is verified in one pass over the target's weights, and a chain of 8 needs a second
+    tile), else 5 (the float32 kernel's tile holds 6 rows; on AVX2 CPUs "auto" runs float32).
+    Measured with the phase-3 head (stop 75, `fastpath_bench.py --eagle-depth 5 6 7 8 10 12`, bf16,
+    8 rounds per engine step): T = 0 chains of 5 / 7 / 8 at 2.22x / 2.41-2.45x / 2.18x compiled no
+    speculation (4.75 / 5.8 / 6.04 accepted per round), T = 0.7 level (1.73x / 1.77x), eager steps
+    level (2.00x / 1.96x at T = 0, 1.87x / 1.92x at T = 0.7); on an AVX2 VM (float32) chains of 5 /
+    7 ran 1.71x / 1.48x."""
+    from leapfrog.model.native_linear import kernel_isa
+    return 7 if dtype in ("auto", "bfloat16") and kernel_isa() == "avx512_bf16" else 5
+
+
+def default_model(dtype: str = "auto") -> tuple[str, dict[str, Any] | None]:
     """(model path, default speculative_config) of the built-in default model (the same with
-    tensor parallelism)."""
+    tensor parallelism) for the engine's ``dtype`` (the head's chain depth: ``demo_chain_depth``)."""
     pair = demo_pair()
     if pair is not None:
         head = DEMO_DIR / "eagle3"
         if (head / "config.json").is_file():
-            return str(pair[0]), {**DEMO_EAGLE3, "model": str(head)}
+            return str(pair[0]), {**DEMO_EAGLE3, "num_speculative_tokens": demo_chain_depth(dtype),
+                                  "model": str(head)}
         return str(pair[0]), {"method": "draft_model", "model": str(pair[1]), "num_speculative_tokens": 4}
     path = cache_dir() / "tiny-random-llama-v1"
     if not (path / "config.json").is_file():

@@ -49,3 +49,36 @@ def test_generate_uses_the_demo_pair_offline(capsys):
     method = demo.default_model()[1]["method"]
     assert f"speculation {method}: acceptance rate" in out.out
     assert "speedup" in out.out and "identical output: True" in out.out
+
+
+def test_the_built_in_chain_fills_the_kernels_row_tile(monkeypatch):
+    """A chain of 7 where the target runs bf16 on the AVX-512 BF16 kernel (8-row tiles: K + 1 rows
+    verified in one pass over the weights), 5 where it runs float32 (6-row tiles)."""
+    import leapfrog.model.native_linear as nl
+
+    if demo.demo_pair() is None or not (demo.DEMO_DIR / "eagle3" / "config.json").is_file():
+        return
+    for isa, dtype, depth in [("avx512_bf16", "auto", 7), ("avx512_bf16", "bfloat16", 7),
+                              ("avx512_bf16", "float32", 5), ("avx2", "auto", 5), ("avx2", "bfloat16", 5),
+                              (None, "auto", 5)]:
+        monkeypatch.setattr(nl, "kernel_isa", lambda isa=isa: isa)
+        spec = demo.default_model(dtype)[1]
+        assert spec["method"] == "eagle3" and spec["num_speculative_tokens"] == depth, (isa, dtype, spec)
+        assert spec["eagle_topk"] == 1
+
+
+def test_cli_and_llm_pass_their_dtype_to_the_default(monkeypatch, tmp_path, capsys):
+    import pytest
+
+    from leapfrog import LLM
+    from leapfrog.errors import LeapfrogError
+
+    seen = []
+    missing = str(tmp_path / "no-model")
+    monkeypatch.setattr(demo, "default_model", lambda dtype="auto": (seen.append(dtype), (missing, None))[1])
+    with pytest.raises(LeapfrogError):
+        LLM(dtype="float32")
+    for cmd in (["generate", "x"], ["serve", "--port", "0"], ["check"], ["bench"]):
+        assert main([*cmd, "--dtype", "bfloat16"]) != 0
+    assert seen == ["float32"] + ["bfloat16"] * 4, seen
+    capsys.readouterr()
