@@ -7,7 +7,8 @@ chosen by goodput (num_draft_tokens "auto"), draft_model with an adaptive K (ind
 that end where the drafter's path confidence falls below 0.3 (``min_draft_confidence``): the
 EAGLE-3 head's up to 10 deep (index 6) and the draft model's up to 8 (index 7). ``--compare-head
 HEAD`` adds another EAGLE-3 head (a retrained one) as the chain of 5 (index 8) and the chain up to
-10 with c = 0.3 (index 9), to compare heads in one interleaved run.
+10 with c = 0.3 (index 9), to compare heads in one interleaved run. ``--eagle-depths 7`` adds the head's
+chain of 7 (the built-in default on AVX-512 BF16 CPUs: ``leapfrog.demo.demo_chain_depth``) after those.
 Prompts: code the models never trained on, either the demo's held-out standard-library files
 (``--source heldout``, default) or third-party files from this Python's site-packages
 (``--source site-packages``).
@@ -51,7 +52,8 @@ def site_package_documents(limit_files: int = 60) -> list[Document]:
     return docs
 
 
-def contenders(draft: str, head: str, k: int, compare_head: str | None = None) -> list[dict]:
+def contenders(draft: str, head: str, k: int, compare_head: str | None = None,
+               depths: list[int] = ()) -> list[dict]:
     e3 = {"method": "eagle3", "model": head}
     other = [] if compare_head is None else [
         {"method": "eagle3", "model": compare_head, "num_speculative_tokens": 5, "eagle_topk": 1},
@@ -66,7 +68,7 @@ def contenders(draft: str, head: str, k: int, compare_head: str | None = None) -
         {"method": "draft_model", "model": draft, "num_speculative_tokens": k, "adaptive": True},
         {**e3, "num_speculative_tokens": 10, "eagle_topk": 1, "min_draft_confidence": 0.3},
         {"method": "draft_model", "model": draft, "num_speculative_tokens": 8, "min_draft_confidence": 0.3},
-    ] + other
+    ] + other + [{**e3, "num_speculative_tokens": d, "eagle_topk": 1} for d in depths]
 
 
 def main() -> None:
@@ -86,7 +88,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--only", nargs="*", default=None, help="contender indices to keep (0..7, 8 and 9 with --compare-head; none always runs)")
+    ap.add_argument("--eagle-depths", nargs="*", type=int, default=[],
+                    help="more chains of the head at these depths (the built-in default's 7 on AVX-512 BF16 "
+                         "CPUs): indices after the others (from 8, or 10 with --compare-head)")
+    ap.add_argument("--only", nargs="*", default=None, help="contender indices to keep (0..7, 8 and 9 with --compare-head, "
+                    "then --eagle-depths'; none always runs)")
     ap.add_argument("--request-seed", type=int, default=None,
                     help="seed the requests (item i: this + i): sampled ones are verified by matching")
     ap.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
@@ -108,7 +114,7 @@ def main() -> None:
         docs = site_package_documents()
     prompts = heldout_prompts(tok, docs, args.num_prompts, prompt_tokens=args.prompt_tokens)
     items = [WorkloadItem(f"code-{args.source}", p, None, str(i)) for i, p in enumerate(prompts)]
-    specs = contenders(args.draft, args.head, args.k, args.compare_head)
+    specs = contenders(args.draft, args.head, args.k, args.compare_head, args.eagle_depths)
     if args.only is not None:
         if bad := [i for i in args.only if not 0 <= int(i) < len(specs)]:
             raise SystemExit(f"--only {' '.join(bad)}: contenders are 0..{len(specs) - 1}"
