@@ -2,7 +2,9 @@
 
 Contenders (``--only``, default all): ``none``, ``eagle3`` (the built-in EAGLE-3 head as a chain of
 5), ``draft_model`` (the demo draft, K = 4), ``eagle3-python`` and ``draft_model-python`` (drafting
-with the Python loops rather than model/native_draft.py's ops) and ``eagle3-tree16`` (a dynamic
+with the Python loops rather than model/native_draft.py's ops), ``none-python-forward`` and
+``eagle3-python-forward`` (the target's eager forward through LlamaModel.forward in Python rather
+than one ``llama_hidden`` call: LEAPFROG_NATIVE_FORWARD=0) and ``eagle3-tree16`` (a dynamic
 tree of 16 nodes, depth 5, width 4), each one LLM on the built-in target, run in
 interleaved rounds (A B C A B C ...) over the same held-out prompts, one at a time (batch 1). Per
 contender, the median over its decode steps of:
@@ -66,8 +68,13 @@ CONTENDERS["draft_model-conf"] = {**CONTENDERS["draft_model"], "num_speculative_
 #: the eagle3 chain verifying sampled chains in Python (LEAPFROG_NATIVE_VERIFY=0: spec_decode/verify/native.py's
 #: op off), for the op's A/B at a temperature
 CONTENDERS["eagle3-python-verify"] = CONTENDERS["eagle3"]
+#: no speculation and the eagle3 chain with the target's eager forward in Python (LEAPFROG_NATIVE_FORWARD=0:
+#: model/runner.py _native_forward off), for that op's A/B
+CONTENDERS["none-python-forward"] = CONTENDERS["none"]
+CONTENDERS["eagle3-python-forward"] = CONTENDERS["eagle3"]
 ENV = {"eagle3-python": {"LEAPFROG_NATIVE_DRAFTS": "0"}, "draft_model-python": {"LEAPFROG_NATIVE_DRAFTS": "0"},
-       "eagle3-python-verify": {"LEAPFROG_NATIVE_VERIFY": "0"}}
+       "eagle3-python-verify": {"LEAPFROG_NATIVE_VERIFY": "0"},
+       "none-python-forward": {"LEAPFROG_NATIVE_FORWARD": "0"}, "eagle3-python-forward": {"LEAPFROG_NATIVE_FORWARD": "0"}}
 PARTS = ("step", "draft", "forward", "accept")
 
 

@@ -58,6 +58,7 @@ from leapfrog.sampling.native import INVERSE_CDF_DRAW_CPP
 from leapfrog.utils.cpp import OpLibrary
 
 if TYPE_CHECKING:
+    from leapfrog.attention.metadata import AttnMeta
     from leapfrog.kv.cache import KVCache
 
 _SOURCE = r"""
@@ -223,50 +224,69 @@ std::pair<Tensor, std::vector<Tensor>> greedy_pick(const Tensor& logits, int64_t
   return {x, {lp}};
 }
 
-// LlamaModel.forward (layers as DecoderLayer, final norm in float32), then CompiledForward._forward's
-// logits rows through the LogitsHead -> hidden [B, S, D] float32, logits [N or B * S, V] float32.
-// norms: per layer attention and MLP norms, then the final one (float32); weights/biases/outs/streams:
-// per layer wqkv, wo, w13, w2, then the LM head; dims: heads, kv_heads, head_dim, the LM head's
-// f32_out, its rows in bf16
-std::tuple<Tensor, Tensor> llama_forward(
+// LlamaModel.forward: the layers (as DecoderLayer), the outputs of the layers in ``aux_layers`` (the
+// residual stream after them, the model's dtype), the final norm in float32 -> hidden [B, S, D]
+// float32, aux. norms: per layer attention and MLP norms, then the final one (float32);
+// weights/biases/outs/streams: per layer wqkv, wo, w13, w2 (then the LM head, unread here); dims:
+// heads, kv_heads, head_dim, the LM head's f32_out, its rows in bf16
+std::tuple<Tensor, std::vector<Tensor>> llama_hidden(
     const Tensor& tok, const Tensor& pos, const Tensor& mask, const Tensor& rows, const Tensor& write_rows,
-    const Tensor& write_cols, const Tensor& kv_len, const Tensor& at, at::TensorList k_caches,
-    at::TensorList v_caches, const Tensor& embed, const Tensor& cos_table, const Tensor& sin_table,
-    at::TensorList norms, at::TensorList weights, at::TensorList biases, at::IntArrayRef outs,
-    at::IntArrayRef streams, at::IntArrayRef dims, double eps) {
+    const Tensor& write_cols, const Tensor& kv_len, at::TensorList k_caches, at::TensorList v_caches,
+    const Tensor& embed, const Tensor& cos_table, const Tensor& sin_table, at::TensorList norms,
+    at::TensorList weights, at::TensorList biases, at::IntArrayRef outs, at::IntArrayRef streams,
+    at::IntArrayRef dims, double eps, at::IntArrayRef aux_layers) {
   const int64_t L = k_caches.size();
   TORCH_CHECK(v_caches.size() == (size_t)L && norms.size() == (size_t)(2 * L + 1) &&
               weights.size() == (size_t)(4 * L + 1) && biases.size() == weights.size() &&
               outs.size() == weights.size() && streams.size() == weights.size() && dims.size() == 5,
-              "llama_forward: per layer 2 norms and 4 linears, then the final norm and the LM head");
-  const int64_t B = tok.size(0), S = tok.size(1), D = embed.size(1);
+              "llama_hidden: per layer 2 norms and 4 linears, then the final norm and the LM head");
+  const int64_t B = tok.size(0), S = tok.size(1);
   const int64_t heads = dims[0], kv_heads = dims[1], Dh = dims[2];
   const int64_t q_size = heads * Dh, kv_size = kv_heads * Dh;
-  auto linear = [&](const Tensor& x, int64_t i, bool f32_out) {
+  auto linear = [&](const Tensor& x, int64_t i) {
     c10::optional<Tensor> bias = biases[i].numel() ? c10::optional<Tensor>(biases[i]) : c10::nullopt;
-    return linear_op().call(x, weights[i], bias, outs[i], f32_out, streams[i] != 0);
+    return linear_op().call(x, weights[i], bias, outs[i], false, streams[i] != 0);
   };
   Tensor x = at::embedding(embed, tok);                                        // [B, S, D]
   const auto dt = x.scalar_type();
   Tensor p = pos.reshape({-1});
   Tensor cos = cos_table.index_select(0, p).to(dt).view({B, S, 1, Dh});
   Tensor sin = sin_table.index_select(0, p).to(dt).view({B, S, 1, Dh});
+  std::vector<Tensor> aux;
   for (int64_t i = 0; i < L; ++i) {                                            // DecoderLayer.forward
     Tensor h = norm_op().call(x, norms[2 * i], eps);
-    auto qkv = linear(h, 4 * i, false).split_with_sizes({q_size, kv_size, kv_size}, -1);
+    auto qkv = linear(h, 4 * i).split_with_sizes({q_size, kv_size, kv_size}, -1);
     Tensor q = rope_op().call(qkv[0].view({B, S, heads, Dh}), cos, sin);
     Tensor k = rope_op().call(qkv[1].view({B, S, kv_heads, Dh}), cos, sin);
     Tensor v = qkv[2].view({B, S, kv_heads, Dh});
     Tensor kc = k_caches[i], vc = v_caches[i];
     Tensor o = attention_op().call(q, k, v, kc, vc, rows, write_rows, write_cols, mask, kv_len);
-    x = x.add(linear(o.reshape({B, S, q_size}), 4 * i + 1, false));
+    x = x.add(linear(o.reshape({B, S, q_size}), 4 * i + 1));
     Tensor g = norm_op().call(x, norms[2 * i + 1], eps);
-    x = x.add(linear(silu_op().call(linear(g, 4 * i + 2, false)), 4 * i + 3, false));
+    x = x.add(linear(silu_op().call(linear(g, 4 * i + 2)), 4 * i + 3));
+    for (int64_t a : aux_layers)
+      if (a == i) aux.push_back(x);
   }
-  Tensor hidden = norm_op().call(x.to(at::kFloat), norms[2 * L], eps);          // [B, S, D] float32
+  return {norm_op().call(x.to(at::kFloat), norms[2 * L], eps), aux};          // [B, S, D] float32
+}
+
+// llama_hidden, then CompiledForward._forward's logits rows through the LogitsHead -> hidden [B, S, D]
+// float32, logits [N or B * S, V] float32
+std::tuple<Tensor, Tensor> llama_forward(
+    const Tensor& tok, const Tensor& pos, const Tensor& mask, const Tensor& rows, const Tensor& write_rows,
+    const Tensor& write_cols, const Tensor& kv_len, const Tensor& at, at::TensorList k_caches,
+    at::TensorList v_caches, const Tensor& embed, const Tensor& cos_table, const Tensor& sin_table,
+    at::TensorList norms, at::TensorList weights, at::TensorList biases, at::IntArrayRef outs,
+    at::IntArrayRef streams, at::IntArrayRef dims, double eps) {
+  const int64_t L = k_caches.size(), B = tok.size(0), S = tok.size(1), D = embed.size(1);
+  Tensor hidden = std::get<0>(llama_hidden(tok, pos, mask, rows, write_rows, write_cols, kv_len, k_caches, v_caches,
+                                           embed, cos_table, sin_table, norms, weights, biases, outs, streams, dims,
+                                           eps, {}));
   Tensor rows_h = hidden.reshape({B * S, D});
   if (at.numel()) rows_h = rows_h.index({at});
-  Tensor logits = linear(rows_h.to(dims[4] ? at::kBFloat16 : at::kFloat), 4 * L, dims[3] != 0).to(at::kFloat);
+  c10::optional<Tensor> bias = biases[4 * L].numel() ? c10::optional<Tensor>(biases[4 * L]) : c10::nullopt;
+  Tensor logits = linear_op().call(rows_h.to(dims[4] ? at::kBFloat16 : at::kFloat), weights[4 * L], bias,
+                                   outs[4 * L], dims[3] != 0, streams[4 * L] != 0).to(at::kFloat);
   return {hidden, logits};
 }
 
@@ -429,6 +449,10 @@ TORCH_LIBRARY(leapfrog_draft, m) {
         "Tensor kv_len, Tensor last, Tensor col, int steps, Tensor stop, int window, Tensor(a!)[] k_caches, "
         "Tensor(b!)[] v_caches, Tensor embed, Tensor cos, Tensor sin, Tensor[] norms, Tensor[] weights, "
         "Tensor[] biases, int[] outs, int[] streams, int[] dims, float eps) -> (Tensor, Tensor)");
+  m.def("llama_hidden(Tensor tok, Tensor pos, Tensor mask, Tensor rows, Tensor write_rows, Tensor write_cols, "
+        "Tensor kv_len, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor embed, Tensor cos, Tensor sin, "
+        "Tensor[] norms, Tensor[] weights, Tensor[] biases, int[] outs, int[] streams, int[] dims, float eps, "
+        "int[] aux_layers) -> (Tensor, Tensor[])");
   m.def("eagle3_tree(Tensor tok, Tensor features, Tensor pos, Tensor mask, Tensor rows, Tensor write_rows, "
         "Tensor write_cols, Tensor kv_len, Tensor last, Tensor col, int steps, int k, int nodes, Tensor spread_ids, "
         "int V, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor embed, Tensor cos, Tensor sin, Tensor[] norms, "
@@ -440,6 +464,7 @@ TORCH_LIBRARY_IMPL(leapfrog_draft, CPU, m) {
   m.impl("eagle3_sampled_chain", &eagle3_sampled_chain);
   m.impl("eagle3_tree", &eagle3_tree);
   m.impl("llama_chain", &llama_chain);
+  m.impl("llama_hidden", &llama_hidden);
 }
 """
 
@@ -561,14 +586,15 @@ class NativeLlamaForward:
     no_stop: Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.float64))   # ``stop``: none
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module) -> NativeLlamaForward | None:
+    def for_model(cls, model: torch.nn.Module, switch: str = "LEAPFROG_NATIVE_DRAFTS") -> NativeLlamaForward | None:
         """The op's arguments for ``model``, or None where it does not apply: a LlamaModel packed
         for inference on CPU with the native norm/RoPE ops, every linear (its LM head too) on the
-        bf16 few-row kernel, no tensor parallelism, not batch-invariant."""
+        bf16 few-row kernel, no tensor parallelism, not batch-invariant; the environment variable
+        ``switch`` not "0"."""
         from leapfrog.model.llama import LlamaModel
         if (not isinstance(model, LlamaModel) or not model.native_ops or model.device.type != "cpu"
                 or model.tp is not None or model.batch_invariant or model.head is None
-                or env_off("LEAPFROG_NATIVE_DRAFTS")):
+                or env_off(switch)):
             return None
         lins = [m for layer in model.layers for m in (layer.wqkv, layer.wo, layer.w13, layer.w2)] + [model.head.proj]
         if not _on_the_kernel(lins, model.head):
@@ -579,6 +605,18 @@ class NativeLlamaForward:
                    [m.out_features for m in lins], [int(m.stream) for m in lins],
                    [a.num_attention_heads, a.num_key_value_heads, a.head_dim, int(model.head.proj.f32_out),
                     int(model.head.in_dtype == torch.bfloat16)], a.rms_norm_eps)
+
+    def hidden(self, tok: Tensor, pos: Tensor, meta: AttnMeta, kv: KVCache,
+               aux_layers: tuple[int, ...] = ()) -> tuple[Tensor, list[Tensor]]:
+        """LlamaModel.forward in one call (``llama_hidden``): token ids, positions [B, S] and the
+        eager forward's attention metadata for the C++ attention op (``meta.native``: its rows,
+        write rows and columns, the cache-wide mask and kv_len) -> hidden [B, S, D] float32, the
+        outputs of the layers in ``aux_layers`` [B, S, D] each; every value bitwise the Python
+        forward's (the same ops in the same order) and the cache written alike."""
+        return torch.ops.leapfrog_draft.llama_hidden(
+            tok, pos, meta.mask, meta.rows, meta.write_rows, meta.write_cols, meta.graph_kv_len, kv.k, kv.v,
+            self.embed, self.cos, self.sin, self.norms, self.weights, self.biases, self.outs, self.streams,
+            self.dims, self.eps, list(aux_layers))
 
     def chain(self, tok: Tensor, pos: Tensor, mask: Tensor, rows: Tensor, write_rows: Tensor, write_cols: Tensor,
               kv_len: Tensor, features: Tensor | None, last: Tensor, col: Tensor, steps: int, vocab: Tensor | None,

@@ -40,6 +40,7 @@ from leapfrog.model.compiled import (Bucket, ChainOutput, CompiledChain, Compile
                                      CompiledEagleRound, CompiledSampledChain, CompiledSpecRound, CompiledTree,
                                      DecodeStepsOutput, RoundRace, SampledChainOutput, TreeOutput)
 from leapfrog.model.graph_inputs import GraphInputs
+from leapfrog.model.native_draft import NativeLlamaForward
 from leapfrog.utils import env_off
 
 #: the largest batch whose speculation rounds run with sampled requests (compile_spec_round), and
@@ -136,6 +137,8 @@ class ModelRunner:
         plain = self.device.type == "cpu" and model.dtype in (torch.float32, torch.bfloat16, torch.float16)
         wanted = plain and not batch_invariant and not env_off("LEAPFROG_NATIVE_ATTENTION")
         self._native: bool | None = None if wanted else False
+        # eager decode/verify forwards of a Llama model as one C++ call (_native_forward; False: not looked up yet)
+        self._native_fwd: NativeLlamaForward | None | bool = None if env_off("LEAPFROG_NATIVE_FORWARD") else False
         # a compiled graph's logits are checked for float16 overflow (check_logits), only in fp16
         # models (the check's dtype lookup alone cost 10 us per step, once the graph had run)
         self._fp16 = model.dtype == torch.float16
@@ -446,17 +449,21 @@ class ModelRunner:
             g = bucket[0](tok, posn, meta, self._pad_features(chunks, S) if has_features else None)
             out_hidden, out_aux = g.hidden, g.aux
         else:
-            kwargs = {}
-            if has_features:
-                kwargs["features"] = self._pad_features(chunks, S)
-            if isinstance(hidden, tuple):
-                kwargs["aux_layers"] = hidden
             # only the logits rows' hidden states are read (prefill): the last layer's MLP runs for them alone
             kept = hidden in (None, "logits_rows") and len(rows) < B * S and getattr(self.model, "keeps_rows", False)
-            if kept:
-                kwargs["keep_rows"] = torch.tensor(rows, dtype=torch.long, device=self.device)
-            out = self.model(token_ids=tok, positions=posn, kv=self.kv, attn=meta, **kwargs)
-            out_hidden, out_aux = out.hidden, out.aux
+            native = None if kept or has_features or not meta.native else self._native_forward()
+            if native is not None:   # (decode and verify chunks: every row read)
+                out_hidden, out_aux = native.hidden(tok, posn, meta, self.kv, hidden if isinstance(hidden, tuple) else ())
+            else:
+                kwargs = {}
+                if has_features:
+                    kwargs["features"] = self._pad_features(chunks, S)
+                if isinstance(hidden, tuple):
+                    kwargs["aux_layers"] = hidden
+                if kept:
+                    kwargs["keep_rows"] = torch.tensor(rows, dtype=torch.long, device=self.device)
+                out = self.model(token_ids=tok, positions=posn, kv=self.kv, attn=meta, **kwargs)
+                out_hidden, out_aux = out.hidden, out.aux
         read = None   # the logits rows' states [len(rows), D] (kept: all the last layer computed)
         if g is None or hidden == "logits_rows":   # (a graph's logits come with it)
             D = out_hidden.shape[-1]
@@ -534,6 +541,18 @@ class ModelRunner:
         if self._native is None:
             self._native = load_native_attention()
         return self._native
+
+    def _native_forward(self) -> NativeLlamaForward | None:
+        """The model's eager forward as one C++ call (model/native_draft.py ``llama_hidden``: the
+        same ops in the same order as LlamaModel.forward, without its hundred-odd Python calls a
+        step), for chunks whose attention runs through the C++ op and whose every row is read
+        (decode, verification, a drafter's catch-up): a Llama model packed on the bf16 few-row
+        kernel with the native norm/RoPE ops, on CPU, no tensor parallelism, not batch-invariant
+        (NativeLlamaForward.for_model); ``LEAPFROG_NATIVE_FORWARD=0`` (read when the runner is
+        made) keeps the Python forward. Looked up once."""
+        if self._native_fwd is False:
+            self._native_fwd = NativeLlamaForward.for_model(self.model, "LEAPFROG_NATIVE_FORWARD")
+        return self._native_fwd
 
     def _bucket(self, chunks: list[SeqChunk], hidden: str | tuple[int, ...] | None,
                 kv_len: int) -> tuple[CompiledForward, Bucket] | None:
