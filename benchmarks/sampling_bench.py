@@ -112,7 +112,7 @@ def main() -> None:
             ap.error(f"config {config}: MODE:BATCH[:eagle3], mode eager or compiled")
         if spec and args.model:
             ap.error(f"config {config}: eagle3 runs the built-in pair (no --model)")
-        spec_config = default_model()[1] if spec else None
+        spec_config = default_model(args.dtype)[1] if spec else None
         if spec and (spec_config or {}).get("method") != "eagle3":
             ap.error("the built-in EAGLE-3 head is not installed")
         llm = LLM(model=model, dtype=args.dtype, max_num_seqs=batch, enforce_eager=mode == "eager", seed=0,

@@ -55,7 +55,8 @@ CONTENDERS = {
     "draft_model": {"method": "draft_model", "model": str(DEMO_DIR / "draft"), "num_speculative_tokens": 4},
 }
 #: the eagle3 chain and the draft model drafting with the Python loops (LEAPFROG_NATIVE_DRAFTS=0 at
-#: load: model/native_draft.py's ops off), for the ops' A/B
+#: load: model/native_draft.py's drafting ops off), for the ops' A/B (each forward of a draft model's
+#: per-token loop is still one llama_hidden call: LEAPFROG_NATIVE_FORWARD is a separate switch)
 CONTENDERS["eagle3-python"] = CONTENDERS["eagle3"]
 CONTENDERS["draft_model-python"] = CONTENDERS["draft_model"]
 #: the 16-node dynamic tree of depth 5 and width 4 (tree_bench's)

@@ -114,7 +114,7 @@ def demo_chain_depth(dtype: str = "auto") -> int:
     level (2.00x / 1.96x at T = 0, 1.87x / 1.92x at T = 0.7); on an AVX2 VM (float32) chains of 5 /
     7 ran 1.71x / 1.48x."""
     from leapfrog.model.native_linear import kernel_isa
-    return 7 if dtype in ("auto", "bfloat16") and kernel_isa() == "avx512_bf16" else 5
+    return 7 if dtype in ("auto", "bfloat16", "bf16") and kernel_isa() == "avx512_bf16" else 5
 
 
 def default_model(dtype: str = "auto") -> tuple[str, dict[str, Any] | None]:

@@ -62,6 +62,7 @@ if TYPE_CHECKING:
     from leapfrog.kv.cache import KVCache
 
 _SOURCE = r"""
+#include <algorithm>
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -264,8 +265,7 @@ std::tuple<Tensor, std::vector<Tensor>> llama_hidden(
     x = x.add(linear(o.reshape({B, S, q_size}), 4 * i + 1));
     Tensor g = norm_op().call(x, norms[2 * i + 1], eps);
     x = x.add(linear(silu_op().call(linear(g, 4 * i + 2)), 4 * i + 3));
-    for (int64_t a : aux_layers)
-      if (a == i) aux.push_back(x);
+    if (std::find(aux_layers.begin(), aux_layers.end(), i) != aux_layers.end()) aux.push_back(x);   // once
   }
   return {norm_op().call(x.to(at::kFloat), norms[2 * L], eps), aux};          // [B, S, D] float32
 }
