@@ -98,9 +98,12 @@ def demo_pair() -> tuple[Path, Path] | None:
 #: The built-in method that measured fastest on the demo family (benchmarks/tree_bench.py,
 #: fastpath_bench.py; README "Trees and EAGLE"): the EAGLE-3 head as a chain when the head is
 #: shipped (the calibrated head's 16-node tree accepts ~1 token more per step but costs as much
-#: more: 1.84x against 1.89x at batch 1), else draft_model K=4. Off above 8 sequences: at batch 16
-#: and 32 the chain measured 0.94-0.98x plain decode. The chain's depth is ``demo_chain_depth``'s.
-DEMO_EAGLE3 = {"method": "eagle3", "num_speculative_tokens": 5, "eagle_topk": 1, "disable_by_batch_size": 8}
+#: more: 1.84x against 1.89x at batch 1), else draft_model K=4. Off above 3 sequences: with plain
+#: eager decode one C++ call a step (stop 75, tree_bench.py --batch-sizes 2 3 4 8), the chains of 5
+#: / 7 ran 1.38x / 1.34x no speculation at batch 2, 1.30x / 1.25x at 3, 1.13x / 1.12x at 4 and
+#: 1.06x / 1.02x at 8 at T = 0, but at T = 0.7 1.16x / 1.12x at 2, 1.08x / 1.03x at 3, 0.90x / 0.89x
+#: at 4 and 0.86x / 0.82x at 8. The chain's depth is ``demo_chain_depth``'s.
+DEMO_EAGLE3 = {"method": "eagle3", "num_speculative_tokens": 5, "eagle_topk": 1, "disable_by_batch_size": 3}
 
 
 def demo_chain_depth(dtype: str = "auto") -> int:

@@ -468,8 +468,8 @@ TORCH_LIBRARY_IMPL(leapfrog_draft, CPU, m) {
 }
 """
 
-_LIBRARY = OpLibrary("leapfrog_native_draft", _SOURCE, ["-O2"], "native drafting ops (about 15 s)",
-                     "drafters draft in Python")
+_LIBRARY = OpLibrary("leapfrog_native_draft", _SOURCE, ["-O2"], "native drafting and forward ops (about 15 s)",
+                     "drafters draft and eager forwards run in Python")
 
 
 def load_native_draft() -> bool:
