@@ -77,6 +77,10 @@ linear_op() {
       .typed<Tensor(const Tensor&, const Tensor&, const c10::optional<Tensor>&, int64_t, bool, bool)>();
   return op;
 }
+// linear_op with the ops' bias convention: an empty tensor for none
+Tensor packed_linear(const Tensor& x, const Tensor& w, const Tensor& bias, int64_t n, bool f32_out, bool stream) {
+  return linear_op().call(x, w, bias.numel() ? c10::optional<Tensor>(bias) : c10::nullopt, n, f32_out, stream);
+}
 const c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, double)>& norm_op() {
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("leapfrog_ops::rms_norm", "")
       .typed<Tensor(const Tensor&, const Tensor&, double)>();
@@ -114,8 +118,7 @@ std::tuple<Tensor, Tensor> eagle3_forward(
   const int64_t heads = sizes[6], kv_heads = sizes[7], Dh = sizes[8];
   const int64_t q_size = heads * Dh, kv_size = kv_heads * Dh;
   auto linear = [&](const Tensor& x, int i, bool f32_out) {
-    c10::optional<Tensor> bias = biases[i].numel() ? c10::optional<Tensor>(biases[i]) : c10::nullopt;
-    return linear_op().call(x, weights[i], bias, sizes[i], f32_out, ((sizes[10] >> i) & 1) != 0);
+    return packed_linear(x, weights[i], biases[i], sizes[i], f32_out, ((sizes[10] >> i) & 1) != 0);
   };
   // EagleHead.forward: the head's dtype is its norms'
   const auto dt = norms[0].scalar_type();
@@ -245,8 +248,7 @@ std::tuple<Tensor, std::vector<Tensor>> llama_hidden(
   const int64_t heads = dims[0], kv_heads = dims[1], Dh = dims[2];
   const int64_t q_size = heads * Dh, kv_size = kv_heads * Dh;
   auto linear = [&](const Tensor& x, int64_t i) {
-    c10::optional<Tensor> bias = biases[i].numel() ? c10::optional<Tensor>(biases[i]) : c10::nullopt;
-    return linear_op().call(x, weights[i], bias, outs[i], false, streams[i] != 0);
+    return packed_linear(x, weights[i], biases[i], outs[i], false, streams[i] != 0);
   };
   Tensor x = at::embedding(embed, tok);                                        // [B, S, D]
   const auto dt = x.scalar_type();
@@ -284,9 +286,8 @@ std::tuple<Tensor, Tensor> llama_forward(
                                            eps, {}));
   Tensor rows_h = hidden.reshape({B * S, D});
   if (at.numel()) rows_h = rows_h.index({at});
-  c10::optional<Tensor> bias = biases[4 * L].numel() ? c10::optional<Tensor>(biases[4 * L]) : c10::nullopt;
-  Tensor logits = linear_op().call(rows_h.to(dims[4] ? at::kBFloat16 : at::kFloat), weights[4 * L], bias,
-                                   outs[4 * L], dims[3] != 0, streams[4 * L] != 0).to(at::kFloat);
+  Tensor logits = packed_linear(rows_h.to(dims[4] ? at::kBFloat16 : at::kFloat), weights[4 * L], biases[4 * L],
+                                outs[4 * L], dims[3] != 0, streams[4 * L] != 0).to(at::kFloat);
   return {hidden, logits};
 }
 
@@ -586,15 +587,16 @@ class NativeLlamaForward:
     no_stop: Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.float64))   # ``stop``: none
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, switch: str = "LEAPFROG_NATIVE_DRAFTS") -> NativeLlamaForward | None:
+    def for_model(cls, model: torch.nn.Module,
+                  switch: str | None = "LEAPFROG_NATIVE_DRAFTS") -> NativeLlamaForward | None:
         """The op's arguments for ``model``, or None where it does not apply: a LlamaModel packed
         for inference on CPU with the native norm/RoPE ops, every linear (its LM head too) on the
         bf16 few-row kernel, no tensor parallelism, not batch-invariant; the environment variable
-        ``switch`` not "0"."""
+        ``switch`` not "0" (None: the caller has read its own switch)."""
         from leapfrog.model.llama import LlamaModel
         if (not isinstance(model, LlamaModel) or not model.native_ops or model.device.type != "cpu"
                 or model.tp is not None or model.batch_invariant or model.head is None
-                or env_off(switch)):
+                or (switch is not None and env_off(switch))):
             return None
         lins = [m for layer in model.layers for m in (layer.wqkv, layer.wo, layer.w13, layer.w2)] + [model.head.proj]
         if not _on_the_kernel(lins, model.head):

@@ -137,7 +137,8 @@ class ModelRunner:
         plain = self.device.type == "cpu" and model.dtype in (torch.float32, torch.bfloat16, torch.float16)
         wanted = plain and not batch_invariant and not env_off("LEAPFROG_NATIVE_ATTENTION")
         self._native: bool | None = None if wanted else False
-        # eager decode/verify forwards of a Llama model as one C++ call (_native_forward; False: not looked up yet)
+        # eager decode/verify forwards of a Llama model as one C++ call (_native_forward): False until
+        # looked up, then the op's arguments or None (also None at once under LEAPFROG_NATIVE_FORWARD=0)
         self._native_fwd: NativeLlamaForward | None | bool = None if env_off("LEAPFROG_NATIVE_FORWARD") else False
         # a compiled graph's logits are checked for float16 overflow (check_logits), only in fp16
         # models (the check's dtype lookup alone cost 10 us per step, once the graph had run)
@@ -551,7 +552,7 @@ class ModelRunner:
         (NativeLlamaForward.for_model); ``LEAPFROG_NATIVE_FORWARD=0`` (read when the runner is
         made) keeps the Python forward. Looked up once."""
         if self._native_fwd is False:
-            self._native_fwd = NativeLlamaForward.for_model(self.model, "LEAPFROG_NATIVE_FORWARD")
+            self._native_fwd = NativeLlamaForward.for_model(self.model, switch=None)   # (read in __init__)
         return self._native_fwd
 
     def _bucket(self, chunks: list[SeqChunk], hidden: str | tuple[int, ...] | None,
