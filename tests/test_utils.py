@@ -119,3 +119,37 @@ def test_a_build_killed_mid_way_does_not_hang_the_next(monkeypatch, tmp_path):
     with cpp.build_lock(name):
         cpp_extension.load(name, sources=[str(source)], is_python_module=False)
     assert not lock.exists() and (tmp_path / name / f"{name}.so").exists()
+
+
+def test_build_ahead_builds_side_by_side_once_and_callers_wait(monkeypatch, tmp_path):
+    """build_ahead starts the libraries' builds in order, ``workers`` at a time; a caller that asks
+    for a library mid-build waits for that build's result (no second build), one asked for before
+    its thread reached it is built by the caller alone, and a failing build reaches only its own
+    callers (False). The compiler is replaced by a recorder that takes 0.3 s a build: the real
+    builds run in every test of the ops."""
+    import threading
+    import time
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    spans: dict[str, tuple[float, float, str]] = {}
+
+    def load_inline(name, source, cflags):
+        t0 = time.monotonic()
+        time.sleep(0.3)
+        spans[name] = (t0, time.monotonic(), threading.current_thread().name)
+        if name == "broken":
+            raise RuntimeError("no compiler")
+    monkeypatch.setattr(cpp, "load_inline", load_inline)
+    libs = {n: cpp.OpLibrary(n, "src", [], n, "Python") for n in ("a", "b", "broken", "c", "d")}
+    threads = cpp.build_ahead([libs[n].available for n in ("a", "b", "broken", "c")], workers=2)
+    assert len(threads) == 2 and all(t.daemon for t in threads)
+    time.sleep(0.05)
+    assert libs["b"].available()                  # (mid-build: waits for the thread's result)
+    assert libs["d"].available()                  # (never queued: this thread builds it)
+    for t in threads:
+        t.join(5)
+    assert not libs["broken"].available() and libs["c"].available()
+    assert sorted(spans) == ["a", "b", "broken", "c", "d"]   # (each built once)
+    assert spans["a"][0] < spans["b"][1] and spans["b"][0] < spans["a"][1]   # (side by side)
+    assert spans["d"][2] == threading.current_thread().name and spans["b"][2].startswith("leapfrog-build-")
+    assert spans["c"][0] >= min(spans["a"][1], spans["b"][1]) - 0.01   # (two at a time)
+    assert cpp.build_ahead([]) == []

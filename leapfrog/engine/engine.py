@@ -29,7 +29,10 @@ from leapfrog.errors import ConfigError, RequestError
 from leapfrog.kv.manager import KVManager
 from leapfrog.model.compiled import RoundRace, can_compile, make_buckets
 from leapfrog.model.loader import load_model, load_tokenizer, read_checkpoint, resolve_dtype
-from leapfrog.model.native_linear import set_streaming
+from leapfrog.attention.native import load_native_attention
+from leapfrog.model.native_draft import load_native_draft
+from leapfrog.model.native_linear import kernel_isa, load_native_linear, set_streaming
+from leapfrog.model.native_ops import load_native_ops
 from leapfrog.model.quant import check_batch_invariant_quantization, check_quantization
 from leapfrog.model.runner import ModelRunner, SeqChunk
 from leapfrog.outputs import IterationStats, Logprob, PositionLogprobs, RequestOutput, SpecMetrics
@@ -47,6 +50,8 @@ from leapfrog.spec_decode.verify.native import (chain_rejection, finite_rows, lo
 from leapfrog.spec_decode.verify.rejection import rejection_accept
 from leapfrog.spec_decode.verify.result import AcceptanceResult
 from leapfrog.spec_decode.verify.tree import tree_match_accept, tree_rejection_accept
+from leapfrog.utils import env_off
+from leapfrog.utils.cpp import build_ahead
 
 log = logging.getLogger("leapfrog.engine")
 
@@ -94,6 +99,7 @@ class LLMEngine:
         if config.batch_invariant:
             check_batch_invariant_quantization(config.quantization, self.device)
         check_quantization(config.quantization, self.dtype, self.device)
+        self._build_ops_ahead(ckpt)
         #: tensor parallelism (parallel/): this rank's group and the worker processes it spawned
         self.tp: Any = None
         self._workers: Any = None
@@ -252,6 +258,29 @@ class LLMEngine:
                                            steps)
             ctl.round_k = k
             ctl.round_sizes = (k,) + ((0,) if self.runner.multi_step is not None else ())
+
+    def _build_ops_ahead(self, ckpt: Any) -> None:
+        """On CPU, start building the C++ op libraries this engine will likely load, in the order it
+        first needs them (utils/cpp.py ``build_ahead``): on a machine that has not built them yet
+        they compile side by side while the weights load, not one after another on first use. A
+        guess from the configuration (each library still decides where it serves): a wrong guess
+        costs one background build, cached for later runs; a library missed is built on first use,
+        as before. The verify op is left to its first sampled step: building it ahead would
+        slow the first run of greedy requests, which never load it."""
+        cfg = self.config
+        if self.device.type != "cpu" or cfg.tensor_parallel_size > 1:
+            return
+        bf16 = self.dtype == torch.bfloat16 or ckpt.config_dtype == torch.bfloat16   # (weights on the few-row kernel)
+        loaders: list[Callable[[], bool]] = []
+        if not env_off("LEAPFROG_NATIVE_LINEAR") and kernel_isa() is not None:   # (packing asks for it)
+            loaders.append(load_native_linear)
+        if not env_off("LEAPFROG_NATIVE_OPS"):
+            loaders.append(load_native_ops)
+        if not cfg.enforce_eager or not (cfg.batch_invariant or env_off("LEAPFROG_NATIVE_ATTENTION")):
+            loaders.append(load_native_attention)
+        if bf16 and cfg.enforce_eager and not (env_off("LEAPFROG_NATIVE_FORWARD") and env_off("LEAPFROG_NATIVE_DRAFTS")):
+            loaders.append(load_native_draft)
+        build_ahead(loaders)   # (not spec_decode/verify/native.py's op: greedy runs never load it)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | None, prompt_ids: list[int] | None,

@@ -1,0 +1,57 @@
+"""The engine builds its C++ op libraries ahead (LLMEngine._build_ops_ahead, utils/cpp.py
+build_ahead): its guess from the configuration is the set of libraries the run then loads, for the
+built-in default (bf16, an EAGLE-3 chain) and for a float32 model without speculation; a sampled
+request also loads the sampled-chain verify op, which is not built ahead. Each case runs in a fresh process (the libraries' memos are process-wide), with
+build_ahead recording the guess instead of building, so the memos show what the run itself loaded."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from leapfrog.demo import save_random_llama
+
+SCRIPT = r"""
+import json, sys
+from leapfrog.engine import engine as E
+guessed = []
+E.build_ahead = lambda loaders: guessed.extend(f.__name__ for f in loaders)
+from leapfrog import LLM, SamplingParams
+from leapfrog.attention import native as attention
+from leapfrog.model import native_draft, native_linear, native_ops
+from leapfrog.spec_decode.verify import native as verify
+model, temperature = sys.argv[1] or None, float(sys.argv[2])
+llm = LLM(model=model, max_model_len=256)
+llm.generate(["def f(x):"], SamplingParams(temperature=temperature, max_tokens=24, ignore_eos=True), use_tqdm=False)
+used = {"load_native_linear": "ok" in native_linear._STATE, "load_native_ops": "ok" in native_ops._STATE,
+        "load_native_attention": "ok" in attention._STATE, "load_native_draft": native_draft._LIBRARY._ok is not None,
+        "load_native_verify": verify._LIBRARY._ok is not None}
+print(json.dumps({"guessed": guessed, "used": [k for k, v in used.items() if v]}))
+"""
+
+
+def _run(model: str, temperature: float) -> dict:
+    out = subprocess.run([sys.executable, "-c", SCRIPT, model, str(temperature)], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_the_guess_is_what_the_built_in_default_loads(temperature):
+    got = _run("", temperature)
+    sampled = ["load_native_verify"] if temperature else []   # (a sampled chain verified natively)
+    assert got["guessed"] + sampled == got["used"], got
+    assert "load_native_draft" in got["used"]   # (the chain drafted natively)
+
+
+@pytest.mark.timeout(900)
+def test_the_guess_is_what_a_float32_model_without_speculation_loads(tmp_path, tokenizer):
+    model = save_random_llama(tmp_path / "m", tokenizer, seed=2)
+    got = _run(str(model), 0.0)
+    assert got["guessed"] == got["used"], got
+    assert "load_native_draft" not in got["used"] and "load_native_verify" not in got["used"]
