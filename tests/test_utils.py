@@ -62,6 +62,7 @@ def test_build_inline_falls_back_to_a_generic_build(monkeypatch, tmp_path):
     ATen's functions). The compiler is replaced by a recorder here: the real builds run in every
     test of the ops (tests/attention, tests/model/test_native_ops.py)."""
     import torch.utils.cpp_extension as ext
+    cpp.wait_for_builds()   # (an earlier test's engine may still build ahead: not with this recorder)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))   # (the lock's directories go there)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     calls = []
@@ -100,6 +101,7 @@ def test_a_build_killed_mid_way_does_not_hang_the_next(monkeypatch, tmp_path):
     FileBaton, made before it compiles), on which every later build of that op would wait forever;
     the next build removes it (the dead builder's flock went with it) and builds."""
     from torch.utils import cpp_extension
+    cpp.wait_for_builds()   # (an earlier test's engine may still build ahead: not into tmp_path)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     name = "leapfrog_test_tiny"
     lock = tmp_path / name / "lock"
@@ -121,35 +123,58 @@ def test_a_build_killed_mid_way_does_not_hang_the_next(monkeypatch, tmp_path):
     assert not lock.exists() and (tmp_path / name / f"{name}.so").exists()
 
 
-def test_build_ahead_builds_side_by_side_once_and_callers_wait(monkeypatch, tmp_path):
+def test_build_ahead_builds_side_by_side_once_and_callers_wait():
     """build_ahead starts the libraries' builds in order, ``workers`` at a time; a caller that asks
     for a library mid-build waits for that build's result (no second build), one asked for before
     its thread reached it is built by the caller alone, and a failing build reaches only its own
-    callers (False). The compiler is replaced by a recorder that takes 0.3 s a build: the real
-    builds run in every test of the ops."""
+    callers (False); wait_for_builds joins the threads. The build is replaced by a recorder that
+    takes 0.3 s (the real builds run in every test of the ops)."""
     import threading
     import time
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    spans: dict[str, tuple[float, float, str]] = {}
+    spans: dict[str, list[tuple[float, float, str]]] = {}
 
-    def load_inline(name, source, cflags):
-        t0 = time.monotonic()
-        time.sleep(0.3)
-        spans[name] = (t0, time.monotonic(), threading.current_thread().name)
-        if name == "broken":
-            raise RuntimeError("no compiler")
-    monkeypatch.setattr(cpp, "load_inline", load_inline)
-    libs = {n: cpp.OpLibrary(n, "src", [], n, "Python") for n in ("a", "b", "broken", "c", "d")}
+    class Recorded(cpp.OpLibrary):
+        def _build(self):
+            t0 = time.monotonic()
+            time.sleep(0.3)
+            spans.setdefault(self.name, []).append((t0, time.monotonic(), threading.current_thread().name))
+            if self.name == "broken":
+                raise RuntimeError("no compiler")
+
+    libs = {n: Recorded(n, "src", [], n, "Python") for n in ("a", "b", "broken", "c", "d")}
     threads = cpp.build_ahead([libs[n].available for n in ("a", "b", "broken", "c")], workers=2)
     assert len(threads) == 2 and all(t.daemon for t in threads)
     time.sleep(0.05)
     assert libs["b"].available()                  # (mid-build: waits for the thread's result)
     assert libs["d"].available()                  # (never queued: this thread builds it)
-    for t in threads:
-        t.join(5)
+    cpp.wait_for_builds()
+    assert not any(t.is_alive() for t in threads)
     assert not libs["broken"].available() and libs["c"].available()
-    assert sorted(spans) == ["a", "b", "broken", "c", "d"]   # (each built once)
-    assert spans["a"][0] < spans["b"][1] and spans["b"][0] < spans["a"][1]   # (side by side)
-    assert spans["d"][2] == threading.current_thread().name and spans["b"][2].startswith("leapfrog-build-")
-    assert spans["c"][0] >= min(spans["a"][1], spans["b"][1]) - 0.01   # (two at a time)
+    assert {n: len(s) for n, s in spans.items()} == dict.fromkeys(("a", "b", "broken", "c", "d"), 1)   # (once each)
+    (a,), (b,), (c,), (d,) = spans["a"], spans["b"], spans["c"], spans["d"]
+    assert a[0] < b[1] and b[0] < a[1]            # (side by side)
+    assert d[2] == threading.current_thread().name and b[2].startswith("leapfrog-build-")
+    assert c[0] >= min(a[1], b[1]) - 0.01         # (two at a time)
     assert cpp.build_ahead([]) == []
+
+
+def test_overlapping_loads_leave_the_dlopen_flags_as_they_found_them():
+    """torch.ops.load_library adds RTLD_GLOBAL around its dlopen and puts back what it found; two
+    loads overlapping in build_ahead's threads interleave so (replayed here in one thread) that the
+    second puts back the first's RTLD_GLOBAL; the loads' guard restores the flags from before both."""
+    import os
+    import sys
+    flags = sys.getdlopenflags()
+    first, second = cpp._dlopen_flags_kept(), cpp._dlopen_flags_kept()
+    try:
+        first.__enter__()
+        sys.setdlopenflags(flags | os.RTLD_GLOBAL)     # load 1: torch's guard adds RTLD_GLOBAL
+        second.__enter__()
+        found = sys.getdlopenflags()                     # load 2: torch's guard finds it on
+        sys.setdlopenflags(flags)                        # load 1 ends: its guard puts back what it found
+        first.__exit__(None, None, None)
+        sys.setdlopenflags(found)                        # load 2 ends: RTLD_GLOBAL back on
+        second.__exit__(None, None, None)
+        assert sys.getdlopenflags() == flags
+    finally:
+        sys.setdlopenflags(flags)

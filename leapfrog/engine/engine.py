@@ -31,7 +31,7 @@ from leapfrog.model.compiled import RoundRace, can_compile, make_buckets
 from leapfrog.model.loader import load_model, load_tokenizer, read_checkpoint, resolve_dtype
 from leapfrog.attention.native import load_native_attention
 from leapfrog.model.native_draft import load_native_draft
-from leapfrog.model.native_linear import kernel_isa, load_native_linear, set_streaming
+from leapfrog.model.native_linear import load_native_linear, set_streaming
 from leapfrog.model.native_ops import load_native_ops
 from leapfrog.model.quant import check_batch_invariant_quantization, check_quantization
 from leapfrog.model.runner import ModelRunner, SeqChunk
@@ -270,15 +270,21 @@ class LLMEngine:
         cfg = self.config
         if self.device.type != "cpu" or cfg.tensor_parallel_size > 1:
             return
-        bf16 = self.dtype == torch.bfloat16 or ckpt.config_dtype == torch.bfloat16   # (weights on the few-row kernel)
         loaders: list[Callable[[], bool]] = []
-        if not env_off("LEAPFROG_NATIVE_LINEAR") and kernel_isa() is not None:   # (packing asks for it)
+        if self.dtype != torch.float16 and not env_off("LEAPFROG_NATIVE_LINEAR"):   # (packing asks for it)
             loaders.append(load_native_linear)
         if not env_off("LEAPFROG_NATIVE_OPS"):
             loaders.append(load_native_ops)
         if not cfg.enforce_eager or not (cfg.batch_invariant or env_off("LEAPFROG_NATIVE_ATTENTION")):
             loaders.append(load_native_attention)
-        if bf16 and cfg.enforce_eager and not (env_off("LEAPFROG_NATIVE_FORWARD") and env_off("LEAPFROG_NATIVE_DRAFTS")):
+        # the one-call forwards and drafting loops: bf16 weights (or float32 ones of bf16 values) on
+        # the few-row kernel, eager, the attention op; the target's own unless quantized
+        on_kernel = self.dtype == torch.bfloat16 or (self.dtype == torch.float32
+                                                     and ckpt.config_dtype == torch.bfloat16)
+        method = (cfg.speculative_config or {}).get("method")
+        if (on_kernel and cfg.enforce_eager and not cfg.batch_invariant and len(loaders) == 3
+                and ((cfg.quantization is None and not env_off("LEAPFROG_NATIVE_FORWARD"))
+                     or (method in ("eagle3", "draft_model") and not env_off("LEAPFROG_NATIVE_DRAFTS")))):
             loaders.append(load_native_draft)
         build_ahead(loaders)   # (not spec_decode/verify/native.py's op: greedy runs never load it)
 

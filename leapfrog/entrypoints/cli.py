@@ -131,7 +131,8 @@ def cmd_generate(args) -> int:
             args.compare = True
         print(f"[leapfrog] no --model given: using the built-in default model at {model}", file=sys.stderr)
     llm = LLM(model=model, speculative_config=spec, **common)
-    warm = dataclasses.replace(sp, max_tokens=4)   # (the run's settings: other ones would load ops it never uses)
+    # the warm-up takes the run's settings (others would load ops the run never uses)
+    warm = dataclasses.replace(sp, max_tokens=4, min_tokens=min(sp.min_tokens, 4))
     if args.compare:   # time both runs warm
         llm.generate(prompts[:1], warm, use_tqdm=False)
     t0 = time.perf_counter()

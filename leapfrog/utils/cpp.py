@@ -10,10 +10,12 @@ with the intrinsics of one set per build and picks its builds itself.
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import inspect
 import logging
 import os
+import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -68,9 +70,32 @@ def load_inline(name: str, source: str, cflags: list[str]) -> None:
     omp = openmp_flags()
     slim = ({"no_implicit_headers": True}
             if "no_implicit_headers" in inspect.signature(cpp_extension.load_inline).parameters else {})
-    with build_lock(name):
+    with build_lock(name), _dlopen_flags_kept():
         cpp_extension.load_inline(name, cpp_sources=source, is_python_module=False, **slim,
                                   extra_cflags=[*cflags, *omp], extra_ldflags=omp)
+
+
+_loading = {"count": 0, "flags": 0}   # loads in flight (threads of build_ahead), and the dlopen flags before them
+_loading_lock = threading.Lock()
+
+
+@contextmanager
+def _dlopen_flags_kept() -> Iterator[None]:
+    """torch.ops.load_library adds RTLD_GLOBAL to the process's dlopen flags around its dlopen and
+    puts back the flags it found; two loads overlapping in threads (``build_ahead``) can leave
+    RTLD_GLOBAL on for every later extension import. The flags found when the first of overlapping
+    loads began are put back when the last of them ends."""
+    with _loading_lock:
+        if not _loading["count"]:
+            _loading["flags"] = sys.getdlopenflags()
+        _loading["count"] += 1
+    try:
+        yield
+    finally:
+        with _loading_lock:
+            _loading["count"] -= 1
+            if not _loading["count"]:
+                sys.setdlopenflags(_loading["flags"])
 
 
 def build_inline(name: str, source: str, cflags: list[str]) -> str:
@@ -91,6 +116,11 @@ def build_inline(name: str, source: str, cflags: list[str]) -> str:
     raise AssertionError("unreachable")
 
 
+#: build_ahead's queues and threads (wait_for_builds; at exit, builds not started are dropped and
+#: the process waits for those under way: a compiler left running would race the next load)
+_ahead: list[tuple[deque, list[threading.Thread]]] = []
+
+
 def build_ahead(loaders: Sequence[Callable[[], object]], workers: int | None = None) -> list[threading.Thread]:
     """Start building (or loading from the cache) op libraries in background threads, in the
     order given, ``workers`` at a time (default: this process's CPUs, at most 4) -> the threads.
@@ -102,19 +132,18 @@ def build_ahead(loaders: Sequence[Callable[[], object]], workers: int | None = N
     another, on first use, the built-in model's five libraries took 42 s of a fresh machine's first
     ``leapfrog generate`` (2 vCPUs; about 8 s each). A loader that fails logs it and returns False
     (its callers take their Python path); these threads swallow anything else it raises, for the
-    caller's own call to raise. Daemon threads: a process that ends first leaves at most a build
-    half done, which ``build_lock`` and ninja redo at the next load."""
+    caller's own call to raise. A process that ends (or fails) first waits at exit for the builds
+    under way, not for those queued behind them (``wait_for_builds``)."""
     pending = deque(loaders)
     if not pending:
         return []
-    lock = threading.Lock()
 
     def run() -> None:
         while True:
-            with lock:
-                if not pending:
-                    return
-                load = pending.popleft()
+            try:
+                load = pending.popleft()   # (atomic: the other threads, and wait_for_builds' clear)
+            except IndexError:
+                return
             try:
                 load()
             except Exception:  # noqa: BLE001 - the caller's own call raises it where it matters
@@ -122,9 +151,22 @@ def build_ahead(loaders: Sequence[Callable[[], object]], workers: int | None = N
 
     n = min(len(pending), workers or min(len(os.sched_getaffinity(0)), 4))
     threads = [threading.Thread(target=run, name=f"leapfrog-build-{i}", daemon=True) for i in range(n)]
+    if not _ahead:
+        atexit.register(wait_for_builds, cancel=True)
+    _ahead[:] = [(p, ts) for p, ts in _ahead if any(t.is_alive() for t in ts)] + [(pending, threads)]
     for t in threads:
         t.start()
     return threads
+
+
+def wait_for_builds(cancel: bool = False) -> None:
+    """Wait for ``build_ahead``'s threads to finish (``cancel``: after dropping the builds they have
+    not started)."""
+    for pending, threads in list(_ahead):
+        if cancel:
+            pending.clear()
+        for t in threads:
+            t.join()
 
 
 class OpLibrary:
@@ -144,10 +186,13 @@ class OpLibrary:
             if self._ok is None:
                 try:
                     log.info("loading leapfrog's %s (built once)", self.what)
-                    load_inline(self.name, self.source, self.cflags)
+                    self._build()
                     self._ok = True
                 except Exception as e:  # noqa: BLE001 - no compiler, headers, ...: the Python path serves
                     log.warning("%s unavailable (%s: %s); %s", self.what, type(e).__name__,
                                 str(e).splitlines()[0][:200] if str(e) else "", self.fallback)
                     self._ok = False
         return self._ok
+
+    def _build(self) -> None:
+        load_inline(self.name, self.source, self.cflags)

@@ -11,7 +11,7 @@ from leapfrog.entrypoints.cli import main
 def test_generate_with_speculation_and_compare(llama_dir, capsys):
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
     rc = main(["generate", "def foo(x):", "--model", str(llama_dir), "--dtype", "float32", "--max-tokens", "24",
-               "--ignore-eos", "--speculative-config", spec, "--compare"])
+               "--ignore-eos", "--min-tokens", "10", "--speculative-config", spec, "--compare"])
     out = capsys.readouterr().out
     assert rc == 0
     assert out.startswith("def foo(x):")
