@@ -7,6 +7,7 @@ build_ahead recording the guess instead of building, so the memos show what the 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -33,9 +34,9 @@ print(json.dumps({"guessed": guessed, "used": [k for k, v in used.items() if v]}
 """
 
 
-def _run(model: str, temperature: float) -> dict:
+def _run(model: str, temperature: float, env: dict[str, str] | None = None) -> dict:
     out = subprocess.run([sys.executable, "-c", SCRIPT, model, str(temperature)], capture_output=True, text=True,
-                         timeout=600)
+                         timeout=600, env={**os.environ, **(env or {})})
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -55,3 +56,13 @@ def test_the_guess_is_what_a_float32_model_without_speculation_loads(tmp_path, t
     got = _run(str(model), 0.0)
     assert got["guessed"] == got["used"], got
     assert "load_native_draft" not in got["used"] and "load_native_verify" not in got["used"]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("switch", ["LEAPFROG_NATIVE_LINEAR", "LEAPFROG_NATIVE_ATTENTION"])
+def test_the_guess_follows_the_switches(switch):
+    """With the few-row kernel or the attention op switched off, neither it nor the one-call
+    forwards' library (which needs both) is built ahead: the guess is still what the run loads."""
+    got = _run("", 0.0, {switch: "0"})
+    assert got["guessed"] == got["used"], got
+    assert "load_native_draft" not in got["guessed"]
