@@ -23,13 +23,13 @@ from typing import Any, Callable
 
 import torch
 
+from leapfrog.attention.native import load_native_attention
 from leapfrog.config import EngineConfig
 from leapfrog.detokenizer import Detokenizer
 from leapfrog.errors import ConfigError, RequestError
 from leapfrog.kv.manager import KVManager
 from leapfrog.model.compiled import RoundRace, can_compile, make_buckets
 from leapfrog.model.loader import load_model, load_tokenizer, read_checkpoint, resolve_dtype
-from leapfrog.attention.native import load_native_attention
 from leapfrog.model.native_draft import load_native_draft
 from leapfrog.model.native_linear import load_native_linear, set_streaming
 from leapfrog.model.native_ops import load_native_ops
@@ -287,6 +287,13 @@ class LLMEngine:
                      or (method in ("eagle3", "draft_model") and not env_off("LEAPFROG_NATIVE_DRAFTS")))):
             loaders.append(load_native_draft)
         build_ahead(loaders)   # (not spec_decode/verify/native.py's op: greedy runs never load it)
+
+    def expect_sampled_requests(self) -> None:
+        """The caller will send sampled requests (a server: the OpenAI API's default temperature is 1):
+        on CPU with speculation, build the sampled-chain verify op ahead too, rather than in the
+        first such request (7 s on a fresh machine)."""
+        if self._native_verify:   # (CPU logits and a proposer: the op verifies their chains)
+            build_ahead([load_native_verify])
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | None, prompt_ids: list[int] | None,

@@ -219,6 +219,7 @@ def cmd_serve(args) -> int:
                                     load_format=args.load_format, skip_tokenizer_init=args.skip_tokenizer_init,
                                     logprobs_mode=args.logprobs_mode,
                                     num_scheduler_steps=args.num_scheduler_steps))
+    engine.expect_sampled_requests()
     name = args.served_model_name or (args.model or "leapfrog-default")
     api_key = args.api_key or os.environ.get("LEAPFROG_API_KEY") or None
     app = build_app(engine, name, api_key=api_key, max_waiting=args.max_waiting)

@@ -1,7 +1,8 @@
 """The engine builds its C++ op libraries ahead (LLMEngine._build_ops_ahead, utils/cpp.py
 build_ahead): its guess from the configuration is the set of libraries the run then loads, for the
 built-in default (bf16, an EAGLE-3 chain) and for a float32 model without speculation; a sampled
-request also loads the sampled-chain verify op, which is not built ahead. Each case runs in a fresh process (the libraries' memos are process-wide), with
+request also loads the sampled-chain verify op, which is built ahead only where the caller expects
+sampled requests (leapfrog serve). Each case runs in a fresh process (the libraries' memos are process-wide), with
 build_ahead recording the guess instead of building, so the memos show what the run itself loaded."""
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ from leapfrog import LLM, SamplingParams
 from leapfrog.attention import native as attention
 from leapfrog.model import native_draft, native_linear, native_ops
 from leapfrog.spec_decode.verify import native as verify
-model, temperature = sys.argv[1] or None, float(sys.argv[2])
+model, temperature, serving = sys.argv[1] or None, float(sys.argv[2]), sys.argv[3] == "serve"
 llm = LLM(model=model, max_model_len=256)
+if serving:   # (what leapfrog serve does: the OpenAI API's default temperature is 1)
+    llm.engine.expect_sampled_requests()
 llm.generate(["def f(x):"], SamplingParams(temperature=temperature, max_tokens=24, ignore_eos=True), use_tqdm=False)
 used = {"load_native_linear": "ok" in native_linear._STATE, "load_native_ops": "ok" in native_ops._STATE,
         "load_native_attention": "ok" in attention._STATE, "load_native_draft": native_draft._LIBRARY._ok is not None,
@@ -34,8 +37,9 @@ print(json.dumps({"guessed": guessed, "used": [k for k, v in used.items() if v]}
 """
 
 
-def _run(model: str, temperature: float, env: dict[str, str] | None = None) -> dict:
-    out = subprocess.run([sys.executable, "-c", SCRIPT, model, str(temperature)], capture_output=True, text=True,
+def _run(model: str, temperature: float, env: dict[str, str] | None = None, serve: bool = False) -> dict:
+    out = subprocess.run([sys.executable, "-c", SCRIPT, model, str(temperature), "serve" if serve else "-"],
+                         capture_output=True, text=True,
                          timeout=600, env={**os.environ, **(env or {})})
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -66,3 +70,11 @@ def test_the_guess_follows_the_switches(switch):
     got = _run("", 0.0, {switch: "0"})
     assert got["guessed"] == got["used"], got
     assert "load_native_draft" not in got["guessed"]
+
+
+@pytest.mark.timeout(900)
+def test_a_server_builds_the_sampled_verify_op_ahead_too():
+    """leapfrog serve expects sampled requests (engine.expect_sampled_requests): with speculation,
+    the sampled-chain verify op is built ahead as well, and a sampled request then loads it."""
+    got = _run("", 0.7, serve=True)
+    assert got["guessed"] == got["used"] and "load_native_verify" in got["guessed"], got
