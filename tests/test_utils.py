@@ -178,3 +178,15 @@ def test_overlapping_loads_leave_the_dlopen_flags_as_they_found_them():
         assert sys.getdlopenflags() == flags
     finally:
         sys.setdlopenflags(flags)
+
+
+def test_build_ahead_without_cpu_affinity(monkeypatch):
+    """Where os has no sched_getaffinity (macOS), the CPU count sizes the threads."""
+    import os
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 3)
+    done = []
+    threads = cpp.build_ahead([lambda i=i: done.append(i) for i in range(5)])
+    for t in threads:
+        t.join(5)
+    assert len(threads) == 3 and sorted(done) == list(range(5))

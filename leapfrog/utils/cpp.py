@@ -149,7 +149,9 @@ def build_ahead(loaders: Sequence[Callable[[], object]], workers: int | None = N
             except Exception:  # noqa: BLE001 - the caller's own call raises it where it matters
                 log.debug("building %s ahead failed", getattr(load, "__name__", load), exc_info=True)
 
-    n = min(len(pending), workers or min(len(os.sched_getaffinity(0)), 4))
+    # (no sched_getaffinity on macOS)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    n = min(len(pending), workers or min(cpus, 4))
     threads = [threading.Thread(target=run, name=f"leapfrog-build-{i}", daemon=True) for i in range(n)]
     if not _ahead:
         atexit.register(wait_for_builds, cancel=True)
