@@ -45,7 +45,7 @@ from leapfrog.spec_decode.adaptive import cap_drafts
 from leapfrog.spec_decode.draft import DraftBatch, depths, path_to
 from leapfrog.spec_decode.proposers.prediction import MAX_DRAFT as MAX_PREDICTION_DRAFT, PredictionProposer
 from leapfrog.spec_decode.verify.greedy import greedy_accept
-from leapfrog.spec_decode.verify.native import (chain_rejection, finite_rows, load_native_verify,
+from leapfrog.spec_decode.verify.native import (chain_rejection, load_native_verify,
                                                 native_verify_enabled)
 from leapfrog.spec_decode.verify.rejection import rejection_accept
 from leapfrog.spec_decode.verify.result import AcceptanceResult
@@ -1023,12 +1023,14 @@ class LLMEngine:
         (the acceptance tests', then the final draws')."""
         temps = [r.params.temperature for r, d in zip(reqs, draft_lists) for _ in range(len(d) + 1)]
         t = torch.tensor(temps, dtype=torch.float32)
-        if not finite_rows(logits, t):   # (before any uniform is drawn, as the Python path raises)
-            sampler.temperature_probs(logits, temps)   # raises, naming the rows
+        states = [r.generator.get_state() for r in reqs]
         u = torch.cat([sampler.uniforms(n, r.generator) for r, n in zip(reqs, drafts.num_draft)])
         w = sampler.stream_uniforms([r.generator for r in reqs])
         draw = chain_rejection(logits, t, drafts.draft_probs, drafts.token_ids, list(drafts.num_draft), u, w)
-        if draw is None:
+        if draw is None:   # a row of p is not finite: the Python path raises before it draws, so the
+            for r, s in zip(reqs, states):   # streams go back to where they were (a batch's retry)
+                r.generator.set_state(s)
+            sampler.temperature_probs(logits, temps)   # raises, naming the rows
             raise FloatingPointError("non-finite probabilities (non-finite logits?)")
         outputs = [d[:n] + [t] for d, n, t in zip(draft_lists, draw.num_accepted, draw.tokens)]
         return AcceptanceResult(draw.num_accepted, outputs, list(drafts.num_draft), [])

@@ -26,10 +26,12 @@ def _python(logits, temps, q, draft_ids, num_draft, u, w):
 
 
 @pytest.mark.parametrize("point_mass", [False, True])
-@pytest.mark.parametrize("seed", range(6))
-def test_op_draws_what_the_python_path_draws(point_mass, seed):
+@pytest.mark.parametrize("seed,V", [*((s, 50) for s in range(6)), (6, 8192), (7, 8192), (8, 4099)])
+def test_op_draws_what_the_python_path_draws(point_mass, seed, V):
+    """(V 8192: ATen's softmax, sum and cumsum at the built-in model's width, where they
+    vectorise and cascade; the op's loops must still give their bits.)"""
     g = torch.Generator().manual_seed(seed)
-    V, num_draft = 50, [3, 0, 5, 1, 4]
+    num_draft = [3, 0, 5, 1, 4]
     B, T = len(num_draft), sum(num_draft)
     logits = torch.randn(T + B, V, generator=g) * 3
     temps = [t for k, t in zip(num_draft, (0.7, 1.0, 0.5, 1.3, 0.9)) for _ in range(k + 1)]
@@ -46,6 +48,20 @@ def test_op_draws_what_the_python_path_draws(point_mass, seed):
     assert set(n) != {0} or seed  # (some acceptances)
 
 
+def test_op_final_draw_at_the_boundaries_of_the_cdf():
+    """The inverse CDF's loops against sampler.inverse_cdf_draw where t lands exactly on a partial
+    sum (softmax of equal logits: quarters and halves, exact), at w = 0, and just below 1: the
+    same token (the first sum above t), never one of zero mass."""
+    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [-float("inf"), 0.0, -float("inf"), 0.0]]).repeat(6, 1)
+    w = torch.tensor([v for v in (0.0, 0.25, 0.5, 0.75, 1 - 2 ** -53, 0.3) for _ in range(2)], dtype=torch.float64)
+    t = torch.ones(len(logits))
+    none = torch.empty(0, dtype=torch.long)
+    draw = native.chain_rejection(logits, t, None, none, [0] * len(logits), torch.empty(0), w)
+    expect = sampler.inverse_cdf_draw(sampler.temperature_probs(logits, [1.0] * len(logits)), w).tolist()
+    assert draw.tokens == expect and draw.num_accepted == [0] * len(logits)
+    assert all(x in (1, 3) for x in draw.tokens[1::2])   # (zero mass never drawn)
+
+
 def test_op_all_accepted_and_non_finite():
     logits = torch.zeros(3, 10)
     logits[:, 4] = 10.0
@@ -55,16 +71,17 @@ def test_op_all_accepted_and_non_finite():
     t = torch.ones(3)
     draw = native.chain_rejection(logits, t, None, draft_ids, [2], u, w)
     assert draw.num_accepted == [2] and draw.tokens == _python(logits, [1.0] * 3, None, draft_ids, [2], u, w)[1]
-    assert native.finite_rows(logits, t) and not native.finite_rows(logits, torch.tensor([1.0, 1e-40, 1.0]))
+    assert native.chain_rejection(logits, torch.tensor([1.0, 1e-40, 1.0]), None, draft_ids, [2], u, w) is None
     logits[1, 3] = float("nan")
-    assert native.chain_rejection(logits, t, None, draft_ids, [2], u, w) is None and not native.finite_rows(logits, t)
+    assert native.chain_rejection(logits, t, None, draft_ids, [2], u, w) is None
     with pytest.raises(RuntimeError, match="chain_rejection"):   # (shapes checked: 3 drafts counted, 2 given)
         native.chain_rejection(logits, t, None, draft_ids, [3], u, w)
 
 
 def test_non_finite_logits_fail_the_request_before_any_draw(pair, tokenizer, monkeypatch):
-    """A verify step whose logits are not finite raises the sampler's error before drawing any
-    uniform: the requests' generators are where the Python path leaves them."""
+    """A verify step whose logits are not finite raises the sampler's error, and the requests'
+    generators are where the Python path leaves them (it raises before drawing any uniform): the
+    op's caller puts back what it drew, so a batch's retry draws the same."""
     llm = LLM(model=str(pair), dtype="float32", max_model_len=128, max_num_seqs=2, seed=7,
               speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     eng = llm.engine

@@ -5,14 +5,18 @@ A verify step of unseeded, temperature-only sampled requests (a chat's temperatu
 distributions (sampler.temperature_probs), the acceptance tests and the residual of the first
 rejection (verify/rejection.py ``rejection_accept``) and the final draw by inverse CDF
 (sampler.sample): about 0.6 ms of a 5.7 ms step of the built-in EAGLE-3 chain at T = 0.7 on a
-2-vCPU EPYC, where the kernels take well under 0.1 ms. The op makes the same ATen calls, in the
-same order, on the same tensors, so its tokens are bitwise the Python path's
-(tests/spec_decode/test_native_verify.py); the uniforms are drawn by the caller from each request's
-generator as the Python path draws them (the acceptance tests' first, then the final draw's), so
-the randomness is the same too.
+2-vCPU EPYC, where the kernels take well under 0.1 ms. The op calls ATen for the kernels whose
+summation order decides bits (the softmax, a residual's sum) and does the rest in plain loops
+that compute the same float32 and float64 values (sampling/native.py for the inverse CDF): its
+tokens are bitwise the Python path's (tests/spec_decode/test_native_verify.py). In the engine
+the step's verification went from 0.35 to about 0.2 ms (stop 77; the small ATen calls cost 3-7x
+their warm-cache time there, after the weights' streaming). The uniforms are drawn by the caller
+from each request's generator as the Python path draws them (the acceptance tests' first, then
+the final draw's), so the randomness is the same too; where a row of p is not finite the caller
+puts the generators back before raising, as the Python path raises before drawing.
 
     p = softmax(logits / T)                           [T + B, V] (rows of request b: start_b .. start_b + k_b)
-    ok = all rows of p finite (else the caller takes the Python path, which raises)
+    ok = all rows of p finite (else the caller raises the Python path's error)
     accept_t = u_t < p(x_t) / q(x_t)                  (q None: point masses, q(x) = 1)
     n_b = leading accepted drafts of request b
     final_b = p at row start_b + n_b; after a rejection norm(max(p - q, 0)) there (q None: p without
@@ -35,6 +39,10 @@ from leapfrog.utils import env_off
 from leapfrog.utils.cpp import OpLibrary
 
 _SOURCE = r"""
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
@@ -59,52 +67,73 @@ std::tuple<Tensor, Tensor, Tensor> chain_rejection(
                                                                 q.size(1) == logits.size(1))),
               "chain_rejection: logits [T + B, V], temperature [T + B], q [T, V] or empty, drafts and u [T], "
               "w [B], sum(num_draft) == T");
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && u.scalar_type() == at::kFloat && w.scalar_type() == at::kDouble &&
+              draft_ids.scalar_type() == at::kLong && (!q.numel() || q.scalar_type() == at::kFloat),
+              "chain_rejection: float32 logits, q and u, float64 w, long drafts");
+  const int64_t V = logits.size(1);
   auto longs = logits.options().dtype(at::kLong);
-  // sampler.temperature_probs (no greedy rows) and _finite's check
-  Tensor p = at::softmax(logits.div(temperature.unsqueeze(1)), -1);             // [N, V]
-  Tensor ok = at::isfinite(p.sum(-1)).all();
-  if (!ok.item<bool>()) return {ok, at::empty({0}, longs), at::empty({0}, longs)};
-  // verify/rejection.py rejection_accept
-  std::vector<int64_t> starts, rows;
-  int64_t s = 0;
-  for (int64_t b = 0; b < B; ++b) {
-    starts.push_back(s);
-    for (int64_t j = 0; j < num_draft[b]; ++j) rows.push_back(s + j);
-    s += num_draft[b] + 1;
+  // sampler.temperature_probs (no greedy rows): the one parallel kernel, ATen's
+  Tensor p = at::softmax(logits.div(temperature.unsqueeze(1)), -1).contiguous();  // [N, V]
+  const float* P = p.data_ptr<float>();
+  // sampler._finite's check: a row is not finite iff one of its probabilities is not (softmax
+  // gives [0, 1] or NaN); tested on the bits (exponent all ones), a loop the compiler vectorises
+  uint32_t bad = 0;
+  for (int64_t i = 0; i < p.numel(); ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, P + i, 4);
+    bad |= static_cast<uint32_t>((bits & 0x7f800000u) == 0x7f800000u);
   }
-  std::vector<uint8_t> accept;
-  if (T) {
-    Tensor draft_rows = at::tensor(rows, longs);
-    Tensor p_x = p.index({draft_rows, draft_ids});                               // [T]
-    Tensor q_x = q.numel() ? q.index({at::arange(T, longs), draft_ids}) : at::ones_like(p_x);
-    Tensor a = u.lt(p_x.div(q_x)).to(at::kByte).contiguous();
-    accept.assign(a.data_ptr<uint8_t>(), a.data_ptr<uint8_t>() + T);
-  }
-  std::vector<int64_t> num_accepted, final_rows, rejected, residual_of;
-  int64_t t = 0;
+  if (bad) return {at::scalar_tensor(false, logits.options().dtype(at::kBool)), at::empty({0}, longs),
+                   at::empty({0}, longs)};
+  Tensor qc = q.numel() ? q.contiguous() : q;
+  const float* Q = q.numel() ? qc.data_ptr<float>() : nullptr;
+  Tensor dc = draft_ids.contiguous(), uc = u.contiguous(), wc = w.contiguous();
+  const int64_t* X = dc.data_ptr<int64_t>();
+  const float* U = uc.data_ptr<float>();
+  const double* W = wc.data_ptr<double>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(X[t] >= 0 && X[t] < V, "chain_rejection: a draft id out of the vocabulary");
+  // verify/rejection.py rejection_accept: accept_t = u_t < p(x_t) / q(x_t) in float32, as there
+  Tensor n_out = at::empty({B}, longs), tok_out = at::empty({B}, longs);
+  int64_t* N_ = n_out.data_ptr<int64_t>();
+  int64_t* Y = tok_out.data_ptr<int64_t>();
+  std::vector<float> resid;                                                    // [V] a rejected row's residual
+  int64_t t = 0, start = 0;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t k = num_draft[b];
     int64_t n = 0;
-    while (n < k && accept[t + n]) ++n;
-    num_accepted.push_back(n);
-    final_rows.push_back(starts[b] + n);
-    if (n < k) {
-      rejected.push_back(b);
-      residual_of.push_back(t + n);
+    while (n < k) {
+      const int64_t x = X[t + n];
+      const float px = P[(start + n) * V + x], qx = Q ? Q[(t + n) * V + x] : 1.0f;
+      if (!(U[t + n] < px / qx)) break;
+      ++n;
+    }
+    N_[b] = n;
+    const float* row = P + (start + n) * V;                                    // the final row of p
+    if (n == k) {
+      Y[b] = inverse_cdf_row(row, V, 1, W[b]);                                 // the bonus token, from p
+    } else {
+      // the residual norm(max(p - q, 0)) (point masses: p without the rejected token), p itself
+      // where it has no mass; its sum is ATen's (the Python path's summation order)
+      resid.assign(row, row + V);
+      if (Q) {
+        const float* qrow = Q + (t + n) * V;
+        for (int64_t v = 0; v < V; ++v) resid[v] = std::max(row[v] - qrow[v], 0.0f);
+      } else {
+        resid[X[t + n]] = 0.0f;
+      }
+      const float mass = at::from_blob(resid.data(), {1, V}, logits.options()).sum(-1).item<float>();
+      if (mass > 0) {
+        const float d = std::max(mass, 1e-30f);
+        for (int64_t v = 0; v < V; ++v) resid[v] = resid[v] / d;
+        Y[b] = inverse_cdf_row(resid.data(), V, 1, W[b]);
+      } else {
+        Y[b] = inverse_cdf_row(row, V, 1, W[b]);
+      }
     }
     t += k;
+    start += k + 1;
   }
-  Tensor final_p = p.index({at::tensor(final_rows, longs)}).clone();           // [B, V]
-  if (!rejected.empty()) {
-    Tensor which = at::tensor(rejected, longs), idx = at::tensor(residual_of, longs);
-    Tensor rows_p = final_p.index({which});
-    Tensor resid = q.numel() ? rows_p.sub(q.index({idx})).clamp_min(0)
-                             : rows_p.scatter(1, draft_ids.index({idx}).unsqueeze(1), 0.0);
-    Tensor mass = resid.sum(-1, true);
-    final_p.index_put_({which}, at::where(mass.gt(0), resid.div(mass.clamp_min(1e-30)), rows_p));
-  }
-  // sampler.sample of unseeded rows
-  return {ok, at::tensor(num_accepted, longs), inverse_cdf_draw(final_p, w)};
+  return {at::scalar_tensor(true, logits.options().dtype(at::kBool)), n_out, tok_out};
 }
 }  // namespace
 
@@ -143,17 +172,10 @@ def chain_rejection(logits: Tensor, temperatures: Tensor, q: Tensor | None, draf
     """Speculative sampling of chains (module docstring) on CPU logits [T + B, V] float32:
     ``temperatures`` [T + B] float32 per target row, q [T, V] (None: point masses), the drafts [T],
     the acceptance tests' uniforms u [T] and the final draws' w [B] float64. -> None when a row of
-    p is not finite (``finite_rows`` tells beforehand, without drawing the uniforms)."""
+    p is not finite."""
     ok, n, tok = torch.ops.leapfrog_verify.chain_rejection(
         logits, temperatures, torch.empty(0) if q is None else q, draft_ids, num_draft, u, w)
     if not bool(ok):
         return None
     return ChainDraw(n.tolist(), tok.tolist())
 
-
-def finite_rows(logits: Tensor, temperatures: Tensor) -> bool:
-    """Whether every row of softmax(logits / T) is finite, from each row's max alone: the max
-    propagates NaN, and when max / T is finite every other l / T is at most it, so exp(l / T - max / T)
-    and the row's sum are finite (an all -inf row has max -inf). ``amax``, not ``max(-1)``: the
-    values alone, vectorised (7 against 27 us on [6, 8192] here; both propagate NaN)."""
-    return bool(torch.isfinite(logits.amax(-1) / temperatures).all())
