@@ -153,10 +153,10 @@ class LLMEngine:
                         log.info("target weights stream non-temporally (%d linears) beside the drafter", n)
             #: which target states the proposer reads (EAGLE: "hidden" or aux layers), else None
             self._target_states = getattr(self.proposer, "target_states", None)
-            #: chains of unseeded temperature-only requests verified by one C++ call (on CPU:
-            #: spec_decode/verify/native.py; LEAPFROG_NATIVE_VERIFY=0, read here, turns it off)
-            self._native_verify = (self.proposer is not None and self.device.type == "cpu"
-                                   and native_verify_enabled())
+            #: chains of unseeded temperature-only requests verified, and their tokens drawn (plain
+            #: decode too: chains of none), by one C++ call (on CPU: spec_decode/verify/native.py;
+            #: LEAPFROG_NATIVE_VERIFY=0, read here, turns it off)
+            self._native_verify = self.device.type == "cpu" and native_verify_enabled()
             if not config.enforce_eager:
                 self._compile()
         except BaseException:
@@ -290,9 +290,9 @@ class LLMEngine:
 
     def expect_sampled_requests(self) -> None:
         """The caller will send sampled requests (a server: the OpenAI API's default temperature is 1):
-        on CPU with speculation, build the sampled-chain verify op ahead too, rather than in the
-        first such request (7 s on a fresh machine)."""
-        if self._native_verify:   # (CPU logits and a proposer: the op verifies their chains)
+        on CPU, build the sampled-chain verify op (which draws plain decode's tokens too) ahead,
+        rather than in the first such request (7 s on a fresh machine)."""
+        if self._native_verify:   # (CPU logits: the op verifies chains and draws tokens)
             build_ahead([load_native_verify])
 
     # ------------------------------------------------------------------ requests
@@ -959,9 +959,10 @@ class LLMEngine:
         flat_parents = [p for ps in parent_lists for p in ps]
         if all(r.raw_argmax for r in reqs):   # nothing processes the logits: no sampler rows to build
             return match(checked(*(top if top is not None else logits.max(dim=-1))), drafts, flat_parents)
-        if (self._native_verify and not tree and drafts.total   # (_native_verify: CPU logits)
+        if (self._native_verify and not tree and logits.dtype == torch.float32   # (_native_verify: CPU logits)
                 and all(r.unseeded_sampled and r.temperature_only for r in reqs) and load_native_verify()):
-            # (a chat's batch: rejection sampling of chains as one C++ call, bitwise this Python path)
+            # (a chat's batch: rejection sampling of chains, or plain decode's draws, as one C++ call,
+            # bitwise this Python path)
             return self._verify_chains_natively(reqs, logits, drafts, draft_lists)
         row_depth = [d for ps in parent_lists for d in (0, *depths(ps))]   # per target row
         if all(r.raw_argmax or r.temperature_only for r in reqs):   # only temperatures: no sampler rows

@@ -133,6 +133,26 @@ def test_engine_output_is_the_same_with_the_op_on_and_off(pair, tokenizer, spec,
     assert outs["0"] == outs["1"]
 
 
+def test_plain_decode_draws_through_the_op_what_the_python_path_draws(pair, tokenizer, monkeypatch):
+    """Without speculation, unseeded temperature-only requests take their tokens from the op too
+    (chains of no drafts: softmax, the finiteness check, the inverse-CDF draw): token for token
+    the Python sampler's output, batched."""
+    calls = []
+    fn = native.chain_rejection
+    monkeypatch.setattr("leapfrog.engine.engine.chain_rejection", lambda *a: calls.append(a[4]) or fn(*a))
+    prompts = prompts_of(tokenizer, 3)
+    sp = SamplingParams(temperature=0.9, max_tokens=20, ignore_eos=True)
+    outs = {}
+    for on in ("0", "1"):
+        monkeypatch.setenv("LEAPFROG_NATIVE_VERIFY", on)
+        llm = LLM(model=str(pair), dtype="float32", max_model_len=128, max_num_seqs=3, seed=11)
+        outs[on] = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp,
+                                                                 use_tqdm=False)]
+        assert (len(calls) >= 19) == (on == "1"), len(calls)
+    assert all(set(k) == {0} for k in calls) and any(len(k) == 3 for k in calls)   # (batches of 3, no drafts)
+    assert outs["0"] == outs["1"] and len(set(map(tuple, outs["1"]))) == 3
+
+
 def test_op_verified_sampling_follows_the_target_law(tmp_path_factory):
     """Tokens 2 and 3 of 2000 requests at temperature 0.7, every verify step through the op: the
     target's exact law (chi-square through the whole engine)."""

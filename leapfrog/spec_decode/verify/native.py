@@ -13,7 +13,9 @@ the step's verification went from 0.35 to about 0.2 ms (stop 77; the small ATen 
 their warm-cache time there, after the weights' streaming). The uniforms are drawn by the caller
 from each request's generator as the Python path draws them (the acceptance tests' first, then
 the final draw's), so the randomness is the same too; where a row of p is not finite the caller
-puts the generators back before raising, as the Python path raises before drawing.
+puts the generators back before raising, as the Python path raises before drawing. Plain decode's
+sampled steps draw through it too (chains of no drafts: the softmax, the check and the draw;
+0.16 -> 0.10 ms a step at T = 0.7 in the engine, stop 77).
 
     p = softmax(logits / T)                           [T + B, V] (rows of request b: start_b .. start_b + k_b)
     ok = all rows of p finite (else the caller raises the Python path's error)
@@ -174,7 +176,7 @@ def chain_rejection(logits: Tensor, temperatures: Tensor, q: Tensor | None, draf
     the acceptance tests' uniforms u [T] and the final draws' w [B] float64. -> None when a row of
     p is not finite."""
     ok, n, tok = torch.ops.leapfrog_verify.chain_rejection(
-        logits, temperatures, torch.empty(0) if q is None else q, draft_ids, num_draft, u, w)
+        logits, temperatures, torch.empty(0) if q is None else q.float(), draft_ids, num_draft, u, w)
     if not bool(ok):
         return None
     return ChainDraw(n.tolist(), tok.tolist())
