@@ -874,7 +874,7 @@ class CompiledSampledChain(CompiledChain):
         else:
             toks, (lps, shares, q) = self._steps(tok, pos, mask, rows, write_rows, write_cols, kv_len, features,
                                                  last, col, temperature, sampled, u, stream, w, steps=steps)
-        if self.vocab is not None:   # [B, steps, Vd] -> [B, steps, V]
+        if self.vocab is not None and q.shape[-1] != u.shape[-1]:   # [B, steps, Vd] -> [B, steps, V] (the op spreads)
             q = q.new_zeros(*q.shape[:-1], u.shape[-1]).index_copy(-1, self.vocab, q)
         return SampledChainOutput(toks, lps, shares, q)
 

@@ -327,7 +327,9 @@ std::tuple<Tensor, Tensor> eagle3_chain(CHAIN_ARGS, const Tensor& stop) {
 // CompiledSampledChain's chain (its _pick): rows with ``sampled`` draw from q = softmax(logits /
 // scale / T), unseeded ones (``stream``) by inverse CDF with w [B, steps] float64, seeded ones as the
 // race's winner argmax q / E, E = -log u [B, steps, V] (``race`` false: no row races, u unread);
-// the others take the argmax -> tokens, log q of the argmax, the winner's share, q [B, steps, Vd]
+// the others take the argmax -> tokens, log q of the argmax, the winner's share, q [B, steps, V]
+// (spread over the target's vocabulary, u's width, where ``vocab`` maps the head's own; an
+// index_copy in Python cost 33 us a step)
 std::tuple<Tensor, Tensor, Tensor, Tensor> eagle3_sampled_chain(
     CHAIN_ARGS, const Tensor& temperature, const Tensor& sampled, const Tensor& u, const Tensor& stream,
     const Tensor& w, int64_t want, double scale, bool race) {
@@ -349,7 +351,22 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> eagle3_sampled_chain(
     Tensor share = values.select(1, 0).div(values.sum(-1)).log().to(at::kFloat);
     return std::make_pair(x, std::vector<Tensor>{lp, share, q});
   });
-  return {r[0], r[1], r[2], r[3]};
+  Tensor q = r[3];                                                             // [B, steps, Vd]
+  if (vocab.numel()) {   // spread over the target's V = u's width: zeros outside the draft vocabulary
+    const int64_t V = u.size(-1), Vd = q.size(-1), R = q.size(0) * q.size(1);
+    TORCH_CHECK(vocab.numel() == Vd && vocab.scalar_type() == at::kLong && q.scalar_type() == at::kFloat,
+                "eagle3_sampled_chain: vocab [Vd] long, float32 q");
+    Tensor full = at::zeros({q.size(0), q.size(1), V}, q.options());
+    Tensor qc = q.contiguous(), ids = vocab.contiguous();
+    const float* src = qc.data_ptr<float>();
+    const int64_t* id = ids.data_ptr<int64_t>();
+    float* dst = full.data_ptr<float>();
+    for (int64_t i = 0; i < Vd; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < V, "eagle3_sampled_chain: vocab id out of V");
+    for (int64_t row = 0; row < R; ++row)
+      for (int64_t i = 0; i < Vd; ++i) dst[row * V + id[i]] = src[row * Vd + i];
+    q = full;
+  }
+  return {r[0], r[1], r[2], q};
 }
 // EagleHead.spread_logits: [N, Vd] -> [N, V], -inf outside the draft vocabulary (``ids`` its target
 // ids; empty: the draft vocabulary is the target's)
@@ -551,7 +568,8 @@ class NativeHeadForward:
                       want: int, scale: float, race: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """CompiledSampledChain's chain (its ``_steps`` and ``_pick``) in one call: ``args`` as
         ``chain``'s, then the pick's (model/compiled.py); ``race`` False: no row races (u unread)
-        -> tokens, log q of the argmax, the winner's share [B, steps], q [B, steps, Vd]."""
+        -> tokens, log q of the argmax, the winner's share [B, steps], q [B, steps, V] (spread over
+        the target's vocabulary, u's width, when ``vocab`` maps the head's)."""
         return torch.ops.leapfrog_draft.eagle3_sampled_chain(*self._chain_args(*args), temperature, sampled, u,
                                                             stream, w, want, scale, race)
 
