@@ -333,22 +333,36 @@ std::tuple<Tensor, Tensor> eagle3_chain(CHAIN_ARGS, const Tensor& stop) {
 std::tuple<Tensor, Tensor, Tensor, Tensor> eagle3_sampled_chain(
     CHAIN_ARGS, const Tensor& temperature, const Tensor& sampled, const Tensor& u, const Tensor& stream,
     const Tensor& w, int64_t want, double scale, bool race) {
+  // the rows' kinds, read once (tiny [B] tensors): where(sampled, where(stream, inverse CDF, race
+  // or argmax), argmax) per row in a loop, the inverse CDF only where a row takes it
+  Tensor sampled_c = sampled.to(at::kBool).contiguous(), stream_c = stream.to(at::kBool).contiguous();
+  const bool* sam = sampled_c.data_ptr<bool>();
+  const bool* str = stream_c.data_ptr<bool>();
+  Tensor no_share = at::zeros({tok.size(0)}, w.options().dtype(at::kFloat));
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kDouble, "eagle3_sampled_chain: w [B, steps] float64");
+  auto wa = w.accessor<double, 2>();
   auto r = chain_steps(CHAIN_CALL, w.new_empty({0}), [&](const Tensor& logits, int64_t j) {
     Tensor lf = logits.to(at::kFloat);
     auto [lp, greedy] = at::log_softmax(lf, -1).max(-1);                       // [B], [B]
     Tensor z = scale != 1.0 ? lf.div(scale) : lf;
     Tensor q = at::softmax(z.div(temperature.view({-1, 1})), -1);              // [B, V'] compiled.race_probs
-    Tensor wj = w.select(1, j);
-    if (!race) {
-      Tensor drawn = at::where(stream, inverse_cdf_draw(q, wj), greedy);
-      return std::make_pair(at::where(sampled, drawn, greedy), std::vector<Tensor>{lp, at::zeros_like(lp), q});
+    const int64_t B = q.size(0), Vq = q.size(1);
+    Tensor share = no_share, raced;
+    if (race) {
+      Tensor uj = u.select(1, j);
+      if (vocab.numel()) uj = uj.index_select(-1, vocab);
+      auto [values, indices] = q.to(at::kDouble).div(uj.log().neg()).topk(std::min<int64_t>(want, Vq), -1);
+      raced = indices.select(1, 0).contiguous();
+      share = values.select(1, 0).div(values.sum(-1)).log().to(at::kFloat);
     }
-    Tensor uj = u.select(1, j);
-    if (vocab.numel()) uj = uj.index_select(-1, vocab);
-    auto [values, indices] = q.to(at::kDouble).div(uj.log().neg()).topk(std::min<int64_t>(want, q.size(-1)), -1);
-    Tensor drawn = at::where(stream, inverse_cdf_draw(q, wj), indices.select(1, 0));
-    Tensor x = at::where(sampled, drawn, greedy);
-    Tensor share = values.select(1, 0).div(values.sum(-1)).log().to(at::kFloat);
+    Tensor x = greedy.contiguous().clone();                                    // [B]
+    int64_t* xs = x.data_ptr<int64_t>();
+    const float* qs = q.data_ptr<float>();
+    for (int64_t b = 0; b < B; ++b) {
+      if (!sam[b]) continue;
+      if (str[b]) xs[b] = inverse_cdf_row(qs + b * Vq, Vq, wa[b][j]);
+      else if (race) xs[b] = raced.data_ptr<int64_t>()[b];
+    }
     return std::make_pair(x, std::vector<Tensor>{lp, share, q});
   });
   Tensor q = r[3];                                                             // [B, steps, Vd]

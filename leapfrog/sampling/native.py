@@ -2,7 +2,7 @@
 sampled chains, spec_decode/verify/native.py's chain verification): bitwise the Python functions
 they mirror.
 
-``inverse_cdf_draw`` is sampler.inverse_cdf_draw as plain loops rather than eight ATen calls (each
+``inverse_cdf_row`` is sampler.inverse_cdf_draw of one row as plain loops rather than eight ATen calls (each
 a dispatch, an allocation and, at 8192 columns, maybe a parallel region: some 15 us of a
 decode step per draw on a 2-vCPU EPYC, more with the caches cold after the weights' streaming).
 The loops compute what ATen computes: ``mass.double().cumsum(-1)`` is a sequential float64 sum
@@ -11,35 +11,20 @@ the same order gives the same partial sums; the total is the last of them; ``min
 ``nextafter`` are exact; ``searchsorted(right=True)`` is the upper bound, a binary search for the
 first partial sum above t, as ``std::upper_bound`` (a NaN t finds none in both)."""
 
-#: sampler.inverse_cdf_draw: ``inverse_cdf_row`` of one row (mass [V] non-negative, any dtype
-#: convertible to double, stride ``stride``), ``inverse_cdf_draw`` of a tensor: mass [B, V], w [B]
-#: float64 -> [B] long
+#: sampler.inverse_cdf_draw of one row: ``inverse_cdf_row(mass, V, w)``, mass [V]
+#: contiguous, non-negative (any type convertible to double), w in [0, 1) -> the token
 INVERSE_CDF_DRAW_CPP = r"""
 template <typename scalar_t>
-int64_t inverse_cdf_row(const scalar_t* mass, int64_t V, int64_t stride, double w) {
+int64_t inverse_cdf_row(const scalar_t* mass, int64_t V, double w) {
   thread_local std::vector<double> cdf;                                        // [V] the partial sums
   cdf.resize(V);
   double c = 0;
-  for (int64_t i = 0; i < V; ++i) cdf[i] = c += static_cast<double>(mass[i * stride]);
+  for (int64_t i = 0; i < V; ++i) cdf[i] = c += static_cast<double>(mass[i]);
   const double total = cdf[V - 1];
   const double top = std::nextafter(total, 0.0);
   const double t = std::isnan(total) ? total : std::min(w * total, top);       // (at::minimum: NaN wins)
   // searchsorted(right=True): the first partial sum above t (none: V, clamped to V - 1)
   const int64_t i = std::upper_bound(cdf.begin(), cdf.end(), t) - cdf.begin();
   return std::min(i, V - 1);
-}
-
-Tensor inverse_cdf_draw(const Tensor& mass, const Tensor& w) {
-  TORCH_CHECK(mass.dim() == 2 && w.dim() == 1 && w.size(0) == mass.size(0) && w.scalar_type() == at::kDouble,
-              "inverse_cdf_draw: mass [B, V], w [B] float64");
-  const int64_t B = mass.size(0), V = mass.size(1);
-  Tensor out = at::empty({B}, mass.options().dtype(at::kLong));
-  auto o = out.accessor<int64_t, 1>();
-  auto wa = w.accessor<double, 1>();
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, mass.scalar_type(), "inverse_cdf_draw", [&] {
-    const scalar_t* m = mass.data_ptr<scalar_t>();
-    for (int64_t b = 0; b < B; ++b) o[b] = inverse_cdf_row(m + b * mass.stride(0), V, mass.stride(1), wa[b]);
-  });
-  return out;
 }
 """

@@ -112,7 +112,7 @@ std::tuple<Tensor, Tensor, Tensor> chain_rejection(
     N_[b] = n;
     const float* row = P + (start + n) * V;                                    // the final row of p
     if (n == k) {
-      Y[b] = inverse_cdf_row(row, V, 1, W[b]);                                 // the bonus token, from p
+      Y[b] = inverse_cdf_row(row, V, W[b]);                                 // the bonus token, from p
     } else {
       // the residual norm(max(p - q, 0)) (point masses: p without the rejected token), p itself
       // where it has no mass; its sum is ATen's (the Python path's summation order)
@@ -127,9 +127,9 @@ std::tuple<Tensor, Tensor, Tensor> chain_rejection(
       if (mass > 0) {
         const float d = std::max(mass, 1e-30f);
         for (int64_t v = 0; v < V; ++v) resid[v] = resid[v] / d;
-        Y[b] = inverse_cdf_row(resid.data(), V, 1, W[b]);
+        Y[b] = inverse_cdf_row(resid.data(), V, W[b]);
       } else {
-        Y[b] = inverse_cdf_row(row, V, 1, W[b]);
+        Y[b] = inverse_cdf_row(row, V, W[b]);
       }
     }
     t += k;
