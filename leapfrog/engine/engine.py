@@ -157,6 +157,7 @@ class LLMEngine:
             #: decode too: chains of none), by one C++ call (on CPU: spec_decode/verify/native.py;
             #: LEAPFROG_NATIVE_VERIFY=0, read here, turns it off)
             self._native_verify = self.device.type == "cpu" and native_verify_enabled()
+            self._sampled_seen = False   # whether an unseeded sampled request came (the op's build starts then)
             if not config.enforce_eager:
                 self._compile()
         except BaseException:
@@ -291,7 +292,9 @@ class LLMEngine:
     def expect_sampled_requests(self) -> None:
         """The caller will send sampled requests (a server: the OpenAI API's default temperature is 1):
         on CPU, build the sampled-chain verify op (which draws plain decode's tokens too) ahead,
-        rather than in the first such request (7 s on a fresh machine)."""
+        rather than at the first sampled decode step (7-10 s on a fresh machine). Called by the
+        engine itself at the first unseeded sampled request too (its prefill runs meanwhile)."""
+        self._sampled_seen = True
         if self._native_verify:   # (CPU logits: the op verifies chains and draws tokens)
             build_ahead([load_native_verify])
 
@@ -371,6 +374,8 @@ class LLMEngine:
             req.metrics.arrival_time = arrival_time
         self.requests[request_id] = req
         self.scheduler.add(req)
+        if req.unseeded_sampled and not self._sampled_seen:   # (its prefill runs while the op builds)
+            self.expect_sampled_requests()
         proposer = self._proposer_of(req)
         if proposer is not None:
             proposer.start(req)
@@ -960,6 +965,7 @@ class LLMEngine:
         if all(r.raw_argmax for r in reqs):   # nothing processes the logits: no sampler rows to build
             return match(checked(*(top if top is not None else logits.max(dim=-1))), drafts, flat_parents)
         if (self._native_verify and not tree and logits.dtype == torch.float32   # (_native_verify: CPU logits)
+                and (drafts.draft_probs is None or drafts.draft_probs.dtype != torch.float64)   # (no float64 q)
                 and all(r.unseeded_sampled and r.temperature_only for r in reqs) and load_native_verify()):
             # (a chat's batch: rejection sampling of chains, or plain decode's draws, as one C++ call,
             # bitwise this Python path)
@@ -1023,17 +1029,23 @@ class LLMEngine:
         op, with the uniforms the Python path draws from each request's generator, in its order
         (the acceptance tests', then the final draws')."""
         temps = [r.params.temperature for r, d in zip(reqs, draft_lists) for _ in range(len(d) + 1)]
-        t = torch.tensor(temps, dtype=torch.float32)
         states = [r.generator.get_state() for r in reqs]
-        u = torch.cat([sampler.uniforms(n, r.generator) for r, n in zip(reqs, drafts.num_draft)])
-        w = sampler.stream_uniforms([r.generator for r in reqs])
-        draw = chain_rejection(logits, t, drafts.draft_probs, drafts.token_ids, list(drafts.num_draft), u, w)
-        if draw is None:   # a row of p is not finite: the Python path raises before it draws, so the
-            for r, s in zip(reqs, states):   # streams go back to where they were (a batch's retry)
+        try:
+            u = (torch.cat([sampler.uniforms(n, r.generator) for r, n in zip(reqs, drafts.num_draft)])
+                 if drafts.total else torch.empty(0))   # (plain decode: no acceptance tests)
+            w = sampler.stream_uniforms([r.generator for r in reqs])
+            draw = chain_rejection(logits, torch.tensor(temps, dtype=torch.float32), drafts.draft_probs,
+                                   drafts.token_ids, list(drafts.num_draft), u, w)
+            if draw is None:   # a row of p is not finite
+                sampler.temperature_probs(logits, temps)   # raises, naming the rows
+                raise FloatingPointError("non-finite probabilities (non-finite logits?)")
+        except BaseException:
+            # the Python path raises before it draws: the streams go back to where they were, so a
+            # batch's retry (request by request) draws what it would have
+            for r, s in zip(reqs, states):
                 r.generator.set_state(s)
-            sampler.temperature_probs(logits, temps)   # raises, naming the rows
-            raise FloatingPointError("non-finite probabilities (non-finite logits?)")
-        outputs = [d[:n] + [t] for d, n, t in zip(draft_lists, draw.num_accepted, draw.tokens)]
+            raise
+        outputs = [d[:n] + [x] for d, n, x in zip(draft_lists, draw.num_accepted, draw.tokens)]
         return AcceptanceResult(draw.num_accepted, outputs, list(drafts.num_draft), [])
 
     # ------------------------------------------------------------------ bookkeeping

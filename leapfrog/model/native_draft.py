@@ -339,13 +339,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> eagle3_sampled_chain(
   const bool* sam = sampled_c.data_ptr<bool>();
   const bool* str = stream_c.data_ptr<bool>();
   Tensor no_share = at::zeros({tok.size(0)}, w.options().dtype(at::kFloat));
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kDouble, "eagle3_sampled_chain: w [B, steps] float64");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kDouble && w.size(0) == tok.size(0) && w.size(1) >= steps &&
+              sampled.numel() == tok.size(0) && stream.numel() == tok.size(0) && temperature.numel() == tok.size(0),
+              "eagle3_sampled_chain: w [B, steps] float64, sampled, stream and temperature [B]");
   auto wa = w.accessor<double, 2>();
   auto r = chain_steps(CHAIN_CALL, w.new_empty({0}), [&](const Tensor& logits, int64_t j) {
     Tensor lf = logits.to(at::kFloat);
     auto [lp, greedy] = at::log_softmax(lf, -1).max(-1);                       // [B], [B]
     Tensor z = scale != 1.0 ? lf.div(scale) : lf;
-    Tensor q = at::softmax(z.div(temperature.view({-1, 1})), -1);              // [B, V'] compiled.race_probs
+    Tensor q = at::softmax(z.div(temperature.view({-1, 1})), -1).contiguous();  // [B, V'] compiled.race_probs
+    TORCH_CHECK(q.scalar_type() == at::kFloat, "eagle3_sampled_chain: float32 q");
     const int64_t B = q.size(0), Vq = q.size(1);
     Tensor share = no_share, raced;
     if (race) {

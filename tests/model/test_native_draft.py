@@ -86,7 +86,9 @@ def _params(prompts):
     greedy = SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)
     seeded = SamplingParams(temperature=0.8, seed=5, max_tokens=MAX, ignore_eos=True)
     unseeded = SamplingParams(temperature=0.8, max_tokens=MAX, ignore_eos=True)
-    return [(prompts, greedy), (prompts[:2], [seeded, greedy]), (prompts[:2], unseeded)]
+    # (the last: one chain call whose rows stream, race and take the argmax)
+    return [(prompts, greedy), (prompts[:2], [seeded, greedy]), (prompts[:2], unseeded),
+            (prompts, [unseeded, seeded, greedy])]
 
 
 @pytest.mark.parametrize("shape,dtype,tree", [("qwen2", "float32", "chain"), ("qwen2", "bfloat16", "tree"),

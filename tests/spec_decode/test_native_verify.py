@@ -48,6 +48,46 @@ def test_op_draws_what_the_python_path_draws(point_mass, seed, V):
     assert set(n) != {0} or seed  # (some acceptances)
 
 
+def test_op_residuals_at_a_large_vocabulary_are_the_python_paths():
+    """Three rejected rows at V = 151936 (Qwen's) with two threads, where ATen sums a [1, V] row in
+    per-thread chunks but the Python path's [R, V] residuals row by row: their float32 masses, so
+    the normalised residuals, differ in the last bits. With each w placed between the two
+    candidate CDFs' values at a column where they differ, only the Python path's own residuals
+    draw its tokens."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        g = torch.Generator().manual_seed(1)
+        V, B = 151936, 3
+        logits = torch.randn(2 * B, V, generator=g) * 3
+        q = torch.softmax(torch.randn(B, V, generator=g) * 3, -1)
+        temps = [0.7] * (2 * B)
+        p = sampler.temperature_probs(logits, temps)
+        ids = torch.stack([(q[b] - p[2 * b]).argmax() for b in range(B)])   # q(x) >> p(x): rejected
+        u = torch.full((B,), 0.999)
+        final = rejection_accept(p, q, ids, [1] * B, u).final_probs                # [B, V]
+        per_row = torch.stack([(p[2 * b] - q[b]).clamp_min(0) / (p[2 * b] - q[b]).clamp_min(0)[None].sum(-1)
+                               for b in range(B)])
+        c1, c2 = final.double().cumsum(-1), per_row.double().cumsum(-1)
+        r1, r2 = c1 / c1[:, -1:], c2 / c2[:, -1:]
+        w = torch.rand(B, generator=g, dtype=torch.float64)
+        split = 0
+        for b in range(B):
+            for i in (r1[b] != r2[b]).nonzero().flatten()[:200].tolist():
+                lo, hi = sorted((r1[b, i].item(), r2[b, i].item()))
+                wb = w.clone()
+                wb[b] = (lo + hi) / 2
+                if sampler.inverse_cdf_draw(final, wb)[b] != sampler.inverse_cdf_draw(per_row, wb)[b]:
+                    w, split = wb, split + 1
+                    break
+        assert split >= 1   # (the two residuals really draw differently somewhere)
+        draw = native.chain_rejection(logits, torch.tensor(temps), q, ids, [1] * B, u, w)
+        assert draw.num_accepted == [0] * B
+        assert draw.tokens == sampler.inverse_cdf_draw(final, w).tolist()
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_op_final_draw_at_the_boundaries_of_the_cdf():
     """The inverse CDF's loops against sampler.inverse_cdf_draw where t lands exactly on a partial
     sum (softmax of equal logits: quarters and halves, exact), at w = 0, and just below 1: the
@@ -151,6 +191,38 @@ def test_plain_decode_draws_through_the_op_what_the_python_path_draws(pair, toke
         assert (len(calls) >= 19) == (on == "1"), len(calls)
     assert all(set(k) == {0} for k in calls) and any(len(k) == 3 for k in calls)   # (batches of 3, no drafts)
     assert outs["0"] == outs["1"] and len(set(map(tuple, outs["1"]))) == 3
+
+
+def test_only_batches_of_unseeded_temperature_only_requests_take_the_op(pair, tokenizer, monkeypatch):
+    """A seeded, greedy or top-k request in the batch keeps the whole step on the Python path (the
+    op draws from streams only, softmax(logits / T) only); and a failure inside the op puts the
+    streams back, as the Python path raises before it draws."""
+    calls = []
+    fn = native.chain_rejection
+    monkeypatch.setattr("leapfrog.engine.engine.chain_rejection", lambda *a: calls.append(1) or fn(*a))
+    llm = LLM(model=str(pair), dtype="float32", max_model_len=128, max_num_seqs=2, seed=3)
+    prompts = [{"prompt_token_ids": p} for p in prompts_of(tokenizer, 2)]
+    unseeded = SamplingParams(temperature=0.8, max_tokens=6, ignore_eos=True)
+    for other in (SamplingParams(temperature=0.8, seed=5, max_tokens=6, ignore_eos=True),
+                  SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                  SamplingParams(temperature=0.8, top_k=5, max_tokens=6, ignore_eos=True)):
+        llm.generate(prompts, [unseeded, other], use_tqdm=False)
+    assert not calls
+    llm.generate(prompts, [unseeded, unseeded], use_tqdm=False)
+    assert calls
+    eng = llm.engine
+    for i, p in enumerate(prompts):
+        eng.add_request(f"f{i}", None, p["prompt_token_ids"], unseeded)
+    reqs = list(eng.requests.values())
+    states = [r.generator.get_state() for r in reqs]
+
+    def broken(*a):
+        raise RuntimeError("chain_rejection: broken")
+    monkeypatch.setattr("leapfrog.engine.engine.chain_rejection", broken)
+    from leapfrog.spec_decode.draft import DraftBatch
+    with pytest.raises(RuntimeError, match="broken"):
+        eng.verify(reqs, torch.zeros(2, eng.vocab_size), DraftBatch.from_lists([[], []]))
+    assert all(torch.equal(s, r.generator.get_state()) for s, r in zip(states, reqs))
 
 
 def test_op_verified_sampling_follows_the_target_law(tmp_path_factory):

@@ -8,14 +8,16 @@ rejection (verify/rejection.py ``rejection_accept``) and the final draw by inver
 2-vCPU EPYC, where the kernels take well under 0.1 ms. The op calls ATen for the kernels whose
 summation order decides bits (the softmax, a residual's sum) and does the rest in plain loops
 that compute the same float32 and float64 values (sampling/native.py for the inverse CDF): its
-tokens are bitwise the Python path's (tests/spec_decode/test_native_verify.py). In the engine
-the step's verification went from 0.35 to about 0.2 ms (stop 77; the small ATen calls cost 3-7x
-their warm-cache time there, after the weights' streaming). The uniforms are drawn by the caller
+tokens are bitwise the Python path's (tests/spec_decode/test_native_verify.py; the rejected
+rows' residuals are summed as one [R, V] tensor, as there: ATen sums a lone [1, V] row of 32768
+columns or more in per-thread chunks, other bits). In the engine a step's verification went from
+0.35 to 0.17 ms (the built-in chain at T = 0.7, stop 77; the small ATen calls cost 3-7x their
+warm-cache time there, after the weights' streaming). The uniforms are drawn by the caller
 from each request's generator as the Python path draws them (the acceptance tests' first, then
-the final draw's), so the randomness is the same too; where a row of p is not finite the caller
-puts the generators back before raising, as the Python path raises before drawing. Plain decode's
-sampled steps draw through it too (chains of no drafts: the softmax, the check and the draw;
-0.16 -> 0.10 ms a step at T = 0.7 in the engine, stop 77).
+the final draw's), so the randomness is the same too; where a row of p is not finite (or the op
+fails) the caller puts the generators back before raising, as the Python path raises before
+drawing. Plain decode's sampled steps draw through it too (chains of no drafts: the softmax, the
+check and the draw; 0.17-0.20 -> 0.12-0.14 ms a step at T = 0.7 in step_bench, stop 77).
 
     p = softmax(logits / T)                           [T + B, V] (rows of request b: start_b .. start_b + k_b)
     ok = all rows of p finite (else the caller raises the Python path's error)
@@ -69,6 +71,8 @@ std::tuple<Tensor, Tensor, Tensor> chain_rejection(
                                                                 q.size(1) == logits.size(1))),
               "chain_rejection: logits [T + B, V], temperature [T + B], q [T, V] or empty, drafts and u [T], "
               "w [B], sum(num_draft) == T");
+  TORCH_CHECK(temperature.dim() == 1 && temperature.scalar_type() == at::kFloat,
+              "chain_rejection: temperature [T + B] float32");
   TORCH_CHECK(logits.scalar_type() == at::kFloat && u.scalar_type() == at::kFloat && w.scalar_type() == at::kDouble &&
               draft_ids.scalar_type() == at::kLong && (!q.numel() || q.scalar_type() == at::kFloat),
               "chain_rejection: float32 logits, q and u, float64 w, long drafts");
@@ -98,7 +102,7 @@ std::tuple<Tensor, Tensor, Tensor> chain_rejection(
   Tensor n_out = at::empty({B}, longs), tok_out = at::empty({B}, longs);
   int64_t* N_ = n_out.data_ptr<int64_t>();
   int64_t* Y = tok_out.data_ptr<int64_t>();
-  std::vector<float> resid;                                                    // [V] a rejected row's residual
+  std::vector<int64_t> final_row(B), rejected, residual_of;                    // p's row of each final draw
   int64_t t = 0, start = 0;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t k = num_draft[b];
@@ -110,30 +114,46 @@ std::tuple<Tensor, Tensor, Tensor> chain_rejection(
       ++n;
     }
     N_[b] = n;
-    const float* row = P + (start + n) * V;                                    // the final row of p
-    if (n == k) {
-      Y[b] = inverse_cdf_row(row, V, W[b]);                                 // the bonus token, from p
-    } else {
-      // the residual norm(max(p - q, 0)) (point masses: p without the rejected token), p itself
-      // where it has no mass; its sum is ATen's (the Python path's summation order)
-      resid.assign(row, row + V);
-      if (Q) {
-        const float* qrow = Q + (t + n) * V;
-        for (int64_t v = 0; v < V; ++v) resid[v] = std::max(row[v] - qrow[v], 0.0f);
-      } else {
-        resid[X[t + n]] = 0.0f;
-      }
-      const float mass = at::from_blob(resid.data(), {1, V}, logits.options()).sum(-1).item<float>();
-      if (mass > 0) {
-        const float d = std::max(mass, 1e-30f);
-        for (int64_t v = 0; v < V; ++v) resid[v] = resid[v] / d;
-        Y[b] = inverse_cdf_row(resid.data(), V, W[b]);
-      } else {
-        Y[b] = inverse_cdf_row(row, V, W[b]);
-      }
+    final_row[b] = start + n;
+    if (n < k) {
+      rejected.push_back(b);
+      residual_of.push_back(t + n);
     }
     t += k;
     start += k + 1;
+  }
+  // the rejected rows' residuals norm(max(p - q, 0)) (point masses: p without the rejected token),
+  // p itself where that has no mass; summed by ATen as one [R, V] tensor, as the Python path sums
+  // them (a [1, V] row is summed in per-thread chunks from 32768 columns on: other bits)
+  const int64_t R = rejected.size();
+  Tensor resid = at::empty({R, V}, p.options());                               // [R, V]
+  float* Rs = resid.data_ptr<float>();
+  for (int64_t i = 0; i < R; ++i) {
+    const float* row = P + final_row[rejected[i]] * V;
+    float* out = Rs + i * V;
+    if (Q) {
+      const float* qrow = Q + residual_of[i] * V;
+      for (int64_t v = 0; v < V; ++v) out[v] = std::max(row[v] - qrow[v], 0.0f);
+    } else {
+      std::memcpy(out, row, V * sizeof(float));
+      out[X[residual_of[i]]] = 0.0f;
+    }
+  }
+  Tensor mass_t = R ? resid.sum(-1).contiguous() : resid;                      // [R]
+  const float* M = R ? mass_t.data_ptr<float>() : nullptr;
+  for (int64_t b = 0, i = 0; b < B; ++b) {
+    const float* row = P + final_row[b] * V;                                   // the bonus token's row of p
+    if (i < R && rejected[i] == b) {
+      float* out = Rs + i * V;
+      const float mass = M[i];
+      ++i;
+      if (mass > 0) {
+        const float d = std::max(mass, 1e-30f);
+        for (int64_t v = 0; v < V; ++v) out[v] = out[v] / d;
+        row = out;
+      }
+    }
+    Y[b] = inverse_cdf_row(row, V, W[b]);
   }
   return {at::scalar_tensor(true, logits.options().dtype(at::kBool)), n_out, tok_out};
 }
