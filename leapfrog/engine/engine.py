@@ -32,6 +32,7 @@ from leapfrog.model.compiled import RoundRace, can_compile, make_buckets
 from leapfrog.model.loader import load_model, load_tokenizer, read_checkpoint, resolve_dtype
 from leapfrog.model.native_draft import load_native_draft
 from leapfrog.model.native_linear import load_native_linear, set_streaming
+from leapfrog.model.native_ops import row_max
 from leapfrog.model.native_ops import load_native_ops
 from leapfrog.model.quant import check_batch_invariant_quantization, check_quantization
 from leapfrog.model.runner import ModelRunner, SeqChunk
@@ -963,7 +964,7 @@ class LLMEngine:
 
         flat_parents = [p for ps in parent_lists for p in ps]
         if all(r.raw_argmax for r in reqs):   # nothing processes the logits: no sampler rows to build
-            return match(checked(*(top if top is not None else logits.max(dim=-1))), drafts, flat_parents)
+            return match(checked(*(top if top is not None else row_max(logits))), drafts, flat_parents)
         if (self._native_verify and not tree and logits.dtype == torch.float32   # (_native_verify: CPU logits)
                 and (drafts.draft_probs is None or drafts.draft_probs.dtype != torch.float64)   # (no float64 q)
                 and all(r.unseeded_sampled and r.temperature_only for r in reqs) and load_native_verify()):

@@ -91,6 +91,12 @@ const c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor
       .typed<Tensor(const Tensor&, const Tensor&, const Tensor&)>();
   return op;
 }
+// Tensor.max(-1) of float32 rows, the same values and indices (model/native_ops.py row_max)
+const c10::TypedOperatorHandle<std::tuple<Tensor, Tensor>(const Tensor&)>& row_max_op() {
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("leapfrog_ops::row_max", "")
+      .typed<std::tuple<Tensor, Tensor>(const Tensor&)>();
+  return op;
+}
 const c10::TypedOperatorHandle<Tensor(const Tensor&)>& silu_op() {
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("leapfrog_ops::silu_mul", "")
       .typed<Tensor(const Tensor&)>();
@@ -224,7 +230,7 @@ std::vector<Tensor> chain_steps(
 
 // the greedy pick of CompiledChain._pick: the argmax and its log q
 std::pair<Tensor, std::vector<Tensor>> greedy_pick(const Tensor& logits, int64_t) {
-  auto [lp, x] = at::log_softmax(logits.to(at::kFloat), -1).max(-1);            // [B], [B]
+  auto [lp, x] = row_max_op().call(at::log_softmax(logits.to(at::kFloat), -1));  // [B], [B]
   return {x, {lp}};
 }
 
@@ -345,7 +351,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> eagle3_sampled_chain(
   auto wa = w.accessor<double, 2>();
   auto r = chain_steps(CHAIN_CALL, w.new_empty({0}), [&](const Tensor& logits, int64_t j) {
     Tensor lf = logits.to(at::kFloat);
-    auto [lp, greedy] = at::log_softmax(lf, -1).max(-1);                       // [B], [B]
+    auto [lp, greedy] = row_max_op().call(at::log_softmax(lf, -1));            // [B], [B]
     Tensor z = scale != 1.0 ? lf.div(scale) : lf;
     Tensor q = at::softmax(z.div(temperature.view({-1, 1})), -1).contiguous();  // [B, V'] compiled.race_probs
     TORCH_CHECK(q.scalar_type() == at::kFloat, "eagle3_sampled_chain: float32 q");

@@ -59,6 +59,8 @@ _SOURCE = r"""
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <cmath>
+#include <limits>
+#include <cmath>
 #include <vector>
 
 using at::vec::Vectorized;
@@ -210,15 +212,58 @@ at::Tensor silu_mul_cpu(const at::Tensor& gate_up) {
   return y;
 }
 
+// Tensor.max(-1) of float32 rows: ATen's kernel walks a row one element at a time (replace on
+// !(value <= max), stop at the first NaN); here a vector pass finds the row's max (NaN-propagating)
+// and a scan the first element equal to it (or the first NaN): the same value and index.
+std::tuple<at::Tensor, at::Tensor> row_max_cpu(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) > 0, "row_max: float32 [N, V], V > 0");
+  using Vec = at::vec::Vectorized<float>;
+  at::Tensor c = x.contiguous();
+  const int64_t N = c.size(0), V = c.size(1);
+  at::Tensor values = at::empty({N}, c.options()), indices = at::empty({N}, c.options().dtype(at::kLong));
+  const float* base = c.data_ptr<float>();
+  float* out_v = values.data_ptr<float>();
+  int64_t* out_i = indices.data_ptr<int64_t>();
+  for (int64_t n = 0; n < N; ++n) {
+    const float* r = base + n * V;
+    Vec m(-std::numeric_limits<float>::infinity());
+    int64_t i = 0;
+    for (; i + Vec::size() <= V; i += Vec::size()) m = at::vec::maximum(m, Vec::loadu(r + i));
+    float lanes[Vec::size()];
+    m.store(lanes);
+    float mx = -std::numeric_limits<float>::infinity();
+    bool nan = false;
+    for (int64_t k = 0; k < Vec::size(); ++k) {
+      nan |= std::isnan(lanes[k]);
+      mx = std::max(mx, lanes[k]);
+    }
+    for (; i < V; ++i) {
+      nan |= std::isnan(r[i]);
+      mx = std::max(mx, r[i]);
+    }
+    int64_t at = 0;
+    if (nan) {
+      while (!std::isnan(r[at])) ++at;
+    } else {
+      while (!(r[at] == mx)) ++at;
+    }
+    out_v[n] = r[at];
+    out_i[n] = at;
+  }
+  return {values, indices};
+}
+
 TORCH_LIBRARY(leapfrog_ops, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("row_max(Tensor x) -> (Tensor, Tensor)");
 }
 TORCH_LIBRARY_IMPL(leapfrog_ops, CPU, m) {
   m.impl("rms_norm", &rms_norm_cpu);
   m.impl("rope", &rope_cpu);
   m.impl("silu_mul", &silu_mul_cpu);
+  m.impl("row_max", &row_max_cpu);
 }
 """
 
@@ -250,6 +295,8 @@ def _load() -> bool:
         torch.library.register_fake("leapfrog_ops::rope")(lambda x, cos, sin: x.new_empty(x.shape))
         torch.library.register_fake("leapfrog_ops::silu_mul")(
             lambda x: x.new_empty((*x.shape[:-1], x.shape[-1] // 2)))
+        torch.library.register_fake("leapfrog_ops::row_max")(
+            lambda x: (x.new_empty(x.shape[0]), x.new_empty(x.shape[0], dtype=torch.long)))
         return True
     except Exception as e:  # noqa: BLE001 - no compiler, headers, ...: ATen's functions serve
         log.warning("native norm/RoPE ops unavailable (%s: %s); eager forwards use ATen's",
@@ -279,6 +326,17 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, native: bool = False) -> Ten
     if usable(native, x, weight):
         return torch.ops.leapfrog_ops.rms_norm(x, weight, eps)
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def row_max(x: Tensor) -> tuple[Tensor, Tensor]:
+    """``x.max(dim=-1)`` of logits [N, V]: the same values and indices (the first NaN of a row if
+    any, else its first maximum), as one vectorised pass and a scan on CPU float32 once the ops
+    are loaded (8 rows of 8192: 12 against 75 us warm; ATen's kernel walks a row one element
+    at a time), else ATen's."""
+    if (x.dim() == 2 and x.shape[-1] and x.dtype == torch.float32 and x.device.type == "cpu"
+            and _STATE.get("ok") and not torch.compiler.is_compiling()):
+        return torch.ops.leapfrog_ops.row_max(x)
+    return x.max(dim=-1)
 
 
 def silu_mul(gate_up: Tensor, native: bool = False) -> Tensor | None:

@@ -135,3 +135,25 @@ def test_silu_mul_is_bitwise_aten(dtype, inter):
         ref = torch.cat([F.silu(gate[b, s]) * up[b, s] for b in range(2) for s in range(5)]).view(2, 5, inter)
         got = torch.ops.leapfrog_ops.silu_mul(gate_up)
     assert got.dtype == dtype and torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("V", [1, 5, 16, 17, 100, 4096, 8193])
+def test_row_max_is_tensor_max(V):
+    """row_max gives Tensor.max(-1)'s values (bit for bit) and indices: the first of equal maxima,
+    the first NaN of a row with NaN, -inf rows, signed zeros, rows shorter than a vector, and a
+    transposed (non-contiguous) input."""
+    from leapfrog.model.native_ops import row_max
+    g = torch.Generator().manual_seed(V)
+    x = torch.randn(3, V, generator=g)
+    nan = x.clone()
+    nan[1, V // 2] = float("nan")
+    nan[1, V - 1] = float("nan")
+    zeros = torch.zeros(3, V)
+    zeros[:, ::2] = -0.0
+    inf = x.clone()
+    inf[:, 0] = inf[:, -1] = float("inf")
+    for c in (x, (x * 2).round(), nan, zeros, inf, torch.full((3, V), -float("inf")),
+              torch.randn(V, 3, generator=g).t()):
+        got, ref = row_max(c), c.max(dim=-1)
+        assert torch.equal(got[1], ref[1]) and torch.equal(got[0].view(torch.int32), ref[0].view(torch.int32))
+    assert torch.ops.leapfrog_ops.row_max(x)[1].tolist() == x.max(-1)[1].tolist()   # (the op itself served)
