@@ -152,7 +152,10 @@ def test_row_max_is_tensor_max(V):
     zeros[:, ::2] = -0.0
     inf = x.clone()
     inf[:, 0] = inf[:, -1] = float("inf")
-    for c in (x, (x * 2).round(), nan, zeros, inf, torch.full((3, V), -float("inf")),
+    signs = torch.full((3, V), -1.0)   # zero maxima of either sign first: the element's own bits back
+    signs[0, 0], signs[1, 0] = 0.0, -0.0
+    signs[0, V // 2], signs[1, V // 2], signs[2, V - 1] = -0.0, 0.0, -0.0
+    for c in (x, (x * 2).round(), nan, zeros, signs, inf, torch.full((3, V), -float("inf")),
               torch.randn(V, 3, generator=g).t()):
         got, ref = row_max(c), c.max(dim=-1)
         assert torch.equal(got[1], ref[1]) and torch.equal(got[0].view(torch.int32), ref[0].view(torch.int32))
