@@ -6,7 +6,8 @@ distributions (sampler.temperature_probs), the acceptance tests and the residual
 rejection (verify/rejection.py ``rejection_accept``) and the final draw by inverse CDF
 (sampler.sample): about 0.6 ms of a 5.7 ms step of the built-in EAGLE-3 chain at T = 0.7 on a
 2-vCPU EPYC, where the kernels take well under 0.1 ms. The op calls ATen for the kernels whose
-summation order decides bits (the softmax, a residual's sum) and does the rest in plain loops
+summation order decides bits (the softmax, a residual's sum) and for the finiteness check (p's
+row sums), and does the rest in plain loops (the final draws over threads in large batches)
 that compute the same float32 and float64 values (sampling/native.py for the inverse CDF): its
 tokens are bitwise the Python path's (tests/spec_decode/test_native_verify.py; the rejected
 rows' residuals are summed as one [R, V] tensor, as there: ATen sums a lone [1, V] row of 32768
@@ -49,6 +50,7 @@ _SOURCE = r"""
 #include <vector>
 #include <torch/library.h>
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 namespace {
 using at::Tensor;
@@ -81,14 +83,8 @@ std::tuple<Tensor, Tensor, Tensor> chain_rejection(
   // sampler.temperature_probs (no greedy rows): the one parallel kernel, ATen's
   Tensor p = at::softmax(logits.div(temperature.unsqueeze(1)), -1).contiguous();  // [N, V]
   const float* P = p.data_ptr<float>();
-  // sampler._finite's check: a row is not finite iff one of its probabilities is not (softmax
-  // gives [0, 1] or NaN); tested on the bits (exponent all ones), a loop the compiler vectorises
-  uint32_t bad = 0;
-  for (int64_t i = 0; i < p.numel(); ++i) {
-    uint32_t bits;
-    std::memcpy(&bits, P + i, 4);
-    bad |= static_cast<uint32_t>((bits & 0x7f800000u) == 0x7f800000u);
-  }
+  // sampler._finite's check: a row of p is not finite iff its sum is not (softmax gives [0, 1] or NaN)
+  const bool bad = !at::isfinite(p.sum(-1)).all().item<bool>();
   if (bad) return {at::scalar_tensor(false, logits.options().dtype(at::kBool)), at::empty({0}, longs),
                    at::empty({0}, longs)};
   Tensor qc = q.numel() ? q.contiguous() : q;
@@ -141,20 +137,23 @@ std::tuple<Tensor, Tensor, Tensor> chain_rejection(
   }
   Tensor mass_t = R ? resid.sum(-1).contiguous() : resid;                      // [R]
   const float* M = R ? mass_t.data_ptr<float>() : nullptr;
-  for (int64_t b = 0, i = 0; b < B; ++b) {
-    const float* row = P + final_row[b] * V;                                   // the bonus token's row of p
-    if (i < R && rejected[i] == b) {
-      float* out = Rs + i * V;
-      const float mass = M[i];
-      ++i;
-      if (mass > 0) {
-        const float d = std::max(mass, 1e-30f);
+  std::vector<int64_t> rejected_at(B, -1);                                     // b -> its residual's row, or -1
+  for (int64_t i = 0; i < R; ++i) rejected_at[rejected[i]] = i;
+  // the final draws, rows over threads from 65536 elements on (a batch of 8 at 8192: each draw is
+  // a sequential float64 sum of its row, as ATen's cumsum, which splits rows over threads too)
+  at::parallel_for(0, B, std::max<int64_t>(1, 65536 / V), [&](int64_t lo, int64_t hi) {
+    for (int64_t b = lo; b < hi; ++b) {
+      const float* row = P + final_row[b] * V;                                 // the bonus token's row of p
+      const int64_t i = rejected_at[b];
+      if (i >= 0 && M[i] > 0) {
+        float* out = Rs + i * V;
+        const float d = std::max(M[i], 1e-30f);
         for (int64_t v = 0; v < V; ++v) out[v] = out[v] / d;
         row = out;
       }
+      Y[b] = inverse_cdf_row(row, V, W[b]);
     }
-    Y[b] = inverse_cdf_row(row, V, W[b]);
-  }
+  });
   return {at::scalar_tensor(true, logits.options().dtype(at::kBool)), n_out, tok_out};
 }
 }  // namespace
