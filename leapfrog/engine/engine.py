@@ -32,8 +32,7 @@ from leapfrog.model.compiled import RoundRace, can_compile, make_buckets
 from leapfrog.model.loader import load_model, load_tokenizer, read_checkpoint, resolve_dtype
 from leapfrog.model.native_draft import load_native_draft
 from leapfrog.model.native_linear import load_native_linear, set_streaming
-from leapfrog.model.native_ops import row_max
-from leapfrog.model.native_ops import load_native_ops
+from leapfrog.model.native_ops import load_native_ops, row_max
 from leapfrog.model.quant import check_batch_invariant_quantization, check_quantization
 from leapfrog.model.runner import ModelRunner, SeqChunk
 from leapfrog.outputs import IterationStats, Logprob, PositionLogprobs, RequestOutput, SpecMetrics
