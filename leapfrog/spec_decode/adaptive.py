@@ -30,7 +30,8 @@ node with children.) Unmeasured verify costs are interpolated linearly between m
 The first drafts at a batch size are a probe of K (less at larger batches: _probe_size) for
 _FIRST_PROBE_STEPS steps. Every ``adaptive_explore_interval`` steps the controller tries a
 neighbour of k* if its estimated goodput is within 15 % of k*'s, so close calls stay measured
-without paying for hopeless ones; while speculation is off it drafts a probe (4 steps in a row)
+without paying for hopeless ones (auto tree sizes: the chain one level longer or shorter up to
+the depth, tree sizes doubled or halved past it); while speculation is off it drafts a probe (4 steps in a row)
 after 8 intervals of decode steps (tokens per sequence) times the batch-size bucket to keep alpha
 current (and the costs: a transient that made speculation look bad must not turn it off for
 good), twice as long after each probe that leaves it off (up to 8 times: at large batches it
@@ -49,16 +50,17 @@ shape, the OS) move it by at most 20 %; lasting changes are followed within a fe
 Tree size (``num_draft_tokens: "auto"``, tree methods). The proposer grows its candidate tree
 at a cost that does not depend on how many nodes are verified, then keeps the n most confident.
 If c_1 >= c_2 >= ... are the candidates' path confidences (the product of the drafter's
-probabilities along the path, ``DraftBatch.candidate_scores``), verifying the best n accepts
-about a * (c_1 + ... + c_n) tokens, where a calibrates the drafter's confidence against the
-measured acceptance (an exponential moving average of accepted / predicted). So
+probabilities along the path, ``DraftBatch.candidate_scores``) and m_i their mean over recent
+proposals, verifying the best n accepts about a * C(n) tokens, C(n) = m_1 ** gamma + ... +
+m_n ** gamma (the power for the best ``num_speculative_tokens`` candidates, past them the
+confidences as they are), where gamma and a calibrate the drafter's confidence against the
+measured acceptance (confidence.py: a drafter under-confident per level is the more so, the
+deeper the candidate, and one linear factor made short chains look better than they are). So
 
-    n* = argmax_{n in 0..N} (1 + a * C(n)) / (t_draft(B, L(n), W(n)) + t_verify(B, n + 1)),
-    C(n) = sum_{i<=n} c_i
+    n* = argmax_{n in 0..N} (1 + a * C(n)) / (t_draft(B, L(n), W(n)) + t_verify(B, n + 1))
 
-with C(n) averaged over the latest proposals that grew at least n candidates (a small tree says
-nothing about a larger one's n-th candidate: padding C flat beyond what it grew made larger trees
-look worthless, and the tree never grew back), t_verify from the same measured table as
+with the m_i averaged over the latest proposals that grew at least i candidates (confidence.py),
+t_verify from the same measured table as
 above and n = 0 meaning no speculation (cost t_verify(B, 1), no drafting). The tree grown for n
 nodes has L(n) levels of width W(n) (SpeculativeConfig.tree_shape: a chain of n levels up to the
 depth, wider beyond), and t_draft(B, L, W) is the measured drafting time of a step of that shape.
@@ -111,14 +113,15 @@ on the whole request when it next drafts.
 from __future__ import annotations
 
 import bisect
-import itertools
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable
 
 from leapfrog.request import Request
+from leapfrog.spec_decode.confidence import ConfidenceCurves
 from leapfrog.spec_decode.config import SpeculativeConfig
 from leapfrog.spec_decode.draft import DraftBatch
+from leapfrog.spec_decode.rate import TokenRate
 from leapfrog.spec_decode.verify.result import AcceptanceResult
 
 _EMA = 0.2
@@ -130,11 +133,13 @@ _FIRST_PROBE_STEPS = 8
 _EXPLORE_MARGIN = 0.85  # explore a neighbouring K only if it is estimated within 15 % of the best
 _ROUND_TRIES = 3   # picks of the rounds' size at a batch size before giving up on measuring rounds there
 _PROBE_BACKOFF = 8   # a probe that finds speculation still not paying doubles the wait, up to this many times
-_RATE_WINDOW = 64   # tried (predicted) draft tokens: the acceptance rate's and calibration's memory (TokenRate)
-_RATE_STEPS = 16    # ... and steps, at most
 #: "auto" tree sizes: a size whose confidence C(n) is within this many tokens of the largest size's
 #: is the last weighed (larger ones expect less than this more, and cost more to verify)
 _FLAT_TOKENS = 0.05
+#: "auto" tree sizes: the sizes' goodputs are weighed again after this many steps (and on every
+#: exploration step); in between the last weighing stands (it moves little from one step to the
+#: next, and weighing every step cost 0.06 ms, 3 % of a step of the chain of 5 at batch 1)
+_REWEIGH_STEPS = 4
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -178,8 +183,10 @@ class SpecController:
         self.draft_samples: dict[tuple, int] = {}
         self.steps = 0
         self.last_k = self.K
-        self.curve: list[float] | None = None   # auto tree size: mean C(n), n = 1..K
-        self.calibrated = TokenRate(prior=1.0)   # auto tree size: accepted / predicted (calibration)
+        #: auto tree size: the confidence curves C(n), n = 1..K, and their calibrations (confidence.py)
+        self.confidence = ConfidenceCurves(self.K, cfg.num_speculative_tokens)
+        self._weighed: dict[int, _Weighed] = {}   # auto tree size: bucket -> its last weighing of the sizes
+        self.observations = 0   # verified steps observed (observe, observe_rounds)
         #: speculation rounds: the drafts per round of the engine's rounds graph (None: none compiled)
         self.round_k: int | None = None
         #: the sizes the engine runs as rounds: round_k, and 0 where it has multi-step decode
@@ -204,8 +211,15 @@ class SpecController:
 
     @property
     def calibration(self) -> float:
-        """Auto tree size: measured accepted / predicted tokens (1 until a tree is verified)."""
-        return self.calibrated.value
+        """Auto tree size: measured accepted / predicted tokens (1 until a tree is verified), of the
+        confidence model in use (confidence.py)."""
+        return self.confidence.calibration
+
+    @property
+    def curve(self) -> list[float] | None:
+        """Auto tree size: C(n), n = 1..K, the mean sums of the best n candidates' confidences (None
+        until measured; confidence.py)."""
+        return self.confidence.curve
 
     def cap(self, req: Request, k: int) -> int:
         return cap_drafts(req, k, self.max_model_len, self.cfg.tree)
@@ -316,6 +330,7 @@ class SpecController:
         ``rejected`` of them ended on a rejected draft (alpha: accepted / (accepted + rejected);
         not given: accepted / drafted, which underestimates it)."""
         bucket = _bucket(batch_size)
+        self.observations += 1
         key = (bucket, self.round_k if size is None else size)
         if key[1]:
             self.probes.pop(bucket, None)   # (a probe's size ran as rounds: the rounds stand for it)
@@ -333,11 +348,7 @@ class SpecController:
             self.acceptance.update(accepted, drafted if rejected is None else accepted + rejected)
         elif self.curve is not None and self.free_share == 0:
             # predicted: the chain's mean confidence sum per kept round
-            self._calibrate(accepted, self.curve[self.round_k - 1] * drafted / self.round_k)
-
-    def _calibrate(self, accepted: float, predicted: float) -> None:
-        """Move the calibration by one step's accepted and predicted tokens."""
-        self.calibrated.update(accepted, predicted)
+            self.confidence.calibrate(accepted, self.confidence.chain_prediction(self.round_k, drafted / self.round_k))
 
     def _verify_time(self, bucket: int, s: int) -> float | None:
         return self._verify_times(bucket, [s])[0]
@@ -386,6 +397,11 @@ class SpecController:
         top = min(self.K, self.cfg.num_speculative_tokens) if free == 1 else self.K   # (chains only)
         if (self.curve is None and free < 1) or not self.tree_draft_cost.get(bucket):
             return self._first_probe(bucket, min(top, self._probe_size(B)))   # the head's confidences and the costs
+        weighed = self._weighed.get(bucket)
+        if (weighed is not None and weighed.free == free and self.observations - weighed.at < _REWEIGH_STEPS
+                and self.steps % self.cfg.adaptive_explore_interval):
+            return self._explore(bucket, weighed.best, weighed.goodput.__getitem__, weighed.up, weighed.down,
+                                 weighed.probe)
         per_width, host = self.tree_draft_cost[bucket], self.host_cost.get(bucket, 0.0)
         if free < 1 and self.curve is not None:
             # sizes past the first within _FLAT_TOKENS of the most confidence expect no more tokens
@@ -409,21 +425,35 @@ class SpecController:
         chain = [free * expected_tokens(self.alpha, lv) for lv in range(self.cfg.num_speculative_tokens + 1)]
         gp = [1.0 / (t1 + host)]
         cal = self.calibration   # (read once: every step weighs up to K sizes)
+        model = self.confidence.model_curve(len(shapes)) if free < 1 else None
         for n, (shape, t) in enumerate(zip(shapes, verify), 1):
-            gp.append(self._tree_tokens(chain[shape[0]], free, n, cal) / (drafting[shape] + (t or t1) + host))
+            gp.append(self._tree_tokens(chain[shape[0]], free, n, cal, model) / (drafting[shape] + (t or t1) + host))
         for k in self.round_sizes:
             if k < len(gp) and (rounds := self._rounds_goodput(bucket, k)) is not None:
                 gp[k] = rounds
         best = max(range(len(gp)), key=gp.__getitem__)
-        return self._explore(bucket, best, gp.__getitem__, min(top, max(1, best * 2)), best // 2,
-                             min(top, self._probe_size(B)))
+        # neighbours to explore: the next chain lengths up to the depth (close in cost, so a chain one
+        # level longer must stay measured: with 2 x best only, a spike in the chain of 5's drafting
+        # cost kept "auto" on chains of 4 for a whole run), tree sizes by halves and doubles past it
+        depth = self.cfg.num_speculative_tokens
+        up = best + 1 if best < depth else best * 2
+        down = best - 1 if best <= depth else max(depth, best // 2)
+        w = _Weighed(self.observations, free, gp, best, min(top, max(1, up)), max(0, down),
+                     min(top, self._probe_size(B)))
+        self._weighed[bucket] = w
+        return self._explore(bucket, best, gp.__getitem__, w.up, w.down, w.probe)
 
-    def _tree_tokens(self, chains: float, free: float, n: int, cal: float | None = None) -> float:
+    def _tree_tokens(self, chains: float, free: float, n: int, cal: float | None = None,
+                     model: list[float] | None = None) -> float:
         """Expected tokens per sequence of a step verifying n nodes, in a batch whose share
         ``free`` drafts chains without confidence (expecting ``chains``: free x E[tokens] of their
-        levels) and the rest trees (1 + a C(n)); ``cal``: the calibration a, when the caller read it."""
+        levels) and the rest trees (1 + a C_gamma(n): confidence.py); ``cal`` and ``model``: the
+        calibration a and C_gamma(1..), when the caller read them."""
+        if free >= 1:
+            return chains
         a = self.calibration if cal is None else cal
-        return chains + ((1 - free) * (1.0 + a * self.curve[n - 1]) if free < 1 else 0.0)
+        model = self.confidence.model_curve(n) if model is None else model
+        return chains + (1 - free) * (1.0 + a * model[n - 1])
 
     def _explore(self, bucket: int, best: int, goodput: Callable[[int], float], up: int, down: int,
                  probe: int) -> int:
@@ -491,43 +521,24 @@ class SpecController:
         return max(1, min(self.K, 16 // B))
 
     def _observe_tree(self, drafts: DraftBatch, result: AcceptanceResult, probe: _Probe | None = None) -> None:
-        """Update the confidence curve and the calibration from one verified step. Position n of
-        the curve (C(n)) moves only with the proposals whose tree grew at least n candidates: a
-        small tree says nothing about a larger one's n-th candidate (padding its sum flat made
-        larger trees look worthless, so the tree never grew back)."""
+        """Update the confidence curves and the calibrations from one verified step
+        (confidence.py: position n of a curve moves only with the proposals whose tree grew at
+        least n candidates)."""
         scores = drafts.candidate_scores
         if not scores or not any(scores):   # (None: a sampled chain's, without confidence)
             return
-        sums: list[list[float]] = [[] for _ in range(self.K)]   # per position: C(n) of each proposal that grew n
-        predicted = 0.0
-        accepted = 0
-        for b, sc in enumerate(scores):
-            if sc is None:
-                continue
-            if drafts.num_draft[b]:
-                accepted += result.num_accepted[b]
-            run = list(itertools.accumulate(sc[:self.K]))
-            for i, c in enumerate(run):
-                sums[i].append(c)
-            if drafts.num_draft[b] and run:
-                predicted += run[min(drafts.num_draft[b], len(run)) - 1]
-        if self.curve is None:   # first proposal: positions it did not reach hold its total
-            flat = 0.0
-            self.curve = []
-            for col in sums:
-                flat = sum(col) / len(col) if col else flat
-                self.curve.append(flat)
+        kept = [b for b, sc in enumerate(scores) if sc is not None]
+        accepted = sum(result.num_accepted[b] for b in kept if drafts.num_draft[b])
+        predicted = self.confidence.observe([scores[b] for b in kept], [drafts.num_draft[b] for b in kept])
+        if predicted is None:
+            return
+        if probe is not None and probe.replaces:   # a probe's steps replace the sums by their own
+            probe.accepted += accepted
+            probe.predicted = predicted if probe.predicted is None else [
+                a + b for a, b in zip(probe.predicted, predicted)]
+            self.confidence.replace_calibration(probe.accepted, probe.predicted)
         else:
-            self.curve = [_ema(old, sum(col) / len(col)) if col else old for old, col in zip(self.curve, sums)]
-        for i in range(1, self.K):   # C is a cumulative sum: never decreasing in n
-            self.curve[i] = max(self.curve[i], self.curve[i - 1])
-        if predicted > 0:
-            if probe is not None and probe.replaces:   # a probe's steps replace the sums by their own
-                probe.accepted += accepted
-                probe.predicted += predicted
-                self.calibrated = TokenRate(probe.accepted, probe.predicted, 1.0)
-            else:
-                self._calibrate(accepted, predicted)
+            self.confidence.calibrate(accepted, predicted)
 
     def observe(self, reqs: list[Request], drafts: DraftBatch, result: AcceptanceResult,
                 t_draft: float, t_verify: float, batch_size: int | None = None,
@@ -539,6 +550,7 @@ class SpecController:
         is t_host). A step widened by another proposer's longer drafts updates acceptance and
         drafting cost, not the verify costs of this method's widths."""
         bucket = _bucket(batch_size or len(reqs))
+        self.observations += 1
         if t_step is not None:
             host = max(0.0, t_step - t_draft - t_verify)
             old = self.host_cost.get(bucket)
@@ -664,33 +676,17 @@ def tree_depth_cap(req: Request) -> int:
 
 
 @dataclass
-class TokenRate:
-    """Accepted tokens per token of ``per``, over sums that forget at a rate per token of ``per``
-    (a window of about _RATE_WINDOW of them, however many steps or sequences brought them), and
-    within about _RATE_STEPS steps at most (when acceptance collapses, a chain tries one token a
-    step: 64 steps of drafting in vain before speculation turned off):
-
-    - alpha, the per-token acceptance rate of chains: accepted / tried. A draft token is tried
-      when every one before it in its chain was accepted, so a chain tries its accepted tokens
-      plus the rejected one, if any (the geometric model's maximum-likelihood estimate);
-    - an auto tree's calibration: accepted / predicted (the confidence sums C of the verified trees).
-
-    Moving averages per step swung with single steps (at T = 0.7, batch 1: a few unlucky steps
-    turned speculation off for 128 tokens; at T = 0 a tree's calibration for 24 steps). ``prior``
-    until something is measured."""
-    accepted: float = 0.0
-    per: float = 0.0
-    prior: float = 0.7
-
-    @property
-    def value(self) -> float:
-        return self.accepted / self.per if self.per > 0 else self.prior
-
-    def update(self, accepted: float, per: float) -> None:
-        """One step's accepted tokens, and tried (predicted) ones."""
-        if per > 0:
-            keep = min((1 - 1 / _RATE_WINDOW) ** per, 1 - 1 / _RATE_STEPS)
-            self.accepted, self.per = keep * self.accepted + accepted, keep * self.per + per
+class _Weighed:
+    """A weighing of the auto tree sizes at a batch size: after ``at`` observed steps, for a share ``free``
+    of unseeded sampled requests, the goodput of each size (0: no speculation), the best and the
+    neighbours and probe size ``_explore`` takes."""
+    at: int
+    free: float
+    goodput: list[float]
+    best: int
+    up: int
+    down: int
+    probe: int
 
 
 @dataclass
@@ -706,6 +702,6 @@ class _Probe:
     seen: int = 0
     pending: bool = True
     accepted: float = 0.0
-    predicted: float = 0.0
+    predicted: list[float] | None = None   # [G]: each confidence model's (confidence.py)
     tokens: int = 0
     tried: int = 0
