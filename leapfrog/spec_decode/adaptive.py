@@ -136,9 +136,9 @@ _PROBE_BACKOFF = 8   # a probe that finds speculation still not paying doubles t
 #: "auto" tree sizes: a size whose confidence C(n) is within this many tokens of the largest size's
 #: is the last weighed (larger ones expect less than this more, and cost more to verify)
 _FLAT_TOKENS = 0.05
-#: "auto" tree sizes: the sizes' goodputs are weighed again after this many steps (and on every
-#: exploration step); in between the last weighing stands (it moves little from one step to the
-#: next, and weighing every step cost 0.06 ms, 3 % of a step of the chain of 5 at batch 1)
+#: "auto" tree sizes: the sizes' goodputs are weighed again after this many steps; in between the
+#: last weighing stands, exploration included (it moves little from one step to the next, and
+#: weighing every step cost 0.06 ms, 3 % of a step of the chain of 5 at batch 1)
 _REWEIGH_STEPS = 4
 
 
@@ -398,8 +398,8 @@ class SpecController:
         if (self.curve is None and free < 1) or not self.tree_draft_cost.get(bucket):
             return self._first_probe(bucket, min(top, self._probe_size(B)))   # the head's confidences and the costs
         weighed = self._weighed.get(bucket)
-        if (weighed is not None and weighed.free == free and self.observations - weighed.at < _REWEIGH_STEPS
-                and self.steps % self.cfg.adaptive_explore_interval):
+        if (weighed is not None and weighed.free == free and weighed.batch == B
+                and self.observations - weighed.at < _REWEIGH_STEPS):
             return self._explore(bucket, weighed.best, weighed.goodput.__getitem__, weighed.up, weighed.down,
                                  weighed.probe)
         per_width, host = self.tree_draft_cost[bucket], self.host_cost.get(bucket, 0.0)
@@ -438,7 +438,7 @@ class SpecController:
         depth = self.cfg.num_speculative_tokens
         up = best + 1 if best < depth else best * 2
         down = best - 1 if best <= depth else max(depth, best // 2)
-        w = _Weighed(self.observations, free, gp, best, min(top, max(1, up)), max(0, down),
+        w = _Weighed(self.observations, B, free, gp, best, min(top, max(1, up)), max(0, down),
                      min(top, self._probe_size(B)))
         self._weighed[bucket] = w
         return self._explore(bucket, best, gp.__getitem__, w.up, w.down, w.probe)
@@ -529,7 +529,8 @@ class SpecController:
             return
         kept = [b for b, sc in enumerate(scores) if sc is not None]
         accepted = sum(result.num_accepted[b] for b in kept if drafts.num_draft[b])
-        predicted = self.confidence.observe([scores[b] for b in kept], [drafts.num_draft[b] for b in kept])
+        predicted = self.confidence.observe([scores[b] for b in kept], [drafts.num_draft[b] for b in kept],
+                                            [result.num_accepted[b] for b in kept])
         if predicted is None:
             return
         if probe is not None and probe.replaces:   # a probe's steps replace the sums by their own
@@ -677,10 +678,11 @@ def tree_depth_cap(req: Request) -> int:
 
 @dataclass
 class _Weighed:
-    """A weighing of the auto tree sizes at a batch size: after ``at`` observed steps, for a share ``free``
+    """A weighing of the auto tree sizes: after ``at`` observed steps, for ``batch`` sequences of which a share ``free``
     of unseeded sampled requests, the goodput of each size (0: no speculation), the best and the
     neighbours and probe size ``_explore`` takes."""
     at: int
+    batch: int
     free: float
     goodput: list[float]
     best: int

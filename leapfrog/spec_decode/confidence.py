@@ -22,19 +22,24 @@ along the chain, one candidate per depth. Past them (a tree's siblings, of small
 confidences count as they are: with the power on them too (m ** 0.5 makes a sibling of 0.03 worth
 0.17), "auto" verified trees of 21 nodes at batch 1, where they cost twice a chain's step.
 
-So each gamma of a small grid (``GAMMAS``) has its own calibration a (accepted over predicted
-tokens, TokenRate), and the model in use is the gamma whose a is nearest 1: a grows with gamma
-(m ** gamma shrinks), so that is where the power alone explains the acceptance, and a stays as
-the residual factor. gamma = 1 is the linear model, which ties go to. (Kept per mean position
-rather than per candidate: one curve, a few powers a step, where a curve per gamma cost 55 us a
-step and its heavy tails made every tree size look worth weighing.)
+So each gamma of a small grid (``GAMMAS``) keeps three calibrations (accepted over predicted
+tokens, TokenRate): over all verified candidates (a, the one in use), and over the shallow and the
+deep half of the chains verified (proposals of at most ``depth`` candidates, where candidate i sits
+at depth i and is accepted when the chain accepts at least i tokens). The model in use is the
+gamma under which both halves are calibrated alike (their ratio nearest 1; ties and nothing
+measured: the linear model, gamma = 1), and a is its overall calibration. A drafter off by one
+factor at every depth keeps gamma = 1 with that factor as a. (A first version picked the gamma
+whose overall a was nearest 1: it fitted such a drafter with a wrong power, and a 32-prompt run
+chose shorter chains than before.) (The powers apply to the mean confidence per position rather
+than per candidate: one curve, a few powers a step, where a curve per gamma cost 55 us a step.)
 
 C(n) is a moving average per position: position n moves only with the proposals that grew at
 least n candidates (a small tree says nothing about a larger one's n-th candidate: padding its
 sum flat made larger trees look worthless, and the tree never grew back), and positions past
-every proposal's candidates keep their shape, scaled by how the last grown position moved (kept
-as they were, a drop in a chain's confidence on a harder stretch of text left C(depth + 1) far
-above C(depth), and a tree of one node more looked worth more than a token).
+every proposal's candidates keep their increments, moved with the last grown position (kept as
+they were, a drop in a chain's confidence on a harder stretch of text left C(depth + 1) far above
+C(depth), and a tree of one node more looked worth more than a token; scaled rather than moved, a
+tail of small siblings grew with one confident chain).
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ from leapfrog.spec_decode.rate import TokenRate
 GAMMAS = (0.5, 0.625, 0.75, 0.875, 1.0, 1.25, 1.5)
 _LINEAR = GAMMAS.index(1.0)
 _EMA = 0.2
+_SHAPE_WINDOW = 512   # predicted tokens: the shape fit's memory (TokenRate)
+_SHAPE_STEPS = 128    # ... and steps, at most
 
 
 class ConfidenceCurves:
@@ -60,7 +67,11 @@ class ConfidenceCurves:
         #: count as they are (module docstring)
         self.depth = K if depth is None else depth
         self.curve: list[float] | None = None
-        self.rates = [TokenRate(prior=1.0) for _ in GAMMAS]
+        self.rates = [TokenRate(prior=1.0) for _ in GAMMAS]   # a per gamma: accepted / predicted
+        #: per gamma, the calibrations of the chains' shallow and deep halves (the shape fit; a head's
+        #: miscalibration by depth changes slowly: a longer memory than a's)
+        self.shallow = [TokenRate(prior=1.0, window=_SHAPE_WINDOW, steps=_SHAPE_STEPS) for _ in GAMMAS]
+        self.deep = [TokenRate(prior=1.0, window=_SHAPE_WINDOW, steps=_SHAPE_STEPS) for _ in GAMMAS]
         self.index = _LINEAR
         self._model: list[float] = []   # C_gamma(n) of the model in use, n = 1..len (cache)
 
@@ -95,10 +106,12 @@ class ConfidenceCurves:
         m = [max(c - p, 0.0) for c, p in zip(curve, [0.0] + curve[:-1])]
         return [x ** g for x in m[:self.depth]] + m[self.depth:]
 
-    def observe(self, scores: list[list[float]], verified: list[int]) -> list[float] | None:
-        """Move the curve by one step's proposals: each one's candidate scores (best first) and
-        how many of its best candidates were verified. -> the tokens each gamma predicts for them
-        ([G]: sum over the proposals of C_gamma(verified)), or None when nothing was."""
+    def observe(self, scores: list[list[float]], verified: list[int],
+                accepted: list[int] | None = None) -> list[float] | None:
+        """Move the curve by one step's proposals: each one's candidate scores (best first), how
+        many of its best candidates were verified and (``accepted``) how many tokens it accepted
+        (the shape fit: ``_fit_shape``). -> the tokens each gamma predicts for them ([G]: sum over
+        the proposals of C_gamma(verified)), or None when nothing was."""
         L = max((min(len(sc), self.K) for sc in scores), default=0)   # positions < L were grown
         if L == 0:
             return None
@@ -107,38 +120,37 @@ class ConfidenceCurves:
             for i, c in enumerate(itertools.accumulate(sc[:self.K])):
                 sums[i].append(c)
         means = [sum(col) / len(col) for col in sums]
+        head = means if self.curve is None else [(1 - _EMA) * o + _EMA * m for o, m in zip(self.curve, means)]
+        head = list(itertools.accumulate(head, max))   # C is a cumulative sum: never decreasing in n
         if self.curve is None:   # first proposals: positions they did not reach hold their total
-            self.curve = means + [means[-1]] * (self.K - L)
-        else:
+            self.curve = head + [head[-1]] * (self.K - L)
+        else:   # past every proposal's candidates: their increments kept, moved with position L
             old = self.curve
-            # past every proposal's candidates: the shape kept, scaled by how position L moved
-            head = [(1 - _EMA) * o + _EMA * m for o, m in zip(old, means)]
-            scale = head[-1] / old[L - 1] if old[L - 1] > 0 else 1.0
-            self.curve = head + [o * scale for o in old[L:]]
-        curve = self.curve
-        for i in range(1, self.K):   # C is a cumulative sum: never decreasing in n
-            if curve[i] < curve[i - 1]:
-                curve[i] = curve[i - 1]
-            elif i >= L:
-                break   # (the tail: non-decreasing already, scaled, and not below the head's end)
+            self.curve = head + [o + head[-1] - old[L - 1] for o in old[L:]]
         self._model = []
         n = [min(v, len(sc), self.K) for v, sc in zip(verified, scores)]
         if not any(n):
             return None
-        return self._predict(n)
+        powered = [self._powered(max(n), g) for g in GAMMAS]   # [G][top]
+        if accepted is not None:
+            self._fit_shape(powered, n, accepted)
+        return [sum(sum(p[:v]) for v in n) for p in powered]
+
+    def _fit_shape(self, powered: list[list[float]], verified: list[int], accepted: list[int]) -> None:
+        """Each gamma's calibration on the shallow and on the deep half of the chains verified
+        (proposals of at most ``depth`` candidates: a chain, candidate i at depth i, accepted when
+        the chain accepted at least i)."""
+        h = max(1, self.depth // 2)
+        chains = [(v, min(k, v)) for v, k in zip(verified, accepted) if 0 < v <= self.depth]
+        if not chains:
+            return
+        for p, shallow, deep in zip(powered, self.shallow, self.deep):
+            shallow.update(sum(min(k, h) for _, k in chains), sum(sum(p[:min(h, v)]) for v, _ in chains))
+            deep.update(sum(max(0, k - h) for _, k in chains), sum(sum(p[h:v]) for v, _ in chains))
 
     def chain_prediction(self, k: int, chains: float) -> list[float] | None:
         """What each gamma predicts for ``chains`` proposals verifying their best ``k`` candidates."""
-        return None if self.curve is None else [p * chains for p in self._predict([k])]
-
-    def _predict(self, verified: list[int]) -> list[float]:
-        """[G]: sum over ``verified`` of C_gamma(n), from the current curve."""
-        top = max(verified)
-        out = []
-        for g in GAMMAS:
-            run = list(itertools.accumulate(self._powered(top, g)))
-            out.append(sum(run[v - 1] for v in verified if v))
-        return out
+        return None if self.curve is None else [sum(self._powered(k, g)) * chains for g in GAMMAS]
 
     def calibrate(self, accepted: float, predicted: list[float]) -> None:
         """One step's accepted tokens against each gamma's prediction ([G])."""
@@ -152,11 +164,14 @@ class ConfidenceCurves:
         self._pick()
 
     def _pick(self) -> None:
-        """The model in use: the gamma whose calibration is nearest 1 (ties: the gamma nearest 1)."""
-        index, off = self.index, math.inf
-        for g, rate in enumerate(self.rates):
-            if rate.per > 0 and rate.accepted > 0:
-                d = abs(math.log(rate.accepted / rate.per))
+        """The model in use: the gamma under which the chains' deep half is calibrated like their
+        shallow half (the ratio of the two calibrations nearest 1; ties: the gamma nearest 1); the
+        linear model until both halves are measured. (The gamma whose overall calibration was
+        nearest 1 fitted a drafter that is off by one factor at every depth with a wrong power.)"""
+        index, off = _LINEAR, math.inf
+        for g, (shallow, deep) in enumerate(zip(self.shallow, self.deep)):
+            if shallow.per > 0 and deep.per > 0 and shallow.accepted > 0 and deep.accepted > 0:
+                d = abs(math.log(deep.value / shallow.value))
                 if d < off - 1e-12 or (d <= off + 1e-12 and abs(math.log(GAMMAS[g])) < abs(math.log(GAMMAS[index]))):
                     index, off = g, d
         if index != self.index:

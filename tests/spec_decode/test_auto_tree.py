@@ -7,6 +7,8 @@ import torch
 
 from leapfrog.spec_decode.adaptive import SpecController, expected_tokens
 from leapfrog.spec_decode.confidence import GAMMAS
+
+from .test_confidence import accepted_counts
 from leapfrog.spec_decode.config import SpeculativeConfig
 from leapfrog.spec_decode.draft import DraftBatch
 from leapfrog.spec_decode.verify.result import AcceptanceResult
@@ -252,10 +254,9 @@ def test_rounds_are_weighed_by_their_measured_time():
     assert chosen[:4] == [0, 0, 4, 4] and ctl.round_samples[(1, 4)] >= 2 and abs(ctl.round_time[(1, 4)] - 1.2) < 1e-9
     assert chosen[-20:].count(4) >= 16
     assert 2.5 < ctl._rounds_goodput(1, 4) < 4.0 and ctl._rounds_goodput(1, 5) is None
-    # (fed by the rounds: 3 accepted per 4-node chain of C(4) = 2.0 in the linear model; the model
-    # in use is the one whose calibration is nearest 1)
-    assert 1.3 < ctl.confidence.calibration_at(1.0) < 1.7
-    assert abs(ctl.calibration - 1) < abs(ctl.confidence.calibration_at(1.0) - 1)
+    # (fed by the rounds: 3 accepted per 4-node chain of C(4) = 2.0; rounds tell no accepted depths,
+    # so the linear model stays)
+    assert 1.3 < ctl.calibration < 1.7 and ctl.confidence.gamma == 1.0
     ctl, chosen = _rounds_run(6.0)     # slower than plain decode and than trees
     assert chosen[:4] == [0, 0, 4, 4] and chosen[-20:].count(4) <= 4
     ctl, chosen = _rounds_run(1.2, rounds_run=False)
@@ -505,8 +506,9 @@ def test_a_drafter_unsure_at_depth_is_weighed_by_the_fitted_power():
     ctl = SpecController(CFG, 4096)
     _measured(ctl, {1: 0.6, 2: 0.8, 3: 1.0, 4: 1.3})
     chain = [0.8, 0.6, 0.45, 0.34]
-    for _ in range(60):   # (accepted: the expectation, exactly)
-        ctl.confidence.calibrate(sum(m ** 0.5 for m in chain), ctl.confidence.observe([chain], [4]))
+    ks = accepted_counts([m ** 0.5 for m in chain])   # (1000 chains a step: the exact frequencies)
+    for _ in range(40):
+        ctl.confidence.calibrate(sum(ks), ctl.confidence.observe([chain] * len(ks), [4] * len(ks), ks))
     assert ctl.confidence.gamma == 0.5
     assert ctl.choose([_Req()]) == [4]
     ctl.confidence.index, ctl.confidence._model = GAMMAS.index(1.0), []   # the linear model
@@ -528,3 +530,23 @@ def test_exploration_tries_the_chain_one_level_longer():
     assert ctl.choose([_Req()]) == [3]         # (2 x 2 = 4 before)
     ctl.steps = 2 * interval                   # downwards
     assert ctl.choose([_Req()]) == [1]
+
+
+def test_the_last_weighing_stands_until_steps_pass_or_the_mix_changes():
+    """The sizes are weighed again after _REWEIGH_STEPS observed steps, or at once for another
+    share of unseeded sampled requests or another batch size."""
+    ctl = SpecController(CFG, 4096)
+    _measured(ctl, {1: 0.1, 2: 0.4, 3: 0.7, 4: 1.0})
+    for _ in range(3):
+        ctl.confidence.calibrate(1.7, ctl.confidence.observe([[0.9, 0.8, 0.3, 0.2]], [2]))
+    assert ctl.choose([_Req()]) == [2]
+    ctl.tree_draft_cost[1] = {(n, 1): 50.0 for n in range(1, 5)}   # drafting now costs far more than it gains
+    assert ctl.choose([_Req()]) == [2]          # the weighing stands (nothing observed since)
+    assert ctl.choose([_Sampled()]) == [0]      # another mix of requests: weighed again
+    ctl._weighed.clear()
+    assert ctl.choose([_Req()]) == [0]
+    ctl.tree_draft_cost[1] = {(n, 1): 0.1 * n for n in range(1, 5)}
+    ctl.observations += 3
+    assert ctl.choose([_Req()]) == [0]
+    ctl.observations += 1                       # _REWEIGH_STEPS observed: weighed again
+    assert ctl.choose([_Req()])[0] > 0
