@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import Counter
 
 from leapfrog.spec_decode.rate import TokenRate
 
@@ -131,22 +132,28 @@ class ConfidenceCurves:
         n = [min(v, len(sc), self.K) for v, sc in zip(verified, scores)]
         if not any(n):
             return None
-        powered = [self._powered(max(n), g) for g in GAMMAS]   # [G][top]
+        # C_gamma(0..top) per gamma, and how many proposals verified each size
+        prefix = [[0.0, *itertools.accumulate(self._powered(max(n), g))] for g in GAMMAS]   # [G][top + 1]
+        sizes = Counter(v for v in n if v)
         if accepted is not None:
-            self._fit_shape(powered, n, accepted)
-        return [sum(sum(p[:v]) for v in n) for p in powered]
+            self._fit_shape(prefix, n, accepted)
+        return [sum(c * pre[v] for v, c in sizes.items()) for pre in prefix]
 
-    def _fit_shape(self, powered: list[list[float]], verified: list[int], accepted: list[int]) -> None:
+    def _fit_shape(self, prefix: list[list[float]], verified: list[int], accepted: list[int]) -> None:
         """Each gamma's calibration on the shallow and on the deep half of the chains verified
         (proposals of at most ``depth`` candidates: a chain, candidate i at depth i, accepted when
-        the chain accepted at least i)."""
+        the chain accepted at least i); ``prefix``: C_gamma(0..) per gamma."""
         h = max(1, self.depth // 2)
         chains = [(v, min(k, v)) for v, k in zip(verified, accepted) if 0 < v <= self.depth]
         if not chains:
             return
-        for p, shallow, deep in zip(powered, self.shallow, self.deep):
-            shallow.update(sum(min(k, h) for _, k in chains), sum(sum(p[:min(h, v)]) for v, _ in chains))
-            deep.update(sum(max(0, k - h) for _, k in chains), sum(sum(p[h:v]) for v, _ in chains))
+        shallow_acc = sum(min(k, h) for _, k in chains)
+        deep_acc = sum(max(0, k - h) for _, k in chains)
+        sizes = Counter(v for v, _ in chains)
+        for pre, shallow, deep in zip(prefix, self.shallow, self.deep):
+            shallow_pred = sum(c * pre[min(h, v)] for v, c in sizes.items())
+            shallow.update(shallow_acc, shallow_pred)
+            deep.update(deep_acc, sum(c * pre[v] for v, c in sizes.items()) - shallow_pred)
 
     def chain_prediction(self, k: int, chains: float) -> list[float] | None:
         """What each gamma predicts for ``chains`` proposals verifying their best ``k`` candidates."""
