@@ -8,7 +8,9 @@ they do in a step once the set is larger than the last-level cache. Contenders a
 in a fresh random order every round (this machine's pace drifts), and each reports its median
 GB/s and the median of its per-round time ratios against the first contender.
 
-Contenders: leapfrog's bf16 kernel as the engine builds it (``NativeLinear``), its software
+Contenders: leapfrog's bf16 kernel as the engine builds it (``NativeLinear``; on CPUs with
+AMX-BF16 its bf16 rows run on the tile registers, and the same build without them, vdpbf16ps only,
+is timed beside it unless ``--no-amx-variant``), its software
 prefetch variants (``--prefetch HINT:BYTES``, each built under its own op namespace: about 20 s
 each, once), and ``torch.nn.functional.linear`` in bf16 (oneDNN). References for the machine's
 limit: ``torch.sum`` over a 256 MB float32 tensor (a read) and a 64 MB copy (read + write).
@@ -108,6 +110,8 @@ def main() -> None:
     ap.add_argument("--prefetch", nargs="*", default=[], metavar="HINT:BYTES",
                     help="kernel variants: software prefetch hint (T0, T1, T2, NTA, none) and distance in bytes")
     ap.add_argument("--no-onednn", action="store_true", help="leave out F.linear (oneDNN)")
+    ap.add_argument("--no-amx-variant", action="store_true",
+                    help="on an AMX CPU, leave out the same build without the AMX tiles (vdpbf16ps only)")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="the rows' dtype")
     ap.add_argument("--other", default=None, metavar="FILE",
                     help="another checkout's leapfrog/model/native_linear.py, timed beside this one")
@@ -131,7 +135,8 @@ def main() -> None:
     native = [nl.NativeLinear(w, None) for w in weights]
     isa = nl.kernel_isa()
     default_bytes, default_hint = nl.PREFETCH[isa]
-    label = f"{isa} build, prefetch {default_hint}, {default_bytes} B"
+    label = (f"{isa} + AMX build, the hardware's prefetch" if nl.amx_in_use()
+             else f"{isa} build, prefetch {default_hint}, {default_bytes} B")
     # every kernel contender calls its op directly, as a compiled graph does (through the module,
     # the Python call alone cost the engine's kernel 5-8 % against the variants here)
     engine_op = torch.ops.leapfrog_gemm.linear_bf16
@@ -145,6 +150,10 @@ def main() -> None:
         except ValueError as e:
             sys.exit(f"--prefetch {spec}: {e}")
         contenders.append(Contender(f"leapfrog kernel, prefetch {hint}, {nbytes_ahead} B",
+                                    lambda x, i, op=op: op(x, native[i].packed, None, shapes[i][0], False)))
+    if nl.amx_in_use() and not args.no_amx_variant:   # the engine's build on a CPU without AMX
+        op = nl.load_variant(default_bytes, default_hint, "leapfrog_gemm_noamx", amx=False)
+        contenders.append(Contender(f"leapfrog kernel ({isa} build, no AMX)",
                                     lambda x, i, op=op: op(x, native[i].packed, None, shapes[i][0], False)))
     other = None
     if args.other:

@@ -360,3 +360,81 @@ def test_prefetch_variant_gives_the_same_bits():
         for dtype in (BF16, torch.float32):
             x = torch.randn(rows, 96, generator=g).to(dtype)
             assert torch.equal(op(x, lin.packed, None, 100, False), lin(x))
+
+
+def test_kernel_amx(monkeypatch):
+    """AMX tiles where the CPU lists AMX-BF16 and AMX-TILE beside AVX-512 BF16, unless
+    LEAPFROG_AMX=0 or ATEN_CPU_CAPABILITY caps the build below AVX-512."""
+    from leapfrog.model import native_linear as nl
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    monkeypatch.delenv("LEAPFROG_AMX", raising=False)
+    amx = {"avx2", "fma", "avx512_bf16", "amx_bf16", "amx_tile"}
+    for flags, want in [(amx, True), (amx - {"amx_tile"}, False), (amx - {"avx512_bf16"}, False),
+                        ({"avx2", "fma"}, False)]:
+        monkeypatch.setattr(nl, "cpu_flags", lambda flags=flags: flags)
+        assert nl.kernel_amx() is want, flags
+    monkeypatch.setattr(nl, "cpu_flags", lambda: amx)
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert nl.kernel_isa() == "avx2" and not nl.kernel_amx()
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY")
+    monkeypatch.setenv("LEAPFROG_AMX", "0")
+    assert nl.kernel_isa() == "avx512_bf16" and not nl.kernel_amx()
+
+
+def test_kernel_source_amx():
+    """The AMX build is the AVX-512 BF16 build with the tile path compiled in (and its flags)."""
+    from leapfrog.model import native_linear as nl
+    source, flags = nl.kernel_source("avx512_bf16", amx=True)
+    assert (source, flags) == nl._BUILDS["avx512_bf16_amx"]
+    assert source.startswith("#define LEAPFROG_AMX 1") and "_tile_dpbf16ps" in source
+    assert {"-mamx-tile", "-mamx-bf16"} <= set(flags)
+    plain, plain_flags = nl._BUILDS["avx512_bf16"]
+    assert "_tile_dpbf16ps" not in plain and "-mamx-bf16" not in plain_flags
+    with pytest.raises(ValueError):
+        nl.kernel_source("avx2", amx=True)
+
+
+def _amx_in_use() -> bool:
+    from leapfrog.model.native_linear import amx_in_use
+    return native_linear_supported(BF16, "cpu") and amx_in_use()
+
+
+needs_amx = pytest.mark.skipif(not _amx_in_use(), reason="needs AMX-BF16 (and LEAPFROG_AMX unset)")
+
+
+@needs_amx
+@pytest.mark.parametrize("n,k", [(100, 90), (64, 64), (33, 544)])
+def test_amx_tiles_values_and_row_invariance(n, k):
+    """The AMX path (bf16 rows): whole and partial A tiles (1-16 rows; past 16, tiles of 16 padded
+    with zero rows; past 32, a second pass), K not a multiple of a tile's 32 (the zero-padded tail),
+    N not a multiple of a block; float32 sums within a bf16 rounding of the float64 reference, and
+    each row's bits those it gets alone."""
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g).to(BF16)
+    b = torch.randn(n, generator=g)
+    lin = NativeLinear(w, b)
+    head = NativeLinear(w, b, f32_out=True)
+    x = torch.randn(40, k, generator=g).to(BF16)
+    alone = [lin(x[i:i + 1]) for i in range(40)]
+    alone32 = [head(x[i:i + 1]) for i in range(40)]
+    for rows in (1, 3, 16, 17, 31, 32, 33, 40):
+        ref = _reference(x[:rows], w, b)
+        y, y32 = lin(x[:rows]), head(x[:rows])
+        assert torch.allclose(y32.double(), ref, rtol=1e-5, atol=1e-4), rows
+        assert torch.equal(y, y32.to(BF16)), rows   # one rounding of the same sums
+        assert torch.equal(y, torch.cat(alone[:rows])) and torch.equal(y32, torch.cat(alone32[:rows])), rows
+
+
+@needs_amx
+@pytest.mark.slow
+def test_amx_and_vdpbf16ps_builds_agree_to_rounding():
+    """The build without the tiles (LEAPFROG_AMX=0's, load_variant(amx=False)) sums the same
+    products in another order: equal to within float32 rounding, not necessarily bitwise."""
+    from leapfrog.model.native_linear import PREFETCH, load_variant
+    op = load_variant(*PREFETCH["avx512_bf16"], "leapfrog_gemm_test_noamx", amx=False)
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(300, 512, generator=g).to(BF16)
+    head = NativeLinear(w, None, f32_out=True)
+    for rows in (1, 6, 17):
+        x = torch.randn(rows, 512, generator=g).to(BF16)
+        assert torch.allclose(op(x, head.packed, None, 300, True), head(x), rtol=1e-5, atol=1e-5)
