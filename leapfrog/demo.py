@@ -120,15 +120,27 @@ def demo_chain_depth(dtype: str = "auto") -> int:
     return 7 if dtype in ("auto", "bfloat16", "bf16") and kernel_isa() == "avx512_bf16" else 5
 
 
+def demo_disable_by_batch_size(dtype: str = "auto") -> int:
+    """Above how many sequences the built-in head stops drafting: 4 where the bf16 target's linears
+    run on AMX tiles (``kernel_amx``: verifying 8 rows costs 1.26 one-token forwards there, against
+    1.83 on the vdpbf16ps tiles), else 3 (DEMO_EAGLE3's). Measured on an AMX Xeon (stop 79,
+    ``tree_bench.py --only 2 8 --eagle-depths 7 --batch-sizes 1 4 8 16 --temperatures 0 0.7``):
+    the chain of 7 ran 1.49x / 1.26x no speculation at batch 4 (T = 0 / 0.7), 1.23x / 0.94x at 8,
+    1.01x / 0.65x at 16."""
+    from leapfrog.model.native_linear import kernel_amx
+    return 4 if dtype in ("auto", "bfloat16", "bf16") and kernel_amx() else DEMO_EAGLE3["disable_by_batch_size"]
+
+
 def default_model(dtype: str = "auto") -> tuple[str, dict[str, Any] | None]:
     """(model path, default speculative_config) of the built-in default model (the same with
-    tensor parallelism) for the engine's ``dtype`` (the head's chain depth: ``demo_chain_depth``)."""
+    tensor parallelism) for the engine's ``dtype`` (the head's chain depth: ``demo_chain_depth``;
+    the batch size it drafts up to: ``demo_disable_by_batch_size``)."""
     pair = demo_pair()
     if pair is not None:
         head = DEMO_DIR / "eagle3"
         if (head / "config.json").is_file():
             return str(pair[0]), {**DEMO_EAGLE3, "num_speculative_tokens": demo_chain_depth(dtype),
-                                  "model": str(head)}
+                                  "disable_by_batch_size": demo_disable_by_batch_size(dtype), "model": str(head)}
         return str(pair[0]), {"method": "draft_model", "model": str(pair[1]), "num_speculative_tokens": 4}
     path = cache_dir() / "tiny-random-llama-v1"
     if not (path / "config.json").is_file():
