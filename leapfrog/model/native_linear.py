@@ -925,11 +925,16 @@ def load_native_linear() -> bool:
             _STATE["isa"] = kernel_isa()
             _STATE["amx"] = _STATE["isa"] is not None and kernel_amx()
             _STATE["ok"] = _load(_STATE["isa"], _STATE["amx"])
+            if not _STATE["ok"] and _STATE["amx"]:   # (a compiler without -mamx-bf16: the build without)
+                _STATE["amx"] = False
+                _STATE["ok"] = _load(_STATE["isa"])
     return _STATE["ok"]
 
 
 def amx_in_use() -> bool:
-    """Whether the loaded kernel runs bf16 rows on AMX tiles (kernel_amx, at load)."""
+    """Whether the loaded kernel was built with the AMX tiles for bf16 rows (kernel_amx, at load;
+    the op itself falls back to the vdpbf16ps tiles where Linux refuses a process the tile state,
+    before 5.16)."""
     return load_native_linear() and _STATE["amx"]
 
 
