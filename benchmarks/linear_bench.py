@@ -10,9 +10,9 @@ GB/s and the median of its per-round time ratios against the first contender.
 
 Contenders: leapfrog's bf16 kernel as the engine builds it (``NativeLinear``; on CPUs with
 AMX-BF16 its bf16 rows run on the tile registers, and the same build without them, vdpbf16ps only,
-is timed beside it unless ``--no-amx-variant``), its software
-prefetch variants (``--prefetch HINT:BYTES``, each built under its own op namespace: about 20 s
-each, once), and ``torch.nn.functional.linear`` in bf16 (oneDNN). References for the machine's
+is timed beside it unless ``--no-amx-variant``), its software prefetch variants (``--prefetch
+HINT:BYTES``, each built under its own op namespace: about 20 s each, once; on AMX CPUs built
+without the tiles, whose path prefetches nothing), and ``torch.nn.functional.linear`` in bf16 (oneDNN). References for the machine's
 limit: ``torch.sum`` over a 256 MB float32 tensor (a read) and a 64 MB copy (read + write).
 
     python benchmarks/linear_bench.py                              # built-in target, 1 and 6 rows
@@ -146,10 +146,12 @@ def main() -> None:
         hint, _, dist = spec.partition(":")
         try:
             nbytes_ahead = int(dist or default_bytes)
-            op = nl.load_variant(nbytes_ahead, hint, f"leapfrog_gemm_bench{j}")
+            # (the AMX path prefetches nothing, whatever the hint: its variants are the build without it)
+            op = nl.load_variant(nbytes_ahead, hint, f"leapfrog_gemm_bench{j}", amx=False)
         except ValueError as e:
             sys.exit(f"--prefetch {spec}: {e}")
-        contenders.append(Contender(f"leapfrog kernel, prefetch {hint}, {nbytes_ahead} B",
+        contenders.append(Contender(f"leapfrog kernel{', no AMX' if nl.amx_in_use() else ''}, prefetch {hint}, "
+                                    f"{nbytes_ahead} B",
                                     lambda x, i, op=op: op(x, native[i].packed, None, shapes[i][0], False)))
     if nl.amx_in_use() and not args.no_amx_variant:   # the engine's build on a CPU without AMX
         op = nl.load_variant(default_bytes, default_hint, "leapfrog_gemm_noamx", amx=False)

@@ -122,13 +122,16 @@ def demo_chain_depth(dtype: str = "auto") -> int:
 
 def demo_disable_by_batch_size(dtype: str = "auto") -> int:
     """Above how many sequences the built-in head stops drafting: 4 where the bf16 target's linears
-    run on AMX tiles (``kernel_amx``: verifying 8 rows costs 1.26 one-token forwards there, against
-    1.83 on the vdpbf16ps tiles), else 3 (DEMO_EAGLE3's). Measured on an AMX Xeon (stop 79,
-    ``tree_bench.py --only 2 8 --eagle-depths 7 --batch-sizes 1 4 8 16 --temperatures 0 0.7``):
-    the chain of 7 ran 1.49x / 1.26x no speculation at batch 4 (T = 0 / 0.7), 1.23x / 0.94x at 8,
-    1.01x / 0.65x at 16."""
-    from leapfrog.model.native_linear import kernel_amx
-    return 4 if dtype in ("auto", "bfloat16", "bf16") and kernel_amx() else DEMO_EAGLE3["disable_by_batch_size"]
+    run on AMX tiles (``amx_in_use``, which loads the kernel: verifying 8 rows costs 1.26 one-token
+    forwards there, against 1.83 on the vdpbf16ps tiles), else 3 (DEMO_EAGLE3's). Measured on an
+    AMX Xeon (stop 79, ``tree_bench.py --only 2 8 --eagle-depths 7 --batch-sizes 1 4 8 16
+    --temperatures 0 0.7``): the chain of 7 ran 1.49x / 1.26x no speculation at batch 4 (T = 0 /
+    0.7), 1.23x / 0.94x at 8, 1.01x / 0.65x at 16."""
+    import torch
+
+    from leapfrog.model.native_linear import amx_in_use, native_linear_supported
+    on = dtype in ("auto", "bfloat16", "bf16") and native_linear_supported(torch.bfloat16, "cpu") and amx_in_use()
+    return 4 if on else DEMO_EAGLE3["disable_by_batch_size"]
 
 
 def default_model(dtype: str = "auto") -> tuple[str, dict[str, Any] | None]:

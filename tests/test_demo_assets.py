@@ -58,13 +58,13 @@ def test_the_built_in_chain_fills_the_kernels_row_tile(monkeypatch):
 
     if demo.demo_pair() is None or not (demo.DEMO_DIR / "eagle3" / "config.json").is_file():
         return
-    monkeypatch.delenv("LEAPFROG_AMX", raising=False)
     for isa, dtype, depth in [("avx512_bf16", "auto", 7), ("avx512_bf16", "bfloat16", 7),
                               ("avx512_bf16", "float32", 5), ("avx2", "auto", 5), ("avx2", "bfloat16", 5),
                               (None, "auto", 5)]:
         for amx in (False, True):
             monkeypatch.setattr(nl, "kernel_isa", lambda isa=isa: isa)
-            monkeypatch.setattr(nl, "cpu_flags", lambda amx=amx: {"amx_bf16", "amx_tile"} if amx else set())
+            monkeypatch.setattr(nl, "native_linear_supported", lambda dtype, device, isa=isa: isa is not None)
+            monkeypatch.setattr(nl, "amx_in_use", lambda amx=amx, isa=isa: amx and isa == "avx512_bf16")
             spec = demo.default_model(dtype)[1]
             assert spec["method"] == "eagle3" and spec["num_speculative_tokens"] == depth, (isa, dtype, spec)
             assert spec["eagle_topk"] == 1

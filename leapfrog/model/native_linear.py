@@ -504,14 +504,14 @@ inline TileConfig amx_config(int64_t rows) {
 // the hardware prefetcher follows: one row 0.91x and six rows 0.85x the time with the AVX-512
 // build's 4 KiB T1 prefetch, linear_bench.py), non-temporal for a streaming target (NativeLinear.stream)
 template <bool STREAM>
-inline void amx_prefetch(const uint16_t* p) {   // one B chunk (16 k-pairs x 128 bytes) ahead
+inline void amx_prefetch(const uint16_t* p) {   // a B chunk's 2 KiB, PREFETCH elements ahead
   if constexpr (STREAM)
     for (int i = 0; i < 32; ++i) _mm_prefetch((const char*)(p + 32 * i), _MM_HINT_NTA);
 }
 
 // C[m, block] for the rows of one (NA = 1) or two (NA = 2) A tiles: A [rows, Kp] bf16 (Kp a
 // multiple of 32, zero-padded), blk one packed block [K2][32][2], tail: its last K2 % 16 k-pairs
-// zero-padded to 16 (or null); out: [NA * 16][32] float32 sums
+// zero-padded to 16 (or null); out: [NA * 16][BLOCK] float32 sums
 // One chunk of 16 k-pairs: B tiles from b (row stride 128 bytes), A tiles' 32 k's from a (row stride
 // lda bytes; the second A tile 16 rows further), into the C tiles
 template <int NA>
@@ -540,11 +540,11 @@ void amx_block(const uint16_t* A, int64_t Kp, const uint16_t* blk, int64_t K2, c
     amx_chunk<NA>(b, A + kc * AMX_K, Kp, lda);
   }
   if (tail != nullptr) amx_chunk<NA>(tail, A + full * AMX_K, Kp, lda);
-  _tile_stored(0, out, 2 * BLOCK * 4);
-  _tile_stored(1, out + 16, 2 * BLOCK * 4);
+  _tile_stored(0, out, BLOCK * 4);
+  _tile_stored(1, out + 16, BLOCK * 4);
   if constexpr (NA == 2) {
-    _tile_stored(5, out + AMX_ROWS * 2 * BLOCK, 2 * BLOCK * 4);
-    _tile_stored(6, out + AMX_ROWS * 2 * BLOCK + 16, 2 * BLOCK * 4);
+    _tile_stored(5, out + AMX_ROWS * BLOCK, BLOCK * 4);
+    _tile_stored(6, out + AMX_ROWS * BLOCK + 16, BLOCK * 4);
   }
 }
 
@@ -554,7 +554,7 @@ void amx_range(const uint16_t* A, int64_t M, int64_t Mp, int64_t Kp, const uint1
                int64_t b1, const float* bp, void* Cv, int64_t n, bool f32_out, bool stream) {
   const TileConfig cfg = amx_config(std::min<int64_t>(M, AMX_ROWS));
   _tile_loadconfig(&cfg);
-  alignas(64) float out[2 * AMX_ROWS][2 * BLOCK];
+  alignas(64) float out[2 * AMX_ROWS][BLOCK];
   alignas(64) uint16_t tail[16 * 2 * BLOCK];
   const int64_t rem = K2 % 16;
   for (int64_t nb = b0; nb < b1; ++nb) {
@@ -823,9 +823,19 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
   return out;
 }
 
+// whether bf16 rows run on the AMX tiles in this process (the build has them and Linux lent the tile state)
+bool amx_active() {
+#if LEAPFROG_AMX
+  return amx_ready();
+#else
+  return false;
+#endif
+}
+
 TORCH_LIBRARY(leapfrog_gemm, m) {
   m.def("linear_bf16(Tensor x, Tensor w, Tensor? bias, int n, bool f32_out=False, bool stream=False) -> Tensor");
   m.def("linear_int8(Tensor x, Tensor w, Tensor scale, Tensor? bias, int n) -> Tensor");
+  m.def("amx_active() -> bool", &amx_active);
 }
 TORCH_LIBRARY_IMPL(leapfrog_gemm, CPU, m) {
   m.impl("linear_bf16", &linear_bf16);
@@ -869,12 +879,12 @@ def kernel_source(isa: str, prefetch_bytes: int | None = None, hint: str | None 
 
 def load_variant(prefetch_bytes: int, hint: str, namespace: str, amx: bool | None = None):
     """Build and load this CPU's kernel (``kernel_isa``; ``amx``: with the AMX tiles, default as
-    the engine's build, ``kernel_amx``) with another software prefetch under op namespace
+    the engine's kernel, ``amx_in_use``) with another software prefetch under op namespace
     ``namespace`` (about 20 s, once; for timing variants side by side). -> its op."""
     isa = kernel_isa()
     if isa is None:
         raise RuntimeError("no build of the kernel runs on this CPU (needs AVX-512 BF16 or AVX2)")
-    amx = kernel_amx() if amx is None else amx
+    amx = amx_in_use() if amx is None else amx
     source, flags = kernel_source(isa, prefetch_bytes, hint, namespace, amx=amx)
     load_inline(f"{namespace}_{isa}{'_amx' if amx else ''}_{hint.lower()}_{prefetch_bytes}", source, flags)
     return getattr(torch.ops, namespace).linear_bf16
@@ -932,10 +942,10 @@ def load_native_linear() -> bool:
 
 
 def amx_in_use() -> bool:
-    """Whether the loaded kernel was built with the AMX tiles for bf16 rows (kernel_amx, at load;
-    the op itself falls back to the vdpbf16ps tiles where Linux refuses a process the tile state,
-    before 5.16)."""
-    return load_native_linear() and _STATE["amx"]
+    """Whether the loaded kernel runs bf16 rows on the AMX tiles: built with them (kernel_amx, at
+    load) and lent the tile state by Linux (asked once; refused before 5.16, where the op keeps the
+    vdpbf16ps tiles)."""
+    return load_native_linear() and _STATE["amx"] and bool(torch.ops.leapfrog_gemm.amx_active())
 
 
 def block_columns() -> int:
@@ -956,8 +966,9 @@ def _load(isa: str | None, amx: bool = False) -> bool:
         torch.library.register_fake("leapfrog_gemm::linear_int8")(_fake_int8)
         return True
     except Exception as e:  # noqa: BLE001 - no compiler, old assembler, ...: other linears serve
-        log.warning("bf16 linear kernel unavailable (%s: %s); keeping oneDNN/inductor linears",
-                    type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+        log.warning("bf16 linear kernel unavailable (%s: %s)%s", type(e).__name__,
+                    str(e).splitlines()[0][:200] if str(e) else "",
+                    "; trying the build without AMX" if amx else "; keeping oneDNN/inductor linears")
         return False
 
 
