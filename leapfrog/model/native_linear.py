@@ -83,8 +83,8 @@ tokens/s, where PyTorch's ``_weight_int8pack_mm`` made it 0.15-0.16x (benchmarks
 AMX (CPUs with AMX-BF16, such as Intel Xeons since Sapphire Rapids; ``kernel_amx``): the
 AVX-512 BF16 build gets a second path for bf16 rows (``_AMX``): the same packed blocks, read as
 B tiles of 16 k-pairs x 16 columns (a k-pair of 16 columns is 64 bytes, at a row stride of 128),
-up to 16 rows per A tile and two A tiles per pass over the weights (rows zero-padded to whole
-tiles, K to a multiple of 32), tdpbf16ps into float32 C tiles, then the bias and one rounding as
+up to 16 rows per A tile and two A tiles per pass over the weights (up to 32 rows: tiles of 16 and
+the rest; more: rows zero-padded to whole tiles of 16; K zero-padded to a multiple of 32), tdpbf16ps into float32 C tiles, then the bias and one rounding as
 above. Every bf16-row product of the process takes it (other bits than the vdpbf16ps tiles: the
 two builds are each row invariant, not equal), float32 rows keep the fused multiply-adds.
 ``LEAPFROG_AMX=0`` builds without it. No software prefetch: the tile loads read runs of 2 KiB,
@@ -493,9 +493,10 @@ struct alignas(64) TileConfig {
 };
 
 // tiles: 0, 1 = C (low, high columns) of A tile 4; 2, 3 = B (low, high); 5, 6 = C of A tile 7
-inline TileConfig amx_config(int64_t rows) {
+inline TileConfig amx_config(int64_t rows, int64_t rows2) {
   TileConfig c;
-  for (int t : {0, 1, 4, 5, 6, 7}) { c.rows[t] = (uint8_t)rows; c.colsb[t] = 64; }
+  for (int t : {0, 1, 4}) { c.rows[t] = (uint8_t)rows; c.colsb[t] = 64; }
+  for (int t : {5, 6, 7}) { c.rows[t] = (uint8_t)rows2; c.colsb[t] = 64; }
   for (int t : {2, 3}) { c.rows[t] = 16; c.colsb[t] = 64; }
   return c;
 }
@@ -552,7 +553,11 @@ void amx_block(const uint16_t* A, int64_t Kp, const uint16_t* blk, int64_t K2, c
 // the block from memory for the first 32, from cache for the rest
 void amx_range(const uint16_t* A, int64_t M, int64_t Mp, int64_t Kp, const uint16_t* W, int64_t K2, int64_t b0,
                int64_t b1, const float* bp, void* Cv, int64_t n, bool f32_out, bool stream) {
-  const TileConfig cfg = amx_config(std::min<int64_t>(M, AMX_ROWS));
+  // up to 32 rows: the A tiles hold 16 and the rest (17 rows cost 16 + 1, not 32: a tree of 16
+  // nodes verifies 17); more: tiles of 16, the rows zero-padded to whole tiles (Mp)
+  const TileConfig cfg = M <= 2 * AMX_ROWS
+      ? amx_config(std::min<int64_t>(M, AMX_ROWS), std::max<int64_t>(1, M - AMX_ROWS))
+      : amx_config(AMX_ROWS, AMX_ROWS);
   _tile_loadconfig(&cfg);
   alignas(64) float out[2 * AMX_ROWS][BLOCK];
   alignas(64) uint16_t tail[16 * 2 * BLOCK];
@@ -776,7 +781,7 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
 #endif
 #if LEAPFROG_AMX
   if (!f32 && amx_ready()) {   // bf16 rows through the tile registers (every product: row invariance)
-    const int64_t Kp = (K + AMX_K - 1) / AMX_K * AMX_K, Mp = M <= AMX_ROWS ? M : (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
+    const int64_t Kp = (K + AMX_K - 1) / AMX_K * AMX_K, Mp = M <= 2 * AMX_ROWS ? M : (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
     at::Tensor ap = at::detail::empty_cpu({Mp, Kp}, at::kBFloat16, std::nullopt, std::nullopt, std::nullopt, std::nullopt);
     uint16_t* Ap = reinterpret_cast<uint16_t*>(ap.data_ptr());
     const uint16_t* X = reinterpret_cast<const uint16_t*>(xc.data_ptr());
