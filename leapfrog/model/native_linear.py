@@ -501,6 +501,14 @@ inline TileConfig amx_config(int64_t rows, int64_t rows2) {
   return c;
 }
 
+// one A tile (up to 16 rows): 4 and 7 hold A, 2, 3 and 5, 6 the B tiles double-buffered (amx_block)
+inline TileConfig amx_config_one(int64_t rows) {
+  TileConfig c;
+  for (int t : {0, 1, 4, 7}) { c.rows[t] = (uint8_t)rows; c.colsb[t] = 64; }
+  for (int t : {2, 3, 5, 6}) { c.rows[t] = 16; c.colsb[t] = 64; }
+  return c;
+}
+
 // The weight stream's software prefetch: none by default (the tile loads read 2 KiB runs, which
 // the hardware prefetcher follows: one row 0.91x and six rows 0.85x the time with the AVX-512
 // build's 4 KiB T1 prefetch, linear_bench.py), non-temporal for a streaming target (NativeLinear.stream)
@@ -533,12 +541,41 @@ template <int NA, bool STREAM>
 void amx_block(const uint16_t* A, int64_t Kp, const uint16_t* blk, int64_t K2, const uint16_t* tail,
                float* out) {
   const int64_t full = K2 / 16, lda = Kp * 2;
+  constexpr int64_t CHUNK = 16 * 2 * BLOCK;   // elements of a chunk of 16 k-pairs
   _tile_zero(0); _tile_zero(1);
-  if constexpr (NA == 2) { _tile_zero(5); _tile_zero(6); }
-  for (int64_t kc = 0; kc < full; ++kc) {
-    const uint16_t* b = blk + kc * 16 * 2 * BLOCK;
-    amx_prefetch<STREAM>(b + PREFETCH);
-    amx_chunk<NA>(b, A + kc * AMX_K, Kp, lda);
+  if constexpr (NA == 2) {
+    _tile_zero(5); _tile_zero(6);
+    for (int64_t kc = 0; kc < full; ++kc) {
+      const uint16_t* b = blk + kc * CHUNK;
+      amx_prefetch<STREAM>(b + PREFETCH);
+      amx_chunk<NA>(b, A + kc * AMX_K, Kp, lda);
+    }
+  } else {   // one A tile: the B tiles double-buffered (2, 3 and 5, 6; A in 4 and 7), so the next
+             // chunk's loads need not wait for the products reading the last ones; same order of sums
+    int64_t kc = 0;
+    if (full > 0) { _tile_loadd(2, blk, 128); _tile_loadd(3, blk + 32, 128); }
+    for (; kc + 2 <= full; kc += 2) {
+      const uint16_t* b = blk + (kc + 1) * CHUNK;
+      amx_prefetch<STREAM>(b + PREFETCH);
+      _tile_loadd(5, b, 128);
+      _tile_loadd(6, b + 32, 128);
+      _tile_loadd(4, A + kc * AMX_K, lda);
+      _tile_dpbf16ps(0, 4, 2);
+      _tile_dpbf16ps(1, 4, 3);
+      if (kc + 2 < full) {
+        amx_prefetch<STREAM>(b + CHUNK + PREFETCH);
+        _tile_loadd(2, b + CHUNK, 128);
+        _tile_loadd(3, b + CHUNK + 32, 128);
+      }
+      _tile_loadd(7, A + (kc + 1) * AMX_K, lda);
+      _tile_dpbf16ps(0, 7, 5);
+      _tile_dpbf16ps(1, 7, 6);
+    }
+    if (kc < full) {   // an odd number of chunks: the last one, already in 2, 3
+      _tile_loadd(4, A + kc * AMX_K, lda);
+      _tile_dpbf16ps(0, 4, 2);
+      _tile_dpbf16ps(1, 4, 3);
+    }
   }
   if (tail != nullptr) amx_chunk<NA>(tail, A + full * AMX_K, Kp, lda);
   _tile_stored(0, out, BLOCK * 4);
@@ -555,8 +592,8 @@ void amx_range(const uint16_t* A, int64_t M, int64_t Mp, int64_t Kp, const uint1
                int64_t b1, const float* bp, void* Cv, int64_t n, bool f32_out, bool stream) {
   // up to 32 rows: the A tiles hold 16 and the rest (17 rows cost 16 + 1, not 32: a tree of 16
   // nodes verifies 17); more: tiles of 16, the rows zero-padded to whole tiles (Mp)
-  const TileConfig cfg = M <= 2 * AMX_ROWS
-      ? amx_config(std::min<int64_t>(M, AMX_ROWS), std::max<int64_t>(1, M - AMX_ROWS))
+  const TileConfig cfg = M <= AMX_ROWS ? amx_config_one(M)
+      : M <= 2 * AMX_ROWS ? amx_config(AMX_ROWS, M - AMX_ROWS)
       : amx_config(AMX_ROWS, AMX_ROWS);
   _tile_loadconfig(&cfg);
   alignas(64) float out[2 * AMX_ROWS][BLOCK];
