@@ -129,8 +129,10 @@ def demo_disable_by_batch_size(dtype: str = "auto") -> int:
     0.7), 1.23x / 0.94x at 8, 1.01x / 0.65x at 16."""
     import torch
 
-    from leapfrog.model.native_linear import amx_in_use, native_linear_supported
-    on = dtype in ("auto", "bfloat16", "bf16") and native_linear_supported(torch.bfloat16, "cpu") and amx_in_use()
+    from leapfrog.model.native_linear import amx_in_use, kernel_amx, native_linear_supported
+    # (the flags first: elsewhere nothing is loaded here, and the engine builds its ops in parallel)
+    on = (dtype in ("auto", "bfloat16", "bf16") and kernel_amx() and native_linear_supported(torch.bfloat16, "cpu")
+          and amx_in_use())
     return 4 if on else DEMO_EAGLE3["disable_by_batch_size"]
 
 

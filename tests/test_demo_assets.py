@@ -65,6 +65,7 @@ def test_the_built_in_chain_fills_the_kernels_row_tile(monkeypatch):
             monkeypatch.setattr(nl, "kernel_isa", lambda isa=isa: isa)
             monkeypatch.setattr(nl, "native_linear_supported", lambda dtype, device, isa=isa: isa is not None)
             monkeypatch.setattr(nl, "amx_in_use", lambda amx=amx, isa=isa: amx and isa == "avx512_bf16")
+            monkeypatch.setattr(nl, "kernel_amx", lambda amx=amx, isa=isa: amx and isa == "avx512_bf16")
             spec = demo.default_model(dtype)[1]
             assert spec["method"] == "eagle3" and spec["num_speculative_tokens"] == depth, (isa, dtype, spec)
             assert spec["eagle_topk"] == 1
