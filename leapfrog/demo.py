@@ -102,7 +102,8 @@ def demo_pair() -> tuple[Path, Path] | None:
 #: eager decode one C++ call a step (stop 75, tree_bench.py --batch-sizes 2 3 4 8), the chains of 5
 #: / 7 ran 1.38x / 1.34x no speculation at batch 2, 1.30x / 1.25x at 3, 1.13x / 1.12x at 4 and
 #: 1.06x / 1.02x at 8 at T = 0, but at T = 0.7 1.16x / 1.12x at 2, 1.08x / 1.03x at 3, 0.90x / 0.89x
-#: at 4 and 0.86x / 0.82x at 8. The chain's depth is ``demo_chain_depth``'s.
+#: at 4 and 0.86x / 0.82x at 8 (off above 4 where the linears run on AMX tiles:
+#: ``demo_disable_by_batch_size``). The chain's depth is ``demo_chain_depth``'s.
 DEMO_EAGLE3 = {"method": "eagle3", "num_speculative_tokens": 5, "eagle_topk": 1, "disable_by_batch_size": 3}
 
 
