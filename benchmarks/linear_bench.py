@@ -12,8 +12,8 @@ Contenders: leapfrog's bf16 kernel as the engine builds it (``NativeLinear``; on
 AMX-BF16 its bf16 rows run on the tile registers, and the same build without them, vdpbf16ps only,
 is timed beside it unless ``--no-amx-variant``), its software prefetch variants (``--prefetch
 HINT:BYTES``, each built under its own op namespace: about 20 s each, once; on AMX CPUs built
-without the tiles, whose path prefetches nothing), and ``torch.nn.functional.linear`` in bf16 (oneDNN). References for the machine's
-limit: ``torch.sum`` over a 256 MB float32 tensor (a read) and a 64 MB copy (read + write).
+without the tiles, whose path prefetches nothing), and ``torch.nn.functional.linear`` in bf16
+(oneDNN). References for the machine's limit: ``torch.sum`` over a 256 MB float32 tensor (a read) and a 64 MB copy (read + write).
 
     python benchmarks/linear_bench.py                              # built-in target, 1 and 6 rows
     python benchmarks/linear_bench.py --prefetch T0:1024 none:4096 --rounds 40
@@ -135,7 +135,8 @@ def main() -> None:
     native = [nl.NativeLinear(w, None) for w in weights]
     isa = nl.kernel_isa()
     default_bytes, default_hint = nl.PREFETCH[isa]
-    label = (f"{isa} + AMX build, the hardware's prefetch" if nl.amx_in_use()
+    amx = nl.amx_in_use()
+    label = (f"{isa} + AMX build, the hardware's prefetch" if amx
              else f"{isa} build, prefetch {default_hint}, {default_bytes} B")
     # every kernel contender calls its op directly, as a compiled graph does (through the module,
     # the Python call alone cost the engine's kernel 5-8 % against the variants here)
@@ -150,10 +151,10 @@ def main() -> None:
             op = nl.load_variant(nbytes_ahead, hint, f"leapfrog_gemm_bench{j}", amx=False)
         except ValueError as e:
             sys.exit(f"--prefetch {spec}: {e}")
-        contenders.append(Contender(f"leapfrog kernel{', no AMX' if nl.amx_in_use() else ''}, prefetch {hint}, "
+        contenders.append(Contender(f"leapfrog kernel{', no AMX' if amx else ''}, prefetch {hint}, "
                                     f"{nbytes_ahead} B",
                                     lambda x, i, op=op: op(x, native[i].packed, None, shapes[i][0], False)))
-    if nl.amx_in_use() and not args.no_amx_variant:   # the engine's build on a CPU without AMX
+    if amx and not args.no_amx_variant:   # the engine's build on a CPU without AMX
         op = nl.load_variant(default_bytes, default_hint, "leapfrog_gemm_noamx", amx=False)
         contenders.append(Contender(f"leapfrog kernel ({isa} build, no AMX)",
                                     lambda x, i, op=op: op(x, native[i].packed, None, shapes[i][0], False)))

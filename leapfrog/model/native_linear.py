@@ -84,8 +84,8 @@ AMX (CPUs with AMX-BF16, such as Intel Xeons since Sapphire Rapids; ``kernel_amx
 AVX-512 BF16 build gets a second path for bf16 rows (``_AMX``): the same packed blocks, read as
 B tiles of 16 k-pairs x 16 columns (a k-pair of 16 columns is 64 bytes, at a row stride of 128),
 up to 16 rows per A tile and two A tiles per pass over the weights (up to 32 rows: tiles of 16 and
-the rest; more: rows zero-padded to whole tiles of 16; K zero-padded to a multiple of 32), tdpbf16ps into float32 C tiles, then the bias and one rounding as
-above. Every bf16-row product of the process takes it (other bits than the vdpbf16ps tiles: the
+the rest; more: rows zero-padded to whole tiles of 16; K zero-padded to a multiple of 32),
+tdpbf16ps into float32 C tiles, then the bias and one rounding as above. Every bf16-row product of the process takes it (other bits than the vdpbf16ps tiles: the
 two builds are each row invariant, not equal), float32 rows keep the fused multiply-adds.
 ``LEAPFROG_AMX=0`` builds without it. No software prefetch: the tile loads read runs of 2 KiB,
 which the hardware prefetcher follows (the 4 KiB T1 prefetch took 1.10x the time for one row and
@@ -105,6 +105,7 @@ below an instruction set caps ours too.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -467,8 +468,8 @@ _AMX = r"""
 // AMX-BF16 (kernel_amx). The same packed blocks: a k-pair of 16 columns is 64 bytes, so 16 k-pairs
 // of a block's low (high) 16 columns are one B tile of 16 rows x 64 bytes at a row stride of 128
 // bytes, in the layout tdpbf16ps wants (two bf16 of a k-pair side by side). A tiles hold 32 k's of
-// up to 16 rows (the rows copied into a buffer zero-padded to whole tiles); C tiles one row's 16
-// float32 sums. Per block: C_lo, C_hi += A . B_lo, A . B_hi for every 32 k's in order, then the bias
+// up to 16 rows (the rows copied into a buffer, K zero-padded to a multiple of 32, and past 32 rows
+// the rows to whole tiles); C tiles one row's 16 float32 sums. Per block: C_lo, C_hi += A . B_lo, A . B_hi for every 32 k's in order, then the bias
 // in float32 and one rounding (Block). A row's sums depend on that row and the weights only
 // (the tile's rows are independent; the k order is fixed by K): row invariant, as the vdpbf16ps
 // tiles are, but with other bits than theirs, so a process uses one or the other for every product
@@ -518,9 +519,6 @@ inline void amx_prefetch(const uint16_t* p) {   // a B chunk's 2 KiB, PREFETCH e
     for (int i = 0; i < 32; ++i) _mm_prefetch((const char*)(p + 32 * i), _MM_HINT_NTA);
 }
 
-// C[m, block] for the rows of one (NA = 1) or two (NA = 2) A tiles: A [rows, Kp] bf16 (Kp a
-// multiple of 32, zero-padded), blk one packed block [K2][32][2], tail: its last K2 % 16 k-pairs
-// zero-padded to 16 (or null); out: [NA * 16][BLOCK] float32 sums
 // One chunk of 16 k-pairs: B tiles from b (row stride 128 bytes), A tiles' 32 k's from a (row stride
 // lda bytes; the second A tile 16 rows further), into the C tiles
 template <int NA>
@@ -537,6 +535,9 @@ inline void amx_chunk(const uint16_t* b, const uint16_t* a, int64_t Kp, int64_t 
   }
 }
 
+// C[m, block] for the rows of one (NA = 1) or two (NA = 2) A tiles: A [rows, Kp] bf16 (Kp a
+// multiple of 32, zero-padded), blk one packed block [K2][32][2], tail: its last K2 % 16 k-pairs
+// zero-padded to 16 (or null); out: [NA * 16][BLOCK] float32 sums
 template <int NA, bool STREAM>
 void amx_block(const uint16_t* A, int64_t Kp, const uint16_t* blk, int64_t K2, const uint16_t* tail,
                float* out) {
@@ -586,6 +587,10 @@ void amx_block(const uint16_t* A, int64_t Kp, const uint16_t* blk, int64_t K2, c
   }
 }
 
+using AmxBlock = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, const uint16_t*, float*);
+constexpr AmxBlock AMX_BLOCKS[2][2] = {   // [STREAM][two A tiles]
+    {amx_block<1, false>, amx_block<2, false>}, {amx_block<1, true>, amx_block<2, true>}};
+
 // bf16 rows x blocks [b0, b1) on this thread: every 32 rows (two A tiles) once through each block,
 // the block from memory for the first 32, from cache for the rest
 void amx_range(const uint16_t* A, int64_t M, int64_t Mp, int64_t Kp, const uint16_t* W, int64_t K2, int64_t b0,
@@ -610,14 +615,7 @@ void amx_range(const uint16_t* A, int64_t M, int64_t Mp, int64_t Kp, const uint1
       t = tail;
     }
     for (int64_t m0 = 0; m0 < Mp; m0 += 2 * AMX_ROWS) {
-      const bool two = Mp - m0 > AMX_ROWS;
-      if (stream) {
-        two ? amx_block<2, true>(A + m0 * Kp, Kp, blk, K2, t, &out[0][0])
-            : amx_block<1, true>(A + m0 * Kp, Kp, blk, K2, t, &out[0][0]);
-      } else {
-        two ? amx_block<2, false>(A + m0 * Kp, Kp, blk, K2, t, &out[0][0])
-            : amx_block<1, false>(A + m0 * Kp, Kp, blk, K2, t, &out[0][0]);
-      }
+      AMX_BLOCKS[stream][Mp - m0 > AMX_ROWS](A + m0 * Kp, Kp, blk, K2, t, &out[0][0]);
       const __m512 zero = _mm512_setzero_ps();
       for (int64_t m = m0; m < std::min(M, m0 + 2 * AMX_ROWS); ++m) {
         const float* s = out[m - m0];
@@ -939,13 +937,14 @@ _STATE: dict[str, bool] = {}  # memo of load_native_linear (the op is process-wi
 _LOCK = threading.Lock()       # one build at a time; callers wait for its result
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags (``/proc/cpuinfo``; empty where it cannot be read)."""
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (``/proc/cpuinfo``, read once; empty where it cannot be read)."""
     try:
         line = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
     except OSError:
-        return set()
-    return set(line.split()[2:])
+        return frozenset()
+    return frozenset(line.split()[2:])
 
 
 def kernel_isa() -> str | None:

@@ -405,8 +405,8 @@ needs_amx = pytest.mark.skipif(not _amx_in_use(), reason="needs AMX-BF16 (and LE
 @needs_amx
 @pytest.mark.parametrize("n,k", [(100, 90), (64, 64), (33, 544)])
 def test_amx_tiles_values_and_row_invariance(n, k):
-    """The AMX path (bf16 rows): whole and partial A tiles (1-16 rows; past 16, tiles of 16 padded
-    with zero rows; past 32, a second pass), K not a multiple of a tile's 32 (the zero-padded tail),
+    """The AMX path (bf16 rows): whole and partial A tiles (1-16 rows; 17-32, a tile of 16 and one of
+    the rest; past 32, tiles of 16 padded with zero rows, in passes of two), K not a multiple of a tile's 32 (the zero-padded tail),
     N not a multiple of a block; float32 sums within a bf16 rounding of the float64 reference, and
     each row's bits those it gets alone."""
     g = torch.Generator().manual_seed(n + k)
