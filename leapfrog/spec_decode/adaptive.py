@@ -31,8 +31,8 @@ The first drafts at a batch size are a probe of K (less at larger batches: _prob
 _FIRST_PROBE_STEPS steps. Every ``adaptive_explore_interval`` steps the controller tries a
 neighbour of k* if its estimated goodput is within 15 % of k*'s, so close calls stay measured
 without paying for hopeless ones (auto tree sizes: the chain one level longer or shorter up to
-the depth, tree sizes doubled or halved past it); while speculation is off it drafts a probe (4 steps in a row)
-after 8 intervals of decode steps (tokens per sequence) times the batch-size bucket to keep alpha
+the depth, tree sizes doubled or halved past it); while speculation is off it drafts a probe (4
+steps in a row) after 8 intervals of decode steps (tokens per sequence) times the batch-size bucket to keep alpha
 current (and the costs: a transient that made speculation look bad must not turn it off for
 good), twice as long after each probe that leaves it off (up to 8 times: at large batches it
 never pays, and probes cost).
@@ -400,8 +400,7 @@ class SpecController:
         weighed = self._weighed.get(bucket)
         if (weighed is not None and weighed.free == free and weighed.batch == B
                 and self.observations - weighed.at < _REWEIGH_STEPS):
-            return self._explore(bucket, weighed.best, weighed.goodput.__getitem__, weighed.up, weighed.down,
-                                 weighed.probe)
+            return self._explore_weighed(bucket, weighed)
         per_width, host = self.tree_draft_cost[bucket], self.host_cost.get(bucket, 0.0)
         if free < 1 and self.curve is not None:
             # sizes past the first within _FLAT_TOKENS of the most confidence expect no more tokens
@@ -441,7 +440,11 @@ class SpecController:
         w = _Weighed(self.observations, B, free, gp, best, min(top, max(1, up)), max(0, down),
                      min(top, self._probe_size(B)))
         self._weighed[bucket] = w
-        return self._explore(bucket, best, gp.__getitem__, w.up, w.down, w.probe)
+        return self._explore_weighed(bucket, w)
+
+    def _explore_weighed(self, bucket: int, w: _Weighed) -> int:
+        """_explore over a weighing of the auto tree sizes."""
+        return self._explore(bucket, w.best, w.goodput.__getitem__, w.up, w.down, w.probe)
 
     def _tree_tokens(self, chains: float, free: float, n: int, cal: float | None = None,
                      model: list[float] | None = None) -> float:
@@ -678,9 +681,9 @@ def tree_depth_cap(req: Request) -> int:
 
 @dataclass
 class _Weighed:
-    """A weighing of the auto tree sizes: after ``at`` observed steps, for ``batch`` sequences of which a share ``free``
-    of unseeded sampled requests, the goodput of each size (0: no speculation), the best and the
-    neighbours and probe size ``_explore`` takes."""
+    """A weighing of the auto tree sizes: after ``at`` observed steps, for ``batch`` sequences of
+    which a share ``free`` of unseeded sampled requests, the goodput of each size (0: no
+    speculation), the best and the neighbours and probe size ``_explore`` takes."""
     at: int
     batch: int
     free: float
