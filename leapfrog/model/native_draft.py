@@ -6,11 +6,17 @@ cached attention, two residual adds, silu * up, and the modules and metadata aro
 drafting loops around it (model/compiled.py CompiledChain, CompiledSampledChain, CompiledTree run
 eagerly) add the picks, masks and tree bookkeeping, some 10-30 more per level. Measured on the
 built-in head (bf16, batch 1, 2-vCPU AVX-512 EPYC): about 0.45 ms a chain level, of which the
-kernels are under 0.2 ms. These ops make the same calls, in the same order, on the same tensors,
-from C++ through the dispatcher (about a microsecond each): the kernels are leapfrog's own
-(model/native_linear.py, model/native_ops.py, attention/native.py) and ATen's, so the drafts are
-bitwise the Python loops' (tests/model/test_native_draft.py), and the KV cache is read and written
-by the same attention op the compiled graphs call, with the loops' masks and columns.
+kernels are under 0.2 ms. These ops make the same computations, in the same order, on the same
+tensors, from C++: the linears and the cached attention through the dispatcher (about a
+microsecond each; leapfrog's kernels, model/native_linear.py and attention/native.py), and a
+layer's small steps (the embedding rows and the two input norms into one buffer, the rotation of q
+and k in place from the tables, each residual add with the norm after it, silu * up, the final
+norm of the logits rows) as model/native_ops.py's row kernels compiled in here, with the chain's
+per-step columns, mask and kv_len written by the host; so the drafts are bitwise the Python
+loops' (tests/model/test_native_draft.py), and the KV cache is read and written by the same
+attention op the compiled graphs call, with the loops' masks and columns. Fusing the small steps
+(stop 80, 2-vCPU AMX Xeon, the built-in head, one row): a chain level 277 -> 240 us, of which the
+five linears stream the head's 8.4 MB of bf16 weights from L3 in about 185 us.
 
 One forward (the ops' building block, C++ ``eagle3_forward``)::
 
@@ -54,6 +60,7 @@ import torch
 from torch import Tensor
 
 from leapfrog.utils import env_off
+from leapfrog.model.native_ops import ROW_KERNELS_CPP
 from leapfrog.sampling.native import INVERSE_CDF_DRAW_CPP
 from leapfrog.utils.cpp import OpLibrary
 
@@ -63,12 +70,146 @@ if TYPE_CHECKING:
 
 _SOURCE = r"""
 #include <algorithm>
+#include <cmath>
+#include <vector>
 #include <torch/library.h>
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
 
 namespace {
 using at::Tensor;
+""" + ROW_KERNELS_CPP + r"""
+
+// ---- a decoder layer's small steps on contiguous rows, fused (model/native_ops.py's row kernels:
+// each bitwise the op, or chain of ops, it stands for; no dispatch, one allocation per result) ----
+
+#define DISPATCH_ROWS(dt, ...) AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dt, "rows", __VA_ARGS__)
+
+// f(w) with a norm's weight as rms_norm reads it for rows of T: in its own dtype when T's or float32
+template <typename T, typename F>
+void with_norm_weight(const Tensor& w, F f) {
+  if (w.scalar_type() == at::kFloat) f(w.contiguous().data_ptr<float>());
+  else if (w.scalar_type() == c10::CppTypeToScalarType<T>::value) f(w.contiguous().data_ptr<T>());
+  else f(w.to(at::kFloat).contiguous().data_ptr<float>());
+}
+
+// EagleHead's first steps: cat[input_layernorm(embed[tok]), hidden_norm(x)] -> [.., 2H]. ``e``: the
+// embedding rows (``idx`` their indices; null: e holds one row per token), x [.., H] in e's dtype
+Tensor head_input(const Tensor& e, const int64_t* idx, const Tensor& x, const Tensor& n0, const Tensor& n1,
+                  double eps) {
+  const int64_t H = x.size(-1), R = x.numel() / H;
+  auto shape = x.sizes().vec();
+  shape.back() = 2 * H;
+  Tensor xc = x.contiguous(), ec = e.contiguous(), a = at::empty(shape, x.options());
+  DISPATCH_ROWS(x.scalar_type(), [&] {
+    std::vector<float> buf(H);
+    const scalar_t* ep = ec.data_ptr<scalar_t>();
+    const scalar_t* xp = xc.data_ptr<scalar_t>();
+    scalar_t* ap = a.data_ptr<scalar_t>();
+    with_norm_weight<scalar_t>(n0, [&](auto w) {
+      for (int64_t r = 0; r < R; ++r) rms_row(ep + (idx ? idx[r] : r) * H, w, ap + r * 2 * H, H, (float)eps, buf.data());
+    });
+    with_norm_weight<scalar_t>(n1, [&](auto w) {
+      for (int64_t r = 0; r < R; ++r) rms_row(xp + r * H, w, ap + r * 2 * H + H, H, (float)eps, buf.data());
+    });
+  });
+  return a;
+}
+
+// rope of q and k in place in qkv [.., (heads + 2 kv_heads) Dh] contiguous (v untouched), each row at
+// its position of ``pos`` in the tables [P, Dh] (float32 or the rows' dtype; rounded to it first)
+void rope_qk(Tensor& qkv, const Tensor& pos, const Tensor& cos_t, const Tensor& sin_t, int64_t heads,
+             int64_t kv_heads, int64_t Dh) {
+  TORCH_CHECK(qkv.is_contiguous() && cos_t.is_contiguous() && sin_t.is_contiguous() &&
+              cos_t.scalar_type() == sin_t.scalar_type(), "rope_qk: contiguous rows and tables");
+  const int64_t W = qkv.size(-1), R = qkv.numel() / W, P = cos_t.size(0);
+  Tensor p = pos.to(at::kLong).contiguous();
+  const int64_t* pp = p.data_ptr<int64_t>();
+  TORCH_CHECK(p.numel() == R, "rope_qk: a position per row");
+  DISPATCH_ROWS(qkv.scalar_type(), [&] {
+    std::vector<scalar_t> tmp(Dh);
+    scalar_t* base = qkv.data_ptr<scalar_t>();
+    auto run = [&](auto* c, auto* sn) {
+      for (int64_t r = 0; r < R; ++r) {
+        TORCH_CHECK(pp[r] >= 0 && pp[r] < P, "rope_qk: position out of the tables");
+        for (int64_t h = 0; h < heads + kv_heads; ++h) {
+          scalar_t* x = base + r * W + h * Dh;
+          std::copy(x, x + Dh, tmp.begin());
+          rope_head(tmp.data(), c + pp[r] * Dh, sn + pp[r] * Dh, x, Dh);
+        }
+      }
+    };
+    if (cos_t.scalar_type() == at::kFloat) run(cos_t.data_ptr<float>(), sin_t.data_ptr<float>());
+    else {
+      TORCH_CHECK(cos_t.scalar_type() == qkv.scalar_type(), "rope_qk: float32 tables or the rows' dtype");
+      run(cos_t.data_ptr<scalar_t>(), sin_t.data_ptr<scalar_t>());
+    }
+  });
+}
+
+// x + y rounded to their dtype (Tensor.add), and the sum's rms_norm with w when given -> (sum, norm)
+std::pair<Tensor, Tensor> add_norm(const Tensor& x, const Tensor& y, const Tensor* w, double eps) {
+  const int64_t H = x.size(-1), R = x.numel() / H;
+  TORCH_CHECK(y.sizes() == x.sizes() && y.scalar_type() == x.scalar_type(), "add_norm: alike rows");
+  Tensor xc = x.contiguous(), yc = y.contiguous(), s = at::empty(x.sizes(), x.options());
+  Tensor n = w ? at::empty(x.sizes(), x.options()) : Tensor();
+  DISPATCH_ROWS(x.scalar_type(), [&] {
+    const scalar_t* xp = xc.data_ptr<scalar_t>();
+    const scalar_t* yp = yc.data_ptr<scalar_t>();
+    scalar_t* sp = s.data_ptr<scalar_t>();
+    for (int64_t i = 0; i < R * H; ++i) sp[i] = static_cast<scalar_t>(static_cast<float>(xp[i]) + static_cast<float>(yp[i]));
+    if (w) {
+      std::vector<float> buf(H);
+      with_norm_weight<scalar_t>(*w, [&](auto wp) {
+        for (int64_t r = 0; r < R; ++r) rms_row(sp + r * H, wp, n.data_ptr<scalar_t>() + r * H, H, (float)eps, buf.data());
+      });
+    }
+  });
+  return {s, n};
+}
+
+// silu(gate) * up of [.., 2I] rows (the silu_mul op)
+Tensor silu_mul(const Tensor& gu) {
+  const int64_t I = gu.size(-1) / 2, R = gu.numel() / (2 * I);
+  auto shape = gu.sizes().vec();
+  shape.back() = I;
+  Tensor x = gu.contiguous(), y = at::empty(shape, gu.options());
+  DISPATCH_ROWS(gu.scalar_type(), [&] {
+    std::vector<float> g(I);
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    for (int64_t r = 0; r < R; ++r) silu_mul_row(xp + r * 2 * I, xp + r * 2 * I + I, y.data_ptr<scalar_t>() + r * I, I, g.data());
+  });
+  return y;
+}
+
+// the final norm in float32 of rows ``at`` of x [R, H] (empty: all), ``w`` float32 -> [N, H] in
+// ``out`` (``rms_norm(x[at].float(), w).to(out)``)
+Tensor final_norm(const Tensor& x, const Tensor& at, const Tensor& w, double eps, at::ScalarType out) {
+  TORCH_CHECK(w.scalar_type() == at::kFloat, "final_norm: a float32 weight");
+  const int64_t H = x.size(-1), R = x.numel() / H, N = at.numel() ? at.numel() : R;
+  Tensor xc = x.contiguous(), wc = w.contiguous(), ac = at.numel() ? at.to(at::kLong).contiguous() : at;
+  Tensor y = at::empty({N, H}, x.options().dtype(out));
+  std::vector<float> row(H), res(H);
+  DISPATCH_ROWS(x.scalar_type(), [&] {
+    using T = scalar_t;
+    const T* xp = xc.data_ptr<T>();
+    for (int64_t i = 0; i < N; ++i) {
+      const int64_t r = at.numel() ? ac.data_ptr<int64_t>()[i] : i;
+      TORCH_CHECK(r >= 0 && r < R, "final_norm: row out of range");
+      for (int64_t j = 0; j < H; ++j) row[j] = static_cast<float>(xp[r * H + j]);
+      rms_row(row.data(), wc.data_ptr<float>(), res.data(), H, (float)eps, nullptr);
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out, "final_norm_out", [&] {
+        scalar_t* yp = y.data_ptr<scalar_t>() + i * H;
+        for (int64_t j = 0; j < H; ++j) yp[j] = static_cast<scalar_t>(res[j]);
+      });
+    }
+  });
+  return y;
+}
 
 // the other leapfrog ops, called through the dispatcher (their libraries are loaded first)
 const c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const c10::optional<Tensor>&, int64_t, bool, bool)>&
@@ -86,20 +227,10 @@ const c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, double)>& no
       .typed<Tensor(const Tensor&, const Tensor&, double)>();
   return op;
 }
-const c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&)>& rope_op() {
-  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("leapfrog_ops::rope", "")
-      .typed<Tensor(const Tensor&, const Tensor&, const Tensor&)>();
-  return op;
-}
 // Tensor.max(-1) of float32 rows, the same values and indices (model/native_ops.py row_max)
 const c10::TypedOperatorHandle<std::tuple<Tensor, Tensor>(const Tensor&)>& row_max_op() {
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("leapfrog_ops::row_max", "")
       .typed<std::tuple<Tensor, Tensor>(const Tensor&)>();
-  return op;
-}
-const c10::TypedOperatorHandle<Tensor(const Tensor&)>& silu_op() {
-  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("leapfrog_ops::silu_mul", "")
-      .typed<Tensor(const Tensor&)>();
   return op;
 }
 using AttnSig = Tensor(const Tensor&, const Tensor&, const Tensor&, Tensor&, Tensor&, const Tensor&,
@@ -128,31 +259,28 @@ std::tuple<Tensor, Tensor> eagle3_forward(
   };
   // EagleHead.forward: the head's dtype is its norms'
   const auto dt = norms[0].scalar_type();
-  Tensor e = at::embedding(embed, tok).to(dt);                                 // [B, S, H]
+  const int64_t R = B * S;
   Tensor f = features.to(dt);
-  Tensor p = pos.reshape({-1});
-  Tensor cos = cos_table.index_select(0, p).to(dt).view({B, S, 1, Dh});
-  Tensor sin = sin_table.index_select(0, p).to(dt).view({B, S, 1, Dh});
   Tensor x = f.size(-1) == H ? f : linear(f, 5, false);                         // fc on target features
-  // EagleLayer.forward, form "eagle3"
-  Tensor hn = norm_op().call(x, norms[1], eps);
-  if (norm_before_residual) x = hn;
-  Tensor a = at::cat({norm_op().call(e, norms[0], eps), hn}, -1);             // [B, S, 2H]
-  auto qkv = linear(a, 0, false).split_with_sizes({q_size, kv_size, kv_size}, -1);
-  Tensor q = rope_op().call(qkv[0].view({B, S, heads, Dh}), cos, sin);
-  Tensor k = rope_op().call(qkv[1].view({B, S, kv_heads, Dh}), cos, sin);
-  Tensor v = qkv[2].view({B, S, kv_heads, Dh});
+  // EagleLayer.forward, form "eagle3": a = cat[input_layernorm(embed[tok]), hn = hidden_norm(x)]
+  Tensor t = tok.to(at::kLong).contiguous();
+  Tensor a = embed.scalar_type() == dt
+      ? head_input(embed, t.data_ptr<int64_t>(), x, norms[0], norms[1], eps)
+      : head_input(at::embedding(embed, t).to(dt), nullptr, x, norms[0], norms[1], eps);   // [B, S, 2H]
+  if (norm_before_residual) x = a.narrow(-1, H, H).contiguous();
+  Tensor qkv = linear(a, 0, false);                                            // [B, S, q + 2 kv]
+  rope_qk(qkv, pos, cos_table, sin_table, heads, kv_heads, Dh);
+  Tensor q = qkv.narrow(-1, 0, q_size).view({B, S, heads, Dh});
+  Tensor k = qkv.narrow(-1, q_size, kv_size).view({B, S, kv_heads, Dh});
+  Tensor v = qkv.narrow(-1, q_size + kv_size, kv_size).view({B, S, kv_heads, Dh});
   Tensor o = attention_op().call(q, k, v, k_cache, v_cache, rows, write_rows, write_cols, mask, kv_len);
   // DecoderLayer._after_attention
-  x = x.add(linear(o.reshape({B, S, q_size}), 1, false));
-  Tensor g = norm_op().call(x, norms[2], eps);
-  x = x.add(linear(silu_op().call(linear(g, 2, false)), 3, false));           // [B, S, H]
+  auto [x1, g] = add_norm(x, linear(o.reshape({B, S, q_size}), 1, false), &norms[2], eps);
+  x = add_norm(x1, linear(silu_mul(linear(g, 2, false)), 3, false), nullptr, eps).first;   // [B, S, H]
   // CompiledForward._forward's logits rows, EagleHead.compute_draft_logits: norm in float32, then
   // LogitsHead (rows in its dtype, float32 logits)
-  Tensor hidden = x.reshape({B * S, H});
-  if (at.numel()) hidden = hidden.index({at});
-  Tensor n = norm_op().call(hidden.to(at::kFloat), norms[3], eps);
-  Tensor logits = linear(n.to(sizes[11] ? at::kBFloat16 : at::kFloat), 4, sizes[9] != 0).to(at::kFloat);
+  Tensor n = final_norm(x.view({R, H}), at, norms[3], eps, sizes[11] ? at::kBFloat16 : at::kFloat);
+  Tensor logits = linear(n, 4, sizes[9] != 0).to(at::kFloat);
   return {x, logits};
 }
 // sampler.inverse_cdf_draw (sampling/native.py)
@@ -178,27 +306,53 @@ std::vector<Tensor> chain_loop(
                                   S > 1 ? at : at.new_empty({0}));
   const int64_t H = hidden.size(-1);
   Tensor h = hidden.reshape({B * S, H}).index({at});                           // [B, H]
-  Tensor cols = at::arange(mask.size(-1), col.options()).view({1, 1, -1});     // [1, 1, W]
+  // each step's inputs written in place by the host (a handful of ATen calls a step cost more
+  // than the head's attention): its column c, the mask (compiled.causal_mask: c - window < column
+  // <= c) and kv_len = max c + 1
+  const int64_t W = mask.size(-1);
+  Tensor cc = col.to(at::kLong).contiguous();
+  const int64_t* c0 = cc.data_ptr<int64_t>();
+  Tensor vc = vocab.numel() ? vocab.to(at::kLong).contiguous() : vocab;
+  Tensor sc = stop.numel() ? stop.to(at::kDouble).contiguous() : stop;
+  std::vector<double> path(B, 0.0);                                            // [B] path log confidence
   std::vector<Tensor> toks;
   std::vector<std::vector<Tensor>> outs;
-  Tensor path;                                                                 // [B] path log confidence
   for (int64_t j = 0; j < steps; ++j) {
-    auto [x, out] = pick(logits, j);
-    if (vocab.numel()) x = vocab.index({x});
+    auto [picked, out] = pick(logits, j);
+    Tensor x = Tensor(picked).to(at::kLong).contiguous();
+    if (vc.numel()) {                                                          // vocab[x]
+      Tensor mapped = at::empty({B}, x.options());
+      for (int64_t b = 0; b < B; ++b) {
+        const int64_t i = x.data_ptr<int64_t>()[b];
+        TORCH_CHECK(i >= 0 && i < vc.numel(), "drafting chain: a pick outside the draft vocabulary");
+        mapped.data_ptr<int64_t>()[b] = vc.data_ptr<int64_t>()[i];
+      }
+      x = mapped;
+    }
     toks.push_back(x);
     outs.push_back(out);
     if (j == steps - 1) break;
-    if (stop.numel()) {
-      Tensor lq = out[0].to(at::kDouble);
-      path = j == 0 ? lq : path.add(lq);
-      if (path.lt(stop).all().item<bool>()) break;
+    if (sc.numel()) {                                                          // every row's below its stop
+      Tensor lq = Tensor(out[0]).to(at::kDouble).contiguous();
+      bool all_below = true;
+      for (int64_t b = 0; b < B; ++b) {
+        path[b] += lq.data_ptr<double>()[b];
+        all_below = all_below && path[b] < sc.data_ptr<double>()[b];
+      }
+      if (all_below) break;
     }
-    Tensor c = col.add(j);                                                     // [B] this step's column
-    Tensor q = c.view({B, 1, 1});
-    Tensor m = cols.le(q);                                                     // compiled.causal_mask
-    if (window > 0) m.logical_and_(cols.gt(q.sub(window)));
-    std::tie(hidden, logits) = forward(x.view({B, 1}), h.view({B, 1, H}), c.view({B, 1}), m.unsqueeze(1),
-                                       rows, c, c.max().add(1), at.new_empty({0}));
+    Tensor c = at::empty({B}, cc.options());                                   // [B] this step's column
+    Tensor m = at::empty({B, 1, 1, W}, mask.options().dtype(at::kBool));
+    int64_t* cp = c.data_ptr<int64_t>();
+    bool* mp = m.data_ptr<bool>();
+    int64_t len = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      cp[b] = c0[b] + j;
+      len = std::max(len, cp[b] + 1);
+      for (int64_t w = 0; w < W; ++w) mp[b * W + w] = w <= cp[b] && (window <= 0 || w > cp[b] - window);
+    }
+    std::tie(hidden, logits) = forward(x.view({B, 1}), h.view({B, 1, H}), c.view({B, 1}), m, rows, c,
+                                       at::scalar_tensor(len, cc.options()), at.new_empty({0}));
     h = hidden.select(1, 0);
   }
   std::vector<Tensor> result{at::stack(toks, 1)};
@@ -257,25 +411,25 @@ std::tuple<Tensor, std::vector<Tensor>> llama_hidden(
     return packed_linear(x, weights[i], biases[i], outs[i], false, streams[i] != 0);
   };
   Tensor x = at::embedding(embed, tok);                                        // [B, S, D]
-  const auto dt = x.scalar_type();
-  Tensor p = pos.reshape({-1});
-  Tensor cos = cos_table.index_select(0, p).to(dt).view({B, S, 1, Dh});
-  Tensor sin = sin_table.index_select(0, p).to(dt).view({B, S, 1, Dh});
   std::vector<Tensor> aux;
+  Tensor h = norm_op().call(x, norms[0], eps);                                 // the first attention norm
   for (int64_t i = 0; i < L; ++i) {                                            // DecoderLayer.forward
-    Tensor h = norm_op().call(x, norms[2 * i], eps);
-    auto qkv = linear(h, 4 * i).split_with_sizes({q_size, kv_size, kv_size}, -1);
-    Tensor q = rope_op().call(qkv[0].view({B, S, heads, Dh}), cos, sin);
-    Tensor k = rope_op().call(qkv[1].view({B, S, kv_heads, Dh}), cos, sin);
-    Tensor v = qkv[2].view({B, S, kv_heads, Dh});
+    Tensor qkv = linear(h, 4 * i);                                             // [B, S, q + 2 kv]
+    rope_qk(qkv, pos, cos_table, sin_table, heads, kv_heads, Dh);
+    Tensor q = qkv.narrow(-1, 0, q_size).view({B, S, heads, Dh});
+    Tensor k = qkv.narrow(-1, q_size, kv_size).view({B, S, kv_heads, Dh});
+    Tensor v = qkv.narrow(-1, q_size + kv_size, kv_size).view({B, S, kv_heads, Dh});
     Tensor kc = k_caches[i], vc = v_caches[i];
     Tensor o = attention_op().call(q, k, v, kc, vc, rows, write_rows, write_cols, mask, kv_len);
-    x = x.add(linear(o.reshape({B, S, q_size}), 4 * i + 1));
-    Tensor g = norm_op().call(x, norms[2 * i + 1], eps);
-    x = x.add(linear(silu_op().call(linear(g, 4 * i + 2)), 4 * i + 3));
+    auto [x1, g] = add_norm(x, linear(o.reshape({B, S, q_size}), 4 * i + 1), &norms[2 * i + 1], eps);
+    // the residual add, fused with the next layer's attention norm
+    std::tie(x, h) = add_norm(x1, linear(silu_mul(linear(g, 4 * i + 2)), 4 * i + 3),
+                              i + 1 < L ? &norms[2 * i + 2] : nullptr, eps);
     if (std::find(aux_layers.begin(), aux_layers.end(), i) != aux_layers.end()) aux.push_back(x);   // once
   }
-  return {norm_op().call(x.to(at::kFloat), norms[2 * L], eps), aux};          // [B, S, D] float32
+  const int64_t D = x.size(-1);
+  return {final_norm(x.view({B * S, D}), tok.new_empty({0}), norms[2 * L], eps, at::kFloat).view({B, S, D}),
+          aux};                                                                // [B, S, D] float32
 }
 
 // llama_hidden, then CompiledForward._forward's logits rows through the LogitsHead -> hidden [B, S, D]
@@ -509,8 +663,10 @@ TORCH_LIBRARY_IMPL(leapfrog_draft, CPU, m) {
 }
 """
 
-_LIBRARY = OpLibrary("leapfrog_native_draft", _SOURCE, ["-O2"], "native drafting and forward ops (about 15 s)",
-                     "drafters draft and eager forwards run in Python")
+# (model/native_ops.py's flags: its row kernels, compiled in here, must round alike)
+_LIBRARY = OpLibrary("leapfrog_native_draft", _SOURCE, ["-O3", "-ffp-contract=off"],
+                     "native drafting and forward ops (about 20 s)", "drafters draft and eager forwards run in Python",
+                     isa=True)
 
 
 def load_native_draft() -> bool:

@@ -51,17 +51,11 @@ from leapfrog.utils.cpp import build_inline
 
 log = logging.getLogger("leapfrog.model")
 
-_SOURCE = r"""
-#include <torch/library.h>
-#include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
-#include <limits>
-#include <cmath>
-#include <vector>
-
+#: The row kernels of these ops as C++ templates on raw pointers, shared with the drafting ops
+#: (model/native_draft.py fuses them into its forwards: the same arithmetic, so the same bits).
+#: Needs <ATen/cpu/vec/vec.h>, <ATen/Parallel.h>, <cmath>, <vector> and the same instruction-set
+#: flags (the lane count fixes the sum of squares' order).
+ROW_KERNELS_CPP = r"""
 using at::vec::Vectorized;
 
 // sum of squares of a float32 row: one vector of lanes in element order, lanes reduced in
@@ -82,31 +76,100 @@ static float sum_squares(const float* x, int64_t n) {
   return s;
 }
 
+// one row of rms_norm: xr [D] -> yr [D] (``buf``: D floats of scratch where T is not float32)
+template <typename T, typename W>
+static inline void rms_row(const T* xr, const W* w, T* yr, int64_t D, float eps, float* buf) {
+  const float* xf;
+  if constexpr (std::is_same<T, float>::value) {
+    xf = xr;
+  } else {
+    for (int64_t i = 0; i < D; ++i) buf[i] = static_cast<float>(xr[i]);
+    xf = buf;
+  }
+  float mean = sum_squares(xf, D) / static_cast<float>(D);
+  float inv = 1.f / std::sqrt(mean + eps);
+  for (int64_t i = 0; i < D; ++i) {
+    float v = xf[i] * inv;
+    yr[i] = static_cast<T>(v * static_cast<float>(w[i]));
+  }
+}
+
 template <typename T, typename W>
 static void rms_rows(const T* x, const W* w, T* y, int64_t rows, int64_t D, float eps) {
   int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(D, 1));
   at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
     std::vector<float> buf(std::is_same<T, float>::value ? 0 : D);
-    for (int64_t r = r0; r < r1; ++r) {
-      const T* xr = x + r * D;
-      const float* xf;
-      if constexpr (std::is_same<T, float>::value) {
-        xf = xr;
-      } else {
-        for (int64_t i = 0; i < D; ++i) buf[i] = static_cast<float>(xr[i]);
-        xf = buf.data();
-      }
-      float mean = sum_squares(xf, D) / static_cast<float>(D);
-      float inv = 1.f / std::sqrt(mean + eps);
-      T* yr = y + r * D;
-      for (int64_t i = 0; i < D; ++i) {
-        float v = xf[i] * inv;
-        yr[i] = static_cast<T>(v * static_cast<float>(w[i]));
-      }
+    for (int64_t r = r0; r < r1; ++r) rms_row<T, W>(x + r * D, w, y + r * D, D, eps, buf.data());
+  });
+}
+
+// one head's rotation: x * cos + cat(-x2, x1) * sin, each product and the sum rounded to T as
+// ATen's ops round them; cos/sin rows of type C are first rounded to T (``table[pos].to(T)``).
+// xp and yp must not overlap.
+template <typename T, typename C>
+static inline void rope_head(const T* xp, const C* c, const C* sn, T* yp, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < D; ++i) {
+    float xi = static_cast<float>(xp[i]);
+    float rot = i < half ? -static_cast<float>(xp[i + half]) : static_cast<float>(xp[i - half]);
+    T a = static_cast<T>(xi * static_cast<float>(static_cast<T>(c[i])));
+    T r = static_cast<T>(rot * static_cast<float>(static_cast<T>(sn[i])));
+    yp[i] = static_cast<T>(static_cast<float>(a) + static_cast<float>(r));
+  }
+}
+
+template <typename T>
+static void rope_rows(const T* x, int64_t sb, int64_t ss, int64_t sh, const T* cos, const T* sin, T* y,
+                      int64_t B, int64_t S, int64_t H, int64_t D) {
+  at::parallel_for(0, B * S, std::max<int64_t>(1, 4096 / std::max<int64_t>(H * D, 1)), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      int64_t b = t / S, s = t % S;
+      for (int64_t h = 0; h < H; ++h)
+        rope_head<T, T>(x + b * sb + s * ss + h * sh, cos + t * D, sin + t * D, y + (t * H + h) * D, D);
     }
   });
 }
 
+// silu(gate) * up of one row: ATen's silu runs a row's elements two of its vectors at a time with
+// the vector formula (Sleef's exp) and the rest with the scalar one (std::exp), rounding to T; the
+// product is rounded to T: the same split and roundings here. ``g``: I floats of scratch.
+template <typename T>
+static inline void silu_mul_row(const T* gr, const T* ur, T* yr, int64_t I, float* g) {
+  using V = Vectorized<float>;
+  const int64_t nvec = I / (2 * Vectorized<T>::size()) * (2 * Vectorized<T>::size());
+  for (int64_t i = 0; i < I; ++i) g[i] = static_cast<float>(gr[i]);
+  int64_t i = 0;
+  for (; i + V::size() <= nvec; i += V::size()) {
+    V gv = V::loadu(g + i);
+    (gv / (V(1.f) + gv.neg().exp())).store(g + i);
+  }
+  for (; i < I; ++i) g[i] = g[i] / (1.f + std::exp(-g[i]));
+  for (int64_t j = 0; j < I; ++j) {
+    T s = static_cast<T>(g[j]);
+    yr[j] = static_cast<T>(static_cast<float>(s) * static_cast<float>(ur[j]));
+  }
+}
+
+template <typename T>
+static void silu_mul_rows(const T* x, T* y, int64_t rows, int64_t I) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t r0, int64_t r1) {
+    std::vector<float> g(I);
+    for (int64_t r = r0; r < r1; ++r) silu_mul_row<T>(x + r * 2 * I, x + r * 2 * I + I, y + r * I, I, g.data());
+  });
+}
+"""
+
+_SOURCE = r"""
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <limits>
+#include <cmath>
+#include <vector>
+""" + ROW_KERNELS_CPP + r"""
 at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() >= 1 && weight.dim() == 1 && weight.size(0) == x.size(-1),
               "rms_norm: weight must be [D] for x [..., D]");
@@ -129,31 +192,6 @@ at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double ep
   return y;
 }
 
-// x * cos + cat(-x2, x1) * sin, each product and the sum rounded to T as ATen's ops round them
-template <typename T>
-static void rope_rows(const T* x, int64_t sb, int64_t ss, int64_t sh, const T* cos, const T* sin, T* y,
-                      int64_t B, int64_t S, int64_t H, int64_t D) {
-  int64_t half = D / 2;
-  at::parallel_for(0, B * S, std::max<int64_t>(1, 4096 / std::max<int64_t>(H * D, 1)), [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      int64_t b = t / S, s = t % S;
-      const T* c = cos + t * D;
-      const T* sn = sin + t * D;
-      for (int64_t h = 0; h < H; ++h) {
-        const T* xp = x + b * sb + s * ss + h * sh;
-        T* yp = y + (t * H + h) * D;
-        for (int64_t i = 0; i < D; ++i) {
-          float xi = static_cast<float>(xp[i]);
-          float rot = i < half ? -static_cast<float>(xp[i + half]) : static_cast<float>(xp[i - half]);
-          T a = static_cast<T>(xi * static_cast<float>(c[i]));
-          T r = static_cast<T>(rot * static_cast<float>(sn[i]));
-          yp[i] = static_cast<T>(static_cast<float>(a) + static_cast<float>(r));
-        }
-      }
-    }
-  });
-}
-
 at::Tensor rope_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(x.dim() == 4 && x.stride(3) == 1 && x.size(3) % 2 == 0, "rope: x must be [B, S, H, D] with D even "
               "and its last dimension contiguous");
@@ -167,34 +205,6 @@ at::Tensor rope_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor
                         s.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), B, S, H, D);
   });
   return y;
-}
-
-// silu(gate) * up over [..., 2I] = [gate | up] rows. ATen's silu runs a row's elements two of its
-// vectors at a time with the vector formula (Sleef's exp) and the rest with the scalar one
-// (std::exp), rounding to T; the product is rounded to T: the same split and roundings here.
-template <typename T>
-static void silu_mul_rows(const T* x, T* y, int64_t rows, int64_t I) {
-  using V = Vectorized<float>;
-  const int64_t nvec = I / (2 * Vectorized<T>::size()) * (2 * Vectorized<T>::size());
-  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t r0, int64_t r1) {
-    std::vector<float> g(I);
-    for (int64_t r = r0; r < r1; ++r) {
-      const T* gr = x + r * 2 * I;
-      const T* ur = gr + I;
-      for (int64_t i = 0; i < I; ++i) g[i] = static_cast<float>(gr[i]);
-      int64_t i = 0;
-      for (; i + V::size() <= nvec; i += V::size()) {
-        V gv = V::loadu(g.data() + i);
-        (gv / (V(1.f) + gv.neg().exp())).store(g.data() + i);
-      }
-      for (; i < I; ++i) g[i] = g[i] / (1.f + std::exp(-g[i]));
-      T* yr = y + r * I;
-      for (int64_t j = 0; j < I; ++j) {
-        T s = static_cast<T>(g[j]);
-        yr[j] = static_cast<T>(static_cast<float>(s) * static_cast<float>(ur[j]));
-      }
-    }
-  });
 }
 
 at::Tensor silu_mul_cpu(const at::Tensor& gate_up) {

@@ -174,10 +174,14 @@ def wait_for_builds(cancel: bool = False) -> None:
 class OpLibrary:
     """An op library of one inline source (``load_inline``), built on first use, once per process:
     ``available()`` -> whether it loaded. A build that fails (no compiler, no headers) is logged
-    once, naming ``fallback`` (what serves instead), and the callers take their Python path."""
+    once, naming ``fallback`` (what serves instead), and the callers take their Python path.
+    ``isa``: built with this CPU's instruction-set flags (``build_inline``: a source whose vector
+    code must match another library's lanes, such as model/native_ops.py's row kernels)."""
 
-    def __init__(self, name: str, source: str, cflags: list[str], what: str, fallback: str) -> None:
+    def __init__(self, name: str, source: str, cflags: list[str], what: str, fallback: str,
+                 isa: bool = False) -> None:
         self.name, self.source, self.cflags, self.what, self.fallback = name, source, cflags, what, fallback
+        self.isa = isa
         self._ok: bool | None = None
         self._lock = threading.Lock()
 
@@ -197,4 +201,7 @@ class OpLibrary:
         return self._ok
 
     def _build(self) -> None:
-        load_inline(self.name, self.source, self.cflags)
+        if self.isa:
+            build_inline(self.name, self.source, self.cflags)
+        else:
+            load_inline(self.name, self.source, self.cflags)
