@@ -66,6 +66,12 @@ CONTENDERS["eagle3-tree16"] = {**CONTENDERS["eagle3"], "eagle_topk": 4, "num_dra
 CONTENDERS["eagle3-conf"] = {**CONTENDERS["eagle3"], "num_speculative_tokens": 10, "min_draft_confidence": 0.3}
 CONTENDERS["draft_model-conf"] = {**CONTENDERS["draft_model"], "num_speculative_tokens": 8,
                                   "min_draft_confidence": 0.3}
+#: the head's linears in w8a8 (int8 weights and rows on the AMX-INT8 tiles; AMX CPUs only): the
+#: chain of 5, of 7, and the confidence-ended chain
+CONTENDERS["eagle3-w8a8"] = {**CONTENDERS["eagle3"], "draft_quantization": "w8a8"}
+CONTENDERS["eagle3-7"] = {**CONTENDERS["eagle3"], "num_speculative_tokens": 7}
+CONTENDERS["eagle3-7-w8a8"] = {**CONTENDERS["eagle3-7"], "draft_quantization": "w8a8"}
+CONTENDERS["eagle3-conf-w8a8"] = {**CONTENDERS["eagle3-conf"], "draft_quantization": "w8a8"}
 #: the eagle3 chain verifying sampled chains in Python (LEAPFROG_NATIVE_VERIFY=0: spec_decode/verify/native.py's
 #: op off), for the op's A/B at a temperature
 CONTENDERS["eagle3-python-verify"] = CONTENDERS["eagle3"]

@@ -9,6 +9,9 @@ EAGLE-3 head's up to 10 deep (index 6) and the draft model's up to 8 (index 7). 
 HEAD`` adds another EAGLE-3 head (a retrained one) as the chain of 5 (index 8) and the chain up to
 10 with c = 0.3 (index 9), to compare heads in one interleaved run. ``--eagle-depths 7`` adds the head's
 chain of 7 (the built-in default on AVX-512 BF16 CPUs: ``leapfrog.demo.demo_chain_depth``) after those.
+``--head-quantization w8a8`` adds, last, each EAGLE-3 contender of the head (2, 3, 4, 6 and the
+``--eagle-depths`` chains) once more with that ``draft_quantization`` (w8a8: the head's linears on
+the AMX-INT8 tiles, the built-in default on AMX CPUs: ``leapfrog.demo.demo_draft_quantization``).
 Prompts: code the models never trained on, either the demo's held-out standard-library files
 (``--source heldout``, default) or third-party files from this Python's site-packages
 (``--source site-packages``).
@@ -53,13 +56,13 @@ def site_package_documents(limit_files: int = 60) -> list[Document]:
 
 
 def contenders(draft: str, head: str, k: int, compare_head: str | None = None,
-               depths: list[int] = ()) -> list[dict]:
+               depths: list[int] = (), head_quantization: str | None = None) -> list[dict]:
     e3 = {"method": "eagle3", "model": head}
     other = [] if compare_head is None else [
         {"method": "eagle3", "model": compare_head, "num_speculative_tokens": 5, "eagle_topk": 1},
         {"method": "eagle3", "model": compare_head, "num_speculative_tokens": 10, "eagle_topk": 1,
          "min_draft_confidence": 0.3}]
-    return [
+    specs = [
         {"method": "draft_model", "model": draft, "num_speculative_tokens": k},
         {"method": "ngram", "num_speculative_tokens": k},
         {**e3, "num_speculative_tokens": 5, "eagle_topk": 1},
@@ -69,6 +72,10 @@ def contenders(draft: str, head: str, k: int, compare_head: str | None = None,
         {**e3, "num_speculative_tokens": 10, "eagle_topk": 1, "min_draft_confidence": 0.3},
         {"method": "draft_model", "model": draft, "num_speculative_tokens": 8, "min_draft_confidence": 0.3},
     ] + other + [{**e3, "num_speculative_tokens": d, "eagle_topk": 1} for d in depths]
+    if head_quantization:
+        specs += [{**s, "draft_quantization": head_quantization} for s in specs
+                  if s["method"] == "eagle3" and s["model"] == head]
+    return specs
 
 
 def main() -> None:
@@ -91,6 +98,8 @@ def main() -> None:
     ap.add_argument("--eagle-depths", nargs="*", type=int, default=[],
                     help="more chains of the head at these depths (the built-in default's 7 on AVX-512 BF16 "
                          "CPUs): indices after the others (from 8, or 10 with --compare-head)")
+    ap.add_argument("--head-quantization", default=None, choices=["int8", "int4", "w8a8"],
+                    help="adds the head's contenders once more with this draft_quantization (indices last)")
     ap.add_argument("--only", nargs="*", default=None, help="contender indices to keep (0..7, 8 and 9 with --compare-head, "
                     "then --eagle-depths'; none always runs)")
     ap.add_argument("--request-seed", type=int, default=None,
@@ -114,7 +123,7 @@ def main() -> None:
         docs = site_package_documents()
     prompts = heldout_prompts(tok, docs, args.num_prompts, prompt_tokens=args.prompt_tokens)
     items = [WorkloadItem(f"code-{args.source}", p, None, str(i)) for i, p in enumerate(prompts)]
-    specs = contenders(args.draft, args.head, args.k, args.compare_head, args.eagle_depths)
+    specs = contenders(args.draft, args.head, args.k, args.compare_head, args.eagle_depths, args.head_quantization)
     if args.only is not None:
         if bad := [i for i in args.only if not 0 <= int(i) < len(specs)]:
             raise SystemExit(f"--only {' '.join(bad)}: contenders are 0..{len(specs) - 1}"

@@ -218,9 +218,20 @@ linear_op() {
       .typed<Tensor(const Tensor&, const Tensor&, const c10::optional<Tensor>&, int64_t, bool, bool)>();
   return op;
 }
-// linear_op with the ops' bias convention: an empty tensor for none
-Tensor packed_linear(const Tensor& x, const Tensor& w, const Tensor& bias, int64_t n, bool f32_out, bool stream) {
-  return linear_op().call(x, w, bias.numel() ? c10::optional<Tensor>(bias) : c10::nullopt, n, f32_out, stream);
+const c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, const c10::optional<Tensor>&,
+                                      int64_t, bool)>&
+w8a8_op() {
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("leapfrog_gemm::linear_w8a8", "")
+      .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, const c10::optional<Tensor>&, int64_t, bool)>();
+  return op;
+}
+// the linear of a packed weight with the ops' bias convention (an empty tensor for none): bf16
+// blocks (linear_bf16), or int8 blocks with their float32 ``scale`` (linear_w8a8: quant.W8A8Linear)
+Tensor packed_linear(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& scale, int64_t n,
+                     bool f32_out, bool stream) {
+  const auto b = bias.numel() ? c10::optional<Tensor>(bias) : c10::nullopt;
+  if (w.scalar_type() == at::kChar) return w8a8_op().call(x, w, scale, b, n, f32_out);
+  return linear_op().call(x, w, b, n, f32_out, stream);
 }
 const c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, double)>& norm_op() {
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("leapfrog_ops::rms_norm", "")
@@ -247,15 +258,15 @@ std::tuple<Tensor, Tensor> eagle3_forward(
     const Tensor& tok, const Tensor& features, const Tensor& pos, const Tensor& mask, const Tensor& rows,
     const Tensor& write_rows, const Tensor& write_cols, const Tensor& kv_len, const Tensor& at,
     Tensor& k_cache, Tensor& v_cache, const Tensor& embed, const Tensor& cos_table, const Tensor& sin_table,
-    at::TensorList norms, at::TensorList weights, at::TensorList biases, at::IntArrayRef sizes, double eps,
-    bool norm_before_residual) {
-  TORCH_CHECK(norms.size() == 4 && weights.size() == 6 && biases.size() == 6 && sizes.size() == 12,
-              "eagle3_forward: 4 norms, 6 weights, 6 biases and 12 sizes");
+    at::TensorList norms, at::TensorList weights, at::TensorList biases, at::TensorList scales, at::IntArrayRef sizes,
+    double eps, bool norm_before_residual) {
+  TORCH_CHECK(norms.size() == 4 && weights.size() == 6 && biases.size() == 6 && scales.size() == 6 && sizes.size() == 12,
+              "eagle3_forward: 4 norms, 6 weights, 6 biases, 6 scales and 12 sizes");
   const int64_t B = tok.size(0), S = tok.size(1), H = sizes[1];
   const int64_t heads = sizes[6], kv_heads = sizes[7], Dh = sizes[8];
   const int64_t q_size = heads * Dh, kv_size = kv_heads * Dh;
   auto linear = [&](const Tensor& x, int i, bool f32_out) {
-    return packed_linear(x, weights[i], biases[i], sizes[i], f32_out, ((sizes[10] >> i) & 1) != 0);
+    return packed_linear(x, weights[i], biases[i], scales[i], sizes[i], f32_out, ((sizes[10] >> i) & 1) != 0);
   };
   // EagleHead.forward: the head's dtype is its norms'
   const auto dt = norms[0].scalar_type();
@@ -371,12 +382,12 @@ std::vector<Tensor> chain_steps(
     const Tensor& write_rows, const Tensor& write_cols, const Tensor& kv_len, const Tensor& last,
     const Tensor& col, int64_t steps, const Tensor& vocab, int64_t window, Tensor& k_cache, Tensor& v_cache,
     const Tensor& embed, const Tensor& cos_table, const Tensor& sin_table, at::TensorList norms,
-    at::TensorList weights, at::TensorList biases, at::IntArrayRef sizes, double eps, bool norm_before_residual,
-    const Tensor& stop, Pick pick) {
+    at::TensorList weights, at::TensorList biases, at::TensorList scales, at::IntArrayRef sizes, double eps,
+    bool norm_before_residual, const Tensor& stop, Pick pick) {
   auto forward = [&](const Tensor& t, const Tensor& f, const Tensor& p, const Tensor& m, const Tensor& wr,
                      const Tensor& wc, const Tensor& len, const Tensor& at) {
     return eagle3_forward(t, f, p, m, rows, wr, wc, len, at, k_cache, v_cache, embed, cos_table, sin_table,
-                          norms, weights, biases, sizes, eps, norm_before_residual);
+                          norms, weights, biases, scales, sizes, eps, norm_before_residual);
   };
   return chain_loop(forward, tok, features, pos, mask, rows, write_rows, write_cols, kv_len, last, col, steps,
                     vocab, window, stop, pick);
@@ -408,7 +419,7 @@ std::tuple<Tensor, std::vector<Tensor>> llama_hidden(
   const int64_t heads = dims[0], kv_heads = dims[1], Dh = dims[2];
   const int64_t q_size = heads * Dh, kv_size = kv_heads * Dh;
   auto linear = [&](const Tensor& x, int64_t i) {
-    return packed_linear(x, weights[i], biases[i], outs[i], false, streams[i] != 0);
+    return packed_linear(x, weights[i], biases[i], Tensor(), outs[i], false, streams[i] != 0);
   };
   Tensor x = at::embedding(embed, tok);                                        // [B, S, D]
   std::vector<Tensor> aux;
@@ -446,7 +457,7 @@ std::tuple<Tensor, Tensor> llama_forward(
                                            eps, {}));
   Tensor rows_h = hidden.reshape({B * S, D});
   if (at.numel()) rows_h = rows_h.index({at});
-  Tensor logits = packed_linear(rows_h.to(dims[4] ? at::kBFloat16 : at::kFloat), weights[4 * L], biases[4 * L],
+  Tensor logits = packed_linear(rows_h.to(dims[4] ? at::kBFloat16 : at::kFloat), weights[4 * L], biases[4 * L], Tensor(),
                                 outs[4 * L], dims[3] != 0, streams[4 * L] != 0).to(at::kFloat);
   return {hidden, logits};
 }
@@ -474,9 +485,10 @@ std::tuple<Tensor, Tensor> llama_chain(
     const Tensor& write_rows, const Tensor& write_cols, const Tensor& kv_len, const Tensor& last,             \
     const Tensor& col, int64_t steps, const Tensor& vocab, int64_t window, Tensor& k_cache, Tensor& v_cache,  \
     const Tensor& embed, const Tensor& cos_table, const Tensor& sin_table, at::TensorList norms,              \
-    at::TensorList weights, at::TensorList biases, at::IntArrayRef sizes, double eps, bool norm_before_residual
+    at::TensorList weights, at::TensorList biases, at::TensorList scales, at::IntArrayRef sizes, double eps,     \
+    bool norm_before_residual
 #define CHAIN_CALL tok, features, pos, mask, rows, write_rows, write_cols, kv_len, last, col, steps, vocab, window, \
-    k_cache, v_cache, embed, cos_table, sin_table, norms, weights, biases, sizes, eps, norm_before_residual
+    k_cache, v_cache, embed, cos_table, sin_table, norms, weights, biases, scales, sizes, eps, norm_before_residual
 
 // CompiledChain's greedy chain: each step the argmax and its log q -> tokens, log q [B, steps]
 std::tuple<Tensor, Tensor> eagle3_chain(CHAIN_ARGS, const Tensor& stop) {
@@ -561,13 +573,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> eagle3_tree(
     const Tensor& write_rows, const Tensor& write_cols, const Tensor& kv_len, const Tensor& last,
     const Tensor& col, int64_t steps, int64_t k, int64_t nodes, const Tensor& spread_ids, int64_t V,
     Tensor& k_cache, Tensor& v_cache, const Tensor& embed, const Tensor& cos_table, const Tensor& sin_table,
-    at::TensorList norms, at::TensorList weights, at::TensorList biases, at::IntArrayRef sizes, double eps,
-    bool norm_before_residual) {
+    at::TensorList norms, at::TensorList weights, at::TensorList biases, at::TensorList scales, at::IntArrayRef sizes,
+    double eps, bool norm_before_residual) {
   const int64_t B = tok.size(0), S = tok.size(1), H = sizes[1], T = (steps - 1) * k;
   auto forward = [&](const Tensor& t, const Tensor& f, const Tensor& p, const Tensor& m, const Tensor& wr,
                      const Tensor& wc, const Tensor& len, const Tensor& at) {
     return eagle3_forward(t, f, p, m, rows, wr, wc, len, at, k_cache, v_cache, embed, cos_table, sin_table,
-                          norms, weights, biases, sizes, eps, norm_before_residual);
+                          norms, weights, biases, scales, sizes, eps, norm_before_residual);
   };
   auto lopt = col.options();
   Tensor at = at::arange(B, lopt).mul(S).add(last);                            // [B] rows of the last tokens
@@ -632,12 +644,12 @@ TORCH_LIBRARY(leapfrog_draft, m) {
   m.def("eagle3_chain(Tensor tok, Tensor features, Tensor pos, Tensor mask, Tensor rows, Tensor write_rows, "
         "Tensor write_cols, Tensor kv_len, Tensor last, Tensor col, int steps, Tensor vocab, int window, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor embed, Tensor cos, Tensor sin, Tensor[] norms, "
-        "Tensor[] weights, Tensor[] biases, int[] sizes, float eps, bool norm_before_residual, Tensor stop) "
+        "Tensor[] weights, Tensor[] biases, Tensor[] scales, int[] sizes, float eps, bool norm_before_residual, Tensor stop) "
         "-> (Tensor, Tensor)");
   m.def("eagle3_sampled_chain(Tensor tok, Tensor features, Tensor pos, Tensor mask, Tensor rows, "
         "Tensor write_rows, Tensor write_cols, Tensor kv_len, Tensor last, Tensor col, int steps, Tensor vocab, "
         "int window, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor embed, Tensor cos, Tensor sin, Tensor[] norms, "
-        "Tensor[] weights, Tensor[] biases, int[] sizes, float eps, bool norm_before_residual, "
+        "Tensor[] weights, Tensor[] biases, Tensor[] scales, int[] sizes, float eps, bool norm_before_residual, "
         "Tensor temperature, Tensor sampled, Tensor u, Tensor stream, Tensor w, int want, float scale, bool race) "
         "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def("llama_chain(Tensor tok, Tensor pos, Tensor mask, Tensor rows, Tensor write_rows, Tensor write_cols, "
@@ -651,7 +663,7 @@ TORCH_LIBRARY(leapfrog_draft, m) {
   m.def("eagle3_tree(Tensor tok, Tensor features, Tensor pos, Tensor mask, Tensor rows, Tensor write_rows, "
         "Tensor write_cols, Tensor kv_len, Tensor last, Tensor col, int steps, int k, int nodes, Tensor spread_ids, "
         "int V, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor embed, Tensor cos, Tensor sin, Tensor[] norms, "
-        "Tensor[] weights, Tensor[] biases, int[] sizes, float eps, bool norm_before_residual) "
+        "Tensor[] weights, Tensor[] biases, Tensor[] scales, int[] sizes, float eps, bool norm_before_residual) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 TORCH_LIBRARY_IMPL(leapfrog_draft, CPU, m) {
@@ -674,12 +686,20 @@ def load_native_draft() -> bool:
     return _LIBRARY.available()
 
 
-def _on_the_kernel(linears: list[torch.nn.Module], logits_head: torch.nn.Module) -> bool:
+def _on_the_kernel(linears: list[torch.nn.Module], logits_head: torch.nn.Module, w8a8: bool = False) -> bool:
     """Whether a drafter's ``linears`` (its LM head's projection among them) all run the bf16 few-row
-    kernel (NativeLinear), its LogitsHead takes bf16 or float32 rows, and the ops are built."""
+    kernel (NativeLinear; with ``w8a8``, or the AMX-INT8 one: quant.W8A8Linear), its LogitsHead takes
+    bf16 or float32 rows, and the ops are built."""
     from leapfrog.model.native_linear import NativeLinear
-    return (all(isinstance(m, NativeLinear) for m in linears)
+    from leapfrog.model.quant import W8A8Linear
+    kinds = (NativeLinear, W8A8Linear) if w8a8 else NativeLinear
+    return (all(isinstance(m, kinds) for m in linears)
             and logits_head.in_dtype in (torch.bfloat16, torch.float32) and load_native_draft())
+
+
+def _scales(linears: list[torch.nn.Module]) -> list[Tensor]:
+    """Each W8A8Linear's float32 weight scales, or an empty tensor (a bf16 linear)."""
+    return [m.scale if m.packed.dtype == torch.int8 else torch.empty(0) for m in linears]
 
 
 def _biases(linears: list[torch.nn.Module]) -> list[Tensor]:
@@ -695,8 +715,9 @@ class NativeHeadForward:
     cos: Tensor              # [P, Dh] float32 rope tables
     sin: Tensor
     norms: list[Tensor]      # input_layernorm, hidden_norm, post_attention_layernorm, norm (float32)
-    weights: list[Tensor]    # packed: wqkv, wo, w13, w2, lm_head, fc
+    weights: list[Tensor]    # packed: wqkv, wo, w13, w2, lm_head, fc (bf16 blocks, or W8A8Linear's int8)
     biases: list[Tensor]     # each linear's float32 bias, or an empty tensor
+    scales: list[Tensor]     # each W8A8Linear's float32 weight scales, or an empty tensor
     sizes: list[int]
     eps: float
     norm_before_residual: bool
@@ -712,14 +733,14 @@ class NativeHeadForward:
             return None
         layer, proj = head.layers[0], head.head.proj
         lins = [layer.wqkv, layer.wo, layer.w13, layer.w2, proj, head.fc]
-        if not _on_the_kernel(lins, head.head):
+        if not _on_the_kernel(lins, head.head, w8a8=True):
             return None
         a = head.args
         embed = head.embed.weight if head.embed is not None else head._bound().embed.weight
         stream = sum(1 << i for i, m in enumerate(lins) if m.stream)
         return cls(embed, head.rope_cos, head.rope_sin,
                    [layer.attn_norm, layer.hidden_norm, layer.mlp_norm, head.norm.float()],
-                   [m.packed for m in lins], _biases(lins),
+                   [m.packed for m in lins], _biases(lins), _scales(lins),
                    [m.out_features for m in lins] + [a.num_attention_heads, a.num_key_value_heads, a.head_dim,
                                                      int(proj.f32_out), stream,
                                                      int(head.head.in_dtype == torch.bfloat16)],
@@ -730,7 +751,8 @@ class NativeHeadForward:
                     vocab: Tensor | None, window: int | None, kv: KVCache) -> tuple:
         return (tok, features, pos, mask, rows, write_rows, write_cols, kv_len, last, col, steps,
                 self.every_row if vocab is None else vocab, window or 0, kv.k[0], kv.v[0], self.embed, self.cos,
-                self.sin, self.norms, self.weights, self.biases, self.sizes, self.eps, self.norm_before_residual)
+                self.sin, self.norms, self.weights, self.biases, self.scales, self.sizes, self.eps,
+                self.norm_before_residual)
 
     def chain(self, *args, stop: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """CompiledChain's greedy chain (its ``_steps`` and ``_pick``) in one call. ``args``: the
@@ -763,7 +785,7 @@ class NativeHeadForward:
         return torch.ops.leapfrog_draft.eagle3_tree(
             tok, features, pos, mask, rows, write_rows, write_cols, kv_len, last, col, steps, topk, nodes,
             self.every_row if spread_ids is None else spread_ids, vocab_size, kv.k[0], kv.v[0], self.embed,
-            self.cos, self.sin, self.norms, self.weights, self.biases, self.sizes, self.eps,
+            self.cos, self.sin, self.norms, self.weights, self.biases, self.scales, self.sizes, self.eps,
             self.norm_before_residual)
 
 

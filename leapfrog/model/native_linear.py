@@ -635,6 +635,114 @@ void amx_range(const uint16_t* A, int64_t M, int64_t Mp, int64_t Kp, const uint1
   _tile_release();
 }
 
+// ---- AMX-INT8: int8 rows x int8 weights (W8A8 linears: quant.W8A8Linear, linear_w8a8) ----
+// Weights packed by pack_w8a8: [N/32, Kp/4, 32, 4] int8 (K zero-padded to Kp, a multiple of 64):
+// a k-quad of a block's 32 columns is 128 bytes, so 16 k-quads of its low (high) 16 columns are one
+// B tile of 16 rows x 64 bytes at a row stride of 128, the layout tdpbssd wants (the four int8 of
+// a k-quad side by side). A tiles: 64 int8 k's of up to 16 rows. Sums in int32: exact, whatever
+// the order, so a row's result depends on that row and the weights only.
+constexpr int64_t Q8_K = 64;   // k's per A tile (16 k-quads: one B tile's rows)
+
+// C[m, block] int32 for the rows of one (NA = 1) or two (NA = 2) A tiles: A [rows, Kp] int8, blk one
+// packed block [Kp/4][32][4]; out: [NA * 16][BLOCK] int32 sums
+template <int NA>
+void q8_block(const int8_t* A, int64_t Kp, const int8_t* blk, int32_t* out) {
+  const int64_t chunks = Kp / Q8_K;
+  _tile_zero(0); _tile_zero(1);
+  if constexpr (NA == 2) { _tile_zero(5); _tile_zero(6); }
+  for (int64_t kc = 0; kc < chunks; ++kc) {
+    const int8_t* b = blk + kc * 16 * 4 * BLOCK;
+    _tile_loadd(2, b, 128);
+    _tile_loadd(3, b + 64, 128);
+    _tile_loadd(4, A + kc * Q8_K, Kp);
+    _tile_dpbssd(0, 4, 2);
+    _tile_dpbssd(1, 4, 3);
+    if constexpr (NA == 2) {
+      _tile_loadd(7, A + AMX_ROWS * Kp + kc * Q8_K, Kp);
+      _tile_dpbssd(5, 7, 2);
+      _tile_dpbssd(6, 7, 3);
+    }
+  }
+  _tile_stored(0, out, BLOCK * 4);
+  _tile_stored(1, out + 16, BLOCK * 4);
+  if constexpr (NA == 2) {
+    _tile_stored(5, out + AMX_ROWS * BLOCK, BLOCK * 4);
+    _tile_stored(6, out + AMX_ROWS * BLOCK + 16, BLOCK * 4);
+  }
+}
+
+// One row quantized: q[k] = round-half-even(x[k] * (127 / max |x|)) in [-127, 127] (zeros past K and
+// for an all-zero row) -> its scale max |x| / 127, float32 throughout (quant.w8a8_reference); 16
+// lanes at a time (the max is exact in any order, the rest is per element)
+template <typename T>
+float q8_row(const T* x, int64_t K, int8_t* q, int64_t Kp) {
+  auto load = [x](int64_t k, __mmask16 m) -> __m512 {
+    if constexpr (std::is_same_v<T, float>) {
+      return _mm512_maskz_loadu_ps(m, x + k);
+    } else {   // bf16: the high half of a float32
+      const __m512i h = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, x + k));
+      return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+    }
+  };
+  __m512 mx = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(load(k, lanes(K - k))));
+  const float amax = _mm512_reduce_max_ps(mx);
+  std::memset(q, 0, Kp);
+  if (!(amax > 0.f)) return 0.f;
+  const __m512 inv = _mm512_set1_ps(127.f / amax);
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 m = lanes(K - k);
+    const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(load(k, m), inv));   // nearest-even (MXCSR default)
+    _mm_mask_storeu_epi8(q + k, m, _mm512_cvtepi32_epi8(_mm512_min_epi32(_mm512_max_epi32(v, lo), hi)));
+  }
+  return amax / 127.f;
+}
+
+// rows [M, K] quantized into A [Mp, Kp] on blocks [b0, b1) of this thread: y[m, n] = float(sum) *
+// (sa[m] * sw[n]) + bias[n], in float32, then rounded once to bf16 (or float32 with f32_out)
+void q8_range(const int8_t* A, const float* sa, int64_t M, int64_t Mp, int64_t Kp, const int8_t* W, int64_t b0,
+              int64_t b1, const float* sw, const float* bp, void* Cv, int64_t n, bool f32_out) {
+  const TileConfig cfg = M <= AMX_ROWS ? amx_config_one(M)
+      : M <= 2 * AMX_ROWS ? amx_config(AMX_ROWS, M - AMX_ROWS)
+      : amx_config(AMX_ROWS, AMX_ROWS);
+  _tile_loadconfig(&cfg);
+  alignas(64) int32_t out[2 * AMX_ROWS][BLOCK];
+  for (int64_t nb = b0; nb < b1; ++nb) {
+    const int8_t* blk = W + nb * Kp * BLOCK;
+    const int64_t cols = std::min<int64_t>(BLOCK, n - nb * BLOCK);
+    const __mmask16 lo_mask = lanes(cols), hi_mask = lanes(cols - 16);
+    const __m512 sw_lo = _mm512_maskz_loadu_ps(lo_mask, sw + nb * BLOCK);
+    const __m512 sw_hi = _mm512_maskz_loadu_ps(hi_mask, sw + nb * BLOCK + 16);
+    const __m512 b_lo = bp ? _mm512_maskz_loadu_ps(lo_mask, bp + nb * BLOCK) : _mm512_setzero_ps();
+    const __m512 b_hi = bp ? _mm512_maskz_loadu_ps(hi_mask, bp + nb * BLOCK + 16) : _mm512_setzero_ps();
+    for (int64_t m0 = 0; m0 < Mp; m0 += 2 * AMX_ROWS) {
+      if (Mp - m0 > AMX_ROWS) q8_block<2>(A + m0 * Kp, Kp, blk, &out[0][0]);
+      else q8_block<1>(A + m0 * Kp, Kp, blk, &out[0][0]);
+      for (int64_t m = m0; m < std::min(M, m0 + 2 * AMX_ROWS); ++m) {
+        const __m512 s = _mm512_set1_ps(sa[m]);
+        __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(out[m - m0])), _mm512_mul_ps(s, sw_lo));
+        __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(out[m - m0] + 16)), _mm512_mul_ps(s, sw_hi));
+        if (bp) {   // (the product rounded before the bias: no fused multiply-add, as the reference)
+          asm volatile("" : "+v"(lo), "+v"(hi));
+          lo = _mm512_add_ps(lo, b_lo);
+          hi = _mm512_add_ps(hi, b_hi);
+        }
+        if (f32_out) {
+          float* C = static_cast<float*>(Cv) + m * n + nb * BLOCK;
+          _mm512_mask_storeu_ps(C, lo_mask, lo);
+          _mm512_mask_storeu_ps(C + 16, hi_mask, hi);
+        } else {
+          uint16_t* C = static_cast<uint16_t*>(Cv) + m * n + nb * BLOCK;
+          _mm256_mask_storeu_epi16(C, lo_mask, (__m256i)_mm512_cvtneps_pbh(lo));
+          _mm256_mask_storeu_epi16(C + 16, hi_mask, (__m256i)_mm512_cvtneps_pbh(hi));
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+
 }  // namespace
 """
 
@@ -863,6 +971,60 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
   return out;
 }
 
+// x [..., K] bf16 or float32, w [ceil(N/32), Kp/4, 32, 4] int8 (pack_w8a8), scale [N] float32 (the
+// weights' per column), bias [N] float32 or None -> [..., N] in x's dtype, or float32 with f32_out.
+// Each row quantized to int8 on the fly (q8_row), int32 sums on the AMX-INT8 tiles (AMX builds only)
+at::Tensor linear_w8a8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                       const c10::optional<at::Tensor>& bias, int64_t n, bool f32_out) {
+#if LEAPFROG_AMX
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "linear_w8a8: CPU tensors only");
+  TORCH_CHECK(amx_ready(), "linear_w8a8: this process may not use the AMX tiles (Linux before 5.16?)");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "linear_w8a8: bf16 or float32 rows, got ", x.scalar_type());
+  TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 4 && w.size(2) == BLOCK && w.size(3) == 4 &&
+              w.is_contiguous(), "linear_w8a8: the weight must be packed by pack_w8a8, got ", w.scalar_type(),
+              " ", w.sizes());
+  const int64_t nblocks = w.size(0), Kp = 4 * w.size(1), K = x.size(-1);
+  TORCH_CHECK(K > 0 && nblocks > 0 && Kp % Q8_K == 0 && K <= Kp && K > Kp - Q8_K,
+              "linear_w8a8: input has ", K, " features, the weight ", Kp, " (padded to 64)");
+  TORCH_CHECK(n > (nblocks - 1) * BLOCK && n <= nblocks * BLOCK, "linear_w8a8: ", n,
+              " output features do not fit ", nblocks, " packed blocks");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 1 && scale.size(0) == n,
+              "linear_w8a8: a float32 scale per output feature");
+  at::Tensor b, sc = scale.contiguous();
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "linear_w8a8: bias of shape ", bias->sizes(), " for ", n);
+    b = bias->to(at::kFloat).contiguous();
+  }
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = xc.numel() / K;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  at::Tensor out = at::detail::empty_cpu(shape, f32_out ? at::kFloat : x.scalar_type(), std::nullopt, std::nullopt,
+                                         std::nullopt, std::nullopt);
+  if (M == 0) return out;
+  const int64_t Mp = M <= 2 * AMX_ROWS ? M : (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
+  std::vector<int8_t> A(Mp * Kp, 0);
+  std::vector<float> sa(Mp, 0.f);
+  for (int64_t m = 0; m < M; ++m) {
+    if (x.scalar_type() == at::kFloat) sa[m] = q8_row(xc.data_ptr<float>() + m * K, K, A.data() + m * Kp, Kp);
+    else sa[m] = q8_row(xc.data_ptr<at::BFloat16>() + m * K, K, A.data() + m * Kp, Kp);
+  }
+  const int8_t* W = w.data_ptr<int8_t>();
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / (Kp * BLOCK));   // >= 64 KiB of weights a thread
+  void* C = out.data_ptr();
+  at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
+    q8_range(A.data(), sa.data(), M, Mp, Kp, W, b0, b1, sc.data_ptr<float>(), bp, C, n,
+             f32_out || x.scalar_type() == at::kFloat);   // (float32 out: float32 stores)
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "linear_w8a8: this build has no AMX tiles (kernel_amx: a CPU with AMX-INT8)");
+  return x;
+#endif
+}
+
 // whether bf16 rows run on the AMX tiles in this process (the build has them and Linux lent the tile state)
 bool amx_active() {
 #if LEAPFROG_AMX
@@ -875,11 +1037,13 @@ bool amx_active() {
 TORCH_LIBRARY(leapfrog_gemm, m) {
   m.def("linear_bf16(Tensor x, Tensor w, Tensor? bias, int n, bool f32_out=False, bool stream=False) -> Tensor");
   m.def("linear_int8(Tensor x, Tensor w, Tensor scale, Tensor? bias, int n) -> Tensor");
+  m.def("linear_w8a8(Tensor x, Tensor w, Tensor scale, Tensor? bias, int n, bool f32_out=False) -> Tensor");
   m.def("amx_active() -> bool", &amx_active);
 }
 TORCH_LIBRARY_IMPL(leapfrog_gemm, CPU, m) {
   m.impl("linear_bf16", &linear_bf16);
   m.impl("linear_int8", &linear_int8);
+  m.impl("linear_w8a8", &linear_w8a8);
 }
 """
 
@@ -914,7 +1078,7 @@ def kernel_source(isa: str, prefetch_bytes: int | None = None, hint: str | None 
     if namespace != "leapfrog_gemm":
         source = source.replace("TORCH_LIBRARY(leapfrog_gemm,", f"TORCH_LIBRARY({namespace},").replace(
             "TORCH_LIBRARY_IMPL(leapfrog_gemm,", f"TORCH_LIBRARY_IMPL({namespace},")
-    return source, list(_FLAGS[isa]) + (["-mamx-tile", "-mamx-bf16"] if amx else [])
+    return source, list(_FLAGS[isa]) + (["-mamx-tile", "-mamx-bf16", "-mamx-int8"] if amx else [])
 
 
 def load_variant(prefetch_bytes: int, hint: str, namespace: str, amx: bool | None = None):
@@ -989,6 +1153,13 @@ def amx_in_use() -> bool:
     return load_native_linear() and _STATE["amx"] and bool(torch.ops.leapfrog_gemm.amx_active())
 
 
+def w8a8_supported() -> bool:
+    """Whether ``linear_w8a8`` (int8 rows x int8 weights on the AMX-INT8 tiles: quant.W8A8Linear)
+    serves in this process: the AMX build in use (``amx_in_use``) on a CPU with AMX-INT8, unless
+    ``LEAPFROG_NATIVE_LINEAR=0``."""
+    return not env_off("LEAPFROG_NATIVE_LINEAR") and amx_in_use() and "amx_int8" in cpu_flags()
+
+
 def block_columns() -> int:
     """Output columns per packed block of the loaded build (pack_weight's default)."""
     load_native_linear()
@@ -1005,6 +1176,7 @@ def _load(isa: str | None, amx: bool = False) -> bool:
         load_inline(f"leapfrog_native_linear_{build.replace('_', '')}", source, flags)
         torch.library.register_fake("leapfrog_gemm::linear_bf16")(_fake)
         torch.library.register_fake("leapfrog_gemm::linear_int8")(_fake_int8)
+        torch.library.register_fake("leapfrog_gemm::linear_w8a8")(_fake_w8a8)
         return True
     except Exception as e:  # noqa: BLE001 - no compiler, old assembler, ...: other linears serve
         log.warning("bf16 linear kernel unavailable (%s: %s)%s", type(e).__name__,
@@ -1019,6 +1191,10 @@ def _fake(x, w, bias, n, f32_out=False, stream=False):
 
 def _fake_int8(x, w, scale, bias, n):
     return x.new_empty((*x.shape[:-1], n))
+
+
+def _fake_w8a8(x, w, scale, bias, n, f32_out=False):
+    return x.new_empty((*x.shape[:-1], n), dtype=torch.float32 if f32_out else x.dtype)
 
 
 def native_linear_supported(dtype: torch.dtype, device: torch.device | str) -> bool:
@@ -1044,6 +1220,16 @@ def pack_int8(q: Tensor) -> Tensor:
     w = torch.zeros(nb * INT8_BLOCK_COLUMNS, k, dtype=torch.int8)
     w[:n] = q.detach()
     return w.view(nb, INT8_BLOCK_COLUMNS, k).transpose(1, 2).contiguous()
+
+
+def pack_w8a8(q: Tensor) -> Tensor:
+    """q [N, K] int8 -> [ceil(N/32), Kp/4, 32, 4] for ``linear_w8a8`` (Kp: K rounded up to 64):
+    block b, k-quad j, column c holds q[32 b + c, 4 j : 4 j + 4] (zeros past N and K)."""
+    n, k = q.shape
+    nb, kp = -(-n // 32), -(-k // 64) * 64
+    w = torch.zeros(nb * 32, kp, dtype=torch.int8)
+    w[:n, :k] = q.detach()
+    return w.view(nb, 32, kp // 4, 4).permute(0, 2, 1, 3).contiguous()
 
 
 def bf16_exact(weight: Tensor) -> bool:

@@ -60,11 +60,12 @@ SPECS = {"chain": {"num_speculative_tokens": 4, "eagle_topk": 1},
          "tree": {"num_speculative_tokens": 4, "eagle_topk": 3, "num_draft_tokens": 10}}
 
 
-def _run(target, head, dtype, native: str, monkeypatch, prompts, params, tree):
+def _run(target, head, dtype, native: str, monkeypatch, prompts, params, tree, quant=None):
     with monkeypatch.context() as m:
         m.setenv("LEAPFROG_NATIVE_DRAFTS", native)
         llm = LLM(model=str(target), dtype=dtype, max_model_len=128, max_num_seqs=3, seed=3,
-                  speculative_config={"method": "eagle3", "model": str(head), **SPECS[tree]})
+                  speculative_config={"method": "eagle3", "model": str(head), "draft_quantization": quant,
+                                      **SPECS[tree]})
     r = llm.engine.proposer.runner
     graphs = [g for g in (r.chain, r.sampled_chain, r.tree) if g is not None]
     assert len(graphs) == 2
@@ -91,10 +92,23 @@ def _params(prompts):
             (prompts, [unseeded, seeded, greedy])]
 
 
-@pytest.mark.parametrize("shape,dtype,tree", [("qwen2", "float32", "chain"), ("qwen2", "bfloat16", "tree"),
-                                              ("gqa_window", "float32", "tree"), ("gqa_window", "bfloat16", "chain"),
-                                              ("variant", "float32", "chain"), ("variant", "bfloat16", "tree")])
-def test_native_forwards_draft_what_the_python_forward_drafts(heads, tokenizer, shape, dtype, tree, monkeypatch):
+def _w8a8() -> bool:
+    from leapfrog.model.native_linear import w8a8_supported
+    return w8a8_supported()
+
+
+W8A8 = pytest.mark.skipif(not _w8a8(), reason="w8a8 heads run on AMX-INT8 CPUs only")
+
+
+@pytest.mark.parametrize("shape,dtype,tree,quant", [
+    ("qwen2", "float32", "chain", None), ("qwen2", "bfloat16", "tree", None), ("gqa_window", "float32", "tree", None),
+    ("gqa_window", "bfloat16", "chain", None), ("variant", "float32", "chain", None),
+    ("variant", "bfloat16", "tree", None),
+    # a head whose linears are w8a8 (quant.W8A8Linear: its fc, layer and LM head on the AMX-INT8 tiles)
+    pytest.param("qwen2", "bfloat16", "chain", "w8a8", marks=W8A8),
+    pytest.param("variant", "float32", "tree", "w8a8", marks=W8A8)])
+def test_native_forwards_draft_what_the_python_forward_drafts(heads, tokenizer, shape, dtype, tree, quant,
+                                                              monkeypatch):
     target, head = heads[shape]
     prompts = prompts_of(tokenizer, 3)
     calls = []
@@ -102,9 +116,9 @@ def test_native_forwards_draft_what_the_python_forward_drafts(heads, tokenizer, 
         fn = getattr(NativeHeadForward, name)
         monkeypatch.setattr(NativeHeadForward, name,
                             lambda self, *a, _fn=fn, _name=name, **kw: calls.append(_name) or _fn(self, *a, **kw))
-    ref_ops, ref, ref_outs = _run(target, head, dtype, "0", monkeypatch, prompts, _params, tree)
+    ref_ops, ref, ref_outs = _run(target, head, dtype, "0", monkeypatch, prompts, _params, tree, quant)
     assert ref_ops == [None, None] and not calls
-    ops, got, outs = _run(target, head, dtype, "1", monkeypatch, prompts, _params, tree)
+    ops, got, outs = _run(target, head, dtype, "1", monkeypatch, prompts, _params, tree, quant)
     assert all(op is not None for op in ops) and len(calls) > 10
     # chains and trees in one call each (greedy chains, sampled chains, greedy trees); a head whose
     # vocabulary is not ascending draws its sampled chains in Python

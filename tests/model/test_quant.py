@@ -19,6 +19,11 @@ from tests.conftest import prompts_of
 CPU = torch.device("cpu")
 
 
+def _w8a8() -> bool:
+    from leapfrog.model.native_linear import w8a8_supported
+    return w8a8_supported()
+
+
 @pytest.mark.parametrize("method", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 33])
@@ -92,6 +97,11 @@ def test_quantized_model_is_the_dequantized_float_model(llama_dir, method):
     ("int8", {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}),
     ("int4", {"method": "draft_model", "model": "self", "draft_quantization": "int4", "num_speculative_tokens": 4}),
     (None, {"method": "draft_model", "model": "self", "draft_quantization": "int8", "num_speculative_tokens": 4}),
+    pytest.param("w8a8", {"method": "draft_model", "model": "self", "num_speculative_tokens": 3},
+                 marks=pytest.mark.skipif(not _w8a8(), reason="w8a8 runs on AMX-INT8 CPUs only")),
+    pytest.param(None, {"method": "draft_model", "model": "self", "draft_quantization": "w8a8",
+                        "num_speculative_tokens": 3},
+                 marks=pytest.mark.skipif(not _w8a8(), reason="w8a8 runs on AMX-INT8 CPUs only")),
 ])
 def test_greedy_speculation_on_a_quantized_target_is_lossless(llama_dir, tokenizer, quant, spec):
     prompts = [{"prompt_token_ids": p} for p in prompts_of(tokenizer, 5)]
@@ -167,3 +177,91 @@ def test_int8_batch_invariant_greedy_alone_equals_batched(llama_dir, tokenizer):
     batched = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     alone = [llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     assert batched == alone
+
+
+# ---------------------------------------------------------------------------- w8a8 (AMX-INT8)
+
+needs_w8a8 = pytest.mark.skipif(not _w8a8(), reason="w8a8 runs on AMX-INT8 CPUs only")
+
+
+def test_pack_w8a8_layout():
+    """Block b, k-quad j, column c holds q[32 b + c, 4 j : 4 j + 4]; zeros past N and K (K to 64)."""
+    from leapfrog.model.native_linear import pack_w8a8
+    q = torch.randint(-127, 128, (40, 70), dtype=torch.int8)
+    p = pack_w8a8(q)
+    assert p.shape == (2, 32, 32, 4) and p.dtype == torch.int8
+    assert torch.equal(p[1, 3, 5], q[37, 12:16]) and torch.equal(p[0, 17, 31], q[31, 68:70].new_tensor(
+        [*q[31, 68:70].tolist(), 0, 0]))
+    assert not p[1, :, 8:].any() and not p[:, 18:].any()   # columns 40-63, k's 72-127
+
+
+def test_w8a8_reference_rounds_rows_to_int8():
+    """w8a8_reference: each row's scale is max |x| / 127, its values rounded half to even into
+    [-127, 127]; an all-zero row gives the bias; the result is within the rows' and the weights'
+    rounding of the float product."""
+    from leapfrog.model.quant import w8a8_reference
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 96, generator=g) * 0.05
+    q, s = quantize_int8(w)
+    x = torch.randn(4, 96, generator=g)
+    x[2] = 0
+    b = torch.randn(48, generator=g)
+    y = w8a8_reference(x, q, s, b, f32_out=True)
+    assert torch.equal(y[2], b)
+    exact = x @ w.T + b
+    # per element: |x| * |w| rounding of both halves (half a step each)
+    bound = (x.abs().amax(1, keepdim=True) / 127 / 2) * w.abs().sum(1) + x.abs() @ (s[:, None] / 2).expand(48, 96).T
+    assert bool(((y - exact).abs() <= bound + 1e-5).all())
+    assert y.dtype == torch.float32 and w8a8_reference(x.bfloat16(), q, s).dtype == torch.bfloat16
+
+
+def test_w8a8_refused_without_amx_int8(monkeypatch):
+    """Where the AMX-INT8 kernel does not serve, quantization='w8a8' is a ConfigError naming
+    what it needs and the weight-only alternative."""
+    import leapfrog.model.native_linear as nl
+    monkeypatch.setattr(nl, "w8a8_supported", lambda: False)
+    with pytest.raises(ConfigError, match="quantization='w8a8'.*AMX-INT8.*use 'int8'"):
+        check_quantization("w8a8", torch.bfloat16, CPU)
+    with pytest.raises(ConfigError, match="speculative_config.draft_quantization='w8a8'.*AMX-INT8"):
+        check_quantization("w8a8", torch.bfloat16, CPU, "speculative_config.draft_quantization")
+
+
+@needs_w8a8
+@pytest.mark.parametrize("n, k", [(96, 256), (33, 200), (1408, 512), (512, 704), (40, 64), (70, 1030)])
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 32, 40])
+def test_w8a8_kernel_bitwise_reference_and_row_invariant(n, k, rows):
+    """linear_w8a8 gives w8a8_reference's bits (bf16 and float32 rows, bias or not, f32_out or not;
+    partial blocks of columns, K not a multiple of 64, 1-16 rows in one A tile, 17-32 in two, more
+    in passes), and each row the bits it gets alone."""
+    from leapfrog.model.native_linear import pack_w8a8
+    from leapfrog.model.quant import w8a8_reference
+    g = torch.Generator().manual_seed(n + k + rows)
+    w = torch.randn(n, k, generator=g) * 0.05
+    q, s = quantize_int8(w)
+    p = pack_w8a8(q)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = (torch.randn(rows, k, generator=g) * 3).to(dtype)
+        for bias in (None, torch.randn(n, generator=g)):
+            for f32_out in (False, True):
+                y = torch.ops.leapfrog_gemm.linear_w8a8(x, p, s, bias, n, f32_out)
+                assert torch.equal(y, w8a8_reference(x, q, s, bias, f32_out)), (dtype, bias is None, f32_out)
+                one = torch.ops.leapfrog_gemm.linear_w8a8(x[-1:], p, s, bias, n, f32_out)
+                assert torch.equal(one, y[-1:])
+
+
+@needs_w8a8
+def test_w8a8_linear_and_bad_inputs():
+    from leapfrog.model.quant import W8A8Linear, w8a8_reference
+    g = torch.Generator().manual_seed(1)
+    w, b = torch.randn(64, 128, generator=g).bfloat16(), torch.randn(64, generator=g).bfloat16()
+    lin = QUANT_LINEARS["w8a8"](w, b)
+    assert isinstance(lin, W8A8Linear) and lin.row_invariant
+    x = torch.randn(2, 5, 128, generator=g).bfloat16()
+    q, s = quantize_int8(w)
+    assert torch.equal(lin(x), w8a8_reference(x.view(10, 128), q, s, b.float()).view(2, 5, 64))
+    assert quantized_bytes(lin) == 2 * 128 * 32 + 64 * 4   # (two blocks of 32 columns, K 128)
+    check_quantization("w8a8", torch.bfloat16, CPU)
+    with pytest.raises(RuntimeError, match="input has 100 features"):
+        lin(torch.randn(3, 100).bfloat16())
+    with pytest.raises(RuntimeError, match="bf16 or float32 rows"):
+        lin(torch.randn(3, 128).half())

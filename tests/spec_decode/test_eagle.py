@@ -70,7 +70,16 @@ def test_greedy_equal(shapes, tokenizer, shape, kind):
             assert llm.get_metrics()["num_draft_tokens"] > 0, (tree, bs)
 
 
-@pytest.mark.parametrize("kind, quant", [("eagle", "int8"), ("eagle3", "int8"), ("eagle3", "int4")])
+def _w8a8() -> bool:
+    from leapfrog.model.native_linear import w8a8_supported
+    return w8a8_supported()
+
+
+W8A8 = pytest.mark.skipif(not _w8a8(), reason="w8a8 heads run on AMX-INT8 CPUs only")
+
+
+@pytest.mark.parametrize("kind, quant", [("eagle", "int8"), ("eagle3", "int8"), ("eagle3", "int4"),
+                                         pytest.param("eagle3", "w8a8", marks=W8A8)])
 def test_quantized_heads_greedy_equal(shapes, tokenizer, kind, quant):
     """``draft_quantization`` quantizes a head's linears (and an EAGLE-3 head's own LM head): q
     changes, the output does not (chains and trees, batched and ragged)."""
@@ -96,7 +105,8 @@ def tiny3(tmp_path_factory):
 
 
 @pytest.mark.parametrize("kind, quant, i", [("eagle", None, 0), ("eagle", None, 1), ("eagle3", None, 0),
-                                           ("eagle3", None, 1), ("eagle", "int8", 0), ("eagle3", "int8", 1)])
+                                           ("eagle3", None, 1), ("eagle", "int8", 0), ("eagle3", "int8", 1),
+                                           pytest.param("eagle3", "w8a8", 1, marks=W8A8)])
 def test_sampling_follows_target(tiny3, tmp_path, kind, quant, i):
     """(quant: a quantized head's q, in the rejection test as everywhere: still the target's law.)"""
     target = tiny3
