@@ -107,8 +107,11 @@ def contender_name(spec: dict | None, taken: set[str]) -> str:
         for key, short in (("eagle_topk", "topk"), ("num_draft_tokens", "n")):  # tree shape, compactly
             if key in spec:
                 base += f"-{short}{spec[key]}"
+        if spec.get("draft_quantization"):   # (a quantized drafter: its own contender)
+            base += f"-{spec['draft_quantization']}"
         extra = {k: v for k, v in spec.items()
-                 if k not in ("method", "num_speculative_tokens", "model", "eagle_topk", "num_draft_tokens")}
+                 if k not in ("method", "num_speculative_tokens", "model", "eagle_topk", "num_draft_tokens",
+                              "draft_quantization")}
         if base in taken and spec.get("model"):   # the short name is taken: say which drafter (two heads
             m = Path(str(spec["model"]))           # compared; folders are often named alike: parent too)
             base += f"@{m.parent.name}/{m.name}" if m.parent.name else f"@{m.name}"

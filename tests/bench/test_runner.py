@@ -237,3 +237,6 @@ def test_contender_names_tell_two_drafters_apart():
         taken.add(names[-1])
     assert names == ["none", "eagle3-k5-topk1", "eagle3-k5-topk1@b/tuned",
                      "eagle3-k5-topk1@b/tuned-min_draft_confidence=0.3"]
+    # the same head quantized (tree_bench --head-quantization) is named by its draft_quantization
+    spec = {"method": "eagle3", "model": "/a/eagle3", "num_speculative_tokens": 5, "eagle_topk": 1}
+    assert contender_name({**spec, "draft_quantization": "w8a8"}, taken) == "eagle3-k5-topk1-w8a8"
