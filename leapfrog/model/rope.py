@@ -48,12 +48,20 @@ def _llama3_scale(inv_freq: Tensor, cfg: RopeConfig, max_pos: int) -> Tensor:
 
 def rope_table(cfg: RopeConfig, head_dim: int, max_position_embeddings: int,
                max_positions: int) -> tuple[Tensor, Tensor]:
-    """cos, sin tables, each [max_positions, head_dim] float32 (halves duplicated, HF layout)."""
+    """cos, sin tables, each [max_positions, head_dim] float32 (halves duplicated, HF layout): the
+    float32 angles as Hugging Face computes them, their cos and sin in float64 rounded to float32.
+
+    Not ``emb.cos()`` in float32: PyTorch's float32 cos and sin (MKL's vector math on this build)
+    gave tables one ulp apart in some entries in some processes (a model loaded while other threads
+    worked: stop 80, one engine of two in about one process in five), and a bf16 rounding of the
+    table that fell the other way changed keys and, on near-ties, greedy output between two engines
+    of the same model. In float64 such differences are ~1e-16, far below float32's rounding, so
+    the tables are the same bits in every process (and within one float32 ulp of Hugging Face's)."""
     inv_freq = inv_frequencies(cfg, head_dim, max_position_embeddings)
     pos = torch.arange(max_positions, dtype=torch.float32)
     freqs = torch.outer(pos, inv_freq)  # [P, D/2]
-    emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
-    return emb.cos(), emb.sin()
+    emb = torch.cat((freqs, freqs), dim=-1).double()  # [P, D] (the float32 angles, exactly)
+    return emb.cos().float(), emb.sin().float()
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, native: bool = False) -> Tensor:
