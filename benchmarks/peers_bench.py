@@ -11,6 +11,8 @@ Contenders (``--contenders``, comma-separated; default: all that can run here):
   leapfrog-eagle3-steps  the same, ``--steps`` speculation rounds per engine step
   leapfrog-draft-eager, leapfrog-eagle3-eager  draft_model K and the EAGLE-3 chain eagerly (the
                     default path: enforce_eager=True, each step's drafting one C++ call)
+  leapfrog-eagle3-w8a8-eager  the eager chain with the head's linears in w8a8 (the built-in
+                    default on AMX-INT8 CPUs; elsewhere a ConfigError: leave it out there)
   leapfrog-int8     no speculation, int8 weight-only target, compiled (a different model: listed apart)
   transformers      ``generate``, float32 (its fast CPU path)
   llama.cpp         ``llama-completion`` on the GGUF of the same checkpoint (``--target-gguf``)
@@ -54,7 +56,7 @@ from leapfrog.train.distill import heldout_prompts
 
 ALL = ["llama.cpp", "llama.cpp-draft", "leapfrog", "leapfrog-compiled", "leapfrog-steps", "leapfrog-draft",
        "leapfrog-draft-steps", "leapfrog-self", "leapfrog-eagle3", "leapfrog-eagle3-steps", "leapfrog-draft-eager",
-       "leapfrog-eagle3-eager", "leapfrog-int8",
+       "leapfrog-eagle3-eager", "leapfrog-eagle3-w8a8-eager", "leapfrog-int8",
        "transformers"]
 SHAPES = {"110M": (768, 12, 12, 2048)}  # dim, layers, heads, intermediate (stories110M)
 
@@ -193,6 +195,8 @@ def build(name: str, args, max_len: int):
                                  num_scheduler_steps=args.steps if name.endswith("-steps") else 1)
     if name in ("leapfrog-draft-eager", "leapfrog-eagle3-eager"):
         return LeapfrogContender(**lf, speculative_config=spec_draft if "draft" in name else spec_eagle)
+    if name == "leapfrog-eagle3-w8a8-eager":
+        return LeapfrogContender(**lf, speculative_config={**spec_eagle, "draft_quantization": "w8a8"})
     if name == "leapfrog-int8":
         return LeapfrogContender(**lf, enforce_eager=False, quantization="int8")
     if name == "transformers":
@@ -240,7 +244,8 @@ def main() -> None:
     names = args.contenders.split(",") if args.contenders else [
         n for n in ALL if (args.shape is None or n not in ("leapfrog-draft", "leapfrog-draft-steps", "leapfrog-eagle3",
                                                      "leapfrog-eagle3-steps", "leapfrog-draft-eager",
-                                                     "leapfrog-eagle3-eager", "llama.cpp-draft"))]
+                                                     "leapfrog-eagle3-eager", "leapfrog-eagle3-w8a8-eager",
+                                                     "llama.cpp-draft"))]
     for n in names:
         if n.startswith("llama.cpp") and (args.bin is None or not args.target_gguf):
             print(f"[peers] skipping {n}: give --llama-cpp (or LLAMA_CPP_BIN) and --target-gguf", file=sys.stderr)
