@@ -241,8 +241,10 @@ def main() -> None:
         args.target = make_shape(args.shape, Path(args.workdir or tempfile.mkdtemp(prefix="lf-peers-")),
                                  tokenizer_dir)
     args.bin = Path(args.llama_cpp).expanduser() if args.llama_cpp else None
+    from leapfrog.model.native_linear import w8a8_supported
     names = args.contenders.split(",") if args.contenders else [
-        n for n in ALL if (args.shape is None or n not in ("leapfrog-draft", "leapfrog-draft-steps", "leapfrog-eagle3",
+        n for n in ALL if ("w8a8" not in n or w8a8_supported()) and (args.shape is None or n not in (
+                                                     "leapfrog-draft", "leapfrog-draft-steps", "leapfrog-eagle3",
                                                      "leapfrog-eagle3-steps", "leapfrog-draft-eager",
                                                      "leapfrog-eagle3-eager", "leapfrog-eagle3-w8a8-eager",
                                                      "llama.cpp-draft"))]

@@ -161,7 +161,8 @@ def make_llm(name: str, enforce_eager: bool) -> LLM:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", nargs="*", choices=list(CONTENDERS), default=list(CONTENDERS))
+    ap.add_argument("--only", nargs="*", choices=list(CONTENDERS), default=None,
+                    help="default: every contender this CPU runs (the w8a8 ones need AMX-INT8)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--num-prompts", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -173,6 +174,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="bench_step")
     args = ap.parse_args()
+    if args.only is None:
+        from leapfrog.model.native_linear import w8a8_supported
+        args.only = [n for n in CONTENDERS if "w8a8" not in n or w8a8_supported()]
     torch.set_num_threads(args.threads)
     for d in args.eagle_depths:
         CONTENDERS[f"eagle3-k{d}"] = {**CONTENDERS["eagle3"], "num_speculative_tokens": d}

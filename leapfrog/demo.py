@@ -137,23 +137,30 @@ def demo_disable_by_batch_size(dtype: str = "auto") -> int:
     return 4 if on else DEMO_EAGLE3["disable_by_batch_size"]
 
 
-def demo_draft_quantization(dtype: str = "auto") -> str | None:
-    """The built-in head's ``draft_quantization``: "w8a8" where the bf16 target's linears run on AMX
-    tiles and the CPU has AMX-INT8 (``w8a8_supported``: the head's linears on the int8 tiles), else
-    None (bf16). The head's five linears of a chain level, one row: 63 against 178 us; its drafts
+def demo_draft_quantization(dtype: str = "auto", device: str = "auto") -> str | None:
+    """The built-in head's ``draft_quantization``: "w8a8" where the engine runs on the CPU
+    (``device``, "auto" resolved as the engine resolves it: a GPU host runs the model there), its
+    bf16 target's linears run on AMX tiles and the CPU has AMX-INT8 (``w8a8_supported``: the
+    head's linears on the int8 tiles), else None (bf16). The head's five linears of a chain level, one row: 63 against 178 us; its drafts
     the same to within 1 % of tokens a step (5.26 against 5.30 accepted). Measured on an AMX Xeon
     (stop 80, ``step_bench.py``, batch 1): chains of 5 / 7 at 2.71x / 2.89x no speculation against
     2.26x / 2.26x with the bf16 head at T = 0, 2.15x / 2.14x against 1.72x / 1.66x at T = 0.7."""
     import torch
 
+    from leapfrog.config import resolve_device
+    from leapfrog.errors import ConfigError
     from leapfrog.model.native_linear import cpu_flags, kernel_amx, native_linear_supported, w8a8_supported
+    try:
+        cpu = resolve_device(device).type == "cpu"
+    except ConfigError:   # (a bad device: the engine's config says so)
+        cpu = False
     # (the flags first: elsewhere nothing is loaded here)
-    on = (dtype in ("auto", "bfloat16", "bf16") and kernel_amx() and "amx_int8" in cpu_flags()
+    on = (cpu and dtype in ("auto", "bfloat16", "bf16") and kernel_amx() and "amx_int8" in cpu_flags()
           and native_linear_supported(torch.bfloat16, "cpu") and w8a8_supported())
     return "w8a8" if on else None
 
 
-def default_model(dtype: str = "auto") -> tuple[str, dict[str, Any] | None]:
+def default_model(dtype: str = "auto", device: str = "auto") -> tuple[str, dict[str, Any] | None]:
     """(model path, default speculative_config) of the built-in default model (the same with
     tensor parallelism) for the engine's ``dtype`` (the head's chain depth: ``demo_chain_depth``;
     the batch size it drafts up to: ``demo_disable_by_batch_size``)."""
@@ -163,7 +170,7 @@ def default_model(dtype: str = "auto") -> tuple[str, dict[str, Any] | None]:
         if (head / "config.json").is_file():
             spec = {**DEMO_EAGLE3, "num_speculative_tokens": demo_chain_depth(dtype),
                     "disable_by_batch_size": demo_disable_by_batch_size(dtype), "model": str(head)}
-            quant = demo_draft_quantization(dtype)
+            quant = demo_draft_quantization(dtype, device)
             return str(pair[0]), {**spec, "draft_quantization": quant} if quant else spec
         return str(pair[0]), {"method": "draft_model", "model": str(pair[1]), "num_speculative_tokens": 4}
     path = cache_dir() / "tiny-random-llama-v1"

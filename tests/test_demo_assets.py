@@ -90,10 +90,26 @@ def test_cli_and_llm_pass_their_dtype_to_the_default(monkeypatch, tmp_path, caps
 
     seen = []
     missing = str(tmp_path / "no-model")
-    monkeypatch.setattr(demo, "default_model", lambda dtype="auto": (seen.append(dtype), (missing, None))[1])
+    monkeypatch.setattr(demo, "default_model",
+                        lambda dtype="auto", device="auto": (seen.append((dtype, device)), (missing, None))[1])
     with pytest.raises(LeapfrogError):
-        LLM(dtype="float32")
+        LLM(dtype="float32", device="cpu")
     for cmd in (["generate", "x"], ["serve", "--port", "0"], ["check"], ["bench"]):
         assert main([*cmd, "--dtype", "bfloat16"]) != 0
-    assert seen == ["float32"] + ["bfloat16"] * 4, seen
+    assert seen == [("float32", "cpu")] + [("bfloat16", "auto")] * 4, seen
     capsys.readouterr()
+
+
+def test_the_w8a8_head_only_where_the_engine_runs_on_the_cpu(monkeypatch):
+    """On an AMX-INT8 host the built-in head drafts in w8a8 on the CPU, but not when the engine
+    runs on a GPU (device "cuda", or "auto" with one): the int8 tiles are the CPU's."""
+    import leapfrog.model.native_linear as nl
+
+    for name, value in (("kernel_amx", True), ("native_linear_supported", True), ("w8a8_supported", True)):
+        monkeypatch.setattr(nl, name, lambda *a, value=value: value)
+    monkeypatch.setattr(nl, "cpu_flags", lambda: frozenset({"amx_int8"}))
+    assert demo.demo_draft_quantization("auto", "cpu") == "w8a8"
+    assert demo.demo_draft_quantization("auto", "cuda") is None   # (no CUDA here: a ConfigError, so not the CPU)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    assert demo.demo_draft_quantization("auto", "auto") is None   # auto -> cuda where one is present
+    assert demo.demo_draft_quantization("float32", "cpu") is None

@@ -517,7 +517,7 @@ def cmd_check(args) -> int:
     model = args.model
     if model is None:   # the built-in pair with the speculation `generate` uses
         from leapfrog.demo import default_model
-        model, default_spec = default_model(args.dtype)
+        model, default_spec = default_model(args.dtype, getattr(args, "device", "auto"))
         if not given:
             spec = default_spec
         print(f"[leapfrog] no --model given: using the built-in default model at {model}", file=sys.stderr)

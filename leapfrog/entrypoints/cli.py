@@ -125,7 +125,7 @@ def cmd_generate(args) -> int:
     model = args.model
     if model is None:
         from leapfrog.demo import default_model
-        model, default_spec = default_model(args.dtype)
+        model, default_spec = default_model(args.dtype, getattr(args, "device", "auto"))
         if not given:
             spec = default_spec
         if args.compare is None:
@@ -210,7 +210,7 @@ def cmd_serve(args) -> int:
     model = args.model
     if model is None:
         from leapfrog.demo import default_model
-        model, default_spec = default_model(args.dtype)
+        model, default_spec = default_model(args.dtype, getattr(args, "device", "auto"))
         spec = spec if given else default_spec
     engine = LLMEngine(EngineConfig(tensor_parallel_size=args.tensor_parallel_size, model=str(model),
                                     tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
@@ -338,7 +338,7 @@ def cmd_bench(args) -> int:
     model = args.model
     if model is None:
         from leapfrog.demo import default_model
-        model, default_spec = default_model(args.dtype)
+        model, default_spec = default_model(args.dtype, getattr(args, "device", "auto"))
         if not specs:
             specs = [default_spec]
         print(f"[leapfrog] no --model given: using the built-in default model at {model}", file=sys.stderr)

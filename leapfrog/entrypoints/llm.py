@@ -54,7 +54,8 @@ class LLM:
                  load_format: str = "auto", num_scheduler_steps: int = 1) -> None:
         if model is None:
             from leapfrog.demo import default_model
-            model, default_spec = default_model(dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch."))
+            model, default_spec = default_model(dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch."),
+                                                str(device))
             speculative_config = speculative_config if speculative_config is not None else default_spec
         if speculative_config is not None and not isinstance(speculative_config, dict):
             raise ConfigError(f"speculative_config must be a dict, got {type(speculative_config).__name__}")

@@ -91,7 +91,8 @@ using at::Tensor;
 
 // f(w) with a norm's weight as rms_norm reads it for rows of T: in its own dtype when T's or float32
 template <typename T, typename F>
-void with_norm_weight(const Tensor& w, F f) {
+void with_norm_weight(const Tensor& w, int64_t D, F f) {
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == D, "norm weight of shape ", w.sizes(), " for rows of ", D);
   if (w.scalar_type() == at::kFloat) f(w.contiguous().data_ptr<float>());
   else if (w.scalar_type() == c10::CppTypeToScalarType<T>::value) f(w.contiguous().data_ptr<T>());
   else f(w.to(at::kFloat).contiguous().data_ptr<float>());
@@ -102,18 +103,24 @@ void with_norm_weight(const Tensor& w, F f) {
 Tensor head_input(const Tensor& e, const int64_t* idx, const Tensor& x, const Tensor& n0, const Tensor& n1,
                   double eps) {
   const int64_t H = x.size(-1), R = x.numel() / H;
+  TORCH_CHECK(e.dim() == 2 && e.size(1) == H && e.scalar_type() == x.scalar_type() && e.is_contiguous(),
+              "head_input: embedding rows [V, H] in the head's dtype");
+  for (int64_t r = 0; idx && r < R; ++r)
+    TORCH_CHECK(idx[r] >= 0 && idx[r] < e.size(0), "head_input: token id ", idx[r], " out of the embedding's ",
+                e.size(0), " rows");
+  TORCH_CHECK(idx || e.size(0) == R, "head_input: one embedding row per token");
   auto shape = x.sizes().vec();
   shape.back() = 2 * H;
-  Tensor xc = x.contiguous(), ec = e.contiguous(), a = at::empty(shape, x.options());
+  Tensor xc = x.contiguous(), a = at::empty(shape, x.options());
   DISPATCH_ROWS(x.scalar_type(), [&] {
     std::vector<float> buf(H);
-    const scalar_t* ep = ec.data_ptr<scalar_t>();
+    const scalar_t* ep = e.data_ptr<scalar_t>();
     const scalar_t* xp = xc.data_ptr<scalar_t>();
     scalar_t* ap = a.data_ptr<scalar_t>();
-    with_norm_weight<scalar_t>(n0, [&](auto w) {
+    with_norm_weight<scalar_t>(n0, H, [&](auto w) {
       for (int64_t r = 0; r < R; ++r) rms_row(ep + (idx ? idx[r] : r) * H, w, ap + r * 2 * H, H, (float)eps, buf.data());
     });
-    with_norm_weight<scalar_t>(n1, [&](auto w) {
+    with_norm_weight<scalar_t>(n1, H, [&](auto w) {
       for (int64_t r = 0; r < R; ++r) rms_row(xp + r * H, w, ap + r * 2 * H + H, H, (float)eps, buf.data());
     });
   });
@@ -127,6 +134,8 @@ void rope_qk(Tensor& qkv, const Tensor& pos, const Tensor& cos_t, const Tensor& 
   TORCH_CHECK(qkv.is_contiguous() && cos_t.is_contiguous() && sin_t.is_contiguous() &&
               cos_t.scalar_type() == sin_t.scalar_type(), "rope_qk: contiguous rows and tables");
   const int64_t W = qkv.size(-1), R = qkv.numel() / W, P = cos_t.size(0);
+  TORCH_CHECK(W == (heads + 2 * kv_heads) * Dh && cos_t.dim() == 2 && cos_t.size(1) == Dh &&
+              sin_t.sizes() == cos_t.sizes(), "rope_qk: rows of (heads + 2 kv_heads) x head_dim, tables [P, head_dim]");
   Tensor p = pos.to(at::kLong).contiguous();
   const int64_t* pp = p.data_ptr<int64_t>();
   TORCH_CHECK(p.numel() == R, "rope_qk: a position per row");
@@ -164,7 +173,7 @@ std::pair<Tensor, Tensor> add_norm(const Tensor& x, const Tensor& y, const Tenso
     for (int64_t i = 0; i < R * H; ++i) sp[i] = static_cast<scalar_t>(static_cast<float>(xp[i]) + static_cast<float>(yp[i]));
     if (w) {
       std::vector<float> buf(H);
-      with_norm_weight<scalar_t>(*w, [&](auto wp) {
+      with_norm_weight<scalar_t>(*w, H, [&](auto wp) {
         for (int64_t r = 0; r < R; ++r) rms_row(sp + r * H, wp, n.data_ptr<scalar_t>() + r * H, H, (float)eps, buf.data());
       });
     }
@@ -189,7 +198,8 @@ Tensor silu_mul(const Tensor& gu) {
 // the final norm in float32 of rows ``at`` of x [R, H] (empty: all), ``w`` float32 -> [N, H] in
 // ``out`` (``rms_norm(x[at].float(), w).to(out)``)
 Tensor final_norm(const Tensor& x, const Tensor& at, const Tensor& w, double eps, at::ScalarType out) {
-  TORCH_CHECK(w.scalar_type() == at::kFloat, "final_norm: a float32 weight");
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 1 && w.size(0) == x.size(-1),
+              "final_norm: a float32 weight [H]");
   const int64_t H = x.size(-1), R = x.numel() / H, N = at.numel() ? at.numel() : R;
   Tensor xc = x.contiguous(), wc = w.contiguous(), ac = at.numel() ? at.to(at::kLong).contiguous() : at;
   Tensor y = at::empty({N, H}, x.options().dtype(out));
@@ -275,9 +285,9 @@ std::tuple<Tensor, Tensor> eagle3_forward(
   Tensor x = f.size(-1) == H ? f : linear(f, 5, false);                         // fc on target features
   // EagleLayer.forward, form "eagle3": a = cat[input_layernorm(embed[tok]), hn = hidden_norm(x)]
   Tensor t = tok.to(at::kLong).contiguous();
-  Tensor a = embed.scalar_type() == dt
+  Tensor a = embed.scalar_type() == dt && embed.is_contiguous()
       ? head_input(embed, t.data_ptr<int64_t>(), x, norms[0], norms[1], eps)
-      : head_input(at::embedding(embed, t).to(dt), nullptr, x, norms[0], norms[1], eps);   // [B, S, 2H]
+      : head_input(at::embedding(embed, t).to(dt).reshape({R, H}), nullptr, x, norms[0], norms[1], eps);   // [B, S, 2H]
   if (norm_before_residual) x = a.narrow(-1, H, H).contiguous();
   Tensor qkv = linear(a, 0, false);                                            // [B, S, q + 2 kv]
   rope_qk(qkv, pos, cos_table, sin_table, heads, kv_heads, Dh);
@@ -321,6 +331,7 @@ std::vector<Tensor> chain_loop(
   // than the head's attention): its column c, the mask (compiled.causal_mask: c - window < column
   // <= c) and kv_len = max c + 1
   const int64_t W = mask.size(-1);
+  TORCH_CHECK(col.numel() == B && (!stop.numel() || stop.numel() == B), "drafting chain: col and stop [B]");
   Tensor cc = col.to(at::kLong).contiguous();
   const int64_t* c0 = cc.data_ptr<int64_t>();
   Tensor vc = vocab.numel() ? vocab.to(at::kLong).contiguous() : vocab;
@@ -331,6 +342,7 @@ std::vector<Tensor> chain_loop(
   for (int64_t j = 0; j < steps; ++j) {
     auto [picked, out] = pick(logits, j);
     Tensor x = Tensor(picked).to(at::kLong).contiguous();
+    TORCH_CHECK(x.numel() == B && Tensor(out[0]).numel() == B, "drafting chain: a pick per sequence");
     if (vc.numel()) {                                                          // vocab[x]
       Tensor mapped = at::empty({B}, x.options());
       for (int64_t b = 0; b < B; ++b) {

@@ -146,7 +146,9 @@ _HEADER = r"""
 #include <immintrin.h>
 #include <algorithm>
 #include <cstdint>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #ifndef LEAPFROG_AMX
 #define LEAPFROG_AMX 0   // the AMX tiles for bf16 rows (kernel_source's amx)
 #endif
@@ -685,7 +687,8 @@ void q8_block(const int8_t* A, int64_t Kp, const int8_t* blk, int32_t* out) {
 
 // One row quantized: q[k] = round-half-even(x[k] * (127 / max |x|)) in [-127, 127] (zeros past K and
 // for an all-zero row) -> its scale max |x| / 127, float32 throughout (quant.w8a8_reference); 16
-// lanes at a time (the max is exact in any order, the rest is per element)
+// lanes at a time (the max is exact in any order, the rest is per element). A row holding a NaN or
+// an infinity gets scale NaN (zeros in q): its outputs are NaN, as the float product's would be.
 template <typename T>
 float q8_row(const T* x, int64_t K, int8_t* q, int64_t Kp) {
   auto load = [x](int64_t k, __mmask16 m) -> __m512 {
@@ -697,9 +700,15 @@ float q8_row(const T* x, int64_t K, int8_t* q, int64_t Kp) {
     }
   };
   __m512 mx = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(load(k, lanes(K - k))));
+  __mmask16 nan = 0;   // (maxps drops a NaN operand: they are counted apart)
+  for (int64_t k = 0; k < K; k += 16) {
+    const __m512 v = _mm512_abs_ps(load(k, lanes(K - k)));
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    mx = _mm512_max_ps(mx, v);
+  }
   const float amax = _mm512_reduce_max_ps(mx);
   std::memset(q, 0, Kp);
+  if (nan || !std::isfinite(amax)) return std::numeric_limits<float>::quiet_NaN();
   if (!(amax > 0.f)) return 0.f;
   const __m512 inv = _mm512_set1_ps(127.f / amax);
   const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
@@ -989,7 +998,8 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
 at::Tensor linear_w8a8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                        const c10::optional<at::Tensor>& bias, int64_t n, bool f32_out) {
 #if LEAPFROG_AMX
-  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "linear_w8a8: CPU tensors only");
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && scale.device().is_cpu() &&
+              (!bias.has_value() || bias->device().is_cpu()), "linear_w8a8: CPU tensors only");
   TORCH_CHECK(amx_ready(), "linear_w8a8: this process may not use the AMX tiles (Linux before 5.16?)");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
               "linear_w8a8: bf16 or float32 rows, got ", x.scalar_type());

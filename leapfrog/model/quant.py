@@ -201,12 +201,14 @@ class W8A8Linear(nn.Module):
 def w8a8_reference(x: Tensor, q: Tensor, scale: Tensor, bias: Tensor | None = None,
                    f32_out: bool = False) -> Tensor:
     """What ``linear_w8a8`` computes, in PyTorch (the test oracle): x [M, K] bf16/float32, q [N, K]
-    int8, scale [N] float32 -> [M, N] (x's dtype, or float32 with ``f32_out``), the same bits."""
+    int8, scale [N] float32 -> [M, N] (x's dtype, or float32 with ``f32_out``), the same bits (a row
+    holding a NaN or an infinity: NaN outputs)."""
     xf = x.float()
     amax = xf.abs().amax(-1, keepdim=True)                                         # [M, 1]
     inv = torch.full_like(amax, 127.0) / amax                                      # (true division)
-    p = torch.where(amax > 0, torch.round(xf * inv).clamp(-127, 127), torch.zeros_like(xf))
-    a = torch.where(amax > 0, amax / 127.0, torch.zeros_like(amax))
+    ok = torch.isfinite(amax) & (amax > 0)
+    p = torch.where(ok, torch.round(xf * inv).clamp(-127, 127), torch.zeros_like(xf))
+    a = torch.where(ok, amax / 127.0, torch.where(torch.isfinite(amax), 0.0, float("nan")))
     sums = (p.double() @ q.double().T).float()                                     # exact, then rounded
     y = sums * (a * scale[None, :].float())
     if bias is not None:
@@ -236,6 +238,9 @@ def check_quantization(method: str | None, dtype: torch.dtype, device: torch.dev
         raise ConfigError(f"{what}={method!r}: must be one of {list(QUANT_METHODS)} (or None)")
     if method == "w8a8":
         from leapfrog.model.native_linear import w8a8_supported
+        if dtype not in (torch.bfloat16, torch.float32):
+            raise ConfigError(f"{what}='w8a8' takes bfloat16 or float32 models, not {dtype}; use another dtype, "
+                              "or 'int8'")
         if torch.device(device).type != "cpu" or not w8a8_supported():
             raise ConfigError(f"{what}='w8a8' (int8 weights and rows) runs on the AMX-INT8 tiles of Intel Xeon CPUs "
                               f"(since Sapphire Rapids) with leapfrog's kernel (LEAPFROG_AMX and LEAPFROG_NATIVE_LINEAR "

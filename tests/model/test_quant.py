@@ -261,6 +261,15 @@ def test_w8a8_linear_and_bad_inputs():
     assert torch.equal(lin(x), w8a8_reference(x.view(10, 128), q, s, b.float()).view(2, 5, 64))
     assert quantized_bytes(lin) == 2 * 128 * 32 + 64 * 4   # (two blocks of 32 columns, K 128)
     check_quantization("w8a8", torch.bfloat16, CPU)
+    with pytest.raises(ConfigError, match="w8a8' takes bfloat16 or float32 models"):
+        check_quantization("w8a8", torch.float16, CPU)
+    # a row holding a NaN or an infinity gives NaN outputs (as the float product would), the others theirs
+    bad = x.view(10, 128).clone()
+    bad[3, 7], bad[6, 0] = float("nan"), float("inf")
+    y = lin(bad)
+    assert torch.isnan(y[[3, 6]]).all() and not torch.isnan(y[[0, 1, 2, 4, 5, 7, 8, 9]]).any()
+    assert torch.equal(y, w8a8_reference(bad, q, s, b.float())) is False   # (NaN != NaN)
+    assert torch.equal(torch.nan_to_num(y, nan=7.0), torch.nan_to_num(w8a8_reference(bad, q, s, b.float()), nan=7.0))
     with pytest.raises(RuntimeError, match="input has 100 features"):
         lin(torch.randn(3, 100).bfloat16())
     with pytest.raises(RuntimeError, match="bf16 or float32 rows"):
