@@ -53,6 +53,7 @@ Python loops serve (logged).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -63,6 +64,8 @@ from leapfrog.utils import env_off
 from leapfrog.model.native_ops import ROW_KERNELS_CPP
 from leapfrog.sampling.native import INVERSE_CDF_DRAW_CPP
 from leapfrog.utils.cpp import OpLibrary
+
+log = logging.getLogger("leapfrog.model")
 
 if TYPE_CHECKING:
     from leapfrog.attention.metadata import AttnMeta
@@ -694,8 +697,23 @@ _LIBRARY = OpLibrary("leapfrog_native_draft", _SOURCE, ["-O3", "-ffp-contract=of
 
 
 def load_native_draft() -> bool:
-    """Build (once, cached on disk) and load the ops. -> whether they are available."""
-    return _LIBRARY.available()
+    """Build (once, cached on disk) and load the ops. -> whether they are available: built, and for
+    the same instruction set as model/native_ops.py's ops (the row kernels both compile must use
+    the same vector lanes to round alike; one of the two built generic: the Python loops serve)."""
+    from leapfrog.model.native_ops import native_ops_build
+    if not _LIBRARY.available():
+        return False
+    ops = native_ops_build()
+    if ops != _LIBRARY.build:
+        if not _MISMATCH:
+            _MISMATCH.append(True)
+            log.warning("native drafting ops built for %s, the norm/RoPE ops for %s: drafters and eager forwards "
+                        "run in Python", _LIBRARY.build, ops)
+        return False
+    return True
+
+
+_MISMATCH: list[bool] = []   # (warned once)
 
 
 def _on_the_kernel(linears: list[torch.nn.Module], logits_head: torch.nn.Module, w8a8: bool = False) -> bool:

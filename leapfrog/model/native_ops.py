@@ -293,6 +293,12 @@ def load_native_ops() -> bool:
     return _STATE["ok"]
 
 
+def native_ops_build() -> str | None:
+    """The instruction-set build the ops loaded ("avx512", "avx2" or "generic"; None: not loaded):
+    libraries that compile ROW_KERNELS_CPP must match it to round alike (model/native_draft.py)."""
+    return _STATE.get("build") if load_native_ops() else None
+
+
 def native_ops_wanted(device: torch.device) -> bool:
     """Whether a model packed for inference on ``device`` runs its eager norms and rotations as
     these ops: on CPU, unless ``LEAPFROG_NATIVE_OPS=0`` (read here, at load), once built."""
@@ -302,7 +308,7 @@ def native_ops_wanted(device: torch.device) -> bool:
 def _load() -> bool:
     try:
         log.info("loading leapfrog's native norm and RoPE ops (built once, about 20 s)")
-        build_inline("leapfrog_native_ops", _SOURCE, ["-O3", "-ffp-contract=off"])
+        _STATE["build"] = build_inline("leapfrog_native_ops", _SOURCE, ["-O3", "-ffp-contract=off"])
         # (shapes for tracers that reach them outside torch.compile, e.g. make_fx)
         torch.library.register_fake("leapfrog_ops::rms_norm")(lambda x, weight, eps: torch.empty_like(x))
         torch.library.register_fake("leapfrog_ops::rope")(lambda x, cos, sin: x.new_empty(x.shape))

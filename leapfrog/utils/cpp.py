@@ -182,6 +182,7 @@ class OpLibrary:
                  isa: bool = False) -> None:
         self.name, self.source, self.cflags, self.what, self.fallback = name, source, cflags, what, fallback
         self.isa = isa
+        self.build: str | None = None   # (isa: the instruction-set build that loaded, build_inline's suffix)
         self._ok: bool | None = None
         self._lock = threading.Lock()
 
@@ -202,6 +203,6 @@ class OpLibrary:
 
     def _build(self) -> None:
         if self.isa:
-            build_inline(self.name, self.source, self.cflags)
+            self.build = build_inline(self.name, self.source, self.cflags)
         else:
             load_inline(self.name, self.source, self.cflags)

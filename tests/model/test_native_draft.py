@@ -227,3 +227,15 @@ def test_native_sampled_chains_follow_the_target_law(tmp_path_factory):
                                        "eagle_topk": 1}, SETTINGS[1], seed=4, after=native,
                               max_num_seqs=32)   # (batches the eager loops take: up to 85 sequences of 3 tokens)
     assert len(calls) >= 2000 // 32
+
+
+def test_the_ops_need_the_norm_ops_instruction_set(monkeypatch):
+    """The drafting ops compile native_ops' row kernels; built for another instruction set than the
+    norm/RoPE ops (one of the two fell back to generic), their lanes round differently, so the ops
+    stand down and the Python loops serve."""
+    import leapfrog.model.native_draft as nd
+    import leapfrog.model.native_ops as no
+    assert nd.load_native_draft() and nd._LIBRARY.build == no.native_ops_build()
+    monkeypatch.setitem(no._STATE, "build", "generic" if nd._LIBRARY.build != "generic" else "avx2")
+    monkeypatch.setattr(nd, "_MISMATCH", [])
+    assert not nd.load_native_draft()
