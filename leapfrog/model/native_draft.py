@@ -92,6 +92,14 @@ using at::Tensor;
 
 #define DISPATCH_ROWS(dt, ...) AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dt, "rows", __VA_ARGS__)
 
+// f(r0, r1) over rows [0, R) split over PyTorch's threads as native_ops' kernels split theirs (at
+// least ``work`` elements a chunk: a few rows stay on this thread; each row is computed alone, so
+// the split changes no bit)
+template <typename F>
+void row_chunks(int64_t R, int64_t row_elems, int64_t work, F f) {
+  at::parallel_for(0, R, std::max<int64_t>(1, work / std::max<int64_t>(row_elems, 1)), f);
+}
+
 // f(w) with a norm's weight as rms_norm reads it for rows of T: in its own dtype when T's or float32
 template <typename T, typename F>
 void with_norm_weight(const Tensor& w, int64_t D, F f) {
@@ -116,15 +124,19 @@ Tensor head_input(const Tensor& e, const int64_t* idx, const Tensor& x, const Te
   shape.back() = 2 * H;
   Tensor xc = x.contiguous(), a = at::empty(shape, x.options());
   DISPATCH_ROWS(x.scalar_type(), [&] {
-    std::vector<float> buf(H);
     const scalar_t* ep = e.data_ptr<scalar_t>();
     const scalar_t* xp = xc.data_ptr<scalar_t>();
     scalar_t* ap = a.data_ptr<scalar_t>();
-    with_norm_weight<scalar_t>(n0, H, [&](auto w) {
-      for (int64_t r = 0; r < R; ++r) rms_row(ep + (idx ? idx[r] : r) * H, w, ap + r * 2 * H, H, (float)eps, buf.data());
-    });
-    with_norm_weight<scalar_t>(n1, H, [&](auto w) {
-      for (int64_t r = 0; r < R; ++r) rms_row(xp + r * H, w, ap + r * 2 * H + H, H, (float)eps, buf.data());
+    with_norm_weight<scalar_t>(n0, H, [&](auto w0) {
+      with_norm_weight<scalar_t>(n1, H, [&](auto w1) {
+        row_chunks(R, H, 16384, [&](int64_t r0, int64_t r1) {
+          std::vector<float> buf(H);
+          for (int64_t r = r0; r < r1; ++r) {
+            rms_row(ep + (idx ? idx[r] : r) * H, w0, ap + r * 2 * H, H, (float)eps, buf.data());
+            rms_row(xp + r * H, w1, ap + r * 2 * H + H, H, (float)eps, buf.data());
+          }
+        });
+      });
     });
   });
   return a;
@@ -142,18 +154,20 @@ void rope_qk(Tensor& qkv, const Tensor& pos, const Tensor& cos_t, const Tensor& 
   Tensor p = pos.to(at::kLong).contiguous();
   const int64_t* pp = p.data_ptr<int64_t>();
   TORCH_CHECK(p.numel() == R, "rope_qk: a position per row");
+  for (int64_t r = 0; r < R; ++r) TORCH_CHECK(pp[r] >= 0 && pp[r] < P, "rope_qk: position out of the tables");
   DISPATCH_ROWS(qkv.scalar_type(), [&] {
-    std::vector<scalar_t> tmp(Dh);
     scalar_t* base = qkv.data_ptr<scalar_t>();
     auto run = [&](auto* c, auto* sn) {
-      for (int64_t r = 0; r < R; ++r) {
-        TORCH_CHECK(pp[r] >= 0 && pp[r] < P, "rope_qk: position out of the tables");
-        for (int64_t h = 0; h < heads + kv_heads; ++h) {
-          scalar_t* x = base + r * W + h * Dh;
-          std::copy(x, x + Dh, tmp.begin());
-          rope_head(tmp.data(), c + pp[r] * Dh, sn + pp[r] * Dh, x, Dh);
+      row_chunks(R, (heads + kv_heads) * Dh, 4096, [&](int64_t r0, int64_t r1) {
+        std::vector<scalar_t> tmp(Dh);
+        for (int64_t r = r0; r < r1; ++r) {
+          for (int64_t h = 0; h < heads + kv_heads; ++h) {
+            scalar_t* x = base + r * W + h * Dh;
+            std::copy(x, x + Dh, tmp.begin());
+            rope_head(tmp.data(), c + pp[r] * Dh, sn + pp[r] * Dh, x, Dh);
+          }
         }
-      }
+      });
     };
     if (cos_t.scalar_type() == at::kFloat) run(cos_t.data_ptr<float>(), sin_t.data_ptr<float>());
     else {
@@ -173,13 +187,18 @@ std::pair<Tensor, Tensor> add_norm(const Tensor& x, const Tensor& y, const Tenso
     const scalar_t* xp = xc.data_ptr<scalar_t>();
     const scalar_t* yp = yc.data_ptr<scalar_t>();
     scalar_t* sp = s.data_ptr<scalar_t>();
-    for (int64_t i = 0; i < R * H; ++i) sp[i] = static_cast<scalar_t>(static_cast<float>(xp[i]) + static_cast<float>(yp[i]));
-    if (w) {
-      std::vector<float> buf(H);
-      with_norm_weight<scalar_t>(*w, H, [&](auto wp) {
-        for (int64_t r = 0; r < R; ++r) rms_row(sp + r * H, wp, n.data_ptr<scalar_t>() + r * H, H, (float)eps, buf.data());
+    scalar_t* np = w ? n.data_ptr<scalar_t>() : nullptr;
+    auto rows = [&](auto wp) {
+      row_chunks(R, H, 16384, [&](int64_t r0, int64_t r1) {
+        std::vector<float> buf(H);
+        for (int64_t i = r0 * H; i < r1 * H; ++i)
+          sp[i] = static_cast<scalar_t>(static_cast<float>(xp[i]) + static_cast<float>(yp[i]));
+        if (np)
+          for (int64_t r = r0; r < r1; ++r) rms_row(sp + r * H, wp, np + r * H, H, (float)eps, buf.data());
       });
-    }
+    };
+    if (w) with_norm_weight<scalar_t>(*w, H, rows);
+    else rows(static_cast<const float*>(nullptr));
   });
   return {s, n};
 }
@@ -191,9 +210,12 @@ Tensor silu_mul(const Tensor& gu) {
   shape.back() = I;
   Tensor x = gu.contiguous(), y = at::empty(shape, gu.options());
   DISPATCH_ROWS(gu.scalar_type(), [&] {
-    std::vector<float> g(I);
     const scalar_t* xp = x.data_ptr<scalar_t>();
-    for (int64_t r = 0; r < R; ++r) silu_mul_row(xp + r * 2 * I, xp + r * 2 * I + I, y.data_ptr<scalar_t>() + r * I, I, g.data());
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    row_chunks(R, I, 16384, [&](int64_t r0, int64_t r1) {
+      std::vector<float> g(I);
+      for (int64_t r = r0; r < r1; ++r) silu_mul_row(xp + r * 2 * I, xp + r * 2 * I + I, yp + r * I, I, g.data());
+    });
   });
   return y;
 }
@@ -206,20 +228,23 @@ Tensor final_norm(const Tensor& x, const Tensor& at, const Tensor& w, double eps
   const int64_t H = x.size(-1), R = x.numel() / H, N = at.numel() ? at.numel() : R;
   Tensor xc = x.contiguous(), wc = w.contiguous(), ac = at.numel() ? at.to(at::kLong).contiguous() : at;
   Tensor y = at::empty({N, H}, x.options().dtype(out));
-  std::vector<float> row(H), res(H);
+  const int64_t* ap = at.numel() ? ac.data_ptr<int64_t>() : nullptr;
+  for (int64_t i = 0; ap && i < N; ++i) TORCH_CHECK(ap[i] >= 0 && ap[i] < R, "final_norm: row out of range");
   DISPATCH_ROWS(x.scalar_type(), [&] {
     using T = scalar_t;
     const T* xp = xc.data_ptr<T>();
-    for (int64_t i = 0; i < N; ++i) {
-      const int64_t r = at.numel() ? ac.data_ptr<int64_t>()[i] : i;
-      TORCH_CHECK(r >= 0 && r < R, "final_norm: row out of range");
-      for (int64_t j = 0; j < H; ++j) row[j] = static_cast<float>(xp[r * H + j]);
-      rms_row(row.data(), wc.data_ptr<float>(), res.data(), H, (float)eps, nullptr);
-      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out, "final_norm_out", [&] {
-        scalar_t* yp = y.data_ptr<scalar_t>() + i * H;
-        for (int64_t j = 0; j < H; ++j) yp[j] = static_cast<scalar_t>(res[j]);
-      });
-    }
+    row_chunks(N, H, 16384, [&](int64_t i0, int64_t i1) {
+      std::vector<float> row(H), res(H);
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t r = ap ? ap[i] : i;
+        for (int64_t j = 0; j < H; ++j) row[j] = static_cast<float>(xp[r * H + j]);
+        rms_row(row.data(), wc.data_ptr<float>(), res.data(), H, (float)eps, nullptr);
+        AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out, "final_norm_out", [&] {
+          scalar_t* yp = y.data_ptr<scalar_t>() + i * H;
+          for (int64_t j = 0; j < H; ++j) yp[j] = static_cast<scalar_t>(res[j]);
+        });
+      }
+    });
   });
   return y;
 }
