@@ -145,18 +145,16 @@ def demo_draft_quantization(dtype: str = "auto", device: str = "auto") -> str | 
     the same to within 1 % of tokens a step (5.26 against 5.30 accepted). Measured on an AMX Xeon
     (stop 80, ``step_bench.py``, batch 1): chains of 5 / 7 at 2.71x / 2.89x no speculation against
     2.26x / 2.26x with the bf16 head at T = 0, 2.15x / 2.14x against 1.72x / 1.66x at T = 0.7."""
-    import torch
-
     from leapfrog.config import resolve_device
     from leapfrog.errors import ConfigError
-    from leapfrog.model.native_linear import cpu_flags, kernel_amx, native_linear_supported, w8a8_supported
+    from leapfrog.model.native_linear import cpu_flags, kernel_amx, w8a8_supported
     try:
         cpu = resolve_device(device).type == "cpu"
     except ConfigError:   # (a bad device: the engine's config says so)
         cpu = False
-    # (the flags first: elsewhere nothing is loaded here)
+    # (the flags first: elsewhere nothing is loaded here; w8a8_supported loads the kernel)
     on = (cpu and dtype in ("auto", "bfloat16", "bf16") and kernel_amx() and "amx_int8" in cpu_flags()
-          and native_linear_supported(torch.bfloat16, "cpu") and w8a8_supported())
+          and w8a8_supported())
     return "w8a8" if on else None
 
 

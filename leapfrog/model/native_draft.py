@@ -92,23 +92,6 @@ using at::Tensor;
 
 #define DISPATCH_ROWS(dt, ...) AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dt, "rows", __VA_ARGS__)
 
-// f(r0, r1) over rows [0, R) split over PyTorch's threads as native_ops' kernels split theirs (at
-// least ``work`` elements a chunk: a few rows stay on this thread; each row is computed alone, so
-// the split changes no bit)
-template <typename F>
-void row_chunks(int64_t R, int64_t row_elems, int64_t work, F f) {
-  at::parallel_for(0, R, std::max<int64_t>(1, work / std::max<int64_t>(row_elems, 1)), f);
-}
-
-// f(w) with a norm's weight as rms_norm reads it for rows of T: in its own dtype when T's or float32
-template <typename T, typename F>
-void with_norm_weight(const Tensor& w, int64_t D, F f) {
-  TORCH_CHECK(w.dim() == 1 && w.size(0) == D, "norm weight of shape ", w.sizes(), " for rows of ", D);
-  if (w.scalar_type() == at::kFloat) f(w.contiguous().data_ptr<float>());
-  else if (w.scalar_type() == c10::CppTypeToScalarType<T>::value) f(w.contiguous().data_ptr<T>());
-  else f(w.to(at::kFloat).contiguous().data_ptr<float>());
-}
-
 // EagleHead's first steps: cat[input_layernorm(embed[tok]), hidden_norm(x)] -> [.., 2H]. ``e``: the
 // embedding rows (``idx`` their indices; null: e holds one row per token), x [.., H] in e's dtype
 Tensor head_input(const Tensor& e, const int64_t* idx, const Tensor& x, const Tensor& n0, const Tensor& n1,
@@ -144,7 +127,7 @@ Tensor head_input(const Tensor& e, const int64_t* idx, const Tensor& x, const Te
 
 // rope of q and k in place in qkv [.., (heads + 2 kv_heads) Dh] contiguous (v untouched), each row at
 // its position of ``pos`` in the tables [P, Dh] (float32 or the rows' dtype; rounded to it first)
-void rope_qk(Tensor& qkv, const Tensor& pos, const Tensor& cos_t, const Tensor& sin_t, int64_t heads,
+static void rope_qk(Tensor& qkv, const Tensor& pos, const Tensor& cos_t, const Tensor& sin_t, int64_t heads,
              int64_t kv_heads, int64_t Dh) {
   TORCH_CHECK(qkv.is_contiguous() && cos_t.is_contiguous() && sin_t.is_contiguous() &&
               cos_t.scalar_type() == sin_t.scalar_type(), "rope_qk: contiguous rows and tables");
@@ -175,6 +158,17 @@ void rope_qk(Tensor& qkv, const Tensor& pos, const Tensor& cos_t, const Tensor& 
       run(cos_t.data_ptr<scalar_t>(), sin_t.data_ptr<scalar_t>());
     }
   });
+}
+
+// a layer's qkv [B, S, (heads + 2 kv_heads) Dh] -> q, k rotated in place at ``pos`` and v, as
+// [B, S, heads or kv_heads, Dh] views of it (what the cached attention op takes)
+std::tuple<Tensor, Tensor, Tensor> rotated_qkv(Tensor& qkv, const Tensor& pos, const Tensor& cos_t,
+                                               const Tensor& sin_t, int64_t heads, int64_t kv_heads, int64_t Dh) {
+  rope_qk(qkv, pos, cos_t, sin_t, heads, kv_heads, Dh);
+  const int64_t B = qkv.size(0), S = qkv.size(1), q_size = heads * Dh, kv_size = kv_heads * Dh;
+  return {qkv.narrow(-1, 0, q_size).view({B, S, heads, Dh}),
+          qkv.narrow(-1, q_size, kv_size).view({B, S, kv_heads, Dh}),
+          qkv.narrow(-1, q_size + kv_size, kv_size).view({B, S, kv_heads, Dh})};
 }
 
 // x + y rounded to their dtype (Tensor.add), and the sum's rms_norm with w when given -> (sum, norm)
@@ -302,7 +296,7 @@ std::tuple<Tensor, Tensor> eagle3_forward(
               "eagle3_forward: 4 norms, 6 weights, 6 biases, 6 scales and 12 sizes");
   const int64_t B = tok.size(0), S = tok.size(1), H = sizes[1];
   const int64_t heads = sizes[6], kv_heads = sizes[7], Dh = sizes[8];
-  const int64_t q_size = heads * Dh, kv_size = kv_heads * Dh;
+  const int64_t q_size = heads * Dh;
   auto linear = [&](const Tensor& x, int i, bool f32_out) {
     return packed_linear(x, weights[i], biases[i], scales[i], sizes[i], f32_out, ((sizes[10] >> i) & 1) != 0);
   };
@@ -318,10 +312,7 @@ std::tuple<Tensor, Tensor> eagle3_forward(
       : head_input(at::embedding(embed, t).to(dt).reshape({R, H}), nullptr, x, norms[0], norms[1], eps);   // [B, S, 2H]
   if (norm_before_residual) x = a.narrow(-1, H, H).contiguous();
   Tensor qkv = linear(a, 0, false);                                            // [B, S, q + 2 kv]
-  rope_qk(qkv, pos, cos_table, sin_table, heads, kv_heads, Dh);
-  Tensor q = qkv.narrow(-1, 0, q_size).view({B, S, heads, Dh});
-  Tensor k = qkv.narrow(-1, q_size, kv_size).view({B, S, kv_heads, Dh});
-  Tensor v = qkv.narrow(-1, q_size + kv_size, kv_size).view({B, S, kv_heads, Dh});
+  auto [q, k, v] = rotated_qkv(qkv, pos, cos_table, sin_table, heads, kv_heads, Dh);
   Tensor o = attention_op().call(q, k, v, k_cache, v_cache, rows, write_rows, write_cols, mask, kv_len);
   // DecoderLayer._after_attention
   auto [x1, g] = add_norm(x, linear(o.reshape({B, S, q_size}), 1, false), &norms[2], eps);
@@ -457,7 +448,7 @@ std::tuple<Tensor, std::vector<Tensor>> llama_hidden(
               "llama_hidden: per layer 2 norms and 4 linears, then the final norm and the LM head");
   const int64_t B = tok.size(0), S = tok.size(1);
   const int64_t heads = dims[0], kv_heads = dims[1], Dh = dims[2];
-  const int64_t q_size = heads * Dh, kv_size = kv_heads * Dh;
+  const int64_t q_size = heads * Dh;
   auto linear = [&](const Tensor& x, int64_t i) {
     return packed_linear(x, weights[i], biases[i], Tensor(), outs[i], false, streams[i] != 0);
   };
@@ -466,10 +457,7 @@ std::tuple<Tensor, std::vector<Tensor>> llama_hidden(
   Tensor h = norm_op().call(x, norms[0], eps);                                 // the first attention norm
   for (int64_t i = 0; i < L; ++i) {                                            // DecoderLayer.forward
     Tensor qkv = linear(h, 4 * i);                                             // [B, S, q + 2 kv]
-    rope_qk(qkv, pos, cos_table, sin_table, heads, kv_heads, Dh);
-    Tensor q = qkv.narrow(-1, 0, q_size).view({B, S, heads, Dh});
-    Tensor k = qkv.narrow(-1, q_size, kv_size).view({B, S, kv_heads, Dh});
-    Tensor v = qkv.narrow(-1, q_size + kv_size, kv_size).view({B, S, kv_heads, Dh});
+    auto [q, k, v] = rotated_qkv(qkv, pos, cos_table, sin_table, heads, kv_heads, Dh);
     Tensor kc = k_caches[i], vc = v_caches[i];
     Tensor o = attention_op().call(q, k, v, kc, vc, rows, write_rows, write_cols, mask, kv_len);
     auto [x1, g] = add_norm(x, linear(o.reshape({B, S, q_size}), 4 * i + 1), &norms[2 * i + 1], eps);

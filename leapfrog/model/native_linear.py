@@ -524,6 +524,17 @@ inline TileConfig amx_config_one(int64_t rows) {
   return c;
 }
 
+// The tiles for M rows: up to 32 rows, the A tiles hold 16 and the rest (17 rows cost 16 + 1, not
+// 32: a tree of 16 nodes verifies 17); more: tiles of 16, the rows zero-padded to whole tiles
+// (amx_padded_rows). Every tile is 64 bytes wide (16 float32 or int32 sums, 32 bf16 or 64 int8 k's).
+inline TileConfig amx_rows_config(int64_t M) {
+  return M <= AMX_ROWS ? amx_config_one(M) : M <= 2 * AMX_ROWS ? amx_config(AMX_ROWS, M - AMX_ROWS)
+                                                               : amx_config(AMX_ROWS, AMX_ROWS);
+}
+inline int64_t amx_padded_rows(int64_t M) {
+  return M <= 2 * AMX_ROWS ? M : (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
+}
+
 // The weight stream's software prefetch: none by default (the tile loads read 2 KiB runs, which
 // the hardware prefetcher follows: one row 0.91x and six rows 0.85x the time with the AVX-512
 // build's 4 KiB T1 prefetch, linear_bench.py), non-temporal for a streaming target (NativeLinear.stream)
@@ -609,11 +620,7 @@ constexpr AmxBlock AMX_BLOCKS[2][2] = {   // [STREAM][two A tiles]
 // the block from memory for the first 32, from cache for the rest
 void amx_range(const uint16_t* A, int64_t M, int64_t Mp, int64_t Kp, const uint16_t* W, int64_t K2, int64_t b0,
                int64_t b1, const float* bp, void* Cv, int64_t n, bool f32_out, bool stream) {
-  // up to 32 rows: the A tiles hold 16 and the rest (17 rows cost 16 + 1, not 32: a tree of 16
-  // nodes verifies 17); more: tiles of 16, the rows zero-padded to whole tiles (Mp)
-  const TileConfig cfg = M <= AMX_ROWS ? amx_config_one(M)
-      : M <= 2 * AMX_ROWS ? amx_config(AMX_ROWS, M - AMX_ROWS)
-      : amx_config(AMX_ROWS, AMX_ROWS);
+  const TileConfig cfg = amx_rows_config(M);
   _tile_loadconfig(&cfg);
   alignas(64) float out[2 * AMX_ROWS][BLOCK];
   alignas(64) uint16_t tail[16 * 2 * BLOCK];
@@ -724,9 +731,7 @@ float q8_row(const T* x, int64_t K, int8_t* q, int64_t Kp) {
 // (sa[m] * sw[n]) + bias[n], in float32, then rounded once to bf16 (or float32 with f32_out)
 void q8_range(const int8_t* A, const float* sa, int64_t M, int64_t Mp, int64_t Kp, const int8_t* W, int64_t b0,
               int64_t b1, const float* sw, const float* bp, void* Cv, int64_t n, bool f32_out) {
-  const TileConfig cfg = M <= AMX_ROWS ? amx_config_one(M)
-      : M <= 2 * AMX_ROWS ? amx_config(AMX_ROWS, M - AMX_ROWS)
-      : amx_config(AMX_ROWS, AMX_ROWS);
+  const TileConfig cfg = amx_rows_config(M);
   _tile_loadconfig(&cfg);
   alignas(64) int32_t out[2 * AMX_ROWS][BLOCK];
   for (int64_t nb = b0; nb < b1; ++nb) {
@@ -945,7 +950,7 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
 #endif
 #if LEAPFROG_AMX
   if (!f32 && amx_ready()) {   // bf16 rows through the tile registers (every product: row invariance)
-    const int64_t Kp = (K + AMX_K - 1) / AMX_K * AMX_K, Mp = M <= 2 * AMX_ROWS ? M : (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
+    const int64_t Kp = (K + AMX_K - 1) / AMX_K * AMX_K, Mp = amx_padded_rows(M);
     at::Tensor ap = at::detail::empty_cpu({Mp, Kp}, at::kBFloat16, std::nullopt, std::nullopt, std::nullopt, std::nullopt);
     uint16_t* Ap = reinterpret_cast<uint16_t*>(ap.data_ptr());
     const uint16_t* X = reinterpret_cast<const uint16_t*>(xc.data_ptr());
@@ -1025,7 +1030,7 @@ at::Tensor linear_w8a8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   at::Tensor out = at::detail::empty_cpu(shape, f32_out ? at::kFloat : x.scalar_type(), std::nullopt, std::nullopt,
                                          std::nullopt, std::nullopt);
   if (M == 0) return out;
-  const int64_t Mp = M <= 2 * AMX_ROWS ? M : (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
+  const int64_t Mp = amx_padded_rows(M);
   std::vector<int8_t> A(Mp * Kp, 0);
   std::vector<float> sa(Mp, 0.f);
   for (int64_t m = 0; m < M; ++m) {

@@ -58,6 +58,25 @@ log = logging.getLogger("leapfrog.model")
 ROW_KERNELS_CPP = r"""
 using at::vec::Vectorized;
 
+// f(r0, r1) over rows [0, R) split over PyTorch's threads, at least ``work`` elements a chunk (a few
+// rows stay on the calling thread: waking a worker costs more than it saves); each row is computed
+// alone, so the split changes no bit
+template <typename F>
+static void row_chunks(int64_t R, int64_t row_elems, int64_t work, F f) {
+  at::parallel_for(0, R, std::max<int64_t>(1, work / std::max<int64_t>(row_elems, 1)), f);
+}
+
+// f(w) with a norm's weight [D] as rms_norm reads it for rows of T: in its own dtype when that is
+// T's or float32 (each element widened to float32 as weight.float() would: exact, so a
+// half-precision model's norms cast nothing per call), else converted to float32 first
+template <typename T, typename F>
+static void with_norm_weight(const at::Tensor& w, int64_t D, F f) {
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == D, "norm weight of shape ", w.sizes(), " for rows of ", D);
+  if (w.scalar_type() == at::kFloat) f(w.contiguous().data_ptr<float>());
+  else if (w.scalar_type() == c10::CppTypeToScalarType<T>::value) f(w.contiguous().data_ptr<T>());
+  else f(w.to(at::kFloat).contiguous().data_ptr<float>());
+}
+
 // sum of squares of a float32 row: one vector of lanes in element order, lanes reduced in
 // ATen's fixed tree, then the tail in order (the same for a row whatever else is computed)
 static float sum_squares(const float* x, int64_t n) {
@@ -96,8 +115,7 @@ static inline void rms_row(const T* xr, const W* w, T* yr, int64_t D, float eps,
 
 template <typename T, typename W>
 static void rms_rows(const T* x, const W* w, T* y, int64_t rows, int64_t D, float eps) {
-  int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(D, 1));
-  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
+  row_chunks(rows, D, 16384, [&](int64_t r0, int64_t r1) {
     std::vector<float> buf(std::is_same<T, float>::value ? 0 : D);
     for (int64_t r = r0; r < r1; ++r) rms_row<T, W>(x + r * D, w, y + r * D, D, eps, buf.data());
   });
@@ -121,7 +139,7 @@ static inline void rope_head(const T* xp, const C* c, const C* sn, T* yp, int64_
 template <typename T>
 static void rope_rows(const T* x, int64_t sb, int64_t ss, int64_t sh, const T* cos, const T* sin, T* y,
                       int64_t B, int64_t S, int64_t H, int64_t D) {
-  at::parallel_for(0, B * S, std::max<int64_t>(1, 4096 / std::max<int64_t>(H * D, 1)), [&](int64_t t0, int64_t t1) {
+  row_chunks(B * S, H * D, 4096, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       int64_t b = t / S, s = t % S;
       for (int64_t h = 0; h < H; ++h)
@@ -152,7 +170,7 @@ static inline void silu_mul_row(const T* gr, const T* ur, T* yr, int64_t I, floa
 
 template <typename T>
 static void silu_mul_rows(const T* x, T* y, int64_t rows, int64_t I) {
-  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t r0, int64_t r1) {
+  row_chunks(rows, I, 16384, [&](int64_t r0, int64_t r1) {
     std::vector<float> g(I);
     for (int64_t r = r0; r < r1; ++r) silu_mul_row<T>(x + r * 2 * I, x + r * 2 * I + I, y + r * I, I, g.data());
   });
@@ -174,20 +192,14 @@ at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double ep
   TORCH_CHECK(x.dim() >= 1 && weight.dim() == 1 && weight.size(0) == x.size(-1),
               "rms_norm: weight must be [D] for x [..., D]");
   at::Tensor xc = x.contiguous();
-  // the weight read in its own dtype, each element widened to float32 (as weight.float() would:
-  // exact), so a half-precision model's norms cast nothing per call; others go through float32
-  bool own = weight.scalar_type() == x.scalar_type() || weight.scalar_type() == at::kFloat;
-  at::Tensor w = (own ? weight : weight.to(at::kFloat)).contiguous();
   at::Tensor y = at::empty_like(xc);
   int64_t D = x.size(-1);
   int64_t rows = D == 0 ? 0 : xc.numel() / D;
   float e = static_cast<float>(eps);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
-    if (w.scalar_type() == at::kFloat) {
-      rms_rows<scalar_t, float>(xc.data_ptr<scalar_t>(), w.data_ptr<float>(), y.data_ptr<scalar_t>(), rows, D, e);
-    } else {
-      rms_rows<scalar_t, scalar_t>(xc.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), rows, D, e);
-    }
+    with_norm_weight<scalar_t>(weight, D, [&](auto w) {
+      rms_rows(xc.data_ptr<scalar_t>(), w, y.data_ptr<scalar_t>(), rows, D, e);
+    });
   });
   return y;
 }

@@ -9,7 +9,7 @@ int8  per output channel, symmetric: w[n, k] ~= q[n, k] * s[n], q in [-127, 127]
       s[n] = max_k |w[n, k]| / 127.  Kernels: leapfrog's ``linear_int8`` on AVX2 / AVX-512 CPUs
       (model/native_linear.py; on a 2-vCPU AVX2 EPYC PyTorch's took 15x its time for an EAGLE
       head's linears), else ``aten._weight_int8pack_mm(x, q, s)``.
-w8a8  int8 weights as int8 (per output channel), and each row of activations quantized on the fly
+w8a8  the weights quantized as for int8 (per output channel), and each row of activations quantized on the fly
       to int8 (per row, symmetric: x[m, k] ~= p[m, k] * a[m], a[m] = max_k |x[m, k]| / 127, p
       rounded half to even); the int8 products summed exactly in int32 on the AMX-INT8 tiles, then
       y = float(sum) * (a[m] * s[n]) + bias. Kernel: leapfrog's ``linear_w8a8`` (model/native_linear.py),
