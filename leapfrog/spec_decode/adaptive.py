@@ -27,8 +27,8 @@ alpha the more, the longer the drafts (0.59 for a true 0.8 at k = 4): it pulled 
 tree, a step tries one more token than it accepted only where the accepted path stopped at a
 node with children.) Unmeasured verify costs are interpolated linearly between measured ones
 (beyond them see below; flat while one size is measured, so an unmeasured K gets tried once).
-The first drafts at a batch size are a probe of K (less at larger batches: _probe_size) for
-_FIRST_PROBE_STEPS steps. Every ``adaptive_explore_interval`` steps the controller tries a
+The first drafts at a batch size are a probe of the size a smaller batch size settled on, else
+of K (less at larger batches: _seed_size, _probe_size) for _FIRST_PROBE_STEPS steps. Every ``adaptive_explore_interval`` steps the controller tries a
 neighbour of k* if its estimated goodput is within 15 % of k*'s, so close calls stay measured
 without paying for hopeless ones (auto tree sizes: the chain one level longer or shorter up to
 the depth, tree sizes doubled or halved past it); while speculation is off it drafts a probe (4
@@ -64,7 +64,9 @@ t_verify from the same measured table as
 above and n = 0 meaning no speculation (cost t_verify(B, 1), no drafting). The tree grown for n
 nodes has L(n) levels of width W(n) (SpeculativeConfig.tree_shape: a chain of n levels up to the
 depth, wider beyond), and t_draft(B, L, W) is the measured drafting time of a step of that shape.
-A shape not yet measured borrows the nearest measured one's time, scaled up by levels (never
+A chain (W = 1) follows the curve in L of the chains measured at B (``_curve``), or while only one
+is measured there, the nearest batch size's curve scaled to it (``_chain_draft_times``). Another
+shape not yet measured borrows the nearest measured one's time, scaled up by levels (never
 down) and down by width when it is narrower than any measured one (a tree measured first must not
 make the chain look as dear as itself: at T = 0.7 the chain was then never tried), so it gets
 tried. (A step's time includes the head's catch-up on the tokens just accepted, which does not
@@ -362,8 +364,8 @@ class SpecController:
         t1 = self.verify_cost.get(bucket, {}).get(1)
         if t1 is None:   # measure plain decode at this batch size first (unless drafting is free now)
             return self.K if self.widened.get(bucket) else 0
-        if not self._drafted_at(bucket):   # (K at small batches, less as the batch grows: _probe_size)
-            return self._first_probe(bucket, self._probe_size(B))
+        if not self._drafted_at(bucket):   # (K at small batches, less as the batch grows: _seed_size)
+            return self._first_probe(bucket, self._seed_size(B))
         host = self.host_cost.get(bucket, 0.0)
         # drafting K tokens: the measured curve in K once two K are measured (a drafter's step has
         # a part that does not grow with K: a draft model's catch-up forward; K times the cost per
@@ -396,7 +398,7 @@ class SpecController:
             return self._probe_size(B) if self.widened.get(bucket) else 0
         top = min(self.K, self.cfg.num_speculative_tokens) if free == 1 else self.K   # (chains only)
         if (self.curve is None and free < 1) or not self.tree_draft_cost.get(bucket):
-            return self._first_probe(bucket, min(top, self._probe_size(B)))   # the head's confidences and the costs
+            return self._first_probe(bucket, min(top, self._seed_size(B)))   # the head's confidences and the costs
         weighed = self._weighed.get(bucket)
         if (weighed is not None and weighed.free == free and weighed.batch == B
                 and self.observations - weighed.at < _REWEIGH_STEPS):
@@ -414,8 +416,12 @@ class SpecController:
         shapes = [(lv, 1) if free == 1 else (lv, w) for lv, w in self.shapes[:top]]
         verify = self._verify_times(bucket, [lv + 1 if free == 1 else n + 1 for n, (lv, _) in enumerate(shapes, 1)])
         drafting: dict[tuple[int, int], float] = {}
+        chains = self._chain_draft_times(bucket)
         for shape in set(shapes):
             levels, width = shape
+            if width == 1 and len(chains) >= 2:   # a chain: along the chains' curve in levels
+                drafting[shape] = _curve(chains, [levels])[0]
+                continue
             near = min(per_width, key=lambda lw: (abs(lw[1] - width), abs(lw[0] - levels), lw))
             t_draft = per_width[near] * max(1.0, levels / near[0])
             if near[1] > width:   # unmeasured and narrower than any measured: optimistic, so it gets tried
@@ -441,6 +447,30 @@ class SpecController:
                      min(top, self._probe_size(B)))
         self._weighed[bucket] = w
         return self._explore_weighed(bucket, w)
+
+    def _chain_draft_times(self, bucket: int) -> dict[int, float]:
+        """Auto tree sizes: levels -> drafting seconds of a chain at this batch size, the measured
+        ones, and while only one is measured, the others along the curve of the nearest batch size
+        where two or more are, scaled to the one measured here (a step's drafting is the head's
+        catch-up on the tokens just accepted plus one forward per level, in about the same
+        proportions at every batch size). Without such a curve only the measured ones (a chain
+        measured alone then lends its time unscaled: ``_auto_tree_size``). A batch size seeded at
+        the top of the range (``_seed_size``) measures its longest chain first, and the shorter
+        chains borrowing its whole time looked too dear to try: "auto" took 64 steps to come down
+        from the chain of 7 to the chain of 5 at a batch of 32, 0.90x the chain of 5."""
+        own = {lv: t for (lv, w), t in self.tree_draft_cost.get(bucket, {}).items() if w == 1}
+        if len(own) != 1:
+            return own
+        others = [b for b, costs in self.tree_draft_cost.items()
+                  if b != bucket and sum(w == 1 for _, w in costs) >= 2]
+        if not others:
+            return own
+        ref = min(others, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
+        ref_chains = {lv: t for (lv, w), t in self.tree_draft_cost[ref].items() if w == 1}
+        (lv0, t0), = own.items()
+        levels = range(1, self.cfg.num_speculative_tokens + 1)
+        scale = t0 / _curve(ref_chains, [lv0])[0]
+        return {lv: t * scale for lv, t in zip(levels, _curve(ref_chains, list(levels)))} | own
 
     def _explore_weighed(self, bucket: int, w: _Weighed) -> int:
         """_explore over a weighing of the auto tree sizes."""
@@ -512,6 +542,24 @@ class SpecController:
         self.off_steps[bucket] = 0
         self.probe_wait[bucket] = min(2 * wait, _PROBE_BACKOFF * base)
         return True
+
+    def _seed_size(self, B: int) -> int:
+        """The size of the first drafts at a batch of B sequences: the size the estimates settled on
+        at the next smaller batch size measured, when there is one (speculation's costs only grow
+        with the batch and acceptance does not depend on it, so the best size there bounds the best
+        size here from above: probing it measures the top of the range, and the verify cost of the
+        sizes below is interpolated between it and plain decode, where extrapolating up from a
+        probe of 1 made each longer chain look dearer than it is and "auto" climbed one level per
+        exploration interval: chains of 1-3 for a whole 128-token run at a batch of 16, 0.92x
+        the chain of 7), else _probe_size. A tree is seeded no wider than the chain of the depth or
+        _probe_size (a wide tree that paid at a batch of 1 is dear to verify 8 steps at 32)."""
+        bucket = _bucket(B)
+        prior = max((b for b in self.best if b < bucket), default=None)
+        if prior is None or self.best[prior] == 0:
+            return self._probe_size(B)
+        if self.cfg.auto_tree:
+            return min(self.best[prior], max(self.cfg.num_speculative_tokens, self._probe_size(B)))
+        return self.best[prior]
 
     def _probe_size(self, B: int) -> int:
         """The tree size (or K) tried before any is measured at this batch size: 16 nodes per

@@ -3,9 +3,10 @@ while verifying many tokens is cheap and the drafter is confident, small or none
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from leapfrog.spec_decode.adaptive import SpecController, expected_tokens
+from leapfrog.spec_decode.adaptive import SpecController, _bucket, expected_tokens
 from leapfrog.spec_decode.confidence import GAMMAS
 
 from .test_confidence import accepted_counts
@@ -550,3 +551,50 @@ def test_the_last_weighing_stands_until_steps_pass_or_the_mix_changes():
     assert ctl.choose([_Req()]) == [0]
     ctl.observations += 1                       # _REWEIGH_STEPS observed: weighed again
     assert ctl.choose([_Req()])[0] > 0
+
+
+def test_a_larger_batch_first_probes_the_size_a_smaller_one_settled_on():
+    """Costs only grow with the batch: the best size at the next smaller batch size measured
+    bounds the best size here, so the first drafts at a new batch size probe it (16 // B nodes
+    only where no smaller batch size settled on a size). Probing 1 at a batch of 16 climbed one
+    level per exploration interval, chains of 1-3 for a whole run where 7 ran fastest."""
+    def first_probe(ctl: SpecController, B: int) -> int:
+        reqs = [_Req() for _ in range(B)]
+        for _ in range(2):   # plain decode is measured first
+            assert ctl.choose(reqs) == [0] * B
+            ctl.observe(reqs, DraftBatch.empty(B), AcceptanceResult([0] * B, [[0]] * B, [0] * B), 0.0, 1.0)
+        k = ctl.choose(reqs)[0]
+        assert ctl.probes[_bucket(B)].steps == 8
+        return k
+
+    ctl = SpecController(CFG, 4096)
+    ctl.confidence.calibrate(1.0, ctl.confidence.observe([[0.9] * 64], [16]))
+    assert first_probe(ctl, 16) == 1                          # nothing settled below: 16 // B
+    ctl = SpecController(CFG, 4096)
+    ctl.confidence.calibrate(1.0, ctl.confidence.observe([[0.9] * 64], [16]))
+    ctl.best = {1: 16, 4: 3}
+    assert first_probe(ctl, 16) == 3                          # the nearest smaller batch size's
+    ctl.best = {1: 16}
+    assert ctl._seed_size(4) == 4 and ctl._seed_size(2) == 8  # a tree no wider than depth 4 or 16 // B
+    adaptive = SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=True)
+    ctl = SpecController(adaptive, 4096)
+    ctl.best = {1: 4}
+    assert first_probe(ctl, 32) == 4
+    assert SpecController(adaptive, 4096)._seed_size(32) == 1
+
+
+def test_a_chain_measured_alone_borrows_the_curve_of_another_batch_size():
+    """A batch size seeded at its longest chain has measured no shorter one: their drafting costs
+    follow the nearest batch size's curve in levels, scaled to the chain measured here (lent
+    unscaled, the shorter chains looked as dear as the longest and "auto" took 64 steps to come
+    down from the chain of 7 to the chain of 5 at a batch of 32)."""
+    ctl = SpecController(CFG, 4096)
+    ctl.tree_draft_cost = {1: {(1, 1): 1.0, (4, 1): 2.5, (4, 4): 9.0}, 32: {(2, 1): 0.1},
+                           16: {(4, 1): 10.0, (4, 2): 12.0}}
+    assert ctl._chain_draft_times(16) == {1: 4.0, 2: 6.0, 3: 8.0, 4: 10.0}   # (32 has one chain: 1's curve)
+    ctl.tree_draft_cost[32] = {(2, 1): 0.1, (3, 1): 0.2}                     # 32's, nearer
+    assert ctl._chain_draft_times(16) == pytest.approx({1: 10 / 3, 2: 10 / 3, 3: 20 / 3, 4: 10.0})
+    ctl.tree_draft_cost[8] = {(1, 1): 1.0, (2, 1): 1.0, (4, 1): 5.0}        # as near as 32, smaller
+    assert ctl._chain_draft_times(16) == {1: 2.0, 2: 2.0, 3: 6.0, 4: 10.0}
+    assert ctl._chain_draft_times(1) == {1: 1.0, 4: 2.5}                     # measured: its own
+    assert SpecController(CFG, 4096)._chain_draft_times(16) == {}
