@@ -20,8 +20,14 @@ moving averages keyed by batch-size bucket. The controller picks
     k* = argmax_{k in 0..K} E[tokens](k) / cost(k)            (goodput, tokens per second)
 
 k = 0 (no speculation) has E = 1 and cost t_verify(B, 1) + t_host(B), which is measured first at
-every batch-size bucket. alpha is the geometric model's maximum-likelihood estimate, accepted /
-tried (TokenRate: a draft token is tried when all before it were accepted), not accepted /
+every batch-size bucket (the last of _PLAIN_FIRST one-token steps: the first steps after a prefill
+run slow) and again while speculating where no speculation's estimated goodput is within
+_PLAIN_CLOSE of the best size's (``_explore``: _PLAIN_FIRST plain steps every _PLAIN_REFRESH
+exploration intervals, the last replacing the estimate: a step's cost grows with the context, a
+plain step of a batch of 16 from 3.2 ms at 80 tokens to 4.3 at 180, so measured at the start of
+the requests alone it was out of date by then; and the plain steps right after a verification
+of many tokens run slow too, 4.5-5.1 ms then 3.7 at a batch of 16). alpha is the geometric model's maximum-likelihood
+estimate, accepted / tried (TokenRate: a draft token is tried when all before it were accepted), not accepted /
 drafted, which counts the untried tokens after a rejection as rejected and so underestimates
 alpha the more, the longer the drafts (0.59 for a true 0.8 at k = 4): it pulled K down. (For a
 tree, a step tries one more token than it accepted only where the accepted path stopped at a
@@ -142,6 +148,14 @@ _FLAT_TOKENS = 0.05
 #: last weighing stands, exploration included (it moves little from one step to the next, and
 #: weighing every step cost 0.06 ms, 3 % of a step of the chain of 5 at batch 1)
 _REWEIGH_STEPS = 4
+#: plain decode is measured first at a batch size, this many steps, the last standing: the steps
+#: right after a prefill run slow (a batch of 16 after its 64-token prompts: the forward 3.8, 3.5,
+#: 2.8, 2.6 ms, then 2.3), and the second of two made speculation look 20 % better than it was
+_PLAIN_FIRST = 4
+#: while speculating where no speculation is estimated within _PLAIN_CLOSE of the best size,
+#: _PLAIN_FIRST plain steps every this many exploration intervals keep t_verify(B, 1) current
+_PLAIN_REFRESH = 4
+_PLAIN_CLOSE = 0.75
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -201,6 +215,11 @@ class SpecController:
         #: the decode steps to wait before the next probe
         self.off_steps: defaultdict[int, int] = defaultdict(int)
         self.probe_wait: dict[int, int] = {}
+        self.plain_samples: dict[int, int] = {}   # bucket -> one-token steps measured before t_verify(B, 1) stands
+        #: bucket -> plain steps of a refresh of t_verify(B, 1) still to choose; buckets whose next
+        #: one-token step is a refresh's last (its sample replaces the estimate)
+        self.refresh: dict[int, int] = {}
+        self.refresh_due: set[int] = set()
 
     @property
     def alpha(self) -> float:
@@ -242,6 +261,11 @@ class SpecController:
             probe.chosen += 1   # (its next step measures a cold first size again, as ``confirm`` would)
             probe.pending = True
             k = probe.size
+        elif self.refresh.get(bucket):   # (the rest of a refresh of t_verify(B, 1): _explore)
+            k = 0
+            self.refresh[bucket] -= 1
+            if not self.refresh[bucket]:
+                self.refresh_due.add(bucket)
         elif (self.cfg.auto_tree or self.cfg.adaptive) and bucket in self.confirm:
             k = self.confirm.pop(bucket)  # a size measured once (cold): measure it warm
         elif (self.cfg.auto_tree or self.cfg.adaptive) and (size := self._round_unmeasured(bucket)) is not None:
@@ -510,6 +534,10 @@ class SpecController:
         if best:
             self.off_steps.pop(bucket, None)
             self.probe_wait.pop(bucket, None)
+        period = _PLAIN_REFRESH * interval
+        if best and self.steps % period == period - 1 and goodput(0) >= _PLAIN_CLOSE * goodput(best):
+            self.refresh[bucket] = _PLAIN_FIRST - 1   # t_verify(B, 1) again, at the context the sizes now run at
+            return 0
         if self.steps and self.steps % interval == 0:
             cand = up if (self.steps // interval) % 2 == 1 else down
             if cand != best and goodput(cand) >= _EXPLORE_MARGIN * goodput(best):
@@ -626,7 +654,13 @@ class SpecController:
             self.off_steps[bucket] += 1
         table, first = self.verify_cost.setdefault(bucket, {}), self.first_verify.setdefault(bucket, {})
         if not self.widened[bucket]:
-            if s in table:
+            if s == 1 and s not in table:   # the first plain steps: the last of _PLAIN_FIRST stands
+                n = self.plain_samples[bucket] = self.plain_samples.get(bucket, 0) + 1
+                (table if n >= _PLAIN_FIRST else first)[s] = t_verify
+            elif s == 1 and bucket in self.refresh_due:   # a refresh's last step replaces the estimate
+                self.refresh_due.discard(bucket)
+                table[s] = t_verify
+            elif s in table:
                 table[s] = t_verify if fresh else _bounded_ema(table[s], t_verify)
             elif s in first:
                 table[s] = t_verify  # the second measurement replaces the cold first one

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from leapfrog.spec_decode.adaptive import SpecController, _bucket, expected_tokens
+from leapfrog.spec_decode.adaptive import _PLAIN_FIRST, _PLAIN_REFRESH, SpecController, _bucket, expected_tokens
+
+PLAIN = [0] * _PLAIN_FIRST   # plain decode is measured first at a batch size (the last of these steps stands)
 from leapfrog.spec_decode.confidence import GAMMAS
 
 from .test_confidence import accepted_counts
@@ -49,8 +51,8 @@ def test_cheap_verification_and_a_confident_drafter_verify_a_big_tree():
     conf = [0.9 ** (i // 4 + 1) for i in range(64)]           # four candidates per depth, slowly decaying
     chosen = _converge(0.01, conf, lambda n: min(n, 4))
     assert CFG.draft_budget == 64
-    # plain decode measured (the first time is provisional, so twice), then a probe tree, twice as well
-    assert chosen[:4] == [0, 0, 16, 16]
+    # plain decode measured (the first steps after a prefill run slow: the last stands), then a probe tree
+    assert chosen[:6] == PLAIN + [16, 16]
     assert min(chosen[-20:]) >= 12
 
 
@@ -72,7 +74,7 @@ def test_a_cold_first_measurement_does_not_stick():
     """The first forward of a new shape is slow (kernel set-up); that sample must not make the
     size look expensive forever."""
     ctl = SpecController(CFG, 4096)
-    for t in (1.0, 1.0):
+    for t in [3.0] * (_PLAIN_FIRST - 1) + [1.0]:     # (after a prefill: slow, then steady)
         ctl.observe([_Req()], DraftBatch.empty(1), AcceptanceResult([0], [[0]], [0]), 0.0, t)
     assert ctl.choose([_Req()]) == [16]                # the probe
     _step(ctl, 16, [0.9] * 64, 4, 0.3, 9.0)            # cold: 9x a plain step
@@ -109,7 +111,7 @@ def test_wider_trees_are_costed_at_their_width():
     assert [CFG.tree_shape(n) for n in (1, 3, 4, 5, 8, 16, 64)] == [(1, 1), (3, 1), (4, 1), (4, 2), (4, 2),
                                                                     (4, 4), (4, 4)]
     ctl = SpecController(CFG, 4096)
-    for _ in range(2):
+    for _ in PLAIN:
         ctl.observe([_Req()], DraftBatch.empty(1), AcceptanceResult([0], [[0]], [0]), 0.0, 1.0)
     conf = [0.8, 0.6, 0.4, 0.3] + [0.01] * 60          # the chain holds nearly all the confidence
     for _ in range(2):
@@ -173,11 +175,12 @@ def test_one_unlucky_probe_step_does_not_keep_speculation_off():
     skipped) turns speculation off again for another 8 intervals."""
     chosen = _bad_patch(400, unlucky_first=True)
     assert chosen[80:100].count(0) == 20
-    assert min(chosen[-100:]) >= 8                     # back on at the first probe after the bad patch
+    # back on at the first probe after the bad patch (but for two plain steps: t_verify(B, 1) kept current)
+    assert chosen[-100:].count(0) <= 2 and min(n for n in chosen[-100:] if n) >= 8
     # the same when the proposer drafts fewer nodes than the probe asks for (the probe still runs
     # its four steps rather than being cut short after its unlucky first)
     chosen = _bad_patch(400, unlucky_first=True, most=4)
-    assert min(chosen[-100:]) >= 4
+    assert chosen[-100:].count(0) <= 2 and min(n for n in chosen[-100:] if n) >= 4
 
 
 def _grown(n: int, conf: list[float]) -> list[float]:
@@ -209,7 +212,7 @@ def test_a_chain_is_tried_when_only_wide_trees_were_measured():
     """Only width-4 trees measured (dear to draft): the chain, unmeasured, must not borrow their
     cost as is (it would never be tried); once tried and cheap, it is kept."""
     ctl = SpecController(CFG, 4096)
-    for _ in range(2):
+    for _ in PLAIN:
         ctl.observe([_Req()], DraftBatch.empty(1), AcceptanceResult([0], [[0]], [0]), 0.0, 1.0)
     conf = [0.8, 0.6, 0.4, 0.3] + [0.05] * 60
     for _ in range(2):
@@ -252,16 +255,16 @@ def test_rounds_are_weighed_by_their_measured_time():
     them while they are the fastest and leaves them for trees or no speculation when they are
     not; their acceptance feeds the calibration; rounds that never run stop being tried."""
     ctl, chosen = _rounds_run(1.2)     # about 4 tokens per 1.2
-    assert chosen[:4] == [0, 0, 4, 4] and ctl.round_samples[(1, 4)] >= 2 and abs(ctl.round_time[(1, 4)] - 1.2) < 1e-9
+    assert chosen[:6] == PLAIN + [4, 4] and ctl.round_samples[(1, 4)] >= 2 and abs(ctl.round_time[(1, 4)] - 1.2) < 1e-9
     assert chosen[-20:].count(4) >= 16
     assert 2.5 < ctl._rounds_goodput(1, 4) < 4.0 and ctl._rounds_goodput(1, 5) is None
     # (fed by the rounds: 3 accepted per 4-node chain of C(4) = 2.0; rounds tell no accepted depths,
     # so the linear model stays)
     assert 1.3 < ctl.calibration < 1.7 and ctl.confidence.gamma == 1.0
     ctl, chosen = _rounds_run(6.0)     # slower than plain decode and than trees
-    assert chosen[:4] == [0, 0, 4, 4] and chosen[-20:].count(4) <= 4
+    assert chosen[:6] == PLAIN + [4, 4] and chosen[-20:].count(4) <= 4
     ctl, chosen = _rounds_run(1.2, rounds_run=False)
-    assert chosen[2:5] == [4, 4, 4] and ctl.round_tries[(1, 4)] == 3 and (1, 4) not in ctl.round_time
+    assert chosen[_PLAIN_FIRST:_PLAIN_FIRST + 3] == [4, 4, 4] and ctl.round_tries[(1, 4)] == 3 and (1, 4) not in ctl.round_time
     assert not ctl._round_unmeasured(1)   # (the one-round chain's measured cost decides from here on)
 
 
@@ -294,7 +297,7 @@ def test_multi_step_decode_is_weighed_as_no_speculation():
         else:
             ctl.observe([_Req()], DraftBatch.from_lists([[5] * k]), AcceptanceResult([k - 1], [[0] * k], [k]),
                         0.1 * k, 1.0 + 0.2 * k)
-    assert chosen[:6] == [0, 0, 4, 4, 0, 0] and ctl.plain_steps_ready(1)
+    assert chosen[:8] == PLAIN + [4, 4, 0, 0] and ctl.plain_steps_ready(1)
     assert abs(ctl.round_time[(1, 0)] - 0.5) < 1e-9 and ctl._rounds_goodput(1, 0) == 2.0
     assert chosen[-20:].count(0) >= 16
 
@@ -345,8 +348,8 @@ def test_sampled_chains_without_confidence_are_weighed_by_alpha():
     confidence curve and calibration alone, measure alpha, and a batch of them chooses among
     chain lengths (up to the depth) by E[tokens](L) = (1 - alpha^(L+1)) / (1 - alpha)."""
     ctl = SpecController(CFG, 4096)
-    for t in (1.0, 1.0):
-        ctl.observe([_Sampled()], DraftBatch.empty(1), AcceptanceResult([0], [[0]], [0]), 0.0, t)
+    for _ in PLAIN:
+        ctl.observe([_Sampled()], DraftBatch.empty(1), AcceptanceResult([0], [[0]], [0]), 0.0, 1.0)
     assert ctl.choose([_Sampled()]) == [4]   # the probe: a chain of the depth (no sizes above it)
     for _ in range(30):
         _chain_step(ctl, 4, 4, 0.2, 1.1, scores=[None], req=_Sampled())   # all accepted: alpha -> 1
@@ -385,7 +388,7 @@ def test_the_first_drafts_at_a_batch_size_are_judged_together():
             _chain_step(ctl, k, 0 if i in (2, 3) else k, 0.0, 1.0 + 0.05 * k)
         else:
             ctl.observe([_Req()], DraftBatch.empty(1), AcceptanceResult([0], [[0]], [0]), 0.0, 1.0)
-    assert chosen[:10] == [0, 0] + [4] * 8 and chosen[-1] == 4
+    assert chosen[:12] == PLAIN + [4] * 8 and chosen[-1] == 4
 
 
 def test_an_adaptive_k_probes_less_at_large_batches():
@@ -395,7 +398,7 @@ def test_an_adaptive_k_probes_less_at_large_batches():
     for B, k in ((1, 4), (4, 4), (8, 2), (32, 1)):
         ctl = SpecController(SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=True), 4096)
         reqs = [_Req() for _ in range(B)]
-        for _ in range(2):   # plain decode is measured first
+        for _ in PLAIN:   # plain decode is measured first
             assert ctl.choose(reqs) == [0] * B
             ctl.observe(reqs, DraftBatch.empty(B), AcceptanceResult([0] * B, [[0]] * B, [0] * B), 0.0, 1.0)
         assert ctl.choose(reqs) == [k] * B and ctl.probes[B].steps == 8
@@ -413,8 +416,8 @@ def test_a_first_probe_cut_short_keeps_the_acceptance_measured_elsewhere():
             ctl.observe([_Req()], DraftBatch.empty(1), AcceptanceResult([0], [[0]], [0]), 0.0, 1.0)
     before = ctl.alpha
     two = [_Req(), _Req()]
-    for t in (1.1, 1.1):
-        ctl.observe(two, DraftBatch.empty(2), AcceptanceResult([0, 0], [[0], [0]], [0, 0]), 0.0, t)
+    for _ in PLAIN:
+        ctl.observe(two, DraftBatch.empty(2), AcceptanceResult([0, 0], [[0], [0]], [0, 0]), 0.0, 1.1)
     ks = ctl.choose(two)
     assert ks == [4, 4] and 2 in ctl.probes
     ctl.observe(two, DraftBatch.from_lists([[0] * 4] * 2), AcceptanceResult([0, 0], [[0], [0]], [4, 4]), 0.04, 2.0)
@@ -438,7 +441,7 @@ def test_a_first_probe_never_takes_the_rounds_size():
             ctl.observe_rounds(1, 8, 8 * 6.0, 8, 8 * 4, rejected=8)
         else:
             _chain_step(ctl, n, 1, 0.3, 1.0 + 0.1 * n, scores=[None], req=_Sampled())
-    assert chosen[:4] == [0, 0, 4, 4] and chosen[4] == 3
+    assert chosen[:6] == PLAIN + [4, 4] and chosen[6] == 3
     assert chosen[-20:].count(4) <= 2
 
 
@@ -479,13 +482,13 @@ def test_sizes_past_the_flat_confidence_are_never_weighed():
     the choice never goes past it (nor does exploration), and only those sizes are weighed."""
     conf = [0.9, 0.9, 0.9, 0.9, 0.9, 0.9] + [1e-4] * 58   # six confident candidates, then nothing
     chosen = _converge(0.001, conf, lambda n: min(n, 5))
-    assert chosen[2:10] == [16] * 8   # (the first probe, before any confidence is known)
-    assert set(chosen[10:]) == {6}    # (before, exploration tried 12 every other interval)
+    assert chosen[_PLAIN_FIRST:_PLAIN_FIRST + 8] == [16] * 8   # (the first probe, before any confidence is known)
+    assert set(chosen[_PLAIN_FIRST + 8:]) == {6}    # (before, exploration tried 12 every other interval)
     ctl = SpecController(CFG, 4096)
     weighed = []
     orig = ctl._tree_tokens
     ctl._tree_tokens = lambda chains, free, n, *rest: weighed.append(n) or orig(chains, free, n, *rest)
-    for _ in range(12):
+    for _ in range(_PLAIN_FIRST + 10):
         n = ctl.choose([_Req()])[0]
         _step(ctl, n, conf, min(n, 5), 0.3, 1.0 + 0.001 * n) if n else ctl.observe(
             [_Req()], DraftBatch.empty(1), AcceptanceResult([0], [[0]], [0]), 0.0, 1.0)
@@ -560,7 +563,7 @@ def test_a_larger_batch_first_probes_the_size_a_smaller_one_settled_on():
     level per exploration interval, chains of 1-3 for a whole run where 7 ran fastest."""
     def first_probe(ctl: SpecController, B: int) -> int:
         reqs = [_Req() for _ in range(B)]
-        for _ in range(2):   # plain decode is measured first
+        for _ in PLAIN:   # plain decode is measured first
             assert ctl.choose(reqs) == [0] * B
             ctl.observe(reqs, DraftBatch.empty(B), AcceptanceResult([0] * B, [[0]] * B, [0] * B), 0.0, 1.0)
         k = ctl.choose(reqs)[0]
@@ -598,3 +601,44 @@ def test_a_chain_measured_alone_borrows_the_curve_of_another_batch_size():
     assert ctl._chain_draft_times(16) == {1: 2.0, 2: 2.0, 3: 6.0, 4: 10.0}
     assert ctl._chain_draft_times(1) == {1: 1.0, 4: 2.5}                     # measured: its own
     assert SpecController(CFG, 4096)._chain_draft_times(16) == {}
+
+
+def test_plain_decode_is_measured_after_the_slow_steps_and_kept_current_when_the_call_is_close():
+    """The first steps after a prefill run slow (a batch of 16: 3.8, 3.5, 2.8, 2.6 ms, then 2.3):
+    t_verify(B, 1) is the last of the first _PLAIN_FIRST one-token steps. While speculating where
+    no speculation's estimated goodput is within _PLAIN_CLOSE of the best size's, _PLAIN_FIRST
+    plain steps every _PLAIN_REFRESH exploration intervals measure it again at the context the
+    sizes now run at (a plain step of a batch of 16 grew from 3.2 ms to 4.3 over 100 tokens, and
+    the first plain steps after verifying many tokens run slow as well), the last replacing the
+    estimate; measured at the start only, it made speculation look 20 % better than it was at a
+    batch of 16, T = 0.7. Where speculation is far ahead, no plain step is spent on it."""
+    ctl = SpecController(CFG, 4096)
+    for i, t in enumerate([3.8, 3.5, 2.8, 2.6]):
+        assert ctl.choose([_Req()]) == [0]
+        ctl.observe([_Req()], DraftBatch.empty(1), AcceptanceResult([0], [[0]], [0]), 0.0, t)
+        assert ctl.verify_cost[1].get(1) == (None if i < _PLAIN_FIRST - 1 else 2.6)
+
+    def run(plain: float) -> tuple[SpecController, list[int]]:
+        """Chains of 1-4 measured (goodputs 1.73, 1.93, 1.76, 1.60), plain decode at ``plain``;
+        plain steps now cost 0.6, 0.8 right after a verification."""
+        ctl = SpecController(CFG, 4096)
+        _measured(ctl, {1: 0.1, 2: 0.4, 3: 0.7, 4: 1.0})
+        ctl.verify_cost[1][1] = plain
+        for _ in range(10):
+            ctl.confidence.calibrate(1.7, ctl.confidence.observe([[0.9, 0.8, 0.3, 0.2]], [2]))
+        chosen = []
+        for _ in range(3 * _PLAIN_REFRESH * CFG.adaptive_explore_interval + _PLAIN_FIRST):
+            n = ctl.choose([_Req()])[0]
+            chosen.append(n)
+            if n == 0:
+                t = 0.8 if len(chosen) > 1 and chosen[-2] else 0.6
+                ctl.observe([_Req()], DraftBatch.empty(1), AcceptanceResult([0], [[0]], [0]), 0.0, t)
+        return ctl, chosen
+
+    ctl, chosen = run(0.65)   # (plain decode 1.54, then 1.67: within _PLAIN_CLOSE of the chain of 2)
+    zeros = [i for i, n in enumerate(chosen) if n == 0]
+    runs = [zeros[i:i + _PLAIN_FIRST] for i in range(0, len(zeros), _PLAIN_FIRST)]
+    assert len(runs) == 3 and all(r == list(range(r[0], r[0] + _PLAIN_FIRST)) for r in runs)
+    assert ctl.verify_cost[1][1] == 0.6   # the refresh's last plain step, not 0.65 nor 0.8
+    ctl, chosen = run(1.0)   # (plain decode 1.0: the chain is far ahead)
+    assert chosen.count(0) == 0 and ctl.verify_cost[1][1] == 1.0
