@@ -8,9 +8,12 @@ that end where the drafter's path confidence falls below 0.3 (``min_draft_confid
 EAGLE-3 head's up to 10 deep (index 6) and the draft model's up to 8 (index 7). ``--compare-head
 HEAD`` adds another EAGLE-3 head (a retrained one) as the chain of 5 (index 8) and the chain up to
 10 with c = 0.3 (index 9), to compare heads in one interleaved run. ``--eagle-depths 7`` adds the head's
-chain of 7 (the built-in default on AVX-512 BF16 CPUs: ``leapfrog.demo.demo_chain_depth``) after those.
-``--head-quantization w8a8`` adds, last, each EAGLE-3 contender of the head (2, 3, 4, 6 and the
-``--eagle-depths`` chains) once more with that ``draft_quantization`` (w8a8: the head's linears on
+chain of 7 (the built-in default on AVX-512 BF16 CPUs: ``leapfrog.demo.demo_chain_depth``) after those,
+``--auto-depths 7`` the head's "auto" tree sizes at depth 7 after those. ``--continuous``: continuous
+batching (all prompts to each engine in one call, at most the batch size running; default: static
+batches of the batch size).
+``--head-quantization w8a8`` adds, last, each EAGLE-3 contender of the head (2, 3, 4, 6, the
+``--eagle-depths`` chains and the ``--auto-depths`` sizes) once more with that ``draft_quantization`` (w8a8: the head's linears on
 the AMX-INT8 tiles, the built-in default on AMX CPUs: ``leapfrog.demo.demo_draft_quantization``).
 Prompts: code the models never trained on, either the demo's held-out standard-library files
 (``--source heldout``, default) or third-party files from this Python's site-packages
@@ -56,7 +59,8 @@ def site_package_documents(limit_files: int = 60) -> list[Document]:
 
 
 def contenders(draft: str, head: str, k: int, compare_head: str | None = None,
-               depths: list[int] = (), head_quantization: str | None = None) -> list[dict]:
+               depths: list[int] = (), head_quantization: str | None = None,
+               auto_depths: list[int] = ()) -> list[dict]:
     e3 = {"method": "eagle3", "model": head}
     other = [] if compare_head is None else [
         {"method": "eagle3", "model": compare_head, "num_speculative_tokens": 5, "eagle_topk": 1},
@@ -71,7 +75,8 @@ def contenders(draft: str, head: str, k: int, compare_head: str | None = None,
         {"method": "draft_model", "model": draft, "num_speculative_tokens": k, "adaptive": True},
         {**e3, "num_speculative_tokens": 10, "eagle_topk": 1, "min_draft_confidence": 0.3},
         {"method": "draft_model", "model": draft, "num_speculative_tokens": 8, "min_draft_confidence": 0.3},
-    ] + other + [{**e3, "num_speculative_tokens": d, "eagle_topk": 1} for d in depths]
+    ] + other + [{**e3, "num_speculative_tokens": d, "eagle_topk": 1} for d in depths] + [
+        {**e3, "num_speculative_tokens": d, "eagle_topk": 4, "num_draft_tokens": "auto"} for d in auto_depths]
     if head_quantization:
         specs += [{**s, "draft_quantization": head_quantization} for s in specs
                   if s["method"] == "eagle3" and s["model"] == head]
@@ -92,12 +97,17 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4, help="K of draft_model and ngram")
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0])
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
+    ap.add_argument("--continuous", action="store_true",
+                    help="continuous batching: all prompts to each engine in one call, at most the batch size "
+                         "running at a time (default: static batches of the batch size, one after another)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--eagle-depths", nargs="*", type=int, default=[],
                     help="more chains of the head at these depths (the built-in default's 7 on AVX-512 BF16 "
                          "CPUs): indices after the others (from 8, or 10 with --compare-head)")
+    ap.add_argument("--auto-depths", nargs="*", type=int, default=[],
+                    help="\"auto\" tree sizes of the head (top 4) at these depths: indices after --eagle-depths'")
     ap.add_argument("--head-quantization", default=None, choices=["int8", "int4", "w8a8"],
                     help="adds the head's contenders once more with this draft_quantization (indices last)")
     ap.add_argument("--only", nargs="*", default=None, help="contender indices to keep (0..7, 8 and 9 with --compare-head, "
@@ -123,7 +133,8 @@ def main() -> None:
         docs = site_package_documents()
     prompts = heldout_prompts(tok, docs, args.num_prompts, prompt_tokens=args.prompt_tokens)
     items = [WorkloadItem(f"code-{args.source}", p, None, str(i)) for i, p in enumerate(prompts)]
-    specs = contenders(args.draft, args.head, args.k, args.compare_head, args.eagle_depths, args.head_quantization)
+    specs = contenders(args.draft, args.head, args.k, args.compare_head, args.eagle_depths, args.head_quantization,
+                       args.auto_depths)
     if args.only is not None:
         if bad := [i for i in args.only if not 0 <= int(i) < len(specs)]:
             raise SystemExit(f"--only {' '.join(bad)}: contenders are 0..{len(specs) - 1}"
@@ -132,7 +143,8 @@ def main() -> None:
     res = run_bench(args.target, specs, items, temperatures=args.temperatures, max_tokens=args.max_tokens,
                     batch_sizes=args.batch_sizes, repeats=args.repeats, warmup=1, out_dir=args.out,
                     dtype=args.dtype, threads=args.threads, request_seed=args.request_seed,
-                    enforce_eager=args.enforce_eager, num_scheduler_steps=args.num_scheduler_steps)
+                    enforce_eager=args.enforce_eager, num_scheduler_steps=args.num_scheduler_steps,
+                    continuous=args.continuous)
     print(format_table(res))
     rows = [{k: r[k] for k in ("contender", "temperature", "batch_size", "tokens_per_s", "speedup", "speedup_ci_low",
                                "speedup_ci_high", "acceptance_rate", "mean_acceptance_length", "equal_rate")
@@ -140,6 +152,7 @@ def main() -> None:
     summary = {"source": args.source, "num_prompts": len(items), "max_tokens": args.max_tokens,
                "dtype": res.settings["resolved_dtype"], "threads": args.threads, "enforce_eager": args.enforce_eager,
                "num_scheduler_steps": args.num_scheduler_steps, "multi_step": res.settings["multi_step"],
+               "continuous": args.continuous,
                "contenders": res.contenders, "rows": rows}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "tree_summary.json").write_text(json.dumps(summary, indent=1, default=str))

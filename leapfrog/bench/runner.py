@@ -24,6 +24,7 @@ warm-up and repeat, so a repeat never drafts from the outputs of the same items 
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import difflib
 import json
@@ -171,7 +172,7 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
               max_model_len: int | None = None, plots: bool = True, progress: bool = True,
               log: Callable[[str], None] | None = None, backends: Sequence[str] = ("leapfrog",),
               request_seed: int | None = None, enforce_eager: bool = True,
-              num_scheduler_steps: int = 1) -> BenchResult:
+              num_scheduler_steps: int = 1, continuous: bool = False) -> BenchResult:
     """Benchmark each speculative config in ``specs`` against no speculation on ``items``; see the module doc.
 
     ``request_seed``: sampled requests are seeded (item i with request_seed + i, the same in every
@@ -186,7 +187,15 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
     (``settings["multi_step"]`` lists who ran with the steps).
 
     ``backends`` containing "transformers" adds, per leapfrog contender, its transformers counterpart
-    (``leapfrog.bench.hf_backend``) to the same interleaved rounds."""
+    (``leapfrog.bench.hf_backend``) to the same interleaved rounds.
+
+    ``continuous``: each category's items go to each engine in one call, at most ``batch_size``
+    running at a time (continuous batching: a finished request's place goes to the next one
+    waiting), instead of one static batch of ``batch_size`` items after another. A static batch
+    with speculation ends with its slowest request, the batch drained to a few sequences that
+    use a step's weight streaming poorly (at T = 0.7 requests accept very unequally), which no
+    speculation, all ending at max_tokens together, never pays; a server with a queue does not
+    either."""
     from leapfrog.progress import progress_bar
 
     from leapfrog import LLM, SamplingParams
@@ -198,6 +207,8 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
         raise ConfigError("need repeats >= 1, warmup >= 0 and max_tokens >= 1")
     if not batch_sizes or any(b < 1 for b in batch_sizes):
         raise ConfigError("batch sizes must be >= 1")
+    if continuous and "transformers" in backends:
+        raise ConfigError("continuous batching runs leapfrog engines only (transformers generate takes static batches)")
     if not temperatures or any(not math.isfinite(t) or t < 0 for t in temperatures):
         raise ConfigError(f"temperatures must be finite and >= 0, got {list(temperatures)}")
     if warmup == 0:
@@ -305,13 +316,15 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
                     _clear_suffix_cache(llms[n])
                 for c in categories:
                     group = by_cat[c]
-                    for j in range(0, len(group), bs):
-                        chunk = group[j:j + bs]
+                    per_call = len(group) if continuous else bs
+                    for j in range(0, len(group), per_call):
+                        chunk = group[j:j + per_call]
                         prompts = [{"prompt_token_ids": ids} for _, ids in chunk]
                         for n in order:
                             sps = params(n, [idx for idx, _ in chunk])
                             t0 = time.perf_counter()
-                            res = llms[n].generate(prompts, sps, use_tqdm=False)
+                            with _running_at_most(llms[n], bs if continuous else None):
+                                res = llms[n].generate(prompts, sps, use_tqdm=False)
                             dt = time.perf_counter() - t0
                             run_counts[n] += 1
                             secs[(r, n, c)] += dt
@@ -342,10 +355,24 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
                                        backends=list(backends), threads=threads, num_items=len(kept),
                                        categories=categories, request_seed=request_seed,
                                        enforce_eager=enforce_eager, num_scheduler_steps=num_scheduler_steps,
-                                       multi_step=multi_step))
+                                       multi_step=multi_step, continuous=continuous))
     if out_dir is not None:
         write_outputs(result, Path(out_dir), plots=plots)
     return result
+
+
+@contextlib.contextmanager
+def _running_at_most(llm, n: int | None):
+    """While inside: the engine's scheduler runs at most ``n`` requests at a time (None: as built)."""
+    sched = llm.engine.scheduler if n is not None else None
+    old = None if sched is None else sched.max_num_seqs
+    if sched is not None:
+        sched.max_num_seqs = min(n, old)
+    try:
+        yield
+    finally:
+        if sched is not None:
+            sched.max_num_seqs = old
 
 
 def _clear_suffix_cache(llm) -> None:

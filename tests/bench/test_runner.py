@@ -240,3 +240,48 @@ def test_contender_names_tell_two_drafters_apart():
     # the same head quantized (tree_bench --head-quantization) is named by its draft_quantization
     spec = {"method": "eagle3", "model": "/a/eagle3", "num_speculative_tokens": 5, "eagle_topk": 1}
     assert contender_name({**spec, "draft_quantization": "w8a8"}, taken) == "eagle3-k5-topk1-w8a8"
+
+
+def test_continuous_batching_runs_each_category_in_one_call_at_most_the_batch_size_at_a_time(llama_dir,
+                                                                                             monkeypatch):
+    """--continuous: each category's items go to each engine in one call, the scheduler running
+    at most batch_size of them at a time (a finished request's place goes to the next waiting);
+    the outputs are the static batches' (greedy), and the engine's own limit is back afterwards."""
+    from leapfrog.engine.engine import LLMEngine
+    from leapfrog.errors import ConfigError
+    running: list[int] = []
+    orig = LLMEngine.step
+
+    def step(self, *a, **kw):
+        out = orig(self, *a, **kw)
+        running.append(len(self.scheduler.running) + len(out))
+        return out
+
+    monkeypatch.setattr(LLMEngine, "step", step)
+    items = [WorkloadItem("code", f"x{i} = {i}\ny{i} = x{i} + 1\nx{i} = {i}\n", None, f"c{i}") for i in range(5)]
+    res = run_bench(str(llama_dir), [NG2], items, temperatures=[0.0], max_tokens=6, batch_sizes=[2], repeats=1,
+                    warmup=0, out_dir=None, dtype="float32", progress=False, continuous=True)
+    assert res.run_counts == {"none": 1, "ngram-k2": 1} and res.settings["continuous"] is True
+    assert max(running) == 2 and running.count(2) > 2
+    static = run_bench(str(llama_dir), [NG2], items, temperatures=[0.0], max_tokens=6, batch_sizes=[2], repeats=1,
+                       warmup=0, out_dir=None, dtype="float32", progress=False)
+    assert static.run_counts == {"none": 3, "ngram-k2": 3}
+    for r in res.rows:
+        assert r["equal_rate"] == 1.0 and r["tokens_per_s"] > 0
+    with pytest.raises(ConfigError, match="continuous batching"):
+        run_bench(str(llama_dir), [NG2], items, backends=["leapfrog", "transformers"], out_dir=None,
+                  progress=False, continuous=True)
+
+
+def test_running_at_most_restores_the_engines_limit_even_on_error():
+    from types import SimpleNamespace
+
+    from leapfrog.bench.runner import _running_at_most
+    llm = SimpleNamespace(engine=SimpleNamespace(scheduler=SimpleNamespace(max_num_seqs=8)))
+    with pytest.raises(RuntimeError):
+        with _running_at_most(llm, 2):
+            assert llm.engine.scheduler.max_num_seqs == 2
+            raise RuntimeError("a failed generate")
+    assert llm.engine.scheduler.max_num_seqs == 8
+    with _running_at_most(llm, 32):   # never above what the engine was built for
+        assert llm.engine.scheduler.max_num_seqs == 8
