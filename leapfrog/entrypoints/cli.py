@@ -308,6 +308,9 @@ def _bench_parser(sub) -> None:
     p.add_argument("--num-scheduler-steps", type=int, default=1,
                    help="with --no-enforce-eager: decode steps (speculation rounds) per engine step for none and "
                         "every contender that can run rounds (draft models, EAGLE chains, 'auto' tree sizes)")
+    p.add_argument("--continuous", action="store_true",
+                   help="continuous batching: each category's items in one call, at most --batch-size running at a "
+                        "time (default: static batches of --batch-size, one after another)")
     p.add_argument("--out", default="bench_out", type=output_dir, help="folder for bench.json, bench.csv and the plots")
     p.add_argument("--no-plots", action="store_true", help="skip the matplotlib plots")
     p.add_argument("--backend", action="append", default=None, choices=["leapfrog", "transformers"],
@@ -352,7 +355,8 @@ def cmd_bench(args) -> int:
                     dtype=args.dtype, threads=args.threads, tokenizer=args.tokenizer, seed=args.seed,
                     max_model_len=args.max_model_len, plots=not args.no_plots,
                     backends=["leapfrog", *(args.backend or [])], request_seed=args.request_seed,
-                    enforce_eager=args.enforce_eager, num_scheduler_steps=args.num_scheduler_steps)
+                    enforce_eager=args.enforce_eager, num_scheduler_steps=args.num_scheduler_steps,
+                    continuous=args.continuous)
     print(format_table(res))
     if res.peer_ratios:
         print()

@@ -93,6 +93,10 @@ def test_cli_bench(llama_dir, tmp_path, capsys):
     assert "Recommendation" in text and "ngram-k2" in text
     assert (tmp_path / "out" / "bench.csv").exists()
     assert json.loads((tmp_path / "out" / "bench.json").read_text())["settings"]["enforce_eager"] is True
+    rc = main(["bench", "--model", str(llama_dir), "--speculative-config", json.dumps(NG2), "--workload", str(wl),
+               "--max-tokens", "4", "--repeats", "1", "--warmup", "0", "--dtype", "float32", "--batch-size", "1",
+               "--continuous", "--out", str(tmp_path / "cont"), "--no-plots"])
+    assert rc == 0 and json.loads((tmp_path / "cont" / "bench.json").read_text())["settings"]["continuous"] is True
 
 
 def test_cli_bad_input(llama_dir, tmp_path, capsys):
