@@ -111,7 +111,7 @@ def main() -> None:
     ap.add_argument("--head-quantization", default=None, choices=["int8", "int4", "w8a8"],
                     help="adds the head's contenders once more with this draft_quantization (indices last)")
     ap.add_argument("--only", nargs="*", default=None, help="contender indices to keep (0..7, 8 and 9 with --compare-head, "
-                    "then --eagle-depths'; none always runs)")
+                    "then --eagle-depths', --auto-depths' and --head-quantization's; none always runs)")
     ap.add_argument("--request-seed", type=int, default=None,
                     help="seed the requests (item i: this + i): sampled ones are verified by matching")
     ap.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,

@@ -286,7 +286,8 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
     run_counts = {n: 0 for n in names}
     rows: list[dict[str, Any]] = []
     peer_rows: list[dict[str, Any]] = []
-    n_batches = {bs: sum(math.ceil(len(v) / bs) for v in by_cat.values()) for bs in batch_sizes}
+    n_batches = {bs: len(by_cat) if continuous else sum(math.ceil(len(v) / bs) for v in by_cat.values())
+                 for bs in batch_sizes}
     total = sum(len(temperatures) * repeats * n_batches[bs] * len(names) for bs in batch_sizes)
     bar = progress_bar(total=total, desc="leapfrog bench", disable=not progress, file=sys.stderr)
     for temp in temperatures:

@@ -45,7 +45,8 @@ never pays, and probes cost).
 The first time of a forward shape includes one-off costs (kernel selection and packing for a
 new row count: the first 21-token verify of the demo target measured 11.7 ms, later ones about
 8), so a size's first measurement is only provisional: the next step runs the same size again
-and that measurement replaces it (the provisional one is never used in the estimates).
+and that measurement replaces it (the provisional one is never used in the estimates; plain decode:
+the last of _PLAIN_FIRST steps, above).
 Beyond the largest measured size the cost is extrapolated along the slope from the smallest
 measured size to the largest (flat while only plain decode is measured, so the first probe
 happens). The first drafts at a batch size are a probe of _FIRST_PROBE_STEPS steps, judged
@@ -155,6 +156,7 @@ _PLAIN_FIRST = 4
 #: while speculating where no speculation is estimated within _PLAIN_CLOSE of the best size,
 #: _PLAIN_FIRST plain steps every this many exploration intervals keep t_verify(B, 1) current
 _PLAIN_REFRESH = 4
+_PLAIN_REFRESH_STEPS = 64   # ... and every this many steps at most (a short exploration interval)
 _PLAIN_CLOSE = 0.75
 
 
@@ -217,7 +219,7 @@ class SpecController:
         self.probe_wait: dict[int, int] = {}
         self.plain_samples: dict[int, int] = {}   # bucket -> one-token steps measured before t_verify(B, 1) stands
         #: bucket -> plain steps of a refresh of t_verify(B, 1) still to choose; buckets whose next
-        #: one-token step is a refresh's last (its sample replaces the estimate)
+        #: observed one-token step is a refresh's last (its sample replaces the estimate, unless widened)
         self.refresh: dict[int, int] = {}
         self.refresh_due: set[int] = set()
 
@@ -255,6 +257,9 @@ class SpecController:
             self.free_share = sum(r.unseeded_sampled for r in reqs) / len(reqs) if reqs else 0.0
         for b in [b for b in self.probes if b != bucket]:   # the batch moved on: its probe is stale
             del self.probes[b]
+        for b in [b for b in self.refresh if b != bucket]:  # ... and so is a refresh of its plain decode
+            del self.refresh[b]
+        self.refresh_due &= {bucket}
         if self.cfg.disable_by_batch_size is not None and B > self.cfg.disable_by_batch_size:
             k = 0
         elif (probe := self.probes.get(bucket)) is not None and probe.chosen < probe.steps:
@@ -362,6 +367,8 @@ class SpecController:
             self.probes.pop(bucket, None)   # (a probe's size ran as rounds: the rounds stand for it)
         else:
             self.off_steps[bucket] += max(rounds, 0)
+            self.refresh.pop(bucket, None)   # (plain steps ran as multi-step decode: measured as rounds)
+            self.refresh_due.discard(bucket)
         if rounds < 1 or seconds <= 0:
             return
         per, seen, old = seconds / rounds, self.round_samples.get(key, 0), self.round_time.get(key)
@@ -478,7 +485,7 @@ class SpecController:
         where two or more are, scaled to the one measured here (a step's drafting is the head's
         catch-up on the tokens just accepted plus one forward per level, in about the same
         proportions at every batch size). Without such a curve only the measured ones (a chain
-        measured alone then lends its time unscaled: ``_auto_tree_size``). A batch size seeded at
+        measured alone then lends its time to the others, never scaled down: ``_auto_tree_size``). A batch size seeded at
         the top of the range (``_seed_size``) measures its longest chain first, and the shorter
         chains borrowing its whole time looked too dear to try: "auto" took 64 steps to come down
         from the chain of 7 to the chain of 5 at a batch of 32, 0.90x the chain of 5."""
@@ -493,8 +500,10 @@ class SpecController:
         ref_chains = {lv: t for (lv, w), t in self.tree_draft_cost[ref].items() if w == 1}
         (lv0, t0), = own.items()
         levels = range(1, self.cfg.num_speculative_tokens + 1)
-        scale = t0 / _curve(ref_chains, [lv0])[0]
-        return {lv: t * scale for lv, t in zip(levels, _curve(ref_chains, list(levels)))} | own
+        ref_t0 = _curve(ref_chains, [lv0])[0]
+        if not ref_t0 or ref_t0 <= 0:
+            return own
+        return {lv: t * t0 / ref_t0 for lv, t in zip(levels, _curve(ref_chains, list(levels)))} | own
 
     def _explore_weighed(self, bucket: int, w: _Weighed) -> int:
         """_explore over a weighing of the auto tree sizes."""
@@ -525,7 +534,9 @@ class SpecController:
         step's acceptance is too noisy: at T = 0.7 one unlucky step turned speculation off again).
         (A batch size's first probe, ``_first_probe``, runs _FIRST_PROBE_STEPS steps and adds its
         acceptance to what other batch sizes measured: it replaces nothing, so one cut short by
-        the batch moving on cannot leave one step's acceptance as everyone's.)"""
+        the batch moving on cannot leave one step's acceptance as everyone's.) While speculating
+        where no speculation is estimated within _PLAIN_CLOSE of best: 0, the first of a refresh's
+        _PLAIN_FIRST plain steps (module docstring; ``choose`` runs the rest)."""
         interval = self.cfg.adaptive_explore_interval
         self.best[bucket] = best
         if best == 0 and self._probe_due(bucket):
@@ -534,9 +545,12 @@ class SpecController:
         if best:
             self.off_steps.pop(bucket, None)
             self.probe_wait.pop(bucket, None)
-        period = _PLAIN_REFRESH * interval
-        if best and self.steps % period == period - 1 and goodput(0) >= _PLAIN_CLOSE * goodput(best):
-            self.refresh[bucket] = _PLAIN_FIRST - 1   # t_verify(B, 1) again, at the context the sizes now run at
+        # t_verify(B, 1) again, at the context the sizes now run at (not where the engine runs plain
+        # steps as multi-step decode, measured as rounds, nor while other proposers widen the steps)
+        period = max(_PLAIN_REFRESH * interval, _PLAIN_REFRESH_STEPS)
+        if (best and self.steps % period == period - 1 and 0 not in self.round_sizes
+                and not self.widened.get(bucket) and goodput(0) >= _PLAIN_CLOSE * goodput(best)):
+            self.refresh[bucket] = _PLAIN_FIRST - 1
             return 0
         if self.steps and self.steps % interval == 0:
             cand = up if (self.steps // interval) % 2 == 1 else down
@@ -653,12 +667,14 @@ class SpecController:
         if s == 1:
             self.off_steps[bucket] += 1
         table, first = self.verify_cost.setdefault(bucket, {}), self.first_verify.setdefault(bucket, {})
+        due = s == 1 and bucket in self.refresh_due   # (widened, a refresh's last step measures nothing)
+        if due:
+            self.refresh_due.discard(bucket)
         if not self.widened[bucket]:
             if s == 1 and s not in table:   # the first plain steps: the last of _PLAIN_FIRST stands
                 n = self.plain_samples[bucket] = self.plain_samples.get(bucket, 0) + 1
                 (table if n >= _PLAIN_FIRST else first)[s] = t_verify
-            elif s == 1 and bucket in self.refresh_due:   # a refresh's last step replaces the estimate
-                self.refresh_due.discard(bucket)
+            elif due:   # a refresh's last step replaces the estimate
                 table[s] = t_verify
             elif s in table:
                 table[s] = t_verify if fresh else _bounded_ema(table[s], t_verify)

@@ -7,8 +7,6 @@ import pytest
 import torch
 
 from leapfrog.spec_decode.adaptive import _PLAIN_FIRST, _PLAIN_REFRESH, SpecController, _bucket, expected_tokens
-
-PLAIN = [0] * _PLAIN_FIRST   # plain decode is measured first at a batch size (the last of these steps stands)
 from leapfrog.spec_decode.confidence import GAMMAS
 
 from .test_confidence import accepted_counts
@@ -16,6 +14,7 @@ from leapfrog.spec_decode.config import SpeculativeConfig
 from leapfrog.spec_decode.draft import DraftBatch
 from leapfrog.spec_decode.verify.result import AcceptanceResult
 
+PLAIN = [0] * _PLAIN_FIRST   # plain decode is measured first at a batch size (the last of these steps stands)
 CFG = SpeculativeConfig.from_dict({"method": "eagle3", "model": "h", "num_speculative_tokens": 4,
                                    "eagle_topk": 4, "num_draft_tokens": "auto"})
 
@@ -642,3 +641,39 @@ def test_plain_decode_is_measured_after_the_slow_steps_and_kept_current_when_the
     assert ctl.verify_cost[1][1] == 0.6   # the refresh's last plain step, not 0.65 nor 0.8
     ctl, chosen = run(1.0)   # (plain decode 1.0: the chain is far ahead)
     assert chosen.count(0) == 0 and ctl.verify_cost[1][1] == 1.0
+
+
+def test_a_refresh_of_plain_decode_never_sticks():
+    """A refresh measures only what a one-token step observed and unwidened measures: none starts
+    where plain steps run as multi-step decode (measured as rounds) or while steps are widened, a
+    multi-step decode step ends one, its last step widened measures nothing (the next plain step
+    is not taken raw), and the batch moving to another batch size drops it."""
+    interval = CFG.adaptive_explore_interval
+    period = max(_PLAIN_REFRESH * interval, 64)
+    gp = {0: 0.9, 1: 0.95, 2: 1.0, 3: 0.9}.__getitem__
+    ctl = SpecController(CFG, 4096)
+    ctl.steps = period - 1
+    ctl.round_sizes = (4, 0)
+    assert ctl._explore(1, 2, gp, 3, 1, 1) == 2          # multi-step decode: none
+    ctl.round_sizes = ()
+    ctl.widened[1] = True
+    assert ctl._explore(1, 2, gp, 3, 1, 1) == 2          # widened: none
+    ctl.widened[1] = False
+    assert ctl._explore(1, 2, gp, 3, 1, 1) == 0 and ctl.refresh == {1: _PLAIN_FIRST - 1}
+    ctl.observe_rounds(1, 8, 8.0, size=0)                 # ran as multi-step decode after all
+    assert not ctl.refresh and not ctl.refresh_due
+
+    ctl = SpecController(CFG, 4096)
+    ctl.verify_cost = {1: {1: 1.0}}
+    ctl.refresh = {1: 1}
+    assert ctl.choose([_Req()]) == [0] and ctl.refresh_due == {1}
+    plain = (DraftBatch.empty(1), AcceptanceResult([0], [[0]], [0]), 0.0)
+    ctl.observe([_Req()], *plain, 5.0, verify_tokens=3)  # widened by another proposer's drafts
+    assert ctl.verify_cost[1][1] == 1.0 and not ctl.refresh_due
+    ctl.observe([_Req()], *plain, 5.0)                    # an ordinary plain step: bounded, not raw
+    assert ctl.verify_cost[1][1] == pytest.approx(0.8 * 1.0 + 0.2 * 2.0)
+
+    ctl = SpecController(CFG, 4096)
+    ctl.refresh, ctl.refresh_due = {1: 2}, {1}
+    ctl.choose([_Req(), _Req()])                          # batch size 2 now
+    assert not ctl.refresh and not ctl.refresh_due
