@@ -13,8 +13,9 @@ chain of 7 (the built-in default on AVX-512 BF16 CPUs: ``leapfrog.demo.demo_chai
 batching (all prompts to each engine in one call, at most the batch size running; default: static
 batches of the batch size).
 ``--head-quantization w8a8`` adds, last, each EAGLE-3 contender of the head (2, 3, 4, 6, the
-``--eagle-depths`` chains and the ``--auto-depths`` sizes) once more with that ``draft_quantization`` (w8a8: the head's linears on
-the AMX-INT8 tiles, the built-in default on AMX CPUs: ``leapfrog.demo.demo_draft_quantization``).
+``--eagle-depths`` chains and the ``--auto-depths`` sizes) once more with that ``draft_quantization``
+(w8a8: the head's linears on the AMX-INT8 tiles, the built-in default on AMX CPUs:
+``leapfrog.demo.demo_draft_quantization``).
 Prompts: code the models never trained on, either the demo's held-out standard-library files
 (``--source heldout``, default) or third-party files from this Python's site-packages
 (``--source site-packages``).

@@ -34,7 +34,8 @@ tree, a step tries one more token than it accepted only where the accepted path 
 node with children.) Unmeasured verify costs are interpolated linearly between measured ones
 (beyond them see below; flat while one size is measured, so an unmeasured K gets tried once).
 The first drafts at a batch size are a probe of the size a smaller batch size settled on, else
-of K (less at larger batches: _seed_size, _probe_size) for _FIRST_PROBE_STEPS steps. Every ``adaptive_explore_interval`` steps the controller tries a
+of K (less at larger batches: _seed_size, _probe_size) for _FIRST_PROBE_STEPS steps. Every
+``adaptive_explore_interval`` steps the controller tries a
 neighbour of k* if its estimated goodput is within 15 % of k*'s, so close calls stay measured
 without paying for hopeless ones (auto tree sizes: the chain one level longer or shorter up to
 the depth, tree sizes doubled or halved past it); while speculation is off it drafts a probe (4
@@ -218,10 +219,9 @@ class SpecController:
         self.off_steps: defaultdict[int, int] = defaultdict(int)
         self.probe_wait: dict[int, int] = {}
         self.plain_samples: dict[int, int] = {}   # bucket -> one-token steps measured before t_verify(B, 1) stands
-        #: bucket -> plain steps of a refresh of t_verify(B, 1) still to choose; buckets whose next
-        #: observed one-token step is a refresh's last (its sample replaces the estimate, unless widened)
+        #: bucket -> plain steps of a refresh of t_verify(B, 1) still to choose (0: the next observed
+        #: one-token step is its last, whose sample replaces the estimate unless widened)
         self.refresh: dict[int, int] = {}
-        self.refresh_due: set[int] = set()
 
     @property
     def alpha(self) -> float:
@@ -259,7 +259,6 @@ class SpecController:
             del self.probes[b]
         for b in [b for b in self.refresh if b != bucket]:  # ... and so is a refresh of its plain decode
             del self.refresh[b]
-        self.refresh_due &= {bucket}
         if self.cfg.disable_by_batch_size is not None and B > self.cfg.disable_by_batch_size:
             k = 0
         elif (probe := self.probes.get(bucket)) is not None and probe.chosen < probe.steps:
@@ -269,8 +268,6 @@ class SpecController:
         elif self.refresh.get(bucket):   # (the rest of a refresh of t_verify(B, 1): _explore)
             k = 0
             self.refresh[bucket] -= 1
-            if not self.refresh[bucket]:
-                self.refresh_due.add(bucket)
         elif (self.cfg.auto_tree or self.cfg.adaptive) and bucket in self.confirm:
             k = self.confirm.pop(bucket)  # a size measured once (cold): measure it warm
         elif (self.cfg.auto_tree or self.cfg.adaptive) and (size := self._round_unmeasured(bucket)) is not None:
@@ -368,7 +365,6 @@ class SpecController:
         else:
             self.off_steps[bucket] += max(rounds, 0)
             self.refresh.pop(bucket, None)   # (plain steps ran as multi-step decode: measured as rounds)
-            self.refresh_due.discard(bucket)
         if rounds < 1 or seconds <= 0:
             return
         per, seen, old = seconds / rounds, self.round_samples.get(key, 0), self.round_time.get(key)
@@ -485,9 +481,9 @@ class SpecController:
         where two or more are, scaled to the one measured here (a step's drafting is the head's
         catch-up on the tokens just accepted plus one forward per level, in about the same
         proportions at every batch size). Without such a curve only the measured ones (a chain
-        measured alone then lends its time to the others, never scaled down: ``_auto_tree_size``). A batch size seeded at
-        the top of the range (``_seed_size``) measures its longest chain first, and the shorter
-        chains borrowing its whole time looked too dear to try: "auto" took 64 steps to come down
+        measured alone then lends its time to the others, never scaled down: ``_auto_tree_size``).
+        A batch size seeded at the top of the range (``_seed_size``) measures its longest chain
+        first, and the shorter chains borrowing its whole time looked too dear to try: "auto" took 64 steps to come down
         from the chain of 7 to the chain of 5 at a batch of 32, 0.90x the chain of 5."""
         own = {lv: t for (lv, w), t in self.tree_draft_cost.get(bucket, {}).items() if w == 1}
         if len(own) != 1:
@@ -667,9 +663,9 @@ class SpecController:
         if s == 1:
             self.off_steps[bucket] += 1
         table, first = self.verify_cost.setdefault(bucket, {}), self.first_verify.setdefault(bucket, {})
-        due = s == 1 and bucket in self.refresh_due   # (widened, a refresh's last step measures nothing)
+        due = s == 1 and self.refresh.get(bucket) == 0   # (widened, a refresh's last step measures nothing)
         if due:
-            self.refresh_due.discard(bucket)
+            del self.refresh[bucket]
         if not self.widened[bucket]:
             if s == 1 and s not in table:   # the first plain steps: the last of _PLAIN_FIRST stands
                 n = self.plain_samples[bucket] = self.plain_samples.get(bucket, 0) + 1

@@ -263,7 +263,8 @@ def test_rounds_are_weighed_by_their_measured_time():
     ctl, chosen = _rounds_run(6.0)     # slower than plain decode and than trees
     assert chosen[:6] == PLAIN + [4, 4] and chosen[-20:].count(4) <= 4
     ctl, chosen = _rounds_run(1.2, rounds_run=False)
-    assert chosen[_PLAIN_FIRST:_PLAIN_FIRST + 3] == [4, 4, 4] and ctl.round_tries[(1, 4)] == 3 and (1, 4) not in ctl.round_time
+    assert chosen[_PLAIN_FIRST:_PLAIN_FIRST + 3] == [4, 4, 4]
+    assert ctl.round_tries[(1, 4)] == 3 and (1, 4) not in ctl.round_time
     assert not ctl._round_unmeasured(1)   # (the one-round chain's measured cost decides from here on)
 
 
@@ -661,19 +662,19 @@ def test_a_refresh_of_plain_decode_never_sticks():
     ctl.widened[1] = False
     assert ctl._explore(1, 2, gp, 3, 1, 1) == 0 and ctl.refresh == {1: _PLAIN_FIRST - 1}
     ctl.observe_rounds(1, 8, 8.0, size=0)                 # ran as multi-step decode after all
-    assert not ctl.refresh and not ctl.refresh_due
+    assert not ctl.refresh
 
     ctl = SpecController(CFG, 4096)
     ctl.verify_cost = {1: {1: 1.0}}
     ctl.refresh = {1: 1}
-    assert ctl.choose([_Req()]) == [0] and ctl.refresh_due == {1}
+    assert ctl.choose([_Req()]) == [0] and ctl.refresh == {1: 0}   # (its last step)
     plain = (DraftBatch.empty(1), AcceptanceResult([0], [[0]], [0]), 0.0)
     ctl.observe([_Req()], *plain, 5.0, verify_tokens=3)  # widened by another proposer's drafts
-    assert ctl.verify_cost[1][1] == 1.0 and not ctl.refresh_due
+    assert ctl.verify_cost[1][1] == 1.0 and not ctl.refresh
     ctl.observe([_Req()], *plain, 5.0)                    # an ordinary plain step: bounded, not raw
     assert ctl.verify_cost[1][1] == pytest.approx(0.8 * 1.0 + 0.2 * 2.0)
 
     ctl = SpecController(CFG, 4096)
-    ctl.refresh, ctl.refresh_due = {1: 2}, {1}
+    ctl.refresh = {1: 2, 4: 0}
     ctl.choose([_Req(), _Req()])                          # batch size 2 now
-    assert not ctl.refresh and not ctl.refresh_due
+    assert not ctl.refresh
