@@ -438,6 +438,15 @@ def test_eager_chains_run_only_the_levels_drafted(shapes, tokenizer, monkeypatch
     assert all(n == f for n, f in steps), steps
 
 
+def _always_drafting(llm: LLM, at_least: int) -> None:
+    """Every step of ``llm``'s "auto" controller drafts at least ``at_least`` nodes: its sizes
+    hang on measured times, and a slow or busy machine may settle on no speculation (a CI run did)."""
+    ctl = llm.engine.spec_controller
+    choose = ctl.choose
+    ctl.choose = lambda reqs, batch_size=None: [max(k, at_least) for k in choose(reqs, batch_size=batch_size)]
+    ctl.drafting_off = lambda batch_size: False
+
+
 def test_sampled_chains_carry_no_confidence(shapes, tokenizer):
     """An unseeded sampled request's drafts (a chain drawn from q) give the auto tree size no
     candidate scores (None: what its controller weighs by alpha instead); greedy ones do."""
@@ -445,6 +454,7 @@ def test_sampled_chains_carry_no_confidence(shapes, tokenizer):
     spec = {"method": "eagle3", "model": str(heads["eagle3"]), **TREES["auto"]}
     llm = LLM(model=str(target), dtype="float32", max_model_len=128, max_num_seqs=2, speculative_config=spec)
     seen, propose = [], llm.engine.proposer.propose
+    _always_drafting(llm, 3)
 
     def record(reqs, ks):
         d = propose(reqs, ks)
@@ -515,6 +525,9 @@ def test_fast_path_drafts_as_eager(shapes, tokenizer, kind, tree, monkeypatch):
                        speculative_config=spec, enforce_eager=way != "compiled")
     llms = {way: make(way) for way in ("expansion", "eager", "compiled")}
     assert llms["expansion"].engine.proposer.runner.chain is None
+    if tree == "auto":   # trees (5 nodes over depth 3) at least, whatever the machine measures
+        for llm in llms.values():
+            _always_drafting(llm, 5)
     drafts = {way: _recording(llm) for way, llm in llms.items()}
     calls = {way: [] for way in llms}
     orig = CompiledChain.__call__   # (CompiledTree's too)
