@@ -143,8 +143,9 @@ def demo_draft_quantization(dtype: str = "auto", device: str = "auto") -> str | 
     bf16 target's linears run on AMX tiles and the CPU has AMX-INT8 (``w8a8_supported``: the
     head's linears on the int8 tiles), else None (bf16). The head's five linears of a chain level,
     one row: 63 against 178 us; its drafts the same to within 1 % of tokens a step (5.26 against
-    5.30 accepted). Measured on an AMX Xeon (stop 80, ``step_bench.py``, batch 1): chains of 5 / 7 at 2.71x / 2.89x no speculation against
-    2.26x / 2.26x with the bf16 head at T = 0, 2.15x / 2.14x against 1.72x / 1.66x at T = 0.7."""
+    5.30 accepted). Measured on an AMX Xeon (stop 80, ``step_bench.py``, batch 1): chains of 5 / 7
+    at 2.71x / 2.89x no speculation against 2.26x / 2.26x with the bf16 head at T = 0, 2.15x /
+    2.14x against 1.72x / 1.66x at T = 0.7."""
     from leapfrog.config import resolve_device
     from leapfrog.errors import ConfigError
     from leapfrog.model.native_linear import cpu_flags, kernel_amx, w8a8_supported

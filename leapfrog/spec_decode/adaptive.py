@@ -255,10 +255,9 @@ class SpecController:
         bucket = _bucket(B)
         if self.cfg.auto_tree:
             self.free_share = sum(r.unseeded_sampled for r in reqs) / len(reqs) if reqs else 0.0
-        for b in [b for b in self.probes if b != bucket]:   # the batch moved on: its probe is stale
-            del self.probes[b]
-        for b in [b for b in self.refresh if b != bucket]:  # ... and so is a refresh of its plain decode
-            del self.refresh[b]
+        for stale in (self.probes, self.refresh):   # the batch moved on: its probe and refresh are stale
+            for b in [b for b in stale if b != bucket]:
+                del stale[b]
         if self.cfg.disable_by_batch_size is not None and B > self.cfg.disable_by_batch_size:
             k = 0
         elif (probe := self.probes.get(bucket)) is not None and probe.chosen < probe.steps:
@@ -483,8 +482,9 @@ class SpecController:
         proportions at every batch size). Without such a curve only the measured ones (a chain
         measured alone then lends its time to the others, never scaled down: ``_auto_tree_size``).
         A batch size seeded at the top of the range (``_seed_size``) measures its longest chain
-        first, and the shorter chains borrowing its whole time looked too dear to try: "auto" took 64 steps to come down
-        from the chain of 7 to the chain of 5 at a batch of 32, 0.90x the chain of 5."""
+        first, and the shorter chains borrowing its whole time looked too dear to try: "auto" took
+        64 steps to come down from the chain of 7 to the chain of 5 at a batch of 32, 0.90x the
+        chain of 5."""
         own = {lv: t for (lv, w), t in self.tree_draft_cost.get(bucket, {}).items() if w == 1}
         if len(own) != 1:
             return own
