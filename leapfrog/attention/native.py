@@ -2,7 +2,9 @@
 
 Same contract as the Python op ``torch.ops.leapfrog.cached_attention`` (attention/backend.py):
 write the new k/v to the cache, attend over the first ``kv_len`` columns of each sequence's row
-with the mask, scale 1/sqrt(Dh). A compiled graph calls it once per layer, and from C++ the
+with the mask, scale 1/sqrt(Dh). On CPU each sequence reads only up to its own last visible
+column: a ragged batch costs the sum of its rows' lengths, not batch size x the longest
+(benchmarks/attention_bench.py). A compiled graph calls it once per layer, and from C++ the
 call costs no Python frames. Eager forwards on CPU call it too for chunks of a few tokens per
 sequence (model/runner.py ``_native_attention``: decode, verification, trees); longer prefill
 chunks take SDPA.
@@ -297,8 +299,19 @@ void attend_cpu(const T* q, const T* kc, const T* vc, T* out, const int64_t* row
         vis[j] = mask + (b * S + s) * ML;
         mx[j] = -INFINITY;
       }
-      for (int64_t l0 = 0; l0 < L; l0 += BL) {
-        const int64_t nb = std::min<int64_t>(BL, L - l0);
+      // this sequence's own extent: its tokens' last visible column + 1. kv_len is the batch's
+      // longest sequence's; past a shorter one's columns everything is masked, and leaving those
+      // columns out changes nothing a query computes (masked columns add nothing, full and tail
+      // blocks reduce alike), while reading them made every sequence of a ragged batch (drafts
+      // accepted unevenly, continuous batching) pay for the longest one's keys and values
+      int64_t Li = 0;
+      for (int64_t s = 0; s < S; ++s) {
+        const bool* row = mask + (b * S + s) * ML;
+        for (int64_t c = L; c > Li; --c)
+          if (row[c - 1]) { Li = c; break; }
+      }
+      for (int64_t l0 = 0; l0 < Li; l0 += BL) {
+        const int64_t nb = std::min<int64_t>(BL, Li - l0);
         const float* kb = load_block(K, l0, nb);
         for (int64_t j = 0; j < nq; ++j) {
           const float* qj = qf.data() + j * Dh;
@@ -311,11 +324,11 @@ void attend_cpu(const T* q, const T* kc, const T* vc, T* out, const int64_t* row
           mx[j] = nb == BL ? scale_mask_block(sj, vj, scale, mx[j]) : scale_mask(sj, vj, nb, scale, mx[j]);
         }
       }
-      for (int64_t j = 0; j < nq; ++j) exp_shifted(score.data() + j * Lc, mx[j], L);
+      for (int64_t j = 0; j < nq; ++j) exp_shifted(score.data() + j * Lc, mx[j], Li);
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(sum.begin(), sum.end(), 0.f);
-      for (int64_t l0 = 0; l0 < L; l0 += BL) {
-        const int64_t nb = std::min<int64_t>(BL, L - l0);
+      for (int64_t l0 = 0; l0 < Li; l0 += BL) {
+        const int64_t nb = std::min<int64_t>(BL, Li - l0);
         const float* vb = load_block(V, l0, nb);
         for (int64_t j = 0; j < nq; ++j) {
           const float* pj = score.data() + j * Lc + l0;

@@ -105,6 +105,38 @@ def test_native_op_is_row_invariant(native, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_op_ragged_batch_reads_each_row_to_its_own_length(native, dtype):
+    """A ragged batch (drafts accepted unevenly, continuous batching): kv_len is the longest
+    row's, and each row reads only up to its own last visible column. Every row's tokens get
+    bitwise the output they get alone with kv_len their own length, including a row whose own
+    length ends inside a column block and one that ends on a block's edge."""
+    g = torch.Generator().manual_seed(3)
+    H, hkv, D, S = 4, 2, 32, 2
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    lengths = [9, 50, 32, 23]   # columns each row sees (its S tokens end there)
+    B = len(lengths)
+    caches = [rand(B + 1, hkv, ML, D) for _ in range(2)]
+    q, k, v = rand(B, S, H, D), rand(B, S, hkv, D), rand(B, S, hkv, D)
+    rows = torch.tensor([3, 0, 2, 1])
+    mask = torch.zeros(B, 1, S, ML, dtype=torch.bool)
+    for b, n in enumerate(lengths):
+        for i in range(S):
+            mask[b, 0, i, :n - S + i + 1] = torch.rand(n - S + i + 1, generator=g) > 0.25
+            mask[b, 0, i, n - S + i] = True   # its own column
+    cols = torch.cat([torch.arange(n - S, n) for n in lengths])
+    c = [x.clone() for x in caches]
+    batch = native(q, k, v, *c, rows, rows.repeat_interleave(S), cols, mask, torch.tensor(max(lengths)))
+    for b, n in enumerate(lengths):
+        c = [x.clone() for x in caches]
+        alone = native(q[b:b + 1], k[b:b + 1], v[b:b + 1], *c, rows[b:b + 1], rows[b:b + 1].repeat_interleave(S),
+                       torch.arange(n - S, n), mask[b:b + 1], torch.tensor(n))
+        assert torch.equal(batch[b:b + 1], alone), f"row {b} (length {n})"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("D", [32, 64, 128, 48])
 def test_native_op_full_blocks_reduce_as_the_tail(native, dtype, D):
     """The kernel reads keys in blocks of 8 or 16 columns (the vector's lanes) and reduces a full
