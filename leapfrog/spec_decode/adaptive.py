@@ -20,13 +20,17 @@ moving averages keyed by batch-size bucket. The controller picks
     k* = argmax_{k in 0..K} E[tokens](k) / cost(k)            (goodput, tokens per second)
 
 k = 0 (no speculation) has E = 1 and cost t_verify(B, 1) + t_host(B), which is measured first at
-every batch-size bucket (the last of _PLAIN_FIRST one-token steps: the first steps after a prefill
-run slow) and again while speculating where no speculation's estimated goodput is within
-_PLAIN_CLOSE of the best size's (``_explore``: _PLAIN_FIRST plain steps every _PLAIN_REFRESH
-exploration intervals, the last replacing the estimate: a step's cost grows with the context, a
-plain step of a batch of 16 from 3.2 ms at 80 tokens to 4.3 at 180, so measured at the start of
-the requests alone it was out of date by then; and the plain steps right after a verification
-of many tokens run slow too, 4.5-5.1 ms then 3.7 at a batch of 16). alpha is the geometric model's maximum-likelihood
+every batch-size bucket (the lesser of the last two of _PLAIN_FIRST one-token steps: the first
+steps after a prefill run slow) and again while speculating where no speculation's estimated
+goodput is within _PLAIN_CLOSE of the best size's (``_explore``: _PLAIN_FIRST plain steps every
+_PLAIN_REFRESH exploration intervals, the lesser of the last two replacing the estimate: the plain
+steps right after speculation run slow, a batch of 16 at T = 0.7 about 1.2x for three steps, then
+1.03-1.08x its plain steps in a row). A step's cost grows with the context (attention reads every
+sequence's keys and values: a plain step of a batch of 16 of the built-in target 4.4 ms at 72
+tokens a sequence, 6.3 at 192), and the sizes are measured at different contexts, so every
+measured verify time is compared at the context of the step being chosen, moved along a slope
+fitted within sizes (``_verify_table``, _ContextFit: about 1 us per sequence and token of context
+there). alpha is the geometric model's maximum-likelihood
 estimate, accepted / tried (TokenRate: a draft token is tried when all before it were accepted), not accepted /
 drafted, which counts the untried tokens after a rejection as rejected and so underestimates
 alpha the more, the longer the drafts (0.59 for a true 0.8 at k = 4): it pulled K down. (For a
@@ -47,7 +51,7 @@ The first time of a forward shape includes one-off costs (kernel selection and p
 new row count: the first 21-token verify of the demo target measured 11.7 ms, later ones about
 8), so a size's first measurement is only provisional: the next step runs the same size again
 and that measurement replaces it (the provisional one is never used in the estimates; plain decode:
-the last of _PLAIN_FIRST steps, above).
+the lesser of the last two of _PLAIN_FIRST steps, above).
 Beyond the largest measured size the cost is extrapolated along the slope from the smallest
 measured size to the largest (flat while only plain decode is measured, so the first probe
 happens). The first drafts at a batch size are a probe of _FIRST_PROBE_STEPS steps, judged
@@ -124,7 +128,7 @@ from __future__ import annotations
 
 import bisect
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from leapfrog.request import Request
@@ -150,7 +154,7 @@ _FLAT_TOKENS = 0.05
 #: last weighing stands, exploration included (it moves little from one step to the next, and
 #: weighing every step cost 0.06 ms, 3 % of a step of the chain of 5 at batch 1)
 _REWEIGH_STEPS = 4
-#: plain decode is measured first at a batch size, this many steps, the last standing: the steps
+#: plain decode is measured first at a batch size, this many steps, the lesser of the last two standing: the steps
 #: right after a prefill run slow (a batch of 16 after its 64-token prompts: the forward 3.8, 3.5,
 #: 2.8, 2.6 ms, then 2.3), and the second of two made speculation look 20 % better than it was
 _PLAIN_FIRST = 4
@@ -159,6 +163,9 @@ _PLAIN_FIRST = 4
 _PLAIN_REFRESH = 4
 _PLAIN_REFRESH_STEPS = 64   # ... and every this many steps at most (a short exploration interval)
 _PLAIN_CLOSE = 0.75
+#: the fit of verify time against the batch's context (_ContextFit): each sample's weight decays by
+#: this factor per later sample of its size
+_FIT_DECAY = 0.97
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -222,6 +229,14 @@ class SpecController:
         #: bucket -> plain steps of a refresh of t_verify(B, 1) still to choose (0: the next observed
         #: one-token step is its last, whose sample replaces the estimate unless widened)
         self.refresh: dict[int, int] = {}
+        #: bucket -> s -> the batch's context (sum of its sequences' lengths) where verify_cost[bucket][s]
+        #: stands (averaged as the cost is), and bucket -> the fit of verify time against that context
+        self.verify_context: dict[int, dict[int, float]] = {}
+        self.context_fit: dict[int, _ContextFit] = {}
+        self.context: float | None = None   # the context of the step being chosen (choose) and observed
+        #: bucket -> the time of its last observed step if that was an unwidened plain step (a plain
+        #: run's estimate is the lesser of its last two steps)
+        self.plain_prev: dict[int, float] = {}
 
     @property
     def alpha(self) -> float:
@@ -253,6 +268,7 @@ class SpecController:
         disable_by_batch_size go by it)."""
         B = batch_size or len(reqs)
         bucket = _bucket(B)
+        self.context = float(sum(r.num_computed for r in reqs))
         if self.cfg.auto_tree:
             self.free_share = sum(r.unseeded_sampled for r in reqs) / len(reqs) if reqs else 0.0
         for stale in (self.probes, self.refresh):   # the batch moved on: its probe and refresh are stale
@@ -382,12 +398,28 @@ class SpecController:
         return self._verify_times(bucket, [s])[0]
 
     def _verify_times(self, bucket: int, sizes: list[int]) -> list[float | None]:
-        """t_verify(B, s) for each s (``_curve``)."""
-        return _curve(self.verify_cost.get(bucket, {}), sizes)
+        """t_verify(B, s) for each s (``_curve``), at the current context (``_verify_table``)."""
+        return _curve(self._verify_table(bucket), sizes)
+
+    def _verify_table(self, bucket: int) -> dict[int, float]:
+        """The measured verify times at this batch size, each moved to the context of the step
+        being chosen along the fitted slope (_ContextFit): a step reads every sequence's keys and
+        values, so its time grows with the batch's context, whatever its size (a batch of 16 of the
+        built-in target: plain decode 4.4 ms at 72 tokens a sequence, 6.3 at 192). Sizes are
+        measured at different contexts (no speculation's last at the start of the requests or at a
+        refresh, a size in use every step): compared as measured, plain decode measured near the
+        end of one batch's requests looked 25 % dearer than it was at the start of the next, and
+        "auto" speculated at a batch of 16 at T = 0.7 where it lost 10 %."""
+        table = self.verify_cost.get(bucket, {})
+        fit, where, now = self.context_fit.get(bucket), self.verify_context.get(bucket), self.context
+        if fit is None or not where or now is None or not (slope := fit.slope()):
+            return table
+        # (never below half the measured time: an extrapolation far from the measured contexts)
+        return {s: max(0.5 * t, t + slope * (now - where[s])) if s in where else t for s, t in table.items()}
 
     def _adaptive_k(self, B: int) -> int:
         bucket = _bucket(B)
-        t1 = self.verify_cost.get(bucket, {}).get(1)
+        t1 = self._verify_table(bucket).get(1)
         if t1 is None:   # measure plain decode at this batch size first (unless drafting is free now)
             return self.K if self.widened.get(bucket) else 0
         if not self._drafted_at(bucket):   # (K at small batches, less as the batch grows: _seed_size)
@@ -419,7 +451,7 @@ class SpecController:
         """The tree size by goodput (module docstring) for a batch of B sequences, a share
         ``free`` of them drafting chains without confidence (unseeded sampled requests)."""
         bucket = _bucket(B)
-        t1 = self.verify_cost.get(bucket, {}).get(1)
+        t1 = self._verify_table(bucket).get(1)
         if t1 is None:   # measure plain decode at this batch size first (unless drafting is free now)
             return self._probe_size(B) if self.widened.get(bucket) else 0
         top = min(self.K, self.cfg.num_speculative_tokens) if free == 1 else self.K   # (chains only)
@@ -662,17 +694,24 @@ class SpecController:
         self.widened[bucket] = (verify_tokens or s) > s
         if s == 1:
             self.off_steps[bucket] += 1
+        prev_plain = self.plain_prev.pop(bucket, None)
         table, first = self.verify_cost.setdefault(bucket, {}), self.first_verify.setdefault(bucket, {})
         due = s == 1 and self.refresh.get(bucket) == 0   # (widened, a refresh's last step measures nothing)
         if due:
             del self.refresh[bucket]
         if not self.widened[bucket]:
-            if s == 1 and s not in table:   # the first plain steps: the last of _PLAIN_FIRST stands
+            old = table.get(s)
+            replaced = True   # (else averaged in, or not in the table yet)
+            if s == 1 and s not in table:   # the first plain steps: the lesser of the last two stands
                 n = self.plain_samples[bucket] = self.plain_samples.get(bucket, 0) + 1
-                (table if n >= _PLAIN_FIRST else first)[s] = t_verify
-            elif due:   # a refresh's last step replaces the estimate
-                table[s] = t_verify
+                if n >= _PLAIN_FIRST:
+                    table[s] = min(t_verify, first.get(s, t_verify))
+                else:
+                    first[s] = t_verify
+            elif due:   # a refresh's last step replaces the estimate, or the one before it if less
+                table[s] = min(t_verify, t_verify if prev_plain is None else prev_plain)
             elif s in table:
+                replaced = fresh
                 table[s] = t_verify if fresh else _bounded_ema(table[s], t_verify)
             elif s in first:
                 table[s] = t_verify  # the second measurement replaces the cold first one
@@ -681,6 +720,14 @@ class SpecController:
             else:
                 first[s] = t_verify
                 self.confirm[bucket] = s - 1
+            if s == 1:
+                self.plain_prev[bucket] = t_verify
+            if s in table and self.context is not None:   # where the estimate stands, and the fit
+                where = self.verify_context.setdefault(bucket, {})
+                x = self.context
+                where[s] = x if replaced or s not in where else _ema(where[s], x)
+                self.context_fit.setdefault(bucket, _ContextFit()).add(
+                    s, x, t_verify if old is None else min(t_verify, 2 * old))
         n_draft = drafts.total
         if n_draft:
             # a step's drafting time at its K; a tree's at its shape (how many nodes are verified
@@ -786,6 +833,29 @@ class _Weighed:
     up: int
     down: int
     probe: int
+
+
+@dataclass
+class _ContextFit:
+    """Verify time against the batch's context X (the sum of its sequences' lengths: attention
+    reads each sequence's keys and values once a step, however many tokens it verifies), one
+    line per size with a slope shared by all, t ~ a_s + slope * X: least squares within sizes,
+    pooled, each sample's weight decaying by _FIT_DECAY per later sample of its size. No slope
+    (0) until the contexts of some size spread, and never a negative one."""
+    sums: dict[int, list[float]] = field(default_factory=dict)   # s -> [weight, Σx, Σt, Σx², Σxt]
+
+    def add(self, s: int, x: float, t: float) -> None:
+        v = self.sums.setdefault(s, [0.0] * 5)
+        for i, term in enumerate((1.0, x, t, x * x, x * t)):
+            v[i] = _FIT_DECAY * v[i] + term
+
+    def slope(self) -> float:
+        sxx = sxt = 0.0
+        for w, sx, st, sxx_s, sxt_s in self.sums.values():
+            if w > 1.5:
+                sxx += sxx_s - sx * sx / w
+                sxt += sxt_s - sx * st / w
+        return max(0.0, sxt / sxx) if sxx > 1e-9 else 0.0
 
 
 @dataclass

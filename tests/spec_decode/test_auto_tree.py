@@ -605,18 +605,23 @@ def test_a_chain_measured_alone_borrows_the_curve_of_another_batch_size():
 
 def test_plain_decode_is_measured_after_the_slow_steps_and_kept_current_when_the_call_is_close():
     """The first steps after a prefill run slow (a batch of 16: 3.8, 3.5, 2.8, 2.6 ms, then 2.3):
-    t_verify(B, 1) is the last of the first _PLAIN_FIRST one-token steps. While speculating where
-    no speculation's estimated goodput is within _PLAIN_CLOSE of the best size's, _PLAIN_FIRST
+    t_verify(B, 1) is the lesser of the last two of the first _PLAIN_FIRST one-token steps. While
+    speculating where no speculation's estimated goodput is within _PLAIN_CLOSE of the best size's, _PLAIN_FIRST
     plain steps every _PLAIN_REFRESH exploration intervals measure it again at the context the
     sizes now run at (a plain step of a batch of 16 grew from 3.2 ms to 4.3 over 100 tokens, and
-    the first plain steps after verifying many tokens run slow as well), the last replacing the
-    estimate; measured at the start only, it made speculation look 20 % better than it was at a
+    the first plain steps after verifying many tokens run slow as well), the lesser of the last
+    two replacing the estimate; measured at the start only, it made speculation look 20 % better than it was at a
     batch of 16, T = 0.7. Where speculation is far ahead, no plain step is spent on it."""
     ctl = SpecController(CFG, 4096)
     for i, t in enumerate([3.8, 3.5, 2.8, 2.6]):
         assert ctl.choose([_Req()]) == [0]
         ctl.observe([_Req()], DraftBatch.empty(1), AcceptanceResult([0], [[0]], [0]), 0.0, t)
         assert ctl.verify_cost[1].get(1) == (None if i < _PLAIN_FIRST - 1 else 2.6)
+    ctl = SpecController(CFG, 4096)
+    for t in [3.8, 3.5, 2.6, 2.8]:   # (a spike in the last step: the one before stands)
+        ctl.choose([_Req()])
+        ctl.observe([_Req()], DraftBatch.empty(1), AcceptanceResult([0], [[0]], [0]), 0.0, t)
+    assert ctl.verify_cost[1][1] == 2.6
 
     def run(plain: float) -> tuple[SpecController, list[int]]:
         """Chains of 1-4 measured (goodputs 1.73, 1.93, 1.76, 1.60), plain decode at ``plain``;
@@ -678,3 +683,54 @@ def test_a_refresh_of_plain_decode_never_sticks():
     ctl.refresh = {1: 2, 4: 0}
     ctl.choose([_Req(), _Req()])                          # batch size 2 now
     assert not ctl.refresh
+
+
+def test_context_fit_recovers_the_shared_slope():
+    """Verify time against the batch's context: one line per size, a shared slope, fitted within
+    sizes (a size measured at one context alone says nothing about the slope); no spread, or a
+    falling line, gives no slope."""
+    from leapfrog.spec_decode.adaptive import _ContextFit
+    fit = _ContextFit()
+    for x in range(100, 400, 10):
+        fit.add(1, 5000.0, 9.0)                     # plain decode at one context only
+        fit.add(3, float(x), 1.2 + 1e-3 * x)
+        fit.add(5, float(x + 7), 1.6 + 1e-3 * (x + 7))
+    assert fit.slope() == pytest.approx(1e-3)
+    flat = _ContextFit()
+    for _ in range(10):
+        flat.add(3, 200.0, 1.0)
+    assert flat.slope() == 0.0
+    falling = _ContextFit()
+    for x in range(100, 400, 10):
+        falling.add(3, float(x), 2.0 - 1e-3 * x)
+    assert falling.slope() == 0.0
+
+
+def test_verify_costs_are_compared_at_the_current_context():
+    """A step's time grows with the batch's context (attention reads every sequence's keys and
+    values). Plain decode measured near the end of long requests (context 1000) must not look as
+    dear at the start of the next ones (context 100-400), nor a size measured early look cheap
+    later: each measured time moves to the context of the step being chosen along the slope
+    fitted within sizes. Measured as is, plain decode (2.0) made a tree of 2 (1.5 expected tokens
+    for 1.6) look 1.9x better than none; at context 400 none costs 1.4, and none wins."""
+    ctl = SpecController(CFG, 4096)
+
+    def reqs(ctx: int) -> list[_Req]:
+        r = _Req()
+        r.num_computed = ctx
+        return [r]
+
+    plain = (DraftBatch.empty(1), AcceptanceResult([0], [[0]], [0]), 0.0)
+    for _ in range(_PLAIN_FIRST):
+        ctl.choose(reqs(1000))
+        ctl.observe(reqs(1000), *plain, 1.0 + 1e-3 * 1000)
+    for ctx in range(100, 401, 10):   # a tree of 2 nodes: 3 tokens verified
+        ctl.choose(reqs(ctx))
+        drafts = DraftBatch(torch.zeros(2, dtype=torch.long), [2], None, torch.full((2,), -1), [[0.5, 0.2]])
+        ctl.observe(reqs(ctx), drafts, AcceptanceResult([0], [[0]], [2]), 0.1, 1.2 + 1e-3 * ctx)
+    assert ctl.verify_cost[1][1] == 2.0    # as measured
+    ctl.choose(reqs(400))
+    table = ctl._verify_table(1)
+    assert table[1] == pytest.approx(1.4, rel=0.02) and table[3] == pytest.approx(1.6, rel=0.02)
+    ctl.choose(reqs(1000))
+    assert ctl._verify_table(1)[1] == pytest.approx(2.0, rel=0.02)
