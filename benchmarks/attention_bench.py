@@ -13,8 +13,9 @@ attention shape (bf16, 8 heads x 64, the cache 2048 columns wide), timed in inte
 
 Reported: microseconds per call (median over rounds) and each one's ratio to ``uniform-long``.
 Measured (2-vCPU AMX Xeon, batch 16, 64 and 400 columns): 60 / 111 / 430 us (0.14 / 0.26 / 1.00);
-in a run of the op before rows read only their own columns, 87 / 515 / 526 us. End to end (none, batch 8, continuous batching of 4
-prompts of 1024 tokens among 28 of 64, 128 tokens each): 2.0 s against 2.6-2.9 s before.
+in a run of the op before rows read only their own columns, 87 / 515 / 526 us. End to end (none,
+batch 8, continuous batching of 4 prompts of 1024 tokens among 28 of 64, 128 tokens each): 2.0 s
+against 2.6-2.9 s before.
 
     python benchmarks/attention_bench.py [--batch 16] [--short 64] [--long 400] [--rounds 5]
 """

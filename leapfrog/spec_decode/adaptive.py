@@ -19,10 +19,11 @@ moving averages keyed by batch-size bucket. The controller picks
 
     k* = argmax_{k in 0..K} E[tokens](k) / cost(k)            (goodput, tokens per second)
 
-k = 0 (no speculation) has E = 1 and cost t_verify(B, 1) + t_host(B), which is measured first at
-every batch-size bucket (the lesser of the last two of _PLAIN_FIRST one-token steps: the first
-steps after a prefill run slow) and again while speculating where no speculation's estimated
-goodput is within _PLAIN_CLOSE of the best size's (``_explore``: _PLAIN_FIRST plain steps every
+k = 0 (no speculation) has E = 1 and cost t_verify(B, 1) + t_host(B), and counts _SPEC_MARGIN
+times its goodput (speculation's costs outside its steps: the constant's comment). t_verify(B, 1)
+is measured first at every batch-size bucket (the lesser of the last two of _PLAIN_FIRST
+one-token steps: the first steps after a prefill run slow) and again while speculating where no
+speculation's estimated goodput is within _PLAIN_CLOSE of the best size's (``_explore``: _PLAIN_FIRST plain steps every
 _PLAIN_REFRESH exploration intervals, the lesser of the last two replacing the estimate: the plain
 steps right after speculation run slow, a batch of 16 at T = 0.7 about 1.2x for three steps, then
 1.03-1.08x its plain steps in a row). A step's cost grows with the context (attention reads every
@@ -163,6 +164,14 @@ _PLAIN_FIRST = 4
 _PLAIN_REFRESH = 4
 _PLAIN_REFRESH_STEPS = 64   # ... and every this many steps at most (a short exploration interval)
 _PLAIN_CLOSE = 0.75
+#: speculation is chosen over none only where its estimated goodput is at least this many times
+#: none's: what the step model leaves out costs speculation. Plain steps measured between
+#: speculation's still read 3-8 % slow (the lesser of a run's last two); the drafter's prefill of
+#: each new prompt (an EAGLE head: about 12 % of the target's) happens outside decode steps; and
+#: requests that accept unevenly finish apart (a static batch ends on its unluckiest ones, in
+#: steps of a few sequences; continuous batching prefills their successors one by one). At a batch
+#: of 32 at T = 0.7 the sizes were estimated 1.07x none and ran 0.94x (a batch of 16: 0.98x)
+_SPEC_MARGIN = 1.08
 #: the fit of verify time against the batch's context (_ContextFit): each sample's weight decays by
 #: this factor per later sample of its size
 _FIT_DECAY = 0.97
@@ -438,9 +447,9 @@ class SpecController:
 
         def goodput(k: int) -> float:
             if (rounds := self._rounds_goodput(bucket, k)) is not None:
-                return rounds
+                return rounds * (_SPEC_MARGIN if k == 0 else 1.0)
             if k == 0:
-                return 1.0 / (t1 + host)
+                return _SPEC_MARGIN / (t1 + host)
             t = self._verify_time(bucket, k + 1) or t1
             return expected_tokens(self.alpha, k) / (drafting[k - 1] + t + host)
 
@@ -494,6 +503,7 @@ class SpecController:
         for k in self.round_sizes:
             if k < len(gp) and (rounds := self._rounds_goodput(bucket, k)) is not None:
                 gp[k] = rounds
+        gp[0] *= _SPEC_MARGIN
         best = max(range(len(gp)), key=gp.__getitem__)
         # neighbours to explore: the next chain lengths up to the depth (close in cost, so a chain one
         # level longer must stay measured: with 2 x best only, a spike in the chain of 5's drafting
