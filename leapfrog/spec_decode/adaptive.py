@@ -23,16 +23,16 @@ k = 0 (no speculation) has E = 1 and cost t_verify(B, 1) + t_host(B), and counts
 times its goodput (speculation's costs outside its steps: the constant's comment). t_verify(B, 1)
 is measured first at every batch-size bucket (the lesser of the last two of _PLAIN_FIRST
 one-token steps: the first steps after a prefill run slow) and again while speculating where no
-speculation's estimated goodput is within _PLAIN_CLOSE of the best size's (``_explore``: _PLAIN_FIRST plain steps every
-_PLAIN_REFRESH exploration intervals, the lesser of the last two replacing the estimate: the plain
-steps right after speculation run slow, a batch of 16 at T = 0.7 about 1.2x for three steps, then
-1.03-1.08x its plain steps in a row). A step's cost grows with the context (attention reads every
-sequence's keys and values: a plain step of a batch of 16 of the built-in target 4.4 ms at 72
-tokens a sequence, 6.3 at 192), and the sizes are measured at different contexts, so every
-measured verify time is compared at the context of the step being chosen, moved along a slope
-fitted within sizes (``_verify_table``, _ContextFit: about 1 us per sequence and token of context
-there). alpha is the geometric model's maximum-likelihood
-estimate, accepted / tried (TokenRate: a draft token is tried when all before it were accepted), not accepted /
+speculation's estimated goodput is within _PLAIN_CLOSE of the best size's (``_explore``:
+_PLAIN_FIRST plain steps every _PLAIN_REFRESH exploration intervals, the lesser of the last two
+replacing the estimate: the plain steps right after speculation run slow, a batch of 16 at T =
+0.7 about 1.2x for three steps, then 1.03-1.08x its plain steps in a row). A step's cost grows
+with the context (attention reads every sequence's keys and values: a plain step of a batch of
+16 of the built-in target 4.4 ms at 72 tokens a sequence, 6.3 at 192), and the sizes are
+measured at different contexts, so every measured verify time is compared at the context of the
+step being chosen, moved along a slope fitted within sizes (``_verify_table``, _ContextFit:
+about 1 us per sequence and token of context there). alpha is the geometric model's
+maximum-likelihood estimate, accepted / tried (TokenRate: a draft token is tried when all before it were accepted), not accepted /
 drafted, which counts the untried tokens after a rejection as rejected and so underestimates
 alpha the more, the longer the drafts (0.59 for a true 0.8 at k = 4): it pulled K down. (For a
 tree, a step tries one more token than it accepted only where the accepted path stopped at a
@@ -155,9 +155,10 @@ _FLAT_TOKENS = 0.05
 #: last weighing stands, exploration included (it moves little from one step to the next, and
 #: weighing every step cost 0.06 ms, 3 % of a step of the chain of 5 at batch 1)
 _REWEIGH_STEPS = 4
-#: plain decode is measured first at a batch size, this many steps, the lesser of the last two standing: the steps
-#: right after a prefill run slow (a batch of 16 after its 64-token prompts: the forward 3.8, 3.5,
-#: 2.8, 2.6 ms, then 2.3), and the second of two made speculation look 20 % better than it was
+#: plain decode is measured first at a batch size, this many steps, the lesser of the last two
+#: standing: the steps right after a prefill run slow (a batch of 16 after its 64-token prompts:
+#: the forward 3.8, 3.5, 2.8, 2.6 ms, then 2.3), and the second of two made speculation look 20 %
+#: better than it was
 _PLAIN_FIRST = 4
 #: while speculating where no speculation is estimated within _PLAIN_CLOSE of the best size,
 #: _PLAIN_FIRST plain steps every this many exploration intervals keep t_verify(B, 1) current
@@ -860,12 +861,15 @@ class _ContextFit:
             v[i] = _FIT_DECAY * v[i] + term
 
     def slope(self) -> float:
-        sxx = sxt = 0.0
+        sxx = sxt = weight = 0.0
         for w, sx, st, sxx_s, sxt_s in self.sums.values():
             if w > 1.5:
                 sxx += sxx_s - sx * sx / w
                 sxt += sxt_s - sx * st / w
-        return max(0.0, sxt / sxx) if sxx > 1e-9 else 0.0
+                weight += w
+        # (a spread of less than a token of context is rounding: contexts of 32 x 500 tokens square
+        # to about 1e8, and their sums' cancellation leaves about 1e-6 where the spread is 0)
+        return max(0.0, sxt / sxx) if sxx > weight else 0.0
 
 
 @dataclass

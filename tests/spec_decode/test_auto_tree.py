@@ -696,10 +696,11 @@ def test_context_fit_recovers_the_shared_slope():
         fit.add(3, float(x), 1.2 + 1e-3 * x)
         fit.add(5, float(x + 7), 1.6 + 1e-3 * (x + 7))
     assert fit.slope() == pytest.approx(1e-3)
-    flat = _ContextFit()
-    for _ in range(10):
-        flat.add(3, 200.0, 1.0)
-    assert flat.slope() == 0.0
+    for x in (4099.0, 9876.5):   # one context: the sums' cancellation leaves rounding (a slope of
+        flat = _ContextFit()     # 244 us a token at 4099, when any positive spread counted)
+        for i in range(40):
+            flat.add(3, x, 1.0 + 1e-3 * (i % 3))
+        assert flat.slope() == 0.0
     falling = _ContextFit()
     for x in range(100, 400, 10):
         falling.add(3, float(x), 2.0 - 1e-3 * x)
