@@ -173,6 +173,9 @@ _PLAIN_CLOSE = 0.75
 #: steps of a few sequences; continuous batching prefills their successors one by one). At a batch
 #: of 32 at T = 0.7 the sizes were estimated 1.07x none and ran 0.94x (a batch of 16: 0.98x)
 _SPEC_MARGIN = 1.08
+#: "auto" tree sizes: the least chain seeded at a batch size when no smaller one is measured
+#: (_seed_size)
+_SEED_CHAIN = 4
 #: the fit of verify time against the batch's context (_ContextFit): each sample's weight decays by
 #: this factor per later sample of its size
 _FIT_DECAY = 0.97
@@ -633,9 +636,16 @@ class SpecController:
         probe of 1 made each longer chain look dearer than it is and "auto" climbed one level per
         exploration interval: chains of 1-3 for a whole 128-token run at a batch of 16, 0.92x
         the chain of 7), else _probe_size. A tree is seeded no wider than the chain of the depth or
-        _probe_size (a wide tree that paid at a batch of 1 is dear to verify 8 steps at 32)."""
+        _probe_size (a wide tree that paid at a batch of 1 is dear to verify 8 steps at 32). With
+        no smaller batch size measured, "auto" tree sizes seed a chain of _SEED_CHAIN levels (up
+        to the depth) at least: seeded with _probe_size's chain of 1 at a first batch of 32, the
+        longer chains borrowed its drafting time (a head's catch-up on the batch's accepted tokens
+        and one level, 8 ms) scaled up by levels, looked hopeless and were never tried: depth 10
+        ran chains of 0-1, about 1.0x none, where the chain of 5 made 1.3x."""
         bucket = _bucket(B)
         prior = max((b for b in self.best if b < bucket), default=None)
+        if prior is None and self.cfg.auto_tree:
+            return max(self._probe_size(B), min(self.cfg.num_speculative_tokens, _SEED_CHAIN))
         if prior is None or self.best[prior] == 0:
             return self._probe_size(B)
         if self.cfg.auto_tree:

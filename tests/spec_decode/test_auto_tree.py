@@ -558,9 +558,10 @@ def test_the_last_weighing_stands_until_steps_pass_or_the_mix_changes():
 
 def test_a_larger_batch_first_probes_the_size_a_smaller_one_settled_on():
     """Costs only grow with the batch: the best size at the next smaller batch size measured
-    bounds the best size here, so the first drafts at a new batch size probe it (16 // B nodes
-    only where no smaller batch size settled on a size). Probing 1 at a batch of 16 climbed one
-    level per exploration interval, chains of 1-3 for a whole run where 7 ran fastest."""
+    bounds the best size here, so the first drafts at a new batch size probe it (where no smaller
+    batch size is measured, 16 // B nodes, and at least the chain of _SEED_CHAIN levels up to the
+    depth). Probing 1 at a batch of 16 climbed one level per exploration interval, chains of 1-3
+    for a whole run where 7 ran fastest; at a first batch of 32, depth 10, it never climbed."""
     def first_probe(ctl: SpecController, B: int) -> int:
         reqs = [_Req() for _ in range(B)]
         for _ in PLAIN:   # plain decode is measured first
@@ -572,7 +573,7 @@ def test_a_larger_batch_first_probes_the_size_a_smaller_one_settled_on():
 
     ctl = SpecController(CFG, 4096)
     ctl.confidence.calibrate(1.0, ctl.confidence.observe([[0.9] * 64], [16]))
-    assert first_probe(ctl, 16) == 1                          # nothing settled below: 16 // B
+    assert first_probe(ctl, 16) == 4                          # nothing measured below: the chain of 4
     ctl = SpecController(CFG, 4096)
     ctl.confidence.calibrate(1.0, ctl.confidence.observe([[0.9] * 64], [16]))
     ctl.best = {1: 16, 4: 3}
