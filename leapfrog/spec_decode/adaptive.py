@@ -31,8 +31,9 @@ with the context (attention reads every sequence's keys and values: a plain step
 16 of the built-in target 4.4 ms at 72 tokens a sequence, 6.3 at 192), and the sizes are
 measured at different contexts, so every measured verify time is compared at the context of the
 step being chosen, moved along a slope fitted within sizes (``_verify_table``, _ContextFit:
-about 1 us per sequence and token of context there). alpha is the geometric model's
-maximum-likelihood estimate, accepted / tried (TokenRate: a draft token is tried when all before it were accepted), not accepted /
+about 1 us per sequence and token of context there; the rounds' measured times below are
+compared as measured). alpha is the geometric model's maximum-likelihood estimate, accepted /
+tried (TokenRate: a draft token is tried when all before it were accepted), not accepted /
 drafted, which counts the untried tokens after a rejection as rejected and so underestimates
 alpha the more, the longer the drafts (0.59 for a true 0.8 at k = 4): it pulled K down. (For a
 tree, a step tries one more token than it accepted only where the accepted path stopped at a
@@ -171,7 +172,8 @@ _PLAIN_CLOSE = 0.75
 #: each new prompt (an EAGLE head: about 12 % of the target's) happens outside decode steps; and
 #: requests that accept unevenly finish apart (a static batch ends on its unluckiest ones, in
 #: steps of a few sequences; continuous batching prefills their successors one by one). At a batch
-#: of 32 at T = 0.7 the sizes were estimated 1.07x none and ran 0.94x (a batch of 16: 0.98x)
+#: of 32 at T = 0.7 the sizes were estimated 1.07x none and ran 0.94x (a batch of 16: 0.98x).
+#: (Exploration and the refresh of plain decode weigh none's goodput so scaled too.)
 _SPEC_MARGIN = 1.08
 #: "auto" tree sizes: the least chain seeded at a batch size when no smaller one is measured
 #: (_seed_size)
@@ -275,13 +277,14 @@ class SpecController:
     def cap(self, req: Request, k: int) -> int:
         return cap_drafts(req, k, self.max_model_len, self.cfg.tree)
 
-    def choose(self, reqs: list[Request], batch_size: int | None = None) -> list[int]:
+    def choose(self, reqs: list[Request], batch_size: int | None = None, context: float | None = None) -> list[int]:
         """Draft lengths (tree sizes) for ``reqs``; ``batch_size``: the whole step's batch when
         other proposers' requests (predictions) share it (the verify cost and
-        disable_by_batch_size go by it)."""
+        disable_by_batch_size go by it), and ``context`` its sequences' lengths summed (default:
+        ``reqs``'s; the verify times are fitted against the whole forward's context)."""
         B = batch_size or len(reqs)
         bucket = _bucket(B)
-        self.context = float(sum(r.num_computed for r in reqs))
+        self.context = float(sum(r.num_computed for r in reqs)) if context is None else context
         if self.cfg.auto_tree:
             self.free_share = sum(r.unseeded_sampled for r in reqs) / len(reqs) if reqs else 0.0
         for stale in (self.probes, self.refresh):   # the batch moved on: its probe and refresh are stale

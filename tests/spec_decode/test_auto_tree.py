@@ -736,6 +736,9 @@ def test_verify_costs_are_compared_at_the_current_context():
     assert table[1] == pytest.approx(1.4, rel=0.02) and table[3] == pytest.approx(1.6, rel=0.02)
     ctl.choose(reqs(1000))
     assert ctl._verify_table(1)[1] == pytest.approx(2.0, rel=0.02)
+    # a step shared with other proposers' requests (predictions): the whole forward's context
+    ctl.choose(reqs(100), batch_size=2, context=1000.0)
+    assert ctl.context == 1000.0
 
 
 def test_speculation_must_beat_none_by_the_margin():
