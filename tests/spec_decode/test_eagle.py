@@ -443,7 +443,7 @@ def _always_drafting(llm: LLM, at_least: int) -> None:
     hang on measured times, and a slow or busy machine may settle on no speculation (a CI run did)."""
     ctl = llm.engine.spec_controller
     choose = ctl.choose
-    ctl.choose = lambda reqs, batch_size=None: [max(k, at_least) for k in choose(reqs, batch_size=batch_size)]
+    ctl.choose = lambda reqs, **kw: [max(k, at_least) for k in choose(reqs, **kw)]
     ctl.drafting_off = lambda batch_size: False
 
 
