@@ -652,8 +652,8 @@ class LLMEngine:
             if proposer is self.predictor:
                 ks = [cap_drafts(r, MAX_PREDICTION_DRAFT, self.max_model_len) for r in sub]
             else:   # the controller sizes drafts by the whole running batch (predictions included)
-                ks = self.spec_controller.choose(sub, batch_size=len(reqs), context=None if len(sub) == len(reqs)
-                                                 else float(sum(r.num_computed for r in reqs)))
+                ks = self.spec_controller.choose(sub, batch_size=len(reqs),
+                                                 context=float(sum(r.num_computed for r in reqs)))
                 if len(sub) == len(reqs) and self.runner.round is not None and self._spec_rounds(reqs, ks):
                     return reqs
                 if len(sub) == len(reqs) and not any(ks) and self._plain_steps(reqs):

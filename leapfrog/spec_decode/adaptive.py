@@ -435,7 +435,8 @@ class SpecController:
 
     def _adaptive_k(self, B: int) -> int:
         bucket = _bucket(B)
-        t1 = self._verify_table(bucket).get(1)
+        table = self._verify_table(bucket)   # (once a choice: it fits the slope)
+        t1 = table.get(1)
         if t1 is None:   # measure plain decode at this batch size first (unless drafting is free now)
             return self.K if self.widened.get(bucket) else 0
         if not self._drafted_at(bucket):   # (K at small batches, less as the batch grows: _seed_size)
@@ -451,13 +452,14 @@ class SpecController:
         else:
             per_token = sum(t / k for k, t in per_k.items())
             drafting = [k * per_token for k in ks]
+        verify = _curve(table, [k + 1 for k in ks])
 
         def goodput(k: int) -> float:
             if (rounds := self._rounds_goodput(bucket, k)) is not None:
                 return rounds * (_SPEC_MARGIN if k == 0 else 1.0)
             if k == 0:
                 return _SPEC_MARGIN / (t1 + host)
-            t = self._verify_time(bucket, k + 1) or t1
+            t = verify[k - 1] or t1
             return expected_tokens(self.alpha, k) / (drafting[k - 1] + t + host)
 
         best_k = max(range(self.K + 1), key=goodput)
@@ -467,7 +469,8 @@ class SpecController:
         """The tree size by goodput (module docstring) for a batch of B sequences, a share
         ``free`` of them drafting chains without confidence (unseeded sampled requests)."""
         bucket = _bucket(B)
-        t1 = self._verify_table(bucket).get(1)
+        table = self._verify_table(bucket)   # (once a weighing: it fits the slope)
+        t1 = table.get(1)
         if t1 is None:   # measure plain decode at this batch size first (unless drafting is free now)
             return self._probe_size(B) if self.widened.get(bucket) else 0
         top = min(self.K, self.cfg.num_speculative_tokens) if free == 1 else self.K   # (chains only)
@@ -488,7 +491,7 @@ class SpecController:
             top = min(top, max(flat, self.cfg.num_speculative_tokens))
         # what verifying n nodes drafts and verifies: all chains (free = 1), else the tree
         shapes = [(lv, 1) if free == 1 else (lv, w) for lv, w in self.shapes[:top]]
-        verify = self._verify_times(bucket, [lv + 1 if free == 1 else n + 1 for n, (lv, _) in enumerate(shapes, 1)])
+        verify = _curve(table, [lv + 1 if free == 1 else n + 1 for n, (lv, _) in enumerate(shapes, 1)])
         drafting: dict[tuple[int, int], float] = {}
         chains = self._chain_draft_times(bucket)
         for shape in set(shapes):
