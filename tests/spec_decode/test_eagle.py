@@ -471,18 +471,22 @@ def test_sampled_chains_carry_no_confidence(shapes, tokenizer):
 
 
 def test_eager_loops_stay_small_at_large_batches(shapes, monkeypatch):
-    """The eager drafting loops take batches up to the compiled buckets' token cap (larger ones
-    grow level by level) and pad no sequence to the bucket's tokens, their "no race" uniforms are a broadcast view (no max_num_seqs x steps
-    x V buffer), and LEAPFROG_NATIVE_ATTENTION=0 reaches them as it reaches other eager forwards."""
-    from leapfrog.model.compiled import BUCKET_TOKENS, Bucket
+    """The eager drafting loops take every batch size while their inputs' masks stay small (larger
+    ones grow level by level) and pad no sequence to the bucket's tokens, their "no race" uniforms
+    are a broadcast view (no max_num_seqs x steps x V buffer), and LEAPFROG_NATIVE_ATTENTION=0
+    reaches them as it reaches other eager forwards."""
+    from leapfrog.model.compiled import BUCKET_TOKENS, EAGER_MASK_BYTES, Bucket, eager_buckets
     target, heads = shapes["llama_untied"]
     spec = {"method": "eagle3", "model": str(heads["eagle3"]), **TREES["chain"]}
     llm = LLM(model=str(target), dtype="float32", max_model_len=64, max_num_seqs=80, speculative_config=spec)
     runner = llm.engine.proposer.runner
     s = runner.chain.steps + 1
-    assert [b.batch for b in runner.chain.warmed] == list(range(1, BUCKET_TOKENS // s + 1))
+    # (a 64-column mask: every batch size; beyond BUCKET_TOKENS only while the masks stay small)
+    assert [b.batch for b in runner.chain.warmed] == list(range(1, runner.kv.num_rows + 1))
+    long = EAGER_MASK_BYTES // BUCKET_TOKENS * 4
+    assert [b.batch for b in eager_buckets(80, s, long)] == list(range(1, BUCKET_TOKENS // s + 1))
     # nothing padded: a catch-up of 2 tokens for 40 sequences runs 80 rows, not 40 x (depth + 1)
-    assert runner.chain.bucket_for(40, 2, 10) == Bucket(40, 2) and runner.chain.bucket_for(60, 2, 10) is None
+    assert runner.chain.bucket_for(40, 2, 10) == Bucket(40, 2) and runner.chain.bucket_for(60, 2, 10) == Bucket(60, 2)
     # so their persistent inputs (each with a batch x tokens x max_model_len mask) are kept for the
     # latest 16 shapes only
     from leapfrog.model.runner import SeqChunk

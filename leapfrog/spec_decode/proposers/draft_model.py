@@ -84,10 +84,10 @@ class DraftModelProposer:
         """enforce_eager: greedy chains drafted by one C++ call (model/native_draft.py llama_chain,
         CompiledChain run eagerly) where the draft's layers are on the bf16 few-row kernel; else
         (and for sampled requests) one forward per draft token below."""
-        from leapfrog.model.compiled import BUCKET_TOKENS, Bucket
-        rows = self.runner.kv.num_rows
-        self.runner.compile_chain([Bucket(b, 2) for b in range(1, rows + 1) if b == 1 or 2 * b <= BUCKET_TOKENS],
-                                  self.k, progress=False, compile=False)
+        from leapfrog.model.compiled import eager_buckets
+        runner = self.runner
+        runner.compile_chain(eager_buckets(runner.kv.num_rows, 2, runner.kv.max_model_len), self.k,
+                             progress=False, compile=False)
         if self.runner.chain.native_draft is None:
             self.runner.chain = None
 

@@ -250,15 +250,14 @@ class EagleProposer:
     def _fuse(self, compile: bool) -> None:
         """The fused drafting loops of ``compile`` (compile=False: the same loops run eagerly,
         enforce_eager's default: one Python call per draft instead of the level-by-level
-        expansion's bookkeeping; every batch size up to BUCKET_TOKENS tokens its own bucket,
-        nothing padded)."""
-        from leapfrog.model.compiled import BUCKET_TOKENS, Bucket, make_buckets
+        expansion's bookkeeping; every batch size its own bucket, nothing padded, up to
+        model/compiled.py eager_buckets' cap)."""
+        from leapfrog.model.compiled import eager_buckets, make_buckets
         feats = self.head.cfg.target_hidden_size if self.head.kind == "eagle" else self.head.cfg.feature_size
         rows, s = self.runner.kv.num_rows, self.depth + 1
-        # (eagerly: up to the compiled buckets' token cap, so the runner's per-batch-size inputs
-        # stay small at large max_num_seqs; larger batches grow level by level)
-        buckets = (make_buckets(rows, [s]) if compile
-                   else [Bucket(b, s) for b in range(1, rows + 1) if b == 1 or b * s <= BUCKET_TOKENS])
+        # (eagerly: while the runner's per-batch-size inputs stay small at large max_num_seqs;
+        # larger batches grow level by level)
+        buckets = make_buckets(rows, [s]) if compile else eager_buckets(rows, s, self.runner.kv.max_model_len)
         width = self.cfg.grown_tree_shape[1]
         tree = self.static_children is None and width > 1 and self.depth > 1 and self.head.args.sliding_window is None
         kw = {"feature_width": feats, "next_width": self.head.args.hidden_size, "compile": compile}
