@@ -78,8 +78,9 @@ t_verify from the same measured table as
 above and n = 0 meaning no speculation (cost t_verify(B, 1), no drafting). The tree grown for n
 nodes has L(n) levels of width W(n) (SpeculativeConfig.tree_shape: a chain of n levels up to the
 depth, wider beyond), and t_draft(B, L, W) is the measured drafting time of a step of that shape.
-A chain (W = 1) follows the curve in L of the chains measured at B (``_curve``), or while only one
-is measured there, the nearest batch size's curve scaled to it (``_chain_draft_times``). Another
+A chain (W = 1) follows the curve in L of the chains measured at B (``_curve``), and outside the
+levels measured there the nearest batch size's curve that covers them, scaled to the nearer end
+(``_chain_draft_times``). Another
 shape not yet measured borrows the nearest measured one's time, scaled up by levels (never
 down) and down by width when it is narrower than any measured one (a tree measured first must not
 make the chain look as dear as itself: at T = 0.7 the chain was then never tried), so it gets
@@ -527,31 +528,35 @@ class SpecController:
         return self._explore_weighed(bucket, w)
 
     def _chain_draft_times(self, bucket: int) -> dict[int, float]:
-        """Auto tree sizes: levels -> drafting seconds of a chain at this batch size, the measured
-        ones, and while only one is measured, the others along the curve of the nearest batch size
-        where two or more are, scaled to the one measured here (a step's drafting is the head's
-        catch-up on the tokens just accepted plus one forward per level, in about the same
-        proportions at every batch size). Without such a curve only the measured ones (a chain
-        measured alone then lends its time to the others, never scaled down: ``_auto_tree_size``).
-        A batch size seeded at the top of the range (``_seed_size``) measures its longest chain
-        first, and the shorter chains borrowing its whole time looked too dear to try: "auto" took
-        64 steps to come down from the chain of 7 to the chain of 5 at a batch of 32, 0.90x the
-        chain of 5."""
+        """Auto tree sizes: levels -> drafting seconds of a chain at this batch size: the measured
+        ones, and each level outside their range along the curve of the nearest batch size where two
+        or more chains are measured, one of them at that level or beyond it if any, scaled to the
+        nearer end of the range measured here (a step's drafting is the head's catch-up on the
+        tokens just accepted plus one forward per level, in about the same proportions at every
+        batch size). Without such a curve only the measured ones (a chain measured alone then lends
+        its time to the others, never scaled down: ``_auto_tree_size``; with two or more, ``_curve``
+        is flat below them). A batch size seeded at the top of the range (``_seed_size``) measures
+        its longest chains first, and the shorter chains borrowing their time looked too dear to
+        try: "auto" took 64 steps to come down from the chain of 7 to the chain of 5 at a batch of
+        32, 0.90x the chain of 5; at depth 10, seeded at 8 and with 8-9 measured at batches of 16
+        and 32 alone, it never tried a chain under 8 there."""
         own = {lv: t for (lv, w), t in self.tree_draft_cost.get(bucket, {}).items() if w == 1}
-        if len(own) != 1:
+        if not own:
             return own
-        others = [b for b, costs in self.tree_draft_cost.items()
-                  if b != bucket and sum(w == 1 for _, w in costs) >= 2]
-        if not others:
-            return own
-        ref = min(others, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
-        ref_chains = {lv: t for (lv, w), t in self.tree_draft_cost[ref].items() if w == 1}
-        (lv0, t0), = own.items()
-        levels = range(1, self.cfg.num_speculative_tokens + 1)
-        ref_t0 = _curve(ref_chains, [lv0])[0]
-        if not ref_t0 or ref_t0 <= 0:
-            return own
-        return {lv: t * t0 / ref_t0 for lv, t in zip(levels, _curve(ref_chains, list(levels)))} | own
+        refs = {b: chains for b, costs in self.tree_draft_cost.items()
+                if b != bucket and len(chains := {lv: t for (lv, w), t in costs.items() if w == 1}) >= 2}
+        lo, hi = min(own), max(own)
+        out = dict(own)
+        for lv in range(1, self.cfg.num_speculative_tokens + 1):
+            if lo <= lv <= hi or not refs:
+                continue
+            cover = [b for b, chains in refs.items() if min(chains) <= lv <= max(chains)]
+            ref = refs[min(cover or refs, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))]
+            edge = lo if lv < lo else hi
+            t_edge, t_lv = _curve(ref, [edge, lv])
+            if t_edge and t_lv and t_edge > 0:
+                out[lv] = own[edge] * t_lv / t_edge
+        return out
 
     def _explore_weighed(self, bucket: int, w: _Weighed) -> int:
         """_explore over a weighing of the auto tree sizes."""

@@ -596,12 +596,31 @@ def test_a_chain_measured_alone_borrows_the_curve_of_another_batch_size():
     ctl.tree_draft_cost = {1: {(1, 1): 1.0, (4, 1): 2.5, (4, 4): 9.0}, 32: {(2, 1): 0.1},
                            16: {(4, 1): 10.0, (4, 2): 12.0}}
     assert ctl._chain_draft_times(16) == {1: 4.0, 2: 6.0, 3: 8.0, 4: 10.0}   # (32 has one chain: 1's curve)
-    ctl.tree_draft_cost[32] = {(2, 1): 0.1, (3, 1): 0.2}                     # 32's, nearer
-    assert ctl._chain_draft_times(16) == pytest.approx({1: 10 / 3, 2: 10 / 3, 3: 20 / 3, 4: 10.0})
+    ctl.tree_draft_cost[32] = {(2, 1): 0.1, (3, 1): 0.2}                     # 32's, nearer (1's for the chain of 1)
+    assert ctl._chain_draft_times(16) == pytest.approx({1: 4.0, 2: 10 / 3, 3: 20 / 3, 4: 10.0})
     ctl.tree_draft_cost[8] = {(1, 1): 1.0, (2, 1): 1.0, (4, 1): 5.0}        # as near as 32, smaller
     assert ctl._chain_draft_times(16) == {1: 2.0, 2: 2.0, 3: 6.0, 4: 10.0}
     assert ctl._chain_draft_times(1) == {1: 1.0, 4: 2.5}                     # measured: its own
     assert SpecController(CFG, 4096)._chain_draft_times(16) == {}
+
+
+def test_chains_shorter_than_those_measured_follow_the_curve_of_another_batch_size():
+    """Seeded at its longest chains, a batch size measures two or more of them and none shorter:
+    the shorter ones follow the nearest batch size's curve that measured them, from the shortest
+    measured here (flat below it, "auto" at depth 10 seeded at 9 at a batch of 32 never tried a
+    chain under 8)."""
+    ctl = SpecController(CFG, 4096)
+    ctl.tree_draft_cost = {16: {(1, 1): 2.0, (2, 1): 3.0, (3, 1): 4.0, (4, 1): 5.0},
+                           32: {(3, 1): 9.0, (4, 1): 10.0}}
+    assert ctl._chain_draft_times(32) == pytest.approx({1: 4.5, 2: 6.75, 3: 9.0, 4: 10.0})
+    ctl.tree_draft_cost[32] = {(1, 1): 4.0, (2, 1): 5.0}                     # longer: from the longest
+    assert ctl._chain_draft_times(32) == pytest.approx({1: 4.0, 2: 5.0, 3: 5.0 * 4 / 3, 4: 5.0 * 5 / 3})
+    ctl.tree_draft_cost[32] = {(1, 1): 4.0, (4, 1): 8.0}                     # the whole range: its own
+    assert ctl._chain_draft_times(32) == {1: 4.0, 4: 8.0}
+    ctl.tree_draft_cost = {1: {(1, 1): 1.0, (2, 1): 1.5, (4, 1): 2.5}, 16: {(3, 1): 6.0, (4, 1): 6.0},
+                           32: {(3, 1): 9.0, (4, 1): 10.0}}
+    # (16 is nearer, but measured nothing under 3: 1's curve, which did)
+    assert ctl._chain_draft_times(32) == pytest.approx({1: 4.5, 2: 6.75, 3: 9.0, 4: 10.0})
 
 
 def test_plain_decode_is_measured_after_the_slow_steps_and_kept_current_when_the_call_is_close():
