@@ -78,9 +78,9 @@ t_verify from the same measured table as
 above and n = 0 meaning no speculation (cost t_verify(B, 1), no drafting). The tree grown for n
 nodes has L(n) levels of width W(n) (SpeculativeConfig.tree_shape: a chain of n levels up to the
 depth, wider beyond), and t_draft(B, L, W) is the measured drafting time of a step of that shape.
-A chain (W = 1) follows the curve in L of the chains measured at B (``_curve``), and outside the
-levels measured there the nearest batch size's curve that covers them, scaled to the nearer end
-(``_chain_draft_times``). Another
+A chain (W = 1) follows the chains measured at B (three or more: the least-squares line in L
+through them, ``_chain_line``; else ``_curve``), and outside the levels measured there the nearest
+batch size's curve that covers them, scaled to the nearer end (``_chain_draft_times``). Another
 shape not yet measured borrows the nearest measured one's time, scaled up by levels (never
 down) and down by width when it is narrower than any measured one (a tree measured first must not
 make the chain look as dear as itself: at T = 0.7 the chain was then never tried), so it gets
@@ -179,6 +179,9 @@ _SPEC_MARGIN = 1.08
 #: "auto" tree sizes: the least chain seeded at a batch size when no smaller one is measured
 #: (_seed_size)
 _SEED_CHAIN = 4
+#: "auto" tree sizes: a chain's measured drafting time counts for at most this many samples in the
+#: line through the chains' (_chain_line)
+_LINE_WEIGHT = 8
 #: the fit of verify time against the batch's context (_ContextFit): each sample's weight decays by
 #: this factor per later sample of its size
 _FIT_DECAY = 0.97
@@ -529,7 +532,7 @@ class SpecController:
 
     def _chain_draft_times(self, bucket: int) -> dict[int, float]:
         """Auto tree sizes: levels -> drafting seconds of a chain at this batch size: the measured
-        ones, and each level outside their range along the curve of the nearest batch size where two
+        ones (``_chains_measured``), and each level outside their range along the curve of the nearest batch size where two
         or more chains are measured, one of them at that level or beyond it if any, scaled to the
         nearer end of the range measured here (a step's drafting is the head's catch-up on the
         tokens just accepted plus one forward per level, in about the same proportions at every
@@ -540,11 +543,10 @@ class SpecController:
         try: "auto" took 64 steps to come down from the chain of 7 to the chain of 5 at a batch of
         32, 0.90x the chain of 5; at depth 10, seeded at 8 and with 8-9 measured at batches of 16
         and 32 alone, it never tried a chain under 8 there."""
-        own = {lv: t for (lv, w), t in self.tree_draft_cost.get(bucket, {}).items() if w == 1}
+        own = self._chains_measured(bucket)
         if not own:
             return own
-        refs = {b: chains for b, costs in self.tree_draft_cost.items()
-                if b != bucket and len(chains := {lv: t for (lv, w), t in costs.items() if w == 1}) >= 2}
+        refs = {b: chains for b in self.tree_draft_cost if b != bucket and len(chains := self._chains_measured(b)) >= 2}
         lo, hi = min(own), max(own)
         out = dict(own)
         for lv in range(1, self.cfg.num_speculative_tokens + 1):
@@ -557,6 +559,14 @@ class SpecController:
             if t_edge and t_lv and t_edge > 0:
                 out[lv] = own[edge] * t_lv / t_edge
         return out
+
+    def _chains_measured(self, bucket: int) -> dict[int, float]:
+        """Levels -> the measured drafting seconds of chains at this batch size (three or more: on
+        the line through them, ``_chain_line``)."""
+        own = {lv: t for (lv, w), t in self.tree_draft_cost.get(bucket, {}).items() if w == 1}
+        if len(own) < 3:
+            return own
+        return _chain_line(own, {lv: self.draft_samples.get((bucket, (lv, 1)), 1) for lv in own})
 
     def _explore_weighed(self, bucket: int, w: _Weighed) -> int:
         """_explore over a weighing of the auto tree sizes."""
@@ -814,6 +824,23 @@ def _curve(table: dict[int, float], sizes: list[int]) -> list[float | None]:
         else:
             out.append(None)
     return out
+
+
+def _chain_line(times: dict[int, float], samples: dict[int, int]) -> dict[int, float]:
+    """Chains' drafting times (levels -> seconds, three or more measured) on the least-squares line
+    t = c0 + c1 * levels through them, each weighted by its samples (up to _LINE_WEIGHT): a step's
+    drafting is the head's catch-up plus one forward per level, and the measured points scatter
+    about that line (the catch-up varies with what the batch accepted, the points with when they
+    were measured). Interpolated as measured, at a batch of 4 the chain of 6 measured 2.87 ms
+    between 3.40 for 5 and 4.90 for 7, and "auto" kept to it for a whole run where the chain of 7
+    ran 5 % faster. A negative slope (noise) gives the weighted mean."""
+    w = {lv: float(min(samples.get(lv, 1), _LINE_WEIGHT)) for lv in times}
+    total = sum(w.values())
+    mx = sum(w[lv] * lv for lv in times) / total
+    mt = sum(w[lv] * t for lv, t in times.items()) / total
+    sxx = sum(w[lv] * (lv - mx) ** 2 for lv in times)
+    slope = max(0.0, sum(w[lv] * (lv - mx) * (t - mt) for lv, t in times.items()) / sxx) if sxx > 0 else 0.0
+    return {lv: mt + slope * (lv - mx) for lv in times}
 
 
 def _stopped_early(result: AcceptanceResult, b: int, num_draft: int, parents: list[int] | None) -> bool:
