@@ -243,22 +243,33 @@ class Bucket:
 BUCKET_TOKENS = 256
 #: an eager drafting loop's bucket (every shape its own, nothing padded: ``eager_buckets``) takes
 #: more, as long as its inputs' mask (batch x tokens x max_model_len bools: ModelRunner._fill)
-#: stays under this many bytes
-EAGER_MASK_BYTES = 16 << 20
+#: stays under this many bytes (the 16 eager arenas kept: at most 128 MiB, as 256 tokens at 32k)
+EAGER_MASK_BYTES = 8 << 20
+#: ... and its per-step tensors that grow with the vocabulary (the sampled chain's [batch, steps, V]
+#: draws and probabilities: ``eager_buckets``' ``seq_bytes``) under this many
+EAGER_STEP_BYTES = 256 << 20
 
 
-def eager_buckets(max_seqs: int, tokens: int, max_model_len: int) -> list[Bucket]:
+def eager_buckets(max_seqs: int, tokens: int, max_model_len: int | None = None, seq_bytes: int = 0) -> list[Bucket]:
     """An eager drafting loop's buckets: every batch size up to ``max_seqs`` its own, ``tokens``
-    per sequence, while batch x tokens is at most BUCKET_TOKENS or its mask at most
-    EAGER_MASK_BYTES (larger batches draft level by level). Capped at BUCKET_TOKENS, a batch of 32
-    drafting chains of 10 (11 tokens) fell to the level-by-level expansion: 29 ms a step against
-    11 for the chain of 7's fused loop, and "auto" at depth 10 ran 0.75x the chain of 5 there.
+    per sequence, while batch x tokens is at most BUCKET_TOKENS or, given ``max_model_len``, its
+    mask is at most EAGER_MASK_BYTES and batch x ``seq_bytes`` (what a step holds per sequence
+    beyond that) at most EAGER_STEP_BYTES; larger batches draft level by level. Capped at
+    BUCKET_TOKENS, a batch of 32 drafting chains of 10 (11 tokens) fell to the level-by-level
+    expansion: 29 ms a step against 11 for the chain of 7's fused loop, and "auto" at depth 10 ran
+    0.75x the chain of 5 there.
 
-    >>> [b.batch for b in eager_buckets(64, 11, 2048)][-1], [b.batch for b in eager_buckets(64, 11, 32768)][-1]
-    (64, 46)
+    >>> [len(eager_buckets(64, 11, n)) for n in (2048, 16384, 32768)], len(eager_buckets(64, 11))
+    ([64, 46, 23], 23)
+    >>> len(eager_buckets(64, 11, 2048, seq_bytes=16 * 10 * 131072))   # [steps, V] float64 + 2 x float32
+    23
     """
-    most = max(BUCKET_TOKENS, EAGER_MASK_BYTES // max(1, max_model_len))
-    return [Bucket(b, tokens) for b in range(1, max_seqs + 1) if b == 1 or b * tokens <= most]
+    def fits(b: int) -> bool:
+        if b == 1 or b * tokens <= BUCKET_TOKENS:
+            return True
+        return (max_model_len is not None and b * tokens * max_model_len <= EAGER_MASK_BYTES
+                and b * seq_bytes <= EAGER_STEP_BYTES)
+    return [Bucket(b, tokens) for b in range(1, max_seqs + 1) if fits(b)]
 
 
 def make_buckets(max_seqs: int, tokens_per_seq: list[int], max_tokens: int = BUCKET_TOKENS) -> list[Bucket]:

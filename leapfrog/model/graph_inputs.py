@@ -19,7 +19,8 @@ during the call and keeps nothing, and the next call of that bucket overwrites t
 Only chains (every chunk's new tokens at consecutive columns and positions), without a sliding
 window; trees and windows take ``build_attn_meta``. The values are exactly ``build_attn_meta``'s
 (tests/model/test_graph_inputs.py checks them against it). Memory: one mask per bucket, at most
-256 tokens x max_model_len bytes (make_buckets), about 0.4 MB in all for the built-in pair.
+256 tokens x max_model_len bytes (make_buckets; an eager loop's, up to 8 MiB: eager_buckets), about
+0.4 MB in all for the built-in pair's compiled buckets.
 """
 
 from __future__ import annotations

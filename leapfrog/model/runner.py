@@ -514,7 +514,8 @@ class ModelRunner:
         inputs (model/graph_inputs.py) -> token ids, positions, metadata, last index, next column.
         ``eager``: an eager drafting loop's call, whose every (batch, tokens) shape is its own
         bucket: only the latest _EAGER_ARENAS shapes keep theirs (each holds a batch x tokens x
-        max_model_len mask: all of them, 80 MB at 4k context, 0.6 GB at 32k)."""
+        max_model_len mask: all of them, 80 MB at 4k context, 0.6 GB at 32k; each at most
+        model/compiled.py EAGER_MASK_BYTES or 256 tokens' worth)."""
         key = (len(chunks), S)
         arenas = self._eager_arenas if eager else self._arenas
         a = arenas.get(key)

@@ -472,10 +472,10 @@ def test_sampled_chains_carry_no_confidence(shapes, tokenizer):
 
 def test_eager_loops_stay_small_at_large_batches(shapes, monkeypatch):
     """The eager drafting loops take every batch size while their inputs' masks stay small (larger
-    ones grow level by level) and pad no sequence to the bucket's tokens, their "no race" uniforms
+    ones grow level by level; the sampled chain's steps' draws small too) and pad no sequence to the bucket's tokens, their "no race" uniforms
     are a broadcast view (no max_num_seqs x steps x V buffer), and LEAPFROG_NATIVE_ATTENTION=0
     reaches them as it reaches other eager forwards."""
-    from leapfrog.model.compiled import BUCKET_TOKENS, EAGER_MASK_BYTES, Bucket, eager_buckets
+    from leapfrog.model.compiled import BUCKET_TOKENS, EAGER_MASK_BYTES, EAGER_STEP_BYTES, Bucket, eager_buckets
     target, heads = shapes["llama_untied"]
     spec = {"method": "eagle3", "model": str(heads["eagle3"]), **TREES["chain"]}
     llm = LLM(model=str(target), dtype="float32", max_model_len=64, max_num_seqs=80, speculative_config=spec)
@@ -483,8 +483,19 @@ def test_eager_loops_stay_small_at_large_batches(shapes, monkeypatch):
     s = runner.chain.steps + 1
     # (a 64-column mask: every batch size; beyond BUCKET_TOKENS only while the masks stay small)
     assert [b.batch for b in runner.chain.warmed] == list(range(1, runner.kv.num_rows + 1))
-    long = EAGER_MASK_BYTES // BUCKET_TOKENS * 4
-    assert [b.batch for b in eager_buckets(80, s, long)] == list(range(1, BUCKET_TOKENS // s + 1))
+    rows = runner.kv.num_rows
+    assert runner.chain.bucket_for(rows + 1, 2, 10) is None
+    long = EAGER_MASK_BYTES // BUCKET_TOKENS * 4                            # the floor: 256 tokens
+    assert [b.batch for b in eager_buckets(1000, s, long)] == list(range(1, BUCKET_TOKENS // s + 1))
+    mid = EAGER_MASK_BYTES // (2 * BUCKET_TOKENS)                           # the mask's bound: 512 tokens
+    assert [b.batch for b in eager_buckets(1000, s, mid)] == list(range(1, 2 * BUCKET_TOKENS // s + 1))
+    # the sampled chain also bounds its steps' [batch, steps, V] draws and probabilities (here
+    # small: every batch size), never under 256 tokens
+    V = llm.engine.proposer.head.args.vocab_size
+    assert [b.batch for b in runner.sampled_chain.warmed] == list(range(1, rows + 1))
+    huge = EAGER_STEP_BYTES // (BUCKET_TOKENS // s)   # [steps, V] bytes a sequence that allows 256 tokens
+    assert len(eager_buckets(1000, s, 64, seq_bytes=huge)) == BUCKET_TOKENS // s
+    assert len(eager_buckets(1000, s, 64, seq_bytes=16 * (s - 1) * V)) == min(1000, EAGER_STEP_BYTES // (16 * (s - 1) * V))
     # nothing padded: a catch-up of 2 tokens for 40 sequences runs 80 rows, not 40 x (depth + 1)
     assert runner.chain.bucket_for(40, 2, 10) == Bucket(40, 2) and runner.chain.bucket_for(60, 2, 10) == Bucket(60, 2)
     # so their persistent inputs (each with a batch x tokens x max_model_len mask) are kept for the

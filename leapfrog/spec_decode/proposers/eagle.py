@@ -255,16 +255,20 @@ class EagleProposer:
         from leapfrog.model.compiled import eager_buckets, make_buckets
         feats = self.head.cfg.target_hidden_size if self.head.kind == "eagle" else self.head.cfg.feature_size
         rows, s = self.runner.kv.num_rows, self.depth + 1
-        # (eagerly: while the runner's per-batch-size inputs stay small at large max_num_seqs;
-        # larger batches grow level by level)
-        buckets = make_buckets(rows, [s]) if compile else eager_buckets(rows, s, self.runner.kv.max_model_len)
+        # (eagerly: while the runner's per-batch-size inputs stay small at large max_num_seqs, and
+        # the sampled chain's [batch, steps, V] draws (float64), q and its spread over the vocabulary
+        # (float32) too; larger batches grow level by level)
+        n = self.runner.kv.max_model_len
+        buckets = make_buckets(rows, [s]) if compile else eager_buckets(rows, s, n)
+        sampled = make_buckets(rows, [s]) if compile else eager_buckets(
+            rows, s, n, seq_bytes=16 * self.depth * self.head.args.vocab_size)
         width = self.cfg.grown_tree_shape[1]
         tree = self.static_children is None and width > 1 and self.depth > 1 and self.head.args.sliding_window is None
         kw = {"feature_width": feats, "next_width": self.head.args.hidden_size, "compile": compile}
         if not tree or self.cfg.auto_tree:
             self.runner.compile_chain(buckets, self.depth, vocab=self.head.own_vocab, **kw)
         if self.static_children is None:   # sampled chains (temperature-only requests; unseeded ones in trees too)
-            self.runner.compile_sampled_chain(buckets, self.depth, self._want(), self.head.cfg.greedy_logit_scale,
+            self.runner.compile_sampled_chain(sampled, self.depth, self._want(), self.head.cfg.greedy_logit_scale,
                                               vocab=self._sample_vocab, **kw)
         if tree:
             self.runner.compile_tree(buckets, self.depth, width, self.budget, **kw)
