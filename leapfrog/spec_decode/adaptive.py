@@ -532,9 +532,10 @@ class SpecController:
 
     def _chain_draft_times(self, bucket: int) -> dict[int, float]:
         """Auto tree sizes: levels -> drafting seconds of a chain at this batch size: the measured
-        ones (``_chains_measured``), and each level outside their range along the curve of the nearest batch size where two
-        or more chains are measured, one of them at that level or beyond it if any, scaled to the
-        nearer end of the range measured here (a step's drafting is the head's catch-up on the
+        ones (``_chains_measured``), and each level outside their range along the curve of the
+        nearest batch size where two or more chains are measured, among those whose chains span
+        that level if any, scaled to the nearer end of the range measured here (and never a shorter
+        chain dearer than a longer one) (a step's drafting is the head's catch-up on the
         tokens just accepted plus one forward per level, in about the same proportions at every
         batch size). Without such a curve only the measured ones (a chain measured alone then lends
         its time to the others, never scaled down: ``_auto_tree_size``; with two or more, ``_curve``
@@ -556,17 +557,26 @@ class SpecController:
             ref = refs[min(cover or refs, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))]
             edge = lo if lv < lo else hi
             t_edge, t_lv = _curve(ref, [edge, lv])
-            if t_edge and t_lv and t_edge > 0:
+            if t_edge and t_lv and t_edge > 0 and t_lv > 0:
                 out[lv] = own[edge] * t_lv / t_edge
+        # (levels borrowed from different batch sizes' curves: never a shorter chain dearer than a
+        # longer one)
+        for lv in range(lo - 1, 0, -1):
+            if lv in out and lv + 1 in out:
+                out[lv] = min(out[lv], out[lv + 1])
+        for lv in range(hi + 1, self.cfg.num_speculative_tokens + 1):
+            if lv in out and lv - 1 in out:
+                out[lv] = max(out[lv], out[lv - 1])
         return out
 
     def _chains_measured(self, bucket: int) -> dict[int, float]:
-        """Levels -> the measured drafting seconds of chains at this batch size (three or more: on
-        the line through them, ``_chain_line``)."""
+        """Levels -> the measured drafting seconds of chains at this batch size (three or more
+        measured twice or more: on the line through those, ``_chain_line``)."""
         own = {lv: t for (lv, w), t in self.tree_draft_cost.get(bucket, {}).items() if w == 1}
-        if len(own) < 3:
+        samples = {lv: self.draft_samples.get((bucket, (lv, 1)), 1) for lv in own}
+        if sum(n >= 2 for n in samples.values()) < 3:
             return own
-        return _chain_line(own, {lv: self.draft_samples.get((bucket, (lv, 1)), 1) for lv in own})
+        return _chain_line(own, samples)
 
     def _explore_weighed(self, bucket: int, w: _Weighed) -> int:
         """_explore over a weighing of the auto tree sizes."""
@@ -827,20 +837,25 @@ def _curve(table: dict[int, float], sizes: list[int]) -> list[float | None]:
 
 
 def _chain_line(times: dict[int, float], samples: dict[int, int]) -> dict[int, float]:
-    """Chains' drafting times (levels -> seconds, three or more measured) on the least-squares line
-    t = c0 + c1 * levels through them, each weighted by its samples (up to _LINE_WEIGHT): a step's
-    drafting is the head's catch-up plus one forward per level, and the measured points scatter
-    about that line (the catch-up varies with what the batch accepted, the points with when they
-    were measured). Interpolated as measured, at a batch of 4 the chain of 6 measured 2.87 ms
-    between 3.40 for 5 and 4.90 for 7, and "auto" kept to it for a whole run where the chain of 7
-    ran 5 % faster. A negative slope (noise) gives the weighted mean."""
-    w = {lv: float(min(samples.get(lv, 1), _LINE_WEIGHT)) for lv in times}
+    """Chains' drafting times (levels -> seconds) on the least-squares line t = c0 + c1 * levels
+    through those measured twice or more (three or more of them; a first measurement also pays for
+    catch-ups and cold shapes, and is replaced by the second), each weighted by its samples (up to
+    _LINE_WEIGHT), read at every level of ``times``: a step's drafting is the head's catch-up plus
+    one forward per level, and the measured points scatter about that line (the catch-up varies
+    with what the batch accepted, the points with when they were measured). Interpolated as
+    measured, at a batch of 4 the chain of 6 measured 2.87 ms between 3.40 for 5 and 4.90 for 7, and
+    "auto" kept to it for a whole run where the chain of 7 ran 5 % faster. A negative slope (noise)
+    gives the weighted mean; no level reads under half the least time the line went through (an
+    extrapolation past the fitted levels)."""
+    fit = {lv: t for lv, t in times.items() if samples.get(lv, 1) >= 2}
+    w = {lv: float(min(samples[lv], _LINE_WEIGHT)) for lv in fit}
     total = sum(w.values())
-    mx = sum(w[lv] * lv for lv in times) / total
-    mt = sum(w[lv] * t for lv, t in times.items()) / total
-    sxx = sum(w[lv] * (lv - mx) ** 2 for lv in times)
-    slope = max(0.0, sum(w[lv] * (lv - mx) * (t - mt) for lv, t in times.items()) / sxx) if sxx > 0 else 0.0
-    return {lv: mt + slope * (lv - mx) for lv in times}
+    mx = sum(w[lv] * lv for lv in fit) / total
+    mt = sum(w[lv] * t for lv, t in fit.items()) / total
+    sxx = sum(w[lv] * (lv - mx) ** 2 for lv in fit)
+    slope = max(0.0, sum(w[lv] * (lv - mx) * (t - mt) for lv, t in fit.items()) / sxx) if sxx > 0 else 0.0
+    floor = 0.5 * min(fit.values())
+    return {lv: max(floor, mt + slope * (lv - mx)) for lv in times}
 
 
 def _stopped_early(result: AcceptanceResult, b: int, num_draft: int, parents: list[int] | None) -> bool:

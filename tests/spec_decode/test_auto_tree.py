@@ -596,8 +596,9 @@ def test_a_chain_measured_alone_borrows_the_curve_of_another_batch_size():
     ctl.tree_draft_cost = {1: {(1, 1): 1.0, (4, 1): 2.5, (4, 4): 9.0}, 32: {(2, 1): 0.1},
                            16: {(4, 1): 10.0, (4, 2): 12.0}}
     assert ctl._chain_draft_times(16) == {1: 4.0, 2: 6.0, 3: 8.0, 4: 10.0}   # (32 has one chain: 1's curve)
-    ctl.tree_draft_cost[32] = {(2, 1): 0.1, (3, 1): 0.2}                     # 32's, nearer (1's for the chain of 1)
-    assert ctl._chain_draft_times(16) == pytest.approx({1: 4.0, 2: 10 / 3, 3: 20 / 3, 4: 10.0})
+    ctl.tree_draft_cost[32] = {(2, 1): 0.1, (3, 1): 0.2}                     # 32's, nearer
+    # (1's curve for the chain of 1, but never dearer than the chain of 2)
+    assert ctl._chain_draft_times(16) == pytest.approx({1: 10 / 3, 2: 10 / 3, 3: 20 / 3, 4: 10.0})
     ctl.tree_draft_cost[8] = {(1, 1): 1.0, (2, 1): 2.0, (4, 1): 4.0}        # as near as 32, smaller
     assert ctl._chain_draft_times(16) == pytest.approx({1: 2.5, 2: 5.0, 3: 7.5, 4: 10.0})
     assert ctl._chain_draft_times(1) == {1: 1.0, 4: 2.5}                     # measured: its own
@@ -625,20 +626,31 @@ def test_chains_shorter_than_those_measured_follow_the_curve_of_another_batch_si
 
 def test_three_or_more_chains_lie_on_the_line_through_them():
     """A chain's drafting is the head's catch-up plus one forward per level: with three or more
-    chains measured at a batch size their times are read off the least-squares line through them,
-    weighted by samples (up to _LINE_WEIGHT each), never decreasing in levels (at a batch of 4 the
-    chain of 6 measured 2.87 ms between 3.40 for 5 and 4.90 for 7, and "auto" kept to it a whole run
-    where the chain of 7 ran 5 % faster)."""
+    chains measured twice or more at a batch size, their times are read off the least-squares line
+    through those, weighted by samples (up to _LINE_WEIGHT each), never decreasing in levels and
+    never under half the least time fitted (at a batch of 4 the chain of 6 measured 2.87 ms
+    between 3.40 for 5 and 4.90 for 7, and "auto" kept to it a whole run where the chain of 7 ran
+    5 % faster). A first measurement (catch-ups, cold shapes) stays out of the fit."""
     ctl = SpecController(CFG, 4096)
     ctl.tree_draft_cost = {4: {(2, 1): 3.4, (3, 1): 2.87, (4, 1): 4.9, (4, 4): 20.0}}
+    ctl.draft_samples = {(4, (lv, 1)): 2 for lv in (2, 3, 4)}
     line = ctl._chain_draft_times(4)
     assert line == pytest.approx({2: 2.973, 3: 3.723, 4: 4.473}, abs=0.001)
-    assert line[2] < line[3] < line[4]
-    ctl.draft_samples = {(4, (3, 1)): 50, (4, (2, 1)): 1, (4, (4, 1)): 1}   # the chain of 3 counts for 8
-    heavy = ctl._chain_draft_times(4)
-    assert abs(heavy[3] - 2.87) < abs(line[3] - 2.87)
+    ctl.draft_samples[(4, (3, 1))] = 50                                      # counts for 8, not 50
+    assert ctl._chain_draft_times(4) == pytest.approx({2: 2.547, 3: 3.297, 4: 4.047}, abs=0.001)
+    ctl.draft_samples[(4, (4, 1))] = 1                                       # measured once: read off the line
+    assert ctl._chain_draft_times(4) == {2: 3.4, 3: 2.87, 4: 4.9}           # (two fitted: as measured)
+    ctl.tree_draft_cost[4][(1, 1)] = 3.0
+    ctl.draft_samples[(4, (1, 1))] = 2
+    # (1, 2 and 3 fitted: their line falls, so their weighted mean, and the chain of 4 reads it too)
+    assert ctl._chain_draft_times(4) == pytest.approx({1: 2.98, 2: 2.98, 3: 2.98, 4: 2.98})
     ctl.tree_draft_cost = {4: {(2, 1): 5.0, (3, 1): 4.0, (4, 1): 3.0}}      # falling: noise, the mean
+    ctl.draft_samples = {(4, (lv, 1)): 2 for lv in (2, 3, 4)}
     assert ctl._chain_draft_times(4) == pytest.approx({2: 4.0, 3: 4.0, 4: 4.0})
+    # a steep line read far below its points: never under half the least of them
+    ctl.tree_draft_cost = {4: {(3, 1): 1.0, (4, 1): 3.0, (5, 1): 5.0, (1, 1): 9.0}}
+    ctl.draft_samples = {(4, (lv, 1)): 2 for lv in (3, 4, 5)}
+    assert ctl._chain_draft_times(4)[1] == pytest.approx(0.5)
     ctl.tree_draft_cost = {4: {(2, 1): 3.0, (4, 1): 5.0}}                    # two: as measured
     assert ctl._chain_draft_times(4) == {2: 3.0, 4: 5.0}
 
