@@ -414,13 +414,6 @@ class SpecController:
             # predicted: the chain's mean confidence sum per kept round
             self.confidence.calibrate(accepted, self.confidence.chain_prediction(self.round_k, drafted / self.round_k))
 
-    def _verify_time(self, bucket: int, s: int) -> float | None:
-        return self._verify_times(bucket, [s])[0]
-
-    def _verify_times(self, bucket: int, sizes: list[int]) -> list[float | None]:
-        """t_verify(B, s) for each s (``_curve``), at the current context (``_verify_table``)."""
-        return _curve(self._verify_table(bucket), sizes)
-
     def _verify_table(self, bucket: int) -> dict[int, float]:
         """The measured verify times at this batch size, each moved to the context of the step
         being chosen along the fitted slope (_ContextFit): a step reads every sequence's keys and

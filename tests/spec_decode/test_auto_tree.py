@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from leapfrog.spec_decode.adaptive import _PLAIN_FIRST, _PLAIN_REFRESH, SpecController, _bucket, expected_tokens
+from leapfrog.spec_decode.adaptive import _PLAIN_FIRST, _PLAIN_REFRESH, SpecController, _bucket, _curve, expected_tokens
 from leapfrog.spec_decode.confidence import GAMMAS
 
 from .test_confidence import accepted_counts
@@ -88,7 +88,7 @@ def test_probe_shrinks_with_the_batch_and_costs_extrapolate():
     ctl = SpecController(CFG, 4096)
     assert [ctl._probe_size(b) for b in (1, 4, 16, 32)] == [16, 4, 1, 1]
     ctl.verify_cost = {32: {1: 1.0, 2: 1.5}}
-    assert ctl._verify_time(32, 17) == 1.5 + 0.5 * 15   # along the measured slope, not flat
+    assert _curve(ctl._verify_table(32), [17])[0] == 1.5 + 0.5 * 15   # along the measured slope, not flat
 
 
 def test_first_draft_cost_is_replaced():
@@ -372,7 +372,7 @@ def test_costs_beyond_the_measured_sizes_follow_the_whole_curve():
     a 65-token verification look as cheap as 7: the slope from the smallest measured size on."""
     ctl = SpecController(CFG, 4096)
     ctl.verify_cost = {4: {1: 4.0, 5: 7.0, 6: 8.0, 7: 7.9}}
-    t = ctl._verify_times(4, [3, 7, 65])
+    t = _curve(ctl._verify_table(4), [3, 7, 65])
     assert t[0] == 5.5 and t[1] == 7.9 and t[2] > 7.9 + 0.6 * 57
 
 

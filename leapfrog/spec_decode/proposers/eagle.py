@@ -260,8 +260,7 @@ class EagleProposer:
         # (float32) too; larger batches grow level by level)
         n = self.runner.kv.max_model_len
         buckets = make_buckets(rows, [s]) if compile else eager_buckets(rows, s, n)
-        sampled = make_buckets(rows, [s]) if compile else eager_buckets(
-            rows, s, n, seq_bytes=16 * self.depth * self.head.args.vocab_size)
+        sampled = buckets if compile else eager_buckets(rows, s, n, 16 * self.depth * self.head.args.vocab_size)
         width = self.cfg.grown_tree_shape[1]
         tree = self.static_children is None and width > 1 and self.depth > 1 and self.head.args.sliding_window is None
         kw = {"feature_width": feats, "next_width": self.head.args.hidden_size, "compile": compile}
