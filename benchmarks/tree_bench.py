@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from leapfrog.bench.runner import format_table, run_bench
+from leapfrog.bench.runner import adaptive_vs_fixed, format_adaptive, format_table, run_bench
 from leapfrog.bench.workloads import WorkloadItem
 from leapfrog.demo import DEMO_DIR
 from leapfrog.model.loader import load_tokenizer
@@ -147,6 +147,9 @@ def main() -> None:
                     enforce_eager=args.enforce_eager, num_scheduler_steps=args.num_scheduler_steps,
                     continuous=args.continuous)
     print(format_table(res))
+    goal = adaptive_vs_fixed(res.rows, res.contenders)
+    if goal:
+        print("\n" + format_adaptive(goal))
     rows = [{k: r[k] for k in ("contender", "temperature", "batch_size", "tokens_per_s", "speedup", "speedup_ci_low",
                                "speedup_ci_high", "acceptance_rate", "mean_acceptance_length", "equal_rate")
              if k in r} for r in res.rows if r["category"] == "all"]
@@ -154,7 +157,7 @@ def main() -> None:
                "dtype": res.settings["resolved_dtype"], "threads": args.threads, "enforce_eager": args.enforce_eager,
                "num_scheduler_steps": args.num_scheduler_steps, "multi_step": res.settings["multi_step"],
                "continuous": args.continuous,
-               "contenders": res.contenders, "rows": rows}
+               "contenders": res.contenders, "rows": rows, "adaptive_goal": goal}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "tree_summary.json").write_text(json.dumps(summary, indent=1, default=str))
 

@@ -39,6 +39,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from leapfrog.bench.hf_backend import HF_PREFIX
 from leapfrog.bench.workloads import WorkloadItem
 from leapfrog.errors import ConfigError
 from leapfrog.outputs import SpecMetrics
@@ -515,6 +516,64 @@ def recommend(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             recs.append(dict(temperature=temp, batch_size=bs, category=cat, best="none", speedup=1.0,
                              acceptance_rate=None, speculation="off", reason=why, off_configs=off))
     return recs
+
+
+def _adaptive(spec: dict | None) -> bool:
+    return bool(spec) and (spec.get("adaptive") is True or spec.get("num_draft_tokens") == "auto")
+
+
+def _family(spec: dict) -> tuple:
+    """A drafter: its method, checkpoint and quantization (the settings an adaptive size picks among
+    are the same drafter's fixed ones)."""
+    return spec.get("method"), spec.get("model"), spec.get("draft_quantization")
+
+
+def adaptive_vs_fixed(rows: list[dict[str, Any]], contenders: dict[str, dict | None]) -> list[dict[str, Any]]:
+    """The adaptive goal, per adaptive contender (``"adaptive": true`` or ``num_draft_tokens: "auto"``),
+    temperature and batch size (category "all"): its speedup over none, and its speedup over the best
+    fixed setting of the same drafter in this run (the highest median speedup among the other
+    contenders of its method, checkpoint and quantization, picked after the fact: a max over noisy
+    medians, so the ratio reads low by the noise; transformers' counterparts are not leapfrog's
+    settings). Contenders without a fixed sibling are left out."""
+    out = []
+    by_key = {(r["contender"], r["temperature"], r["batch_size"]): r for r in rows if r["category"] == ALL}
+    for name, spec in contenders.items():
+        if not _adaptive(spec):
+            continue
+        fixed = [n for n, s in contenders.items() if s and not _adaptive(s) and _family(s) == _family(spec)
+                 and not n.startswith(HF_PREFIX)]   # (transformers' counterparts share the spec)
+        if not fixed:
+            continue
+        for (n, temp, bs), r in by_key.items():
+            if n != name or r["speedup"] is None:
+                continue
+            sib = [(by_key[(f, temp, bs)]["speedup"], f) for f in fixed
+                   if (f, temp, bs) in by_key and by_key[(f, temp, bs)]["speedup"] is not None]
+            if not sib:
+                continue
+            best, best_name = max(sib)
+            out.append(dict(contender=name, temperature=temp, batch_size=bs, speedup=r["speedup"],
+                            best_fixed=best_name, best_fixed_speedup=best, vs_best_fixed=r["speedup"] / best))
+    return sorted(out, key=lambda d: (d["contender"], d["temperature"], d["batch_size"]))
+
+
+def format_adaptive(goal: list[dict[str, Any]], vs_none: float = 0.98, vs_best: float = 0.95) -> str:
+    """The adaptive goal's table: speedup over none (goal >= ``vs_none``) and over the best fixed
+    setting (goal >= ``vs_best``), with a line per contender counting the cells that meet both."""
+    if not goal:
+        return ""
+    L = [f"{'adaptive':<30} {'temp':>4} {'bs':>3} {'vs none':>7} {'vs best fixed':>13}  best fixed"]
+    L.append("-" * len(L[0]))
+    for g in goal:
+        mark = "" if g["speedup"] >= vs_none and g["vs_best_fixed"] >= vs_best else "  (short)"
+        L.append(f"{g['contender'][:30]:<30} {g['temperature']:>4g} {g['batch_size']:>3} {g['speedup']:>7.2f} "
+                 f"{g['vs_best_fixed']:>13.2f}  {g['best_fixed']} ({g['best_fixed_speedup']:.2f}x){mark}")
+    for name in dict.fromkeys(g["contender"] for g in goal):
+        mine = [g for g in goal if g["contender"] == name]
+        met = sum(g["speedup"] >= vs_none and g["vs_best_fixed"] >= vs_best for g in mine)
+        L.append(f"{name}: {met} of {len(mine)} cells >= {vs_none:g}x none and >= {vs_best:g}x the best fixed "
+                 f"(median {statistics.median(g['vs_best_fixed'] for g in mine):.2f}x the best fixed)")
+    return "Adaptive sizes against the same drafter's fixed settings:\n" + "\n".join(L)
 
 
 # ---------------------------------------------------------------------------------- reporting

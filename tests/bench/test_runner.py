@@ -289,3 +289,33 @@ def test_running_at_most_restores_the_engines_limit_even_on_error():
     assert llm.engine.scheduler.max_num_seqs == 8
     with _running_at_most(llm, 32):   # never above what the engine was built for
         assert llm.engine.scheduler.max_num_seqs == 8
+
+
+def test_adaptive_goal_compares_with_the_same_drafters_fixed_settings():
+    from leapfrog.bench.runner import adaptive_vs_fixed, format_adaptive
+    head = {"method": "eagle3", "model": "h"}
+    contenders = {
+        "none": None,
+        "c5": {**head, "num_speculative_tokens": 5, "eagle_topk": 1},
+        "c7": {**head, "num_speculative_tokens": 7, "eagle_topk": 1},
+        "c7-w8a8": {**head, "num_speculative_tokens": 7, "eagle_topk": 1, "draft_quantization": "w8a8"},
+        "auto": {**head, "num_speculative_tokens": 10, "eagle_topk": 4, "num_draft_tokens": "auto"},
+        "dm": {"method": "draft_model", "model": "d", "num_speculative_tokens": 4},
+        "dm-adaptive": {"method": "draft_model", "model": "d", "num_speculative_tokens": 4, "adaptive": True},
+        "ngram-adaptive": {"method": "ngram", "num_speculative_tokens": 4, "adaptive": True},   # no fixed sibling
+        "hf-eagle3-k7": {**head, "num_speculative_tokens": 7, "eagle_topk": 1},   # transformers' counterpart
+    }
+    speed = {"none": 1.0, "c5": 1.5, "c7": 2.0, "c7-w8a8": 3.0, "auto": 1.9, "dm": 1.2, "dm-adaptive": 1.3,
+             "ngram-adaptive": 1.1, "hf-eagle3-k7": 9.0}
+    rows = [{"contender": n, "category": c, "temperature": 0.0, "batch_size": 4, "speedup": v}
+            for n, v in speed.items() for c in ("all", "code")]
+    rows.append({"contender": "auto", "category": "all", "temperature": 0.7, "batch_size": 4, "speedup": 0.9})
+    goal = adaptive_vs_fixed(rows, contenders)
+    assert [(g["contender"], g["temperature"]) for g in goal] == [("auto", 0.0), ("dm-adaptive", 0.0)]
+    auto, dm = goal
+    # the best of the same head, same quantization, not transformers' counterpart nor the w8a8 chain
+    assert auto["best_fixed"] == "c7" and auto["vs_best_fixed"] == pytest.approx(0.95)
+    assert dm["best_fixed"] == "dm" and dm["vs_best_fixed"] == pytest.approx(1.3 / 1.2)
+    text = format_adaptive(goal, vs_best=0.96)
+    assert "auto: 0 of 1 cells" in text and "dm-adaptive: 1 of 1 cells" in text and text.count("(short)") == 1
+    assert format_adaptive([]) == ""
