@@ -37,7 +37,8 @@ tried (TokenRate: a draft token is tried when all before it were accepted), not 
 drafted, which counts the untried tokens after a rejection as rejected and so underestimates
 alpha the more, the longer the drafts (0.59 for a true 0.8 at k = 4): it pulled K down. (For a
 tree, a step tries one more token than it accepted only where the accepted path stopped at a
-node with children.) Unmeasured verify costs are interpolated linearly between measured ones
+node with children.) No size counts dearer than a longer one (a forward over more tokens never
+costs less: such a size was measured slow, ``_monotone``). Unmeasured verify costs are interpolated linearly between measured ones
 (beyond them see below; flat while one size is measured, so an unmeasured K gets tried once).
 The first drafts at a batch size are a probe of the size a smaller batch size settled on, else
 of K (less at larger batches: _seed_size, _probe_size) for _FIRST_PROBE_STEPS steps. Every
@@ -422,13 +423,14 @@ class SpecController:
         measured at different contexts (no speculation's last at the start of the requests or at a
         refresh, a size in use every step): compared as measured, plain decode measured near the
         end of one batch's requests looked 25 % dearer than it was at the start of the next, and
-        "auto" speculated at a batch of 16 at T = 0.7 where it lost 10 %."""
+        "auto" speculated at a batch of 16 at T = 0.7 where it lost 10 %. Then no size costs more
+        than a longer one (``_monotone``)."""
         table = self.verify_cost.get(bucket, {})
         fit, where, now = self.context_fit.get(bucket), self.verify_context.get(bucket), self.context
-        if fit is None or not where or now is None or not (slope := fit.slope()):
-            return table
-        # (never below half the measured time: an extrapolation far from the measured contexts)
-        return {s: max(0.5 * t, t + slope * (now - where[s])) if s in where else t for s, t in table.items()}
+        if fit is not None and where and now is not None and (slope := fit.slope()):
+            # (never below half the measured time: an extrapolation far from the measured contexts)
+            table = {s: max(0.5 * t, t + slope * (now - where[s])) if s in where else t for s, t in table.items()}
+        return _monotone(table)
 
     def _adaptive_k(self, B: int) -> int:
         bucket = _bucket(B)
@@ -827,6 +829,26 @@ def _curve(table: dict[int, float], sizes: list[int]) -> list[float | None]:
         else:
             out.append(None)
     return out
+
+
+def _monotone(table: dict[int, float]) -> dict[int, float]:
+    """A verify-cost table (tokens per sequence -> seconds) with no size dearer than a longer one: each
+    the least of its own and the longer sizes' times. One forward over more tokens a sequence never
+    costs less (``benchmarks/step_bench.py``'s curves), so a size measured dearer than a longer one
+    was measured slow: in the first steps after a prefill, or long ago, and not run since. At a batch
+    of 32 the chain of 9 (10 tokens) stood at 46 ms from the first steps after the prompts, the chain
+    of 10 at 36 ms; the chains of 5-8 were interpolated from plain decode up to the 46 ms (the chain
+    of 7 at 38 ms, measured 29 in the chain engine), looked 20 % worse than the chain of 10, were never
+    explored, and "auto" at depth 10 ran the chain of 10 there, 0.90x the chain of 7.
+
+    >>> _monotone({1: 10.0, 10: 46.0, 11: 36.0, 12: 40.0})
+    {1: 10.0, 10: 36.0, 11: 36.0, 12: 40.0}
+    """
+    out, least = {}, float("inf")
+    for s in sorted(table, reverse=True):
+        least = min(least, table[s])
+        out[s] = least
+    return dict(sorted(out.items()))
 
 
 def _chain_line(times: dict[int, float], samples: dict[int, int]) -> dict[int, float]:

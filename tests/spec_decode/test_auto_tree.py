@@ -376,6 +376,19 @@ def test_costs_beyond_the_measured_sizes_follow_the_whole_curve():
     assert t[0] == 5.5 and t[1] == 7.9 and t[2] > 7.9 + 0.6 * 57
 
 
+def test_no_size_weighs_dearer_than_a_longer_one():
+    """A size measured dearer than a longer one was measured slow (the first steps after the
+    prompts, and never run again): it counts at the longer one's time, and so do the unmeasured
+    sizes interpolated up to it. At a batch of 32 the chain of 9 stood at 46 ms, the chain of 10 at
+    36, and the chain of 7, interpolated up to 46 at 38 ms (29 measured in the chain engine), was
+    never explored."""
+    ctl = SpecController(CFG, 4096)
+    ctl.verify_cost = {32: {1: 10.0, 10: 46.0, 11: 36.0}}
+    table = ctl._verify_table(32)
+    assert table == {1: 10.0, 10: 36.0, 11: 36.0} and ctl.verify_cost[32][10] == 46.0   # (the estimate stays)
+    assert _curve(table, [8])[0] == pytest.approx(10.0 + 7 / 9 * 26.0)
+
+
 def test_the_first_drafts_at_a_batch_size_are_judged_together():
     """The first drafting steps at a batch size form one probe: first steps that accept nothing
     (a prompt cut mid-word) are pooled with the next ones, not judged alone."""
