@@ -659,7 +659,10 @@ class LLMEngine:
                 if len(sub) == len(reqs) and not any(ks) and self._plain_steps(reqs):
                     return reqs
             t0 = time.perf_counter()
-            parts.append((idx, proposer.propose(sub, ks) if any(ks) else DraftBatch.empty(len(sub))))
+            # ("auto" tree sizes: where greedy chains of the chosen size stop drafting, EAGLE only)
+            stop = self.spec_controller.stop_confidence if proposer is self.proposer else None
+            parts.append((idx, DraftBatch.empty(len(sub)) if not any(ks) else proposer.propose(sub, ks)
+                          if stop is None else proposer.propose(sub, ks, stop_confidence=stop)))
             if proposer is self.proposer:
                 t_draft = time.perf_counter() - t0
         drafts = DraftBatch.merge(parts, len(reqs)) if parts else DraftBatch.empty(len(reqs))

@@ -549,6 +549,37 @@ def test_exploration_tries_the_chain_one_level_longer():
     assert ctl.choose([_Req()]) == [1]
 
 
+def test_the_best_chain_stops_where_another_level_costs_more_than_it_brings():
+    """The weighing's best chain comes with a stop confidence (adaptive.stop_confidence): a level's
+    drafting and verification time in tokens at the best's goodput, over the calibration, scaled
+    by the confidences' ratio of the last two levels; the neighbours explored, a tree and the
+    measurement steps draft without one."""
+    from leapfrog.spec_decode.adaptive import stop_confidence
+    ctl = SpecController(CFG, 4096)
+    _measured(ctl, {1: 0.1, 2: 0.4, 3: 0.7, 4: 1.0})
+    conf = [0.9, 0.8, 0.3, 0.2]
+    for _ in range(10):
+        ctl.confidence.calibrate(1.7, ctl.confidence.observe([conf], [2]))
+    assert ctl.choose([_Req()]) == [2]
+    w = ctl._weighed[1]
+    # a level: 0.3 drafting, nothing more to verify
+    expect = stop_confidence(0.3 * w.goodput[2], ctl.calibration, ctl.confidence.gamma, 0.8 / 0.9)
+    assert ctl.stop_confidence == pytest.approx(expect) and 0.5 < expect < 1
+    ctl.steps = CFG.adaptive_explore_interval   # an exploration step: the chain of 3, in full
+    assert ctl.choose([_Req()]) == [3] and ctl.stop_confidence is None
+    ctl.verify_cost[1] = {s: 1.0 + 0.1 * (s - 1) for s in range(1, 6)}   # a level costs 0.1 more to verify
+    ctl._weighed.clear()
+    ctl.steps += 1
+    k = ctl.choose([_Req()])[0]
+    assert 2 <= k <= 4 and ctl.stop_confidence == pytest.approx(stop_confidence(
+        (0.3 + 0.1) * ctl._weighed[1].goodput[k], ctl.calibration, ctl.confidence.gamma,
+        (ctl.curve[k - 1] - ctl.curve[k - 2]) / (ctl.curve[k - 2] - (ctl.curve[k - 3] if k >= 3 else 0))))
+    ctl.tree_draft_cost[1] = {(n, 1): 50.0 for n in range(1, 5)}   # drafting never pays: no chain, no stop
+    ctl._weighed.clear()
+    ctl.steps += 1
+    assert ctl.choose([_Req()]) == [0] and ctl.stop_confidence is None
+
+
 def test_the_last_weighing_stands_until_steps_pass_or_the_mix_changes():
     """The sizes are weighed again after _REWEIGH_STEPS observed steps, or at once for another
     share of unseeded sampled requests or another batch size."""

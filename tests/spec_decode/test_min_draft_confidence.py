@@ -176,3 +176,49 @@ def test_draft_model_chains_end_below_the_confidence_and_stay_lossless(llama_dir
                                                                   use_tqdm=False)]
     short = lengths[0.3]
     assert max(short) <= k and min(short) < k and sum(short) / len(short) < sum(lengths[None]) / len(lengths[None])
+
+
+def test_auto_sizes_stop_the_batchs_chains_together_and_stay_lossless(eagle_pair, tokenizer):
+    """"auto" tree sizes hand the fused chain loop a stop confidence (SpecController.stop_confidence):
+    no level runs once every chain of the batch is below it, and every row keeps all the levels run
+    (verification is padded to the longest row: cutting one would lose tokens for nothing). Greedy
+    output stays the target's alone."""
+    target, head = eagle_pair
+    prompts = prompts_of(tokenizer, 3)
+    greedy = SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)
+    llm = LLM(model=str(target), dtype="float32", max_model_len=128, max_num_seqs=4,
+              speculative_config={"method": "eagle3", "model": str(head), "num_speculative_tokens": K,
+                                  "eagle_topk": 1, "num_draft_tokens": "auto"})
+    ctl, prop = llm.engine.spec_controller, llm.engine.proposer
+    choose, propose, seen = ctl.choose, prop.propose, []
+    conf = 0.05   # (a random head's second drafts sit around here: chains stop at every depth)
+
+    def chains(reqs, **kw):   # every step a chain of the depth (capped near the end), with the stop
+        choose(reqs, **kw)
+        ctl.stop_confidence = conf
+        return [ctl.cap(r, K) for r in reqs]
+
+    def record(reqs, ks, stop_confidence=None):
+        d = propose(reqs, ks, stop_confidence=stop_confidence)
+        seen.append((stop_confidence, [prop._levels(r, k) for r, k in zip(reqs, ks)], d.num_draft,
+                     d.candidate_scores))
+        return d
+    ctl.choose, ctl.drafting_off, prop.propose = chains, (lambda batch_size: False), record
+    outs = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], greedy,
+                                                         use_tqdm=False)]
+    plain = LLM(model=str(target), dtype="float32", max_model_len=128, max_num_seqs=4)
+    assert outs == [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts],
+                                                                   greedy, use_tqdm=False)]
+    assert all(stop == conf for stop, *_ in seen)
+    stopped = 0
+    for _, levels, nums, scores in seen:
+        if len(set(levels)) > 1 or levels[0] < K:
+            continue   # (rows near their end ask for fewer levels)
+        ran = max(nums)
+        assert nums == [ran] * len(nums)   # every row keeps the levels run
+        if ran < K:   # stopped early: every chain below the confidence at its last level
+            stopped += 1
+            assert all(sc[-1] < conf for sc in scores), scores
+        # (a level ran only while some chain was at or above the confidence)
+        assert all(max(sorted(sc, reverse=True)[d] for sc in scores) >= conf for d in range(ran - 1))
+    assert stopped >= 3, seen

@@ -200,13 +200,16 @@ class EagleProposer:
 
     # ------------------------------------------------------------------ drafting
     @torch.inference_mode()
-    def propose(self, reqs: list[Request], ks: list[int]) -> DraftBatch:
+    def propose(self, reqs: list[Request], ks: list[int], stop_confidence: float | None = None) -> DraftBatch:
+        """Drafts of ``ks[b]`` nodes per request; ``stop_confidence`` ("auto" tree sizes:
+        SpecController.stop_confidence): greedy chains from the fused chain loop draft no further
+        level once every chain's path confidence is below it, and each keeps what was drafted."""
         active = [b for b, k in enumerate(ks) if k > 0 and self._ready(reqs[b])]
         fused = self._fused_tree(reqs, active, ks) if active else None
         if fused is not None:
             return fused
         nodes: dict[int, list[_Node]] = {b: [] for b in active}
-        if active and not self._fused_chains(reqs, active, ks, nodes):
+        if active and not self._fused_chains(reqs, active, ks, nodes, stop_confidence):
             roots = self._catch_up([reqs[b] for b in active])  # [A, V] logits, [A, H] states
             assert roots is not None
             self._grow(reqs, active, ks, nodes, *roots)
@@ -349,7 +352,7 @@ class EagleProposer:
                           torch.tensor(flat_p, dtype=torch.long), candidate_scores=cand)
 
     def _fused_chains(self, reqs: list[Request], active: list[int], ks: list[int],
-                      nodes: dict[int, list[_Node]]) -> bool:
+                      nodes: dict[int, list[_Node]], stop: float | None = None) -> bool:
         """Chains for every active request from a compiled chain graph (see compile): the greedy
         graph when every request is greedy, else the sampled one (temperature-only requests; an
         unseeded one drafts a chain whatever its tree size: ``_children``);
@@ -365,7 +368,8 @@ class EagleProposer:
         if chain is None:
             return False
         levels = max(self._levels(reqs[b], ks[b]) for b in active)
-        out = self.runner.draft_chain(self._pending(rs, chain.max_tokens), levels, self.cfg.min_draft_confidence)
+        out = self.runner.draft_chain(self._pending(rs, chain.max_tokens), levels,
+                                      self.cfg.min_draft_confidence if stop is None else stop)
         if out is None:
             return False
         self._consumed(rs)
