@@ -18,7 +18,9 @@ batches of the batch size).
 ``leapfrog.demo.demo_draft_quantization``).
 Prompts: code the models never trained on, either the demo's held-out standard-library files
 (``--source heldout``, default) or third-party files from this Python's site-packages
-(``--source site-packages``).
+(``--source site-packages``). ``--twin I`` adds a second engine of contender I, identical, loaded
+last, and prints how far the two measured apart per cell (the noise floor of comparing one engine
+per setting: each LLM holds its own copy of the weights).
 
     python benchmarks/tree_bench.py --out bench_tree [--temperatures 0 0.7] [--batch-sizes 1 4 16 32] \
         [--no-enforce-eager]
@@ -113,6 +115,11 @@ def main() -> None:
                     help="adds the head's contenders once more with this draft_quantization (indices last)")
     ap.add_argument("--only", nargs="*", default=None, help="contender indices to keep (0..7, 8 and 9 with --compare-head, "
                     "then --eagle-depths', --auto-depths' and --head-quantization's; none always runs)")
+    ap.add_argument("--twin", type=int, default=None,
+                    help="a second, identical engine of this contender (an index of --only's list, or of all "
+                         "without --only), loaded last: how far two engines of one setting differ in this run "
+                         "(each LLM holds its own weights; identical ones measured 2-8 %% apart), the noise "
+                         "floor of the adaptive goal's comparison; left out of that comparison")
     ap.add_argument("--request-seed", type=int, default=None,
                     help="seed the requests (item i: this + i): sampled ones are verified by matching")
     ap.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
@@ -141,15 +148,31 @@ def main() -> None:
             raise SystemExit(f"--only {' '.join(bad)}: contenders are 0..{len(specs) - 1}"
                              + ("" if args.compare_head else " (8 and 9 need --compare-head)"))
         specs = [specs[int(i)] for i in args.only]
+    if args.twin is not None:
+        if not 0 <= args.twin < len(specs):
+            raise SystemExit(f"--twin {args.twin}: contenders are 0..{len(specs) - 1}")
+        specs = specs + [dict(specs[args.twin])]
     res = run_bench(args.target, specs, items, temperatures=args.temperatures, max_tokens=args.max_tokens,
                     batch_sizes=args.batch_sizes, repeats=args.repeats, warmup=1, out_dir=args.out,
                     dtype=args.dtype, threads=args.threads, request_seed=args.request_seed,
                     enforce_eager=args.enforce_eager, num_scheduler_steps=args.num_scheduler_steps,
                     continuous=args.continuous)
     print(format_table(res))
-    goal = adaptive_vs_fixed(res.rows, res.contenders)
+    names = list(res.contenders)
+    twin = names[-1] if args.twin is not None else None   # (the last engine loaded)
+    goal = adaptive_vs_fixed(res.rows, {n: c for n, c in res.contenders.items() if n != twin})
     if goal:
         print("\n" + format_adaptive(goal))
+    twins = []
+    if twin is not None:
+        first = next(n for n, c in res.contenders.items() if c == res.contenders[twin] and n != twin)
+        by = {(r["contender"], r["temperature"], r["batch_size"]): r["speedup"] for r in res.rows
+              if r["category"] == "all"}
+        twins = [{"temperature": t, "batch_size": b, "contender": first, "twin": twin,
+                  "twin_over_first": by[(twin, t, b)] / by[(first, t, b)]}
+                 for (n, t, b) in by if n == first and by[(n, t, b)] and by.get((twin, t, b))]
+        print(f"\nTwo identical engines of {first}: the second's speedup over the first's, per cell: "
+              + ", ".join(f"T {x['temperature']:g} batch {x['batch_size']}: {x['twin_over_first']:.3f}" for x in twins))
     rows = [{k: r[k] for k in ("contender", "temperature", "batch_size", "tokens_per_s", "speedup", "speedup_ci_low",
                                "speedup_ci_high", "acceptance_rate", "mean_acceptance_length", "equal_rate")
              if k in r} for r in res.rows if r["category"] == "all"]
@@ -157,7 +180,7 @@ def main() -> None:
                "dtype": res.settings["resolved_dtype"], "threads": args.threads, "enforce_eager": args.enforce_eager,
                "num_scheduler_steps": args.num_scheduler_steps, "multi_step": res.settings["multi_step"],
                "continuous": args.continuous,
-               "contenders": res.contenders, "rows": rows, "adaptive_goal": goal}
+               "contenders": res.contenders, "rows": rows, "adaptive_goal": goal, "twins": twins}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "tree_summary.json").write_text(json.dumps(summary, indent=1, default=str))
 
