@@ -540,8 +540,8 @@ class SpecController:
             extra = ((drafting[shapes[best - 1]] - drafting[shapes[0]]) / (best - 1)
                      + ((verify[best - 1] or t1) - t1) / best)
             m = self.curve   # (the child's confidence: its parent's times about m_best / m_best-1)
-            ratio = 1.0 if m is None or len(m) < best else (m[best - 1] - m[best - 2]) / (
-                m[best - 2] - (m[best - 3] if best >= 3 else 0.0) or 1.0)
+            prev = 0.0 if m is None or len(m) < best else m[best - 2] - (m[best - 3] if best >= 3 else 0.0)
+            ratio = (m[best - 1] - m[best - 2]) / prev if prev > 0 else 1.0
             stop = stop_confidence(extra * gp[best], cal, self.confidence.gamma, ratio)
         w = _Weighed(self.observations, B, free, gp, best, min(top, max(1, up)), max(0, down),
                      min(top, self._probe_size(B)), stop)
@@ -859,7 +859,8 @@ def stop_confidence(tokens: float, a: float, gamma: float, ratio: float = 1.0) -
     costs ``tokens`` (its drafting and verification time times the step's goodput: the tokens that
     time would make at the best size's rate). A node of path confidence c is accepted about
     a * c ** gamma times (confidence.py), and a child of a node of confidence c has about
-    c * ``ratio`` (the mean confidences' ratio of the last two levels, at most 1); so once every
+    c * ``ratio`` (the mean confidences' ratio of the last two levels, taken within 0.5-1: a
+    flat stretch of the curve must not make c* collapse every chain to one level); so once every
     chain of the batch is below c* = (tokens / a) ** (1 / gamma) / ratio, another level costs more
     than it brings, and the head's loop stops (the fused chains' ``min_confidence``; every row
     keeps what was drafted: verification is padded to the longest row). At the optimum, c* is about the mean confidence of the best chain's last node, so at a
@@ -870,14 +871,14 @@ def stop_confidence(tokens: float, a: float, gamma: float, ratio: float = 1.0) -
 
     >>> round(stop_confidence(0.3, 1.0, 1.0), 3), round(stop_confidence(0.3, 1.2, 0.5), 4), stop_confidence(0.0, 1.0, 1.0)
     (0.3, 0.0625, None)
-    >>> round(stop_confidence(0.3, 1.0, 1.0, ratio=0.75), 3)
-    0.4
+    >>> round(stop_confidence(0.3, 1.0, 1.0, ratio=0.75), 3), round(stop_confidence(0.3, 1.0, 1.0, ratio=0.1), 3)
+    (0.4, 0.6)
     >>> stop_confidence(3.0, 1.0, 1.0)
     1.0
     """
     if tokens <= 0 or a <= 0:
         return None
-    return min(1.0, (tokens / a) ** (1.0 / gamma) / min(1.0, max(ratio, 0.1)))
+    return min(1.0, (tokens / a) ** (1.0 / gamma) / min(1.0, max(ratio, 0.5)))
 
 
 def _monotone(table: dict[int, float]) -> dict[int, float]:
