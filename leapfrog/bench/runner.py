@@ -548,7 +548,7 @@ def adaptive_vs_fixed(rows: list[dict[str, Any]], contenders: dict[str, dict | N
             if n != name or r["speedup"] is None:
                 continue
             sib = [(by_key[(f, temp, bs)]["speedup"], f) for f in fixed
-                   if (f, temp, bs) in by_key and by_key[(f, temp, bs)]["speedup"] is not None]
+                   if (f, temp, bs) in by_key and by_key[(f, temp, bs)]["speedup"]]   # (None or 0: not measured)
             if not sib:
                 continue
             best, best_name = max(sib)

@@ -106,7 +106,8 @@ of 5 ran 1.14x.)
 Where the weighing's best size is a chain, greedy chains of it stop early: no level is drafted
 once every chain of the batch has a path confidence under ``stop_confidence``'s c*, where another
 level costs more than it brings (``SpecController.stop_confidence``, handed to the EAGLE proposer
-by the engine; exploration, probes and measurement steps draft in full).
+by the engine; exploration, probes and measurement steps draft in full; the levels a stopped
+chain did not draft count in the confidence curve below its last: ``_observe_tree``).
 
 Speculation rounds (num_scheduler_steps > 1 on the compiled fast path: engine ``_spec_rounds``).
 When the engine has a rounds graph for a chain of ``round_k`` drafts (K, or the chain of the
@@ -537,14 +538,17 @@ class SpecController:
             # the best chain's last level: what it adds to the step's time, in tokens at the best's goodput
             # (per level: the mean slopes up to it, the chains' drafting from one level on and the
             # verification from plain decode on; the last level's own differences swung c* 3x)
-            extra = ((drafting[shapes[best - 1]] - drafting[shapes[0]]) / (best - 1)
-                     + ((verify[best - 1] or t1) - t1) / best)
+            # (drafting: across the chains measured or borrowed, never the flat part of _curve below them;
+            # with one chain known, no slope and no stop)
+            lo, hi = (min(chains), max(chains)) if chains else (0, 0)
             m = self.curve   # (the child's confidence: its parent's times about m_best / m_best-1)
             prev = 0.0 if m is None or len(m) < best else m[best - 2] - (m[best - 3] if best >= 3 else 0.0)
             ratio = (m[best - 1] - m[best - 2]) / prev if prev > 0 else 1.0
-            stop = stop_confidence(extra * gp[best], cal, self.confidence.gamma, ratio)
+            if hi > lo:
+                extra = (chains[hi] - chains[lo]) / (hi - lo) + ((verify[best - 1] or t1) - t1) / best
+                stop = stop_confidence(extra * gp[best], cal, self.confidence.gamma, ratio)
         w = _Weighed(self.observations, B, free, gp, best, min(top, max(1, up)), max(0, down),
-                     min(top, self._probe_size(B)), stop)
+                     min(top, self._probe_size(B)), stop, min(1.0, max(ratio, 0.5)) if stop else 1.0)
         self._weighed[bucket] = w
         return self._explore_weighed(bucket, w)
 
@@ -711,13 +715,21 @@ class SpecController:
         one token measures the verify slope, the drafting cost per token and alpha as well."""
         return max(1, min(self.K, 16 // B))
 
-    def _observe_tree(self, drafts: DraftBatch, result: AcceptanceResult, probe: _Probe | None = None) -> None:
+    def _observe_tree(self, drafts: DraftBatch, result: AcceptanceResult, probe: _Probe | None = None,
+                      asked: list[int] | None = None, ratio: float = 1.0) -> None:
         """Update the confidence curves and the calibrations from one verified step
         (confidence.py: position n of a curve moves only with the proposals whose tree grew at
-        least n candidates)."""
+        least n candidates). ``asked``: the levels each chain was asked for, when the step's chains
+        stopped early (``stop_confidence``): the levels not drafted count at the last one's
+        confidence times ``ratio`` per level (left out, the deep positions moved only with the steps
+        where some chain stayed confident, and read high)."""
         scores = drafts.candidate_scores
         if not scores or not any(scores):   # (None: a sampled chain's, without confidence)
             return
+        if asked is not None:
+            scores = [sc if sc is None or not sc or len(sc) >= n
+                      else sc + [sc[-1] * ratio ** j for j in range(1, n - len(sc) + 1)]
+                      for sc, n in zip(scores, asked)]
         kept = [b for b, sc in enumerate(scores) if sc is not None]
         accepted = sum(result.num_accepted[b] for b in kept if drafts.num_draft[b])
         predicted = self.confidence.observe([scores[b] for b in kept], [drafts.num_draft[b] for b in kept],
@@ -760,7 +772,11 @@ class SpecController:
         fresh = probe is not None and probe.seen == 1         # verify cost
         fresh_draft = probe is not None and probe.seen == 2   # past the drafter's catch-up
         if self.cfg.auto_tree:
-            self._observe_tree(drafts, result, probe)
+            stopped = None   # (the levels asked, where chains stopped short of them: stop_confidence)
+            w = self._weighed.get(bucket)
+            if self.stop_confidence is not None and w is not None and max(drafts.num_draft, default=0) < self.last_k:
+                stopped = [self.cap(r, self.last_k) for r in reqs]
+            self._observe_tree(drafts, result, probe, stopped, w.ratio if w is not None else 1.0)
         self.widened[bucket] = (verify_tokens or s) > s
         if s == 1:
             self.off_steps[bucket] += 1
@@ -972,8 +988,10 @@ class _Weighed:
     up: int
     down: int
     probe: int
-    #: the best chain's stop confidence (``stop_confidence``; None: the best is no chain)
+    #: the best chain's stop confidence (``stop_confidence``; None: the best is no chain) and the
+    #: ratio of a child's confidence to its parent's it assumed
     stop: float | None = None
+    ratio: float = 1.0
 
 
 @dataclass

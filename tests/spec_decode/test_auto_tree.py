@@ -580,6 +580,32 @@ def test_the_best_chain_stops_where_another_level_costs_more_than_it_brings():
     assert ctl.choose([_Req()]) == [0] and ctl.stop_confidence is None
 
 
+def test_levels_a_stopped_chain_did_not_draft_count_below_its_last():
+    """A step whose chains stopped early (stop_confidence) grew fewer candidates than asked: the
+    levels not drafted count at the last one's confidence times the assumed ratio per level, so
+    the deep positions of the curve do not move only with the steps that stayed confident."""
+    curves = []
+    for stopped in (False, True):
+        ctl = SpecController(CFG, 4096)
+        _measured(ctl, {1: 0.1, 2: 0.4, 3: 0.7, 4: 1.0})
+        conf = [0.9, 0.8, 0.7, 0.6]
+        for _ in range(10):
+            ctl.confidence.calibrate(3.0, ctl.confidence.observe([conf], [4]))
+        k = ctl.choose([_Req()])[0]
+        assert k >= 2 and ctl.stop_confidence is not None
+        if not stopped:
+            ctl.stop_confidence = None
+        ratio = ctl._weighed[1].ratio
+        assert 0.5 <= ratio <= 1
+        before = list(ctl.curve)
+        _step(ctl, 1, [0.3], 1, 0.1, 1.0)   # stopped after one level
+        curves.append((before, list(ctl.curve), ratio, k))
+    (b0, free, _, _), (b1, pad, ratio, k) = curves
+    assert b0 == b1 and free[1] - free[0] == pytest.approx(b0[1] - b0[0])   # not padded: the increment kept
+    # padded: position 2 moved toward 0.3 + 0.3 * ratio
+    assert pad[1] == pytest.approx(0.8 * b1[1] + 0.2 * (0.3 + 0.3 * ratio)) and pad[1] < free[1]
+
+
 def test_the_last_weighing_stands_until_steps_pass_or_the_mix_changes():
     """The sizes are weighed again after _REWEIGH_STEPS observed steps, or at once for another
     share of unseeded sampled requests or another batch size."""
