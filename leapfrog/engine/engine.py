@@ -661,8 +661,8 @@ class LLMEngine:
             t0 = time.perf_counter()
             # ("auto" tree sizes: where greedy chains of the chosen size stop drafting, EAGLE only)
             stop = self.spec_controller.stop_confidence if proposer is self.proposer else None
-            parts.append((idx, DraftBatch.empty(len(sub)) if not any(ks) else proposer.propose(sub, ks)
-                          if stop is None else proposer.propose(sub, ks, stop_confidence=stop)))
+            kw = {} if stop is None else {"stop_confidence": stop}
+            parts.append((idx, proposer.propose(sub, ks, **kw) if any(ks) else DraftBatch.empty(len(sub))))
             if proposer is self.proposer:
                 t_draft = time.perf_counter() - t0
         drafts = DraftBatch.merge(parts, len(reqs)) if parts else DraftBatch.empty(len(reqs))

@@ -192,6 +192,9 @@ _LINE_WEIGHT = 8
 #: the fit of verify time against the batch's context (_ContextFit): each sample's weight decays by
 #: this factor per later sample of its size
 _FIT_DECAY = 0.97
+#: the stop confidence's ratio of a child's confidence to its parent's is taken at least this
+#: (stop_confidence: a flat stretch of the curve must not collapse every chain to one level)
+_MIN_CHILD_RATIO = 0.5
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -533,22 +536,20 @@ class SpecController:
         depth = self.cfg.num_speculative_tokens
         up = best + 1 if best < depth else best * 2
         down = best - 1 if best <= depth else max(depth, best // 2)
-        stop = None
-        if free == 0 and 2 <= best <= depth and best < len(gp):
-            # the best chain's last level: what it adds to the step's time, in tokens at the best's goodput
-            # (per level: the mean slopes up to it, the chains' drafting from one level on and the
-            # verification from plain decode on; the last level's own differences swung c* 3x)
-            # (drafting: across the chains measured or borrowed, never the flat part of _curve below them;
-            # with one chain known, no slope and no stop)
-            lo, hi = (min(chains), max(chains)) if chains else (0, 0)
+        stop, ratio = None, 1.0
+        if free == 0 and 2 <= best <= depth and len(chains) >= 2:
+            # a level of the best chain: what it adds to the step's time, in tokens at the best's
+            # goodput, at the mean slopes (the last level's own differences swung c* 3x): drafting
+            # across the chains measured or borrowed (never _curve's flat part below them), verifying
+            # from plain decode on
+            lo, hi = min(chains), max(chains)
+            extra = (chains[hi] - chains[lo]) / (hi - lo) + ((verify[best - 1] or t1) - t1) / best
             m = self.curve   # (the child's confidence: its parent's times about m_best / m_best-1)
             prev = 0.0 if m is None or len(m) < best else m[best - 2] - (m[best - 3] if best >= 3 else 0.0)
-            ratio = (m[best - 1] - m[best - 2]) / prev if prev > 0 else 1.0
-            if hi > lo:
-                extra = (chains[hi] - chains[lo]) / (hi - lo) + ((verify[best - 1] or t1) - t1) / best
-                stop = stop_confidence(extra * gp[best], cal, self.confidence.gamma, ratio)
+            ratio = min(1.0, max((m[best - 1] - m[best - 2]) / prev if prev > 0 else 1.0, _MIN_CHILD_RATIO))
+            stop = stop_confidence(extra * gp[best], cal, self.confidence.gamma, ratio)
         w = _Weighed(self.observations, B, free, gp, best, min(top, max(1, up)), max(0, down),
-                     min(top, self._probe_size(B)), stop, min(1.0, max(ratio, 0.5)) if stop else 1.0)
+                     min(top, self._probe_size(B)), stop, ratio)
         self._weighed[bucket] = w
         return self._explore_weighed(bucket, w)
 
@@ -772,11 +773,11 @@ class SpecController:
         fresh = probe is not None and probe.seen == 1         # verify cost
         fresh_draft = probe is not None and probe.seen == 2   # past the drafter's catch-up
         if self.cfg.auto_tree:
-            stopped = None   # (the levels asked, where chains stopped short of them: stop_confidence)
-            w = self._weighed.get(bucket)
-            if self.stop_confidence is not None and w is not None and max(drafts.num_draft, default=0) < self.last_k:
-                stopped = [self.cap(r, self.last_k) for r in reqs]
-            self._observe_tree(drafts, result, probe, stopped, w.ratio if w is not None else 1.0)
+            stopped, ratio = None, 1.0   # (the levels asked, where chains stopped short of them: stop_confidence)
+            if (self.stop_confidence is not None and max(drafts.num_draft, default=0) < self.last_k
+                    and (w := self._weighed.get(bucket)) is not None):
+                stopped, ratio = [self.cap(r, self.last_k) for r in reqs], w.ratio
+            self._observe_tree(drafts, result, probe, stopped, ratio)
         self.widened[bucket] = (verify_tokens or s) > s
         if s == 1:
             self.off_steps[bucket] += 1
@@ -875,8 +876,8 @@ def stop_confidence(tokens: float, a: float, gamma: float, ratio: float = 1.0) -
     costs ``tokens`` (its drafting and verification time times the step's goodput: the tokens that
     time would make at the best size's rate). A node of path confidence c is accepted about
     a * c ** gamma times (confidence.py), and a child of a node of confidence c has about
-    c * ``ratio`` (the mean confidences' ratio of the last two levels, taken within 0.5-1: a
-    flat stretch of the curve must not make c* collapse every chain to one level); so once every
+    c * ``ratio`` (the mean confidences' ratio of the last two levels, taken within
+    _MIN_CHILD_RATIO-1); so once every
     chain of the batch is below c* = (tokens / a) ** (1 / gamma) / ratio, another level costs more
     than it brings, and the head's loop stops (the fused chains' ``min_confidence``; every row
     keeps what was drafted: verification is padded to the longest row). At the optimum, c* is about the mean confidence of the best chain's last node, so at a
@@ -894,7 +895,7 @@ def stop_confidence(tokens: float, a: float, gamma: float, ratio: float = 1.0) -
     """
     if tokens <= 0 or a <= 0:
         return None
-    return min(1.0, (tokens / a) ** (1.0 / gamma) / min(1.0, max(ratio, 0.5)))
+    return min(1.0, (tokens / a) ** (1.0 / gamma) / min(1.0, max(ratio, _MIN_CHILD_RATIO)))
 
 
 def _monotone(table: dict[int, float]) -> dict[int, float]:
