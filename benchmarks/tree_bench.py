@@ -20,7 +20,8 @@ Prompts: code the models never trained on, either the demo's held-out standard-l
 (``--source heldout``, default) or third-party files from this Python's site-packages
 (``--source site-packages``). ``--twin I`` adds a second engine of contender I, identical, loaded
 last, and prints how far the two measured apart per cell (the noise floor of comparing one engine
-per setting: each LLM holds its own copy of the weights).
+per setting: each LLM holds its own copy of the weights, unless ``--share-target``: every contender
+then runs on no speculation's loaded target).
 
     python benchmarks/tree_bench.py --out bench_tree [--temperatures 0 0.7] [--batch-sizes 1 4 16 32] \
         [--no-enforce-eager]
@@ -120,6 +121,8 @@ def main() -> None:
                          "without --only), loaded last: how far two engines of one setting differ in this run "
                          "(each LLM holds its own weights; identical ones measured 2-8 %% apart), the noise "
                          "floor of the adaptive goal's comparison; left out of that comparison")
+    ap.add_argument("--share-target", action="store_true",
+                    help="every contender on one loaded copy of the target's weights (run_bench share_target)")
     ap.add_argument("--request-seed", type=int, default=None,
                     help="seed the requests (item i: this + i): sampled ones are verified by matching")
     ap.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
@@ -156,7 +159,7 @@ def main() -> None:
                     batch_sizes=args.batch_sizes, repeats=args.repeats, warmup=1, out_dir=args.out,
                     dtype=args.dtype, threads=args.threads, request_seed=args.request_seed,
                     enforce_eager=args.enforce_eager, num_scheduler_steps=args.num_scheduler_steps,
-                    continuous=args.continuous)
+                    continuous=args.continuous, share_target=args.share_target)
     print(format_table(res))
     names = list(res.contenders)
     twin = names[-1] if args.twin is not None else None   # (the last engine loaded)

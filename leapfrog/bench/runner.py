@@ -173,7 +173,7 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
               max_model_len: int | None = None, plots: bool = True, progress: bool = True,
               log: Callable[[str], None] | None = None, backends: Sequence[str] = ("leapfrog",),
               request_seed: int | None = None, enforce_eager: bool = True,
-              num_scheduler_steps: int = 1, continuous: bool = False) -> BenchResult:
+              num_scheduler_steps: int = 1, continuous: bool = False, share_target: bool = False) -> BenchResult:
     """Benchmark each speculative config in ``specs`` against no speculation on ``items``; see the module doc.
 
     ``request_seed``: sampled requests are seeded (item i with request_seed + i, the same in every
@@ -196,7 +196,13 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
     with speculation ends with its slowest request, the batch drained to a few sequences that
     use a step's weight streaming poorly (at T = 0.7 requests accept very unequally), which no
     speculation, all ending at max_tokens together, never pays; a server with a queue does not
-    either."""
+    either.
+
+    ``share_target``: every leapfrog contender runs on no speculation's loaded target model
+    (``LLM(share_target_with=...)``: the same tensors) instead of a copy of its own. Engines that
+    each load a copy can measure apart by several per cent even when identical (where each
+    copy's pages landed; ``benchmarks/tree_bench.py --twin``); sharing leaves the contenders
+    differing only in their settings (each keeps its own drafter and KV cache)."""
     from leapfrog.progress import progress_bar
 
     from leapfrog import LLM, SamplingParams
@@ -240,7 +246,8 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
         say(f"loading {name}" + (f" ({steps} steps per engine step)" if steps > 1 else "") + " ...")
         llms[name] = LLM(model=str(model), tokenizer=tokenizer, dtype=dtype, seed=seed,
                          speculative_config=engine_spec, max_num_seqs=max(batch_sizes), max_model_len=max_model_len,
-                         enforce_eager=enforce_eager, num_scheduler_steps=steps)
+                         enforce_eager=enforce_eager, num_scheduler_steps=steps,
+                         share_target_with=llms["none"] if share_target and name != "none" else None)
         if steps > 1:
             multi_step.append(name)
     base = llms["none"]
@@ -357,7 +364,7 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
                                        backends=list(backends), threads=threads, num_items=len(kept),
                                        categories=categories, request_seed=request_seed,
                                        enforce_eager=enforce_eager, num_scheduler_steps=num_scheduler_steps,
-                                       multi_step=multi_step, continuous=continuous))
+                                       multi_step=multi_step, continuous=continuous, share_target=share_target))
     if out_dir is not None:
         write_outputs(result, Path(out_dir), plots=plots)
     return result

@@ -76,8 +76,44 @@ def _check_kv_fits(args: Any, max_num_seqs: int, max_model_len: int, dtype: torc
                           f"{device.type} device's {have / 2**30:.1f} GiB; lower max_num_seqs or max_model_len")
 
 
+_STREAMING_SHARE = ("share_target_with: the target streams its weights past the cache beside a drafter (it is "
+                    "larger than the last-level cache), which would change every engine that shares it; "
+                    "load a copy per engine")
+
+
+def check_shareable(owner: LLMEngine, engine: LLMEngine) -> None:
+    """Refuse (ConfigError) to run ``engine`` on ``owner``'s target model unless it is the one
+    ``engine`` would load and use: the same checkpoint directory, dtype, device, quantization,
+    ``load_format`` (and seed, for dummy weights), eager or compiled, batch-invariant or not, no
+    tensor parallelism, and a context no longer than the owner's (its RoPE tables). Engines then
+    differ only in speculation, scheduling limits and their own KV caches: one copy of the
+    weights in memory, and (benchmarks) no difference of weight placement between the
+    engines compared. A target that streams its weights beside a drafter is not shared."""
+    a, b = owner.config, engine.config
+    mine = {"checkpoint": engine.checkpoint.path.resolve(), "dtype": engine.dtype, "device": engine.device,
+            "quantization": b.quantization, "load_format": b.load_format, "enforce_eager": b.enforce_eager,
+            "batch_invariant": b.batch_invariant, "tensor_parallel_size": b.tensor_parallel_size}
+    theirs = {"checkpoint": owner.checkpoint.path.resolve(), "dtype": owner.dtype, "device": owner.device,
+              "quantization": a.quantization, "load_format": a.load_format, "enforce_eager": a.enforce_eager,
+              "batch_invariant": a.batch_invariant, "tensor_parallel_size": a.tensor_parallel_size}
+    if b.load_format == "dummy":
+        mine["seed"], theirs["seed"] = b.seed, a.seed
+    differ = [f"{k} {mine[k]} (the owner's: {theirs[k]})" for k in mine if mine[k] != theirs[k]]
+    if differ:
+        raise ConfigError("share_target_with: the engines would not load the same target: " + "; ".join(differ))
+    if b.tensor_parallel_size > 1:
+        raise ConfigError("share_target_with: not with tensor parallelism (each rank holds its own shard)")
+    if engine.max_model_len > owner.max_model_len:
+        raise ConfigError(f"share_target_with: max_model_len {engine.max_model_len} is longer than the owner's "
+                          f"{owner.max_model_len} (the model's RoPE tables are the owner's length)")
+    if any(getattr(m, "stream", False) for m in owner.model.modules()):
+        raise ConfigError(_STREAMING_SHARE)
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, share_target_with: LLMEngine | None = None) -> None:
+        """``share_target_with``: run on that engine's loaded target model (the same tensors) rather
+        than loading a copy; see ``check_shareable`` for what must match."""
         self.config = config
         self.device = config.torch_device()
         ckpt = read_checkpoint(config.model)
@@ -109,11 +145,15 @@ class LLMEngine:
             self._start_tp(ckpt)
         try:
             # Compiled graphs freeze plain linear layers themselves; eager forwards use oneDNN-packed ones.
-            self.model = load_model(ckpt, self.dtype, self.device, self.max_model_len, config.allow_pickle,
-                                    pack=config.enforce_eager, quantization=config.quantization, tp=self.tp,
-                                    load_format=config.load_format, seed=config.seed)
-            if not config.enforce_eager:
-                self.model.pack_for_inference(pack_layers=False)
+            if share_target_with is not None:
+                check_shareable(share_target_with, self)
+                self.model = share_target_with.model
+            else:
+                self.model = load_model(ckpt, self.dtype, self.device, self.max_model_len, config.allow_pickle,
+                                        pack=config.enforce_eager, quantization=config.quantization, tp=self.tp,
+                                        load_format=config.load_format, seed=config.seed)
+                if not config.enforce_eager:
+                    self.model.pack_for_inference(pack_layers=False)
             self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or ckpt.path)
             self.eos_ids = ckpt.eos_token_ids or (
                 (self.tokenizer.eos_token_id,) if self.tokenizer is not None and self.tokenizer.eos_token_id is not None
@@ -149,6 +189,9 @@ class LLMEngine:
                     # a drafter model: a target larger than the cache streams its weights past it,
                     # so the drafter's stay cached between draft steps (model/native_linear.py)
                     n = set_streaming(self.model)
+                    if n and share_target_with is not None:
+                        set_streaming(self.model, on=False)
+                        raise ConfigError(_STREAMING_SHARE)
                     if n:
                         log.info("target weights stream non-temporally (%d linears) beside the drafter", n)
             #: which target states the proposer reads (EAGLE: "hidden" or aux layers), else None

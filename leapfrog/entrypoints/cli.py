@@ -311,6 +311,9 @@ def _bench_parser(sub) -> None:
     p.add_argument("--continuous", action="store_true",
                    help="continuous batching: each category's items in one call, at most --batch-size running at a "
                         "time (default: static batches of --batch-size, one after another)")
+    p.add_argument("--share-target", action="store_true",
+                   help="every contender runs on one loaded copy of the target's weights (no speculation's): "
+                        "engines that each load a copy can measure apart by several per cent even when identical")
     p.add_argument("--out", default="bench_out", type=output_dir, help="folder for bench.json, bench.csv and the plots")
     p.add_argument("--no-plots", action="store_true", help="skip the matplotlib plots")
     p.add_argument("--backend", action="append", default=None, choices=["leapfrog", "transformers"],
@@ -356,7 +359,7 @@ def cmd_bench(args) -> int:
                     max_model_len=args.max_model_len, plots=not args.no_plots,
                     backends=["leapfrog", *(args.backend or [])], request_seed=args.request_seed,
                     enforce_eager=args.enforce_eager, num_scheduler_steps=args.num_scheduler_steps,
-                    continuous=args.continuous)
+                    continuous=args.continuous, share_target=args.share_target)
     print(format_table(res))
     if res.peer_ratios:
         print()

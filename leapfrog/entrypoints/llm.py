@@ -40,6 +40,12 @@ class LLM:
         num_scheduler_steps: decode steps per engine step, run as one compiled graph, or with a
             draft model or EAGLE chains that many speculation rounds (needs enforce_eager=False;
             vLLM's multi-step scheduling; see EngineConfig).
+        share_target_with: another LLM whose loaded target model this one runs on (the same
+            tensors, no second copy in memory): engines that differ only in speculation or
+            scheduling limits, e.g. settings compared side by side in one process (``leapfrog
+            bench --share-target``). The checkpoint, dtype, device, quantization, load_format,
+            enforce_eager and batch_invariant must be the other's (ConfigError otherwise); each
+            LLM keeps its own KV cache, drafter and requests.
         max_model_len, max_num_seqs, max_num_batched_tokens, device, allow_pickle,
         skip_tokenizer_init: see EngineConfig.
     """
@@ -51,7 +57,8 @@ class LLM:
                  skip_tokenizer_init: bool = False, batch_invariant: bool = False,
                  enforce_eager: bool = True, quantization: str | None = None,
                  logprobs_mode: str = "raw_logprobs", tensor_parallel_size: int = 1,
-                 load_format: str = "auto", num_scheduler_steps: int = 1) -> None:
+                 load_format: str = "auto", num_scheduler_steps: int = 1,
+                 share_target_with: "LLM | None" = None) -> None:
         if model is None:
             from leapfrog.demo import default_model
             model, default_spec = default_model(dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch."),
@@ -67,7 +74,9 @@ class LLM:
             batch_invariant=batch_invariant, enforce_eager=enforce_eager, quantization=quantization,
             logprobs_mode=logprobs_mode, tensor_parallel_size=tensor_parallel_size, load_format=load_format,
             num_scheduler_steps=num_scheduler_steps)
-        self.engine = LLMEngine(self.config)
+        if share_target_with is not None and not isinstance(share_target_with, LLM):
+            raise ConfigError(f"share_target_with must be an LLM, got {type(share_target_with).__name__}")
+        self.engine = LLMEngine(self.config, None if share_target_with is None else share_target_with.engine)
         self._ids = itertools.count()
 
     def close(self) -> None:

@@ -95,8 +95,9 @@ def test_cli_bench(llama_dir, tmp_path, capsys):
     assert json.loads((tmp_path / "out" / "bench.json").read_text())["settings"]["enforce_eager"] is True
     rc = main(["bench", "--model", str(llama_dir), "--speculative-config", json.dumps(NG2), "--workload", str(wl),
                "--max-tokens", "4", "--repeats", "1", "--warmup", "0", "--dtype", "float32", "--batch-size", "1",
-               "--continuous", "--out", str(tmp_path / "cont"), "--no-plots"])
-    assert rc == 0 and json.loads((tmp_path / "cont" / "bench.json").read_text())["settings"]["continuous"] is True
+               "--continuous", "--share-target", "--out", str(tmp_path / "cont"), "--no-plots"])
+    settings = json.loads((tmp_path / "cont" / "bench.json").read_text())["settings"]
+    assert rc == 0 and settings["continuous"] is True and settings["share_target"] is True
 
 
 def test_cli_bad_input(llama_dir, tmp_path, capsys):
@@ -319,3 +320,17 @@ def test_adaptive_goal_compares_with_the_same_drafters_fixed_settings():
     text = format_adaptive(goal, vs_best=0.96)
     assert "auto: 0 of 1 cells" in text and "dm-adaptive: 1 of 1 cells" in text and text.count("(short)") == 1
     assert format_adaptive([]) == ""
+
+
+def test_share_target_loads_the_target_once(llama_dir, monkeypatch):
+    from leapfrog.engine import engine as engine_module
+    loads = []
+    real = engine_module.load_model
+    monkeypatch.setattr(engine_module, "load_model", lambda *a, **k: loads.append(1) or real(*a, **k))
+    kw = dict(temperatures=[0.0], max_tokens=6, batch_sizes=[2], repeats=1, warmup=0, out_dir=None,
+              dtype="float32", progress=False)
+    res = run_bench(str(llama_dir), [NG2, NG4], ITEMS, share_target=True, **kw)
+    assert len(loads) == 1 and res.settings["share_target"]
+    assert all(r["equal_rate"] == 1.0 for r in res.rows if r["contender"] != "none")
+    run_bench(str(llama_dir), [NG2], ITEMS[:2], **kw)
+    assert len(loads) == 3   # one copy per engine without it

@@ -1,0 +1,78 @@
+"""LLM(share_target_with=...): engines on one loaded copy of the target's weights."""
+
+from __future__ import annotations
+
+import pytest
+
+from leapfrog import LLM, SamplingParams
+from leapfrog.errors import ConfigError
+from leapfrog.model import native_linear
+from leapfrog.model.native_linear import NativeLinear
+from tests.conftest import prompts_of
+
+SP = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def owner(llama_dir):
+    return LLM(model=str(llama_dir), dtype="float32", max_model_len=256, max_num_seqs=4)
+
+
+def run(llm, prompts):
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], SP,
+                                                           use_tqdm=False)]
+
+
+def test_engines_share_the_tensors_and_keep_their_own_caches(owner, llama_dir, draft_dir, tokenizer):
+    prompts = prompts_of(tokenizer, 4)
+    plain = run(owner, prompts)
+    dm = LLM(model=str(llama_dir), dtype="float32", max_model_len=128, max_num_seqs=2, share_target_with=owner,
+             speculative_config={"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 3})
+    ng = LLM(model=str(llama_dir), dtype="float32", max_model_len=256, max_num_seqs=4, share_target_with=owner,
+             speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1})
+    assert dm.engine.model is owner.engine.model and ng.engine.model is owner.engine.model
+    assert dm.engine.runner.kv is not owner.engine.runner.kv
+    # interleaved use: each engine's cache rows are its own, so outputs stay speculation-free's
+    assert run(dm, prompts) == plain
+    assert run(ng, prompts[:2]) == plain[:2]
+    assert run(owner, prompts) == plain
+    assert run(ng, prompts) == plain
+
+
+@pytest.mark.parametrize("kw, what", [
+    (dict(dtype="bfloat16"), "dtype"),
+    (dict(max_model_len=512), "max_model_len 512"),
+    (dict(batch_invariant=True), "batch_invariant"),
+    (dict(quantization="int8"), "quantization"),
+    (dict(load_format="dummy"), "load_format"),
+])
+def test_a_target_loaded_otherwise_is_refused(owner, llama_dir, kw, what):
+    with pytest.raises(ConfigError, match=what):
+        LLM(model=str(llama_dir), **{"dtype": "float32", "max_model_len": 256, **kw}, share_target_with=owner)
+
+
+def test_another_checkpoint_or_a_non_llm_is_refused(owner, draft_dir):
+    with pytest.raises(ConfigError, match="checkpoint"):
+        LLM(model=str(draft_dir), dtype="float32", max_model_len=128, share_target_with=owner)
+    with pytest.raises(ConfigError, match="must be an LLM"):
+        LLM(model=str(draft_dir), dtype="float32", share_target_with=owner.engine)
+
+
+def test_a_target_streaming_beside_a_drafter_is_not_shared(llama_dir, draft_dir, monkeypatch):
+    """A target larger than the last-level cache streams its weights beside a drafter, which would
+    change the engines sharing it: refused, and the shared model's linears left as they were."""
+    base = LLM(model=str(llama_dir), dtype="bfloat16", max_model_len=128, max_num_seqs=2)
+    linears = [m for m in base.engine.model.modules() if isinstance(m, NativeLinear)]
+    if not linears:
+        pytest.skip("no bf16 linear kernel on this CPU (nothing streams)")
+    monkeypatch.setattr(native_linear, "last_level_cache_bytes", lambda: 1)
+    spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 2}
+    with pytest.raises(ConfigError, match="streams its weights"):
+        LLM(model=str(llama_dir), dtype="bfloat16", max_model_len=128, max_num_seqs=2, share_target_with=base,
+            speculative_config=spec)
+    assert not any(m.stream for m in linears)
+    streaming = LLM(model=str(llama_dir), dtype="bfloat16", max_model_len=128, max_num_seqs=2,
+                    speculative_config=spec)
+    assert any(m.stream for m in streaming.engine.model.modules() if isinstance(m, NativeLinear))
+    with pytest.raises(ConfigError, match="streams its weights"):
+        LLM(model=str(llama_dir), dtype="bfloat16", max_model_len=128, share_target_with=streaming)
