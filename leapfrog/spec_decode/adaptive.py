@@ -85,7 +85,9 @@ batch size's curve that covers them, scaled to the nearer end (``_chain_draft_ti
 shape not yet measured borrows the nearest measured one's time, scaled up by levels (never
 down) and down by width when it is narrower than any measured one (a tree measured first must not
 make the chain look as dear as itself: at T = 0.7 the chain was then never tried), so it gets
-tried. (A step's time includes the head's catch-up on the tokens just accepted, which does not
+tried (``_borrowed``); one wider than any measured is scaled up by how much dearer such a shape
+measured than borrowed at the nearest batch size that measured one (``_widening``: the fused tree
+loop drafts 2-3.5x the chain's time at the same depth). (A step's time includes the head's catch-up on the tokens just accepted, which does not
 shrink with the tree: scaled down to one level it made one-level trees look cheap, and those only
 ever show one candidate's confidence, so the tree never grew again.) a is accepted over predicted
 tokens, sums over a window of predicted tokens (TokenRate; not an average of per-step ratios, which
@@ -514,10 +516,9 @@ class SpecController:
             if width == 1 and len(chains) >= 2:   # a chain: along the chains' curve in levels
                 drafting[shape] = _curve(chains, [levels])[0]
                 continue
-            near = min(per_width, key=lambda lw: (abs(lw[1] - width), abs(lw[0] - levels), lw))
-            t_draft = per_width[near] * max(1.0, levels / near[0])
-            if near[1] > width:   # unmeasured and narrower than any measured: optimistic, so it gets tried
-                t_draft *= width / near[1]
+            t_draft, near = _borrowed(per_width, shape)
+            if near[1] < width:   # wider than any measured here: as much dearer as where it was measured
+                t_draft *= self._widening(bucket, shape)
             drafting[shape] = t_draft
         chain = [free * expected_tokens(self.alpha, lv) for lv in range(self.cfg.num_speculative_tokens + 1)]
         gp = [1.0 / (t1 + host)]
@@ -552,6 +553,29 @@ class SpecController:
                      min(top, self._probe_size(B)), stop, ratio)
         self._weighed[bucket] = w
         return self._explore_weighed(bucket, w)
+
+    def _widening(self, bucket: int, shape: tuple[int, int]) -> float:
+        """How much dearer than ``_borrowed`` says a shape wider than any measured at this batch
+        size is: at another batch size that measured a shape at least as wide (the least wider
+        first, then the nearest batch size) and a narrower one, the measured wide shape's time over
+        what ``_borrowed`` makes of it from the narrower ones (at least 1; 1 where no batch size
+        measured both). Borrowed at face value
+        from the chain of 10, a tree of 11 nodes (10 levels, 2 wide: the fused tree loop) looked as
+        cheap as the chain at a batch of 16 and ran 4 steps at 22 ms of drafting against the chain's
+        8; at a batch of 1 it had measured 14.1 ms against 4.0."""
+        levels, width = shape
+        best: tuple[int, int, float] | None = None   # (width gap, batch sizes apart, factor)
+        for b, costs in self.tree_draft_cost.items():
+            wide = [lw for lw in costs if lw[1] >= width]
+            narrow = {lw: t for lw, t in costs.items() if lw[1] < width}
+            if b == bucket or not wide or not narrow:
+                continue
+            m = min(wide, key=lambda lw: (lw[1] - width, abs(lw[0] - levels), lw))
+            guess = _borrowed(narrow, m)[0]
+            if guess > 0:
+                here = (m[1] - width, abs(b.bit_length() - bucket.bit_length()), costs[m] / guess)
+                best = here if best is None or here[:2] < best[:2] else best
+        return max(1.0, best[2]) if best is not None else 1.0
 
     def _chain_draft_times(self, bucket: int) -> dict[int, float]:
         """Auto tree sizes: levels -> drafting seconds of a chain at this batch size: the measured
@@ -844,6 +868,23 @@ class SpecController:
                 self.acceptance = TokenRate(probe.tokens, probe.tried)
             else:
                 self.acceptance.update(accepted, tried)
+
+
+def _borrowed(costs: dict[tuple[int, int], float], shape: tuple[int, int]) -> tuple[float, tuple[int, int]]:
+    """A drafting time for ``shape`` (levels, width) from the measured ``costs`` of shapes: the
+    nearest measured one's (closest in width, then in levels), scaled up by levels (never down)
+    and down by width when the shape is narrower than it (unmeasured and narrower than any
+    measured: optimistic, so it gets tried). -> (seconds, the shape borrowed from).
+
+    >>> _borrowed({(5, 1): 2.0, (5, 4): 6.0}, (10, 1)), _borrowed({(5, 4): 6.0}, (5, 2))
+    ((4.0, (5, 1)), (3.0, (5, 4)))
+    """
+    levels, width = shape
+    near = min(costs, key=lambda lw: (abs(lw[1] - width), abs(lw[0] - levels), lw))
+    t = costs[near] * max(1.0, levels / near[0])
+    if near[1] > width:
+        t *= width / near[1]
+    return t, near
 
 
 def _curve(table: dict[int, float], sizes: list[int]) -> list[float | None]:

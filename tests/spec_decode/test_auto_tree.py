@@ -878,3 +878,33 @@ def test_speculation_must_beat_none_by_the_margin():
         _measured(ctl, {1: 0.25, 2: 0.5, 3: 0.75, 4: 1.0})
         ctl.alpha = alpha
         assert ctl.choose([_Sampled()]) == [chosen]
+
+
+def test_a_tree_wider_than_any_measured_is_as_much_dearer_as_where_it_was_measured():
+    """A shape wider than any measured at a batch size borrows a narrower one's drafting time scaled
+    by how much dearer such a shape measured than borrowed at the nearest batch size that measured
+    both: at face value, a tree of 11 nodes (10 levels, 2 wide) looked as cheap as the chain of 10
+    at a batch of 16, and drafted 4 steps at 22 ms against the chain's 8."""
+    ctl = SpecController(CFG, 4096)
+    chains16 = {(n, 1): 2.0 + 0.5 * n for n in range(1, 5)}
+    ctl.tree_draft_cost = {16: dict(chains16)}
+    assert ctl._widening(16, (4, 2)) == 1.0   # nothing to go by: tried at the chain's cost
+    ctl.tree_draft_cost[1] = {(2, 1): 0.5, (4, 1): 1.0, (4, 2): 3.5}
+    ctl.tree_draft_cost[32] = {(4, 1): 6.0, (4, 4): 30.0}
+    assert ctl._widening(16, (4, 2)) == pytest.approx(3.5)   # (32 is nearer, but measured wider)
+    assert ctl._widening(16, (4, 4)) == pytest.approx(5.0)   # only 32 measured 4 wide
+    assert ctl._widening(8, (3, 2)) == pytest.approx(3.5)
+    # in the weighing: with a confident sibling at the first level, the 5-node tree (4 levels, 2 wide)
+    # was picked at the chain of 4's drafting cost; at 3.5x it is not
+    reqs = [_Req() for _ in range(16)]
+    conf = [0.9, 0.85, 0.8, 0.75, 0.7, 0.6, 0.5, 0.4] + [0.01] * 56
+    for _ in range(8):
+        ctl.confidence.calibrate(16 * 4, ctl.confidence.observe([conf] * 16, [8] * 16, [4] * 16))
+    ctl.verify_cost = {16: {1: 1.0, 5: 1.2, 9: 1.4}}
+    ctl.host_cost = {16: 0.0}
+    ctl.tree_draft_cost[16] = {(n, 1): 0.05 * n for n in range(1, 5)}
+    ctl.cfg = CFG.__class__(**{**CFG.__dict__, "adaptive_explore_interval": 1000})
+    assert ctl.choose(reqs)[0] == 4
+    del ctl.tree_draft_cost[1], ctl.tree_draft_cost[32]
+    ctl._weighed.clear()
+    assert ctl.choose(reqs)[0] > 4
