@@ -518,7 +518,7 @@ class SpecController:
                 continue
             t_draft, near = _borrowed(per_width, shape)
             if near[1] < width:   # wider than any measured here: as much dearer as where it was measured
-                t_draft *= self._widening(bucket, shape)
+                t_draft *= self._widening(bucket, shape, near[1])
             drafting[shape] = t_draft
         chain = [free * expected_tokens(self.alpha, lv) for lv in range(self.cfg.num_speculative_tokens + 1)]
         gp = [1.0 / (t1 + host)]
@@ -554,28 +554,31 @@ class SpecController:
         self._weighed[bucket] = w
         return self._explore_weighed(bucket, w)
 
-    def _widening(self, bucket: int, shape: tuple[int, int]) -> float:
+    def _widening(self, bucket: int, shape: tuple[int, int], measured: int = 1) -> float:
         """How much dearer than ``_borrowed`` says a shape wider than any measured at this batch
-        size is: at another batch size that measured a shape at least as wide (the least wider
-        first, then the nearest batch size) and a narrower one, the measured wide shape's time over
-        what ``_borrowed`` makes of it from the narrower ones (at least 1; 1 where no batch size
-        measured both). Borrowed at face value
-        from the chain of 10, a tree of 11 nodes (10 levels, 2 wide: the fused tree loop) looked as
-        cheap as the chain at a batch of 16 and ran 4 steps at 22 ms of drafting against the chain's
-        8; at a batch of 1 it had measured 14.1 ms against 4.0."""
+        size (``measured``: the widest there) is: at another batch size that measured a shape wider
+        than ``measured`` and one no wider, the wide shape's time over what ``_borrowed`` makes of
+        it from the others; the wide shape closest in width to ``shape`` (as wide or wider before
+        narrower: a narrower one's ratio is a lower bound), then the nearest batch size. At least 1;
+        1 where no batch size measured both. Borrowed at face value from the chain of 10, a tree of
+        11 nodes (10 levels, 2 wide: the fused tree loop) looked as cheap as the chain at a batch
+        of 16 and drafted 4 steps at 22 ms against the chain's 8, where at a batch of 1 it had
+        measured 14.1 ms against 4.0; and at a batch of 4 a 59-node tree (10 levels, 4 wide, never
+        measured) drafted 3 steps at 13 ms against the chain's 3.4."""
         levels, width = shape
-        best: tuple[int, int, float] | None = None   # (width gap, batch sizes apart, factor)
+        best: tuple[tuple[int, int, int], float] | None = None   # ((width gap, narrower, batch sizes apart), factor)
         for b, costs in self.tree_draft_cost.items():
-            wide = [lw for lw in costs if lw[1] >= width]
-            narrow = {lw: t for lw, t in costs.items() if lw[1] < width}
+            wide = [lw for lw in costs if lw[1] > measured]
+            narrow = {lw: t for lw, t in costs.items() if lw[1] <= measured}
             if b == bucket or not wide or not narrow:
                 continue
-            m = min(wide, key=lambda lw: (lw[1] - width, abs(lw[0] - levels), lw))
+            m = min(wide, key=lambda lw: (abs(lw[1] - width), lw[1] < width, abs(lw[0] - levels), lw))
             guess = _borrowed(narrow, m)[0]
             if guess > 0:
-                here = (m[1] - width, abs(b.bit_length() - bucket.bit_length()), costs[m] / guess)
-                best = here if best is None or here[:2] < best[:2] else best
-        return max(1.0, best[2]) if best is not None else 1.0
+                key = (abs(m[1] - width), int(m[1] < width), abs(b.bit_length() - bucket.bit_length()))
+                if best is None or key < best[0]:
+                    best = (key, costs[m] / guess)
+        return max(1.0, best[1]) if best is not None else 1.0
 
     def _chain_draft_times(self, bucket: int) -> dict[int, float]:
         """Auto tree sizes: levels -> drafting seconds of a chain at this batch size: the measured

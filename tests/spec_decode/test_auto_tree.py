@@ -894,6 +894,9 @@ def test_a_tree_wider_than_any_measured_is_as_much_dearer_as_where_it_was_measur
     assert ctl._widening(16, (4, 2)) == pytest.approx(3.5)   # (32 is nearer, but measured wider)
     assert ctl._widening(16, (4, 4)) == pytest.approx(5.0)   # only 32 measured 4 wide
     assert ctl._widening(8, (3, 2)) == pytest.approx(3.5)
+    del ctl.tree_draft_cost[32]   # 4 wide measured nowhere: at least as dear as 2 wide, relative to a chain
+    assert ctl._widening(16, (4, 4)) == pytest.approx(3.5)
+    ctl.tree_draft_cost[32] = {(4, 1): 6.0, (4, 4): 30.0}
     # in the weighing: with a confident sibling at the first level, the 5-node tree (4 levels, 2 wide)
     # was picked at the chain of 4's drafting cost; at 3.5x it is not
     reqs = [_Req() for _ in range(16)]
