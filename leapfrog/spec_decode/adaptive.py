@@ -85,7 +85,10 @@ batch size's curve that covers them, scaled to the nearer end (``_chain_draft_ti
 shape not yet measured borrows the nearest measured one's time, scaled up by levels (never
 down) and down by width when it is narrower than any measured one (a tree measured first must not
 make the chain look as dear as itself: at T = 0.7 the chain was then never tried), so it gets
-tried (``_borrowed``); one wider than any measured is scaled up by how much dearer such a shape
+tried (``_borrowed``). A chain's drafting sample is first moved to its own catch-up: a step's
+drafting starts with the head catching up on what the last step committed, so a chain explored
+after longer ones pays for their acceptance (``_catch_up``: a fitted slope in the tokens caught
+up on). One wider than any measured is scaled up by how much dearer such a shape
 measured than borrowed at the nearest batch size that measured one (``_widening``: the fused tree
 loop drafts 2-3.5x the chain's time at the same depth). (A step's time includes the head's catch-up on the tokens just accepted, which does not
 shrink with the tree: scaled down to one level it made one-level trees look cheap, and those only
@@ -264,6 +267,13 @@ class SpecController:
         #: stands (averaged as the cost is), and bucket -> the fit of verify time against that context
         self.verify_context: dict[int, dict[int, float]] = {}
         self.context_fit: dict[int, _ContextFit] = {}
+        #: auto tree sizes, the drafter's catch-up (``_catch_up``): request -> tokens its last
+        #: drafted step committed (what the drafter catches up on before its next drafts), bucket ->
+        #: the fit of drafting time against the batch's mean of those (one line per chain length,
+        #: a shared slope), and (bucket, levels) -> the tokens a sequence commits a step of that chain
+        self.committed: dict[str | int, int] = {}
+        self.catch_up_fit: dict[int, _ContextFit] = {}
+        self.chain_tokens: dict[tuple[int, int], float] = {}
         self.context: float | None = None   # the context of the step being chosen (choose) and observed
         #: bucket -> the time of its last observed step if that was an unwidened plain step (a plain
         #: run's estimate is the lesser of its last two steps)
@@ -554,6 +564,38 @@ class SpecController:
         self._weighed[bucket] = w
         return self._explore_weighed(bucket, w)
 
+    def _catch_up(self, reqs: list[Request], result: AcceptanceResult, bucket: int, shape: tuple[int, int],
+                  t_draft: float) -> float:
+        """A drafting step's time moved to what the shape costs when run step after step. A step's
+        drafting starts with the drafter catching up on the tokens the last step committed (an
+        EAGLE head's forward over their target features), so a chain drafted after a longer one
+        pays for the longer one's acceptance: at a batch of 16, the chain of 5 drafted 3.5-4.1 ms
+        a step after chains of 5 and 4.2-4.9 after chains of 8, and, explored between the longer
+        chains "auto" ran, it looked that much dearer (and the longer chains cheaper). The time
+        is fitted against the tokens the batch caught up on, x (the last step's commits of these
+        requests), one line per chain length with a shared slope (_ContextFit); the sample is
+        moved along the slope from x to what a step of this chain commits (its mean per sequence
+        measured over steps of it, times the batch) -> that time. Steps after a prefill, a plain
+        step or a probe's first step (``observe`` forgets the commits), and trees, are left as
+        measured."""
+        done = [1 + n for n in result.num_accepted]
+        ids = [getattr(r, "request_id", None) or id(r) for r in reqs]   # (ids of objects get reused)
+        caught = [self.committed.get(i) for i in ids]
+        self.committed = dict(zip(ids, done))
+        levels, width = shape
+        own = sum(done) / len(done)
+        key = (bucket, levels)
+        old = self.chain_tokens.get(key)
+        self.chain_tokens[key] = own if old is None else _ema(old, own)
+        if width != 1 or any(c is None for c in caught):
+            return t_draft
+        x = float(sum(caught))
+        fit = self.catch_up_fit.setdefault(bucket, _ContextFit())
+        fit.add(levels, x, t_draft)
+        if old is None or not (slope := fit.slope()):
+            return t_draft
+        return max(0.5 * t_draft, t_draft + slope * (old * len(reqs) - x))
+
     def _widening(self, bucket: int, shape: tuple[int, int], measured: int = 1) -> float:
         """How much dearer than ``_borrowed`` says a shape wider than any measured at this batch
         size (``measured``: the widest there) is: at another batch size that measured a shape wider
@@ -843,6 +885,8 @@ class SpecController:
                 self.context_fit.setdefault(bucket, _ContextFit()).add(
                     s, x, t_verify if old is None else min(t_verify, 2 * old))
         n_draft = drafts.total
+        if not n_draft:
+            self.committed = {}   # (the drafter's next catch-up also covers this step's token)
         if n_draft:
             # a step's drafting time at its K; a tree's at its shape (how many nodes are verified
             # out of those grown is free)
@@ -855,6 +899,10 @@ class SpecController:
             seen = self.draft_samples.get((bucket, key), 0)
             self.draft_samples[(bucket, key)] = seen + 1
             old = costs.get(key)
+            if self.cfg.auto_tree and not fresh:
+                t_draft = self._catch_up(reqs, result, bucket, key, t_draft)
+            else:
+                self.committed = {}
             if not fresh or old is None:   # a probe's first drafting step also catches up on what it skipped
                 costs[key] = t_draft if old is None or seen < 2 or fresh_draft else _bounded_ema(old, t_draft)
             # alpha: from chains (auto tree sizes: the sampled chains, without confidence)

@@ -911,3 +911,44 @@ def test_a_tree_wider_than_any_measured_is_as_much_dearer_as_where_it_was_measur
     del ctl.tree_draft_cost[1], ctl.tree_draft_cost[32]
     ctl._weighed.clear()
     assert ctl.choose(reqs)[0] > 4
+
+
+def test_a_chain_explored_after_longer_ones_is_costed_at_its_own_catch_up():
+    """A step's drafting starts with the head catching up on what the last step committed: a chain
+    of 2 drafted after chains of 4 pays for their acceptance. Its time is moved along the fitted
+    slope to what the chain of 2 itself commits, so an explored short chain does not look dearer
+    than it runs (nor a longer one cheaper)."""
+    class R(_Req):
+        def __init__(self, i):
+            self.request_id = f"r{i}"
+
+    def t_draft(levels, caught):   # seconds: a forward per level, plus 0.05 per token caught up on
+        return 1.0 + 0.1 * levels + 0.05 * caught
+
+    ctl = SpecController(CFG, 4096)
+    reqs = [R(0), R(1)]
+    last = None
+    conf = [0.9, 0.8, 0.7, 0.6] + [0.01] * 60
+
+    def step(levels, accepted):
+        nonlocal last
+        drafts = DraftBatch(torch.zeros(2 * levels, dtype=torch.long), [levels] * 2, None,
+                            torch.tensor(list(range(-1, levels - 1)) * 2), [conf, conf])
+        caught = 2 * 4 if last is None else sum(1 + a for a in last)
+        ctl.observe(reqs, drafts, AcceptanceResult(list(accepted), [[0] * (a + 1) for a in accepted], [levels] * 2),
+                    t_draft(levels, caught), 1.0)
+        last = accepted
+
+    for acc in [(4, 2), (3, 3), (4, 4), (2, 3)] * 3:   # the chain of 4, commits varying
+        step(4, acc)
+    for acc in [(2, 1), (1, 1), (2, 2)] * 3:            # the chain of 2 step after step: about 2.7 committed a sequence
+        step(2, acc)
+    steady = ctl.tree_draft_cost[2][(2, 1)]
+    assert ctl.catch_up_fit[2].slope() == pytest.approx(0.05, rel=0.05)
+    for _ in range(3):
+        step(4, (4, 4))
+    step(2, (2, 2))                                     # explored after the chain of 4: caught up on 10 tokens
+    assert t_draft(2, 10) > t_draft(2, 2 * 2.7) + 0.2
+    assert ctl.tree_draft_cost[2][(2, 1)] == pytest.approx(steady, abs=0.02)
+    ctl.observe(reqs, DraftBatch.empty(2), AcceptanceResult([0, 0], [[0], [0]], [0, 0]), 0.0, 1.0)
+    assert ctl.committed == {}   # a plain step: the next catch-up is not the last drafted step's commits
