@@ -565,7 +565,7 @@ class SpecController:
         return self._explore_weighed(bucket, w)
 
     def _catch_up(self, reqs: list[Request], result: AcceptanceResult, bucket: int, shape: tuple[int, int],
-                  t_draft: float) -> float:
+                  t_draft: float, num_draft: list[int]) -> float:
         """A drafting step's time moved to what the shape costs when run step after step. A step's
         drafting starts with the drafter catching up on the tokens the last step committed (an
         EAGLE head's forward over their target features), so a chain drafted after a longer one
@@ -576,8 +576,11 @@ class SpecController:
         requests), one line per chain length with a shared slope (_ContextFit); the sample is
         moved along the slope from x to what a step of this chain commits (its mean per sequence
         measured over steps of it, times the batch) -> that time. Steps after a prefill, a plain
-        step or a probe's first step (``observe`` forgets the commits), and trees, are left as
-        measured."""
+        step or a probe's first step (``observe`` forgets the commits), trees, and chains cut short
+        (the stop confidence, max_tokens) are left as measured and out of the fit: a chain that
+        stops where the head is unsure drafts fewer levels after a stretch that accepted little,
+        and at a batch of 1 those steps steepened the slope until explored short chains looked
+        cheap ("auto" at depth 10 then accepted 5.6 tokens a step against 5.9-6.1)."""
         done = [1 + n for n in result.num_accepted]
         ids = [getattr(r, "request_id", None) or id(r) for r in reqs]   # (ids of objects get reused)
         caught = [self.committed.get(i) for i in ids]
@@ -587,8 +590,8 @@ class SpecController:
         key = (bucket, levels)
         old = self.chain_tokens.get(key)
         self.chain_tokens[key] = own if old is None else _ema(old, own)
-        if width != 1 or any(c is None for c in caught):
-            return t_draft
+        if width != 1 or any(c is None for c in caught) or max(num_draft) < self.last_k:
+            return t_draft   # (a chain the stop confidence or max_tokens cut short of the size chosen)
         x = float(sum(caught))
         fit = self.catch_up_fit.setdefault(bucket, _ContextFit())
         fit.add(levels, x, t_draft)
@@ -900,7 +903,7 @@ class SpecController:
             self.draft_samples[(bucket, key)] = seen + 1
             old = costs.get(key)
             if self.cfg.auto_tree and not fresh:
-                t_draft = self._catch_up(reqs, result, bucket, key, t_draft)
+                t_draft = self._catch_up(reqs, result, bucket, key, t_draft, drafts.num_draft)
             else:
                 self.committed = {}
             if not fresh or old is None:   # a probe's first drafting step also catches up on what it skipped

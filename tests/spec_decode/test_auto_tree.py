@@ -930,8 +930,9 @@ def test_a_chain_explored_after_longer_ones_is_costed_at_its_own_catch_up():
     last = None
     conf = [0.9, 0.8, 0.7, 0.6] + [0.01] * 60
 
-    def step(levels, accepted):
+    def step(levels, accepted, chosen=None):
         nonlocal last
+        ctl.last_k = chosen or levels   # (as choose sets it)
         drafts = DraftBatch(torch.zeros(2 * levels, dtype=torch.long), [levels] * 2, None,
                             torch.tensor(list(range(-1, levels - 1)) * 2), [conf, conf])
         caught = 2 * 4 if last is None else sum(1 + a for a in last)
@@ -950,5 +951,8 @@ def test_a_chain_explored_after_longer_ones_is_costed_at_its_own_catch_up():
     step(2, (2, 2))                                     # explored after the chain of 4: caught up on 10 tokens
     assert t_draft(2, 10) > t_draft(2, 2 * 2.7) + 0.2
     assert ctl.tree_draft_cost[2][(2, 1)] == pytest.approx(steady, abs=0.02)
+    sums = {k: list(v) for k, v in ctl.catch_up_fit[2].sums.items()}
+    step(2, (1, 1), chosen=4)   # the chain of 4 chosen, cut short at 2 levels (the stop confidence): out of the fit
+    assert ctl.catch_up_fit[2].sums == sums
     ctl.observe(reqs, DraftBatch.empty(2), AcceptanceResult([0, 0], [[0], [0]], [0, 0]), 0.0, 1.0)
     assert ctl.committed == {}   # a plain step: the next catch-up is not the last drafted step's commits
