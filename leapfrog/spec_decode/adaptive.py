@@ -496,6 +496,10 @@ class SpecController:
         """The tree size by goodput (module docstring) for a batch of B sequences, a share
         ``free`` of them drafting chains without confidence (unseeded sampled requests)."""
         bucket = _bucket(B)
+        weighed = self._weighed.get(bucket)   # (first: a weighing stands only where all below held)
+        if (weighed is not None and weighed.free == free and weighed.batch == B
+                and self.observations - weighed.at < _REWEIGH_STEPS):
+            return self._explore_weighed(bucket, weighed)
         table = self._verify_table(bucket)   # (once a weighing: it fits the slope)
         t1 = table.get(1)
         if t1 is None:   # measure plain decode at this batch size first (unless drafting is free now)
@@ -503,10 +507,6 @@ class SpecController:
         top = min(self.K, self.cfg.num_speculative_tokens) if free == 1 else self.K   # (chains only)
         if (self.curve is None and free < 1) or not self.tree_draft_cost.get(bucket):
             return self._first_probe(bucket, min(top, self._seed_size(B)))   # the head's confidences and the costs
-        weighed = self._weighed.get(bucket)
-        if (weighed is not None and weighed.free == free and weighed.batch == B
-                and self.observations - weighed.at < _REWEIGH_STEPS):
-            return self._explore_weighed(bucket, weighed)
         per_width, host = self.tree_draft_cost[bucket], self.host_cost.get(bucket, 0.0)
         if free < 1 and self.curve is not None:
             # sizes past the first within _FLAT_TOKENS of the most confidence expect no more tokens
