@@ -119,8 +119,9 @@ def main() -> None:
     ap.add_argument("--twin", type=int, default=None,
                     help="a second, identical engine of this contender (an index of --only's list, or of all "
                          "without --only), loaded last: how far two engines of one setting differ in this run "
-                         "(each LLM holds its own weights; identical ones measured 2-8 %% apart), the noise "
-                         "floor of the adaptive goal's comparison; left out of that comparison")
+                         "(each LLM holds its own weights unless --share-target: identical ones measured 2-8 %% apart "
+                         "with their own, 0-6 %% sharing the target), the noise floor of the adaptive goal's "
+                         "comparison; left out of that comparison")
     ap.add_argument("--share-target", action="store_true",
                     help="every contender on one loaded copy of the target's weights (run_bench share_target)")
     ap.add_argument("--request-seed", type=int, default=None,

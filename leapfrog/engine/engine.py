@@ -31,7 +31,7 @@ from leapfrog.kv.manager import KVManager
 from leapfrog.model.compiled import RoundRace, can_compile, make_buckets
 from leapfrog.model.loader import load_model, load_tokenizer, read_checkpoint, resolve_dtype
 from leapfrog.model.native_draft import load_native_draft
-from leapfrog.model.native_linear import load_native_linear, set_streaming
+from leapfrog.model.native_linear import load_native_linear, set_streaming, would_stream
 from leapfrog.model.native_ops import load_native_ops, row_max
 from leapfrog.model.quant import check_batch_invariant_quantization, check_quantization
 from leapfrog.model.runner import ModelRunner, SeqChunk
@@ -78,7 +78,7 @@ def _check_kv_fits(args: Any, max_num_seqs: int, max_model_len: int, dtype: torc
 
 _STREAMING_SHARE = ("share_target_with: the target streams its weights past the cache beside a drafter (it is "
                     "larger than the last-level cache), which would change every engine that shares it; "
-                    "load a copy per engine")
+                    "load a copy per engine, or set LEAPFROG_STREAM_WEIGHTS=0 (no streaming) for all of them")
 
 
 def check_shareable(owner: LLMEngine, engine: LLMEngine) -> None:
@@ -88,12 +88,14 @@ def check_shareable(owner: LLMEngine, engine: LLMEngine) -> None:
     tensor parallelism, and a context no longer than the owner's (its RoPE tables). Engines then
     differ only in speculation, scheduling limits and their own KV caches: one copy of the
     weights in memory, and (benchmarks) no difference of weight placement between the
-    engines compared. A target that streams its weights beside a drafter is not shared."""
+    engines compared; eagerly, that is (compiled graphs, enforce_eager=False, freeze and prepack
+    their own copy of the weights in each engine). A target that streams its weights beside a
+    drafter (model/native_linear.py ``set_streaming``) is not shared."""
     a, b = owner.config, engine.config
-    mine = {"checkpoint": engine.checkpoint.path.resolve(), "dtype": engine.dtype, "device": engine.device,
+    mine = {"checkpoint": engine.checkpoint.path.resolve(), "dtype": engine.dtype, "device": _device(engine.device),
             "quantization": b.quantization, "load_format": b.load_format, "enforce_eager": b.enforce_eager,
             "batch_invariant": b.batch_invariant, "tensor_parallel_size": b.tensor_parallel_size}
-    theirs = {"checkpoint": owner.checkpoint.path.resolve(), "dtype": owner.dtype, "device": owner.device,
+    theirs = {"checkpoint": owner.checkpoint.path.resolve(), "dtype": owner.dtype, "device": _device(owner.device),
               "quantization": a.quantization, "load_format": a.load_format, "enforce_eager": a.enforce_eager,
               "batch_invariant": a.batch_invariant, "tensor_parallel_size": a.tensor_parallel_size}
     if b.load_format == "dummy":
@@ -108,6 +110,13 @@ def check_shareable(owner: LLMEngine, engine: LLMEngine) -> None:
                           f"{owner.max_model_len} (the model's RoPE tables are the owner's length)")
     if any(getattr(m, "stream", False) for m in owner.model.modules()):
         raise ConfigError(_STREAMING_SHARE)
+
+
+def _device(d: torch.device) -> torch.device:
+    """``d`` with its index ("cuda" is the current CUDA device: the same as "cuda:0" there)."""
+    if d.type == "cuda" and d.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return d
 
 
 class LLMEngine:
@@ -135,6 +144,8 @@ class LLMEngine:
         if config.batch_invariant:
             check_batch_invariant_quantization(config.quantization, self.device)
         check_quantization(config.quantization, self.dtype, self.device)
+        if share_target_with is not None:   # (before any worker or op is started for a target not loaded)
+            check_shareable(share_target_with, self)
         self._build_ops_ahead(ckpt)
         #: tensor parallelism (parallel/): this rank's group and the worker processes it spawned
         self.tp: Any = None
@@ -146,7 +157,6 @@ class LLMEngine:
         try:
             # Compiled graphs freeze plain linear layers themselves; eager forwards use oneDNN-packed ones.
             if share_target_with is not None:
-                check_shareable(share_target_with, self)
                 self.model = share_target_with.model
             else:
                 self.model = load_model(ckpt, self.dtype, self.device, self.max_model_len, config.allow_pickle,
@@ -188,10 +198,9 @@ class LLMEngine:
                 if getattr(self.proposer, "runner", None) is not None:
                     # a drafter model: a target larger than the cache streams its weights past it,
                     # so the drafter's stay cached between draft steps (model/native_linear.py)
-                    n = set_streaming(self.model)
-                    if n and share_target_with is not None:
-                        set_streaming(self.model, on=False)
+                    if share_target_with is not None and would_stream(self.model):
                         raise ConfigError(_STREAMING_SHARE)
+                    n = set_streaming(self.model)
                     if n:
                         log.info("target weights stream non-temporally (%d linears) beside the drafter", n)
             #: which target states the proposer reads (EAGLE: "hidden" or aux layers), else None

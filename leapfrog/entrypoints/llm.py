@@ -44,8 +44,10 @@ class LLM:
             tensors, no second copy in memory): engines that differ only in speculation or
             scheduling limits, e.g. settings compared side by side in one process (``leapfrog
             bench --share-target``). The checkpoint, dtype, device, quantization, load_format,
-            enforce_eager and batch_invariant must be the other's (ConfigError otherwise); each
-            LLM keeps its own KV cache, drafter and requests.
+            enforce_eager and batch_invariant must be the other's, neither may use tensor
+            parallelism, max_model_len may not be longer than the other's, and a target that
+            streams its weights beside a drafter is not shared (ConfigError otherwise;
+            LLMEngine's check_shareable); each LLM keeps its own KV cache, drafter and requests.
         max_model_len, max_num_seqs, max_num_batched_tokens, device, allow_pickle,
         skip_tokenizer_init: see EngineConfig.
     """

@@ -1277,17 +1277,22 @@ def last_level_cache_bytes() -> int | None:
     return max(sizes, default=None)
 
 
-def set_streaming(model: nn.Module, on: bool | None = None) -> int:
+def would_stream(model: nn.Module) -> bool:
+    """Whether ``set_streaming`` would turn streaming on for ``model`` (nothing is changed)."""
+    linears = [m for m in model.modules() if isinstance(m, NativeLinear)]
+    cache = last_level_cache_bytes()
+    total = sum(m.packed.numel() * m.packed.element_size() for m in linears)
+    return not env_off("LEAPFROG_STREAM_WEIGHTS") and cache is not None and total > cache
+
+
+def set_streaming(model: nn.Module) -> int:
     """Prefetch the weights of ``model``'s bf16 linears non-temporally when together they exceed
     the last-level cache (a target run beside a drafter: the target's weights pass through without
     evicting the drafter's, which then stay cached from one draft step to the next); a model that
     fits keeps the default prefetch. ``LEAPFROG_STREAM_WEIGHTS=0`` (read here) keeps it always.
-    ``on``: set it so regardless. -> how many linears stream."""
+    -> how many linears stream."""
     linears = [m for m in model.modules() if isinstance(m, NativeLinear)]
-    if on is None:
-        cache = last_level_cache_bytes()
-        total = sum(m.packed.numel() * m.packed.element_size() for m in linears)
-        on = not env_off("LEAPFROG_STREAM_WEIGHTS") and cache is not None and total > cache
+    on = would_stream(model)
     for m in linears:
         m.stream = on
     return len(linears) if on else 0

@@ -45,6 +45,8 @@ def test_engines_share_the_tensors_and_keep_their_own_caches(owner, llama_dir, d
     (dict(batch_invariant=True), "batch_invariant"),
     (dict(quantization="int8"), "quantization"),
     (dict(load_format="dummy"), "load_format"),
+    (dict(enforce_eager=False), "enforce_eager"),
+    (dict(tensor_parallel_size=2), "share_target_with: .*tensor_parallel_size 2"),
 ])
 def test_a_target_loaded_otherwise_is_refused(owner, llama_dir, kw, what):
     with pytest.raises(ConfigError, match=what):
@@ -66,6 +68,7 @@ def test_a_target_streaming_beside_a_drafter_is_not_shared(llama_dir, draft_dir,
     if not linears:
         pytest.skip("no bf16 linear kernel on this CPU (nothing streams)")
     monkeypatch.setattr(native_linear, "last_level_cache_bytes", lambda: 1)
+    monkeypatch.delenv("LEAPFROG_STREAM_WEIGHTS", raising=False)
     spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 2}
     with pytest.raises(ConfigError, match="streams its weights"):
         LLM(model=str(llama_dir), dtype="bfloat16", max_model_len=128, max_num_seqs=2, share_target_with=base,
@@ -76,3 +79,6 @@ def test_a_target_streaming_beside_a_drafter_is_not_shared(llama_dir, draft_dir,
     assert any(m.stream for m in streaming.engine.model.modules() if isinstance(m, NativeLinear))
     with pytest.raises(ConfigError, match="streams its weights"):
         LLM(model=str(llama_dir), dtype="bfloat16", max_model_len=128, share_target_with=streaming)
+    monkeypatch.setenv("LEAPFROG_STREAM_WEIGHTS", "0")   # no streaming anywhere: shared
+    assert LLM(model=str(llama_dir), dtype="bfloat16", max_model_len=128, max_num_seqs=2, share_target_with=base,
+               speculative_config=spec).engine.model is base.engine.model
