@@ -90,9 +90,10 @@ drafting starts with the head catching up on what the last step committed, so a 
 after longer ones pays for their acceptance (``_catch_up``: a fitted slope in the tokens caught
 up on). One wider than any measured is scaled up by how much dearer such a shape
 measured than borrowed at the nearest batch size that measured one (``_widening``: the fused tree
-loop drafts 2-3.5x the chain's time at the same depth). (A step's time includes the head's catch-up on the tokens just accepted, which does not
-shrink with the tree: scaled down to one level it made one-level trees look cheap, and those only
-ever show one candidate's confidence, so the tree never grew again.) a is accepted over predicted
+loop drafts 2-3.5x the chain's time at the same depth). (A step's time includes the head's
+catch-up on the tokens just accepted, which does not shrink with the tree: scaled down to one
+level it made one-level trees look cheap, and those only ever show one candidate's confidence,
+so the tree never grew again.) a is accepted over predicted
 tokens, sums over a window of predicted tokens (TokenRate; not an average of per-step ratios, which
 single unlucky steps swing, nor moving averages per step). The tree shrinks as verification stops
 being cheap (larger batches, slower CPUs) and as the drafter gets less sure; acceptance needs no
@@ -421,6 +422,7 @@ class SpecController:
         whose kept rounds accepted ``accepted`` of ``drafted`` draft tokens (all sequences), and
         ``rejected`` of them ended on a rejected draft (alpha: accepted / (accepted + rejected);
         not given: accepted / drafted, which underestimates it)."""
+        self.committed = {}   # (the drafter's next catch-up is on these rounds' tokens: _catch_up)
         bucket = _bucket(batch_size)
         self.observations += 1
         key = (bucket, self.round_k if size is None else size)
@@ -586,12 +588,14 @@ class SpecController:
         caught = [self.committed.get(i) for i in ids]
         self.committed = dict(zip(ids, done))
         levels, width = shape
-        own = sum(done) / len(done)
+        if width != 1 or max(num_draft) < self.last_k:
+            return t_draft   # (a tree, or a chain the stop confidence or max_tokens cut short of the size chosen)
         key = (bucket, levels)
         old = self.chain_tokens.get(key)
+        own = sum(done) / len(done)
         self.chain_tokens[key] = own if old is None else _ema(old, own)
-        if width != 1 or any(c is None for c in caught) or max(num_draft) < self.last_k:
-            return t_draft   # (a chain the stop confidence or max_tokens cut short of the size chosen)
+        if any(c is None for c in caught):
+            return t_draft
         x = float(sum(caught))
         fit = self.catch_up_fit.setdefault(bucket, _ContextFit())
         fit.add(levels, x, t_draft)
@@ -609,10 +613,11 @@ class SpecController:
         11 nodes (10 levels, 2 wide: the fused tree loop) looked as cheap as the chain at a batch
         of 16 and drafted 4 steps at 22 ms against the chain's 8, where at a batch of 1 it had
         measured 14.1 ms against 4.0; and at a batch of 4 a 59-node tree (10 levels, 4 wide, never
-        measured) drafted 3 steps at 13 ms against the chain's 3.4."""
+        measured) ran 3 steps of 40 ms (13 ms of drafting) against the chain of 10's 9.6 (3.4)."""
         levels, width = shape
         best: tuple[tuple[int, int, int], float] | None = None   # ((width gap, narrower, batch sizes apart), factor)
-        for b, costs in self.tree_draft_cost.items():
+        for b, all_costs in self.tree_draft_cost.items():   # (first samples are cold: left out)
+            costs = {lw: t for lw, t in all_costs.items() if self.draft_samples.get((b, lw), 0) >= 2}
             wide = [lw for lw in costs if lw[1] > measured]
             narrow = {lw: t for lw, t in costs.items() if lw[1] <= measured}
             if b == bucket or not wide or not narrow:

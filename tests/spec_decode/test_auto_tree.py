@@ -891,6 +891,8 @@ def test_a_tree_wider_than_any_measured_is_as_much_dearer_as_where_it_was_measur
     assert ctl._widening(16, (4, 2)) == 1.0   # nothing to go by: tried at the chain's cost
     ctl.tree_draft_cost[1] = {(2, 1): 0.5, (4, 1): 1.0, (4, 2): 3.5}
     ctl.tree_draft_cost[32] = {(4, 1): 6.0, (4, 4): 30.0}
+    assert ctl._widening(16, (4, 2)) == 1.0   # first samples (cold, the prompt's catch-up) are not gone by
+    ctl.draft_samples = {(b, lw): 2 for b, costs in ctl.tree_draft_cost.items() for lw in costs}
     assert ctl._widening(16, (4, 2)) == pytest.approx(3.5)   # (32 is nearer, but measured wider)
     assert ctl._widening(16, (4, 4)) == pytest.approx(5.0)   # only 32 measured 4 wide
     assert ctl._widening(8, (3, 2)) == pytest.approx(3.5)
@@ -951,8 +953,11 @@ def test_a_chain_explored_after_longer_ones_is_costed_at_its_own_catch_up():
     step(2, (2, 2))                                     # explored after the chain of 4: caught up on 10 tokens
     assert t_draft(2, 10) > t_draft(2, 2 * 2.7) + 0.2
     assert ctl.tree_draft_cost[2][(2, 1)] == pytest.approx(steady, abs=0.02)
-    sums = {k: list(v) for k, v in ctl.catch_up_fit[2].sums.items()}
+    sums, tokens = {k: list(v) for k, v in ctl.catch_up_fit[2].sums.items()}, dict(ctl.chain_tokens)
     step(2, (1, 1), chosen=4)   # the chain of 4 chosen, cut short at 2 levels (the stop confidence): out of the fit
-    assert ctl.catch_up_fit[2].sums == sums
+    assert ctl.catch_up_fit[2].sums == sums and ctl.chain_tokens == tokens
     ctl.observe(reqs, DraftBatch.empty(2), AcceptanceResult([0, 0], [[0], [0]], [0, 0]), 0.0, 1.0)
     assert ctl.committed == {}   # a plain step: the next catch-up is not the last drafted step's commits
+    step(4, (4, 4))
+    ctl.observe_rounds(2, 8, 0.1, size=0)   # multi-step decode too
+    assert ctl.committed == {}
