@@ -91,25 +91,28 @@ def check_shareable(owner: LLMEngine, engine: LLMEngine) -> None:
     engines compared; eagerly, that is (compiled graphs, enforce_eager=False, freeze and prepack
     their own copy of the weights in each engine). A target that streams its weights beside a
     drafter (model/native_linear.py ``set_streaming``) is not shared."""
-    a, b = owner.config, engine.config
-    mine = {"checkpoint": engine.checkpoint.path.resolve(), "dtype": engine.dtype, "device": _device(engine.device),
-            "quantization": b.quantization, "load_format": b.load_format, "enforce_eager": b.enforce_eager,
-            "batch_invariant": b.batch_invariant, "tensor_parallel_size": b.tensor_parallel_size}
-    theirs = {"checkpoint": owner.checkpoint.path.resolve(), "dtype": owner.dtype, "device": _device(owner.device),
-              "quantization": a.quantization, "load_format": a.load_format, "enforce_eager": a.enforce_eager,
-              "batch_invariant": a.batch_invariant, "tensor_parallel_size": a.tensor_parallel_size}
-    if b.load_format == "dummy":
-        mine["seed"], theirs["seed"] = b.seed, a.seed
-    differ = [f"{k} {mine[k]} (the owner's: {theirs[k]})" for k in mine if mine[k] != theirs[k]]
+    mine, theirs = _target_identity(engine), _target_identity(owner)
+    differ = [f"{k} {v} (the owner's: {theirs.get(k)})" for k, v in mine.items() if v != theirs.get(k)]
     if differ:
         raise ConfigError("share_target_with: the engines would not load the same target: " + "; ".join(differ))
-    if b.tensor_parallel_size > 1:
+    if engine.config.tensor_parallel_size > 1:
         raise ConfigError("share_target_with: not with tensor parallelism (each rank holds its own shard)")
     if engine.max_model_len > owner.max_model_len:
         raise ConfigError(f"share_target_with: max_model_len {engine.max_model_len} is longer than the owner's "
                           f"{owner.max_model_len} (the model's RoPE tables are the owner's length)")
     if any(getattr(m, "stream", False) for m in owner.model.modules()):
         raise ConfigError(_STREAMING_SHARE)
+
+
+def _target_identity(e: LLMEngine) -> dict[str, Any]:
+    """What decides the target model an engine loads and how it runs it (``check_shareable``)."""
+    c = e.config
+    out = {"checkpoint": e.checkpoint.path.resolve(), "dtype": e.dtype, "device": _device(e.device),
+           "quantization": c.quantization, "load_format": c.load_format, "enforce_eager": c.enforce_eager,
+           "batch_invariant": c.batch_invariant, "tensor_parallel_size": c.tensor_parallel_size}
+    if c.load_format == "dummy":   # (random weights from the seed)
+        out["seed"] = c.seed
+    return out
 
 
 def _device(d: torch.device) -> torch.device:

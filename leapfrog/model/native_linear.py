@@ -1279,10 +1279,16 @@ def last_level_cache_bytes() -> int | None:
 
 def would_stream(model: nn.Module) -> bool:
     """Whether ``set_streaming`` would turn streaming on for ``model`` (nothing is changed)."""
+    return _streaming(model)[1]
+
+
+def _streaming(model: nn.Module) -> tuple[list[NativeLinear], bool]:
+    """``model``'s bf16-kernel linears, and whether together they exceed the last-level cache
+    (unless ``LEAPFROG_STREAM_WEIGHTS=0``)."""
     linears = [m for m in model.modules() if isinstance(m, NativeLinear)]
     cache = last_level_cache_bytes()
     total = sum(m.packed.numel() * m.packed.element_size() for m in linears)
-    return not env_off("LEAPFROG_STREAM_WEIGHTS") and cache is not None and total > cache
+    return linears, not env_off("LEAPFROG_STREAM_WEIGHTS") and cache is not None and total > cache
 
 
 def set_streaming(model: nn.Module) -> int:
@@ -1291,8 +1297,7 @@ def set_streaming(model: nn.Module) -> int:
     evicting the drafter's, which then stay cached from one draft step to the next); a model that
     fits keeps the default prefetch. ``LEAPFROG_STREAM_WEIGHTS=0`` (read here) keeps it always.
     -> how many linears stream."""
-    linears = [m for m in model.modules() if isinstance(m, NativeLinear)]
-    on = would_stream(model)
+    linears, on = _streaming(model)
     for m in linears:
         m.stream = on
     return len(linears) if on else 0
