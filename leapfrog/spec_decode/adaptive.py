@@ -270,7 +270,7 @@ class SpecController:
         self.context_fit: dict[int, _ContextFit] = {}
         #: auto tree sizes, the drafter's catch-up (``_catch_up``): request -> tokens its last
         #: drafted step committed (what the drafter catches up on before its next drafts), bucket ->
-        #: the fit of drafting time against the batch's mean of those (one line per chain length,
+        #: the fit of drafting time against the batch's sum of those (one line per chain length,
         #: a shared slope), and (bucket, levels) -> the tokens a sequence commits a step of that chain
         self.committed: dict[str | int, int] = {}
         self.catch_up_fit: dict[int, _ContextFit] = {}
@@ -584,7 +584,7 @@ class SpecController:
         and at a batch of 1 those steps steepened the slope until explored short chains looked
         cheap ("auto" at depth 10 then accepted 5.6 tokens a step against 5.9-6.1)."""
         done = [1 + n for n in result.num_accepted]
-        ids = [getattr(r, "request_id", None) or id(r) for r in reqs]   # (ids of objects get reused)
+        ids = [r.request_id for r in reqs]
         caught = [self.committed.get(i) for i in ids]
         self.committed = dict(zip(ids, done))
         levels, width = shape
@@ -893,8 +893,6 @@ class SpecController:
                 self.context_fit.setdefault(bucket, _ContextFit()).add(
                     s, x, t_verify if old is None else min(t_verify, 2 * old))
         n_draft = drafts.total
-        if not n_draft:
-            self.committed = {}   # (the drafter's next catch-up also covers this step's token)
         if n_draft:
             # a step's drafting time at its K; a tree's at its shape (how many nodes are verified
             # out of those grown is free)
@@ -927,6 +925,8 @@ class SpecController:
                 self.acceptance = TokenRate(probe.tokens, probe.tried)
             else:
                 self.acceptance.update(accepted, tried)
+        else:
+            self.committed = {}   # (the drafter's next catch-up also covers this step's token)
 
 
 def _borrowed(costs: dict[tuple[int, int], float], shape: tuple[int, int]) -> tuple[float, tuple[int, int]]:

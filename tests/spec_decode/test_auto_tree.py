@@ -3,6 +3,8 @@ while verifying many tokens is cheap and the drafter is confident, small or none
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -20,11 +22,15 @@ CFG = SpeculativeConfig.from_dict({"method": "eagle3", "model": "h", "num_specul
 
 
 class _Req:
+    _ids = itertools.count()
     num_speculative_tokens = None
     max_tokens = 1000
     output_ids = [1]
     num_computed = 10
     unseeded_sampled = False
+
+    def __init__(self):
+        self.request_id = f"req{next(self._ids)}"
 
 
 def _step(ctl: SpecController, n: int, confidences: list[float], accepted: int, t_draft: float, t_verify: float):
