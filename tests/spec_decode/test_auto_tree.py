@@ -967,3 +967,27 @@ def test_a_chain_explored_after_longer_ones_is_costed_at_its_own_catch_up():
     step(4, (4, 4))
     ctl.observe_rounds(2, 8, 0.1, size=0)   # multi-step decode too
     assert ctl.committed == {}
+
+
+def test_while_off_the_size_up_is_explored_less_often_at_larger_batches():
+    """While speculation is off at a batch size, the size up is explored every 2 x bucket
+    exploration intervals (every 2 at a batch of 1, as while drafting; every 32 at a batch of 16):
+    that step first catches the drafter up on every token since it last drafted, B per step."""
+    interval = CFG.adaptive_explore_interval
+    gp = {0: 1.0, 1: 0.9, 2: 0.8}.__getitem__
+
+    def explored(bucket: int, intervals: int) -> list[int]:
+        ctl = SpecController(CFG, 4096)
+        ctl.probe_wait[bucket] = 10 ** 9   # (no probe due)
+        out = []
+        for n in range(1, intervals + 1):
+            ctl.steps = n * interval
+            if ctl._explore(bucket, 0, gp, 1, 0, 1) == 1:
+                out.append(n)
+        return out
+
+    assert explored(1, 8) == [1, 3, 5, 7]
+    assert explored(16, 64) == [1, 33]
+    ctl = SpecController(CFG, 4096)   # drafting: the neighbours every interval, whatever the batch
+    ctl.steps = 2 * interval
+    assert ctl._explore(16, 2, gp, 3, 1, 1) == 1
