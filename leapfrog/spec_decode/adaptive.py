@@ -45,7 +45,9 @@ of K (less at larger batches: _seed_size, _probe_size) for _FIRST_PROBE_STEPS st
 ``adaptive_explore_interval`` steps the controller tries a
 neighbour of k* if its estimated goodput is within 15 % of k*'s, so close calls stay measured
 without paying for hopeless ones (auto tree sizes: the chain one level longer or shorter up to
-the depth, tree sizes doubled or halved past it); while speculation is off it drafts a probe (4
+the depth, tree sizes doubled or halved past it; while speculation is off, the size up only every
+2 x bucket intervals: that step first catches the drafter up on every token since it last
+drafted); while speculation is off it also drafts a probe (4
 steps in a row) after 8 intervals of decode steps (tokens per sequence) times the batch-size bucket to keep alpha
 current (and the costs: a transient that made speculation look bad must not turn it off for
 good), twice as long after each probe that leaves it off (up to 8 times: at large batches it
