@@ -733,8 +733,8 @@ class SpecController:
             # while speculation is off, the size up every 2 x bucket intervals only (probes' scaling:
             # a drafting step after plain ones first catches the drafter up on every token since it
             # last drafted, B per step; at a batch of 32 on an AVX2 CPU a chain of 1 explored after
-            # 60 plain steps of 17 ms took 107 ms, and one every 2 intervals kept "auto" 0.88-0.93x
-            # none where it stayed off)
+            # 60 plain steps of 17 ms took 107 ms, and with one every 2 intervals "auto" ran
+            # 0.88-0.94x none in traces at batches of 16-32, where it had settled on none)
             if cand != best and (best or n % (2 * bucket) == 1) and goodput(cand) >= _EXPLORE_MARGIN * goodput(best):
                 return cand
         return best
