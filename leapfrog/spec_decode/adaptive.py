@@ -31,8 +31,9 @@ with the context (attention reads every sequence's keys and values: a plain step
 16 of the built-in target 4.4 ms at 72 tokens a sequence, 6.3 at 192), and the sizes are
 measured at different contexts, so every measured verify time is compared at the context of the
 step being chosen, moved along a slope fitted within sizes (``_verify_table``, _ContextFit:
-about 1 us per sequence and token of context there; the rounds' measured times below are
-compared as measured). alpha is the geometric model's maximum-likelihood estimate, accepted /
+about 1 us per sequence and token of context there; none until the contexts spread by a tenth
+of their mean, and never steeper than the step's whole time in proportion to its context; the
+rounds' measured times below are compared as measured). alpha is the geometric model's maximum-likelihood estimate, accepted /
 tried (TokenRate: a draft token is tried when all before it were accepted), not accepted /
 drafted, which counts the untried tokens after a rejection as rejected and so underestimates
 alpha the more, the longer the drafts (0.59 for a true 0.8 at k = 4): it pulled K down. (For a
@@ -182,6 +183,8 @@ _PLAIN_FIRST = 4
 _PLAIN_REFRESH = 4
 _PLAIN_REFRESH_STEPS = 64   # ... and every this many steps at most (a short exploration interval)
 _PLAIN_CLOSE = 0.75
+#: the verify times' context fit: no slope until the contexts spread this much (_ContextFit)
+_CONTEXT_SPREAD = 0.1
 #: speculation is chosen over none only where its estimated goodput is at least this many times
 #: none's: what the step model leaves out costs speculation. Plain steps measured between
 #: speculation's still read 3-8 % slow (the lesser of a run's last two); the drafter's prefill of
@@ -460,7 +463,10 @@ class SpecController:
         table = self.verify_cost.get(bucket, {})
         fit, where, now = self.context_fit.get(bucket), self.verify_context.get(bucket), self.context
         if fit is not None and where and now is not None and (slope := fit.slope()):
-            # (never below half the measured time: an extrapolation far from the measured contexts)
+            # (never below half the measured time: an extrapolation far from the measured contexts;
+            # never steeper than a whole step growing in proportion to its context, as if attention
+            # were all of it: the least time per token of context among the sizes)
+            slope = min([slope] + [t / where[s] for s, t in table.items() if where.get(s, 0) > 0])
             table = {s: max(0.5 * t, t + slope * (now - where[s])) if s in where else t for s, t in table.items()}
         return _monotone(table)
 
@@ -898,7 +904,7 @@ class SpecController:
                 where = self.verify_context.setdefault(bucket, {})
                 x = self.context
                 where[s] = x if replaced or s not in where else _ema(where[s], x)
-                self.context_fit.setdefault(bucket, _ContextFit()).add(
+                self.context_fit.setdefault(bucket, _ContextFit(min_spread=_CONTEXT_SPREAD)).add(
                     s, x, t_verify if old is None else min(t_verify, 2 * old))
         n_draft = drafts.total
         if n_draft:
@@ -1109,8 +1115,14 @@ class _ContextFit:
     reads each sequence's keys and values once a step, however many tokens it verifies), one
     line per size with a slope shared by all, t ~ a_s + slope * X: least squares within sizes,
     pooled, each sample's weight decaying by _FIT_DECAY per later sample of its size. No slope
-    (0) until the contexts of some size spread, and never a negative one."""
+    (0) until the contexts of some size spread, and never a negative one. ``min_spread``: no
+    slope either until the contexts' standard deviation within sizes is at least this share of
+    their mean (the verify times: 0.1. At a batch of 32, two probe steps 111 tokens of context
+    apart fitted 0.13 ms a token from their timing noise alone, three 0.016, where attention
+    costs a few us; moved along it, plain decode looked 5x dearer, 132 ms a step against 26
+    measured, and "auto" speculated where none was best)."""
     sums: dict[int, list[float]] = field(default_factory=dict)   # s -> [weight, Σx, Σt, Σx², Σxt]
+    min_spread: float = 0.0
 
     def add(self, s: int, x: float, t: float) -> None:
         v = self.sums.setdefault(s, [0.0] * 5)
@@ -1118,15 +1130,18 @@ class _ContextFit:
             v[i] = _FIT_DECAY * v[i] + term
 
     def slope(self) -> float:
-        sxx = sxt = weight = 0.0
+        sxx = sxt = weight = mean = 0.0
         for w, sx, st, sxx_s, sxt_s in self.sums.values():
             if w > 1.5:
                 sxx += sxx_s - sx * sx / w
                 sxt += sxt_s - sx * st / w
                 weight += w
+                mean += sx
         # (a spread of less than a token of context is rounding: contexts of 32 x 500 tokens square
         # to about 1e8, and their sums' cancellation leaves about 1e-6 where the spread is 0)
-        return max(0.0, sxt / sxx) if sxx > weight else 0.0
+        if sxx <= weight or sxx < weight * (self.min_spread * mean / weight) ** 2:
+            return 0.0
+        return max(0.0, sxt / sxx)
 
 
 @dataclass

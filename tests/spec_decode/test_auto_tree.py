@@ -8,7 +8,8 @@ import itertools
 import pytest
 import torch
 
-from leapfrog.spec_decode.adaptive import _PLAIN_FIRST, _PLAIN_REFRESH, SpecController, _bucket, _curve, expected_tokens
+from leapfrog.spec_decode.adaptive import (_PLAIN_FIRST, _PLAIN_REFRESH, SpecController, _bucket, _ContextFit, _curve,
+                                          expected_tokens)
 from leapfrog.spec_decode.confidence import GAMMAS
 
 from .test_confidence import accepted_counts
@@ -833,6 +834,41 @@ def test_context_fit_recovers_the_shared_slope():
     for x in range(100, 400, 10):
         falling.add(3, float(x), 2.0 - 1e-3 * x)
     assert falling.slope() == 0.0
+
+
+def test_context_fit_needs_contexts_spread_by_a_tenth_of_their_mean():
+    """Timing noise is no slope: the probe steps of a batch of 32 (contexts 2159-2383, 89.7 ms
+    after 85.8 and 100.3) fitted 0.13 ms a token after two, 0.016 after three, and plain decode
+    moved along it read 132 ms a step against 26 measured. With the verify times' spread required, no slope until the contexts
+    spread by a tenth of their mean; then the line's slope as before."""
+    from leapfrog.spec_decode.adaptive import _CONTEXT_SPREAD, _ContextFit
+    noisy = [(2159.0, 85.8e-3), (2270.0, 100.3e-3), (2383.0, 89.7e-3)]
+    loose, spread = _ContextFit(), _ContextFit(min_spread=_CONTEXT_SPREAD)
+    for x, t in noisy:
+        loose.add(5, x, t)
+        spread.add(5, x, t)
+    assert loose.slope() > 1e-5 and spread.slope() == 0.0
+    line = _ContextFit(min_spread=_CONTEXT_SPREAD)   # a true slope of 2 us a token, without noise
+    for i in range(20):   # the contexts grow 118 tokens a step from 2159: a tenth of their mean by the 8th
+        line.add(5, 2159.0 + 118 * i, 80e-3 + 2e-6 * (2159 + 118 * i))
+        assert line.slope() == (pytest.approx(2e-6) if i >= 7 else 0.0)
+
+
+def test_verify_costs_move_no_steeper_than_in_proportion_to_the_context():
+    """However steep the fitted slope, a measured time moves to another context at most in
+    proportion to it (as if attention were the whole step): plain decode measured at 26 ms at a
+    context of 2011 reads at most 26 x 3100 / 2011 at 3100."""
+    ctl = SpecController(CFG, 4096)
+    ctl.verify_cost = {32: {1: 26e-3, 5: 90e-3}}
+    ctl.verify_context = {32: {1: 2011.0, 5: 2270.0}}
+    fit = _ContextFit()
+    for i in range(10):
+        fit.add(5, 2000.0 + 100 * i, 60e-3 + 1.3e-4 * 100 * i)   # 0.13 ms a token
+    ctl.context_fit = {32: fit}
+    ctl.context = 3100.0
+    table = ctl._verify_table(32)
+    assert table[1] <= 26e-3 * 3100 / 2011 + 1e-9
+    assert table[5] == pytest.approx(90e-3 + 26e-3 / 2011 * (3100 - 2270))
 
 
 def test_verify_costs_are_compared_at_the_current_context():
