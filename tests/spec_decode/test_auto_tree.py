@@ -999,10 +999,42 @@ def test_a_chain_explored_after_longer_ones_is_costed_at_its_own_catch_up():
     step(2, (1, 1), chosen=4)   # the chain of 4 chosen, cut short at 2 levels (the stop confidence): out of the fit
     assert ctl.catch_up_fit[2].sums == sums and ctl.chain_tokens == tokens
     ctl.observe(reqs, DraftBatch.empty(2), AcceptanceResult([0, 0], [[0], [0]], [0, 0]), 0.0, 1.0)
-    assert ctl.committed == {}   # a plain step: the next catch-up is not the last drafted step's commits
+    assert ctl.committed == {"r0": 3, "r1": 3}   # a plain step: the next catch-up also covers its token
+    last = (2, 2)   # (this helper's tokens caught up on: the 2 x 3)
     step(4, (4, 4))
+    assert ctl.catch_up_fit[2].slope() == pytest.approx(0.05, rel=0.05)   # (in the fit, at 6 tokens)
     ctl.observe_rounds(2, 8, 0.1, size=0)   # multi-step decode too
     assert ctl.committed == {}
+
+
+def test_switching_speculation_on_pays_for_the_drafters_catch_up():
+    """While speculation is off, the first drafting step catches the drafter up on every token
+    since it last drafted: the weighing charges that, at the fitted catch-up slope, spread over the
+    steps the requests have left (at least an exploration interval). The chain of 1 estimated
+    1.16x none is drafted while on, and from off with 100 tokens to catch up on when the requests
+    have 999 tokens left, not when they have 39 (0.05 s x 98.5 tokens over 27 steps: 1.01x)."""
+    from leapfrog.spec_decode.adaptive import _ContextFit
+
+    class _Sampled(_Req):
+        unseeded_sampled = True   # chains without confidence: E[tokens] from alpha
+
+    def chosen(off: bool, max_tokens: int) -> int:
+        ctl = SpecController(CFG, 4096)
+        _measured(ctl, {1: 0.25, 2: 0.5, 3: 0.75, 4: 1.0})
+        ctl.alpha = 0.45   # the chain of 1: 1.45 tokens for 1.25, 1.16x none
+        fit = ctl.catch_up_fit[1] = _ContextFit()
+        for x in range(2, 12):
+            fit.add(1, float(x), 0.2 + 0.05 * x)
+        req = _Sampled()
+        req.max_tokens = max_tokens
+        ctl.committed = {req.request_id: 100}
+        if off:
+            ctl.best[1] = 0
+        return ctl.choose([req])[0]
+
+    assert chosen(off=False, max_tokens=40) == 1
+    assert chosen(off=True, max_tokens=1000) == 1
+    assert chosen(off=True, max_tokens=40) == 0
 
 
 def test_while_off_the_size_up_is_explored_less_often_at_larger_batches():
