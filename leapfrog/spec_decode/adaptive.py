@@ -33,12 +33,13 @@ measured at different contexts, so every measured verify time is compared at the
 step being chosen, moved along a slope fitted within sizes (``_verify_table``, _ContextFit:
 about 1 us per sequence and token of context there; none until the contexts spread by a tenth
 of their mean, and never steeper than the step's whole time in proportion to its context; the
-rounds' measured times below are compared as measured). alpha is the geometric model's maximum-likelihood estimate, accepted /
-tried (TokenRate: a draft token is tried when all before it were accepted), not accepted /
-drafted, which counts the untried tokens after a rejection as rejected and so underestimates
-alpha the more, the longer the drafts (0.59 for a true 0.8 at k = 4): it pulled K down. (For a
-tree, a step tries one more token than it accepted only where the accepted path stopped at a
-node with children.) No size counts dearer than a longer one (a forward over more tokens never
+rounds' measured times below are compared as measured). alpha is the geometric model's
+maximum-likelihood estimate, accepted / tried (TokenRate: a draft token is tried when all before
+it were accepted), not accepted / drafted, which counts the untried tokens after a rejection as
+rejected and so underestimates alpha the more, the longer the drafts (0.59 for a true 0.8 at
+k = 4): it pulled K down. (For a tree, a step tries one more token than it accepted only where
+the accepted path stopped at a node with children.)
+No size counts dearer than a longer one (a forward over more tokens never
 costs less: such a size was measured slow, ``_monotone``). Unmeasured verify costs are interpolated linearly between measured ones
 (beyond them see below; flat while one size is measured, so an unmeasured K gets tried once).
 The first drafts at a batch size are a probe of the size a smaller batch size settled on, else
@@ -954,7 +955,8 @@ class SpecController:
             self.draft_samples[(bucket, key)] = seen + 1
             old = costs.get(key)
             if self.cfg.auto_tree:   # (a probe's first step: into the fit, its time left as measured)
-                t_draft = self._catch_up(reqs, result, bucket, key, t_draft, drafts.num_draft, move=not fresh)
+                t_draft = self._catch_up(reqs, result, bucket, key, t_draft, drafts.num_draft,
+                                         move=not fresh)
             else:
                 self.committed = {}
             if not fresh or old is None:   # a probe's first drafting step also catches up on what it skipped
@@ -974,7 +976,8 @@ class SpecController:
             else:
                 self.acceptance.update(accepted, tried)
         else:   # (the drafter's next catch-up also covers this step's token)
-            self.committed = {r.request_id: n + 1 for r in reqs if (n := self.committed.get(r.request_id)) is not None}
+            self.committed = {r.request_id: n + 1 for r in reqs
+                              if (n := self.committed.get(r.request_id)) is not None}
 
 
 def _borrowed(costs: dict[tuple[int, int], float], shape: tuple[int, int]) -> tuple[float, tuple[int, int]]:
