@@ -818,7 +818,7 @@ class LLMEngine:
         if not self._decode_steps(reqs):
             return False
         self._tell_controller(ctl.observe_rounds, len(reqs), self.runner.multi_step.steps, time.perf_counter() - t0,
-                              size=0)
+                              size=0, committed={r.request_id: 0 for r in reqs})
         return True
 
     def _tell_controller(self, observe: Callable, *args, **kwargs) -> None:
@@ -868,8 +868,10 @@ class LLMEngine:
         if not all(map(math.isfinite, out.top.flatten().tolist())):
             raise FloatingPointError("non-finite logits from the model (fp16 overflow? try bfloat16 or float32)")
         accepted = drafted = rejected = 0
+        last = {}   # request -> the last round's tokens (what its drafter catches up on next)
         for req, drafts, target in zip(reqs, out.drafts.tolist(), out.target.tolist()):
             results = [greedy_accept(t, d, [g.k]) for d, t in zip(drafts, target)]
+            last[req.request_id] = len(results[-1].output_ids[0])
             ids = [x for res in results for x in res.output_ids[0]]
             self._guarded(req, self._commit, req, req.num_computed + len(ids))
             before = len(req.output_ids)
@@ -890,7 +892,7 @@ class LLMEngine:
                 self._guarded(req, self.proposer.after_rounds, req, tuple(x[b] for x in out.state))
         # (an adaptive K or "auto" tree size weighs the rounds by their measured time per round)
         self._tell_controller(self.spec_controller.observe_rounds, len(reqs), rounds, time.perf_counter() - t0,
-                              accepted, drafted, rejected=rejected)
+                              accepted, drafted, rejected=rejected, committed=last)
         return True
 
     def _round_noise(self, reqs: list[Request], drawn: list[bool], n: int) -> RoundRace:

@@ -277,15 +277,15 @@ class SpecController:
         #: stands (averaged as the cost is), and bucket -> the fit of verify time against that context
         self.verify_context: dict[int, dict[int, float]] = {}
         self.context_fit: dict[int, _ContextFit] = {}
-        #: auto tree sizes, the drafter's catch-up (``_catch_up``): request -> tokens its last
-        #: drafted step committed (what the drafter catches up on before its next drafts), bucket ->
+        #: auto tree sizes, the drafter's catch-up (``_catch_up``): request -> tokens committed since
+        #: the drafter last ran for it (what it catches up on before its next drafts), bucket ->
         #: the fit of drafting time against the batch's sum of those (one line per chain length,
         #: a shared slope), and (bucket, levels) -> the tokens a sequence commits a step of that chain
         self.committed: dict[str | int, int] = {}
         self.catch_up_fit: dict[int, _ContextFit] = {}
         #: while speculation is off at the batch size being chosen: (tokens the drafter would catch
-        #: up on, tokens left per sequence) (``_resume_cost``), else None
-        self.resume: tuple[float, float] | None = None
+        #: up on, tokens left per sequence, sequences) (``_resume_cost``), else None
+        self.resume: tuple[float, float, int] | None = None
         self.chain_tokens: dict[tuple[int, int], float] = {}
         self.context: float | None = None   # the context of the step being chosen (choose) and observed
         #: bucket -> the time of its last observed step if that was an unwidened plain step (a plain
@@ -330,10 +330,11 @@ class SpecController:
         self.context = float(sum(r.num_computed for r in reqs)) if context is None else context
         if self.cfg.auto_tree:
             self.free_share = sum(r.unseeded_sampled for r in reqs) / len(reqs) if reqs else 0.0
-            # off here: the tokens the drafter would catch up on (a request it never caught up on, its
-            # whole sequence: its prefill waited, ``drafting_off``), and the tokens left per sequence
+            # off here: the tokens the drafter would catch up on (a request not known to ``committed``
+            # counts its whole sequence: while off its drafter prefill waits, ``drafting_off``), the
+            # tokens left per sequence, and the sequences
             self.resume = (sum(self.committed.get(r.request_id, r.num_computed) for r in reqs),
-                           sum(r.max_tokens - len(r.output_ids) for r in reqs) / len(reqs)) \
+                           sum(r.max_tokens - len(r.output_ids) for r in reqs) / len(reqs), len(reqs)) \
                 if reqs and self.best.get(bucket) == 0 else None
         for stale in (self.probes, self.refresh):   # the batch moved on: its probe and refresh are stale
             for b in [b for b in stale if b != bucket]:
@@ -417,9 +418,11 @@ class SpecController:
         probe = 1 if self.cfg.adaptive else self._probe_size(bucket)
         return self._explore(bucket, 0, lambda k: 0.0 if k else 1.0, 0, 0, probe)
 
-    def _rounds_goodput(self, bucket: int, k: int) -> float | None:
+    def _rounds_goodput(self, bucket: int, k: int,
+                        resume: Callable[[float], float] | None = None) -> float | None:
         """Expected tokens per round over the measured time per round, when ``k`` is the rounds'
-        size and their time is measured at this batch size."""
+        size and their time is measured at this batch size (``resume``: what switching
+        speculation on adds to a round, ``_resume_cost``)."""
         if k not in self.round_sizes or self.round_samples.get((bucket, k), 0) < 2:
             return None
         if k == 0:
@@ -430,16 +433,25 @@ class SpecController:
             tokens = self._tree_tokens(self.free_share * expected_tokens(self.alpha, k), self.free_share, k)
         else:
             tokens = expected_tokens(self.alpha, k)
-        return tokens / self.round_time[(bucket, k)]
+        return tokens / (self.round_time[(bucket, k)] + (resume(tokens) if resume is not None else 0.0))
 
     def observe_rounds(self, batch_size: int, rounds: int, seconds: float, accepted: int = 0, drafted: int = 0,
-                       size: int | None = None, rejected: int | None = None) -> None:
+                       size: int | None = None, rejected: int | None = None,
+                       committed: dict[str | int, int] | None = None) -> None:
         """One engine step of ``rounds`` speculation rounds of ``size`` drafts (default round_k;
         0: ``rounds`` steps of multi-step decode) over ``batch_size`` sequences in ``seconds``,
         whose kept rounds accepted ``accepted`` of ``drafted`` draft tokens (all sequences), and
         ``rejected`` of them ended on a rejected draft (alpha: accepted / (accepted + rejected);
-        not given: accepted / drafted, which underestimates it)."""
-        self.committed = {}   # (the drafter's next catch-up is on these rounds' tokens: _catch_up)
+        not given: accepted / drafted, which underestimates it). ``committed``: request -> the
+        tokens its drafter catches up on next (speculation rounds: the last round's; multi-step
+        decode: the step's requests, each counted on by ``rounds`` from what it had to catch up on
+        before; ``_catch_up``, ``_resume_cost``); not given, none is known."""
+        if committed is None:
+            self.committed = {}
+        elif size == 0:
+            self.committed = {i: n + rounds for i in committed if (n := self.committed.get(i)) is not None}
+        else:
+            self.committed = dict(committed)
         bucket = _bucket(batch_size)
         self.observations += 1
         key = (bucket, self.round_k if size is None else size)
@@ -556,13 +568,13 @@ class SpecController:
         gp = [1.0 / (t1 + host)]
         cal = self.calibration   # (read once: every step weighs up to K sizes)
         model = self.confidence.model_curve(len(shapes)) if free < 1 else None
-        resume = self._resume_cost(bucket, B)
+        resume = self._resume_cost(bucket)
         for n, (shape, t) in enumerate(zip(shapes, verify), 1):
             tokens = self._tree_tokens(chain[shape[0]], free, n, cal, model)
             cost = drafting[shape] + (t or t1) + host
             gp.append(tokens / (cost + (resume(tokens) if resume is not None else 0.0)))
         for k in self.round_sizes:
-            if k < len(gp) and (rounds := self._rounds_goodput(bucket, k)) is not None:
+            if k < len(gp) and (rounds := self._rounds_goodput(bucket, k, resume)) is not None:
                 gp[k] = rounds
         gp[0] *= _SPEC_MARGIN
         best = max(range(len(gp)), key=gp.__getitem__)
@@ -590,21 +602,21 @@ class SpecController:
         return self._explore_weighed(bucket, w)
 
     def _catch_up(self, reqs: list[Request], result: AcceptanceResult, bucket: int, shape: tuple[int, int],
-                  t_draft: float, num_draft: list[int], move: bool = True) -> float:
+                  t_draft: float, num_draft: list[int]) -> float:
         """A drafting step's time moved to what the shape costs when run step after step. A step's
         drafting starts with the drafter catching up on the tokens the last step committed (an
         EAGLE head's forward over their target features), so a chain drafted after a longer one
         pays for the longer one's acceptance: at a batch of 16, the chain of 5 drafted 3.5-4.1 ms
         a step after chains of 5 and 4.2-4.9 after chains of 8, and, explored between the longer
         chains "auto" ran, it looked that much dearer (and the longer chains cheaper). The time
-        is fitted against the tokens the batch caught up on, x (the last step's commits of these
-        requests), one line per chain length with a shared slope (_ContextFit); the sample is
+        is fitted against the tokens the batch caught up on, x (what these requests committed
+        since the drafter last ran for them), one line per chain length with a shared slope (_ContextFit); the sample is
         moved along the slope from x to what a step of this chain commits (its mean per sequence
         measured over steps of it, times the batch) -> that time. A step after plain ones caught up
-        on their tokens too (``observe`` counts them on): it goes into the fit (what switching
-        speculation on costs: ``_resume_cost``), and a probe's first step (``move`` False) is left
-        as measured. Steps after a prefill (new requests: what the drafter caught up on is unknown),
-        trees, and chains cut short
+        on their tokens too (``observe`` and ``observe_rounds`` count them on): it goes into the fit
+        (what switching speculation on costs: ``_resume_cost``; a probe's first step's time is
+        not used as a cost anyway). Steps after a prefill (new requests: what the drafter caught up
+        on is unknown), trees, and chains cut short
         (the stop confidence, max_tokens) are left as measured and out of the fit: a chain that
         stops where the head is unsure drafts fewer levels after a stretch that accepted little,
         and at a batch of 1 those steps steepened the slope until explored short chains looked
@@ -625,26 +637,27 @@ class SpecController:
         x = float(sum(caught))
         fit = self.catch_up_fit.setdefault(bucket, _ContextFit())
         fit.add(levels, x, t_draft)
-        if old is None or not move or not (slope := fit.slope()):
+        if old is None or not (slope := fit.slope()):
             return t_draft
         return max(0.5 * t_draft, t_draft + slope * (old * len(reqs) - x))
 
-    def _resume_cost(self, bucket: int, B: int) -> Callable[[float], float] | None:
+    def _resume_cost(self, bucket: int) -> Callable[[float], float] | None:
         """While speculation is off at this batch size: what switching it on adds to each step,
         given the tokens a step expects per sequence -> seconds, or None (on, or no catch-up slope
         fitted yet). The first drafting step catches the drafter up on every token since it last
         drafted (``self.resume``), at the fitted slope (``_catch_up``), beyond the tokens a step of
         the size catches up on anyway (in its measured time); spread over the steps the requests
-        have left at that size, at least an exploration interval. At a batch of 32 on an AVX2 CPU
+        have left at that size, at least an exploration interval (requests without max_tokens have
+        the rest of the context left: the charge is then small). At a batch of 32 on an AVX2 CPU
         such a step after 48 plain ones took 185 ms against 93 for the chain of 3 step after step,
         where the chain ran even with no speculation: unweighed, "auto" switched it on and off
         again and again, 0.84-0.93x none."""
         fit = self.catch_up_fit.get(bucket)
         if self.resume is None or fit is None or not (slope := fit.slope()):
             return None
-        pending, left = self.resume
+        pending, left, n = self.resume   # (n: this controller's sequences; B may count predictions too)
         interval = self.cfg.adaptive_explore_interval
-        return lambda tokens: slope * max(0.0, pending - B * tokens) / max(interval, left / tokens)
+        return lambda tokens: slope * max(0.0, pending - n * tokens) / max(interval, left / tokens)
 
     def _widening(self, bucket: int, shape: tuple[int, int], measured: int = 1) -> float:
         """How much dearer than ``_borrowed`` says a shape wider than any measured at this batch
@@ -954,9 +967,8 @@ class SpecController:
             seen = self.draft_samples.get((bucket, key), 0)
             self.draft_samples[(bucket, key)] = seen + 1
             old = costs.get(key)
-            if self.cfg.auto_tree:   # (a probe's first step: into the fit, its time left as measured)
-                t_draft = self._catch_up(reqs, result, bucket, key, t_draft, drafts.num_draft,
-                                         move=not fresh)
+            if self.cfg.auto_tree:   # (a probe's first step too: into the fit)
+                t_draft = self._catch_up(reqs, result, bucket, key, t_draft, drafts.num_draft)
             else:
                 self.committed = {}
             if not fresh or old is None:   # a probe's first drafting step also catches up on what it skipped

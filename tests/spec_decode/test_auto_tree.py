@@ -1001,9 +1001,15 @@ def test_a_chain_explored_after_longer_ones_is_costed_at_its_own_catch_up():
     ctl.observe(reqs, DraftBatch.empty(2), AcceptanceResult([0, 0], [[0], [0]], [0, 0]), 0.0, 1.0)
     assert ctl.committed == {"r0": 3, "r1": 3}   # a plain step: the next catch-up also covers its token
     last = (2, 2)   # (this helper's tokens caught up on: the 2 x 3)
+    weight = ctl.catch_up_fit[2].sums[4][0]
     step(4, (4, 4))
-    assert ctl.catch_up_fit[2].slope() == pytest.approx(0.05, rel=0.05)   # (in the fit, at 6 tokens)
-    ctl.observe_rounds(2, 8, 0.1, size=0)   # multi-step decode too
+    assert ctl.catch_up_fit[2].sums[4][0] > weight   # in the fit, at 6 tokens
+    assert ctl.catch_up_fit[2].slope() == pytest.approx(0.05, rel=0.05)
+    ctl.observe_rounds(2, 8, 0.1, size=0, committed={"r0": 0, "r1": 0})   # multi-step decode: 8 tokens each
+    assert ctl.committed == {"r0": 13, "r1": 13}
+    ctl.observe_rounds(2, 3, 0.1, size=4, committed={"r0": 2, "r1": 5})   # rounds: the last round's tokens
+    assert ctl.committed == {"r0": 2, "r1": 5}
+    ctl.observe_rounds(2, 8, 0.1, size=0)   # (not told: none known)
     assert ctl.committed == {}
 
 
