@@ -38,9 +38,8 @@ maximum-likelihood estimate, accepted / tried (TokenRate: a draft token is tried
 it were accepted), not accepted / drafted, which counts the untried tokens after a rejection as
 rejected and so underestimates alpha the more, the longer the drafts (0.59 for a true 0.8 at
 k = 4): it pulled K down. (For a tree, a step tries one more token than it accepted only where
-the accepted path stopped at a node with children.)
-No size counts dearer than a longer one (a forward over more tokens never
-costs less: such a size was measured slow, ``_monotone``). Unmeasured verify costs are interpolated linearly between measured ones
+the accepted path stopped at a node with children.) No size counts dearer than a longer one (a
+forward over more tokens never costs less: such a size was measured slow, ``_monotone``). Unmeasured verify costs are interpolated linearly between measured ones
 (beyond them see below; flat while one size is measured, so an unmeasured K gets tried once).
 The first drafts at a batch size are a probe of the size a smaller batch size settled on, else
 of K (less at larger batches: _seed_size, _probe_size) for _FIRST_PROBE_STEPS steps. Every
@@ -610,8 +609,8 @@ class SpecController:
         a step after chains of 5 and 4.2-4.9 after chains of 8, and, explored between the longer
         chains "auto" ran, it looked that much dearer (and the longer chains cheaper). The time
         is fitted against the tokens the batch caught up on, x (what these requests committed
-        since the drafter last ran for them), one line per chain length with a shared slope (_ContextFit); the sample is
-        moved along the slope from x to what a step of this chain commits (its mean per sequence
+        since the drafter last ran for them), one line per chain length with a shared slope
+        (_ContextFit); the sample is moved along the slope from x to what a step of this chain commits (its mean per sequence
         measured over steps of it, times the batch) -> that time. A step after plain ones caught up
         on their tokens too (``observe`` and ``observe_rounds`` count them on): it goes into the fit
         (what switching speculation on costs: ``_resume_cost``; a probe's first step's time is
@@ -1179,16 +1178,16 @@ class _ContextFit:
             v[i] = _FIT_DECAY * v[i] + term
 
     def slope(self) -> float:
-        sxx = sxt = weight = mean = 0.0
+        sxx = sxt = weight = sx_all = 0.0
         for w, sx, st, sxx_s, sxt_s in self.sums.values():
             if w > 1.5:
                 sxx += sxx_s - sx * sx / w
                 sxt += sxt_s - sx * st / w
                 weight += w
-                mean += sx
+                sx_all += sx
         # (a spread of less than a token of context is rounding: contexts of 32 x 500 tokens square
         # to about 1e8, and their sums' cancellation leaves about 1e-6 where the spread is 0)
-        if sxx <= weight or sxx < weight * (self.min_spread * mean / weight) ** 2:
+        if sxx <= weight or sxx < weight * (self.min_spread * sx_all / weight) ** 2:   # (sx_all / weight: the mean)
             return 0.0
         return max(0.0, sxt / sxx)
 
