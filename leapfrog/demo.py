@@ -140,22 +140,25 @@ def demo_disable_by_batch_size(dtype: str = "auto") -> int:
 def demo_draft_quantization(dtype: str = "auto", device: str = "auto") -> str | None:
     """The built-in head's ``draft_quantization``: "w8a8" where the engine runs on the CPU
     (``device``, "auto" resolved as the engine resolves it: a GPU host runs the model there), its
-    bf16 target's linears run on AMX tiles and the CPU has AMX-INT8 (``w8a8_supported``: the
-    head's linears on the int8 tiles), else None (bf16). The head's five linears of a chain level,
-    one row: 63 against 178 us; its drafts the same to within 1 % of tokens a step (5.26 against
-    5.30 accepted). Measured on an AMX Xeon (stop 80, ``step_bench.py``, batch 1): chains of 5 / 7
-    at 2.71x / 2.89x no speculation against 2.26x / 2.26x with the bf16 head at T = 0, 2.15x /
-    2.14x against 1.72x / 1.66x at T = 0.7."""
+    target runs bf16 on the AVX-512 BF16 kernel and the CPU has AMX-INT8 or AVX-512 VNNI
+    (``w8a8_supported``: the head's linears in int8), else None (bf16). Measured on an AMX Xeon
+    (stop 80, ``step_bench.py``, batch 1; the head's five linears of a chain level, one row: 63
+    against 178 us; its drafts the same to within 1 % of tokens a step, 5.26 against 5.30
+    accepted): chains of 5 / 7 at 2.71x / 2.89x no speculation against 2.26x / 2.26x with the bf16
+    head at T = 0, 2.15x / 2.14x against 1.72x / 1.66x at T = 0.7. With VNNI on a 2-vCPU AVX-512
+    EPYC (stop 89; 74 against 105 us): the chain of 7 2.45x against 2.10x in ``step_bench.py``, and
+    2.01x / 1.43x against 1.91x / 1.31x at batch 1 / 4 in ``tree_bench.py`` (T = 0; 1.71x / 1.16x
+    against 1.70x / 1.04x at T = 0.7)."""
     from leapfrog.config import resolve_device
     from leapfrog.errors import ConfigError
-    from leapfrog.model.native_linear import cpu_flags, kernel_amx, w8a8_supported
+    from leapfrog.model.native_linear import cpu_flags, kernel_isa, w8a8_supported
     try:
         cpu = resolve_device(device).type == "cpu"
     except ConfigError:   # (a bad device: the engine's config says so)
         cpu = False
     # (the flags first: elsewhere nothing is loaded here; w8a8_supported loads the kernel)
-    on = (cpu and dtype in ("auto", "bfloat16", "bf16") and kernel_amx() and "amx_int8" in cpu_flags()
-          and w8a8_supported())
+    on = (cpu and dtype in ("auto", "bfloat16", "bf16") and kernel_isa() == "avx512_bf16"
+          and bool({"amx_int8", "avx512_vnni"} & cpu_flags()) and w8a8_supported())
     return "w8a8" if on else None
 
 

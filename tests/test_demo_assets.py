@@ -61,14 +61,16 @@ def test_the_built_in_chain_fills_the_kernels_row_tile(monkeypatch):
     for isa, dtype, depth in [("avx512_bf16", "auto", 7), ("avx512_bf16", "bfloat16", 7),
                               ("avx512_bf16", "float32", 5), ("avx2", "auto", 5), ("avx2", "bfloat16", 5),
                               (None, "auto", 5)]:
-        for amx, int8 in ((False, False), (True, False), (True, True)):
+        for amx, int8, vnni in ((False, False, False), (False, False, True), (True, False, False),
+                                (True, True, False)):
+            flags = frozenset({"amx_int8"} if int8 else ()) | frozenset({"avx512_vnni"} if vnni else ())
             monkeypatch.setattr(nl, "kernel_isa", lambda isa=isa: isa)
             monkeypatch.setattr(nl, "native_linear_supported", lambda dtype, device, isa=isa: isa is not None)
             monkeypatch.setattr(nl, "amx_in_use", lambda amx=amx, isa=isa: amx and isa == "avx512_bf16")
             monkeypatch.setattr(nl, "kernel_amx", lambda amx=amx, isa=isa: amx and isa == "avx512_bf16")
-            monkeypatch.setattr(nl, "cpu_flags", lambda int8=int8: frozenset({"amx_int8"} if int8 else ()))
-            monkeypatch.setattr(nl, "w8a8_supported", lambda amx=amx, int8=int8, isa=isa:
-                                amx and int8 and isa == "avx512_bf16")
+            monkeypatch.setattr(nl, "cpu_flags", lambda flags=flags: flags)
+            monkeypatch.setattr(nl, "w8a8_supported", lambda amx=amx, int8=int8, vnni=vnni, isa=isa:
+                                ((amx and int8) or vnni) and isa == "avx512_bf16")
             spec = demo.default_model(dtype)[1]
             assert spec["method"] == "eagle3" and spec["num_speculative_tokens"] == depth, (isa, dtype, spec)
             assert spec["eagle_topk"] == 1
@@ -76,10 +78,11 @@ def test_the_built_in_chain_fills_the_kernels_row_tile(monkeypatch):
             # above 4 where bf16 rows run on AMX tiles (batch 4: 1.49x / 1.26x at T = 0 / 0.7, stop 79)
             want = 4 if amx and isa == "avx512_bf16" and dtype != "float32" else 3
             assert spec["disable_by_batch_size"] == want, (isa, dtype, amx, spec)
-            # the head's linears in w8a8 where bf16 rows run on AMX and the CPU has AMX-INT8 (stop 80:
-            # chains of 7 at 2.89x no speculation against 2.26x with the bf16 head)
-            w8a8 = amx and int8 and isa == "avx512_bf16" and dtype != "float32"
-            assert spec.get("draft_quantization") == ("w8a8" if w8a8 else None), (isa, dtype, amx, int8, spec)
+            # the head's linears in w8a8 where the bf16 target runs on the AVX-512 BF16 kernel and the
+            # CPU has AMX-INT8 (stop 80: chains of 7 at 2.89x no speculation against 2.26x with the
+            # bf16 head) or AVX-512 VNNI (stop 89: 2.45x against 2.10x)
+            w8a8 = ((amx and int8) or vnni) and isa == "avx512_bf16" and dtype != "float32"
+            assert spec.get("draft_quantization") == ("w8a8" if w8a8 else None), (isa, dtype, amx, int8, vnni, spec)
 
 
 def test_cli_and_llm_pass_their_dtype_to_the_default(monkeypatch, tmp_path, capsys):
@@ -101,14 +104,19 @@ def test_cli_and_llm_pass_their_dtype_to_the_default(monkeypatch, tmp_path, caps
 
 
 def test_the_w8a8_head_only_where_the_engine_runs_on_the_cpu(monkeypatch):
-    """On an AMX-INT8 host the built-in head drafts in w8a8 on the CPU, but not when the engine
-    runs on a GPU (device "cuda", or "auto" with one): the int8 tiles are the CPU's."""
+    """On an AMX-INT8 or AVX-512 VNNI host the built-in head drafts in w8a8 on the CPU, but not
+    when the engine runs on a GPU (device "cuda", or "auto" with one): the int8 kernel is the CPU's."""
     import leapfrog.model.native_linear as nl
 
-    for name, value in (("kernel_amx", True), ("native_linear_supported", True), ("w8a8_supported", True)):
+    for name, value in (("kernel_amx", True), ("native_linear_supported", True), ("w8a8_supported", True),
+                        ("kernel_isa", "avx512_bf16")):
         monkeypatch.setattr(nl, name, lambda *a, value=value: value)
-    monkeypatch.setattr(nl, "cpu_flags", lambda: frozenset({"amx_int8"}))
-    assert demo.demo_draft_quantization("auto", "cpu") == "w8a8"
+    for flags in ({"amx_int8"}, {"avx512_vnni"}):
+        monkeypatch.setattr(nl, "cpu_flags", lambda flags=flags: frozenset(flags))
+        assert demo.demo_draft_quantization("auto", "cpu") == "w8a8"
+    monkeypatch.setattr(nl, "cpu_flags", lambda: frozenset())
+    assert demo.demo_draft_quantization("auto", "cpu") is None   # (an AVX-512 BF16 CPU without either)
+    monkeypatch.setattr(nl, "cpu_flags", lambda: frozenset({"avx512_vnni"}))
     assert demo.demo_draft_quantization("auto", "cuda") is None   # (no CUDA here: a ConfigError, so not the CPU)
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     assert demo.demo_draft_quantization("auto", "auto") is None   # auto -> cuda where one is present

@@ -152,6 +152,9 @@ _HEADER = r"""
 #ifndef LEAPFROG_AMX
 #define LEAPFROG_AMX 0   // the AMX tiles for bf16 rows (kernel_source's amx)
 #endif
+#ifndef LEAPFROG_W8A8
+#define LEAPFROG_W8A8 0  // linear_w8a8: the AVX-512 BF16 build (VNNI, and AMX-INT8 with amx)
+#endif
 
 """
 
@@ -477,6 +480,168 @@ void f32_range(const float* A, int64_t M, int64_t K, const uint16_t* W, int64_t 
 """
 
 
+_Q8 = r"""
+// ---- W8A8 (int8 rows x int8 weights: quant.W8A8Linear, linear_w8a8), the AVX-512 BF16 build: the
+// rows' quantization and the epilogue, shared by the AMX-INT8 tiles (_AMX: q8_range) and the
+// AVX-512 VNNI dot products (v8_range, below). Weights packed by pack_w8a8: [N/32, Kp/4, 32, 4] int8
+// (K zero-padded to Kp, a multiple of 64): a k-quad of a block's 32 columns is 128 bytes, the four
+// int8 of one column's k-quad side by side (the layout of both tdpbssd's B tiles and vpdpbusd's
+// second operand). Sums in int32: exact, whatever the order, so a row's result depends on that row
+// and the weights only, and both paths give the same bits (quant.w8a8_reference).
+namespace {
+
+constexpr int64_t Q8_K = 64;   // k's per A tile (16 k-quads: one B tile's rows); Kp is a multiple
+
+// One row quantized: q[k] = round-half-even(x[k] * (127 / max |x|)) in [-127, 127] (zeros past K and
+// for an all-zero row) -> its scale max |x| / 127, float32 throughout (quant.w8a8_reference); 16
+// lanes at a time (the max is exact in any order, the rest is per element). A row holding a NaN or
+// an infinity gets scale NaN (zeros in q): its outputs are NaN, as the float product's would be.
+template <typename T>
+float q8_row(const T* x, int64_t K, int8_t* q, int64_t Kp) {
+  auto load = [x](int64_t k, __mmask16 m) -> __m512 {
+    if constexpr (std::is_same_v<T, float>) {
+      return _mm512_maskz_loadu_ps(m, x + k);
+    } else {   // bf16: the high half of a float32
+      const __m512i h = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, x + k));
+      return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+    }
+  };
+  __m512 mx = _mm512_setzero_ps();
+  __mmask16 nan = 0;   // (maxps drops a NaN operand: they are counted apart)
+  for (int64_t k = 0; k < K; k += 16) {
+    const __m512 v = _mm512_abs_ps(load(k, lanes(K - k)));
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    mx = _mm512_max_ps(mx, v);
+  }
+  const float amax = _mm512_reduce_max_ps(mx);
+  std::memset(q, 0, Kp);
+  if (nan || !std::isfinite(amax)) return std::numeric_limits<float>::quiet_NaN();
+  if (!(amax > 0.f)) return 0.f;
+  const __m512 inv = _mm512_set1_ps(127.f / amax);
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 m = lanes(K - k);
+    const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(load(k, m), inv));   // nearest-even (MXCSR default)
+    _mm_mask_storeu_epi8(q + k, m, _mm512_cvtepi32_epi8(_mm512_min_epi32(_mm512_max_epi32(v, lo), hi)));
+  }
+  return amax / 127.f;
+}
+
+// A block's epilogue: y[m, n] = float(sum) * (sa[m] * sw[n]) + bias[n] in float32, then rounded once
+// to bf16 (or stored as float32 with f32_out); the lanes of the block's valid columns
+struct Q8Epilogue {
+  __mmask16 lo_mask, hi_mask;
+  __m512 sw_lo, sw_hi, b_lo, b_hi;
+  bool has_bias, f32_out;
+  Q8Epilogue(const float* sw, const float* bp, int64_t nb, int64_t n, bool f32)
+      : has_bias(bp != nullptr), f32_out(f32) {
+    const int64_t cols = std::min<int64_t>(BLOCK, n - nb * BLOCK);
+    lo_mask = lanes(cols);
+    hi_mask = lanes(cols - 16);
+    sw_lo = _mm512_maskz_loadu_ps(lo_mask, sw + nb * BLOCK);
+    sw_hi = _mm512_maskz_loadu_ps(hi_mask, sw + nb * BLOCK + 16);
+    b_lo = bp ? _mm512_maskz_loadu_ps(lo_mask, bp + nb * BLOCK) : _mm512_setzero_ps();
+    b_hi = bp ? _mm512_maskz_loadu_ps(hi_mask, bp + nb * BLOCK + 16) : _mm512_setzero_ps();
+  }
+  // one row's 32 int32 sums (low, high 16 columns) with its scale sa, to element offset at of C
+  void store(__m512i sum_lo, __m512i sum_hi, float sa, void* Cv, int64_t at) const {
+    const __m512 s = _mm512_set1_ps(sa);
+    __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(sum_lo), _mm512_mul_ps(s, sw_lo));
+    __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(sum_hi), _mm512_mul_ps(s, sw_hi));
+    if (has_bias) {   // (the product rounded before the bias: no fused multiply-add, as the reference)
+      asm volatile("" : "+v"(lo), "+v"(hi));
+      lo = _mm512_add_ps(lo, b_lo);
+      hi = _mm512_add_ps(hi, b_hi);
+    }
+    if (f32_out) {
+      float* C = static_cast<float*>(Cv) + at;
+      _mm512_mask_storeu_ps(C, lo_mask, lo);
+      _mm512_mask_storeu_ps(C + 16, hi_mask, hi);
+    } else {
+      uint16_t* C = static_cast<uint16_t*>(Cv) + at;
+      _mm256_mask_storeu_epi16(C, lo_mask, (__m256i)_mm512_cvtneps_pbh(lo));
+      _mm256_mask_storeu_epi16(C + 16, hi_mask, (__m256i)_mm512_cvtneps_pbh(hi));
+    }
+  }
+};
+
+// AVX-512 VNNI (no AMX-INT8, or no tile state lent): vpdpbusd multiplies unsigned by signed bytes,
+// so the rows come offset by 128 (U = q ^ 0x80 = q + 128 in [1, 255]: q8_unsigned) and each column
+// subtracts 128 x its weights' sum, taken by the same instruction on bytes of 128 in the block's
+// first row tile: sum_k q w = sum_k U w - 128 sum_k w, exact in int32 (|sum| < Kp x 255 x 127, so
+// Kp <= 65536: linear_w8a8 checks). Up to V8_ROWS rows per pass over a block (2 sums each, in
+// registers), k-quads in order.
+constexpr int64_t V8_ROWS = 8;
+constexpr int64_t V8_AHEAD = 4096;   // bytes ahead in the block's stream (software prefetch into L2)
+
+void q8_unsigned(int8_t* q, int64_t n) {   // q + 128 as unsigned bytes, in place
+  for (int64_t k = 0; k < n; k += 64) {
+    const __mmask64 m = n - k >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (n - k)) - 1);
+    _mm512_mask_storeu_epi8(q + k, m, _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, q + k), _mm512_set1_epi8((char)0x80)));
+  }
+}
+
+template <int R, bool COMP>
+void v8_tile(const uint8_t* U, int64_t Kp, const int8_t* blk, const float* sa, const Q8Epilogue& e,
+             __m512i* comp, void* Cv, int64_t at, int64_t n) {
+  __m512i c[R][2], k_lo = _mm512_setzero_si512(), k_hi = _mm512_setzero_si512();
+  _Pragma("GCC unroll 8") for (int m = 0; m < R; ++m) c[m][0] = c[m][1] = _mm512_setzero_si512();
+  const __m512i offset = _mm512_set1_epi8((char)0x80);
+  for (int64_t j = 0; j < Kp / 4; ++j) {
+    const int8_t* w = blk + j * 4 * BLOCK;
+    _mm_prefetch((const char*)(w + V8_AHEAD), _MM_HINT_T1);
+    const __m512i w_lo = _mm512_load_si512(w), w_hi = _mm512_load_si512(w + 64);
+    if constexpr (COMP) {
+      k_lo = _mm512_dpbusd_epi32(k_lo, offset, w_lo);
+      k_hi = _mm512_dpbusd_epi32(k_hi, offset, w_hi);
+    }
+    _Pragma("GCC unroll 8") for (int m = 0; m < R; ++m) {
+      int32_t v;
+      std::memcpy(&v, U + m * Kp + 4 * j, sizeof v);
+      const __m512i a = _mm512_set1_epi32(v);
+      c[m][0] = _mm512_dpbusd_epi32(c[m][0], a, w_lo);
+      c[m][1] = _mm512_dpbusd_epi32(c[m][1], a, w_hi);
+    }
+  }
+  if constexpr (COMP) { comp[0] = k_lo; comp[1] = k_hi; }
+  _Pragma("GCC unroll 8") for (int m = 0; m < R; ++m)
+    e.store(_mm512_sub_epi32(c[m][0], comp[0]), _mm512_sub_epi32(c[m][1], comp[1]), sa[m], Cv, at + m * n);
+}
+
+template <bool COMP>
+void v8_rows(int64_t R, const uint8_t* U, int64_t Kp, const int8_t* blk, const float* sa, const Q8Epilogue& e,
+             __m512i* comp, void* Cv, int64_t at, int64_t n) {
+  switch (R) {
+    case 1: v8_tile<1, COMP>(U, Kp, blk, sa, e, comp, Cv, at, n); break;
+    case 2: v8_tile<2, COMP>(U, Kp, blk, sa, e, comp, Cv, at, n); break;
+    case 3: v8_tile<3, COMP>(U, Kp, blk, sa, e, comp, Cv, at, n); break;
+    case 4: v8_tile<4, COMP>(U, Kp, blk, sa, e, comp, Cv, at, n); break;
+    case 5: v8_tile<5, COMP>(U, Kp, blk, sa, e, comp, Cv, at, n); break;
+    case 6: v8_tile<6, COMP>(U, Kp, blk, sa, e, comp, Cv, at, n); break;
+    case 7: v8_tile<7, COMP>(U, Kp, blk, sa, e, comp, Cv, at, n); break;
+    default: v8_tile<8, COMP>(U, Kp, blk, sa, e, comp, Cv, at, n); break;
+  }
+}
+
+// rows U [M, Kp] (q8_unsigned) on blocks [b0, b1) of this thread, each block once from memory for
+// all rows (further row tiles re-read it from cache)
+void v8_range(const uint8_t* U, const float* sa, int64_t M, int64_t Kp, const int8_t* W, int64_t b0, int64_t b1,
+              const float* sw, const float* bp, void* Cv, int64_t n, bool f32_out) {
+  for (int64_t nb = b0; nb < b1; ++nb) {
+    const int8_t* blk = W + nb * Kp * BLOCK;
+    const Q8Epilogue e(sw, bp, nb, n, f32_out);
+    __m512i comp[2];
+    for (int64_t m0 = 0; m0 < M; m0 += V8_ROWS) {
+      const int64_t R = std::min(V8_ROWS, M - m0);
+      if (m0 == 0) v8_rows<true>(R, U, Kp, blk, sa, e, comp, Cv, nb * BLOCK, n);
+      else v8_rows<false>(R, U + m0 * Kp, Kp, blk, sa + m0, e, comp, Cv, m0 * n + nb * BLOCK, n);
+    }
+  }
+}
+
+}  // namespace
+"""
+
 _AMX = r"""
 // ---- AMX (Advanced Matrix Extensions) for bf16 rows, in the AVX-512 BF16 build where the CPU has
 // AMX-BF16 (kernel_amx). The same packed blocks: a k-pair of 16 columns is 64 bytes, so 16 k-pairs
@@ -661,8 +826,7 @@ void amx_range(const uint16_t* A, int64_t M, int64_t Mp, int64_t Kp, const uint1
 // a k-quad of a block's 32 columns is 128 bytes, so 16 k-quads of its low (high) 16 columns are one
 // B tile of 16 rows x 64 bytes at a row stride of 128, the layout tdpbssd wants (the four int8 of
 // a k-quad side by side). A tiles: 64 int8 k's of up to 16 rows. Sums in int32: exact, whatever
-// the order, so a row's result depends on that row and the weights only.
-constexpr int64_t Q8_K = 64;   // k's per A tile (16 k-quads: one B tile's rows)
+// the order, so a row's result depends on that row and the weights only (Q8_K: _Q8).
 
 // C[m, block] int32 for the rows of one (NA = 1) or two (NA = 2) A tiles: A [rows, Kp] int8, blk one
 // packed block [Kp/4][32][4]; out: [NA * 16][BLOCK] int32 sums
@@ -692,41 +856,6 @@ void q8_block(const int8_t* A, int64_t Kp, const int8_t* blk, int32_t* out) {
   }
 }
 
-// One row quantized: q[k] = round-half-even(x[k] * (127 / max |x|)) in [-127, 127] (zeros past K and
-// for an all-zero row) -> its scale max |x| / 127, float32 throughout (quant.w8a8_reference); 16
-// lanes at a time (the max is exact in any order, the rest is per element). A row holding a NaN or
-// an infinity gets scale NaN (zeros in q): its outputs are NaN, as the float product's would be.
-template <typename T>
-float q8_row(const T* x, int64_t K, int8_t* q, int64_t Kp) {
-  auto load = [x](int64_t k, __mmask16 m) -> __m512 {
-    if constexpr (std::is_same_v<T, float>) {
-      return _mm512_maskz_loadu_ps(m, x + k);
-    } else {   // bf16: the high half of a float32
-      const __m512i h = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, x + k));
-      return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
-    }
-  };
-  __m512 mx = _mm512_setzero_ps();
-  __mmask16 nan = 0;   // (maxps drops a NaN operand: they are counted apart)
-  for (int64_t k = 0; k < K; k += 16) {
-    const __m512 v = _mm512_abs_ps(load(k, lanes(K - k)));
-    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    mx = _mm512_max_ps(mx, v);
-  }
-  const float amax = _mm512_reduce_max_ps(mx);
-  std::memset(q, 0, Kp);
-  if (nan || !std::isfinite(amax)) return std::numeric_limits<float>::quiet_NaN();
-  if (!(amax > 0.f)) return 0.f;
-  const __m512 inv = _mm512_set1_ps(127.f / amax);
-  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
-  for (int64_t k = 0; k < K; k += 16) {
-    const __mmask16 m = lanes(K - k);
-    const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(load(k, m), inv));   // nearest-even (MXCSR default)
-    _mm_mask_storeu_epi8(q + k, m, _mm512_cvtepi32_epi8(_mm512_min_epi32(_mm512_max_epi32(v, lo), hi)));
-  }
-  return amax / 127.f;
-}
-
 // rows [M, K] quantized into A [Mp, Kp] on blocks [b0, b1) of this thread: y[m, n] = float(sum) *
 // (sa[m] * sw[n]) + bias[n], in float32, then rounded once to bf16 (or float32 with f32_out)
 void q8_range(const int8_t* A, const float* sa, int64_t M, int64_t Mp, int64_t Kp, const int8_t* W, int64_t b0,
@@ -736,34 +865,12 @@ void q8_range(const int8_t* A, const float* sa, int64_t M, int64_t Mp, int64_t K
   alignas(64) int32_t out[2 * AMX_ROWS][BLOCK];
   for (int64_t nb = b0; nb < b1; ++nb) {
     const int8_t* blk = W + nb * Kp * BLOCK;
-    const int64_t cols = std::min<int64_t>(BLOCK, n - nb * BLOCK);
-    const __mmask16 lo_mask = lanes(cols), hi_mask = lanes(cols - 16);
-    const __m512 sw_lo = _mm512_maskz_loadu_ps(lo_mask, sw + nb * BLOCK);
-    const __m512 sw_hi = _mm512_maskz_loadu_ps(hi_mask, sw + nb * BLOCK + 16);
-    const __m512 b_lo = bp ? _mm512_maskz_loadu_ps(lo_mask, bp + nb * BLOCK) : _mm512_setzero_ps();
-    const __m512 b_hi = bp ? _mm512_maskz_loadu_ps(hi_mask, bp + nb * BLOCK + 16) : _mm512_setzero_ps();
+    const Q8Epilogue e(sw, bp, nb, n, f32_out);
     for (int64_t m0 = 0; m0 < Mp; m0 += 2 * AMX_ROWS) {
       if (Mp - m0 > AMX_ROWS) q8_block<2>(A + m0 * Kp, Kp, blk, &out[0][0]);
       else q8_block<1>(A + m0 * Kp, Kp, blk, &out[0][0]);
-      for (int64_t m = m0; m < std::min(M, m0 + 2 * AMX_ROWS); ++m) {
-        const __m512 s = _mm512_set1_ps(sa[m]);
-        __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(out[m - m0])), _mm512_mul_ps(s, sw_lo));
-        __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(out[m - m0] + 16)), _mm512_mul_ps(s, sw_hi));
-        if (bp) {   // (the product rounded before the bias: no fused multiply-add, as the reference)
-          asm volatile("" : "+v"(lo), "+v"(hi));
-          lo = _mm512_add_ps(lo, b_lo);
-          hi = _mm512_add_ps(hi, b_hi);
-        }
-        if (f32_out) {
-          float* C = static_cast<float*>(Cv) + m * n + nb * BLOCK;
-          _mm512_mask_storeu_ps(C, lo_mask, lo);
-          _mm512_mask_storeu_ps(C + 16, hi_mask, hi);
-        } else {
-          uint16_t* C = static_cast<uint16_t*>(Cv) + m * n + nb * BLOCK;
-          _mm256_mask_storeu_epi16(C, lo_mask, (__m256i)_mm512_cvtneps_pbh(lo));
-          _mm256_mask_storeu_epi16(C + 16, hi_mask, (__m256i)_mm512_cvtneps_pbh(hi));
-        }
-      }
+      for (int64_t m = m0; m < std::min(M, m0 + 2 * AMX_ROWS); ++m)
+        e.store(_mm512_load_si512(out[m - m0]), _mm512_load_si512(out[m - m0] + 16), sa[m], Cv, m * n + nb * BLOCK);
     }
   }
   _tile_release();
@@ -999,13 +1106,13 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
 
 // x [..., K] bf16 or float32, w [ceil(N/32), Kp/4, 32, 4] int8 (pack_w8a8), scale [N] float32 (the
 // weights' per column), bias [N] float32 or None -> [..., N] in x's dtype, or float32 with f32_out.
-// Each row quantized to int8 on the fly (q8_row), int32 sums on the AMX-INT8 tiles (AMX builds only)
+// Each row quantized to int8 on the fly (q8_row), int32 sums on the AMX-INT8 tiles where this
+// process may use them, else with AVX-512 VNNI (the AVX-512 BF16 build: the same bits either way)
 at::Tensor linear_w8a8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                        const c10::optional<at::Tensor>& bias, int64_t n, bool f32_out) {
-#if LEAPFROG_AMX
+#if LEAPFROG_W8A8
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && scale.device().is_cpu() &&
               (!bias.has_value() || bias->device().is_cpu()), "linear_w8a8: CPU tensors only");
-  TORCH_CHECK(amx_ready(), "linear_w8a8: this process may not use the AMX tiles (Linux before 5.16?)");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
               "linear_w8a8: bf16 or float32 rows, got ", x.scalar_type());
   TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 4 && w.size(2) == BLOCK && w.size(3) == 4 &&
@@ -1030,24 +1137,41 @@ at::Tensor linear_w8a8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   at::Tensor out = at::detail::empty_cpu(shape, f32_out ? at::kFloat : x.scalar_type(), std::nullopt, std::nullopt,
                                          std::nullopt, std::nullopt);
   if (M == 0) return out;
-  const int64_t Mp = amx_padded_rows(M);
+  const bool f32 = f32_out || x.scalar_type() == at::kFloat;   // (float32 out: float32 stores)
+  const int8_t* W = w.data_ptr<int8_t>();
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / (Kp * BLOCK));   // >= 64 KiB of weights a thread
+  void* C = out.data_ptr();
+#if LEAPFROG_AMX
+  const bool tiles = amx_ready();
+  const int64_t Mp = tiles ? amx_padded_rows(M) : M;
+#else
+  const bool tiles = false;
+  const int64_t Mp = M;
+#endif
+  TORCH_CHECK(tiles || Kp <= 65536, "linear_w8a8: at most 65536 input features without AMX-INT8 (int32 sums), got ", K);
   std::vector<int8_t> A(Mp * Kp, 0);
   std::vector<float> sa(Mp, 0.f);
   for (int64_t m = 0; m < M; ++m) {
     if (x.scalar_type() == at::kFloat) sa[m] = q8_row(xc.data_ptr<float>() + m * K, K, A.data() + m * Kp, Kp);
     else sa[m] = q8_row(xc.data_ptr<at::BFloat16>() + m * K, K, A.data() + m * Kp, Kp);
   }
-  const int8_t* W = w.data_ptr<int8_t>();
-  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  const int64_t grain = std::max<int64_t>(1, (64 << 10) / (Kp * BLOCK));   // >= 64 KiB of weights a thread
-  void* C = out.data_ptr();
+#if LEAPFROG_AMX
+  if (tiles) {
+    at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
+      q8_range(A.data(), sa.data(), M, Mp, Kp, W, b0, b1, sc.data_ptr<float>(), bp, C, n, f32);
+    });
+    return out;
+  }
+#endif
+  q8_unsigned(A.data(), M * Kp);   // AVX-512 VNNI: unsigned rows (v8_range)
+  const uint8_t* U = reinterpret_cast<const uint8_t*>(A.data());
   at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
-    q8_range(A.data(), sa.data(), M, Mp, Kp, W, b0, b1, sc.data_ptr<float>(), bp, C, n,
-             f32_out || x.scalar_type() == at::kFloat);   // (float32 out: float32 stores)
+    v8_range(U, sa.data(), M, Kp, W, b0, b1, sc.data_ptr<float>(), bp, C, n, f32);
   });
   return out;
 #else
-  TORCH_CHECK(false, "linear_w8a8: this build has no AMX tiles (kernel_amx: a CPU with AMX-INT8)");
+  TORCH_CHECK(false, "linear_w8a8: this build has neither AVX-512 VNNI nor AMX-INT8 (the AVX-512 BF16 build has)");
   return x;
 #endif
 }
@@ -1077,8 +1201,8 @@ TORCH_LIBRARY_IMPL(leapfrog_gemm, CPU, m) {
 #: each build's software prefetch: bytes ahead in the weight stream, and the hint (the cache level it
 #: fills: "T0" L1, "T1" L2, "T2", "NTA", or "none": no software prefetch; module docstring)
 PREFETCH = {"avx512_bf16": (4096, "T1"), "avx2": (2048, "T0")}
-_FLAGS = {"avx512_bf16": ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",
-                          "-mavx2"],
+_FLAGS = {"avx512_bf16": ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
+                          "-mavx512vnni", "-mfma", "-mavx2"],
           "avx2": ["-O3", "-mavx2", "-mfma"]}
 
 
@@ -1100,8 +1224,10 @@ def kernel_source(isa: str, prefetch_bytes: int | None = None, hint: str | None 
     body = (_AVX512_BF16 if isa == "avx512_bf16" else _AVX2).replace("@PREFETCH@", str(prefetch_bytes // 2))
     if amx and isa != "avx512_bf16":
         raise ValueError("the AMX tiles come with the avx512_bf16 build only")
-    prefix = "#define LEAPFROG_AMX 1\n" if amx else ""
-    source = prefix + _HEADER + body.replace("@PREFETCH_CALL@", call) + (_AMX if amx else "") + _INT8 + _OP
+    prefix = ("#define LEAPFROG_AMX 1\n" if amx else "") + (
+        "#define LEAPFROG_W8A8 1\n" if isa == "avx512_bf16" else "")
+    source = (prefix + _HEADER + body.replace("@PREFETCH_CALL@", call) + (_Q8 if isa == "avx512_bf16" else "")
+              + (_AMX if amx else "") + _INT8 + _OP)
     if namespace != "leapfrog_gemm":
         source = source.replace("TORCH_LIBRARY(leapfrog_gemm,", f"TORCH_LIBRARY({namespace},").replace(
             "TORCH_LIBRARY_IMPL(leapfrog_gemm,", f"TORCH_LIBRARY_IMPL({namespace},")
@@ -1181,10 +1307,18 @@ def amx_in_use() -> bool:
 
 
 def w8a8_supported() -> bool:
-    """Whether ``linear_w8a8`` (int8 rows x int8 weights on the AMX-INT8 tiles: quant.W8A8Linear)
-    serves in this process: the AMX build in use (``amx_in_use``) on a CPU with AMX-INT8, unless
-    ``LEAPFROG_NATIVE_LINEAR=0``."""
-    return not env_off("LEAPFROG_NATIVE_LINEAR") and amx_in_use() and "amx_int8" in cpu_flags()
+    """Whether ``linear_w8a8`` (int8 rows x int8 weights: quant.W8A8Linear) serves in this process:
+    the AVX-512 BF16 build loaded, on a CPU with AMX-INT8 where the tiles are in use
+    (``amx_in_use``) or else with AVX-512 VNNI (``w8a8_tiles`` tells which; the same bits either
+    way), unless ``LEAPFROG_NATIVE_LINEAR=0``."""
+    if env_off("LEAPFROG_NATIVE_LINEAR") or not load_native_linear() or _STATE["isa"] != "avx512_bf16":
+        return False
+    return w8a8_tiles() or "avx512_vnni" in cpu_flags()
+
+
+def w8a8_tiles() -> bool:
+    """Whether ``linear_w8a8`` sums on the AMX-INT8 tiles here (else with AVX-512 VNNI)."""
+    return amx_in_use() and "amx_int8" in cpu_flags()
 
 
 def block_columns() -> int:

@@ -98,10 +98,10 @@ def test_quantized_model_is_the_dequantized_float_model(llama_dir, method):
     ("int4", {"method": "draft_model", "model": "self", "draft_quantization": "int4", "num_speculative_tokens": 4}),
     (None, {"method": "draft_model", "model": "self", "draft_quantization": "int8", "num_speculative_tokens": 4}),
     pytest.param("w8a8", {"method": "draft_model", "model": "self", "num_speculative_tokens": 3},
-                 marks=pytest.mark.skipif(not _w8a8(), reason="w8a8 runs on AMX-INT8 CPUs only")),
+                 marks=pytest.mark.skipif(not _w8a8(), reason="w8a8 runs on CPUs with AMX-INT8 or AVX-512 VNNI only")),
     pytest.param(None, {"method": "draft_model", "model": "self", "draft_quantization": "w8a8",
                         "num_speculative_tokens": 3},
-                 marks=pytest.mark.skipif(not _w8a8(), reason="w8a8 runs on AMX-INT8 CPUs only")),
+                 marks=pytest.mark.skipif(not _w8a8(), reason="w8a8 runs on CPUs with AMX-INT8 or AVX-512 VNNI only")),
 ])
 def test_greedy_speculation_on_a_quantized_target_is_lossless(llama_dir, tokenizer, quant, spec):
     prompts = [{"prompt_token_ids": p} for p in prompts_of(tokenizer, 5)]
@@ -179,9 +179,9 @@ def test_int8_batch_invariant_greedy_alone_equals_batched(llama_dir, tokenizer):
     assert batched == alone
 
 
-# ---------------------------------------------------------------------------- w8a8 (AMX-INT8)
+# ---------------------------------------------------- w8a8 (AMX-INT8 or AVX-512 VNNI)
 
-needs_w8a8 = pytest.mark.skipif(not _w8a8(), reason="w8a8 runs on AMX-INT8 CPUs only")
+needs_w8a8 = pytest.mark.skipif(not _w8a8(), reason="w8a8 runs on CPUs with AMX-INT8 or AVX-512 VNNI only")
 
 
 def test_pack_w8a8_layout():
@@ -215,12 +215,12 @@ def test_w8a8_reference_rounds_rows_to_int8():
     assert y.dtype == torch.float32 and w8a8_reference(x.bfloat16(), q, s).dtype == torch.bfloat16
 
 
-def test_w8a8_refused_without_amx_int8(monkeypatch):
-    """Where the AMX-INT8 kernel does not serve, quantization='w8a8' is a ConfigError naming
+def test_w8a8_refused_without_amx_int8_or_vnni(monkeypatch):
+    """Where the w8a8 kernel does not serve, quantization='w8a8' is a ConfigError naming
     what it needs and the weight-only alternative."""
     import leapfrog.model.native_linear as nl
     monkeypatch.setattr(nl, "w8a8_supported", lambda: False)
-    with pytest.raises(ConfigError, match="quantization='w8a8'.*AMX-INT8.*use 'int8'"):
+    with pytest.raises(ConfigError, match="quantization='w8a8'.*AMX-INT8 or AVX-512 VNNI.*use 'int8'"):
         check_quantization("w8a8", torch.bfloat16, CPU)
     with pytest.raises(ConfigError, match="speculative_config.draft_quantization='w8a8'.*AMX-INT8"):
         check_quantization("w8a8", torch.bfloat16, CPU, "speculative_config.draft_quantization")
@@ -247,6 +247,43 @@ def test_w8a8_kernel_bitwise_reference_and_row_invariant(n, k, rows):
                 assert torch.equal(y, w8a8_reference(x, q, s, bias, f32_out)), (dtype, bias is None, f32_out)
                 one = torch.ops.leapfrog_gemm.linear_w8a8(x[-1:], p, s, bias, n, f32_out)
                 assert torch.equal(one, y[-1:])
+
+
+def test_w8a8_served_by_the_avx512_bf16_build_with_amx_int8_or_vnni(monkeypatch):
+    """w8a8_supported: the AVX-512 BF16 build, on the AMX-INT8 tiles or else with AVX-512 VNNI;
+    not the AVX2 build, and not with LEAPFROG_NATIVE_LINEAR=0."""
+    import leapfrog.model.native_linear as nl
+    monkeypatch.setattr(nl, "load_native_linear", lambda: True)
+    for isa, flags, tiles, want in [("avx512_bf16", {"avx512_vnni"}, False, True),
+                                    ("avx512_bf16", set(), True, True),
+                                    ("avx512_bf16", set(), False, False),
+                                    ("avx2", {"avx512_vnni"}, False, False)]:
+        monkeypatch.setitem(nl._STATE, "isa", isa)
+        monkeypatch.setattr(nl, "cpu_flags", lambda flags=flags: frozenset(flags))
+        monkeypatch.setattr(nl, "w8a8_tiles", lambda tiles=tiles: tiles)
+        assert nl.w8a8_supported() is want, (isa, flags, tiles)
+    monkeypatch.setenv("LEAPFROG_NATIVE_LINEAR", "0")
+    assert nl.w8a8_supported() is False
+
+
+@needs_w8a8
+def test_w8a8_vnni_sums_stay_in_int32():
+    """Without the AMX-INT8 tiles the VNNI sums of unsigned rows (q + 128) can reach K x 255 x 127:
+    past 65536 input features that could leave int32, so the op refuses, where the tiles take it."""
+    from leapfrog.model.native_linear import pack_w8a8, w8a8_tiles
+    from leapfrog.model.quant import w8a8_reference
+    k = 65536 + 64
+    q = torch.full((32, k), 127, dtype=torch.int8)
+    x = torch.ones(1, k, dtype=torch.bfloat16)
+    if w8a8_tiles():
+        y = torch.ops.leapfrog_gemm.linear_w8a8(x, pack_w8a8(q), torch.ones(32), None, 32, True)
+        assert torch.equal(y, w8a8_reference(x, q, torch.ones(32), None, True))
+    else:
+        with pytest.raises(RuntimeError, match="at most 65536 input features"):
+            torch.ops.leapfrog_gemm.linear_w8a8(x, pack_w8a8(q), torch.ones(32), None, 32, True)
+        x, q = x[:, :65536], q[:, :65536]   # the largest sums that fit: exact
+        y = torch.ops.leapfrog_gemm.linear_w8a8(x, pack_w8a8(q), torch.ones(32), None, 32, True)
+        assert torch.equal(y, w8a8_reference(x, q, torch.ones(32), None, True))
 
 
 @needs_w8a8
