@@ -602,7 +602,7 @@ void v8_tile(const uint8_t* U, int64_t Kp, const int8_t* blk, const float* sa, c
   for (int64_t j = 0; j < Kp / 4; ++j) {
     const int8_t* w = blk + j * 4 * BLOCK;
     _mm_prefetch((const char*)(w + V8_AHEAD), _MM_HINT_T1);
-    const __m512i w_lo = _mm512_load_si512(w), w_hi = _mm512_load_si512(w + 64);
+    const __m512i w_lo = _mm512_loadu_si512(w), w_hi = _mm512_loadu_si512(w + 64);   // (a view may be unaligned)
     if constexpr (COMP) {
       k_lo = _mm512_dpbusd_epi32(k_lo, offset, w_lo);
       k_hi = _mm512_dpbusd_epi32(k_hi, offset, w_hi);

@@ -267,6 +267,23 @@ def test_w8a8_served_by_the_avx512_bf16_build_with_amx_int8_or_vnni(monkeypatch)
 
 
 @needs_w8a8
+def test_w8a8_reads_an_unaligned_packed_weight():
+    """A packed weight that is a contiguous view at an odd address (not the 64-byte alignment of a
+    fresh tensor) gives the same bits."""
+    from leapfrog.model.native_linear import pack_w8a8
+    from leapfrog.model.quant import w8a8_reference
+    g = torch.Generator().manual_seed(5)
+    q, s = quantize_int8(torch.randn(70, 200, generator=g))
+    p = pack_w8a8(q)
+    buf = torch.zeros(p.numel() + 1, dtype=torch.int8)
+    odd = buf[1:].view(p.shape)
+    odd.copy_(p)
+    assert odd.is_contiguous() and odd.data_ptr() % 64 != 0
+    x = torch.randn(3, 200, generator=g).bfloat16()
+    assert torch.equal(torch.ops.leapfrog_gemm.linear_w8a8(x, odd, s, None, 70, False), w8a8_reference(x, q, s))
+
+
+@needs_w8a8
 def test_w8a8_vnni_sums_stay_in_int32():
     """Without the AMX-INT8 tiles the VNNI sums of unsigned rows (q + 128) can reach K x 255 x 127:
     past 65536 input features that could leave int32, so the op refuses, where the tiles take it."""
