@@ -527,7 +527,8 @@ std::tuple<Tensor, Tensor> eagle3_chain(CHAIN_ARGS, const Tensor& stop) {
 // CompiledSampledChain's chain (its _pick): rows with ``sampled`` draw from q = softmax(logits /
 // scale / T), unseeded ones (``stream``) by inverse CDF with w [B, steps] float64, seeded ones as the
 // race's winner argmax q / E, E = -log u [B, steps, V] (``race`` false: no row races, u unread);
-// the others take the argmax -> tokens, log q of the argmax, the winner's share, q [B, steps, V]
+// the others take the argmax -> tokens, log q of the argmax (0 where every row draws by inverse CDF:
+// never read there), the winner's share, q [B, steps, V]
 // (spread over the target's vocabulary, u's width, where ``vocab`` maps the head's own; an
 // index_copy in Python cost 33 us a step)
 std::tuple<Tensor, Tensor, Tensor, Tensor> eagle3_sampled_chain(
@@ -543,9 +544,19 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> eagle3_sampled_chain(
               sampled.numel() == tok.size(0) && stream.numel() == tok.size(0) && temperature.numel() == tok.size(0),
               "eagle3_sampled_chain: w [B, steps] float64, sampled, stream and temperature [B]");
   auto wa = w.accessor<double, 2>();
+  // every row an unseeded draw (a chat at T > 0): no row reads the argmax or its log q, so neither is
+  // computed (two ATen calls a level; those rows' log q come back 0, as the proposer never reads them)
+  bool all_drawn = true;
+  for (int64_t b = 0; b < tok.size(0); ++b) all_drawn = all_drawn && sam[b] && str[b];
   auto r = chain_steps(CHAIN_CALL, w.new_empty({0}), [&](const Tensor& logits, int64_t j) {
     Tensor lf = logits.to(at::kFloat);
-    auto [lp, greedy] = row_max_op().call(at::log_softmax(lf, -1));            // [B], [B]
+    Tensor lp, greedy;
+    if (all_drawn) {
+      lp = at::zeros({lf.size(0)}, lf.options());
+      greedy = at::empty({lf.size(0)}, lf.options().dtype(at::kLong));
+    } else {
+      std::tie(lp, greedy) = row_max_op().call(at::log_softmax(lf, -1));       // [B], [B]
+    }
     Tensor z = scale != 1.0 ? lf.div(scale) : lf;
     Tensor q = at::softmax(z.div(temperature.view({-1, 1})), -1).contiguous();  // [B, V'] compiled.race_probs
     TORCH_CHECK(q.scalar_type() == at::kFloat, "eagle3_sampled_chain: float32 q");
@@ -558,7 +569,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> eagle3_sampled_chain(
       raced = indices.select(1, 0).contiguous();
       share = values.select(1, 0).div(values.sum(-1)).log().to(at::kFloat);
     }
-    Tensor x = greedy.contiguous().clone();                                    // [B]
+    Tensor x = all_drawn ? greedy : greedy.contiguous().clone();               // [B] (all_drawn: each row set below)
     int64_t* xs = x.data_ptr<int64_t>();
     const float* qs = q.data_ptr<float>();
     for (int64_t b = 0; b < B; ++b) {
