@@ -552,7 +552,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> eagle3_sampled_chain(
     Tensor lf = logits.to(at::kFloat);
     Tensor lp, greedy;
     if (all_drawn) {
-      lp = at::zeros({lf.size(0)}, lf.options());
+      lp = no_share;   // (zeros [B] float32)
       greedy = at::empty({lf.size(0)}, lf.options().dtype(at::kLong));
     } else {
       std::tie(lp, greedy) = row_max_op().call(at::log_softmax(lf, -1));       // [B], [B]
