@@ -1325,7 +1325,8 @@ def w8a8_supported() -> bool:
     way), unless ``LEAPFROG_NATIVE_LINEAR=0``."""
     if env_off("LEAPFROG_NATIVE_LINEAR") or not load_native_linear() or _STATE["isa"] != "avx512_bf16":
         return False
-    return w8a8_tiles() or "avx512_vnni" in cpu_flags()
+    # (the op takes the tiles wherever the bf16 rows do, amx_in_use: there only AMX-INT8 serves)
+    return w8a8_tiles() or ("avx512_vnni" in cpu_flags() and not amx_in_use())
 
 
 def w8a8_tiles() -> bool:

@@ -251,17 +251,21 @@ def test_w8a8_kernel_bitwise_reference_and_row_invariant(n, k, rows):
 
 def test_w8a8_served_by_the_avx512_bf16_build_with_amx_int8_or_vnni(monkeypatch):
     """w8a8_supported: the AVX-512 BF16 build, on the AMX-INT8 tiles or else with AVX-512 VNNI;
-    not the AVX2 build, and not with LEAPFROG_NATIVE_LINEAR=0."""
+    not where bf16 rows run on tiles without AMX-INT8 (the op would take them), not the AVX2 build,
+    and not with LEAPFROG_NATIVE_LINEAR=0."""
     import leapfrog.model.native_linear as nl
     monkeypatch.setattr(nl, "load_native_linear", lambda: True)
-    for isa, flags, tiles, want in [("avx512_bf16", {"avx512_vnni"}, False, True),
-                                    ("avx512_bf16", set(), True, True),
-                                    ("avx512_bf16", set(), False, False),
-                                    ("avx2", {"avx512_vnni"}, False, False)]:
+    # (amx: bf16 rows on the tiles, where the op sums on them too, so a CPU without AMX-INT8 has no w8a8)
+    for isa, flags, amx, want in [("avx512_bf16", {"avx512_vnni"}, False, True),
+                                  ("avx512_bf16", {"amx_int8"}, True, True),
+                                  ("avx512_bf16", {"amx_int8", "avx512_vnni"}, True, True),
+                                  ("avx512_bf16", {"avx512_vnni"}, True, False),
+                                  ("avx512_bf16", set(), False, False),
+                                  ("avx2", {"avx512_vnni"}, False, False)]:
         monkeypatch.setitem(nl._STATE, "isa", isa)
         monkeypatch.setattr(nl, "cpu_flags", lambda flags=flags: frozenset(flags))
-        monkeypatch.setattr(nl, "w8a8_tiles", lambda tiles=tiles: tiles)
-        assert nl.w8a8_supported() is want, (isa, flags, tiles)
+        monkeypatch.setattr(nl, "amx_in_use", lambda amx=amx: amx)
+        assert nl.w8a8_supported() is want, (isa, flags, amx)
     monkeypatch.setenv("LEAPFROG_NATIVE_LINEAR", "0")
     assert nl.w8a8_supported() is False
 
