@@ -80,6 +80,12 @@ class Request:
         return self.generator
 
     @property
+    def sampled(self) -> bool:
+        """Drawn rather than greedy (temperature > 0): the speculation controller keeps the costs of
+        batches mostly of these apart (spec_decode/adaptive.py: a sampled step costs more)."""
+        return not self.params.greedy
+
+    @property
     def unseeded_sampled(self) -> bool:
         """Sampled from the request's own generator stream (no seed): its drafts are verified by
         rejection sampling, so a tree proposer drafts it a chain drawn from q (proposers/eagle.py)."""

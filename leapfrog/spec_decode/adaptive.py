@@ -144,6 +144,16 @@ on the whole request when it next drafts. That catch-up, on every token since th
 drafted, is what switching speculation back on costs first; "auto" tree sizes weigh it, at the
 fitted catch-up slope, spread over the steps the requests have left (``_resume_cost``), so a
 size only about even with none is not switched on and off again and again.
+
+Greedy and sampled batches. A sampled step costs more than a greedy one (the sampler's work on
+every row, rejection sampling, a drafter drawing its chains from q: a plain step of a batch of 16
+of the built-in target 7.9 ms at T = 0.7 against 6.0 at T = 0), so a batch at least half of
+sampled requests keys tables of its own (``_bucket``'s _SAMPLED flag: verify and drafting costs,
+host time, probes, the sizes settled on, alpha), measured afresh as a new batch size is (the
+confidence curves and their calibration are shared: only scored drafts, greedy or seeded, feed
+them). With one table per batch size for both, the estimates trailed a change of temperature:
+after T = 0 at a batch of 16, "auto" drafted chains in 30 steps of the first batch at T = 0.7,
+where no speculation paid.
 """
 
 from __future__ import annotations
@@ -217,11 +227,41 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
-def _bucket(batch_size: int) -> int:
+#: the flag of a batch-size bucket whose batch is mostly sampled requests (``_bucket``)
+_SAMPLED = 1 << 24
+
+
+def _bucket(batch_size: int, sampled: bool = False) -> int:
+    """The key of the controller's tables for a batch of ``batch_size`` sequences: the power of two
+    at or above it, flagged _SAMPLED where at least half the batch samples (its tables are its own:
+    module docstring, "Greedy and sampled batches")."""
     b = 1
     while b < batch_size:
         b *= 2
-    return b
+    return b | (_SAMPLED if sampled else 0)
+
+
+def _size(bucket: int) -> int:
+    """The batch size of a bucket (without its _SAMPLED flag)."""
+    return bucket & (_SAMPLED - 1)
+
+
+def _smaller(b: int, bucket: int) -> bool:
+    """Whether bucket ``b`` is a smaller batch size than ``bucket``, of the same kind (greedy or
+    sampled: what one kind measured says nothing of the other's costs)."""
+    return (b & _SAMPLED) == (bucket & _SAMPLED) and b < bucket
+
+
+def _apart(b: int, bucket: int) -> tuple[int, int]:
+    """How far apart two buckets are, for borrowing a measured shape: batch sizes (powers of two)
+    apart, then of another kind (a sampled step's drafting is the nearest reference for a greedy
+    one's at the same batch size, if a dearer one)."""
+    return abs(_size(b).bit_length() - _size(bucket).bit_length()), int(((b ^ bucket) & _SAMPLED) != 0)
+
+
+def _mostly_sampled(reqs: list[Request]) -> bool:
+    """At least half of ``reqs`` sample (temperature > 0): a batch whose tables are the sampled ones."""
+    return 2 * sum(r.sampled for r in reqs) >= len(reqs) > 0
 
 
 class SpecController:
@@ -229,11 +269,15 @@ class SpecController:
         self.cfg = cfg
         self.K = cfg.draft_budget
         self.max_model_len = max_model_len
-        self.acceptance = TokenRate()   # alpha (a prior until measured)
+        #: alpha (a prior until measured), greedy and sampled batches' apart (``acceptance``)
+        self._acceptance = {False: TokenRate(), True: TokenRate()}
         self.host_cost: dict[int, float] = {}   # bucket -> seconds per step outside drafting and verifying
         #: auto tree size: the share of the batch last chosen for that drafts chains without
         #: confidence (unseeded sampled requests: ``Request.unseeded_sampled``)
         self.free_share = 0.0
+        #: whether the batch last chosen for (or observed) is mostly sampled requests: its
+        #: batch-size bucket is the sampled one (``_bucket``, ``_key``)
+        self.sampled = False
         self.shapes = [cfg.tree_shape(n) for n in range(1, self.K + 1)] if cfg.auto_tree else []
         self.verify_cost: dict[int, dict[int, float]] = {}   # bucket -> s -> seconds
         self.first_verify: dict[int, dict[int, float]] = {}  # bucket -> s -> first (cold) seconds
@@ -294,6 +338,23 @@ class SpecController:
         #: draft no further level (``stop_confidence``: the last weighing's best chain only, else None)
         self.stop_confidence: float | None = None
 
+    def _key(self, batch_size: int) -> int:
+        """The bucket of a batch of ``batch_size`` sequences of the kind last chosen for or observed
+        (``sampled``)."""
+        return _bucket(batch_size, self.sampled)
+
+    @property
+    def acceptance(self) -> TokenRate:
+        """The acceptance of chains (alpha: TokenRate) of the kind of batch last chosen for or
+        observed (``sampled``): a greedy chain accepts more than a sampled one (the built-in pair's
+        chain of 7: 5.6 tokens a step at T = 0 against 4.6 at T = 0.7), and a shared rate trailed a
+        change of temperature by its window."""
+        return self._acceptance[self.sampled]
+
+    @acceptance.setter
+    def acceptance(self, rate: TokenRate) -> None:
+        self._acceptance[self.sampled] = rate
+
     @property
     def alpha(self) -> float:
         """The per-token acceptance rate of chains (TokenRate)."""
@@ -324,7 +385,8 @@ class SpecController:
         disable_by_batch_size go by it), and ``context`` its sequences' lengths summed (default:
         ``reqs``'s; the verify times are fitted against the whole forward's context)."""
         B = batch_size or len(reqs)
-        bucket = _bucket(B)
+        self.sampled = _mostly_sampled(reqs)
+        bucket = self._key(B)
         stop = None   # (stop_confidence: only the weighing's best chain sets one)
         self.context = float(sum(r.num_computed for r in reqs)) if context is None else context
         if self.cfg.auto_tree:
@@ -375,13 +437,13 @@ class SpecController:
         does, it is never paid; a batch of 32 new 64-token prompts paid 5 % of its run for it)."""
         if self.cfg.disable_by_batch_size is not None and batch_size > self.cfg.disable_by_batch_size:
             return True
-        bucket = _bucket(batch_size)
+        bucket = self._key(batch_size)
         return (self.cfg.auto_tree or self.cfg.adaptive) and (self.best.get(bucket) == 0 or self._inherits_off(bucket))
 
     def _round_unmeasured(self, bucket: int) -> int | None:
         """A size the engine runs as rounds that is not yet measured (twice) at this batch size and
         has not been tried _ROUND_TRIES times already, once a plain one-token step is measured."""
-        if not self.plain_steps_ready(bucket):
+        if not self._plain_ready(bucket):
             return None
         off = self._inherits_off(bucket)   # (then only multi-step decode is measured)
         return next((k for k in self.round_sizes if not (k and off) and self.round_samples.get((bucket, k), 0) < 2
@@ -391,7 +453,10 @@ class SpecController:
         """Whether a step without drafts may run as multi-step decode: with an adaptive size, not
         while a one-token step at this batch size is still to be measured (t_verify(B, 1): the
         verify-cost curve starts from it)."""
-        bucket = _bucket(batch_size)
+        return self._plain_ready(self._key(batch_size))
+
+    def _plain_ready(self, bucket: int) -> bool:
+        """plain_steps_ready at a bucket."""
         return (not (self.cfg.auto_tree or self.cfg.adaptive) or 1 in self.verify_cost.get(bucket, {})
                 or self._inherits_off(bucket))
 
@@ -403,7 +468,7 @@ class SpecController:
         64-token run: two one-token steps, rounds, trees)."""
         if self._drafted_at(bucket):
             return False
-        return any(b < bucket and best == 0 for b, best in self.best.items())
+        return any(_smaller(b, bucket) and best == 0 for b, best in self.best.items())
 
     def _drafted_at(self, bucket: int) -> bool:
         """Whether drafts were measured at this batch size (one-round steps or rounds)."""
@@ -414,7 +479,7 @@ class SpecController:
         """The choice at a batch size that inherits no speculation (_inherits_off): 0, and a
         probe as at any batch size where speculation is off (its measurements end the
         inheritance)."""
-        probe = 1 if self.cfg.adaptive else self._probe_size(bucket)
+        probe = 1 if self.cfg.adaptive else self._probe_size(_size(bucket))
         return self._explore(bucket, 0, lambda k: 0.0 if k else 1.0, 0, 0, probe)
 
     def _rounds_goodput(self, bucket: int, k: int,
@@ -451,7 +516,7 @@ class SpecController:
             self.committed = {i: n + rounds for i in committed if (n := self.committed.get(i)) is not None}
         else:
             self.committed = dict(committed)
-        bucket = _bucket(batch_size)
+        bucket = self._key(batch_size)
         self.observations += 1
         key = (bucket, self.round_k if size is None else size)
         if key[1]:
@@ -494,7 +559,7 @@ class SpecController:
         return _monotone(table)
 
     def _adaptive_k(self, B: int) -> int:
-        bucket = _bucket(B)
+        bucket = self._key(B)
         table = self._verify_table(bucket)   # (once a choice: it fits the slope)
         t1 = table.get(1)
         if t1 is None:   # measure plain decode at this batch size first (unless drafting is free now)
@@ -528,7 +593,7 @@ class SpecController:
     def _auto_tree_size(self, B: int, free: float = 0.0) -> int:
         """The tree size by goodput (module docstring) for a batch of B sequences, a share
         ``free`` of them drafting chains without confidence (unseeded sampled requests)."""
-        bucket = _bucket(B)
+        bucket = self._key(B)
         weighed = self._weighed.get(bucket)   # (first: a weighing stands only where all below held)
         if (weighed is not None and weighed.free == free and weighed.batch == B
                 and self.observations - weighed.at < _REWEIGH_STEPS):
@@ -680,7 +745,7 @@ class SpecController:
             m = min(wide, key=lambda lw: (abs(lw[1] - width), lw[1] < width, abs(lw[0] - levels), lw))
             guess = _borrowed(narrow, m)[0]
             if guess > 0:
-                key = (abs(m[1] - width), int(m[1] < width), abs(b.bit_length() - bucket.bit_length()))
+                key = (abs(m[1] - width), int(m[1] < width), _apart(b, bucket))
                 if best is None or key < best[0]:
                     best = (key, costs[m] / guess)
         return max(1.0, best[1]) if best is not None else 1.0
@@ -709,7 +774,7 @@ class SpecController:
             if lo <= lv <= hi or not refs:
                 continue
             cover = [b for b, chains in refs.items() if min(chains) <= lv <= max(chains)]
-            ref = refs[min(cover or refs, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))]
+            ref = refs[min(cover or refs, key=lambda b: (_apart(b, bucket), b))]
             edge = lo if lv < lo else hi
             t_edge, t_lv = _curve(ref, [edge, lv])
             if t_edge and t_lv and t_edge > 0 and t_lv > 0:
@@ -788,7 +853,7 @@ class SpecController:
             # last drafted, B per step; at a batch of 32 on an AVX2 CPU a chain of 1 explored after
             # 60 plain steps of 17 ms took 107 ms, and with one every 2 intervals "auto" ran
             # 0.88-0.94x none in traces at batches of 16-32, where it had settled on none)
-            if cand != best and (best or n % (2 * bucket) == 1) and goodput(cand) >= _EXPLORE_MARGIN * goodput(best):
+            if cand != best and (best or n % (2 * _size(bucket)) == 1) and goodput(cand) >= _EXPLORE_MARGIN * goodput(best):
                 return cand
         return best
 
@@ -811,7 +876,7 @@ class SpecController:
         steps and the drafter's catch-up cost grow with the batch, and large batches are where
         speculation pays least), twice as long after each probe that leaves it off (up to
         _PROBE_BACKOFF times)."""
-        base = 8 * self.cfg.adaptive_explore_interval * bucket
+        base = 8 * self.cfg.adaptive_explore_interval * _size(bucket)
         wait = self.probe_wait.get(bucket, base)
         if self.off_steps[bucket] < wait:
             return False
@@ -834,8 +899,8 @@ class SpecController:
         longer chains borrowed its drafting time (a head's catch-up on the batch's accepted tokens
         and one level, 8 ms) scaled up by levels, looked hopeless and were never tried: depth 10
         ran chains of 0-1, about 1.0x none, where the chain of 5 made 1.3x."""
-        bucket = _bucket(B)
-        prior = max((b for b in self.best if b < bucket), default=None)
+        bucket = self._key(B)
+        prior = max((b for b in self.best if _smaller(b, bucket)), default=None)
         if prior is None and self.cfg.auto_tree:
             return max(self._probe_size(B), min(self.cfg.num_speculative_tokens, _SEED_CHAIN))
         if prior is None or self.best[prior] == 0:
@@ -892,7 +957,8 @@ class SpecController:
         ``t_step`` the whole step, choosing the sizes, committing and outputs included (the rest
         is t_host). A step widened by another proposer's longer drafts updates acceptance and
         drafting cost, not the verify costs of this method's widths."""
-        bucket = _bucket(batch_size or len(reqs))
+        self.sampled = _mostly_sampled(reqs)
+        bucket = self._key(batch_size or len(reqs))
         self.observations += 1
         if t_step is not None:
             host = max(0.0, t_step - t_draft - t_verify)

@@ -29,6 +29,7 @@ class _Req:
     output_ids = [1]
     num_computed = 10
     unseeded_sampled = False
+    sampled = False
 
     def __init__(self):
         self.request_id = f"req{next(self._ids)}"
@@ -348,6 +349,37 @@ def test_the_steps_host_time_counts_against_every_size():
 
 class _Sampled(_Req):
     unseeded_sampled = True
+    sampled = True
+
+
+def test_greedy_and_sampled_batches_keep_their_own_costs():
+    """A sampled step costs more than a greedy one (the sampler's work: a plain step of a batch of
+    16, 7.9 ms at T = 0.7 against 6.0 at T = 0), so one table per batch size trailed a switch of
+    temperature ("auto" drafted 30 steps at a batch of 16 after the switch to T = 0.7, where no
+    speculation paid). A batch at least half of sampled requests keys tables of its own: it measures
+    plain decode first, as a new batch size does, the greedy tables stay as they were, alpha is its
+    own, and only a smaller batch size of its own kind that settled on none is inherited."""
+    from leapfrog.spec_decode.adaptive import _mostly_sampled
+
+    plain = (DraftBatch.empty(1), AcceptanceResult([0], [[0]], [0]), 0.0)
+    ctl = SpecController(CFG, 4096)
+    for _ in PLAIN:
+        ctl.observe([_Req()], *plain, 1.0)
+    assert ctl.choose([_Req()]) != [0]   # greedy: plain decode measured, the first probe
+    assert ctl.choose([_Sampled()]) == [0] and ctl.sampled   # sampled: its own plain decode first
+    for _ in PLAIN:
+        ctl.observe([_Sampled()], *plain, 1.3)
+    G, S = _bucket(1), _bucket(1, sampled=True)
+    assert G != S and ctl.verify_cost == {G: {1: 1.0}, S: {1: 1.3}}
+    assert ctl.choose([_Sampled()]) != [0]   # now its first probe
+    assert _mostly_sampled([_Req(), _Sampled()]) and not _mostly_sampled([_Req(), _Req(), _Sampled()])
+    ctl.alpha = 0.2   # (the sampled batches' alpha, theirs alone)
+    assert ctl._acceptance[False].value != 0.2
+    ctl.best[_bucket(4, sampled=True)] = 0   # sampled batches of 4 settled on none
+    assert ctl._inherits_off(_bucket(16, sampled=True)) and not ctl._inherits_off(_bucket(16))
+    assert ctl.drafting_off(16) and ctl.choose([_Sampled()] * 16) == [0] * 16
+    ctl.choose([_Req()] * 16)
+    assert not ctl.sampled and not ctl.drafting_off(16)
 
 
 def test_sampled_chains_without_confidence_are_weighed_by_alpha():
@@ -515,12 +547,12 @@ def test_sizes_past_the_flat_confidence_are_never_weighed():
     assert weighed and max(weighed) == 6
 
 
-def _measured(ctl: SpecController, drafting: dict[int, float]) -> None:
-    """Plain decode and chains of 1..4 measured: verification costs 1.0 whatever the size, each
-    chain length's drafting as given, no host time."""
-    ctl.verify_cost = {1: {s: 1.0 for s in range(1, 6)}}
-    ctl.tree_draft_cost = {1: {(n, 1): t for n, t in drafting.items()}}
-    ctl.host_cost = {1: 0.0}
+def _measured(ctl: SpecController, drafting: dict[int, float], bucket: int = 1) -> None:
+    """Plain decode and chains of 1..4 measured at ``bucket`` (a batch of 1, greedy unless given):
+    verification costs 1.0 whatever the size, each chain length's drafting as given, no host time."""
+    ctl.verify_cost = {bucket: {s: 1.0 for s in range(1, 6)}}
+    ctl.tree_draft_cost = {bucket: {(n, 1): t for n, t in drafting.items()}}
+    ctl.host_cost = {bucket: 0.0}
 
 
 def test_a_drafter_unsure_at_depth_is_weighed_by_the_fitted_power():
@@ -913,11 +945,12 @@ def test_speculation_must_beat_none_by_the_margin():
     assert 1.04 < _SPEC_MARGIN < 1.16
 
     class _Sampled(_Req):
-        unseeded_sampled = True   # chains without confidence: E[tokens] from alpha
+        unseeded_sampled = sampled = True   # chains without confidence: E[tokens] from alpha
 
     for alpha, chosen in ((0.3, 0), (0.45, 1)):   # the chain of 1: 1.3 / 1.25 = 1.04x, 1.45 / 1.25 = 1.16x
         ctl = SpecController(CFG, 4096)
-        _measured(ctl, {1: 0.25, 2: 0.5, 3: 0.75, 4: 1.0})
+        _measured(ctl, {1: 0.25, 2: 0.5, 3: 0.75, 4: 1.0}, _bucket(1, sampled=True))
+        ctl.sampled = True   # (alpha: the sampled batches')
         ctl.alpha = alpha
         assert ctl.choose([_Sampled()]) == [chosen]
 
@@ -1022,20 +1055,22 @@ def test_switching_speculation_on_pays_for_the_drafters_catch_up():
     from leapfrog.spec_decode.adaptive import _ContextFit
 
     class _Sampled(_Req):
-        unseeded_sampled = True   # chains without confidence: E[tokens] from alpha
+        unseeded_sampled = sampled = True   # chains without confidence: E[tokens] from alpha
 
     def chosen(off: bool, max_tokens: int) -> int:
         ctl = SpecController(CFG, 4096)
-        _measured(ctl, {1: 0.25, 2: 0.5, 3: 0.75, 4: 1.0})
+        S = _bucket(1, sampled=True)
+        _measured(ctl, {1: 0.25, 2: 0.5, 3: 0.75, 4: 1.0}, S)
+        ctl.sampled = True   # (alpha: the sampled batches')
         ctl.alpha = 0.45   # the chain of 1: 1.45 tokens for 1.25, 1.16x none
-        fit = ctl.catch_up_fit[1] = _ContextFit()
+        fit = ctl.catch_up_fit[S] = _ContextFit()
         for x in range(2, 12):
             fit.add(1, float(x), 0.2 + 0.05 * x)
         req = _Sampled()
         req.max_tokens = max_tokens
         ctl.committed = {req.request_id: 100}
         if off:
-            ctl.best[1] = 0
+            ctl.best[S] = 0
         return ctl.choose([req])[0]
 
     assert chosen(off=False, max_tokens=40) == 1

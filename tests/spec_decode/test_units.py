@@ -81,7 +81,8 @@ def test_rejection_empty_batch_rows():
 
 
 def _req(max_tokens=100):
-    return Request("r", None, [1, 2], SamplingParams(max_tokens=max_tokens), torch.Generator(), None, (), max_tokens)
+    return Request("r", None, [1, 2], SamplingParams(max_tokens=max_tokens, temperature=0.0), torch.Generator(), None, (),
+                   max_tokens)
 
 
 def test_controller_formula_and_caps():
