@@ -153,7 +153,9 @@ host time, probes, the sizes settled on, alpha), measured afresh as a new batch 
 confidence curves and their calibration are shared: only scored drafts, greedy or seeded, feed
 them). With one table per batch size for both, the estimates trailed a change of temperature:
 after T = 0 at a batch of 16, "auto" drafted chains in 30 steps of the first batch at T = 0.7,
-where no speculation paid.
+where no speculation paid. Where greedy batches settled on no speculation, sampled batches as
+large or larger inherit it until their first probe (``_rules_out``: sampled chains accept less and
+cost more to verify), never the other way round.
 """
 
 from __future__ import annotations
@@ -250,6 +252,17 @@ def _smaller(b: int, bucket: int) -> bool:
     """Whether bucket ``b`` is a smaller batch size than ``bucket``, of the same kind (greedy or
     sampled: what one kind measured says nothing of the other's costs)."""
     return (b & _SAMPLED) == (bucket & _SAMPLED) and b < bucket
+
+
+def _rules_out(b: int, bucket: int) -> bool:
+    """Whether no speculation settled on at bucket ``b`` rules it out at ``bucket`` until probed
+    (``_inherits_off``): a smaller batch size of the same kind, or a greedy batch no larger than a
+    sampled ``bucket`` (a sampled chain accepts less, and sampling every verified row costs more:
+    on the built-in pair every fixed setting ran slower at T = 0.7 than at T = 0, at every batch
+    size measured, e.g. the chain of 5 at a batch of 16 1.06x none at T = 0, 0.84x at T = 0.7)."""
+    if (b & _SAMPLED) == (bucket & _SAMPLED):
+        return b < bucket
+    return bool(bucket & _SAMPLED) and _size(b) <= _size(bucket)
 
 
 def _apart(b: int, bucket: int) -> tuple[int, int]:
@@ -465,10 +478,11 @@ class SpecController:
         speculation: then so does this one until its first probe (costs only grow with the batch,
         as verification turns arithmetic-bound; acceptance does not depend on it), without first
         measuring what a smaller batch already ruled out (at a new batch of 32 that cost 16 % of a
-        64-token run: two one-token steps, rounds, trees)."""
+        64-token run: two one-token steps, rounds, trees). Sampled batches also inherit it from
+        greedy ones of their batch size or smaller (``_rules_out``)."""
         if self._drafted_at(bucket):
             return False
-        return any(_smaller(b, bucket) and best == 0 for b, best in self.best.items())
+        return any(_rules_out(b, bucket) and best == 0 for b, best in self.best.items())
 
     def _drafted_at(self, bucket: int) -> bool:
         """Whether drafts were measured at this batch size (one-round steps or rounds)."""

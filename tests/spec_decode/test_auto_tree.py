@@ -358,7 +358,8 @@ def test_greedy_and_sampled_batches_keep_their_own_costs():
     temperature ("auto" drafted 30 steps at a batch of 16 after the switch to T = 0.7, where no
     speculation paid). A batch at least half of sampled requests keys tables of its own: it measures
     plain decode first, as a new batch size does, the greedy tables stay as they were, alpha is its
-    own, and only a smaller batch size of its own kind that settled on none is inherited."""
+    own, and no speculation is inherited from a smaller batch size of its own kind, or by sampled
+    batches from greedy ones as large or smaller."""
     from leapfrog.spec_decode.adaptive import _mostly_sampled
 
     plain = (DraftBatch.empty(1), AcceptanceResult([0], [[0]], [0]), 0.0)
@@ -380,6 +381,14 @@ def test_greedy_and_sampled_batches_keep_their_own_costs():
     assert ctl.drafting_off(16) and ctl.choose([_Sampled()] * 16) == [0] * 16
     ctl.choose([_Req()] * 16)
     assert not ctl.sampled and not ctl.drafting_off(16)
+    # no speculation at a greedy batch size rules it out for sampled batches as large (a sampled
+    # chain accepts less and costs more to verify), never the other way round
+    ctl.best = {_bucket(32): 0}
+    assert ctl._inherits_off(_bucket(32, sampled=True)) and ctl._inherits_off(_bucket(64, sampled=True))
+    assert not ctl._inherits_off(_bucket(16, sampled=True))
+    ctl.best = {_bucket(16, sampled=True): 0}
+    assert not ctl._inherits_off(_bucket(16)) and not ctl._inherits_off(_bucket(32))
+    assert ctl._inherits_off(_bucket(32, sampled=True))
 
 
 def test_sampled_chains_without_confidence_are_weighed_by_alpha():
