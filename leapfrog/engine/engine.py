@@ -41,7 +41,7 @@ from leapfrog.sampling import logprobs as lp, sampler
 from leapfrog.sampling.grammar import GrammarCompiler, GrammarState
 from leapfrog.sampling_params import SamplingParams
 from leapfrog.scheduler.scheduler import Scheduler
-from leapfrog.spec_decode.adaptive import cap_drafts
+from leapfrog.spec_decode.adaptive import cap_drafts, mostly_sampled
 from leapfrog.spec_decode.draft import DraftBatch, depths, path_to
 from leapfrog.spec_decode.proposers.prediction import MAX_DRAFT as MAX_PREDICTION_DRAFT, PredictionProposer
 from leapfrog.spec_decode.verify.greedy import greedy_accept
@@ -682,7 +682,8 @@ class LLMEngine:
         for proposer, idx in self._groups(reqs):
             prefill = getattr(proposer, "prefill", None)
             if prefill is None or (proposer is self.proposer
-                                   and self.spec_controller.drafting_off(len(self.scheduler.running))):
+                                   and self.spec_controller.drafting_off(
+                                       len(running := self.scheduler.running), sampled=mostly_sampled(running))):
                 continue   # (no drafting at this batch size for now: it catches up when it drafts again)
             ran = True
             sub = [reqs[i] for i in idx]

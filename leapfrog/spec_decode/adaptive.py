@@ -272,7 +272,7 @@ def _apart(b: int, bucket: int) -> tuple[int, int]:
     return abs(_size(b).bit_length() - _size(bucket).bit_length()), int(((b ^ bucket) & _SAMPLED) != 0)
 
 
-def _mostly_sampled(reqs: list[Request]) -> bool:
+def mostly_sampled(reqs: list[Request]) -> bool:
     """At least half of ``reqs`` sample (temperature > 0): a batch whose tables are the sampled ones."""
     return 2 * sum(r.sampled for r in reqs) >= len(reqs) > 0
 
@@ -398,7 +398,7 @@ class SpecController:
         disable_by_batch_size go by it), and ``context`` its sequences' lengths summed (default:
         ``reqs``'s; the verify times are fitted against the whole forward's context)."""
         B = batch_size or len(reqs)
-        self.sampled = _mostly_sampled(reqs)
+        self.sampled = mostly_sampled(reqs)
         bucket = self._key(B)
         stop = None   # (stop_confidence: only the weighing's best chain sets one)
         self.context = float(sum(r.num_computed for r in reqs)) if context is None else context
@@ -443,14 +443,16 @@ class SpecController:
         # (no drafts: no cap to apply; at batch 32 capping each request cost 25 us a step)
         return [self.cap(r, k) for r in reqs] if k else [0] * len(reqs)
 
-    def drafting_off(self, batch_size: int) -> bool:
+    def drafting_off(self, batch_size: int, sampled: bool | None = None) -> bool:
         """Whether this controller drafts nothing at ``batch_size`` for now (disable_by_batch_size,
         or an adaptive size that settled on no speculation there): a new request's drafter prefill
         can wait (the drafter catches up on the whole request when it next drafts, and if it never
-        does, it is never paid; a batch of 32 new 64-token prompts paid 5 % of its run for it)."""
+        does, it is never paid; a batch of 32 new 64-token prompts paid 5 % of its run for it).
+        ``sampled``: whether that batch is mostly sampled requests (``mostly_sampled``; default:
+        the kind last chosen for, which new requests may have changed)."""
         if self.cfg.disable_by_batch_size is not None and batch_size > self.cfg.disable_by_batch_size:
             return True
-        bucket = self._key(batch_size)
+        bucket = _bucket(batch_size, self.sampled if sampled is None else sampled)
         return (self.cfg.auto_tree or self.cfg.adaptive) and (self.best.get(bucket) == 0 or self._inherits_off(bucket))
 
     def _round_unmeasured(self, bucket: int) -> int | None:
@@ -971,7 +973,7 @@ class SpecController:
         ``t_step`` the whole step, choosing the sizes, committing and outputs included (the rest
         is t_host). A step widened by another proposer's longer drafts updates acceptance and
         drafting cost, not the verify costs of this method's widths."""
-        self.sampled = _mostly_sampled(reqs)
+        self.sampled = mostly_sampled(reqs)
         bucket = self._key(batch_size or len(reqs))
         self.observations += 1
         if t_step is not None:

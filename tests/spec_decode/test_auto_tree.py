@@ -360,7 +360,7 @@ def test_greedy_and_sampled_batches_keep_their_own_costs():
     plain decode first, as a new batch size does, the greedy tables stay as they were, alpha is its
     own, and no speculation is inherited from a smaller batch size of its own kind, or by sampled
     batches from greedy ones as large or smaller."""
-    from leapfrog.spec_decode.adaptive import _mostly_sampled
+    from leapfrog.spec_decode.adaptive import mostly_sampled
 
     plain = (DraftBatch.empty(1), AcceptanceResult([0], [[0]], [0]), 0.0)
     ctl = SpecController(CFG, 4096)
@@ -373,14 +373,17 @@ def test_greedy_and_sampled_batches_keep_their_own_costs():
     G, S = _bucket(1), _bucket(1, sampled=True)
     assert G != S and ctl.verify_cost == {G: {1: 1.0}, S: {1: 1.3}}
     assert ctl.choose([_Sampled()]) != [0]   # now its first probe
-    assert _mostly_sampled([_Req(), _Sampled()]) and not _mostly_sampled([_Req(), _Req(), _Sampled()])
+    assert mostly_sampled([_Req(), _Sampled()]) and not mostly_sampled([_Req(), _Req(), _Sampled()])
     ctl.alpha = 0.2   # (the sampled batches' alpha, theirs alone)
-    assert ctl._acceptance[False].value != 0.2
+    assert ctl._acceptance[True].value == 0.2 and ctl._acceptance[False].value != 0.2
     ctl.best[_bucket(4, sampled=True)] = 0   # sampled batches of 4 settled on none
     assert ctl._inherits_off(_bucket(16, sampled=True)) and not ctl._inherits_off(_bucket(16))
     assert ctl.drafting_off(16) and ctl.choose([_Sampled()] * 16) == [0] * 16
     ctl.choose([_Req()] * 16)
     assert not ctl.sampled and not ctl.drafting_off(16)
+    # the engine asks before the step's choose, for the batch about to run (new requests may
+    # change its kind): the kind given, not the last chosen
+    assert ctl.drafting_off(16, sampled=True) and not ctl.sampled
     # no speculation at a greedy batch size rules it out for sampled batches as large (a sampled
     # chain accepts less and costs more to verify), never the other way round
     ctl.best = {_bucket(32): 0}

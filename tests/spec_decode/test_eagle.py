@@ -444,7 +444,7 @@ def _always_drafting(llm: LLM, at_least: int) -> None:
     ctl = llm.engine.spec_controller
     choose = ctl.choose
     ctl.choose = lambda reqs, **kw: [max(k, at_least) for k in choose(reqs, **kw)]
-    ctl.drafting_off = lambda batch_size: False
+    ctl.drafting_off = lambda batch_size, sampled=None: False
 
 
 def test_sampled_chains_carry_no_confidence(shapes, tokenizer):

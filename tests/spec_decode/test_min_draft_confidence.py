@@ -203,7 +203,7 @@ def test_auto_sizes_stop_the_batchs_chains_together_and_stay_lossless(eagle_pair
         seen.append((stop_confidence, [prop._levels(r, k) for r, k in zip(reqs, ks)], d.num_draft,
                      d.candidate_scores))
         return d
-    ctl.choose, ctl.drafting_off, prop.propose = chains, (lambda batch_size: False), record
+    ctl.choose, ctl.drafting_off, prop.propose = chains, (lambda batch_size, sampled=None: False), record
     outs = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], greedy,
                                                          use_tqdm=False)]
     plain = LLM(model=str(target), dtype="float32", max_model_len=128, max_num_seqs=4)
