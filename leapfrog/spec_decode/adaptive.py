@@ -260,9 +260,7 @@ def _rules_out(b: int, bucket: int) -> bool:
     sampled ``bucket`` (a sampled chain accepts less, and sampling every verified row costs more:
     on the built-in pair every fixed setting ran slower at T = 0.7 than at T = 0, at every batch
     size measured, e.g. the chain of 5 at a batch of 16 1.06x none at T = 0, 0.84x at T = 0.7)."""
-    if (b & _SAMPLED) == (bucket & _SAMPLED):
-        return b < bucket
-    return bool(bucket & _SAMPLED) and _size(b) <= _size(bucket)
+    return _smaller(b, bucket) or ((b & _SAMPLED) < (bucket & _SAMPLED) and _size(b) <= _size(bucket))
 
 
 def _apart(b: int, bucket: int) -> tuple[int, int]:

@@ -348,7 +348,7 @@ def test_the_steps_host_time_counts_against_every_size():
 
 
 class _Sampled(_Req):
-    unseeded_sampled = True
+    unseeded_sampled = True   # chains without confidence: E[tokens] from alpha
     sampled = True
 
 
@@ -956,9 +956,6 @@ def test_speculation_must_beat_none_by_the_margin():
     from leapfrog.spec_decode.adaptive import _SPEC_MARGIN
     assert 1.04 < _SPEC_MARGIN < 1.16
 
-    class _Sampled(_Req):
-        unseeded_sampled = sampled = True   # chains without confidence: E[tokens] from alpha
-
     for alpha, chosen in ((0.3, 0), (0.45, 1)):   # the chain of 1: 1.3 / 1.25 = 1.04x, 1.45 / 1.25 = 1.16x
         ctl = SpecController(CFG, 4096)
         _measured(ctl, {1: 0.25, 2: 0.5, 3: 0.75, 4: 1.0}, _bucket(1, sampled=True))
@@ -1065,9 +1062,6 @@ def test_switching_speculation_on_pays_for_the_drafters_catch_up():
     1.16x none is drafted while on, and from off with 100 tokens to catch up on when the requests
     have 999 tokens left, not when they have 39 (0.05 s x 98.5 tokens over 27 steps: 1.01x)."""
     from leapfrog.spec_decode.adaptive import _ContextFit
-
-    class _Sampled(_Req):
-        unseeded_sampled = sampled = True   # chains without confidence: E[tokens] from alpha
 
     def chosen(off: bool, max_tokens: int) -> int:
         ctl = SpecController(CFG, 4096)
