@@ -131,6 +131,8 @@ def main() -> None:
     ap.add_argument("--num-scheduler-steps", type=int, default=1,
                     help="with --no-enforce-eager: decode steps (speculation rounds) per engine step for none and "
                          "the contenders that can run rounds (draft_model, the chain, auto); others run one round")
+    ap.add_argument("--greedy-share", type=float, default=0.0,
+                    help="a mixed load: in the cells of a temperature above 0 this share of the requests runs greedy")
     ap.add_argument("--out", default="bench_tree")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -160,7 +162,7 @@ def main() -> None:
                     batch_sizes=args.batch_sizes, repeats=args.repeats, warmup=1, out_dir=args.out,
                     dtype=args.dtype, threads=args.threads, request_seed=args.request_seed,
                     enforce_eager=args.enforce_eager, num_scheduler_steps=args.num_scheduler_steps,
-                    continuous=args.continuous, share_target=args.share_target)
+                    continuous=args.continuous, share_target=args.share_target, greedy_share=args.greedy_share)
     print(format_table(res))
     names = list(res.contenders)
     twin = names[-1] if args.twin is not None else None   # (the last engine loaded)
@@ -183,7 +185,7 @@ def main() -> None:
     summary = {"source": args.source, "num_prompts": len(items), "max_tokens": args.max_tokens,
                "dtype": res.settings["resolved_dtype"], "threads": args.threads, "enforce_eager": args.enforce_eager,
                "num_scheduler_steps": args.num_scheduler_steps, "multi_step": res.settings["multi_step"],
-               "continuous": args.continuous,
+               "continuous": args.continuous, "greedy_share": args.greedy_share,
                "contenders": res.contenders, "rows": rows, "adaptive_goal": goal, "twins": twins}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "tree_summary.json").write_text(json.dumps(summary, indent=1, default=str))

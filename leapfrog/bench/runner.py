@@ -35,7 +35,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import numpy as np
 
@@ -47,7 +47,7 @@ from leapfrog.outputs import SpecMetrics
 ALL = "all"
 MIN_ACCEPTANCE = 0.5   # below this acceptance rate speculation should be off
 
-CSV_FIELDS = ["contender", "category", "temperature", "batch_size", "num_items", "repeats", "tokens_per_s",
+CSV_FIELDS = ["contender", "category", "temperature", "greedy_share", "batch_size", "num_items", "repeats", "tokens_per_s",
               "speedup", "speedup_ci_low", "speedup_ci_high", "acceptance_rate", "mean_acceptance_length",
               "acceptance_by_position", "ttft_mean_s", "latency_p50_s", "latency_p99_s", "equal_rate",
               "speculative_config"]
@@ -173,7 +173,8 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
               max_model_len: int | None = None, plots: bool = True, progress: bool = True,
               log: Callable[[str], None] | None = None, backends: Sequence[str] = ("leapfrog",),
               request_seed: int | None = None, enforce_eager: bool = True,
-              num_scheduler_steps: int = 1, continuous: bool = False, share_target: bool = False) -> BenchResult:
+              num_scheduler_steps: int = 1, continuous: bool = False, share_target: bool = False,
+              greedy_share: float = 0.0) -> BenchResult:
     """Benchmark each speculative config in ``specs`` against no speculation on ``items``; see the module doc.
 
     ``request_seed``: sampled requests are seeded (item i with request_seed + i, the same in every
@@ -202,7 +203,14 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
     (``LLM(share_target_with=...)``: the same tensors) instead of a copy of its own. Engines that
     each load a copy can measure apart by several per cent even when identical (where each
     copy's pages landed; ``benchmarks/tree_bench.py --twin``); sharing leaves the contenders
-    differing only in their settings (each keeps its own drafter and KV cache)."""
+    differing only in their settings (each keeps its own drafter and KV cache).
+
+    ``greedy_share``: a mixed load, as a server sees one. In the cells of a temperature above 0
+    this share of the items runs greedy (``greedy_item``: spread evenly through the workload, the
+    same items in every contender and repeat) and the rest at the cell's temperature; a batch then
+    holds both kinds, whose speculation costs differ (the adaptive controller keeps their tables
+    apart: spec_decode/adaptive.py ``mostly_sampled``). The greedy items' outputs must equal none's
+    (``equal_rate`` counts them, and the sampled ones too when seeded)."""
     from leapfrog.progress import progress_bar
 
     from leapfrog import LLM, SamplingParams
@@ -216,6 +224,11 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
         raise ConfigError("batch sizes must be >= 1")
     if continuous and "transformers" in backends:
         raise ConfigError("continuous batching runs leapfrog engines only (transformers generate takes static batches)")
+    if not (isinstance(greedy_share, (int, float)) and 0.0 <= greedy_share <= 1.0):
+        raise ConfigError(f"greedy share must be a number in [0, 1], got {greedy_share!r}")
+    if greedy_share and "transformers" in backends:
+        raise ConfigError("a mixed load (greedy share) runs leapfrog engines only (transformers generate takes one "
+                          "temperature per batch)")
     if not temperatures or any(not math.isfinite(t) or t < 0 for t in temperatures):
         raise ConfigError(f"temperatures must be finite and >= 0, got {list(temperatures)}")
     if warmup == 0:
@@ -300,12 +313,14 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
     bar = progress_bar(total=total, desc="leapfrog bench", disable=not progress, file=sys.stderr)
     for temp in temperatures:
         sp = SamplingParams(temperature=float(temp), max_tokens=max_tokens, seed=None)
+        mixed = greedy_share if temp > 0 else 0.0
+        greedy = {i for i in range(len(kept)) if greedy_item(i, mixed)}   # items run at T = 0 in this cell
         for bs in batch_sizes:
             def params(n: str, idxs: list[int]) -> SamplingParams | list[SamplingParams]:
                 pred = predictions.get(n)
-                if pred is None and (request_seed is None or n in peers):   # transformers: no leapfrog seeds
+                if pred is None and (request_seed is None or n in peers) and not greedy:   # transformers: no seeds
                     return sp
-                return [SamplingParams(temperature=float(temp), max_tokens=max_tokens,
+                return [SamplingParams(temperature=0.0 if i in greedy else float(temp), max_tokens=max_tokens,
                                        prediction=None if pred is None else pred[i],
                                        seed=None if request_seed is None else request_seed + i)
                         for i in idxs]
@@ -346,8 +361,9 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
                     cats = categories if c == ALL else [c]
                     idxs = [i for cc in cats for i, _ in by_cat[cc]]
                     rows.append(_row(n, contenders[n], c, temp, bs, idxs, cats, repeats, toks, secs, outs,
-                                     predictions.get(n), tok,
-                                     comparable=temp == 0 or (request_seed is not None and n not in peers)))
+                                     predictions.get(n), tok, greedy_share=mixed,
+                                     comparable=(set(idxs) if temp == 0 or (request_seed is not None and n not in peers)
+                                                 else greedy.intersection(idxs))))
             for hn, n in peers.items():
                 for c in [*categories, ALL]:
                     cats = categories if c == ALL else [c]
@@ -364,7 +380,8 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
                                        backends=list(backends), threads=threads, num_items=len(kept),
                                        categories=categories, request_seed=request_seed,
                                        enforce_eager=enforce_eager, num_scheduler_steps=num_scheduler_steps,
-                                       multi_step=multi_step, continuous=continuous, share_target=share_target))
+                                       multi_step=multi_step, continuous=continuous, share_target=share_target,
+                                       greedy_share=greedy_share))
     if out_dir is not None:
         write_outputs(result, Path(out_dir), plots=plots)
     return result
@@ -461,8 +478,16 @@ def _prediction_stats(outs, idxs, repeats, name, preds: list[str], tok) -> dict[
             "prediction_similarity": statistics.fmean(sims) if sims else None}
 
 
+def greedy_item(i: int, share: float) -> bool:
+    """Whether item ``i`` of a mixed load runs greedy: ``share`` of the items, spread evenly (item i
+    when floor((i + 1) * share) passes an integer: every other item at 0.5, one in four at 0.25)."""
+    return math.floor((i + 1) * share) > math.floor(i * share)
+
+
 def _row(name, spec, cat, temp, bs, idxs, cats, repeats, toks, secs, outs, preds=None, tok=None,
-         comparable: bool = False) -> dict[str, Any]:
+         comparable: Collection[int] = (), greedy_share: float = 0.0) -> dict[str, Any]:
+    """One row of the table; ``comparable``: the items whose output must equal none's (greedy or
+    seeded)."""
     tps, ratios = _rates(name, "none", cats, repeats, toks, secs)
     ratios_ok = [x for x in ratios if x is not None]
     lo, hi = t_interval(ratios_ok)
@@ -477,13 +502,14 @@ def _row(name, spec, cat, temp, bs, idxs, cats, repeats, toks, secs, outs, preds
                 ttft.append(o.metrics.time_to_first_token)
             if o.metrics.latency is not None:
                 lat.append(o.metrics.latency)
-            if comparable:   # greedy, or seeded: the output must equal none's
+            if i in comparable:   # greedy, or seeded: the output must equal none's
                 total += 1
                 same += o.outputs[0].token_ids == outs[(r, "none")][i].outputs[0].token_ids
     per_pos = [a / d if d else None for a, d in zip(spec_m.num_accepted_tokens_per_pos,
                                                    spec_m.num_draft_tokens_per_pos)]
     return {
-        "contender": name, "category": cat, "temperature": float(temp), "batch_size": int(bs),
+        "contender": name, "category": cat, "temperature": float(temp), "greedy_share": greedy_share,
+        "batch_size": int(bs),
         "num_items": len(idxs), "repeats": repeats,
         "tokens_per_s": statistics.median([x for x in tps if x is not None]) if any(tps) else None,
         "tokens_per_s_repeats": tps,
@@ -588,6 +614,10 @@ def format_table(result: BenchResult) -> str:
     head = (f"{'contender':<22} {'category':<14} {'temp':>4} {'bs':>3} {'tok/s':>8} {'speedup':>7} "
             f"{'95% CI':>13} {'accept':>6} {'mean len':>8} {'TTFT ms':>8} {'p50 ms':>8} {'p99 ms':>8} {'equal':>5}")
     L = [head, "-" * len(head)]
+    share = result.settings.get("greedy_share") or 0.0
+    if share:
+        L.insert(0, f"(a mixed load: in the rows of a temperature above 0, {share:.0%} of the requests run greedy; "
+                    "'equal' counts those against none's outputs)")
     if result.rows and result.rows[0]["repeats"] < MIN_CI_REPEATS:
         L.insert(0, f"(no 95% CI: {result.rows[0]['repeats']} repeat(s) are too few to give one; "
                     f"--repeats {MIN_CI_REPEATS} or more for intervals)")

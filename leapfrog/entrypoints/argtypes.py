@@ -54,6 +54,13 @@ def probability(text: str) -> float:
     return v
 
 
+def share(text: str) -> float:
+    v = _number(text, float)
+    if not 0 <= v <= 1:
+        raise argparse.ArgumentTypeError(f"{v}: must be in [0, 1]")
+    return v
+
+
 def output_dir(text: str) -> str:
     """A folder the command will write into, checked before the work (not after an hour of
     training): not an existing file, and below a folder (or folders it can create)."""

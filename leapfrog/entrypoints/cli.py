@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from leapfrog.entrypoints.argtypes import (non_empty, nonneg_float, nonneg_int, output_dir, output_file, port,
-                                          positive_float, positive_int)
+                                          positive_float, positive_int, share)
 from leapfrog.errors import ConfigError, LeapfrogError
 from leapfrog.utils import env_off, freeze_heap
 
@@ -311,6 +311,9 @@ def _bench_parser(sub) -> None:
     p.add_argument("--continuous", action="store_true",
                    help="continuous batching: each category's items in one call, at most --batch-size running at a "
                         "time (default: static batches of --batch-size, one after another)")
+    p.add_argument("--greedy-share", type=share, default=0.0,
+                   help="a mixed load: in the cells of a --temperature above 0 this share of the requests runs "
+                        "greedy (spread evenly through the workload), the rest sampled")
     p.add_argument("--share-target", action="store_true",
                    help="every contender runs on one loaded copy of the target's weights (no speculation's): "
                         "engines that each load a copy can measure apart by several per cent even when identical")
@@ -359,7 +362,7 @@ def cmd_bench(args) -> int:
                     max_model_len=args.max_model_len, plots=not args.no_plots,
                     backends=["leapfrog", *(args.backend or [])], request_seed=args.request_seed,
                     enforce_eager=args.enforce_eager, num_scheduler_steps=args.num_scheduler_steps,
-                    continuous=args.continuous, share_target=args.share_target)
+                    continuous=args.continuous, share_target=args.share_target, greedy_share=args.greedy_share)
     print(format_table(res))
     if res.peer_ratios:
         print()

@@ -334,3 +334,40 @@ def test_share_target_loads_the_target_once(llama_dir, monkeypatch):
     assert all(r["equal_rate"] == 1.0 for r in res.rows if r["contender"] != "none")
     run_bench(str(llama_dir), [NG2], ITEMS[:2], **kw)
     assert len(loads) == 3   # one copy per engine without it
+
+
+def test_greedy_share_mixes_greedy_and_sampled_requests_in_one_batch(llama_dir, monkeypatch, capsys):
+    """greedy_share: in a cell of T > 0 that share of the items runs greedy (the same items in every
+    contender), the rest sampled, in the same batches; the greedy ones are compared with none's."""
+    from leapfrog import LLM
+    from leapfrog.bench.runner import greedy_item
+    from leapfrog.errors import ConfigError
+    assert [i for i in range(8) if greedy_item(i, 0.5)] == [1, 3, 5, 7]
+    assert [i for i in range(8) if greedy_item(i, 0.25)] == [3, 7]
+    assert not any(greedy_item(i, 0.0) for i in range(8)) and all(greedy_item(i, 1.0) for i in range(8))
+    temps: list[list[float]] = []
+    orig = LLM.generate
+
+    def generate(self, prompts, params=None, **kw):
+        temps.append([p.temperature for p in params] if isinstance(params, list) else [params.temperature])
+        return orig(self, prompts, params, **kw)
+
+    monkeypatch.setattr(LLM, "generate", generate)
+    items = [WorkloadItem("code", f"x{i} = {i}\ny{i} = x{i} + 1\nx{i} = {i}\n", None, f"c{i}") for i in range(4)]
+    res = run_bench(str(llama_dir), [NG2], items, temperatures=[0.0, 0.8], max_tokens=6, batch_sizes=[4], repeats=1,
+                    warmup=0, out_dir=None, dtype="float32", progress=False, greedy_share=0.5)
+    assert temps == [[0.0], [0.0], [0.8, 0.0, 0.8, 0.0], [0.8, 0.0, 0.8, 0.0]]
+    assert res.settings["greedy_share"] == 0.5
+    for r in res.rows:
+        assert r["greedy_share"] == (0.5 if r["temperature"] > 0 else 0.0)
+        assert r["equal_rate"] == 1.0   # greedy items only at T = 0.8: their outputs equal none's
+    assert "50% of the requests run greedy" in format_table(res)
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ConfigError, match="greedy share"):
+            run_bench(str(llama_dir), [NG2], items, greedy_share=bad, out_dir=None, progress=False)
+    with pytest.raises(ConfigError, match="mixed load"):
+        run_bench(str(llama_dir), [NG2], items, greedy_share=0.5, backends=["leapfrog", "transformers"],
+                  out_dir=None, progress=False)
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--model", str(llama_dir), "--greedy-share", "2"])
+    assert e.value.code == 2 and "--greedy-share: 2.0: must be in [0, 1]" in capsys.readouterr().err
