@@ -72,6 +72,9 @@ CONTENDERS["eagle3-w8a8"] = {**CONTENDERS["eagle3"], "draft_quantization": "w8a8
 CONTENDERS["eagle3-7"] = {**CONTENDERS["eagle3"], "num_speculative_tokens": 7}
 CONTENDERS["eagle3-7-w8a8"] = {**CONTENDERS["eagle3-7"], "draft_quantization": "w8a8"}
 CONTENDERS["eagle3-conf-w8a8"] = {**CONTENDERS["eagle3-conf"], "draft_quantization": "w8a8"}
+#: "auto" tree sizes at depth 7 with the w8a8 head (what a step of the adaptive controller costs
+#: against the fixed chain of 7 it mostly runs at batch 1)
+CONTENDERS["eagle3-auto-w8a8"] = {**CONTENDERS["eagle3-7-w8a8"], "eagle_topk": 4, "num_draft_tokens": "auto"}
 #: the eagle3 chain verifying sampled chains in Python (LEAPFROG_NATIVE_VERIFY=0: spec_decode/verify/native.py's
 #: op off), for the op's A/B at a temperature
 CONTENDERS["eagle3-python-verify"] = CONTENDERS["eagle3"]
