@@ -42,6 +42,7 @@ import torch
 from leapfrog.bench.runner import adaptive_vs_fixed, format_adaptive, format_table, run_bench
 from leapfrog.bench.workloads import WorkloadItem
 from leapfrog.demo import DEMO_DIR
+from leapfrog.entrypoints.argtypes import share
 from leapfrog.model.loader import load_tokenizer
 from leapfrog.train.corpus import Document
 from leapfrog.train.distill import heldout_prompts
@@ -131,7 +132,7 @@ def main() -> None:
     ap.add_argument("--num-scheduler-steps", type=int, default=1,
                     help="with --no-enforce-eager: decode steps (speculation rounds) per engine step for none and "
                          "the contenders that can run rounds (draft_model, the chain, auto); others run one round")
-    ap.add_argument("--greedy-share", type=float, default=0.0,
+    ap.add_argument("--greedy-share", type=share, default=0.0,
                     help="a mixed load: in the cells of a temperature above 0 this share of the requests runs greedy")
     ap.add_argument("--out", default="bench_tree")
     args = ap.parse_args()
