@@ -349,10 +349,10 @@ class SpecController:
         #: draft no further level (``stop_confidence``: the last weighing's best chain only, else None)
         self.stop_confidence: float | None = None
 
-    def _key(self, batch_size: int) -> int:
-        """The bucket of a batch of ``batch_size`` sequences of the kind last chosen for or observed
-        (``sampled``)."""
-        return _bucket(batch_size, self.sampled)
+    def _key(self, batch_size: int, sampled: bool | None = None) -> int:
+        """The bucket of a batch of ``batch_size`` sequences of the kind ``sampled`` (default: the
+        kind last chosen for or observed, ``self.sampled``)."""
+        return _bucket(batch_size, self.sampled if sampled is None else sampled)
 
     @property
     def acceptance(self) -> TokenRate:
@@ -450,7 +450,7 @@ class SpecController:
         the kind last chosen for, which new requests may have changed)."""
         if self.cfg.disable_by_batch_size is not None and batch_size > self.cfg.disable_by_batch_size:
             return True
-        bucket = _bucket(batch_size, self.sampled if sampled is None else sampled)
+        bucket = self._key(batch_size, sampled)
         return (self.cfg.auto_tree or self.cfg.adaptive) and (self.best.get(bucket) == 0 or self._inherits_off(bucket))
 
     def _round_unmeasured(self, bucket: int) -> int | None:
