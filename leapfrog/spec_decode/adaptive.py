@@ -934,20 +934,26 @@ class SpecController:
         return max(1, min(self.K, 16 // B))
 
     def _observe_tree(self, drafts: DraftBatch, result: AcceptanceResult, probe: _Probe | None = None,
-                      asked: list[int] | None = None, ratio: float = 1.0) -> None:
+                      levels: list[int] | None = None, ratio: float | None = None) -> None:
         """Update the confidence curves and the calibrations from one verified step
         (confidence.py: position n of a curve moves only with the proposals whose tree grew at
-        least n candidates). ``asked``: the levels each chain was asked for, when the step's chains
-        stopped early (``stop_confidence``): the levels not drafted count at the last one's
-        confidence times ``ratio`` per level (left out, the deep positions moved only with the steps
-        where some chain stayed confident, and read high)."""
+        least n candidates). ``levels``: per request, the levels a chain is extended to (the depth,
+        capped): a chain of fewer counts the levels it did not draft at its last level's confidence
+        times a child's ratio per level: ``ratio`` where the step's chains stopped early
+        (``stop_confidence``; left out, the deep positions moved only with the steps where some
+        chain stayed confident, and read high), else its own last level's (the last confidence over
+        the one before it, within _MIN_CHILD_RATIO-1). Left out, the positions past a short chain
+        kept what they last read: after a stretch of unsure drafts their increments sat at 0.01-0.03
+        while "auto" ran chains of 4-5 that never measured them again: at T = 0, batch 1, it ran
+        chains of 4-6 in 40-60 % of its steps, where on the chain of 7's own steps cutting every
+        chain to 6 / 5 levels makes 6 % / 13 % fewer tokens a second (the chains' own confidences,
+        not the padding, decide what is predicted: only verified candidates count)."""
         scores = drafts.candidate_scores
         if not scores or not any(scores):   # (None: a sampled chain's, without confidence)
             return
-        if asked is not None:
-            scores = [sc if sc is None or not sc or len(sc) >= n
-                      else sc + [sc[-1] * ratio ** j for j in range(1, n - len(sc) + 1)]
-                      for sc, n in zip(scores, asked)]
+        if levels is not None:
+            scores = [sc if sc is None or not sc or len(sc) >= n else _extended(sc, n, ratio)
+                      for sc, n in zip(scores, levels)]
         kept = [b for b, sc in enumerate(scores) if sc is not None]
         accepted = sum(result.num_accepted[b] for b in kept if drafts.num_draft[b])
         predicted = self.confidence.observe([scores[b] for b in kept], [drafts.num_draft[b] for b in kept],
@@ -991,11 +997,14 @@ class SpecController:
         fresh = probe is not None and probe.seen == 1         # verify cost
         fresh_draft = probe is not None and probe.seen == 2   # past the drafter's catch-up
         if self.cfg.auto_tree:
-            stopped, ratio = None, 1.0   # (the levels asked, where chains stopped short of them: stop_confidence)
+            # chains short of the depth: their levels up to it extrapolated (_observe_tree), at the
+            # stop confidence's ratio where the chains stopped short of what was asked
+            ratio = None
             if (self.stop_confidence is not None and max(drafts.num_draft, default=0) < self.last_k
                     and (w := self._weighed.get(bucket)) is not None):
-                stopped, ratio = [self.cap(r, self.last_k) for r in reqs], w.ratio
-            self._observe_tree(drafts, result, probe, stopped, ratio)
+                ratio = w.ratio
+            depth = self.cfg.num_speculative_tokens
+            self._observe_tree(drafts, result, probe, [self.cap(r, depth) for r in reqs], ratio)
         self.widened[bucket] = (verify_tokens or s) > s
         if s == 1:
             self.off_steps[bucket] += 1
@@ -1138,6 +1147,28 @@ def stop_confidence(tokens: float, a: float, gamma: float, ratio: float = 1.0) -
     if tokens <= 0 or a <= 0:
         return None
     return min(1.0, (tokens / a) ** (1.0 / gamma) / min(1.0, max(ratio, _MIN_CHILD_RATIO)))
+
+
+def _extended(scores: list[float], n: int, ratio: float | None = None) -> list[float]:
+    """A chain's path confidences extended to ``n`` levels: each level past its last at its
+    parent's times ``ratio`` (default: the chain's own last ratio, _child_ratio).
+
+    >>> [round(c, 3) for c in _extended([0.9, 0.72], 4)], _extended([0.5], 3, ratio=0.5)
+    ([0.9, 0.72, 0.576, 0.461], [0.5, 0.25, 0.125])
+    """
+    r = _child_ratio(scores) if ratio is None else ratio
+    return scores + [scores[-1] * r ** j for j in range(1, n - len(scores) + 1)]
+
+
+def _child_ratio(scores: list[float]) -> float:
+    """A chain's last level's confidence over its parent's (its first level's own, for one level),
+    within _MIN_CHILD_RATIO-1: what a next level would multiply the path confidence by.
+
+    >>> _child_ratio([0.9, 0.81]), _child_ratio([0.6]), _child_ratio([0.9, 0.1]), _child_ratio([0.0, 0.0])
+    (0.9, 0.6, 0.5, 0.5)
+    """
+    parent = scores[-2] if len(scores) >= 2 else 1.0
+    return min(1.0, max(scores[-1] / parent if parent > 0 else 0.0, _MIN_CHILD_RATIO))
 
 
 def _monotone(table: dict[int, float]) -> dict[int, float]:

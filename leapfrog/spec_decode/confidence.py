@@ -39,7 +39,10 @@ sum flat made larger trees look worthless, and the tree never grew back), and po
 every proposal's candidates keep their increments, moved with the last grown position (kept as
 they were, a drop in a chain's confidence on a harder stretch of text left C(depth + 1) far above
 C(depth), and a tree of one node more looked worth more than a token; scaled rather than moved, a
-tail of small siblings grew with one confident chain).
+tail of small siblings grew with one confident chain). A chain shorter than the depth comes here
+extended to the depth (spec_decode/adaptive.py ``_observe_tree``: the levels it did not draft at
+its last confidence times a child's ratio), so the chain range's positions move every step; only
+the positions past the depth (trees' siblings) wait for proposals that grow them.
 """
 
 from __future__ import annotations

@@ -631,10 +631,12 @@ def test_the_best_chain_stops_where_another_level_costs_more_than_it_brings():
     assert ctl.choose([_Req()]) == [0] and ctl.stop_confidence is None
 
 
-def test_levels_a_stopped_chain_did_not_draft_count_below_its_last():
-    """A step whose chains stopped early (stop_confidence) grew fewer candidates than asked: the
-    levels not drafted count at the last one's confidence times the assumed ratio per level, so
-    the deep positions of the curve do not move only with the steps that stayed confident."""
+def test_levels_a_chain_did_not_draft_count_below_its_last():
+    """A step whose chain grew fewer levels than the depth counts the levels not drafted at its
+    last level's confidence times a child's ratio per level: the ratio the stop confidence assumed
+    where the chain stopped early (stop_confidence), else the chain's own last ratio (here one
+    level of 0.3: 0.3, taken at least 0.5). So the deep positions of the curve neither move only
+    with the steps that stayed confident nor keep what they read before a stretch of short chains."""
     curves = []
     for stopped in (False, True):
         ctl = SpecController(CFG, 4096)
@@ -649,12 +651,33 @@ def test_levels_a_stopped_chain_did_not_draft_count_below_its_last():
         ratio = ctl._weighed[1].ratio
         assert 0.5 <= ratio <= 1
         before = list(ctl.curve)
-        _step(ctl, 1, [0.3], 1, 0.1, 1.0)   # stopped after one level
+        _step(ctl, 1, [0.3], 1, 0.1, 1.0)   # one level
         curves.append((before, list(ctl.curve), ratio, k))
-    (b0, free, _, _), (b1, pad, ratio, k) = curves
-    assert b0 == b1 and free[1] - free[0] == pytest.approx(b0[1] - b0[0])   # not padded: the increment kept
-    # padded: position 2 moved toward 0.3 + 0.3 * ratio
-    assert pad[1] == pytest.approx(0.8 * b1[1] + 0.2 * (0.3 + 0.3 * ratio)) and pad[1] < free[1]
+    (b0, own, _, _), (b1, pad, ratio, k) = curves
+    assert b0 == b1 and ratio != 0.5
+    # position 2 moved toward 0.3 + 0.3 * the ratio: the chain's own (0.5), or the stop's
+    assert own[1] == pytest.approx(0.8 * b0[1] + 0.2 * (0.3 + 0.3 * 0.5))
+    assert pad[1] == pytest.approx(0.8 * b1[1] + 0.2 * (0.3 + 0.3 * ratio))
+
+
+def test_positions_past_short_chains_recover_when_the_drafter_is_sure_again():
+    """After a stretch of unsure drafts, confident chains of 2 move the curve's deeper positions
+    back up (their levels extrapolated at the chains' own ratio), and the chain of the depth wins
+    the weighing again; kept as they were, those positions stayed where the unsure stretch left
+    them and chains of 2 looked best for good."""
+    ctl = SpecController(CFG, 4096)
+    _measured(ctl, {1: 0.1, 2: 0.15, 3: 0.2, 4: 0.25})
+    for _ in range(20):   # an unsure stretch: chains of 4, the deep levels hopeless
+        _step(ctl, 4, [0.9, 0.05, 0.01, 0.002], 1, 0.25, 1.0)
+    low = ctl.curve[3] - ctl.curve[2]
+    assert low < 0.01
+    for _ in range(20):   # sure again, chains of 2 only
+        _step(ctl, 2, [0.95, 0.9], 2, 0.15, 1.0)
+    m = [c - p for c, p in zip(ctl.curve, [0.0] + ctl.curve[:-1])]
+    assert m[3] > 0.5 > 50 * low and m[2] > m[3]
+    ctl._weighed.clear()
+    ctl.steps = 1
+    assert ctl.choose([_Req()]) == [4]
 
 
 def test_the_last_weighing_stands_until_steps_pass_or_the_mix_changes():
