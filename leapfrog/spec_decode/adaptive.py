@@ -30,10 +30,11 @@ replacing the estimate: the plain steps right after speculation run slow, a batc
 with the context (attention reads every sequence's keys and values: a plain step of a batch of
 16 of the built-in target 4.4 ms at 72 tokens a sequence, 6.3 at 192), and the sizes are
 measured at different contexts, so every measured verify time is compared at the context of the
-step being chosen, moved along a slope fitted within sizes (``_verify_table``, _ContextFit:
-about 1 us per sequence and token of context there; none until the contexts spread by a tenth
-of their mean, and never steeper than the step's whole time in proportion to its context; the
-rounds' measured times below are compared as measured). alpha is the geometric model's
+step being chosen, moved by a growth fitted within sizes (``_verify_table``, _ContextFit of the
+log time: every size grows by the same factor per token of context, as attention works for each
+token verified, about 1 us per sequence and token of context for plain decode there; none until
+the contexts spread by a tenth of their mean, and never steeper than the step's whole time in
+proportion to its context; the rounds' measured times below are compared as measured). alpha is the geometric model's
 maximum-likelihood estimate, accepted / tried (TokenRate: a draft token is tried when all before
 it were accepted), not accepted / drafted, which counts the untried tokens after a rejection as
 rejected and so underestimates alpha the more, the longer the drafts (0.59 for a true 0.8 at
@@ -161,6 +162,7 @@ cost more to verify), never the other way round.
 from __future__ import annotations
 
 import bisect
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
@@ -215,7 +217,7 @@ _SEED_CHAIN = 4
 #: "auto" tree sizes: a chain's measured drafting time counts for at most this many samples in the
 #: line through the chains' (_chain_line)
 _LINE_WEIGHT = 8
-#: the fit of verify time against the batch's context (_ContextFit): each sample's weight decays by
+#: the fit of (log) verify time against the batch's context (_ContextFit): each sample's weight decays by
 #: this factor per later sample of its size
 _FIT_DECAY = 0.97
 #: the stop confidence's ratio of a child's confidence to its parent's is taken at least this
@@ -554,22 +556,25 @@ class SpecController:
 
     def _verify_table(self, bucket: int) -> dict[int, float]:
         """The measured verify times at this batch size, each moved to the context of the step
-        being chosen along the fitted slope (_ContextFit): a step reads every sequence's keys and
-        values, so its time grows with the batch's context, whatever its size (a batch of 16 of the
-        built-in target: plain decode 4.4 ms at 72 tokens a sequence, 6.3 at 192). Sizes are
-        measured at different contexts (no speculation's last at the start of the requests or at a
-        refresh, a size in use every step): compared as measured, plain decode measured near the
-        end of one batch's requests looked 25 % dearer than it was at the start of the next, and
-        "auto" speculated at a batch of 16 at T = 0.7 where it lost 10 %. Then no size costs more
-        than a longer one (``_monotone``)."""
+        being chosen along the fitted growth (_ContextFit of log time): a step reads every
+        sequence's keys and values, so its time grows with the batch's context, whatever its size
+        (a batch of 16 of the built-in target: plain decode 4.4 ms at 72 tokens a sequence, 6.3 at
+        192). Sizes are measured at different contexts (no speculation's last at the start of the
+        requests or at a refresh, a size in use every step): compared as measured, plain decode
+        measured near the end of one batch's requests looked 25 % dearer than it was at the start
+        of the next, and "auto" speculated at a batch of 16 at T = 0.7 where it lost 10 %. Every
+        size grows by the same factor per token of context, not by the same time: attention
+        works for every verified token, so a size's growth scales with its time (a batch of 16,
+        T = 0.7, 35 to 160 tokens a sequence: plain decode 2.5 us a token of context, five tokens
+        a sequence 7.6, three times as much at three times the time; one shared slope in time
+        made the larger sizes look cheaper the longer the requests ran, and "auto" turned
+        speculation back on where it lost). A time moves at most in proportion to the context
+        (as if attention were all of it) and to no less than half. Then no size costs more than a
+        longer one (``_monotone``)."""
         table = self.verify_cost.get(bucket, {})
         fit, where, now = self.context_fit.get(bucket), self.verify_context.get(bucket), self.context
-        if fit is not None and where and now is not None and (slope := fit.slope()):
-            # (never below half the measured time: an extrapolation far from the measured contexts;
-            # never steeper than a whole step growing in proportion to its context, as if attention
-            # were all of it: the least time per token of context among the sizes)
-            slope = min([slope] + [t / where[s] for s, t in table.items() if where.get(s, 0) > 0])
-            table = {s: max(0.5 * t, t + slope * (now - where[s])) if s in where else t for s, t in table.items()}
+        if fit is not None and where and now is not None and (growth := fit.slope()):
+            table = {s: t * _moved(growth, where[s], now) if s in where else t for s, t in table.items()}
         return _monotone(table)
 
     def _adaptive_k(self, B: int) -> int:
@@ -1041,7 +1046,7 @@ class SpecController:
                 x = self.context
                 where[s] = x if replaced or s not in where else _ema(where[s], x)
                 self.context_fit.setdefault(bucket, _ContextFit(min_spread=_CONTEXT_SPREAD)).add(
-                    s, x, t_verify if old is None else min(t_verify, 2 * old))
+                    s, x, math.log(t_verify if old is None else min(t_verify, 2 * old)))   # (_verify_table)
         n_draft = drafts.total
         if n_draft:
             # a step's drafting time at its K; a tree's at its shape (how many nodes are verified
@@ -1171,6 +1176,23 @@ def _child_ratio(scores: list[float]) -> float:
     return min(1.0, max(scores[-1] / parent if parent > 0 else 0.0, _MIN_CHILD_RATIO))
 
 
+def _moved(growth: float, where: float, now: float) -> float:
+    """The factor a verify time measured at context ``where`` takes at ``now``, at ``growth`` in log
+    time per token of context (_ContextFit over log times): at most in proportion to the context
+    either way (as if attention were the whole step), never below half.
+
+    >>> round(_moved(1e-4, 1000, 1500), 4), _moved(1e-2, 1000, 1500), _moved(1e-2, 1000, 900)
+    (1.0513, 1.5, 0.9)
+    >>> _moved(1e-2, 1000, 100)
+    0.5
+    """
+    factor = math.exp(growth * (now - where))
+    if where > 0:
+        ratio = now / where
+        factor = min(max(factor, min(1.0, ratio)), max(1.0, ratio))
+    return max(0.5, factor)
+
+
 def _monotone(table: dict[int, float]) -> dict[int, float]:
     """A verify-cost table (tokens per sequence -> seconds) with no size dearer than a longer one: each
     the least of its own and the longer sizes' times. One forward over more tokens a sequence never
@@ -1270,9 +1292,10 @@ class _Weighed:
 
 @dataclass
 class _ContextFit:
-    """Verify time against the batch's context X (the sum of its sequences' lengths: attention
-    reads each sequence's keys and values once a step, however many tokens it verifies), one
-    line per size with a slope shared by all, t ~ a_s + slope * X: least squares within sizes,
+    """A time t against a context X, one line per size with a slope shared by all, t ~ a_s +
+    slope * X (the verify times: their logs against the batch's context, the sum of its sequences'
+    lengths, _verify_table; the drafter's catch-up: its time against the tokens caught up on,
+    _catch_up): least squares within sizes,
     pooled, each sample's weight decaying by _FIT_DECAY per later sample of its size. No slope
     (0) until the contexts of some size spread, and never a negative one. ``min_spread``: no
     slope either until the contexts' standard deviation within sizes is at least this share of

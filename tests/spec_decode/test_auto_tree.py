@@ -4,6 +4,7 @@ while verifying many tokens is cheap and the drafter is confident, small or none
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -922,7 +923,7 @@ def test_context_fit_needs_contexts_spread_by_a_tenth_of_their_mean():
 
 
 def test_verify_costs_move_no_steeper_than_in_proportion_to_the_context():
-    """However steep the fitted slope, a measured time moves to another context at most in
+    """However steep the fitted growth, a measured time moves to another context at most in
     proportion to it (as if attention were the whole step): plain decode measured at 26 ms at a
     context of 2011 reads at most 26 x 3100 / 2011 at 3100."""
     ctl = SpecController(CFG, 4096)
@@ -930,21 +931,21 @@ def test_verify_costs_move_no_steeper_than_in_proportion_to_the_context():
     ctl.verify_context = {32: {1: 2011.0, 5: 2270.0}}
     fit = _ContextFit()
     for i in range(10):
-        fit.add(5, 2000.0 + 100 * i, 60e-3 + 1.3e-4 * 100 * i)   # 0.13 ms a token
+        fit.add(5, 2000.0 + 100 * i, math.log(60e-3 + 1.3e-4 * 100 * i))   # 0.13 ms a token: x 1.2 per 100
     ctl.context_fit = {32: fit}
     ctl.context = 3100.0
     table = ctl._verify_table(32)
-    assert table[1] <= 26e-3 * 3100 / 2011 + 1e-9
-    assert table[5] == pytest.approx(90e-3 + 26e-3 / 2011 * (3100 - 2270))
+    assert table[1] == pytest.approx(26e-3 * 3100 / 2011)
+    assert table[5] == pytest.approx(90e-3 * 3100 / 2270)
 
 
 def test_verify_costs_are_compared_at_the_current_context():
     """A step's time grows with the batch's context (attention reads every sequence's keys and
     values). Plain decode measured near the end of long requests (context 1000) must not look as
     dear at the start of the next ones (context 100-400), nor a size measured early look cheap
-    later: each measured time moves to the context of the step being chosen along the slope
+    later: each measured time moves to the context of the step being chosen by the growth
     fitted within sizes. Measured as is, plain decode (2.0) made a tree of 2 (1.5 expected tokens
-    for 1.6) look 1.9x better than none; at context 400 none costs 1.4, and none wins."""
+    for 1.58) look 1.9x better than none; at context 400 none costs 1.32, and none wins."""
     ctl = SpecController(CFG, 4096)
 
     def reqs(ctx: int) -> list[_Req]:
@@ -955,20 +956,44 @@ def test_verify_costs_are_compared_at_the_current_context():
     plain = (DraftBatch.empty(1), AcceptanceResult([0], [[0]], [0]), 0.0)
     for _ in range(_PLAIN_FIRST):
         ctl.choose(reqs(1000))
-        ctl.observe(reqs(1000), *plain, 1.0 + 1e-3 * 1000)
+        ctl.observe(reqs(1000), *plain, 2.0 ** (1000 / 1000))   # every size doubles per 1000 tokens
     for ctx in range(100, 401, 10):   # a tree of 2 nodes: 3 tokens verified
         ctl.choose(reqs(ctx))
         drafts = DraftBatch(torch.zeros(2, dtype=torch.long), [2], None, torch.full((2,), -1), [[0.5, 0.2]])
-        ctl.observe(reqs(ctx), drafts, AcceptanceResult([0], [[0]], [2]), 0.1, 1.2 + 1e-3 * ctx)
+        ctl.observe(reqs(ctx), drafts, AcceptanceResult([0], [[0]], [2]), 0.1, 1.2 * 2.0 ** (ctx / 1000))
     assert ctl.verify_cost[1][1] == 2.0    # as measured
     ctl.choose(reqs(400))
     table = ctl._verify_table(1)
-    assert table[1] == pytest.approx(1.4, rel=0.02) and table[3] == pytest.approx(1.6, rel=0.02)
+    assert table[1] == pytest.approx(2.0 ** 0.4, rel=0.02) and table[3] == pytest.approx(1.2 * 2.0 ** 0.4, rel=0.02)
     ctl.choose(reqs(1000))
     assert ctl._verify_table(1)[1] == pytest.approx(2.0, rel=0.02)
     # a step shared with other proposers' requests (predictions): the whole forward's context
     ctl.choose(reqs(100), batch_size=2, context=1000.0)
     assert ctl.context == 1000.0
+
+
+def test_larger_sizes_grow_with_the_context_in_proportion_to_their_time():
+    """Attention works for every verified token, so a size's time grows with the context in
+    proportion to it, not by the same time as plain decode's. A batch of 16 at T = 0.7 (35 to
+    160 tokens a sequence): plain decode grew 2.5 us a token of context, five tokens a sequence
+    7.6, at three times the time; moved along plain decode's growth in time, the five tokens
+    measured early looked 20 % cheaper two thousand tokens later, and "auto" turned speculation
+    back on where it lost. Here plain decode is measured along the way (5 ms at a context of
+    560, x 1.5 by 1560) and 5 tokens a sequence once at 816: at 1800 they still cost 3x plain."""
+    ctl = SpecController(CFG, 4096)
+    t1 = lambda x: 5e-3 * 1.5 ** ((x - 560) / 1000)   # noqa: E731
+    fit = _ContextFit(min_spread=0.1)
+    for x in range(560, 1561, 100):
+        fit.add(1, x, math.log(t1(x)))
+    ctl.verify_cost = {16: {1: t1(1560), 5: 3 * t1(816)}}
+    ctl.verify_context = {16: {1: 1560.0, 5: 816.0}}
+    ctl.context_fit = {16: fit}
+    ctl.context = 1800.0
+    table = ctl._verify_table(16)
+    assert table[1] == pytest.approx(t1(1800), rel=1e-6)
+    assert table[5] == pytest.approx(3 * t1(1800), rel=1e-6)
+    additive = 3 * t1(816) + (t1(1560) - t1(560)) / 1000 * (1800 - 816)   # the shared slope in time
+    assert additive < 0.85 * table[5]
 
 
 def test_speculation_must_beat_none_by_the_margin():
