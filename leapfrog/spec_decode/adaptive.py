@@ -1046,7 +1046,7 @@ class SpecController:
                 x = self.context
                 where[s] = x if replaced or s not in where else _ema(where[s], x)
                 self.context_fit.setdefault(bucket, _ContextFit(min_spread=_CONTEXT_SPREAD)).add(
-                    s, x, math.log(t_verify if old is None else min(t_verify, 2 * old)))   # (_verify_table)
+                    s, x, math.log(max(t_verify if old is None else min(t_verify, 2 * old), 1e-9)))   # (_verify_table)
         n_draft = drafts.total
         if n_draft:
             # a step's drafting time at its K; a tree's at its shape (how many nodes are verified
@@ -1183,13 +1183,13 @@ def _moved(growth: float, where: float, now: float) -> float:
 
     >>> round(_moved(1e-4, 1000, 1500), 4), _moved(1e-2, 1000, 1500), _moved(1e-2, 1000, 900)
     (1.0513, 1.5, 0.9)
-    >>> _moved(1e-2, 1000, 100)
-    0.5
+    >>> _moved(1e-2, 1000, 100), _moved(1e-2, 0, 100)
+    (0.5, 1.0)
     """
-    factor = math.exp(growth * (now - where))
-    if where > 0:
-        ratio = now / where
-        factor = min(max(factor, min(1.0, ratio)), max(1.0, ratio))
+    if where <= 0:   # (no context to scale from)
+        return 1.0
+    ratio = now / where
+    factor = min(max(math.exp(growth * (now - where)), min(1.0, ratio)), max(1.0, ratio))
     return max(0.5, factor)
 
 
