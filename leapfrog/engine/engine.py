@@ -703,8 +703,10 @@ class LLMEngine:
         parts = []
         t_step = time.perf_counter()   # the whole step (the controller's t_host: what is neither below)
         t_draft = 0.0   # the configured proposer's drafting time (what the K controller weighs)
+        subs = []   # each group's requests (the controller's ``observe`` gets the list it chose for)
         for proposer, idx in groups:
             sub = [reqs[i] for i in idx]
+            subs.append(sub)
             if proposer is self.predictor:
                 ks = [cap_drafts(r, MAX_PREDICTION_DRAFT, self.max_model_len) for r in sub]
             else:   # the controller sizes drafts by the whole running batch (predictions included)
@@ -747,8 +749,8 @@ class LLMEngine:
             req.metrics.spec.record(n_draft, n_acc, levels)
             self.spec_metrics.record(n_draft, n_acc, levels)
         told = None   # (the controller hears of the step when it is over: t_step)
-        for (proposer, idx), (_, part) in zip(groups, parts):
-            sub, sub_result = [reqs[i] for i in idx], result.select(idx)
+        for (proposer, idx), (_, part), sub in zip(groups, parts, subs):
+            sub_result = result.select(idx)
             try:
                 proposer.on_verified(sub, part, sub_result)
             except Exception:  # noqa: BLE001 - the proposer restarts these requests from scratch

@@ -474,9 +474,12 @@ class ModelRunner:
         if hidden == "logits_rows":
             feats = read
         elif hidden is not None:
-            real = [b * S + i for b, c in enumerate(chunks) for i in range(len(c.token_ids))]
             src = out_hidden if hidden == "hidden" else torch.cat(out_aux, dim=-1)
-            feats = _take(src.reshape(B * S, -1), real)
+            if len(rows) == B * S:   # every row real (decode, unpadded verify): all of them, a view
+                feats = src.reshape(B * S, -1)
+            else:
+                feats = _take(src.reshape(B * S, -1),
+                              [b * S + i for b, c in enumerate(chunks) for i in range(len(c.token_ids))])
         if not rows:
             return StepOutput(torch.empty(0, self.model.args.vocab_size), feats)
         if g is not None:

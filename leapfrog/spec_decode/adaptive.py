@@ -291,6 +291,7 @@ class SpecController:
         #: whether the batch last chosen for (or observed) is mostly sampled requests: its
         #: batch-size bucket is the sampled one (``_bucket``, ``_key``)
         self.sampled = False
+        self._chosen: list[Request] | None = None   # the requests last chosen for (``choose``)
         self.shapes = [cfg.tree_shape(n) for n in range(1, self.K + 1)] if cfg.auto_tree else []
         self.verify_cost: dict[int, dict[int, float]] = {}   # bucket -> s -> seconds
         self.first_verify: dict[int, dict[int, float]] = {}  # bucket -> s -> first (cold) seconds
@@ -339,9 +340,9 @@ class SpecController:
         #: a shared slope), and (bucket, levels) -> the tokens a sequence commits a step of that chain
         self.committed: dict[str | int, int] = {}
         self.catch_up_fit: dict[int, _ContextFit] = {}
-        #: while speculation is off at the batch size being chosen: (tokens the drafter would catch
-        #: up on, tokens left per sequence, sequences) (``_resume_cost``), else None
-        self.resume: tuple[float, float, int] | None = None
+        #: while speculation is off at the batch size being chosen: its requests, else None (what
+        #: switching it on would cost, ``_resume_cost``, is counted only when weighed: every 4th step)
+        self.off_reqs: list[Request] | None = None
         self.chain_tokens: dict[tuple[int, int], float] = {}
         self.context: float | None = None   # the context of the step being chosen (choose) and observed
         #: bucket -> the time of its last observed step if that was an unwidened plain step (a plain
@@ -399,17 +400,13 @@ class SpecController:
         ``reqs``'s; the verify times are fitted against the whole forward's context)."""
         B = batch_size or len(reqs)
         self.sampled = mostly_sampled(reqs)
+        self._chosen = reqs   # (``observe`` of the same step's requests need not count them again)
         bucket = self._key(B)
         stop = None   # (stop_confidence: only the weighing's best chain sets one)
         self.context = float(sum(r.num_computed for r in reqs)) if context is None else context
         if self.cfg.auto_tree:
             self.free_share = sum(r.unseeded_sampled for r in reqs) / len(reqs) if reqs else 0.0
-            # off here: the tokens the drafter would catch up on (a request not known to ``committed``
-            # counts its whole sequence: while off its drafter prefill waits, ``drafting_off``), the
-            # tokens left per sequence, and the sequences
-            self.resume = (sum(self.committed.get(r.request_id, r.num_computed) for r in reqs),
-                           sum(r.max_tokens - len(r.output_ids) for r in reqs) / len(reqs), len(reqs)) \
-                if reqs and self.best.get(bucket) == 0 else None
+            self.off_reqs = reqs if reqs and self.best.get(bucket) == 0 else None
         for stale in (self.probes, self.refresh):   # the batch moved on: its probe and refresh are stale
             for b in [b for b in stale if b != bucket]:
                 del stale[b]
@@ -728,7 +725,7 @@ class SpecController:
         """While speculation is off at this batch size: what switching it on adds to each step,
         given the tokens a step expects per sequence -> seconds, or None (on, or no catch-up slope
         fitted yet). The first drafting step catches the drafter up on every token since it last
-        drafted (``self.resume``), at the fitted slope (``_catch_up``), beyond the tokens a step of
+        drafted (``self.off_reqs``), at the fitted slope (``_catch_up``), beyond the tokens a step of
         the size catches up on anyway (in its measured time); spread over the steps the requests
         have left at that size, at least an exploration interval (requests without max_tokens have
         the rest of the context left: the charge is then small). At a batch of 32 on an AVX2 CPU
@@ -736,9 +733,14 @@ class SpecController:
         where the chain ran even with no speculation: unweighed, "auto" switched it on and off
         again and again, 0.84-0.93x none."""
         fit = self.catch_up_fit.get(bucket)
-        if self.resume is None or fit is None or not (slope := fit.slope()):
+        reqs = self.off_reqs
+        if reqs is None or fit is None or not (slope := fit.slope()):
             return None
-        pending, left, n = self.resume   # (n: this controller's sequences; B may count predictions too)
+        # the tokens the drafter would catch up on (a request not known to ``committed`` counts its
+        # whole sequence: while off its drafter prefill waits, ``drafting_off``), the tokens left
+        # per sequence, and the sequences (this controller's: B may count predictions too)
+        pending = sum(self.committed.get(r.request_id, r.num_computed) for r in reqs)
+        left, n = sum(r.max_tokens - len(r.output_ids) for r in reqs) / len(reqs), len(reqs)
         interval = self.cfg.adaptive_explore_interval
         return lambda tokens: slope * max(0.0, pending - n * tokens) / max(interval, left / tokens)
 
@@ -982,7 +984,8 @@ class SpecController:
         ``t_step`` the whole step, choosing the sizes, committing and outputs included (the rest
         is t_host). A step widened by another proposer's longer drafts updates acceptance and
         drafting cost, not the verify costs of this method's widths."""
-        self.sampled = mostly_sampled(reqs)
+        if reqs is not self._chosen:
+            self.sampled = mostly_sampled(reqs)
         bucket = self._key(batch_size or len(reqs))
         self.observations += 1
         if t_step is not None:
@@ -1009,7 +1012,8 @@ class SpecController:
                     and (w := self._weighed.get(bucket)) is not None):
                 ratio = w.ratio
             depth = self.cfg.num_speculative_tokens
-            self._observe_tree(drafts, result, probe, [self.cap(r, depth) for r in reqs], ratio)
+            if drafts.total:   # (a plain step teaches the curves nothing; capping each request cost 25 us at 32)
+                self._observe_tree(drafts, result, probe, [self.cap(r, depth) for r in reqs], ratio)
         self.widened[bucket] = (verify_tokens or s) > s
         if s == 1:
             self.off_steps[bucket] += 1

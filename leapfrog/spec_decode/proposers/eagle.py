@@ -184,9 +184,10 @@ class EagleProposer:
         rows = states if states.dtype == self._dtype else states.to(self._dtype)  # [n, F]
         f = self.feats.get(req.request_id)
         if f is not None:
-            if start < f.end:  # sent again (a retried step): keep what we have
-                rows, start = rows[f.end - start:], f.end
-            if start == f.end:
+            end = f.start + f.n
+            if start < end:  # sent again (a retried step): keep what we have
+                rows, start = rows[end - start:], end
+            if start == end:
                 if n := rows.shape[0]:
                     f.parts.append(rows)
                     f.n += n
