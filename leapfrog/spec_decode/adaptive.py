@@ -13,13 +13,14 @@ measured drafting time of a step of k drafts (interpolated as t_verify below onc
 measured: a draft model's catch-up forward does not grow with k; before that k times the measured
 time per drafted token), t_verify(B, s) the measured time of one target forward
 over s tokens per sequence at batch size B (with acceptance) and t_host(B) the rest of the
-step (choosing k, committing, outputs: the same whatever k, but paid per step, so it favours
-longer drafts; left out, it made no speculation look 8 % better than it was at T = 0.7), all
-moving averages keyed by batch-size bucket. The controller picks
+step (choosing k, committing, outputs: paid per step, so it favours longer drafts; left out, it
+made no speculation look 8 % better than it was at T = 0.7; a drafting step's and a plain
+step's measured apart, ``_hosts``), all moving averages keyed by batch-size bucket. The
+controller picks
 
     k* = argmax_{k in 0..K} E[tokens](k) / cost(k)            (goodput, tokens per second)
 
-k = 0 (no speculation) has E = 1 and cost t_verify(B, 1) + t_host(B), and counts _SPEC_MARGIN
+k = 0 (no speculation) has E = 1 and cost t_verify(B, 1) + a plain step's t_host(B), and counts _SPEC_MARGIN
 times its goodput (speculation's costs outside its steps: the constant's comment). t_verify(B, 1)
 is measured first at every batch-size bucket (the lesser of the last two of _PLAIN_FIRST
 one-token steps: the first steps after a prefill run slow) and again while speculating where no
@@ -284,7 +285,13 @@ class SpecController:
         self.max_model_len = max_model_len
         #: alpha (a prior until measured), greedy and sampled batches' apart (``acceptance``)
         self._acceptance = {False: TokenRate(), True: TokenRate()}
-        self.host_cost: dict[int, float] = {}   # bucket -> seconds per step outside drafting and verifying
+        #: bucket -> seconds per step outside drafting and verifying: drafting steps', and plain
+        #: steps' apart (committing and appending several tokens a sequence, and the drafter's
+        #: bookkeeping, cost more: at a batch of 16 0.61-0.74 ms against 0.23-0.35 plain; one
+        #: shared time weighed plain decode at the drafting steps' while speculating, about 0.4 ms
+        #: too slow on a 6 ms step)
+        self.host_cost: dict[int, float] = {}
+        self.plain_host: dict[int, float] = {}
         #: auto tree size: the share of the batch last chosen for that drafts chains without
         #: confidence (unseeded sampled requests: ``Request.unseeded_sampled``)
         self.free_share = 0.0
@@ -551,6 +558,13 @@ class SpecController:
             # predicted: the chain's mean confidence sum per kept round
             self.confidence.calibrate(accepted, self.confidence.chain_prediction(self.round_k, drafted / self.round_k))
 
+    def _hosts(self, bucket: int) -> tuple[float, float]:
+        """The host time of a plain step and of a drafting step at this batch size (either one
+        not measured yet: the other's; neither: 0)."""
+        plain, drafting = self.plain_host.get(bucket), self.host_cost.get(bucket)
+        return (plain if plain is not None else drafting or 0.0,
+                drafting if drafting is not None else plain or 0.0)
+
     def _verify_table(self, bucket: int) -> dict[int, float]:
         """The measured verify times at this batch size, each moved to the context of the step
         being chosen along the fitted growth (_ContextFit of log time): a step reads every
@@ -582,7 +596,7 @@ class SpecController:
             return self.K if self.widened.get(bucket) else 0
         if not self._drafted_at(bucket):   # (K at small batches, less as the batch grows: _seed_size)
             return self._first_probe(bucket, self._seed_size(B))
-        host = self.host_cost.get(bucket, 0.0)
+        plain_host, host = self._hosts(bucket)
         # drafting K tokens: the measured curve in K once two K are measured (a drafter's step has
         # a part that does not grow with K: a draft model's catch-up forward; K times the cost per
         # token measured at a small K overrated large K), else K times the cost per token (none
@@ -599,7 +613,7 @@ class SpecController:
             if (rounds := self._rounds_goodput(bucket, k)) is not None:
                 return rounds * (_SPEC_MARGIN if k == 0 else 1.0)
             if k == 0:
-                return _SPEC_MARGIN / (t1 + host)
+                return _SPEC_MARGIN / (t1 + plain_host)
             t = verify[k - 1] or t1
             return expected_tokens(self.alpha, k) / (drafting[k - 1] + t + host)
 
@@ -621,7 +635,7 @@ class SpecController:
         top = min(self.K, self.cfg.num_speculative_tokens) if free == 1 else self.K   # (chains only)
         if (self.curve is None and free < 1) or not self.tree_draft_cost.get(bucket):
             return self._first_probe(bucket, min(top, self._seed_size(B)))   # the head's confidences and the costs
-        per_width, host = self.tree_draft_cost[bucket], self.host_cost.get(bucket, 0.0)
+        per_width, (plain_host, host) = self.tree_draft_cost[bucket], self._hosts(bucket)
         if free < 1 and self.curve is not None:
             # sizes past the first within _FLAT_TOKENS of the most confidence expect no more tokens
             # (about 1 % of a step's), at a higher verify cost: never weighed (the built-in head's
@@ -645,7 +659,7 @@ class SpecController:
                 t_draft *= self._widening(bucket, shape, near[1])
             drafting[shape] = t_draft
         chain = [free * expected_tokens(self.alpha, lv) for lv in range(self.cfg.num_speculative_tokens + 1)]
-        gp = [1.0 / (t1 + host)]
+        gp = [1.0 / (t1 + plain_host)]
         cal = self.calibration   # (read once: every step weighs up to K sizes)
         model = self.confidence.model_curve(len(shapes)) if free < 1 else None
         resume = self._resume_cost(bucket)
@@ -988,11 +1002,12 @@ class SpecController:
             self.sampled = mostly_sampled(reqs)
         bucket = self._key(batch_size or len(reqs))
         self.observations += 1
+        s = max(drafts.num_draft, default=0) + 1
         if t_step is not None:
             host = max(0.0, t_step - t_draft - t_verify)
-            old = self.host_cost.get(bucket)
-            self.host_cost[bucket] = host if old is None else _bounded_ema(old, host)
-        s = max(drafts.num_draft, default=0) + 1
+            kind = self.plain_host if s == 1 else self.host_cost
+            old = kind.get(bucket)
+            kind[bucket] = host if old is None else _bounded_ema(old, host)
         probe = self.probes.get(bucket)
         if probe is not None and (not probe.pending or s == 1):   # not a probe step: the probe is cut short
             del self.probes[bucket]

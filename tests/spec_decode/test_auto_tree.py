@@ -318,6 +318,24 @@ def _chain_step(ctl: SpecController, k: int, accepted: int, t_draft: float = 0.0
                 t_verify, t_step=t_step)
 
 
+def test_plain_decode_is_weighed_at_a_plain_steps_host_time():
+    """A drafting step's host time (committing several tokens a sequence, the drafter's
+    bookkeeping) is kept apart from a plain step's: verifying two tokens costs 1.5 plain steps,
+    alpha is 0.5, a drafting step spends 1.0 outside drafting and verification and a plain step
+    nothing. K = 1 makes 1.5 tokens in 2.5 against none's 1 in 1.0: none, where one shared host
+    time (0.5 after alternating steps) weighed none at 1 in 1.5 and K = 1 at 1.5 in 2.0."""
+    cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=1, adaptive=True)
+    ctl = SpecController(cfg, 4096)
+    for _ in range(6):
+        _chain_step(ctl, 1, 1, 0.0, 1.5, t_step=2.5)
+        _chain_step(ctl, 0, 0, 0.0, 1.0, t_step=1.0)
+    ctl.alpha = 0.5
+    assert ctl._hosts(1) == pytest.approx((0.0, 1.0))
+    assert ctl._adaptive_k(1) == 0
+    ctl.plain_host = {}   # (not measured: a drafting step's stands for it, as one shared time did)
+    assert ctl._adaptive_k(1) == 1
+
+
 def test_alpha_is_accepted_over_tried_not_over_drafted():
     """Chains of 4 whose tokens are each accepted with probability 0.8 (until the first
     rejection): alpha comes out near 0.8. Accepted / drafted would say about 0.59, since the
