@@ -184,7 +184,7 @@ class EagleProposer:
         rows = states if states.dtype == self._dtype else states.to(self._dtype)  # [n, F]
         f = self.feats.get(req.request_id)
         if f is not None:
-            end = f.start + f.n
+            end = f.end   # (read once)
             if start < end:  # sent again (a retried step): keep what we have
                 rows, start = rows[end - start:], end
             if start == end:
