@@ -737,10 +737,18 @@ class LLMEngine:
         # commit / roll back, then feedback and outputs. From here on nothing may raise for the
         # batch: a retry would verify again on advanced state. Every step is per request or caught.
         o = 0
+        hidden = out.hidden
+        if hidden is not None and not drafts.total and hasattr(self.proposer, "on_plain_states"):
+            # a plain step: its states go to the drafter as one [B, F] tensor, not a row per request
+            own = next((idx for p, idx in groups if p is self.proposer), [])
+            if own:
+                self.proposer.on_plain_states([reqs[i] for i in own] if len(own) < len(reqs) else reqs,
+                                              hidden if len(own) == len(reqs) else hidden[own])
+            hidden = None
         for b, (req, n_draft, n_acc) in enumerate(zip(reqs, drafts.num_draft, result.num_accepted)):
             path = result.accepted(b)
             states = None   # the committed tokens' target states: a chain's are rows o..o+n_acc, a view
-            if out.hidden is not None:   # (runner.step's states are a fresh tensor, never a graph's buffer)
+            if hidden is not None:   # (runner.step's states are a fresh tensor, never a graph's buffer)
                 states = out.hidden[[o] + [o + 1 + j for j in path]] if tree else out.hidden[o:o + 1 + n_acc]
             self._guarded(req, self._commit, req, req.num_computed + 1 + n_acc, path if tree else None, states)
             o += n_draft + 1
@@ -750,7 +758,7 @@ class LLMEngine:
             self.spec_metrics.record(n_draft, n_acc, levels)
         told = None   # (the controller hears of the step when it is over: t_step)
         for (proposer, idx), (_, part), sub in zip(groups, parts, subs):
-            sub_result = result.select(idx)
+            sub_result = result if len(idx) == len(reqs) else result.select(idx)   # (idx ascending: all of them)
             try:
                 proposer.on_verified(sub, part, sub_result)
             except Exception:  # noqa: BLE001 - the proposer restarts these requests from scratch
@@ -932,6 +940,8 @@ class LLMEngine:
 
     def _groups(self, reqs: list[Request]) -> list[tuple[Any, list[int]]]:
         """(proposer, indices into reqs) for each proposer that drafts for some of reqs."""
+        if self.proposer is not None and all(r.prediction_ids is None for r in reqs):   # (the usual batch)
+            return [(self.proposer, list(range(len(reqs))))] if reqs else []
         by: dict[int, tuple[Any, list[int]]] = {}
         for i, r in enumerate(reqs):
             p = self._proposer_of(r)

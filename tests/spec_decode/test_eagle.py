@@ -739,3 +739,63 @@ def test_compiled_chain_picks_over_the_heads_own_vocabulary(shapes, tmp_path):
     assert torch.equal(a.tokens, w.tokens)
     assert (a.tokens % 2 == 1).all()
     torch.testing.assert_close(a.logprobs, w.logprobs, rtol=0, atol=1e-5)
+
+
+def test_plain_steps_states_reach_the_head_as_handed_request_by_request(shapes):
+    """Plain steps' states logged as one [B, F] tensor a step (``on_plain_states``) come out of
+    ``feats`` exactly as the same states handed request by request (``on_target_states``): runs of
+    steps of the same requests as blocks, a retried step's states sent again kept once, a request
+    that finished dropped, a changed batch entry by entry, and all before states handed later."""
+    from leapfrog.request import Request
+    from leapfrog.spec_decode.proposers import eagle
+
+    target, heads = shapes["llama_gqa_llama3"]
+    llm = LLM(model=str(target), dtype="float32", max_model_len=256,
+              speculative_config={"method": "eagle3", "model": str(heads["eagle3"]), **TREES["chain"]})
+    prop = llm.engine.proposer
+    F = 3 * 64   # (any width: the proposer keeps rows as given)
+    gen = torch.Generator().manual_seed(0)
+
+    def run(prefix: str, plain: bool, steps: list[tuple[list[int], bool]], states: list[torch.Tensor]) -> None:
+        reqs = [Request(f"{prefix}{i}", None, [1, 2], SamplingParams(max_tokens=8), torch.Generator(), None, (), 8)
+                for i in range(3)]
+        for r, s in zip(reqs, states[:3]):   # (a prompt's states, handed as the engine's prefill hands them)
+            prop.start(r)
+            prop.on_target_states(r, 0, s)
+            r.num_computed = 4
+        for (ids, retry), s in zip(steps, states[3:]):
+            if ids == "finish":
+                prop.finish(reqs[2])
+                continue
+            if plain:
+                prop.on_plain_states([reqs[i] for i in ids], s)
+            else:
+                for b, i in enumerate(ids):
+                    prop.on_target_states(reqs[i], reqs[i].num_computed, s[b:b + 1])
+            for i in ids:
+                reqs[i].num_computed += not retry
+        if plain:
+            assert len(prop._log) == len(steps) - 1 and prop._log[-1][0] == [f"{prefix}1"]
+        late = torch.randn(2, F, generator=torch.Generator().manual_seed(1))   # (a drafting step's: after them)
+        prop.on_target_states(reqs[0], reqs[0].num_computed, late)
+        assert not prop._log
+
+    steps = [([0, 1, 2], False)] * 5 + [([0, 1, 2], True)] + [([0, 1, 2], False)] * 3 + [("finish", False)] + [
+        ([0, 1], False)] * 2 + [([1], False)]
+    states = [torch.randn(4, F, generator=gen) for _ in range(3)] + [
+        torch.randn(3 if ids == "finish" else len(ids), F, generator=gen) for ids, _ in steps]
+    run("log", True, steps, states)
+    run("ref", False, steps, states)
+    assert "log2" not in prop.feats and "ref2" not in prop.feats
+    for i in (0, 1):
+        f, g = prop.feats[f"log{i}"], prop.feats[f"ref{i}"]
+        assert (f.start, f.n) == (g.start, g.n) == (0, 4 + 10 + (i == 1) + 2 * (i == 0))
+        assert torch.equal(f.rows(), g.rows())
+    # with no reader, the log is handed over every _LOG_STEPS steps
+    r = Request("long", None, [1, 2], SamplingParams(max_tokens=8), torch.Generator(), None, (), 8)
+    prop.start(r)
+    rows = torch.randn(eagle._LOG_STEPS, 1, F, generator=gen)
+    for n in range(eagle._LOG_STEPS):
+        r.num_computed = n
+        prop.on_plain_states([r], rows[n])
+    assert not prop._log and torch.equal(prop._feats["long"].rows(), rows[:, 0])
