@@ -190,3 +190,18 @@ def test_build_ahead_without_cpu_affinity(monkeypatch):
     for t in threads:
         t.join(5)
     assert len(threads) == 3 and sorted(done) == list(range(5))
+
+
+def test_build_ahead_imports_torch_dynamo_before_its_threads_start():
+    """The caller's thread and the builds both import torch._dynamo lazily; a package two threads
+    import at once can leave one a partially initialized module (an LLM() failed so in one
+    benchmark process in some 30). build_ahead imports it whole before any thread starts (a fresh
+    interpreter: the first import is build_ahead's)."""
+    code = ("import sys, threading; from leapfrog.utils import cpp\n"
+            "assert 'torch._dynamo' not in sys.modules\n"
+            "seen = []\n"
+            "cpp.build_ahead([lambda: seen.append('torch._dynamo' in sys.modules)])\n"
+            "cpp.wait_for_builds()\n"
+            "assert seen == [True], seen\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]

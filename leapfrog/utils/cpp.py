@@ -137,6 +137,12 @@ def build_ahead(loaders: Sequence[Callable[[], object]], workers: int | None = N
     pending = deque(loaders)
     if not pending:
         return []
+    # torch._dynamo is imported lazily, by the caller's thread too (building a model on "meta":
+    # torch._refs' normal_), and a package two threads import at once can hand one of them a
+    # partially initialized module ("cannot import name 'aot_compile' from partially initialized
+    # module 'torch._dynamo'": one tree_bench.py process in some 30 failed so at LLM()): imported
+    # here first, whole, before any thread starts
+    import torch._dynamo  # noqa: F401
 
     def run() -> None:
         while True:
