@@ -8,7 +8,11 @@ yields, per sequence and step,
 
     E[tokens](k) = (1 - alpha^(k+1)) / (1 - alpha)            (Leviathan et al., eq. 1)
 
-and costs  cost(k) = t_draft(B, k) + t_verify(B, k + 1) + t_host(B), where t_draft(B, k) is the
+where every position accepts alike; the controller shapes it by position (rate.DepthShape: alpha's
+level, each draft position's measured rate relative to it, ``expected_chain_tokens``), as
+acceptance falls with the position and a batch's requests differ (the pooled alpha is weighted
+toward those that accept most), and costs
+cost(k) = t_draft(B, k) + t_verify(B, k + 1) + t_host(B), where t_draft(B, k) is the
 measured drafting time of a step of k drafts (interpolated as t_verify below once two k are
 measured: a draft model's catch-up forward does not grow with k; before that k times the measured
 time per drafted token), t_verify(B, s) the measured time of one target forward
@@ -172,7 +176,7 @@ from leapfrog.request import Request
 from leapfrog.spec_decode.confidence import ConfidenceCurves
 from leapfrog.spec_decode.config import SpeculativeConfig
 from leapfrog.spec_decode.draft import DraftBatch
-from leapfrog.spec_decode.rate import TokenRate
+from leapfrog.spec_decode.rate import DepthShape, TokenRate, geometric_tokens
 from leapfrog.spec_decode.verify.result import AcceptanceResult
 
 _EMA = 0.2
@@ -226,10 +230,8 @@ _FIT_DECAY = 0.97
 _MIN_CHILD_RATIO = 0.5
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    if alpha >= 1.0:
-        return k + 1.0
-    return (1 - alpha ** (k + 1)) / (1 - alpha)
+#: the geometric model of a chain's tokens (rate.py); the controller weighs chains by DepthShape's
+expected_tokens = geometric_tokens
 
 
 #: the flag of a batch-size bucket whose batch is mostly sampled requests (``_bucket``)
@@ -285,6 +287,9 @@ class SpecController:
         self.max_model_len = max_model_len
         #: alpha (a prior until measured), greedy and sampled batches' apart (``acceptance``)
         self._acceptance = {False: TokenRate(), True: TokenRate()}
+        #: ... and how it changes with the draft position, the two kinds apart (``expected_chain_tokens``)
+        depth = min(self.K, cfg.num_speculative_tokens)   # (chains: no deeper than that)
+        self._depth = {False: DepthShape.new(depth), True: DepthShape.new(depth)}
         #: bucket -> seconds per step outside drafting and verifying: drafting steps', and plain
         #: steps' apart (committing and appending several tokens a sequence, and the drafter's
         #: bookkeeping, cost more: at a batch of 16 0.61-0.74 ms against 0.23-0.35 plain; one
@@ -375,6 +380,11 @@ class SpecController:
     @acceptance.setter
     def acceptance(self, rate: TokenRate) -> None:
         self._acceptance[self.sampled] = rate
+
+    def expected_chain_tokens(self, k: int) -> float:
+        """E[tokens] of a step of chains of k drafts for the kind of batch last chosen for or
+        observed: alpha's level, the positions' shape (rate.DepthShape)."""
+        return self._depth[self.sampled].expected_tokens(self.alpha, k)
 
     @property
     def alpha(self) -> float:
@@ -514,9 +524,9 @@ class SpecController:
         if self.cfg.auto_tree:
             if self.curve is None and self.free_share < 1:
                 return None
-            tokens = self._tree_tokens(self.free_share * expected_tokens(self.alpha, k), self.free_share, k)
+            tokens = self._tree_tokens(self.free_share * self.expected_chain_tokens(k), self.free_share, k)
         else:
-            tokens = expected_tokens(self.alpha, k)
+            tokens = self.expected_chain_tokens(k)
         return tokens / (self.round_time[(bucket, k)] + (resume(tokens) if resume is not None else 0.0))
 
     def observe_rounds(self, batch_size: int, rounds: int, seconds: float, accepted: int = 0, drafted: int = 0,
@@ -615,7 +625,7 @@ class SpecController:
             if k == 0:
                 return _SPEC_MARGIN / (t1 + plain_host)
             t = verify[k - 1] or t1
-            return expected_tokens(self.alpha, k) / (drafting[k - 1] + t + host)
+            return self.expected_chain_tokens(k) / (drafting[k - 1] + t + host)
 
         best_k = max(range(self.K + 1), key=goodput)
         return self._explore(bucket, best_k, goodput, min(self.K, best_k + 1), max(0, best_k - 1), 1)
@@ -658,7 +668,7 @@ class SpecController:
             if near[1] < width:   # wider than any measured here: as much dearer as where it was measured
                 t_draft *= self._widening(bucket, shape, near[1])
             drafting[shape] = t_draft
-        chain = [free * expected_tokens(self.alpha, lv) for lv in range(self.cfg.num_speculative_tokens + 1)]
+        chain = [free * self.expected_chain_tokens(lv) for lv in range(self.cfg.num_speculative_tokens + 1)]
         gp = [1.0 / (t1 + plain_host)]
         cal = self.calibration   # (read once: every step weighs up to K sizes)
         model = self.confidence.model_curve(len(shapes)) if free < 1 else None
@@ -1089,10 +1099,19 @@ class SpecController:
             scores = drafts.candidate_scores if self.cfg.auto_tree else None
             chains = [b for b, n in enumerate(drafts.num_draft)
                       if n and (not self.cfg.auto_tree or (scores is not None and scores[b] is None))]
-            accepted = sum(result.num_accepted[b] for b in chains)
             plists = drafts.parent_lists() if drafts.parents is not None and chains else None
-            tried = accepted + sum(_stopped_early(result, b, drafts.num_draft[b], plists and plists[b])
-                                   for b in chains)
+            # per chain: accepted, and tried (the accepted and the rejected one, if any)
+            counts = [(m := result.num_accepted[b], m + _stopped_early(result, b, drafts.num_draft[b],
+                                                                      plists and plists[b])) for b in chains]
+            accepted, tried = sum(m for m, _ in counts), sum(t for _, t in counts)
+            if tried:   # (per position: tried up to t, accepted up to m)
+                shape = self._depth[self.sampled]
+                acc_at, tried_at = [0] * len(shape.tried), [0] * len(shape.tried)
+                for m, t in counts:
+                    for i in range(min(t, len(tried_at))):
+                        tried_at[i] += 1
+                        acc_at[i] += i < m
+                shape.update(acc_at, tried_at)
             if probe is not None and probe.replaces and tried:   # the probe's pooled rate replaces the estimate
                 probe.tokens += accepted
                 probe.tried += tried
