@@ -741,9 +741,14 @@ class LLMEngine:
         if hidden is not None and not drafts.total and hasattr(self.proposer, "on_plain_states"):
             # a plain step: its states go to the drafter as one [B, F] tensor, not a row per request
             own = next((idx for p, idx in groups if p is self.proposer), [])
-            if own:
-                self.proposer.on_plain_states([reqs[i] for i in own] if len(own) < len(reqs) else reqs,
-                                              hidden if len(own) == len(reqs) else hidden[own])
+            mine = [reqs[i] for i in own] if len(own) < len(reqs) else reqs
+            try:
+                if own:
+                    self.proposer.on_plain_states(mine, hidden if len(own) == len(reqs) else hidden[own])
+            except Exception:  # noqa: BLE001 - the proposer restarts these requests from scratch
+                log.exception("proposer state hand-over failed; resetting its state for %d requests", len(mine))
+                for req in mine:
+                    self._reset_proposer(req)
             hidden = None
         for b, (req, n_draft, n_acc) in enumerate(zip(reqs, drafts.num_draft, result.num_accepted)):
             path = result.accepted(b)

@@ -58,7 +58,9 @@ class DepthShape:
     expected tokens of a chain of L then take the level from alpha (the controller's pooled rate,
     which probes may replace) and the shape from here:
     E[tokens](L) = 1 + sum_{i <= L} prod_{j <= i} min(1, alpha f_j), f_j = d_j / d, d_j shrunk
-    toward d by _DEPTH_PRIOR tokens, and positions past the deepest tried take the deepest one's f.
+    toward d by _DEPTH_PRIOR tokens (so a position tried little, or long ago, counts near d: the
+    geometric model's), and positions never tried take the deepest tried one's f. Chains only:
+    rounds (``observe_rounds``) move alpha, not the shape.
     The product of per-position rates pooled over a batch's requests is the batch's mean chance of
     accepting through position i, where the geometric model with one pooled alpha is not: its rate
     is weighted toward the requests that accept most (they try more positions: two requests at

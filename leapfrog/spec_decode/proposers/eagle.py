@@ -56,10 +56,10 @@ from leapfrog.spec_decode.config import SpeculativeConfig
 from leapfrog.spec_decode.draft import DraftBatch, chain_ended, chain_length
 from leapfrog.spec_decode.proposers.base import TargetInfo, register_proposer
 from leapfrog.spec_decode.verify.result import AcceptanceResult
+from leapfrog.utils import env_off
 
 #: plain steps' states logged before they are handed to their requests (``on_plain_states``)
 _LOG_STEPS = 64
-from leapfrog.utils import env_off
 
 
 @dataclass
@@ -215,21 +215,25 @@ class EagleProposer:
         request; anything else (a retried step's states sent again, a changed batch) entry by entry."""
         log, self._log = self._log, []
         i = 0
-        while i < len(log):
-            ids, starts, _ = log[i]
-            j = i + 1
-            while j < len(log) and log[j][0] == ids and all(s == t + j - i for s, t in zip(log[j][1], starts)):
-                j += 1
-            if j - i > 1:
-                block = torch.stack([x for _, _, x in log[i:j]], dim=1)   # [B, n, F]
-                for b, (rid, s) in enumerate(zip(ids, starts)):
-                    if rid in self.computed:
-                        self._add(rid, s, block[b])
-            else:
-                for b, (rid, s) in enumerate(zip(ids, starts)):
-                    if rid in self.computed:
-                        self._add(rid, s, log[i][2][b:b + 1])
-            i = j
+        try:
+            while i < len(log):
+                ids, starts, _ = log[i]
+                j = i + 1
+                while j < len(log) and log[j][0] == ids and all(s == t + j - i for s, t in zip(log[j][1], starts)):
+                    j += 1
+                if j - i > 1:
+                    block = torch.stack([x for _, _, x in log[i:j]], dim=1).to(self._dtype)   # [B, n, F]
+                    for b, (rid, s) in enumerate(zip(ids, starts)):
+                        if rid in self.computed:
+                            self._add(rid, s, block[b])
+                else:
+                    for b, (rid, s) in enumerate(zip(ids, starts)):
+                        if rid in self.computed:
+                            self._add(rid, s, log[i][2][b:b + 1])
+                i = j
+        finally:   # (a failure part way: the entries not handed over stay, in order, for the next reader)
+            if i < len(log):
+                self._log[:0] = log[i:]
 
     def _add(self, rid: str, start: int, states: torch.Tensor) -> None:
         """``on_target_states`` of request ``rid``, the log already handed over."""
