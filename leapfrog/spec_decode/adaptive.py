@@ -1104,14 +1104,7 @@ class SpecController:
             counts = [(m := result.num_accepted[b], m + _stopped_early(result, b, drafts.num_draft[b],
                                                                       plists and plists[b])) for b in chains]
             accepted, tried = sum(m for m, _ in counts), sum(t for _, t in counts)
-            if tried:   # (per position: tried up to t, accepted up to m)
-                shape = self._depth[self.sampled]
-                acc_at, tried_at = [0] * len(shape.tried), [0] * len(shape.tried)
-                for m, t in counts:
-                    for i in range(min(t, len(tried_at))):
-                        tried_at[i] += 1
-                        acc_at[i] += i < m
-                shape.update(acc_at, tried_at)
+            self._depth[self.sampled].update(counts)
             if probe is not None and probe.replaces and tried:   # the probe's pooled rate replaces the estimate
                 probe.tokens += accepted
                 probe.tried += tried

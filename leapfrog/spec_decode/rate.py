@@ -75,8 +75,14 @@ class DepthShape:
     def new(cls, depth: int) -> "DepthShape":
         return cls([0.0] * depth, [0.0] * depth)
 
-    def update(self, accepted: list[int], tried: list[int]) -> None:
-        """One step's accepted and tried draft tokens per position (lists as long as the shape's)."""
+    def update(self, chains: list[tuple[int, int]]) -> None:
+        """One step's chains, each as (accepted, tried) draft tokens: positions 1..tried were
+        tried, 1..accepted accepted (positions past the shape's depth are not kept)."""
+        accepted, tried = [0] * len(self.tried), [0] * len(self.tried)
+        for m, t in chains:
+            for i in range(min(t, len(tried))):
+                tried[i] += 1
+                accepted[i] += i < m
         if (n := sum(tried)) <= 0:
             return
         keep = min((1 - 1 / _DEPTH_WINDOW) ** n, 1 - 1 / _DEPTH_STEPS)

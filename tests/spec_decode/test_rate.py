@@ -32,13 +32,8 @@ def _chains(groups: list[tuple[list[float], int]], depth: int) -> list[tuple[int
 
 
 def _feed(shape: DepthShape, chains: list[tuple[int, int]], steps: int = 20) -> None:
-    tried_at, acc_at = [0] * len(shape.tried), [0] * len(shape.tried)
-    for m, t in chains:
-        for i in range(t):
-            tried_at[i] += 1
-            acc_at[i] += i < m
     for _ in range(steps):
-        shape.update(acc_at, tried_at)
+        shape.update(chains)
 
 
 def _pooled(chains: list[tuple[int, int]]) -> float:
