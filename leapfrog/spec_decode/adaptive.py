@@ -176,7 +176,7 @@ from leapfrog.request import Request
 from leapfrog.spec_decode.confidence import ConfidenceCurves
 from leapfrog.spec_decode.config import SpeculativeConfig
 from leapfrog.spec_decode.draft import DraftBatch
-from leapfrog.spec_decode.rate import DepthShape, TokenRate, geometric_tokens
+from leapfrog.spec_decode.rate import DepthShape, TokenRate
 from leapfrog.spec_decode.verify.result import AcceptanceResult
 
 _EMA = 0.2
@@ -228,10 +228,6 @@ _FIT_DECAY = 0.97
 #: the stop confidence's ratio of a child's confidence to its parent's is taken at least this
 #: (stop_confidence: a flat stretch of the curve must not collapse every chain to one level)
 _MIN_CHILD_RATIO = 0.5
-
-
-#: the geometric model of a chain's tokens (rate.py); the controller weighs chains by DepthShape's
-expected_tokens = geometric_tokens
 
 
 #: the flag of a batch-size bucket whose batch is mostly sampled requests (``_bucket``)

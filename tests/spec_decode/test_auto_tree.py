@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from leapfrog.spec_decode.adaptive import (_PLAIN_FIRST, _PLAIN_REFRESH, SpecController, _bucket, _ContextFit, _curve,
-                                          expected_tokens)
+from leapfrog.spec_decode.adaptive import _PLAIN_FIRST, _PLAIN_REFRESH, SpecController, _bucket, _ContextFit, _curve
 from leapfrog.spec_decode.confidence import GAMMAS
+from leapfrog.spec_decode.rate import geometric_tokens
 
 from .test_confidence import accepted_counts
 from leapfrog.spec_decode.config import SpeculativeConfig
@@ -283,7 +283,7 @@ def test_rounds_update_the_acceptance_of_an_adaptive_k():
     for _ in range(30):   # 1 of 4 accepted per round, the second rejected: alpha = 1 / 2 (accepted / tried)
         ctl.observe_rounds(2, 8, 0.016, 2 * 8 * 1, 2 * 8 * 4, rejected=2 * 8)
     assert abs(ctl.alpha - 0.5) < 0.01 and abs(ctl.round_time[(2, 4)] - 0.002) < 1e-9
-    assert abs(ctl._rounds_goodput(2, 4) - expected_tokens(ctl.alpha, 4) / 0.002) < 1e-6
+    assert abs(ctl._rounds_goodput(2, 4) - geometric_tokens(ctl.alpha, 4) / 0.002) < 1e-6
 
 
 def test_multi_step_decode_is_weighed_as_no_speculation():

@@ -7,10 +7,11 @@ import torch
 
 from leapfrog.request import Request
 from leapfrog.sampling_params import SamplingParams
-from leapfrog.spec_decode.adaptive import SpecController, expected_tokens
+from leapfrog.spec_decode.adaptive import SpecController
 from leapfrog.spec_decode.config import SpeculativeConfig
 from leapfrog.spec_decode.draft import DraftBatch
 from leapfrog.spec_decode.proposers.ngram import ngram_propose
+from leapfrog.spec_decode.rate import geometric_tokens
 from leapfrog.spec_decode.verify.greedy import greedy_accept
 from leapfrog.spec_decode.verify.rejection import rejection_accept
 
@@ -86,12 +87,12 @@ def _req(max_tokens=100):
 
 
 def test_controller_formula_and_caps():
-    assert expected_tokens(0.0, 4) == 1.0
+    assert geometric_tokens(0.0, 4) == 1.0
     fresh = SpecController(SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=True), 64)
     assert fresh.choose([_req()]) == [0]  # plain decode is measured first
     fresh.verify_cost = {1: {1: 1.0}}
     assert fresh.choose([_req()]) == [4]  # unmeasured K looks free: try it once
-    assert abs(expected_tokens(0.5, 2) - 1.75) < 1e-12
+    assert abs(geometric_tokens(0.5, 2) - 1.75) < 1e-12
     c = SpecController(SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=True,
                                          adaptive_explore_interval=1000), max_model_len=64)
     reqs = [_req()]
