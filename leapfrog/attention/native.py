@@ -12,7 +12,8 @@ chunks take SDPA.
 On CPU it is a direct kernel (``attend_cpu``): one work item per (sequence, KV head), split
 over PyTorch's intra-op threads, its queries (tokens x heads sharing that KV head) reading each
 column once; keys and values are read in place from the sequence's cache row
-(no gathered copy for a batch, no padded query for a lone half-precision token) and accumulated in
+(no gathered copy for a batch, no padded query for a lone half-precision token), queries in place
+(a verify chunk's q is a strided view of the fused qkv projection), and accumulated in
 float32: scores q.k, a max pass, then exp and the weighted sum of values in column order.
 
 Row invariance: a token's output depends only on its query, the columns its mask lets it see and
@@ -266,8 +267,8 @@ inline void values_block_any(const float* pj, const bool* vj, const float* vb, i
 // query's arithmetic depends on the other queries, S, B or L (a full block and the tail reduce
 // alike): its result is row-invariant.
 template <typename T>
-void attend_cpu(const T* q, const T* kc, const T* vc, T* out, const int64_t* rows, const bool* mask,
-                int64_t B, int64_t S, int64_t H, int64_t Hkv, int64_t Dh, int64_t ML, int64_t L) {
+void attend_cpu(const T* q, const int64_t* qst, const T* kc, const T* vc, T* out, const int64_t* rows,
+                const bool* mask, int64_t B, int64_t S, int64_t H, int64_t Hkv, int64_t Dh, int64_t ML, int64_t L) {
   const int64_t group = H / Hkv, nq = S * group, nv = Dh / Vec::size(), Lc = std::max<int64_t>(L, 1);
   const float scale = 1.0f / std::sqrt(static_cast<float>(Dh));
   at::parallel_for(0, B * Hkv, 1, [&, scale](int64_t begin, int64_t end) {   // scale by value: a register
@@ -294,7 +295,7 @@ void attend_cpu(const T* q, const T* kc, const T* vc, T* out, const int64_t* row
       const T* V = vc + base;
       for (int64_t j = 0; j < nq; ++j) {   // query j: token s = j / group, head hk * group + j % group
         const int64_t s = j / group, h = hk * group + j % group;
-        const T* qi = q + ((b * S + s) * H + h) * Dh;
+        const T* qi = q + b * qst[0] + s * qst[1] + h * qst[2];   // (q's strides: a view of the fused qkv)
         for (int64_t d = 0; d < Dh; ++d) qf[j * Dh + d] = static_cast<float>(qi[d]);
         vis[j] = mask + (b * S + s) * ML;
         mx[j] = -INFINITY;
@@ -419,16 +420,16 @@ at::Tensor cached_attention_cpu(const at::Tensor& q, const at::Tensor& k, const 
   check_index(r, k_cache.size(0), "rows");
   check_index(wr, k_cache.size(0), "write_rows");
   check_index(wc, ML, "write_cols");
-  const at::Tensor qc = q.contiguous();
+  const at::Tensor qc = q.stride(3) == 1 ? q : q.contiguous();   // read in place where Dh is contiguous
   const at::Tensor kk = k.stride(3) == 1 ? k : k.contiguous(), vv = v.stride(3) == 1 ? v : v.contiguous();
-  at::Tensor out = at::empty_like(qc);
+  at::Tensor out = at::empty({B, S, H, Dh}, q.options());
   auto run = [&](auto tag) {
     using T = decltype(tag);
     const int64_t* wrp = wr.data_ptr<int64_t>();
     const int64_t* wcp = wc.data_ptr<int64_t>();
     write_cache(kk.data_ptr<T>(), kk.strides().data(), k_cache.data_ptr<T>(), wrp, wcp, B, S, Hkv, Dh, ML);
     write_cache(vv.data_ptr<T>(), vv.strides().data(), v_cache.data_ptr<T>(), wrp, wcp, B, S, Hkv, Dh, ML);
-    attend_cpu(qc.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), out.data_ptr<T>(),
+    attend_cpu(qc.data_ptr<T>(), qc.strides().data(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), out.data_ptr<T>(),
                r.data_ptr<int64_t>(), m.data_ptr<bool>(), B, S, H, Hkv, Dh, ML, L);
   };
   switch (q.scalar_type()) {

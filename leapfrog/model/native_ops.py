@@ -236,6 +236,27 @@ at::Tensor silu_mul_cpu(const at::Tensor& gate_up) {
 // Tensor.max(-1) of float32 rows: ATen's kernel walks a row one element at a time (replace on
 // !(value <= max), stop at the first NaN); here a vector pass finds the row's max (NaN-propagating)
 // and a scan the first element equal to it (or the first NaN): the same value and index.
+// the first index i of r[0, V) with r[i] == mx (there is one), a vector of lanes at a time: the
+// scalar scan took 4 us a row of 8192 (half the row on average), 22 of 27 us for a verify's 8 rows
+static int64_t first_equal(const float* r, int64_t V, float mx) {
+  int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512 m = _mm512_set1_ps(mx);
+  for (; i + 16 <= V; i += 16) {
+    const __mmask16 eq = _mm512_cmp_ps_mask(_mm512_loadu_ps(r + i), m, _CMP_EQ_OQ);
+    if (eq) return i + __builtin_ctz(static_cast<unsigned>(eq));
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256 m = _mm256_set1_ps(mx);
+  for (; i + 8 <= V; i += 8) {
+    const int eq = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(r + i), m, _CMP_EQ_OQ));
+    if (eq) return i + __builtin_ctz(static_cast<unsigned>(eq));
+  }
+#endif
+  while (!(r[i] == mx)) ++i;
+  return i;
+}
+
 std::tuple<at::Tensor, at::Tensor> row_max_cpu(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) > 0, "row_max: float32 [N, V], V > 0");
   using Vec = at::vec::Vectorized<float>;
@@ -269,7 +290,7 @@ std::tuple<at::Tensor, at::Tensor> row_max_cpu(const at::Tensor& x) {
     if (nan) {
       while (!std::isnan(r[at])) ++at;
     } else {
-      while (!(r[at] == mx)) ++at;
+      at = first_equal(r, V, mx);
     }
     out_v[n] = r[at];
     out_i[n] = at;

@@ -56,19 +56,20 @@ def test_native_op_matches_python_op(native, dtype, B, S, hkv, D):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_op_reads_strided_keys_and_values(native, dtype):
-    """k and v as the model passes them for a verify chunk: strided views of one fused qkv
-    projection [B, S, q + 2 kv]. The op writes them to the cache in place: the same cache and
-    output as from contiguous copies."""
+def test_native_op_reads_strided_queries_keys_and_values(native, dtype):
+    """q, k and v as the model passes them for a verify chunk: strided views of one fused qkv
+    projection [B, S, q + 2 kv]. The op reads q and writes k and v to the cache in place: the same
+    cache and output (contiguous) as from contiguous copies."""
     B, S, H, hkv, D = 2, 5, 4, 2, 16
     q, k, v, caches, rows, write_rows, write_cols, mask, kv_len = _case(dtype, B, S, H, hkv, D, 40, 11)
     qkv = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1)   # [B, S, (H + 2 hkv) D]
-    _, ks, vs = qkv.split((H * D, hkv * D, hkv * D), dim=-1)
-    ks, vs = ks.view(B, S, hkv, D), vs.view(B, S, hkv, D)
-    assert not ks.is_contiguous() and not vs.is_contiguous()
+    qs, ks, vs = qkv.split((H * D, hkv * D, hkv * D), dim=-1)
+    qs, ks, vs = qs.view(B, S, H, D), ks.view(B, S, hkv, D), vs.view(B, S, hkv, D)
+    assert not qs.is_contiguous() and not ks.is_contiguous() and not vs.is_contiguous()
     c1, c2 = [c.clone() for c in caches], [c.clone() for c in caches]
-    strided = native(q, ks, vs, *c1, rows, write_rows, write_cols, mask, kv_len)
+    strided = native(qs, ks, vs, *c1, rows, write_rows, write_cols, mask, kv_len)
     dense = native(q, k, v, *c2, rows, write_rows, write_cols, mask, kv_len)
+    assert strided.is_contiguous() and strided.shape == q.shape
     assert torch.equal(strided, dense) and all(torch.equal(a, b) for a, b in zip(c1, c2))
 
 
