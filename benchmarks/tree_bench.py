@@ -22,9 +22,9 @@ Prompts: code the models never trained on, either the demo's held-out standard-l
 last, and prints how far the two measured apart per cell (the noise floor of comparing one engine
 per setting: each LLM holds its own copy of the weights, unless the contenders share the target).
 
-Every contender runs on no speculation's loaded target (``--share-target``, the default where the
-engines allow it: eager, and a target that does not stream its weights; ``--no-share-target``: each
-engine its own copy). With a copy each, the interleaving itself costs every engine a cold start
+Every contender runs on no speculation's loaded target (``--share-target``; by default where the
+engine allows it, ``leapfrog bench``'s default too: not a target that streams its weights;
+``--no-share-target``: each engine its own copy). With a copy each, the interleaving itself costs every engine a cold start
 per batch: measured at batch 1 (stop 96, AMX Xeon, the chain of 7 alternated prompt by prompt with
 no speculation's engine), its first three steps took 4.3 / 4.0 / 3.3 ms against 3.0 (+2.6 ms a
 prompt, 3-4 % of its time; none's first steps +1.4 ms, under 1 % of its longer run), about 0.5 ms
@@ -53,7 +53,6 @@ from leapfrog.bench.runner import adaptive_vs_fixed, format_adaptive, format_tab
 from leapfrog.bench.workloads import WorkloadItem
 from leapfrog.demo import DEMO_DIR
 from leapfrog.entrypoints.argtypes import share
-from leapfrog.errors import ConfigError
 from leapfrog.model.loader import load_tokenizer
 from leapfrog.train.corpus import Document
 from leapfrog.train.distill import heldout_prompts
@@ -136,7 +135,7 @@ def main() -> None:
                          "comparison; left out of that comparison")
     ap.add_argument("--share-target", action=argparse.BooleanOptionalAction, default=None,
                     help="every contender on one loaded copy of the target's weights (run_bench share_target); "
-                         "default: shared where the engines allow it, else each its own copy (said on stderr)")
+                         "default: shared where the engine allows it, else that contender its own copy (logged)")
     ap.add_argument("--request-seed", type=int, default=None,
                     help="seed the requests (item i: this + i): sampled ones are verified by matching")
     ap.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
@@ -170,23 +169,11 @@ def main() -> None:
         if not 0 <= args.twin < len(specs):
             raise SystemExit(f"--twin {args.twin}: contenders are 0..{len(specs) - 1}")
         specs = specs + [dict(specs[args.twin])]
-    def bench(shared: bool):
-        return run_bench(args.target, specs, items, temperatures=args.temperatures, max_tokens=args.max_tokens,
-                         batch_sizes=args.batch_sizes, repeats=args.repeats, warmup=1, out_dir=args.out,
-                         dtype=args.dtype, threads=args.threads, request_seed=args.request_seed,
-                         enforce_eager=args.enforce_eager, num_scheduler_steps=args.num_scheduler_steps,
-                         continuous=args.continuous, share_target=shared, greedy_share=args.greedy_share)
-
-    shared = args.share_target if args.share_target is not None else args.enforce_eager   # (compiled: own copies)
-    try:
-        res = bench(shared)
-    except ConfigError as e:
-        if args.share_target is not None or "share_target_with" not in str(e):
-            raise
-        print(f"[tree_bench] the target cannot be shared here ({e}); each engine loads its own copy",
-              file=sys.stderr)
-        shared = False
-        res = bench(shared)
+    res = run_bench(args.target, specs, items, temperatures=args.temperatures, max_tokens=args.max_tokens,
+                    batch_sizes=args.batch_sizes, repeats=args.repeats, warmup=1, out_dir=args.out,
+                    dtype=args.dtype, threads=args.threads, request_seed=args.request_seed,
+                    enforce_eager=args.enforce_eager, num_scheduler_steps=args.num_scheduler_steps,
+                    continuous=args.continuous, share_target=args.share_target, greedy_share=args.greedy_share)
     print(format_table(res))
     names = list(res.contenders)
     twin = names[-1] if args.twin is not None else None   # (the last engine loaded)
@@ -209,7 +196,8 @@ def main() -> None:
     summary = {"source": args.source, "num_prompts": len(items), "max_tokens": args.max_tokens,
                "dtype": res.settings["resolved_dtype"], "threads": args.threads, "enforce_eager": args.enforce_eager,
                "num_scheduler_steps": args.num_scheduler_steps, "multi_step": res.settings["multi_step"],
-               "continuous": args.continuous, "greedy_share": args.greedy_share, "share_target": shared,
+               "continuous": args.continuous, "greedy_share": args.greedy_share, "share_target": res.settings["share_target"],
+               "own_target": res.settings["own_target"],
                "contenders": res.contenders, "rows": rows, "adaptive_goal": goal, "twins": twins}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "tree_summary.json").write_text(json.dumps(summary, indent=1, default=str))

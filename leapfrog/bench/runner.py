@@ -173,7 +173,7 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
               max_model_len: int | None = None, plots: bool = True, progress: bool = True,
               log: Callable[[str], None] | None = None, backends: Sequence[str] = ("leapfrog",),
               request_seed: int | None = None, enforce_eager: bool = True,
-              num_scheduler_steps: int = 1, continuous: bool = False, share_target: bool = False,
+              num_scheduler_steps: int = 1, continuous: bool = False, share_target: bool | None = None,
               greedy_share: float = 0.0) -> BenchResult:
     """Benchmark each speculative config in ``specs`` against no speculation on ``items``; see the module doc.
 
@@ -202,8 +202,14 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
     ``share_target``: every leapfrog contender runs on no speculation's loaded target model
     (``LLM(share_target_with=...)``: the same tensors) instead of a copy of its own. Engines that
     each load a copy can measure apart by several per cent even when identical (where each
-    copy's pages landed; ``benchmarks/tree_bench.py --twin``); sharing leaves the contenders
-    differing only in their settings (each keeps its own drafter and KV cache).
+    copy's pages landed; ``benchmarks/tree_bench.py --twin``), and interleaved batch by batch each
+    starts cold on its copy: at batch 1 the EAGLE-3 chain of 7 paid 2.6 ms a prompt in its first
+    steps after none's run (3-4 % of its time; none under 1 % of its longer run), 0.5 ms on one
+    copy. Sharing leaves the contenders differing only in their settings (each keeps its own
+    drafter and KV cache), as one server's engine runs. None (default): shared where the engine
+    allows it (``engine.check_shareable``: not a target that streams its weights), else that
+    contender loads its own copy, said in the log and listed in ``settings["own_target"]``;
+    False: a copy each; True: shared or refused (ConfigError).
 
     ``greedy_share``: a mixed load, as a server sees one. In the cells of a temperature above 0
     this share of the items runs greedy (``greedy_item``: spread evenly through the workload, the
@@ -252,15 +258,28 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
     names = list(contenders)
 
     from leapfrog.config import supports_rounds
-    llms, multi_step = {}, []
+    llms, multi_step, own_target = {}, [], []
     for name, spec in contenders.items():
         engine_spec = split_contender(spec)[0]
         steps = num_scheduler_steps if engine_spec is None or supports_rounds(engine_spec) else 1
         say(f"loading {name}" + (f" ({steps} steps per engine step)" if steps > 1 else "") + " ...")
-        llms[name] = LLM(model=str(model), tokenizer=tokenizer, dtype=dtype, seed=seed,
-                         speculative_config=engine_spec, max_num_seqs=max(batch_sizes), max_model_len=max_model_len,
-                         enforce_eager=enforce_eager, num_scheduler_steps=steps,
-                         share_target_with=llms["none"] if share_target and name != "none" else None)
+
+        def load(owner: Any) -> Any:
+            return LLM(model=str(model), tokenizer=tokenizer, dtype=dtype, seed=seed,
+                       speculative_config=engine_spec, max_num_seqs=max(batch_sizes), max_model_len=max_model_len,
+                       enforce_eager=enforce_eager, num_scheduler_steps=steps, share_target_with=owner)
+
+        owner = llms["none"] if share_target is not False and name != "none" else None
+        try:
+            llms[name] = load(owner)
+        except ConfigError as e:   # (refused before anything is loaded: engine.check_shareable)
+            if share_target is not None or owner is None or not str(e).startswith("share_target_with"):
+                raise
+            say(f"{name} loads its own copy of the target: {e}")
+            llms[name] = load(None)
+            owner = None
+        if name != "none" and owner is None:
+            own_target.append(name)
         if steps > 1:
             multi_step.append(name)
     base = llms["none"]
@@ -380,7 +399,8 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
                                        backends=list(backends), threads=threads, num_items=len(kept),
                                        categories=categories, request_seed=request_seed,
                                        enforce_eager=enforce_eager, num_scheduler_steps=num_scheduler_steps,
-                                       multi_step=multi_step, continuous=continuous, share_target=share_target,
+                                       multi_step=multi_step, continuous=continuous,
+                                       share_target=len(contenders) > 1 and not own_target, own_target=own_target,
                                        greedy_share=greedy_share))
     if out_dir is not None:
         write_outputs(result, Path(out_dir), plots=plots)

@@ -314,9 +314,11 @@ def _bench_parser(sub) -> None:
     p.add_argument("--greedy-share", type=share, default=0.0,
                    help="a mixed load: in the cells of a --temperature above 0 this share of the requests runs "
                         "greedy (spread evenly through the workload), the rest sampled")
-    p.add_argument("--share-target", action="store_true",
-                   help="every contender runs on one loaded copy of the target's weights (no speculation's): "
-                        "engines that each load a copy can measure apart by several per cent even when identical")
+    p.add_argument("--share-target", action=argparse.BooleanOptionalAction, default=None,
+                   help="every contender runs on one loaded copy of the target's weights (no speculation's), as one "
+                        "server's engine does (default: where the engine allows it; --no-share-target: a copy each, "
+                        "which can measure apart by several per cent even when identical, and each starts cold "
+                        "after the others' batches)")
     p.add_argument("--out", default="bench_out", type=output_dir, help="folder for bench.json, bench.csv and the plots")
     p.add_argument("--no-plots", action="store_true", help="skip the matplotlib plots")
     p.add_argument("--backend", action="append", default=None, choices=["leapfrog", "transformers"],

@@ -330,10 +330,35 @@ def test_share_target_loads_the_target_once(llama_dir, monkeypatch):
     kw = dict(temperatures=[0.0], max_tokens=6, batch_sizes=[2], repeats=1, warmup=0, out_dir=None,
               dtype="float32", progress=False)
     res = run_bench(str(llama_dir), [NG2, NG4], ITEMS, share_target=True, **kw)
-    assert len(loads) == 1 and res.settings["share_target"]
+    assert len(loads) == 1 and res.settings["share_target"] and res.settings["own_target"] == []
     assert all(r["equal_rate"] == 1.0 for r in res.rows if r["contender"] != "none")
-    run_bench(str(llama_dir), [NG2], ITEMS[:2], **kw)
-    assert len(loads) == 3   # one copy per engine without it
+    res = run_bench(str(llama_dir), [NG2], ITEMS[:2], share_target=False, **kw)
+    assert len(loads) == 3 and not res.settings["share_target"]   # one copy per engine without it
+    assert res.settings["own_target"] == ["ngram-k2"]
+    res = run_bench(str(llama_dir), [NG2], ITEMS[:2], **kw)   # the default: shared where allowed
+    assert len(loads) == 4 and res.settings["share_target"]
+
+
+def test_share_target_by_default_falls_back_to_a_copy_where_refused(llama_dir, monkeypatch):
+    """Where the engine refuses to share (engine.check_shareable: e.g. a target that streams its
+    weights), the default loads that contender's own copy and says so; share_target=True is refused."""
+    from leapfrog.engine import engine as engine_module
+    from leapfrog.errors import ConfigError
+
+    def refuse(owner, engine):
+        raise ConfigError(engine_module._STREAMING_SHARE)
+    monkeypatch.setattr(engine_module, "check_shareable", refuse)
+    loads, said = [], []
+    real = engine_module.load_model
+    monkeypatch.setattr(engine_module, "load_model", lambda *a, **k: loads.append(1) or real(*a, **k))
+    kw = dict(temperatures=[0.0], max_tokens=4, batch_sizes=[1], repeats=1, warmup=0, out_dir=None,
+              dtype="float32", progress=False, log=said.append)
+    res = run_bench(str(llama_dir), [NG2], ITEMS[:2], **kw)
+    assert len(loads) == 2 and res.settings["own_target"] == ["ngram-k2"] and not res.settings["share_target"]
+    assert any("ngram-k2 loads its own copy of the target" in s and "streams its weights" in s for s in said)
+    assert all(r["equal_rate"] == 1.0 for r in res.rows if r["contender"] != "none")
+    with pytest.raises(ConfigError, match="streams its weights"):
+        run_bench(str(llama_dir), [NG2], ITEMS[:2], share_target=True, **kw)
 
 
 def test_greedy_share_mixes_greedy_and_sampled_requests_in_one_batch(llama_dir, monkeypatch, capsys):
