@@ -130,7 +130,7 @@ def main() -> None:
     ap.add_argument("--twin", type=int, default=None,
                     help="a second, identical engine of this contender (an index of --only's list, or of all "
                          "without --only), loaded last: how far two engines of one setting differ in this run "
-                         "(each LLM holds its own weights unless --share-target: identical ones measured 2-8 %% apart "
+                         "(with --no-share-target each LLM holds its own weights: identical ones measured 2-8 %% apart "
                          "with their own, 0-6 %% sharing the target), the noise floor of the adaptive goal's "
                          "comparison; left out of that comparison")
     ap.add_argument("--share-target", action=argparse.BooleanOptionalAction, default=None,

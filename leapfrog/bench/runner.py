@@ -270,12 +270,15 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
                        enforce_eager=enforce_eager, num_scheduler_steps=steps, share_target_with=owner)
 
         owner = llms["none"] if share_target is not False and name != "none" else None
+        refused = None
         try:
             llms[name] = load(owner)
-        except ConfigError as e:   # (refused before anything is loaded: engine.check_shareable)
+        except ConfigError as e:   # (engine.check_shareable, or a drafter beside a streaming target)
             if share_target is not None or owner is None or not str(e).startswith("share_target_with"):
                 raise
-            say(f"{name} loads its own copy of the target: {e}")
+            refused = str(e)
+        if refused is not None:   # (out of the except: the refused engine is freed before the copy loads)
+            say(f"{name} loads its own copy of the target: {refused}")
             llms[name] = load(None)
             owner = None
         if name != "none" and owner is None:
@@ -283,6 +286,7 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
         if steps > 1:
             multi_step.append(name)
     base = llms["none"]
+    shared = len(llms) > 1 and not own_target   # (every leapfrog contender on none's target)
     peers: dict[str, str] = {}     # transformers contender -> the leapfrog contender it mirrors
     if "transformers" in backends:
         from leapfrog.bench.hf_backend import HFGenerator, hf_mode_for, hf_name
@@ -400,7 +404,7 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
                                        categories=categories, request_seed=request_seed,
                                        enforce_eager=enforce_eager, num_scheduler_steps=num_scheduler_steps,
                                        multi_step=multi_step, continuous=continuous,
-                                       share_target=len(contenders) > 1 and not own_target, own_target=own_target,
+                                       share_target=shared, own_target=own_target,
                                        greedy_share=greedy_share))
     if out_dir is not None:
         write_outputs(result, Path(out_dir), plots=plots)

@@ -98,6 +98,12 @@ def test_cli_bench(llama_dir, tmp_path, capsys):
                "--continuous", "--share-target", "--out", str(tmp_path / "cont"), "--no-plots"])
     settings = json.loads((tmp_path / "cont" / "bench.json").read_text())["settings"]
     assert rc == 0 and settings["continuous"] is True and settings["share_target"] is True
+    assert json.loads((tmp_path / "out" / "bench.json").read_text())["settings"]["share_target"] is True   # (default)
+    rc = main(["bench", "--model", str(llama_dir), "--speculative-config", json.dumps(NG2), "--workload", str(wl),
+               "--max-tokens", "4", "--repeats", "1", "--warmup", "0", "--dtype", "float32", "--no-share-target",
+               "--out", str(tmp_path / "copies"), "--no-plots"])
+    settings = json.loads((tmp_path / "copies" / "bench.json").read_text())["settings"]
+    assert rc == 0 and settings["share_target"] is False and settings["own_target"] == ["ngram-k2"]
 
 
 def test_cli_bad_input(llama_dir, tmp_path, capsys):
@@ -396,3 +402,23 @@ def test_greedy_share_mixes_greedy_and_sampled_requests_in_one_batch(llama_dir, 
     with pytest.raises(SystemExit) as e:
         main(["bench", "--model", str(llama_dir), "--greedy-share", "2"])
     assert e.value.code == 2 and "--greedy-share: 2.0: must be in [0, 1]" in capsys.readouterr().err
+
+
+def test_share_target_by_default_gives_a_streaming_target_its_own_copy(llama_dir, draft_dir, monkeypatch):
+    """The refusal that comes late (engine.py: a drafter beside a target larger than the cache,
+    which streams its weights): by default that contender runs on its own, streaming copy and none's
+    shared model is left as it was."""
+    import torch
+
+    from leapfrog.model import native_linear
+    if not native_linear.native_linear_supported(torch.bfloat16, "cpu"):
+        pytest.skip("no bf16 linear kernel on this CPU (nothing streams)")
+    monkeypatch.setattr(native_linear, "last_level_cache_bytes", lambda: 1)
+    monkeypatch.delenv("LEAPFROG_STREAM_WEIGHTS", raising=False)
+    said = []
+    spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 2}
+    res = run_bench(str(llama_dir), [spec], ITEMS[:2], temperatures=[0.0], max_tokens=4, batch_sizes=[1], repeats=1,
+                    warmup=0, out_dir=None, dtype="bfloat16", max_model_len=128, progress=False, log=said.append)
+    assert res.settings["own_target"] == ["draft_model-k2"] and not res.settings["share_target"]
+    assert any("draft_model-k2 loads its own copy" in s and "streams its weights" in s for s in said)
+    assert all(r["equal_rate"] == 1.0 for r in res.rows if r["contender"] != "none")
