@@ -13,6 +13,11 @@ class ConfigError(LeapfrogError, ValueError):
     """An engine, sampling or speculative configuration value is invalid."""
 
 
+class NotShareable(ConfigError):
+    """An engine cannot run on another engine's loaded target (``LLM(share_target_with=...)``:
+    engine.check_shareable, or a target that would stream its weights beside a drafter)."""
+
+
 class RequestError(LeapfrogError, ValueError):
     """A request cannot be served as given (too long, bad prompt, ...). ``param``: the request
     field at fault when it is not the prompt (the server's 400 names it)."""

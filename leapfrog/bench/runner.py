@@ -41,7 +41,7 @@ import numpy as np
 
 from leapfrog.bench.hf_backend import HF_PREFIX
 from leapfrog.bench.workloads import WorkloadItem
-from leapfrog.errors import ConfigError
+from leapfrog.errors import ConfigError, NotShareable
 from leapfrog.outputs import SpecMetrics
 
 ALL = "all"
@@ -209,7 +209,7 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
     drafter and KV cache), as one server's engine runs. None (default): shared where the engine
     allows it (``engine.check_shareable``: not a target that streams its weights), else that
     contender loads its own copy, said in the log and listed in ``settings["own_target"]``;
-    False: a copy each; True: shared or refused (ConfigError).
+    False: a copy each; True: shared or refused (NotShareable, a ConfigError).
 
     ``greedy_share``: a mixed load, as a server sees one. In the cells of a temperature above 0
     this share of the items runs greedy (``greedy_item``: spread evenly through the workload, the
@@ -273,8 +273,8 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
         refused = None
         try:
             llms[name] = load(owner)
-        except ConfigError as e:   # (engine.check_shareable, or a drafter beside a streaming target)
-            if share_target is not None or owner is None or not str(e).startswith("share_target_with"):
+        except NotShareable as e:   # (engine.check_shareable, or a drafter beside a streaming target)
+            if share_target is not None:
                 raise
             refused = str(e)
         if refused is not None:   # (out of the except: the refused engine is freed before the copy loads)

@@ -26,7 +26,7 @@ import torch
 from leapfrog.attention.native import load_native_attention
 from leapfrog.config import EngineConfig
 from leapfrog.detokenizer import Detokenizer
-from leapfrog.errors import ConfigError, RequestError
+from leapfrog.errors import ConfigError, NotShareable, RequestError
 from leapfrog.kv.manager import KVManager
 from leapfrog.model.compiled import RoundRace, can_compile, make_buckets
 from leapfrog.model.loader import load_model, load_tokenizer, read_checkpoint, resolve_dtype
@@ -82,7 +82,7 @@ _STREAMING_SHARE = ("share_target_with: the target streams its weights past the 
 
 
 def check_shareable(owner: LLMEngine, engine: LLMEngine) -> None:
-    """Refuse (ConfigError) to run ``engine`` on ``owner``'s target model unless it is the one
+    """Refuse (NotShareable, a ConfigError) to run ``engine`` on ``owner``'s target model unless it is the one
     ``engine`` would load and use: the same checkpoint directory, dtype, device, quantization,
     ``load_format`` (and seed, for dummy weights), eager or compiled, batch-invariant or not, no
     tensor parallelism, and a context no longer than the owner's (its RoPE tables). Engines then
@@ -94,14 +94,14 @@ def check_shareable(owner: LLMEngine, engine: LLMEngine) -> None:
     mine, theirs = _target_identity(engine), _target_identity(owner)
     differ = [f"{k} {v} (the owner's: {theirs.get(k)})" for k, v in mine.items() if v != theirs.get(k)]
     if differ:
-        raise ConfigError("share_target_with: the engines would not load the same target: " + "; ".join(differ))
+        raise NotShareable("share_target_with: the engines would not load the same target: " + "; ".join(differ))
     if engine.config.tensor_parallel_size > 1:
-        raise ConfigError("share_target_with: not with tensor parallelism (each rank holds its own shard)")
+        raise NotShareable("share_target_with: not with tensor parallelism (each rank holds its own shard)")
     if engine.max_model_len > owner.max_model_len:
-        raise ConfigError(f"share_target_with: max_model_len {engine.max_model_len} is longer than the owner's "
+        raise NotShareable(f"share_target_with: max_model_len {engine.max_model_len} is longer than the owner's "
                           f"{owner.max_model_len} (the model's RoPE tables are the owner's length)")
     if any(getattr(m, "stream", False) for m in owner.model.modules()):
-        raise ConfigError(_STREAMING_SHARE)
+        raise NotShareable(_STREAMING_SHARE)
 
 
 def _target_identity(e: LLMEngine) -> dict[str, Any]:
@@ -202,7 +202,7 @@ class LLMEngine:
                     # a drafter model: a target larger than the cache streams its weights past it,
                     # so the drafter's stay cached between draft steps (model/native_linear.py)
                     if share_target_with is not None and would_stream(self.model):
-                        raise ConfigError(_STREAMING_SHARE)
+                        raise NotShareable(_STREAMING_SHARE)
                     n = set_streaming(self.model)
                     if n:
                         log.info("target weights stream non-temporally (%d linears) beside the drafter", n)

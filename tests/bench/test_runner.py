@@ -349,10 +349,10 @@ def test_share_target_by_default_falls_back_to_a_copy_where_refused(llama_dir, m
     """Where the engine refuses to share (engine.check_shareable: e.g. a target that streams its
     weights), the default loads that contender's own copy and says so; share_target=True is refused."""
     from leapfrog.engine import engine as engine_module
-    from leapfrog.errors import ConfigError
+    from leapfrog.errors import ConfigError, NotShareable
 
     def refuse(owner, engine):
-        raise ConfigError(engine_module._STREAMING_SHARE)
+        raise NotShareable(engine_module._STREAMING_SHARE)
     monkeypatch.setattr(engine_module, "check_shareable", refuse)
     loads, said = [], []
     real = engine_module.load_model
