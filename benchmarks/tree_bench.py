@@ -24,13 +24,13 @@ per setting: each LLM holds its own copy of the weights, unless the contenders s
 
 Every contender runs on no speculation's loaded target (``--share-target``; by default where the
 engine allows it, ``leapfrog bench``'s default too: not a target that streams its weights;
-``--no-share-target``: each engine its own copy). With a copy each, the interleaving itself costs every engine a cold start
-per batch: measured at batch 1 (stop 96, AMX Xeon, the chain of 7 alternated prompt by prompt with
-no speculation's engine), its first three steps took 4.3 / 4.0 / 3.3 ms against 3.0 (+2.6 ms a
-prompt, 3-4 % of its time; none's first steps +1.4 ms, under 1 % of its longer run), about 0.5 ms
-with one shared copy: the other engine's copy had taken the last-level cache. A server runs one
-copy; so the shared target measures what a user gets, and the interleaving no longer charges
-the shorter run more.
+``--no-share-target``: each engine its own copy). With a copy each, the interleaving itself
+costs every engine a cold start per batch: measured at batch 1 (stop 96, AMX Xeon, the chain of 7
+alternated prompt by prompt with no speculation's engine), its first three steps took 4.3 / 4.0 /
+3.3 ms against 3.0 (+2.6 ms a prompt, 3-4 % of its time; none's first steps +1.4 ms, under 1 % of
+its longer run), about 0.5 ms with one shared copy: the other engine's copy had taken the
+last-level cache. A server runs one copy; so the shared target measures what a user gets, and the
+interleaving no longer charges the shorter run more.
 
     python benchmarks/tree_bench.py --out bench_tree [--temperatures 0 0.7] [--batch-sizes 1 4 16 32] \
         [--no-enforce-eager]
@@ -196,8 +196,8 @@ def main() -> None:
     summary = {"source": args.source, "num_prompts": len(items), "max_tokens": args.max_tokens,
                "dtype": res.settings["resolved_dtype"], "threads": args.threads, "enforce_eager": args.enforce_eager,
                "num_scheduler_steps": args.num_scheduler_steps, "multi_step": res.settings["multi_step"],
-               "continuous": args.continuous, "greedy_share": args.greedy_share, "share_target": res.settings["share_target"],
-               "own_target": res.settings["own_target"],
+               "continuous": args.continuous, "greedy_share": args.greedy_share,
+               "share_target": res.settings["share_target"], "own_target": res.settings["own_target"],
                "contenders": res.contenders, "rows": rows, "adaptive_goal": goal, "twins": twins}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "tree_summary.json").write_text(json.dumps(summary, indent=1, default=str))

@@ -233,9 +233,6 @@ at::Tensor silu_mul_cpu(const at::Tensor& gate_up) {
   return y;
 }
 
-// Tensor.max(-1) of float32 rows: ATen's kernel walks a row one element at a time (replace on
-// !(value <= max), stop at the first NaN); here a vector pass finds the row's max (NaN-propagating)
-// and a scan the first element equal to it (or the first NaN): the same value and index.
 // the first index i of r[0, V) with r[i] == mx (there is one), a vector of lanes at a time: the
 // scalar scan took 4 us a row of 8192 (half the row on average), 22 of 27 us for a verify's 8 rows
 static int64_t first_equal(const float* r, int64_t V, float mx) {
@@ -257,6 +254,9 @@ static int64_t first_equal(const float* r, int64_t V, float mx) {
   return i;
 }
 
+// Tensor.max(-1) of float32 rows: ATen's kernel walks a row one element at a time (replace on
+// !(value <= max), stop at the first NaN); here a vector pass finds the row's max (NaN-propagating)
+// and a scan the first element equal to it (or the first NaN): the same value and index.
 std::tuple<at::Tensor, at::Tensor> row_max_cpu(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) > 0, "row_max: float32 [N, V], V > 0");
   using Vec = at::vec::Vectorized<float>;
