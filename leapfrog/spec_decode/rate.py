@@ -7,6 +7,12 @@ from dataclasses import dataclass
 
 _RATE_WINDOW = 64   # tried (predicted) draft tokens: the acceptance rate's and calibration's memory (TokenRate)
 _RATE_STEPS = 16    # ... and steps, at most
+#: ... and steps, at least: at large batches one step brings a window of tokens (a batch of 16
+#: verifying chains of 4-7 predicts 60-110 tokens a step), and a memory of one or two steps
+#: swung an auto tree's calibration 0.83-1.11 from one weighing to the next at a batch of 16, T
+#: = 0 (AMX Xeon): a low one turned speculation off where the chains ran 1.14x none, and while
+#: off nothing measured moved it again (stop 97). Four steps of 16 sequences average 64 chains.
+_RATE_MIN_STEPS = 4
 
 
 @dataclass
@@ -23,13 +29,15 @@ class TokenRate:
       C_gamma of the verified candidates).
 
     Moving averages per step swung with single steps (at T = 0.7, batch 1: a few unlucky steps
-    turned speculation off for 128 tokens; at T = 0 a tree's calibration for 24 steps). ``prior``
-    until something is measured."""
+    turned speculation off for 128 tokens; at T = 0 a tree's calibration for 24 steps). Where a
+    step brings more than a window of tokens (large batches) the memory is still about
+    ``min_steps`` steps (_RATE_MIN_STEPS). ``prior`` until something is measured."""
     accepted: float = 0.0
     per: float = 0.0
     prior: float = 0.7
     window: float = _RATE_WINDOW   # tokens of ``per`` remembered
     steps: int = _RATE_STEPS       # steps remembered, at most
+    min_steps: int = _RATE_MIN_STEPS   # ... and at least
 
     @property
     def value(self) -> float:
@@ -38,7 +46,7 @@ class TokenRate:
     def update(self, accepted: float, per: float) -> None:
         """One step's accepted tokens, and tried (predicted) ones."""
         if per > 0:
-            keep = min((1 - 1 / self.window) ** per, 1 - 1 / self.steps)
+            keep = min(max((1 - 1 / self.window) ** per, 1 - 1 / self.min_steps), 1 - 1 / self.steps)
             self.accepted, self.per = keep * self.accepted + accepted, keep * self.per + per
 
 

@@ -116,3 +116,24 @@ class _Sampled:
 
     def __init__(self) -> None:
         self.request_id = id(self)
+
+
+def test_a_rate_remembers_a_few_steps_however_many_tokens_each_brings():
+    """A window of tokens is about one step at large batches (a batch of 16 verifying chains of 4
+    predicts 64 tokens a step): the memory is still about _RATE_MIN_STEPS steps, so one unlucky step
+    moves the rate by about a quarter of its miss, where it replaced it nearly whole; at batch 1
+    (a few tokens a step) the window of tokens rules as before."""
+    from leapfrog.spec_decode.rate import _RATE_MIN_STEPS, _RATE_STEPS, _RATE_WINDOW
+    large = TokenRate(prior=1.0)
+    for _ in range(20):
+        large.update(64.0, 64.0)          # calibrated: accepted = predicted
+    large.update(32.0, 64.0)              # one step at half
+    assert 1 - 0.5 / _RATE_MIN_STEPS - 0.05 < large.value < 1 - 0.5 / _RATE_MIN_STEPS + 0.05
+    small = TokenRate(prior=1.0)
+    for _ in range(40):
+        small.update(4.0, 4.0)
+    small.update(2.0, 4.0)
+    keep = min((1 - 1 / _RATE_WINDOW) ** 4, 1 - 1 / _RATE_STEPS)   # (no floor from _RATE_MIN_STEPS)
+    assert keep > 1 - 1 / _RATE_MIN_STEPS
+    expected = (keep * 4.0 * (1 - keep ** 40) / (1 - keep) + 2.0) / (keep * 4.0 * (1 - keep ** 40) / (1 - keep) + 4.0)
+    assert small.value == pytest.approx(expected, rel=1e-9)
