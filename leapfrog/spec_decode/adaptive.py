@@ -169,7 +169,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from leapfrog.request import Request
@@ -195,6 +195,11 @@ _FLAT_TOKENS = 0.05
 #: last weighing stands, exploration included (it moves little from one step to the next, and
 #: weighing every step cost 0.06 ms, 3 % of a step of the chain of 5 at batch 1)
 _REWEIGH_STEPS = 4
+#: ... and this many while the last weighing put no speculation first: then only plain steps are
+#: measured in between, which move plain decode's time, seldom the verdict (a weighing cost about
+#: 0.2 ms at a batch of 16: every 4th step, 1.5 % of a 3.3 ms plain step, at a batch of 16 at T =
+#: 0.7 where speculation does not pay and "auto" drafts nothing for hundreds of steps)
+_REWEIGH_OFF_STEPS = 16
 #: plain decode is measured first at a batch size, this many steps, the lesser of the last two
 #: standing: the steps right after a prefill run slow (a batch of 16 after its 64-token prompts:
 #: the forward 3.8, 3.5, 2.8, 2.6 ms, then 2.3), and the second of two made speculation look 20 %
@@ -632,7 +637,7 @@ class SpecController:
         bucket = self._key(B)
         weighed = self._weighed.get(bucket)   # (first: a weighing stands only where all below held)
         if (weighed is not None and weighed.free == free and weighed.batch == B
-                and self.observations - weighed.at < _REWEIGH_STEPS):
+                and self.observations - weighed.at < (_REWEIGH_STEPS if weighed.best else _REWEIGH_OFF_STEPS)):
             return self._explore_weighed(bucket, weighed)
         table = self._verify_table(bucket)   # (once a weighing: it fits the slope)
         t1 = table.get(1)
@@ -698,6 +703,10 @@ class SpecController:
             stop = stop_confidence(extra * gp[best], cal, self.confidence.gamma, ratio)
         w = _Weighed(self.observations, B, free, gp, best, min(top, max(1, up)), max(0, down),
                      min(top, self._probe_size(B)), stop, ratio)
+        if best == 0 and weighed is not None and weighed.best and not weighed.holding:
+            # speculating, and no speculation weighed best for the first time: the last best size
+            # runs on until the next weighing agrees (_Weighed.holding)
+            w = replace(weighed, at=self.observations, batch=B, free=free, goodput=gp, holding=True)
         self._weighed[bucket] = w
         return self._explore_weighed(bucket, w)
 
@@ -1009,6 +1018,8 @@ class SpecController:
         bucket = self._key(batch_size or len(reqs))
         self.observations += 1
         s = max(drafts.num_draft, default=0) + 1
+        if s > 1 and (w := self._weighed.get(bucket)) is not None and not w.best:
+            del self._weighed[bucket]   # (drafts measured while off: weighed again next, _REWEIGH_OFF_STEPS)
         if t_step is not None:
             host = max(0.0, t_step - t_draft - t_verify)
             kind = self.plain_host if s == 1 else self.host_cost
@@ -1315,6 +1326,14 @@ class _Weighed:
     #: ratio of a child's confidence to its parent's it assumed
     stop: float | None = None
     ratio: float = 1.0
+    #: no speculation weighed best, for the first time since speculating: ``best`` is still the
+    #: last weighing's size, until the next weighing (with that size's fresh measurements) agrees.
+    #: While off, nothing measured moves acceptance or the calibration, so a weighing that turned
+    #: speculation off on an unlucky stretch held for as long as it stayed off (at a batch of 16
+    #: the first probe comes after 2048 steps): at a batch of 16, T = 0, a calibration of 0.83-0.86
+    #: (it swung 0.83-1.11 between weighings, 1.0 on average) kept the chains off for 15 weighings
+    #: where they ran 1.14x none (stop 97)
+    holding: bool = False
 
 
 @dataclass

@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from leapfrog.spec_decode.adaptive import _PLAIN_FIRST, _PLAIN_REFRESH, SpecController, _bucket, _ContextFit, _curve
+from leapfrog.spec_decode.adaptive import (_PLAIN_FIRST, _PLAIN_REFRESH, _REWEIGH_OFF_STEPS, _REWEIGH_STEPS, SpecController,
+                                           _bucket, _ContextFit, _curve)
 from leapfrog.spec_decode.confidence import GAMMAS
 from leapfrog.spec_decode.rate import geometric_tokens
 
@@ -428,7 +429,10 @@ def test_sampled_chains_without_confidence_are_weighed_by_alpha():
     assert ctl.choose([_Sampled()]) == [4]
     for _ in range(60):   # nothing accepted: alpha -> 0, no speculation pays
         _chain_step(ctl, 4, 0, 0.2, 1.1, scores=[None], req=_Sampled())
-    assert ctl.alpha < 0.1 and ctl.choose([_Sampled()]) == [0]
+    assert ctl.alpha < 0.1 and ctl.choose([_Sampled()]) == [4]   # (held until the next weighing agrees)
+    for _ in range(_REWEIGH_STEPS):
+        _chain_step(ctl, 4, 0, 0.2, 1.1, scores=[None], req=_Sampled())
+    assert ctl.choose([_Sampled()]) == [0]
     # greedy requests' confidences stay their own: a mixed batch's None entries are skipped
     two = DraftBatch(torch.zeros(8, dtype=torch.long), [4, 4], None, torch.tensor([-1, 0, 1, 2] * 2),
                      [[0.5, 0.4, 0.3, 0.2], None])
@@ -700,8 +704,9 @@ def test_positions_past_short_chains_recover_when_the_drafter_is_sure_again():
 
 
 def test_the_last_weighing_stands_until_steps_pass_or_the_mix_changes():
-    """The sizes are weighed again after _REWEIGH_STEPS observed steps, or at once for another
-    share of unseeded sampled requests or another batch size."""
+    """The sizes are weighed again after _REWEIGH_STEPS observed steps (_REWEIGH_OFF_STEPS while
+    the last weighing put no speculation first), or at once for another share of unseeded sampled
+    requests or another batch size."""
     ctl = SpecController(CFG, 4096)
     _measured(ctl, {1: 0.1, 2: 0.4, 3: 0.7, 4: 1.0})
     for _ in range(3):
@@ -713,9 +718,61 @@ def test_the_last_weighing_stands_until_steps_pass_or_the_mix_changes():
     ctl._weighed.clear()
     assert ctl.choose([_Req()]) == [0]
     ctl.tree_draft_cost[1] = {(n, 1): 0.1 * n for n in range(1, 5)}
-    ctl.observations += 3
+    ctl.observations += _REWEIGH_STEPS
+    assert ctl.choose([_Req()]) == [0]          # a weighing of no speculation stands longer
+    ctl.observations += _REWEIGH_OFF_STEPS - _REWEIGH_STEPS - 1
     assert ctl.choose([_Req()]) == [0]
-    ctl.observations += 1                       # _REWEIGH_STEPS observed: weighed again
+    ctl.observations += 1                       # _REWEIGH_OFF_STEPS observed: weighed again
+    assert ctl.choose([_Req()])[0] > 0
+    ctl.observations += _REWEIGH_STEPS - 1      # while speculating: every _REWEIGH_STEPS
+    ctl.tree_draft_cost[1] = {(n, 1): 50.0 for n in range(1, 5)}
+    assert ctl.choose([_Req()])[0] > 0
+    ctl.observations += 1
+    assert ctl.choose([_Req()])[0] > 0          # no speculation weighed best once: held
+    ctl.observations += _REWEIGH_STEPS
+    assert ctl.choose([_Req()]) == [0]          # ... and twice: off
+
+
+def test_speculation_goes_off_only_when_two_weighings_in_a_row_say_so():
+    """Speculating, a first weighing for no speculation keeps the last best size until the next
+    weighing, after that size's fresh measurements: while off nothing measured moves acceptance or
+    the calibration, so one unlucky stretch kept speculation off for hundreds of steps where it
+    paid. A second weighing for speculation in between clears the hold."""
+    ctl = SpecController(CFG, 4096)
+    _measured(ctl, {1: 0.1, 2: 0.4, 3: 0.7, 4: 1.0})
+    for _ in range(3):
+        ctl.confidence.calibrate(1.7, ctl.confidence.observe([[0.9, 0.8, 0.3, 0.2]], [2]))
+    assert ctl.choose([_Req()]) == [2]
+    cheap, dear = dict(ctl.tree_draft_cost[1]), {(n, 1): 50.0 for n in range(1, 5)}
+    ctl.tree_draft_cost[1] = dear
+    ctl.observations += _REWEIGH_STEPS
+    assert ctl.choose([_Req()]) == [2]          # held
+    assert ctl._weighed[1].holding
+    ctl.tree_draft_cost[1] = cheap
+    ctl.observations += _REWEIGH_STEPS
+    assert ctl.choose([_Req()]) == [2]          # speculation weighed best again: the hold is over
+    assert not ctl._weighed[1].holding
+    ctl.tree_draft_cost[1] = dear
+    ctl.observations += _REWEIGH_STEPS
+    assert ctl.choose([_Req()]) == [2]          # held again
+    ctl.observations += _REWEIGH_STEPS
+    assert ctl.choose([_Req()]) == [0]          # two in a row: off
+    assert ctl.best[1] == 0 and ctl.drafting_off(1)
+
+
+def test_a_drafting_step_while_off_has_the_sizes_weighed_again():
+    """While the last weighing put no speculation first it stands _REWEIGH_OFF_STEPS steps, but a
+    drafting step in between (a probe, exploration) measured what the weighing left out: the next
+    choice weighs again."""
+    ctl = SpecController(CFG, 4096)
+    _measured(ctl, {1: 50.0, 2: 50.0, 3: 50.0, 4: 50.0})
+    for _ in range(3):
+        ctl.confidence.calibrate(1.7, ctl.confidence.observe([[0.9, 0.8, 0.3, 0.2]], [2]))
+    assert ctl.choose([_Req()]) == [0]
+    ctl.tree_draft_cost[1] = {(n, 1): 0.1 * n for n in range(1, 5)}
+    ctl.observations += 1
+    assert ctl.choose([_Req()]) == [0]          # (the weighing stands)
+    _step(ctl, 2, [0.9, 0.8, 0.3, 0.2], 2, 0.2, 1.0)
     assert ctl.choose([_Req()])[0] > 0
 
 
