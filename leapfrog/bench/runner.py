@@ -3,8 +3,9 @@
 One ``LLM`` per contender ("none" = no speculation, always present) is built once. For each
 temperature and batch size, after ``warmup`` untimed batches per contender, every repeat walks the
 workload category by category in batches of ``batch_size``; each batch is run by every contender
-in turn (A B A B ..., the order rotated by one each repeat), so slow drift of the machine hits all
-contenders alike. Speedups are per-repeat ratios of tokens/s against "none" of the same repeat:
+in turn (A B A B ..., each repeat in the next row of a balanced Latin square, ``run_order``), so
+slow drift of the machine hits all contenders alike, and no contender always runs right after the
+same other one (an engine's first steps after another's run pay for the caches that one left). Speedups are per-repeat ratios of tokens/s against "none" of the same repeat:
 the median is reported with a 95% t-interval over the repeats (on log ratios, so it stays > 0)
 when there are at least ``MIN_CI_REPEATS`` of them: with 2 the t quantile is 12.7 and the interval
 spans orders of magnitude, so fewer repeats get no interval (the table says so) and only the
@@ -127,6 +128,35 @@ def contender_name(spec: dict | None, taken: set[str]) -> str:
 
 #: fewer repeats give no confidence interval (with 2, t(0.975, 1) = 12.7: an interval like [0.0, 1.6e6])
 MIN_CI_REPEATS = 3
+
+
+def run_order(names: Sequence[str], r: int) -> list[str]:
+    """The order the contenders ``names`` run each batch in repeat ``r``: row r (mod n) of a
+    balanced Latin square (Williams: row 0 is 0, 1, n-1, 2, n-2, ..., row i adds i mod n), where
+    each contender comes first equally often and, for an even n, right after each other one
+    equally often over n repeats (odd n: over 2n, the rows of the mirrored square following). The
+    order rotated by one each repeat put the same contender right before each one in every repeat:
+    with none, two fixed chains and "auto", "auto" always ran right after the chain of 7 and none
+    right after "auto" (an engine's first steps after another's run are slower: at a batch of 32,
+    T = 0.7, an "auto" that drafted nothing measured 0.92x none there, 0.95-1.00x with the chain
+    of 7 left out, stop 97).
+
+    >>> [run_order("abcd", r) for r in range(4)]
+    [['a', 'b', 'd', 'c'], ['b', 'c', 'a', 'd'], ['c', 'd', 'b', 'a'], ['d', 'a', 'c', 'b']]
+    >>> [run_order("ab", r) for r in range(2)], [run_order("abc", r) for r in (0, 3)]
+    ([['a', 'b'], ['b', 'a']], [['a', 'b', 'c'], ['c', 'b', 'a']])
+    """
+    n = len(names)
+    first = [0]
+    lo, hi = 1, n - 1
+    while len(first) < n:   # 0, 1, n-1, 2, n-2, ...
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    row = [names[(j + r) % n] for j in first]
+    return row[::-1] if n % 2 and (r // n) % 2 else row
 
 
 def t_interval(ratios: Sequence[float], level: float = 0.95) -> tuple[float | None, float | None]:
@@ -358,7 +388,7 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
             secs = {(r, n, c): 0.0 for r in range(repeats) for n in names for c in categories}
             outs: dict[tuple[int, str], dict[int, Any]] = {(r, n): {} for r in range(repeats) for n in names}
             for r in range(repeats):
-                order = names[r % len(names):] + names[:r % len(names)]
+                order = run_order(names, r)
                 for n in names:
                     _clear_suffix_cache(llms[n])
                 for c in categories:

@@ -422,3 +422,23 @@ def test_share_target_by_default_gives_a_streaming_target_its_own_copy(llama_dir
     assert res.settings["own_target"] == ["draft_model-k2"] and not res.settings["share_target"]
     assert any("draft_model-k2 loads its own copy" in s and "streams its weights" in s for s in said)
     assert all(r["equal_rate"] == 1.0 for r in res.rows if r["contender"] != "none")
+
+
+def test_each_contender_runs_first_and_right_after_each_other_equally_often():
+    """run_order: a balanced Latin square, so position and carry-over (an engine's first steps pay
+    for the caches the one before it left) fall on all contenders alike; the rotation by one it
+    replaced put the same contender before each one in every repeat."""
+    from collections import Counter
+    from leapfrog.bench.runner import run_order
+    for n in range(2, 7):
+        names = [f"c{i}" for i in range(n)]
+        rows = [run_order(names, r) for r in range(n if n % 2 == 0 else 2 * n)]
+        assert all(sorted(row) == names for row in rows)
+        firsts = Counter(row[0] for row in rows)
+        pairs = Counter((a, b) for row in rows for a, b in zip(row, row[1:]))
+        assert set(firsts.values()) == {len(rows) // n}, n
+        assert len(pairs) == n * (n - 1) and len(set(pairs.values())) == 1, (n, pairs)
+    # two repeats of none, two chains and "auto": "auto" no longer right after the same one
+    rows = [run_order(["none", "c5", "c7", "auto"], r) for r in range(2)]
+    before = {row[row.index("auto") - 1] for row in rows if row.index("auto") > 0}
+    assert len(before) == 2 or any(row[0] == "auto" for row in rows)
