@@ -703,10 +703,14 @@ class SpecController:
             stop = stop_confidence(extra * gp[best], cal, self.confidence.gamma, ratio)
         w = _Weighed(self.observations, B, free, gp, best, min(top, max(1, up)), max(0, down),
                      min(top, self._probe_size(B)), stop, ratio)
-        if best == 0 and weighed is not None and weighed.best and not weighed.holding:
+        if (best == 0 and weighed is not None and weighed.best and not weighed.holding
+                and weighed.free == free and weighed.best < len(gp)):
             # speculating, and no speculation weighed best for the first time: the last best size
-            # runs on until the next weighing agrees (_Weighed.holding)
-            w = replace(weighed, at=self.observations, batch=B, free=free, goodput=gp, holding=True)
+            # runs on until the next weighing agrees (_Weighed.holding; not across another share
+            # of unseeded sampled requests, whose sizes are weighed apart, nor past the sizes
+            # weighed now: its neighbours are looked up in this weighing's goodputs)
+            w = replace(weighed, at=self.observations, batch=B, goodput=gp, up=min(weighed.up, len(gp) - 1),
+                        down=min(weighed.down, len(gp) - 1), holding=True)
         self._weighed[bucket] = w
         return self._explore_weighed(bucket, w)
 

@@ -760,6 +760,34 @@ def test_speculation_goes_off_only_when_two_weighings_in_a_row_say_so():
     assert ctl.best[1] == 0 and ctl.drafting_off(1)
 
 
+def test_no_hold_across_another_share_of_unseeded_sampled_requests():
+    """The hold keeps the last best size only for the same share of unseeded sampled requests and
+    within the sizes weighed now: a tree of 8 held for a batch that turned all sampled (chains up to
+    the depth only, sizes 0-4 weighed) looked its neighbours up past the goodputs (IndexError) and
+    drafted a size such a batch never weighs."""
+    cfg = SpeculativeConfig.from_dict({"method": "eagle3", "model": "h", "num_speculative_tokens": 4,
+                                       "eagle_topk": 4, "num_draft_tokens": "auto"})
+    class _Seeded(_Req):   # sampled with a seed: scored drafts, trees (free share 0)
+        sampled = True
+
+    ctl = SpecController(cfg, 4096)
+    b = _bucket(1, sampled=True)   # (seeded and unseeded sampled batches share the sampled tables)
+    ctl.verify_cost = {b: {s: 1.0 for s in range(1, 18)}}
+    ctl.tree_draft_cost = {b: {lw: 0.1 for lw in {cfg.tree_shape(n) for n in range(1, 17)}}}
+    ctl.host_cost = {b: 0.0}
+    conf = [0.95 ** (i // 4 + 1) for i in range(64)]
+    for _ in range(3):
+        ctl.confidence.calibrate(12.0, ctl.confidence.observe([conf], [16]))
+    assert ctl.choose([_Seeded()])[0] > cfg.num_speculative_tokens   # a tree past the depth
+    ctl.sampled = True
+    ctl.alpha = 0.01                            # unseeded sampled chains: nothing accepted
+    ctl.observations += _REWEIGH_STEPS
+    ctl.steps = 16                              # (an exploration step: neighbours looked up)
+    k = ctl.choose([_Sampled()])[0]             # another share: no hold, and no IndexError
+    assert ctl.best[b] == 0 and not ctl._weighed[b].holding
+    assert k <= cfg.num_speculative_tokens      # (at most exploring a chain: the sizes it weighs)
+
+
 def test_a_drafting_step_while_off_has_the_sizes_weighed_again():
     """While the last weighing put no speculation first it stands _REWEIGH_OFF_STEPS steps, but a
     drafting step in between (a probe, exploration) measured what the weighing left out: the next
