@@ -3,7 +3,7 @@
 One ``LLM`` per contender ("none" = no speculation, always present) is built once. For each
 temperature and batch size, after ``warmup`` untimed batches per contender, every repeat walks the
 workload category by category in batches of ``batch_size``; each batch is run by every contender
-in turn (A B A B ..., each repeat in the next row of a balanced Latin square, ``run_order``), so
+in turn (A B A B ..., each batch in the next row of a balanced Latin square, ``run_order``), so
 slow drift of the machine hits all contenders alike, and no contender always runs right after the
 same other one (an engine's first steps after another's run pay for the caches that one left). Speedups are per-repeat ratios of tokens/s against "none" of the same repeat:
 the median is reported with a 95% t-interval over the repeats (on log ratios, so it stays > 0)
@@ -131,10 +131,12 @@ MIN_CI_REPEATS = 3
 
 
 def run_order(names: Sequence[str], r: int) -> list[str]:
-    """The order the contenders ``names`` run each batch in repeat ``r``: row r (mod n) of a
+    """The order the contenders ``names`` run the r-th batch in (counted over all repeats: the
+    last of one batch runs right before the first of the next, so the row moves every batch): row r
+    (mod n) of a
     balanced Latin square (Williams: row 0 is 0, 1, n-1, 2, n-2, ..., row i adds i mod n), where
     each contender comes first equally often and, for an even n, right after each other one
-    equally often over n repeats (odd n: over 2n, the rows of the mirrored square following). The
+    equally often over n rows (odd n: over 2n, every other row mirrored). The
     order rotated by one each repeat put the same contender right before each one in every repeat:
     with none, two fixed chains and "auto", "auto" always ran right after the chain of 7 and none
     right after "auto" (an engine's first steps after another's run are slower: at a batch of 32,
@@ -143,8 +145,8 @@ def run_order(names: Sequence[str], r: int) -> list[str]:
 
     >>> [run_order("abcd", r) for r in range(4)]
     [['a', 'b', 'd', 'c'], ['b', 'c', 'a', 'd'], ['c', 'd', 'b', 'a'], ['d', 'a', 'c', 'b']]
-    >>> [run_order("ab", r) for r in range(2)], [run_order("abc", r) for r in (0, 3)]
-    ([['a', 'b'], ['b', 'a']], [['a', 'b', 'c'], ['c', 'b', 'a']])
+    >>> [run_order("ab", r) for r in range(2)], [run_order("abc", r) for r in range(3)]
+    ([['a', 'b'], ['b', 'a']], [['a', 'b', 'c'], ['a', 'c', 'b'], ['c', 'a', 'b']])
     """
     n = len(names)
     first = [0]
@@ -156,7 +158,7 @@ def run_order(names: Sequence[str], r: int) -> list[str]:
             first.append(hi)
             hi -= 1
     row = [names[(j + r) % n] for j in first]
-    return row[::-1] if n % 2 and (r // n) % 2 else row
+    return row[::-1] if n % 2 and r % 2 else row
 
 
 def t_interval(ratios: Sequence[float], level: float = 0.95) -> tuple[float | None, float | None]:
@@ -387,8 +389,8 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
             toks = {(r, n, c): 0 for r in range(repeats) for n in names for c in categories}
             secs = {(r, n, c): 0.0 for r in range(repeats) for n in names for c in categories}
             outs: dict[tuple[int, str], dict[int, Any]] = {(r, n): {} for r in range(repeats) for n in names}
+            row = 0   # (run_order's row: the next one every batch)
             for r in range(repeats):
-                order = run_order(names, r)
                 for n in names:
                     _clear_suffix_cache(llms[n])
                 for c in categories:
@@ -397,6 +399,7 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
                     for j in range(0, len(group), per_call):
                         chunk = group[j:j + per_call]
                         prompts = [{"prompt_token_ids": ids} for _, ids in chunk]
+                        order, row = run_order(names, row), row + 1
                         for n in order:
                             sps = params(n, [idx for idx, _ in chunk])
                             t0 = time.perf_counter()
