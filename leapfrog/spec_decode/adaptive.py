@@ -200,6 +200,11 @@ _REWEIGH_STEPS = 4
 #: 0.2 ms at a batch of 16: every 4th step, 1.5 % of a 3.3 ms plain step, at a batch of 16 at T =
 #: 0.7 where speculation does not pay and "auto" drafts nothing for hundreds of steps)
 _REWEIGH_OFF_STEPS = 16
+#: the hold (_Weighed.holding) from this batch size on: below it a probe comes soon after
+#: speculation goes off (8 exploration intervals times the batch size: 128 steps at batch 1,
+#: 2048 at 16), and at batch 1, T = 0.7 the hold's extra drafting steps ran 0.97 of the chain of
+#: 7 against 1.00 without it (seven alternated runs each, stop 97)
+_HOLD_FROM = 8
 #: plain decode is measured first at a batch size, this many steps, the lesser of the last two
 #: standing: the steps right after a prefill run slow (a batch of 16 after its 64-token prompts:
 #: the forward 3.8, 3.5, 2.8, 2.6 ms, then 2.3), and the second of two made speculation look 20 %
@@ -704,7 +709,7 @@ class SpecController:
         w = _Weighed(self.observations, B, free, gp, best, min(top, max(1, up)), max(0, down),
                      min(top, self._probe_size(B)), stop, ratio)
         if (best == 0 and weighed is not None and weighed.best and not weighed.holding
-                and weighed.free == free and weighed.best < len(gp)):
+                and _size(bucket) >= _HOLD_FROM and weighed.free == free and weighed.best < len(gp)):
             # speculating, and no speculation weighed best for the first time: the last best size
             # runs on until the next weighing agrees (_Weighed.holding; not across another share
             # of unseeded sampled requests, whose sizes are weighed apart, nor past the sizes

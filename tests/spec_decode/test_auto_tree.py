@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from leapfrog.spec_decode.adaptive import (_PLAIN_FIRST, _PLAIN_REFRESH, _REWEIGH_OFF_STEPS, _REWEIGH_STEPS, SpecController,
-                                           _bucket, _ContextFit, _curve)
+from leapfrog.spec_decode.adaptive import (_HOLD_FROM, _PLAIN_FIRST, _PLAIN_REFRESH, _REWEIGH_OFF_STEPS, _REWEIGH_STEPS,
+                                           SpecController, _bucket, _ContextFit, _curve)
 from leapfrog.spec_decode.confidence import GAMMAS
 from leapfrog.spec_decode.rate import geometric_tokens
 
@@ -429,10 +429,7 @@ def test_sampled_chains_without_confidence_are_weighed_by_alpha():
     assert ctl.choose([_Sampled()]) == [4]
     for _ in range(60):   # nothing accepted: alpha -> 0, no speculation pays
         _chain_step(ctl, 4, 0, 0.2, 1.1, scores=[None], req=_Sampled())
-    assert ctl.alpha < 0.1 and ctl.choose([_Sampled()]) == [4]   # (held until the next weighing agrees)
-    for _ in range(_REWEIGH_STEPS):
-        _chain_step(ctl, 4, 0, 0.2, 1.1, scores=[None], req=_Sampled())
-    assert ctl.choose([_Sampled()]) == [0]
+    assert ctl.alpha < 0.1 and ctl.choose([_Sampled()]) == [0]
     # greedy requests' confidences stay their own: a mixed batch's None entries are skipped
     two = DraftBatch(torch.zeros(8, dtype=torch.long), [4, 4], None, torch.tensor([-1, 0, 1, 2] * 2),
                      [[0.5, 0.4, 0.3, 0.2], None])
@@ -728,9 +725,7 @@ def test_the_last_weighing_stands_until_steps_pass_or_the_mix_changes():
     ctl.tree_draft_cost[1] = {(n, 1): 50.0 for n in range(1, 5)}
     assert ctl.choose([_Req()])[0] > 0
     ctl.observations += 1
-    assert ctl.choose([_Req()])[0] > 0          # no speculation weighed best once: held
-    ctl.observations += _REWEIGH_STEPS
-    assert ctl.choose([_Req()]) == [0]          # ... and twice: off
+    assert ctl.choose([_Req()]) == [0]          # (at batch 1 no hold: _HOLD_FROM)
 
 
 def test_speculation_goes_off_only_when_two_weighings_in_a_row_say_so():
@@ -738,26 +733,37 @@ def test_speculation_goes_off_only_when_two_weighings_in_a_row_say_so():
     weighing, after that size's fresh measurements: while off nothing measured moves acceptance or
     the calibration, so one unlucky stretch kept speculation off for hundreds of steps where it
     paid. A second weighing for speculation in between clears the hold."""
+    B, b = _HOLD_FROM, _bucket(_HOLD_FROM)
     ctl = SpecController(CFG, 4096)
-    _measured(ctl, {1: 0.1, 2: 0.4, 3: 0.7, 4: 1.0})
+    _measured(ctl, {1: 0.1, 2: 0.4, 3: 0.7, 4: 1.0}, b)
     for _ in range(3):
         ctl.confidence.calibrate(1.7, ctl.confidence.observe([[0.9, 0.8, 0.3, 0.2]], [2]))
-    assert ctl.choose([_Req()]) == [2]
-    cheap, dear = dict(ctl.tree_draft_cost[1]), {(n, 1): 50.0 for n in range(1, 5)}
-    ctl.tree_draft_cost[1] = dear
+    batch = [_Req() for _ in range(B)]
+    k = ctl.choose(batch)[0]
+    assert k > 0
+    cheap, dear = dict(ctl.tree_draft_cost[b]), {(n, 1): 50.0 for n in range(1, 5)}
+    ctl.tree_draft_cost[b] = dear
     ctl.observations += _REWEIGH_STEPS
-    assert ctl.choose([_Req()]) == [2]          # held
-    assert ctl._weighed[1].holding
-    ctl.tree_draft_cost[1] = cheap
+    assert ctl.choose(batch)[0] == k            # held
+    assert ctl._weighed[b].holding
+    ctl.tree_draft_cost[b] = cheap
     ctl.observations += _REWEIGH_STEPS
-    assert ctl.choose([_Req()]) == [2]          # speculation weighed best again: the hold is over
-    assert not ctl._weighed[1].holding
-    ctl.tree_draft_cost[1] = dear
+    assert ctl.choose(batch)[0] == k            # speculation weighed best again: the hold is over
+    assert not ctl._weighed[b].holding
+    ctl.tree_draft_cost[b] = dear
     ctl.observations += _REWEIGH_STEPS
-    assert ctl.choose([_Req()]) == [2]          # held again
+    assert ctl.choose(batch)[0] == k            # held again
     ctl.observations += _REWEIGH_STEPS
-    assert ctl.choose([_Req()]) == [0]          # two in a row: off
-    assert ctl.best[1] == 0 and ctl.drafting_off(1)
+    assert ctl.choose(batch)[0] == 0            # two in a row: off
+    assert ctl.best[b] == 0 and ctl.drafting_off(B)
+    # below _HOLD_FROM (a probe comes soon after speculation goes off) one weighing turns it off
+    small = SpecController(CFG, 4096)
+    _measured(small, {1: 0.1, 2: 0.4, 3: 0.7, 4: 1.0})
+    small.confidence = ctl.confidence
+    assert small.choose([_Req()])[0] > 0
+    small.tree_draft_cost[1] = dear
+    small.observations += _REWEIGH_STEPS
+    assert small.choose([_Req()]) == [0]
 
 
 def test_no_hold_across_another_share_of_unseeded_sampled_requests():
@@ -771,19 +777,19 @@ def test_no_hold_across_another_share_of_unseeded_sampled_requests():
         sampled = True
 
     ctl = SpecController(cfg, 4096)
-    b = _bucket(1, sampled=True)   # (seeded and unseeded sampled batches share the sampled tables)
+    B, b = _HOLD_FROM, _bucket(_HOLD_FROM, sampled=True)   # (seeded and unseeded: the sampled tables)
     ctl.verify_cost = {b: {s: 1.0 for s in range(1, 18)}}
     ctl.tree_draft_cost = {b: {lw: 0.1 for lw in {cfg.tree_shape(n) for n in range(1, 17)}}}
     ctl.host_cost = {b: 0.0}
     conf = [0.95 ** (i // 4 + 1) for i in range(64)]
     for _ in range(3):
         ctl.confidence.calibrate(12.0, ctl.confidence.observe([conf], [16]))
-    assert ctl.choose([_Seeded()])[0] > cfg.num_speculative_tokens   # a tree past the depth
+    assert ctl.choose([_Seeded() for _ in range(B)])[0] > cfg.num_speculative_tokens   # a tree past the depth
     ctl.sampled = True
     ctl.alpha = 0.01                            # unseeded sampled chains: nothing accepted
     ctl.observations += _REWEIGH_STEPS
     ctl.steps = 16                              # (an exploration step: neighbours looked up)
-    k = ctl.choose([_Sampled()])[0]             # another share: no hold, and no IndexError
+    k = ctl.choose([_Sampled() for _ in range(B)])[0]   # another share: no hold, and no IndexError
     assert ctl.best[b] == 0 and not ctl._weighed[b].holding
     assert k <= cfg.num_speculative_tokens      # (at most exploring a chain: the sizes it weighs)
 
