@@ -5,8 +5,8 @@ temperature and batch size, after ``warmup`` untimed batches per contender, ever
 workload category by category in batches of ``batch_size``; each batch is run by every contender
 in turn (A B A B ..., each batch in the next row of a balanced Latin square, ``run_order``), so
 slow drift of the machine hits all contenders alike, and no contender always runs right after the
-same other one (an engine's first steps after another's run pay for the caches that one left). Speedups are per-repeat ratios of tokens/s against "none" of the same repeat:
-the median is reported with a 95% t-interval over the repeats (on log ratios, so it stays > 0)
+same other one (an engine's first steps after another's run pay for the caches that one left).
+Speedups are per-repeat ratios of tokens/s against "none" of the same repeat: the median is reported with a 95% t-interval over the repeats (on log ratios, so it stays > 0)
 when there are at least ``MIN_CI_REPEATS`` of them: with 2 the t quantile is 12.7 and the interval
 spans orders of magnitude, so fewer repeats get no interval (the table says so) and only the
 min-max range of the repeats, which the plots draw as whiskers.
@@ -133,11 +133,10 @@ MIN_CI_REPEATS = 3
 def run_order(names: Sequence[str], r: int) -> list[str]:
     """The order the contenders ``names`` run the r-th batch in (counted over all repeats: the
     last of one batch runs right before the first of the next, so the row moves every batch): row r
-    (mod n) of a
-    balanced Latin square (Williams: row 0 is 0, 1, n-1, 2, n-2, ..., row i adds i mod n), where
-    each contender comes first equally often and, for an even n, right after each other one
-    equally often over n rows (odd n: over 2n, every other row mirrored). The
-    order rotated by one each repeat put the same contender right before each one in every repeat:
+    (mod n) of a balanced Latin square (Williams: row 0 is 0, 1, n-1, 2, n-2, ..., row i adds i mod
+    n), where each contender comes first equally often and, for an even n, right after each other
+    one equally often over n rows (odd n: over 2n, every other row mirrored). The order rotated by
+    one each repeat put the same contender right before each one in every repeat:
     with none, two fixed chains and "auto", "auto" always ran right after the chain of 7 and none
     right after "auto" (an engine's first steps after another's run are slower: at a batch of 32,
     T = 0.7, an "auto" that drafted nothing measured 0.92x none there, 0.95-1.00x with the chain

@@ -202,8 +202,9 @@ _REWEIGH_STEPS = 4
 _REWEIGH_OFF_STEPS = 16
 #: the hold (_Weighed.holding) from this batch size on: below it a probe comes soon after
 #: speculation goes off (8 exploration intervals times the batch size: 128 steps at batch 1,
-#: 2048 at 16), and at batch 1, T = 0.7 the hold's extra drafting steps ran 0.97 of the chain of
-#: 7 against 1.00 without it (seven alternated runs each, stop 97)
+#: 2048 at 16), so a false turn-off costs little there and the hold buys nothing (at batch 1, T =
+#: 0.7, "auto" with it ran 0.95-1.00 of the chain of 7 against 0.97-1.03 without it in seven
+#: alternated runs each, inside the runs' noise: stop 97)
 _HOLD_FROM = 8
 #: plain decode is measured first at a batch size, this many steps, the lesser of the last two
 #: standing: the steps right after a prefill run slow (a batch of 16 after its 64-token prompts:
@@ -1340,7 +1341,7 @@ class _Weighed:
     #: While off, nothing measured moves acceptance or the calibration, so a weighing that turned
     #: speculation off on an unlucky stretch held for as long as it stayed off (at a batch of 16
     #: the first probe comes after 2048 steps): at a batch of 16, T = 0, a calibration of 0.83-0.86
-    #: (it swung 0.83-1.11 between weighings, 1.0 on average) kept the chains off for 15 weighings
+    #: (it swung 0.83-1.11 between weighings, 1.0 on average) kept the chains off for 7-14 weighings
     #: where they ran 1.14x none (stop 97)
     holding: bool = False
 
