@@ -704,11 +704,15 @@ class LLMEngine:
         t_step = time.perf_counter()   # the whole step (the controller's t_host: what is neither below)
         t_draft = 0.0   # the configured proposer's drafting time (what the K controller weighs)
         subs = []   # each group's requests (the controller's ``observe`` gets the list it chose for)
+        # a plain step the controller promised (spec_decode/adaptive.py ``leased``): no choosing, no drafts
+        leased = self.spec_controller is not None and self.spec_controller.leased(reqs)
         for proposer, idx in groups:
             sub = [reqs[i] for i in idx]
             subs.append(sub)
             if proposer is self.predictor:
                 ks = [cap_drafts(r, MAX_PREDICTION_DRAFT, self.max_model_len) for r in sub]
+            elif leased:
+                ks = [0] * len(sub)
             else:   # the controller sizes drafts by the whole running batch (predictions included)
                 ks = self.spec_controller.choose(sub, batch_size=len(reqs),
                                                  context=float(sum(r.num_computed for r in reqs)))
@@ -775,7 +779,9 @@ class LLMEngine:
         for b, (req, ids) in enumerate(zip(reqs, result.output_ids)):
             if req.request_id in self.requests:
                 self._guarded(req, self._append, req, ids, result.logprobs[b] if result.logprobs else None)
-        if told is not None:
+        if leased:
+            self._tell_controller(self.spec_controller.lease_step, t_verify, time.perf_counter() - t_step - t_verify)
+        elif told is not None:
             self._tell_controller(self.spec_controller.observe, *told, t_draft, t_verify, batch_size=len(reqs),
                                   verify_tokens=max(drafts.num_draft, default=0) + 1,
                                   t_step=time.perf_counter() - t_step)

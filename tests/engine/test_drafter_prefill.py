@@ -65,6 +65,18 @@ def test_drafters_prefill_in_the_targets_prefill_step(target_and_head, tokenizer
     assert llm.get_metrics()["num_draft_tokens"] > 0
 
 
+def _alone_and_speculating(target, tokenizer, spec: dict, lengths: tuple[int, int]):
+    """Two prompts, greedy sampling params for outputs of ``lengths`` tokens, the target's outputs
+    alone, and an LLM of the target speculating with ``spec`` (a batch of 2 at most)."""
+    prompts = prompts_of(tokenizer, 2)
+    sps = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    base = LLM(model=str(target), dtype="float32", max_model_len=128, max_num_seqs=2)
+    want = [o.outputs[0].token_ids for o in base.generate([{"prompt_token_ids": p} for p in prompts], sps,
+                                                          use_tqdm=False)]
+    llm = LLM(model=str(target), dtype="float32", max_model_len=128, max_num_seqs=2, speculative_config=spec)
+    return prompts, sps, want, llm
+
+
 @pytest.mark.parametrize("method", ["draft_model", "eagle3"])
 def test_drafters_prefill_waits_while_speculation_is_off(target_and_head, tokenizer, method):
     """Above disable_by_batch_size nothing is drafted, so a new prompt's drafter prefill waits;
@@ -73,12 +85,7 @@ def test_drafters_prefill_waits_while_speculation_is_off(target_and_head, tokeni
     target, head = target_and_head
     spec = {"method": method, "model": str(target if method == "draft_model" else head), "num_speculative_tokens": 3,
             "disable_by_batch_size": 1, **({"eagle_topk": 1} if method == "eagle3" else {})}
-    prompts = prompts_of(tokenizer, 2)
-    sps = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 16)]
-    base = LLM(model=str(target), dtype="float32", max_model_len=128, max_num_seqs=2)
-    want = [o.outputs[0].token_ids for o in base.generate([{"prompt_token_ids": p} for p in prompts], sps,
-                                                          use_tqdm=False)]
-    llm = LLM(model=str(target), dtype="float32", max_model_len=128, max_num_seqs=2, speculative_config=spec)
+    prompts, sps, want, llm = _alone_and_speculating(target, tokenizer, spec, (3, 16))
     eng, prop = llm.engine, llm.engine.proposer
     reqs = [eng.add_request(f"r{i}", None, p, sp) for i, (p, sp) in enumerate(zip(prompts, sps))]
     eng.step()   # both prompts prefilled: a batch of 2 drafts nothing, so the drafter has not run
@@ -86,3 +93,25 @@ def test_drafters_prefill_waits_while_speculation_is_off(target_and_head, tokeni
     outs = _drain(eng)
     assert [outs[f"r{i}"] for i in range(2)] == want
     assert llm.get_metrics()["num_draft_tokens"] > 0   # r1 drafted alone, after catching up
+
+
+def test_steps_the_controller_leased_are_run_without_choosing(target_and_head, tokenizer):
+    """While drafting is off at the batch's size, the engine runs the plain steps the controller
+    promised (a lease, spec_decode/adaptive.py ``leased``) without asking it for sizes, and
+    measures them when the lease ends (here: when the batch shrinks); the output is the
+    target's, and the head drafts once the batch is small enough."""
+    target, head = target_and_head
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3, "eagle_topk": 1,
+            "disable_by_batch_size": 1}
+    prompts, sps, want, llm = _alone_and_speculating(target, tokenizer, spec, (24, 40))
+    eng, ctl = llm.engine, llm.engine.spec_controller
+    asked: list[int] = []
+    choose = ctl.choose
+    ctl.choose = lambda reqs, *a, **kw: asked.append(len(reqs)) or choose(reqs, *a, **kw)
+    for i, (p, sp) in enumerate(zip(prompts, sps)):
+        eng.add_request(f"r{i}", None, p, sp)
+    outs = _drain(eng)
+    assert [outs[f"r{i}"] for i in range(2)] == want
+    assert 1 <= asked.count(2) <= 3                     # 23 steps of both: one in 17 chosen
+    assert ctl.observations >= 23 and ctl.plain_host    # (every leased step measured)
+    assert llm.get_metrics()["num_draft_tokens"] > 0    # r1 alone drafts

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from leapfrog.spec_decode import adaptive
 from leapfrog.spec_decode.adaptive import (_HOLD_FROM, _PLAIN_FIRST, _PLAIN_REFRESH, _REWEIGH_OFF_STEPS, _REWEIGH_STEPS,
                                            SpecController, _bucket, _ContextFit, _curve)
 from leapfrog.spec_decode.confidence import GAMMAS
@@ -1263,3 +1264,99 @@ def test_while_off_the_size_up_is_explored_less_often_at_larger_batches():
     ctl = SpecController(CFG, 4096)   # drafting: the neighbours every interval, whatever the batch
     ctl.steps = 2 * interval
     assert ctl._explore(16, 2, gp, 3, 1, 1) == 1
+
+
+class _Live(_Req):
+    """A request whose context grows with what it commits (the leased steps' contexts follow it)."""
+    max_tokens = 10 ** 6
+
+    def __init__(self):
+        super().__init__()
+        self.num_computed = 64
+        self.output_ids = [1]
+
+
+def _drive(cfg: SpeculativeConfig, leasing: bool, steps: int = 700, B: int = 2,
+           per_token: float = 0.6, accepted: int = 1) -> tuple[SpecController, list[int], int]:
+    """``steps`` steps of a batch of B where drafting does not pay (verifying costs ``per_token`` a
+    token more, drafting half that, ``accepted`` of the drafter's candidates accepted), run as the engine runs them: leased steps
+    (``leasing``) without ``choose``, their times to ``lease_step``; else every step chosen and
+    observed. -> the controller, the size of every step, the steps ``choose`` was asked."""
+    ctl = SpecController(cfg, 10 ** 6)
+    batch = [_Live() for _ in range(B)]
+    for i, r in enumerate(batch):
+        r.request_id = f"r{i}"   # (the same in every drive)
+    conf = [0.9 ** (i // 4 + 1) for i in range(64)]
+    sizes, asked = [], 0
+    for step in range(steps):
+        t_plain = 1.0 + 1e-4 * sum(r.num_computed for r in batch) + 0.05 * (step % 7)   # (context, jitter)
+        if leasing and ctl.leased(batch):
+            k = 0
+            ctl.lease_step(t_plain, (t_plain + 0.1) - t_plain)   # (as observe takes it from t_step)
+        else:
+            asked += 1
+            k = ctl.choose(batch)[0]
+            if k:
+                drafts = DraftBatch(torch.zeros(B * k, dtype=torch.long), [k] * B, None, None, [conf[:k]] * B)
+                result = AcceptanceResult([min(k, accepted)] * B, [[0] * (1 + min(k, accepted))] * B, [k] * B)
+                ctl.observe(batch, drafts, result, 0.5 * per_token * k, t_plain + per_token * k,
+                            t_step=t_plain + 1.5 * per_token * k + 0.2)
+            else:
+                ctl.observe(batch, DraftBatch.empty(B), AcceptanceResult([0] * B, [[0]] * B, [0] * B), 0.0,
+                            t_plain, t_step=t_plain + 0.1)
+        sizes.append(k)
+        for r in batch:
+            n = 1 + min(k, accepted)
+            r.num_computed += n
+            r.output_ids = r.output_ids + [0] * n
+    return ctl, sizes, asked
+
+
+def _state(ctl: SpecController) -> tuple:
+    return (ctl.verify_cost, ctl.verify_context, {b: f.sums for b, f in ctl.context_fit.items()}, ctl.plain_host,
+            ctl.host_cost, ctl.observations, ctl.steps, dict(ctl.off_steps), ctl.probe_wait, ctl.best,
+            ctl.committed, ctl.context, {b: (w.at, w.best, w.goodput) for b, w in ctl._weighed.items()})
+
+
+@pytest.mark.parametrize("extra, per_token, accepted, explore", [
+    ({}, 0.6, 1, False), ({}, 0.6, 1, True), ({}, 0.2, 2, False), ({"disable_by_batch_size": 1}, 0.6, 1, False)])
+def test_leased_plain_steps_choose_and_measure_as_steps_chosen_one_by_one(extra, per_token, accepted, explore,
+                                                                           monkeypatch):
+    """Where the controller drafts nothing (no speculation weighed best at a batch size, or
+    disable_by_batch_size), it promises the engine the next steps of the same batch that it would
+    certainly choose no drafts for (a lease: no ``choose``, no ``observe``, 0.04 ms of a 3.9 ms
+    plain step at a batch of 16), up to its next weighing, probe or exploration: the sizes chosen
+    and everything measured are those of choosing and observing every step. Drafting that does
+    not pay (and explored whatever its estimate, ``explore``), that goes on and off, and drafting
+    turned off."""
+    if explore:
+        monkeypatch.setattr(adaptive, "_EXPLORE_MARGIN", 0.0)
+    cfg = SpeculativeConfig.from_dict({"method": "eagle3", "model": "h", "num_speculative_tokens": 4, "eagle_topk": 4,
+                                       "num_draft_tokens": "auto", "adaptive_explore_interval": 4, **extra})
+    ref, ref_sizes, ref_asked = _drive(cfg, leasing=False, per_token=per_token, accepted=accepted)
+    ctl, sizes, asked = _drive(cfg, leasing=True, per_token=per_token, accepted=accepted)
+    assert not ctl.leased([]) and ctl._lease is None   # (a lease left open ends: its steps measured)
+    assert sizes == ref_sizes and _state(ctl) == _state(ref)
+    assert ref_asked == len(sizes)
+    plain = sizes.count(0)
+    if extra:
+        assert plain == len(sizes) and asked < len(sizes) / 10
+    elif accepted == 1:   # (off, but probed and explored: drafting steps end the leases)
+        assert 0 < len(sizes) - plain < len(sizes) / (5 if explore else 10) and asked < len(sizes) / 4
+    else:   # (on and off: the plain stretches leased)
+        assert len(sizes) / 4 < plain < len(sizes) * 3 / 4 and asked < len(sizes) - plain / 2
+
+
+def test_a_lease_ends_when_the_batch_changes():
+    """A leased step is one of the very requests the lease was promised for: another batch (a
+    request finished or joined) is chosen for, after the leased steps that ran are measured."""
+    cfg = SpeculativeConfig.from_dict({"method": "eagle3", "model": "h", "num_speculative_tokens": 4, "eagle_topk": 4,
+                                       "num_draft_tokens": "auto", "disable_by_batch_size": 1})
+    ctl = SpecController(cfg, 4096)
+    batch = [_Live(), _Live()]
+    assert ctl.choose(batch) == [0, 0]
+    ctl.observe(batch, DraftBatch.empty(2), AcceptanceResult([0, 0], [[0], [0]], [0, 0]), 0.0, 1.0, t_step=1.5)
+    assert ctl.leased(batch) and ctl.leased(list(batch))
+    ctl.lease_step(2.0, 0.5)
+    assert not ctl.leased(batch[:1]) and not ctl.leased(batch)   # ended: measured, and chosen for again
+    assert ctl.observations == 2 and ctl.steps == 2 and ctl.plain_host[2] == pytest.approx(0.5)
