@@ -29,3 +29,8 @@ class RequestError(LeapfrogError, ValueError):
 
 class EngineError(LeapfrogError, RuntimeError):
     """A request failed inside the engine (the engine isolated it: other requests go on)."""
+
+
+class CacheBusy(LeapfrogError, RuntimeError):
+    """An engine stepped while another engine sharing its KV cache (``share_kv_cache``) has
+    unfinished requests: such engines run one at a time."""

@@ -26,7 +26,7 @@ import torch
 from leapfrog.attention.native import load_native_attention
 from leapfrog.config import EngineConfig
 from leapfrog.detokenizer import Detokenizer
-from leapfrog.errors import ConfigError, NotShareable, RequestError
+from leapfrog.errors import CacheBusy, ConfigError, NotShareable, RequestError
 from leapfrog.kv.manager import KVManager
 from leapfrog.model.compiled import RoundRace, can_compile, make_buckets
 from leapfrog.model.loader import load_model, load_tokenizer, read_checkpoint, resolve_dtype
@@ -104,6 +104,17 @@ def check_shareable(owner: LLMEngine, engine: LLMEngine) -> None:
         raise NotShareable(_STREAMING_SHARE)
 
 
+def _check_cache_shareable(owner: LLMEngine | None, engine: LLMEngine) -> None:
+    """Refuse (NotShareable) to run ``engine`` on ``owner``'s KV cache unless it shares the owner's
+    target (``check_shareable``) with the same rows and length."""
+    if owner is None:
+        raise NotShareable("share_kv_cache: only with share_target_with (the cache of that engine's target)")
+    mine = (engine.config.max_num_seqs, engine.max_model_len)
+    theirs = (owner.config.max_num_seqs, owner.max_model_len)
+    if mine != theirs:
+        raise NotShareable(f"share_kv_cache: max_num_seqs and max_model_len {mine} differ from the owner's {theirs}")
+
+
 def _target_identity(e: LLMEngine) -> dict[str, Any]:
     """What decides the target model an engine loads and how it runs it (``check_shareable``)."""
     c = e.config
@@ -123,9 +134,14 @@ def _device(d: torch.device) -> torch.device:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, share_target_with: LLMEngine | None = None) -> None:
+    def __init__(self, config: EngineConfig, share_target_with: LLMEngine | None = None,
+                 share_kv_cache: bool = False) -> None:
         """``share_target_with``: run on that engine's loaded target model (the same tensors) rather
-        than loading a copy; see ``check_shareable`` for what must match."""
+        than loading a copy; see ``check_shareable`` for what must match. ``share_kv_cache``: its
+        target's KV cache too (the same max_num_seqs and max_model_len), the engines running one
+        at a time: one that steps while the other has unfinished requests raises CacheBusy
+        (benchmarks: contenders then differ only in their settings, not in where their caches'
+        pages landed: ``leapfrog bench``)."""
         self.config = config
         self.device = config.torch_device()
         ckpt = read_checkpoint(config.model)
@@ -149,6 +165,8 @@ class LLMEngine:
         check_quantization(config.quantization, self.dtype, self.device)
         if share_target_with is not None:   # (before any worker or op is started for a target not loaded)
             check_shareable(share_target_with, self)
+        if share_kv_cache:
+            _check_cache_shareable(share_target_with, self)
         self._build_ops_ahead(ckpt)
         #: tensor parallelism (parallel/): this rank's group and the worker processes it spawned
         self.tp: Any = None
@@ -178,7 +196,8 @@ class LLMEngine:
                 self.runner: ModelRunner = TPModelRunner(self.model, config.max_num_seqs, self.max_model_len, self.tp)
             else:
                 self.runner = ModelRunner(self.model, config.max_num_seqs, self.max_model_len,
-                                          batch_invariant=config.batch_invariant)
+                                          batch_invariant=config.batch_invariant,
+                                          kv=share_target_with.runner.kv if share_kv_cache else None)
             self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
             self.requests: dict[str, Request] = {}
             self._seed_rng = random.Random(config.seed)
@@ -557,6 +576,12 @@ class LLMEngine:
         ``final_only``: outputs of the requests that finished (or failed) in this step only, for
         callers that read nothing else (``LLM.generate``, vLLM's FINAL_ONLY output kind): running
         requests' text is then not decoded every step (detokenizer.py)."""
+        kv = self.runner.kv
+        if kv.holder is not self:   # (engines sharing the cache run one at a time: share_kv_cache)
+            if kv.holder is not None and kv.holder.has_unfinished():
+                raise CacheBusy("this engine shares its KV cache with another (share_kv_cache) that has "
+                                "unfinished requests: engines sharing a cache run one at a time")
+            kv.holder = self
         sched = self.scheduler.schedule()
         self.iteration = IterationStats()
         self._failed = []

@@ -48,6 +48,11 @@ class LLM:
             parallelism, max_model_len may not be longer than the other's, and a target that
             streams its weights beside a drafter is not shared (ConfigError otherwise;
             LLMEngine's check_shareable); each LLM keeps its own KV cache, drafter and requests.
+        share_kv_cache: with share_target_with, run on the other LLM's KV cache too (the same
+            max_num_seqs and max_model_len, else ConfigError): the two then run one at a time,
+            and one that steps while the other has unfinished requests raises CacheBusy. For
+            settings compared side by side (``leapfrog bench``): identical engines with caches of
+            their own measured up to 3-4 % apart, as their pages landed.
         max_model_len, max_num_seqs, max_num_batched_tokens, device, allow_pickle,
         skip_tokenizer_init: see EngineConfig.
     """
@@ -60,7 +65,7 @@ class LLM:
                  enforce_eager: bool = True, quantization: str | None = None,
                  logprobs_mode: str = "raw_logprobs", tensor_parallel_size: int = 1,
                  load_format: str = "auto", num_scheduler_steps: int = 1,
-                 share_target_with: "LLM | None" = None) -> None:
+                 share_target_with: "LLM | None" = None, share_kv_cache: bool = False) -> None:
         if model is None:
             from leapfrog.demo import default_model
             model, default_spec = default_model(dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch."),
@@ -78,7 +83,8 @@ class LLM:
             num_scheduler_steps=num_scheduler_steps)
         if share_target_with is not None and not isinstance(share_target_with, LLM):
             raise ConfigError(f"share_target_with must be an LLM, got {type(share_target_with).__name__}")
-        self.engine = LLMEngine(self.config, None if share_target_with is None else share_target_with.engine)
+        self.engine = LLMEngine(self.config, None if share_target_with is None else share_target_with.engine,
+                                share_kv_cache=share_kv_cache)
         self._ids = itertools.count()
 
     def close(self) -> None:

@@ -12,6 +12,8 @@ Memory is bounded up front: ``num_rows * max_model_len`` tokens (the token budge
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -26,6 +28,9 @@ class KVCache:
         shape = (num_rows + 1, num_kv_heads, max_model_len, head_dim)  # +1: scratch row
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        #: the engine whose requests are in this cache, where engines share it (LLMEngine
+        #: ``share_kv_cache``): another may step only once that one has none unfinished
+        self.holder: Any = None
 
     @property
     def scratch_row(self) -> int:

@@ -117,15 +117,18 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: Any, num_rows: int, max_model_len: int, batch_invariant: bool = False) -> None:
+    def __init__(self, model: Any, num_rows: int, max_model_len: int, batch_invariant: bool = False,
+                 kv: KVCache | None = None) -> None:
+        """``kv``: another runner's cache of the same model, rows and length to run on (engines
+        sharing it run one at a time: LLMEngine ``share_kv_cache``), else a cache of its own."""
         a = getattr(model, "shard_args", model.args)   # a tensor-parallel rank caches its KV heads only
         self.model = model
         self.batch_invariant = batch_invariant
         if batch_invariant:
             model.make_batch_invariant()
         self.device = model.device
-        self.kv = KVCache(a.num_hidden_layers, num_rows, max_model_len, a.num_key_value_heads,
-                          a.head_dim, model.dtype, self.device)
+        self.kv = kv if kv is not None else KVCache(a.num_hidden_layers, num_rows, max_model_len,
+                                                     a.num_key_value_heads, a.head_dim, model.dtype, self.device)
         self.graphs: list[CompiledForward] = []   # compiled forwards (per feature width)
         self.chain: CompiledChain | None = None    # fused greedy chain drafting (drafters)
         self.tree: CompiledTree | None = None      # fused greedy tree drafting (EAGLE heads)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from leapfrog import LLM, SamplingParams
-from leapfrog.errors import ConfigError
+from leapfrog.errors import CacheBusy, ConfigError
 from leapfrog.model import native_linear
 from leapfrog.model.native_linear import NativeLinear
 from tests.conftest import prompts_of
@@ -82,3 +82,42 @@ def test_a_target_streaming_beside_a_drafter_is_not_shared(llama_dir, draft_dir,
     monkeypatch.setenv("LEAPFROG_STREAM_WEIGHTS", "0")   # no streaming anywhere: shared
     assert LLM(model=str(llama_dir), dtype="bfloat16", max_model_len=128, max_num_seqs=2, share_target_with=base,
                speculative_config=spec).engine.model is base.engine.model
+
+
+def test_engines_sharing_the_kv_cache_run_one_at_a_time(owner, llama_dir, draft_dir, tokenizer):
+    """share_kv_cache: the other engine's target cache too (benchmarks: no difference of where
+    the caches' pages landed). Used one after the other, every engine's output is its own
+    (what another left in the rows is never read); an engine that steps while the other has
+    unfinished requests is refused (CacheBusy), and the other's requests go on unharmed."""
+    prompts = prompts_of(tokenizer, 4)
+    plain = run(owner, prompts)
+    spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 3}
+    dm = LLM(model=str(llama_dir), dtype="float32", max_model_len=256, max_num_seqs=4, share_target_with=owner,
+             share_kv_cache=True, speculative_config=spec)
+    assert dm.engine.runner.kv is owner.engine.runner.kv
+    assert dm.engine.proposer.runner.kv is not owner.engine.runner.kv   # (the drafter's cache is its own)
+    assert run(dm, prompts) == plain
+    assert run(owner, prompts[1:]) == plain[1:]
+    assert run(dm, prompts[:3]) == plain[:3]
+    owner.engine.add_request("busy", None, prompts[0], SP)
+    owner.engine.step()
+    with pytest.raises(CacheBusy, match="one at a time"):
+        run(dm, prompts[:1])
+    out = {}
+    while owner.engine.has_unfinished():
+        out.update({o.request_id: o.outputs[0].token_ids for o in owner.engine.step()})
+    assert out["busy"] == plain[0]
+    assert not dm.engine.has_unfinished()   # (the refused call's requests were aborted)
+    assert run(dm, prompts[:2]) == plain[:2]
+
+
+@pytest.mark.parametrize("kw, what", [
+    (dict(max_num_seqs=2), r"max_num_seqs and max_model_len \(2, 256\) differ"),
+    (dict(max_model_len=128), r"\(4, 128\) differ"),
+])
+def test_a_cache_of_another_shape_or_without_the_target_is_refused(owner, llama_dir, kw, what):
+    with pytest.raises(ConfigError, match=what):
+        LLM(model=str(llama_dir), **{"dtype": "float32", "max_model_len": 256, "max_num_seqs": 4, **kw},
+            share_target_with=owner, share_kv_cache=True)
+    with pytest.raises(ConfigError, match="only with share_target_with"):
+        LLM(model=str(llama_dir), dtype="float32", max_model_len=256, share_kv_cache=True)
