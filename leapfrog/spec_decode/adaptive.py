@@ -242,6 +242,14 @@ _CONTEXT_SPREAD = 0.1
 #: of 32 at T = 0.7 the sizes were estimated 1.07x none and ran 0.94x (a batch of 16: 0.98x).
 #: (Exploration and the refresh of plain decode weigh none's goodput so scaled too.)
 _SPEC_MARGIN = 1.08
+#: "auto" tree sizes: the smallest size whose estimated goodput is within this factor of the best
+#: size's runs (``shortest_near_best``). What the step model leaves out grows with the drafts: a
+#: longer chain spreads the sequences' lengths more (acceptance varies), so a static batch ends in
+#: a longer tail of a few sequences; at a batch of 4, T = 0, "auto" ran the chain of 7 where it made
+#: tokens as cheaply as the chain of 5 in the full batch (0.25 ms a token each), and its batches'
+#: tails (0.46 ms a token) held 2272 tokens against the chain of 5's 1526: 0.95 of its speed.
+#: Not at a batch of 1 (no lengths to spread: there the best size runs)
+_SIZE_MARGIN = 0.97
 #: "auto" tree sizes: the least chain seeded at a batch size when no smaller one is measured
 #: (_seed_size)
 _SEED_CHAIN = 4
@@ -709,7 +717,7 @@ class SpecController:
             if k < len(gp) and (rounds := self._rounds_goodput(bucket, k, resume)) is not None:
                 gp[k] = rounds
         gp[0] *= _SPEC_MARGIN
-        best = max(range(len(gp)), key=gp.__getitem__)
+        best = shortest_near_best(gp, _SIZE_MARGIN if _size(bucket) > 1 else 1.0)   # (one sequence: no spread)
         # neighbours to explore: the next chain lengths up to the depth (close in cost, so a chain one
         # level longer must stay measured: with 2 x best only, a spike in the chain of 5's drafting
         # cost kept "auto" on chains of 4 for a whole run), tree sizes by halves and doubles past it
@@ -1236,6 +1244,15 @@ class SpecController:
                 where[s] = x if replaced or s not in where else _ema(where[s], x)
                 self.context_fit.setdefault(bucket, _ContextFit(min_spread=_CONTEXT_SPREAD)).add(
                     s, x, math.log(max(t_verify if old is None else min(t_verify, 2 * old), 1e-9)))   # (_verify_table)
+
+
+def shortest_near_best(goodput: list[float], margin: float = _SIZE_MARGIN) -> int:
+    """The size to run from the estimated goodputs of sizes 0.. (0: no speculation, its margin
+    applied): none where it weighs best, else the smallest size within ``margin`` of the best."""
+    top = max(range(len(goodput)), key=goodput.__getitem__)
+    if top == 0:
+        return 0
+    return next(n for n in range(1, top + 1) if goodput[n] >= margin * goodput[top])
 
 
 def _borrowed(costs: dict[tuple[int, int], float], shape: tuple[int, int]) -> tuple[float, tuple[int, int]]:

@@ -11,7 +11,7 @@ import torch
 
 from leapfrog.spec_decode import adaptive
 from leapfrog.spec_decode.adaptive import (_HOLD_FROM, _PLAIN_FIRST, _PLAIN_REFRESH, _REWEIGH_OFF_STEPS, _REWEIGH_STEPS,
-                                           SpecController, _bucket, _ContextFit, _curve)
+                                           SpecController, _bucket, _ContextFit, _curve, shortest_near_best)
 from leapfrog.spec_decode.confidence import GAMMAS
 from leapfrog.spec_decode.rate import geometric_tokens
 
@@ -1360,3 +1360,29 @@ def test_a_lease_ends_when_the_batch_changes():
     ctl.lease_step(2.0, 0.5)
     assert not ctl.leased(batch[:1]) and not ctl.leased(batch)   # ended: measured, and chosen for again
     assert ctl.observations == 2 and ctl.steps == 2 and ctl.plain_host[2] == pytest.approx(0.5)
+
+
+def test_the_smallest_size_near_the_best_runs(monkeypatch):
+    """Of sizes estimated within _SIZE_MARGIN of the best, the smallest runs (what the step model
+    leaves out grows with the drafts: a longer chain spreads the sequences' lengths, and a static
+    batch ends in a longer tail); no speculation only where it weighs best (its own margin
+    applied)."""
+    assert adaptive._SIZE_MARGIN == 0.97
+    assert shortest_near_best([1.0, 1.5, 1.95, 2.0, 1.99]) == 2
+    assert shortest_near_best([1.0, 1.5, 1.9, 2.0, 1.99]) == 3
+    assert shortest_near_best([1.0, 2.0, 1.99, 1.98]) == 1
+    assert shortest_near_best([2.1, 1.5, 2.05]) == 0
+    assert shortest_near_best([1.0, 1.5, 1.95, 2.0, 1.99], 1.0) == 3
+    # the weighing runs it from a batch of 2 (a batch of 1 has no lengths to spread): with every
+    # size near enough, the smallest tree is verified
+    conf = [0.9 ** (i // 4 + 1) for i in range(64)]
+    monkeypatch.setattr(adaptive, "_SIZE_MARGIN", 0.0)
+    assert min(_converge(0.01, conf, lambda n: min(n, 4))[-20:]) >= 12
+    ctl = SpecController(CFG, 4096)
+    _measured(ctl, {1: 0.1, 2: 0.2, 3: 0.3, 4: 0.4}, bucket=2)
+    for _ in range(3):
+        ctl.confidence.calibrate(3.0, ctl.confidence.observe([[0.95, 0.9, 0.85, 0.8]], [4]))
+    assert ctl.choose([_Req(), _Req()]) == [1, 1]
+    monkeypatch.setattr(adaptive, "_SIZE_MARGIN", 1.0)
+    ctl._weighed.clear()
+    assert ctl.choose([_Req(), _Req()])[0] > 1
