@@ -6,8 +6,9 @@ workload category by category in batches of ``batch_size``; each batch is run by
 in turn (A B A B ..., each batch in the next row of a balanced Latin square, ``run_order``), so
 slow drift of the machine hits all contenders alike, and no contender always runs right after the
 same other one (an engine's first steps after another's run pay for the caches that one left).
-Speedups are per-repeat ratios of tokens/s against "none" of the same repeat: the median is reported with a 95% t-interval over the repeats (on log ratios, so it stays > 0)
-when there are at least ``MIN_CI_REPEATS`` of them: with 2 the t quantile is 12.7 and the interval
+Speedups are per-repeat ratios of tokens/s against "none" of the same repeat: the median is
+reported with a 95% t-interval over the repeats (on log ratios, so it stays > 0) when there are at
+least ``MIN_CI_REPEATS`` of them: with 2 the t quantile is 12.7 and the interval
 spans orders of magnitude, so fewer repeats get no interval (the table says so) and only the
 min-max range of the repeats, which the plots draw as whiskers.
 
@@ -239,9 +240,10 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
     copy. Sharing leaves the contenders differing only in their settings, as one server's engine
     runs: they share the target's KV cache too (``LLM(share_kv_cache=True)``; each keeps its own
     drafter and its drafter's cache), as three identical engines with caches of their own
-    measured 0.96-1.02 of one another in one run (a batch of 16, T = 0.7), and 0.99-1.00 sharing it. None (default): shared where the engine
-    allows it (``engine.check_shareable``: not a target that streams its weights), else that
-    contender loads its own copy, said in the log and listed in ``settings["own_target"]``;
+    measured 0.96-1.02 of one another in one run (a batch of 16, T = 0.7), and 0.99-1.00 sharing it.
+    None (default): shared where the engine allows it (``engine.check_shareable``: not a target that
+    streams its weights), else that contender loads its own copy, said in the log and listed in
+    ``settings["own_target"]``;
     False: a copy each; True: shared or refused (NotShareable, a ConfigError).
 
     ``greedy_share``: a mixed load, as a server sees one. In the cells of a temperature above 0

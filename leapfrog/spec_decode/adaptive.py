@@ -942,7 +942,8 @@ class SpecController:
             # last drafted, B per step; at a batch of 32 on an AVX2 CPU a chain of 1 explored after
             # 60 plain steps of 17 ms took 107 ms, and with one every 2 intervals "auto" ran
             # 0.88-0.94x none in traces at batches of 16-32, where it had settled on none)
-            if cand != best and (best or n % (2 * _size(bucket)) == 1) and goodput(cand) >= _EXPLORE_MARGIN * goodput(best):
+            if (cand != best and (best or self._explores_up_while_off(bucket, self.steps))
+                    and goodput(cand) >= _EXPLORE_MARGIN * goodput(best)):
                 return cand
         return best
 
@@ -965,13 +966,24 @@ class SpecController:
         steps and the drafter's catch-up cost grow with the batch, and large batches are where
         speculation pays least), twice as long after each probe that leaves it off (up to
         _PROBE_BACKOFF times)."""
-        base = 8 * self.cfg.adaptive_explore_interval * _size(bucket)
-        wait = self.probe_wait.get(bucket, base)
+        base, wait = self._probe_wait(bucket)
         if self.off_steps[bucket] < wait:
             return False
         self.off_steps[bucket] = 0
         self.probe_wait[bucket] = min(2 * wait, _PROBE_BACKOFF * base)
         return True
+
+    def _probe_wait(self, bucket: int) -> tuple[int, int]:
+        """(the first wait, the current wait) in off steps before a probe at this batch size
+        (``_probe_due``)."""
+        base = 8 * self.cfg.adaptive_explore_interval * _size(bucket)
+        return base, self.probe_wait.get(bucket, base)
+
+    def _explores_up_while_off(self, bucket: int, steps: int) -> bool:
+        """Whether ``_explore`` at choice count ``steps`` may try the size up while speculation is off
+        at this batch size: every 2 x bucket exploration intervals (its comment)."""
+        interval = self.cfg.adaptive_explore_interval
+        return bool(steps) and steps % interval == 0 and (steps // interval) % (2 * _size(bucket)) == 1
 
     def _seed_size(self, B: int) -> int:
         """The size of the first drafts at a batch of B sequences: the size the estimates settled on
@@ -1142,17 +1154,14 @@ class SpecController:
               or bucket in self.refresh or bucket in self.confirm or 1 not in self.verify_cost.get(bucket, {})):
             return
         else:
-            base = 8 * self.cfg.adaptive_explore_interval * _size(bucket)
-            n = self.probe_wait.get(bucket, base) - self.off_steps[bucket]   # (step j's choose sees off_steps + j - 1)
+            n = self._probe_wait(bucket)[1] - self.off_steps[bucket]   # (step j's choose sees off_steps + j - 1)
             if not self._inherits_off(bucket):
                 w = self._weighed.get(bucket)
                 if w is None or w.best or w.batch != B or w.free != self.free_share:
                     return
                 n = min(n, _REWEIGH_OFF_STEPS - (self.observations - w.at))
-            interval = self.cfg.adaptive_explore_interval
             for j in range(1, min(n, _LEASE_STEPS) + 1):   # step j's _explore sees steps + j - 1
-                t = self.steps + j - 1
-                if t and t % interval == 0 and (t // interval) % (2 * _size(bucket)) == 1:
+                if self._explores_up_while_off(bucket, self.steps + j - 1):
                     n = j - 1
                     break
         if n > 0:

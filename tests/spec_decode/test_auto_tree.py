@@ -1279,7 +1279,8 @@ class _Live(_Req):
 def _drive(cfg: SpeculativeConfig, leasing: bool, steps: int = 700, B: int = 2,
            per_token: float = 0.6, accepted: int = 1) -> tuple[SpecController, list[int], int]:
     """``steps`` steps of a batch of B where drafting does not pay (verifying costs ``per_token`` a
-    token more, drafting half that, ``accepted`` of the drafter's candidates accepted), run as the engine runs them: leased steps
+    token more, drafting half that, ``accepted`` of the drafter's candidates accepted), run as the
+    engine runs them: leased steps
     (``leasing``) without ``choose``, their times to ``lease_step``; else every step chosen and
     observed. -> the controller, the size of every step, the steps ``choose`` was asked."""
     ctl = SpecController(cfg, 10 ** 6)
