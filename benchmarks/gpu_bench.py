@@ -14,6 +14,8 @@ contender decodes the same prompts in interleaved rounds, one prompt at a time:
   eagle3      EAGLE-3 head ``--head``, a 5-deep chain (the built-in default), graphs
   eagle3-tree EAGLE-3 head, an EAGLE-2 dynamic tree (depth 5, top-4, 16 nodes), graphs
   eagle3-rounds  EAGLE-3 chain, ``--steps`` speculation rounds per engine step
+  eagle3-auto EAGLE-3 head, depth 5, top-4, the tree size chosen by goodput per batch size from the
+              graphs' measured verify costs (``"num_draft_tokens": "auto"``; none among the sizes)
   graphs-1max, steps-1max  graphs and steps compiled with every argmax in one reduction (the
               graphs' split argmax, model/compiled.py ``first_max``, turned off): its A/B in one run
 
@@ -66,9 +68,9 @@ SHAPES = {"1B": (2048, 16, 32, 8, 8192, True), "3B": (3072, 28, 24, 8, 8192, Tru
 #: datasheet memory bandwidth, bytes/s, by a substring of the device name
 DATASHEET = {"H100 80GB HBM3": 3.35e12, "H100 PCIe": 2.0e12, "H200": 4.8e12, "A100-SXM4-80GB": 2.04e12}
 ALL = ["eager", "graphs", "ngram", "self-int4", "draft", "steps", "eagle3", "eagle3-tree", "eagle3-rounds",
-       "graphs-1max", "steps-1max"]
+       "eagle3-auto", "graphs-1max", "steps-1max"]
 ONE_MAX = "-1max"   # the suffix of a contender whose graphs take every argmax in one reduction
-EAGLE = ("eagle3", "eagle3-tree", "eagle3-rounds")
+EAGLE = ("eagle3", "eagle3-tree", "eagle3-rounds", "eagle3-auto")
 
 
 def shape_dir(name: str, workdir: Path, std: float) -> Path:
@@ -293,6 +295,7 @@ def main() -> None:
     k = args.k
     specs = {"eager": None, "graphs": None, "steps": None, "eagle3": chain, "eagle3-rounds": chain,
              "eagle3-tree": {**chain, "eagle_topk": 4, "num_draft_tokens": 16},
+             "eagle3-auto": {**chain, "eagle_topk": 4, "num_draft_tokens": "auto"},
              "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 1},
              "self-int4": {"method": "draft_model", "model": "self", "draft_quantization": "int4",
                            "num_speculative_tokens": k},

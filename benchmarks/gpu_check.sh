@@ -5,11 +5,12 @@
 # 1B graphs and steps alone 107 s; the fifth, an H200: 28 tests in 222 s with 14 workers, where 8
 # workers had not finished in 235 s, since the graphs compile on the CPU; 8B 166 s, 1B 42-69 s):
 #   tests   the CUDA tests (test_cuda_graphs.py, test_triton_decode.py), 14 workers ~4 min
-#   1B      gpu_bench, Llama-3.2-1B shape: graphs, 4 steps, eagle3 chain/tree     ~4.5 min
+#   1B      gpu_bench, Llama-3.2-1B shape: graphs, eagle3 chain/tree/auto sizes    ~3 min
 #   8B      gpu_bench, Llama-3-8B shape: graphs against 4 decode steps per step   ~3.5 min
-#   demo    gpu_bench, the built-in pair: graphs, draft_model, eagle3 chain/tree  ~3 min
+#   demo    gpu_bench, the built-in pair: graphs, eagle3 chain/tree/auto sizes     ~3 min
 #   split   gpu_bench, 1B shape: graphs and 4 steps with and without the split argmax  ~4 min
-# Usage: bash benchmarks/gpu_check.sh tests 1B ...   (logs and JSON in $OUT, else ./gpu-check)
+# Usage: bash benchmarks/gpu_check.sh tests 1B ...   (logs and JSON in $OUT, else ./gpu-check; each part's
+# time box in seconds: BENCH_BOX, 290 by default, and TESTS_BOX, 330)
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-check}
@@ -18,7 +19,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 bench() {   # name, then gpu_bench arguments
     local name=$1; shift
-    timeout 290 "$py" benchmarks/gpu_bench.py "$@" --out "$out/$name.json" > "$out/$name.log" 2>&1
+    timeout "${BENCH_BOX:-290}" "$py" benchmarks/gpu_bench.py "$@" --out "$out/$name.json" > "$out/$name.log" 2>&1
     echo "== $name: exit $?"
     grep -v -i -E "warn|compiling|softmax|split the reduction|important use case|^$" "$out/$name.log" | tail -40
 }
@@ -26,17 +27,17 @@ for part in "$@"; do
     t0=$(date +%s)
     case $part in
         tests)
-            timeout 330 "$py" -m pytest tests/model/test_cuda_graphs.py tests/attention/test_triton_decode.py -k "not interpreter" -v -n 14 --dist load -p no:cacheprovider \
+            timeout "${TESTS_BOX:-330}" "$py" -m pytest tests/model/test_cuda_graphs.py tests/attention/test_triton_decode.py -k "not interpreter" -v -n 14 --dist load -p no:cacheprovider \
                 --tb=short > "$out/tests.log" 2>&1
             echo "== tests: exit $?"
             grep -E "PASSED|FAILED|ERROR|passed|failed|^E " "$out/tests.log" | tail -40 ;;
-        1B) bench 1B --shape 1B --contenders graphs,steps,eagle3,eagle3-tree --steps 4 --num-prompts 2 \
-                --max-tokens 96 --rounds 2 ;;
+        1B) bench 1B --shape 1B --contenders graphs,eagle3,eagle3-tree,eagle3-auto --num-prompts 2 \
+                --max-tokens 128 --rounds 3 ;;
         8B) bench 8B --shape 8B --contenders graphs,steps --steps 4 --num-prompts 2 --max-tokens 96 --rounds 2 ;;
         split) bench split --shape 1B --contenders graphs,graphs-1max,steps,steps-1max --steps 4 --num-prompts 2 \
                 --max-tokens 96 --rounds 3 ;;
-        demo) bench demo --shape demo --contenders graphs,draft,eagle3,eagle3-tree --num-prompts 4 \
-                --max-tokens 128 --rounds 2 ;;
+        demo) bench demo --shape demo --contenders graphs,eagle3,eagle3-tree,eagle3-auto --num-prompts 4 \
+                --max-tokens 128 --rounds 3 ;;
         *) echo "unknown part $part (tests, 1B, 8B, demo, split)"; exit 2 ;;
     esac
     echo "   ($part took $(( $(date +%s) - t0 )) s)"

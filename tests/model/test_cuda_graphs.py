@@ -268,3 +268,53 @@ def test_unseeded_multi_step_and_rounds_on_cuda(eagle_target, tmp_path, tokenize
             runner = llm.engine.runner   # (sampled batches run the rounds' sampled twin)
             assert _calls(runner.multi_step if spec is None else runner.sampled_round) > 0, spec
         assert outs[0] == outs[1] and all(len(o) == 21 for o in outs[0]), spec
+
+
+def test_auto_tree_sizes_and_leases_on_cuda(eagle_target, tmp_path, tokenizer):
+    """num_draft_tokens "auto" on the CUDA fast path: the controller times the target's graphs and
+    picks a tree size per batch size (none among them), and the plain steps it leases (where it
+    drafts nothing: with disable_by_batch_size, a batch of 3) run without asking it
+    (spec_decode/adaptive.py). Ragged lengths (12, 24, 40
+    tokens) shrink the batch from 3 to 1 on the way. Greedy output equals plain decoding's
+    (float32); seeded sampling is reproducible."""
+    head = _head(eagle_target, tmp_path / "h", "eagle3")
+    prompts = prompts_of(tokenizer, 3)
+    sps = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (12, 24, 40)]
+
+    def run(llm, sps):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+
+    want = run(LLM(model=str(eagle_target), **CUDA_FP32), sps)
+    seeded = [SamplingParams(temperature=0.8, seed=5 + i, max_tokens=sp.max_tokens, ignore_eos=True)
+              for i, sp in enumerate(sps)]
+    for extra in ({}, {"disable_by_batch_size": 2}):
+        spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 4, "eagle_topk": 3,
+                "num_draft_tokens": "auto", **extra}
+        llm = LLM(model=str(eagle_target), speculative_config=spec, seed=3, **CUDA_FP32)
+        ctl = llm.engine.spec_controller
+        leased = []
+        lease_step = ctl.lease_step
+        ctl.lease_step = lambda *a, **kw: leased.append(1) or lease_step(*a, **kw)
+        assert run(llm, sps) == want, extra
+        assert llm.get_metrics()["num_draft_tokens"] > 0 and ctl.observations > 0, extra
+        assert _replays(llm) > 0, extra
+        assert leased or not extra, extra   # (a batch of 3 is off there: its steps leased)
+        assert run(llm, seeded) == run(llm, seeded), extra
+
+
+def test_engines_sharing_the_target_and_its_cache_on_cuda(eagle_target, tmp_path, tokenizer):
+    """LLM(share_target_with=..., share_kv_cache=True) on the CUDA fast path: the speculating
+    engine's graphs are captured over the other engine's cache tensors, and the two engines,
+    used in turn, each give plain decoding's greedy output (float32)."""
+    head = _head(eagle_target, tmp_path / "h", "eagle3")
+    prompts = prompts_of(tokenizer, 3)
+    owner = LLM(model=str(eagle_target), **CUDA_FP32)
+    want = _generate(owner, prompts)
+    spec = LLM(model=str(eagle_target), share_target_with=owner, share_kv_cache=True, **CUDA_FP32,
+               speculative_config={"method": "eagle3", "model": str(head), "num_speculative_tokens": 4,
+                                   "eagle_topk": 3, "num_draft_tokens": 10})
+    assert spec.engine.model is owner.engine.model and spec.engine.runner.kv is owner.engine.runner.kv
+    assert _generate(spec, prompts) == want
+    assert _generate(owner, prompts) == want
+    assert _generate(spec, prompts) == want and _replays(spec) > 0
