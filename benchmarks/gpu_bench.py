@@ -89,12 +89,14 @@ def shape_dir(name: str, workdir: Path, std: float) -> Path:
 
 
 def random_head(target: Path, out: Path, std: float) -> Path:
-    """A random EAGLE-3 head for the dummy shape at ``target`` (bf16, drafting over the first 32000
-    ids), written in the release layout the engine loads."""
+    """A random EAGLE-3 head for the model at ``target`` (bf16, drafting over the first 32000 ids, or
+    the whole vocabulary where it is shorter), written in the release layout the engine loads: a
+    drafter that accepts almost nothing."""
     from leapfrog.model.args import LlamaArgs
     from leapfrog.model.eagle import init_eagle_head, save_eagle_head
     args = LlamaArgs.from_hf_config(json.loads((target / "config.json").read_text()))
-    head = init_eagle_head("eagle3", args, draft_vocab_size=32000, init_std=std, dtype=torch.bfloat16)
+    head = init_eagle_head("eagle3", args, draft_vocab_size=min(args.vocab_size, 32000), init_std=std,
+                           dtype=torch.bfloat16)
     return save_eagle_head(head, out)
 
 

@@ -45,6 +45,7 @@ import argparse
 import json
 import sys
 import sysconfig
+import tempfile
 from pathlib import Path
 
 import torch
@@ -102,7 +103,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=str(DEMO_DIR / "target"))
     ap.add_argument("--draft", default=str(DEMO_DIR / "draft"))
-    ap.add_argument("--head", default=str(DEMO_DIR / "eagle3"))
+    ap.add_argument("--head", default=str(DEMO_DIR / "eagle3"),
+                    help='the EAGLE-3 head; "random": a random head of the target\'s shape (gpu_bench.py '
+                         "random_head, std 0.2), which accepts almost nothing: what a contender costs where "
+                         "drafting cannot pay")
     ap.add_argument("--compare-head", default=None,
                     help="another EAGLE-3 head: adds its chain of 5 (index 8) and its chain up to 10, c = 0.3 (9)")
     ap.add_argument("--source", default="heldout", choices=["heldout", "site-packages"])
@@ -158,6 +162,10 @@ def main() -> None:
         docs = site_package_documents()
     prompts = heldout_prompts(tok, docs, args.num_prompts, prompt_tokens=args.prompt_tokens)
     items = [WorkloadItem(f"code-{args.source}", p, None, str(i)) for i, p in enumerate(prompts)]
+    if args.head == "random":
+        sys.path.insert(0, str(Path(__file__).parent))
+        from gpu_bench import random_head
+        args.head = str(random_head(Path(args.target), Path(tempfile.mkdtemp(prefix="lf-random-head-")), 0.2))
     specs = contenders(args.draft, args.head, args.k, args.compare_head, args.eagle_depths, args.head_quantization,
                        args.auto_depths)
     if args.only is not None:

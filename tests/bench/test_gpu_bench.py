@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from leapfrog import LLM
+from leapfrog import LLM, SamplingParams
 
 
 def _gpu_bench():
@@ -55,3 +55,25 @@ def test_one_max_contenders_compile_without_the_split_argmax():
         raise RuntimeError("no GPU")
     assert compiled.SPLIT_MAX_AT == before
     assert {"graphs-1max", "steps-1max"} <= set(bench.ALL)
+
+
+def test_random_head_fits_a_short_vocabulary(tmp_path_factory, tmp_path, tokenizer):
+    """``random_head`` (gpu_bench.py; ``tree_bench.py --head random``) writes an EAGLE-3 head the
+    engine loads for a target whose vocabulary is shorter than 32000 ids, drafting over all of it;
+    output stays the target's."""
+    import json
+
+    from tests.conftest import prompts_of, save_shapes
+    from tests.spec_decode.test_eagle import SHAPES
+    llama_dir = save_shapes(tmp_path_factory, tokenizer, {"t": SHAPES["llama_untied"]})["t"]   # (3 layers to fuse)
+    head = _gpu_bench().random_head(llama_dir, tmp_path / "head", 0.2)
+    vocab = json.loads((llama_dir / "config.json").read_text())["vocab_size"]
+    assert json.loads((head / "config.json").read_text())["draft_vocab_size"] == vocab
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in prompts_of(tokenizer, 2)]
+    kw = dict(model=str(llama_dir), dtype="float32", max_model_len=128, max_num_seqs=2)
+    want = [o.outputs[0].token_ids for o in LLM(**kw).generate(prompts, sp, use_tqdm=False)]
+    llm = LLM(**kw, speculative_config={"method": "eagle3", "model": str(head), "num_speculative_tokens": 3,
+                                        "eagle_topk": 1})
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == want
+    assert llm.get_metrics()["num_draft_tokens"] > 0
