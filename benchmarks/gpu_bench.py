@@ -264,6 +264,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--warmup-tokens", type=int, default=8,
+                    help="tokens of each contender's warm-up request before the rounds (first uses of kernels and "
+                         "graphs, and an adaptive contender's first probes, land there)")
     ap.add_argument("--init-std", type=float, default=0.2,
                     help="random weights' std (a dummy shape): 0.2 peaks the next-token distributions; Hugging Face's "
                          "0.02 leaves them near-flat, so any two kernels' roundings disagree on the argmax")
@@ -324,7 +327,7 @@ def main() -> None:
         prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in texts]
     nbytes = step_bytes(next(iter(contenders.values())).llm, args.max_model_len)
     for c in contenders.values():   # warm-up: one short request each
-        c.run(prompts[:1], 8)
+        c.run(prompts[:1], args.warmup_tokens)
     per: dict[str, list[Run]] = {n: [] for n in names}
     for rnd in range(args.rounds):
         for n, c in contenders.items():
