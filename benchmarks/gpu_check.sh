@@ -11,6 +11,11 @@
 #   8B      gpu_bench, Llama-3-8B shape: graphs against 4 decode steps per step   ~3.5 min
 #   demo    gpu_bench, the built-in pair: graphs, eagle3 chain/tree/auto sizes     ~3 min
 #   split   gpu_bench, 1B shape: graphs and 4 steps with and without the split argmax  ~4 min
+#   pack    here, before a device call that runs demo: the built-in target, EAGLE-3 head and training
+#           record in .gpu-assets/assets.tar.xz (44 MiB; name it in the call's carry), and the assets
+#           folder moved into .gpu-assets (ignored: with it the tree is 73 MiB, over the device tool's 64)
+#   unpack  on the device, first: the packed assets back in place
+#   restore here, after the call: the assets folder back
 # Usage: bash benchmarks/gpu_check.sh tests 1B ...   (logs and JSON in $OUT, else ./gpu-check; each part's
 # time box in seconds: BENCH_BOX, 330 by default, and TESTS_BOX, 400; the demo part needs the built-in
 # assets, which take the working tree past the device tool's 64 MiB)
@@ -41,7 +46,16 @@ for part in "$@"; do
                 --max-tokens 96 --rounds 3 ;;
         demo) bench demo --shape demo --contenders graphs,eagle3,eagle3-tree,eagle3-auto --num-prompts 4 \
                 --max-tokens 128 --rounds 3 ;;
-        *) echo "unknown part $part (tests, 1B, 8B, demo, split)"; exit 2 ;;
+        pack)
+            demo=leapfrog/assets/stdlib-demo
+            mkdir -p .gpu-assets
+            tar cf - $demo/target $demo/eagle3 $demo/training_record.json | xz -6 -T0 > .gpu-assets/assets.tar.xz \
+                && mv $demo .gpu-assets/stdlib-demo && ls -l .gpu-assets/assets.tar.xz ;;
+        unpack) "$py" -c "import tarfile; tarfile.open('.gpu-assets/assets.tar.xz').extractall(filter='data')" ;;
+        restore)
+            if [ -d leapfrog/assets/stdlib-demo ]; then echo "leapfrog/assets/stdlib-demo is in place"
+            else mv .gpu-assets/stdlib-demo leapfrog/assets/stdlib-demo; fi ;;
+        *) echo "unknown part $part (tests, 1B, 8B, demo, split, pack, unpack, restore)"; exit 2 ;;
     esac
     echo "   ($part took $(( $(date +%s) - t0 )) s)"
 done
