@@ -152,10 +152,10 @@ def main() -> None:
     ap.add_argument("--out", default="bench_tree")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    sys.path.insert(0, str(Path(__file__).parent))   # (the scripts beside this one: demo_bench, gpu_bench)
 
     tok = load_tokenizer(args.target)
     if args.source == "heldout":
-        sys.path.insert(0, str(Path(__file__).parent))
         from demo_bench import heldout_documents
         docs = heldout_documents(DEMO_DIR if args.target == str(DEMO_DIR / "target") else Path(args.target).parent)
     else:
@@ -163,7 +163,6 @@ def main() -> None:
     prompts = heldout_prompts(tok, docs, args.num_prompts, prompt_tokens=args.prompt_tokens)
     items = [WorkloadItem(f"code-{args.source}", p, None, str(i)) for i, p in enumerate(prompts)]
     if args.head == "random":
-        sys.path.insert(0, str(Path(__file__).parent))
         from gpu_bench import random_head
         args.head = str(random_head(Path(args.target), Path(tempfile.mkdtemp(prefix="lf-random-head-")), 0.2))
     specs = contenders(args.draft, args.head, args.k, args.compare_head, args.eagle_depths, args.head_quantization,
