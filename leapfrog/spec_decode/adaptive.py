@@ -31,7 +31,9 @@ one-token steps: the first steps after a prefill run slow) and again while specu
 speculation's estimated goodput is within _PLAIN_CLOSE of the best size's (``_explore``:
 _PLAIN_FIRST plain steps every _PLAIN_REFRESH exploration intervals, the lesser of the last two
 replacing the estimate: the plain steps right after speculation run slow, a batch of 16 at T =
-0.7 about 1.2x for three steps, then 1.03-1.08x its plain steps in a row). A step's cost grows
+0.7 about 1.2-1.4x for three steps, then 1.0-1.1x its plain steps in a row). Other plain steps
+are averaged in only from the _PLAIN_SETTLE-th of the same requests in a row on (the first ones
+after drafting steps or a new request's prefill run slow too). A step's cost grows
 with the context (attention reads every sequence's keys and values: a plain step of a batch of
 16 of the built-in target 4.4 ms at 72 tokens a sequence, 6.3 at 192), and the sizes are
 measured at different contexts, so every measured verify time is compared at the context of the
@@ -224,8 +226,16 @@ _HOLD_FROM = 8
 #: plain decode is measured first at a batch size, this many steps, the lesser of the last two
 #: standing: the steps right after a prefill run slow (a batch of 16 after its 64-token prompts:
 #: the forward 3.8, 3.5, 2.8, 2.6 ms, then 2.3), and the second of two made speculation look 20 %
-#: better than it was
-_PLAIN_FIRST = 4
+#: better than it was; so do the steps right after drafting steps (a batch of 16 at T = 0.7 on an
+#: AMX Xeon: 5.2, 5.2, 4.4, 4.0, then 3.7 ms, the same requests' steady plain steps), and the
+#: lesser of the third and fourth still read 10 % slow (stop 100). (Refreshes run as many.)
+_PLAIN_FIRST = 6
+#: a plain step's time is averaged into t_verify(B, 1) only from the this-many-th plain step of the
+#: same requests in a row on (``_plain_run``): the first ones after drafting steps or a new request's
+#: prefill run slow (above). Averaged in, they held the estimate of no speculation 10-25 % over what
+#: plain steps cost in a row, while "auto" drafted at a batch of 16 at T = 0.7 (stop 100): plain
+#: decode's speed is what a run of plain steps makes, which is what turning speculation off buys
+_PLAIN_SETTLE = 4
 #: while speculating where no speculation is estimated within _PLAIN_CLOSE of the best size,
 #: _PLAIN_FIRST plain steps every this many exploration intervals keep t_verify(B, 1) current
 _PLAIN_REFRESH = 4
@@ -390,6 +400,9 @@ class SpecController:
         #: bucket -> the time of its last observed step if that was an unwidened plain step (a plain
         #: run's estimate is the lesser of its last two steps)
         self.plain_prev: dict[int, float] = {}
+        #: bucket -> (the requests' ids, how many plain steps of just them in a row it last observed)
+        #: (``_PLAIN_SETTLE``)
+        self._plain_run: dict[int, tuple[tuple, int]] = {}
         #: auto tree sizes: the path confidence under which greedy chains of the size just chosen
         #: draft no further level (``stop_confidence``: the last weighing's best chain only, else None)
         self.stop_confidence: float | None = None
@@ -1094,8 +1107,17 @@ class SpecController:
             depth = self.cfg.num_speculative_tokens
             if drafts.total:   # (a plain step teaches the curves nothing; capping each request cost 25 us at 32)
                 self._observe_tree(drafts, result, probe, [self.cap(r, depth) for r in reqs], ratio)
+        settled = True
+        if s == 1:   # (plain steps of the same requests in a row: _PLAIN_SETTLE)
+            ids = tuple(r.request_id for r in reqs)
+            last = self._plain_run.get(bucket)
+            run = last[1] + 1 if last is not None and last[0] == ids else 1
+            self._plain_run[bucket] = (ids, run)
+            settled = run >= _PLAIN_SETTLE
+        else:
+            self._plain_run.pop(bucket, None)
         self._measure(bucket, s, t_verify, None if t_step is None else max(0.0, t_step - t_draft - t_verify),
-                      (verify_tokens or s) > s, fresh)
+                      (verify_tokens or s) > s, fresh, settled)
         n_draft = drafts.total
         if n_draft:
             # a step's drafting time at its K; a tree's at its shape (how many nodes are verified
@@ -1198,20 +1220,26 @@ class SpecController:
         n, B = len(lease.times), len(lease.ids)
         if not n:
             return
+        last = self._plain_run.get(lease.bucket)   # (the step that granted the lease: the same requests)
+        run = last[1] if last is not None and last[0] == lease.ids else 0
         for j, (t_verify, t_host) in enumerate(lease.times, 1):
             if lease.context is not None:
                 self.context = lease.context + j * B
-            self._measure(lease.bucket, 1, t_verify, t_host, False)
+            self._measure(lease.bucket, 1, t_verify, t_host, False, settled=run + j >= _PLAIN_SETTLE)
+        self._plain_run[lease.bucket] = (lease.ids, run + n)
         self.observations += n
         self.steps += n
         self.committed = {i: c + n for i in lease.ids if (c := self.committed.get(i)) is not None}
 
     def _measure(self, bucket: int, s: int, t_verify: float, host: float | None, widened: bool,
-                 fresh: bool = False) -> None:
+                 fresh: bool = False, settled: bool = True) -> None:
         """A verified step's times at this batch size (``observe``, ``_end_lease``): its host time
         (None: not timed), and its forward over ``s`` tokens a sequence, ``t_verify``, into the
         verify costs unless ``widened`` by another proposer's longer drafts (``fresh``: a probe's
-        first step, which replaces the estimate), at the step's context (``self.context``)."""
+        first step, which replaces the estimate), at the step's context (``self.context``). A plain
+        step not ``settled`` (one of the first _PLAIN_SETTLE - 1 of the same requests in a row)
+        moves t_verify(B, 1) only as a first measurement's or a refresh's step (the lesser of their
+        last two) does."""
         if host is not None:
             kind = self.plain_host if s == 1 else self.host_cost
             old = kind.get(bucket)
@@ -1235,6 +1263,9 @@ class SpecController:
                     first[s] = t_verify
             elif due:   # a refresh's last step replaces the estimate, or the one before it if less
                 table[s] = min(t_verify, t_verify if prev_plain is None else prev_plain)
+            elif s == 1 and not settled:   # (a slow first plain step: neither the estimate nor the fit)
+                self.plain_prev[bucket] = t_verify
+                return
             elif s in table:
                 replaced = fresh
                 table[s] = t_verify if fresh else _bounded_ema(table[s], t_verify)
