@@ -600,6 +600,7 @@ class SpecController:
         key = (bucket, self.round_k if size is None else size)
         if key[1]:
             self.probes.pop(bucket, None)   # (a probe's size ran as rounds: the rounds stand for it)
+            self._plain_run.pop(bucket, None)   # (the plain steps after drafting rounds run slow too)
         else:
             self.off_steps[bucket] += max(rounds, 0)
             self.refresh.pop(bucket, None)   # (plain steps ran as multi-step decode: measured as rounds)

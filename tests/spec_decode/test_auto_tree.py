@@ -1019,6 +1019,9 @@ def test_plain_steps_right_after_drafts_or_a_new_request_leave_plain_decode_alon
     assert ctl.verify_cost[1][1] == pytest.approx(1.1)
     ctl.observe([r2], *plain, 1.6)
     assert ctl.verify_cost[1][1] == pytest.approx(0.8 * 1.1 + 0.2 * 1.6)
+    ctl.observe_rounds(1, 4, 4.0, accepted=4, drafted=8, size=2)   # drafting rounds end the run too
+    ctl.observe([r2], *plain, 3.0)
+    assert ctl.verify_cost[1][1] == pytest.approx(0.8 * 1.1 + 0.2 * 1.6)
 
 
 def test_context_fit_recovers_the_shared_slope():
