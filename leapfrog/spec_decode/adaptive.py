@@ -244,14 +244,17 @@ _PLAIN_CLOSE = 0.75
 #: the verify times' context fit: no slope until the contexts spread this much (_ContextFit)
 _CONTEXT_SPREAD = 0.1
 #: speculation is chosen over none only where its estimated goodput is at least this many times
-#: none's: what the step model leaves out costs speculation. Plain steps measured between
-#: speculation's still read 3-8 % slow (the lesser of a run's last two); the drafter's prefill of
-#: each new prompt (an EAGLE head: about 12 % of the target's) happens outside decode steps; and
-#: requests that accept unevenly finish apart (a static batch ends on its unluckiest ones, in
-#: steps of a few sequences; continuous batching prefills their successors one by one). At a batch
-#: of 32 at T = 0.7 the sizes were estimated 1.07x none and ran 0.94x (a batch of 16: 0.98x).
+#: none's: what the step model leaves out costs speculation. The drafter's prefill of each new
+#: prompt (an EAGLE head: about 12 % of the target's) happens outside decode steps; and requests
+#: that accept unevenly finish apart (a static batch ends on its unluckiest ones, in steps of a
+#: few sequences; continuous batching prefills their successors one by one). At a batch of 32 at
+#: T = 0.7 the sizes were estimated 1.07x none and ran 0.94x (a batch of 16: 0.98x). It was 1.08
+#: while plain decode's estimate also took the slow plain steps right after drafting steps
+#: (_PLAIN_SETTLE): with them left out and 1.08 kept, "auto" held speculation off where it paid
+#: 1.05-1.10x (batches of 16-32, T = 0) and met both adaptive goals in 40 of 72 cells of the batch
+#: table against 48 before; with 1.03, 21 of 36 against 22 (stop 100, AMX Xeon).
 #: (Exploration and the refresh of plain decode weigh none's goodput so scaled too.)
-_SPEC_MARGIN = 1.08
+_SPEC_MARGIN = 1.03
 #: "auto" tree sizes: the smallest size whose estimated goodput is within this factor of the best
 #: size's runs (``shortest_near_best``). What the step model leaves out grows with the drafts: a
 #: longer chain spreads the sequences' lengths more (acceptance varies), so a static batch ends in

@@ -1139,14 +1139,14 @@ def test_larger_sizes_grow_with_the_context_in_proportion_to_their_time():
 
 
 def test_speculation_must_beat_none_by_the_margin():
-    """What the step model leaves out costs speculation (plain steps measured between speculation's
-    read slow, the drafter's prefill, requests finishing apart), so speculation is chosen only where
-    it is estimated _SPEC_MARGIN times none's goodput: a chain estimated 1.04x none is not drafted
-    (at a batch of 32, T = 0.7, sizes estimated 1.07x none ran 0.94x), one estimated 1.16x is."""
+    """What the step model leaves out costs speculation (the drafter's prefill, requests finishing
+    apart), so speculation is chosen only where
+    it is estimated _SPEC_MARGIN times none's goodput: a chain estimated 1.01x none is not drafted
+    (at a batch of 32, T = 0.7, sizes estimated 1.07x none ran 0.94x), one estimated 1.08x is."""
     from leapfrog.spec_decode.adaptive import _SPEC_MARGIN
-    assert 1.04 < _SPEC_MARGIN < 1.16
+    assert 1.01 < _SPEC_MARGIN < 1.08
 
-    for alpha, chosen in ((0.3, 0), (0.45, 1)):   # the chain of 1: 1.3 / 1.25 = 1.04x, 1.45 / 1.25 = 1.16x
+    for alpha, chosen in ((0.26, 0), (0.35, 1)):   # the chain of 1: 1.26 / 1.25 = 1.01x, 1.35 / 1.25 = 1.08x
         ctl = SpecController(CFG, 4096)
         _measured(ctl, {1: 0.25, 2: 0.5, 3: 0.75, 4: 1.0}, _bucket(1, sampled=True))
         ctl.sampled = True   # (alpha: the sampled batches')
@@ -1353,7 +1353,7 @@ def _state(ctl: SpecController) -> tuple:
 
 
 @pytest.mark.parametrize("extra, per_token, accepted, explore", [
-    ({}, 0.6, 1, False), ({}, 0.6, 1, True), ({}, 0.2, 2, False), ({"disable_by_batch_size": 1}, 0.6, 1, False)])
+    ({}, 0.6, 1, False), ({}, 0.6, 1, True), ({}, 0.21, 2, False), ({"disable_by_batch_size": 1}, 0.6, 1, False)])
 def test_leased_plain_steps_choose_and_measure_as_steps_chosen_one_by_one(extra, per_token, accepted, explore,
                                                                            monkeypatch):
     """Where the controller drafts nothing (no speculation weighed best at a batch size, or
