@@ -232,8 +232,8 @@ _HOLD_FROM = 8
 _PLAIN_FIRST = 6
 #: a plain step's time is averaged into t_verify(B, 1) only from the this-many-th plain step of the
 #: same requests in a row on (``_plain_run``): the first ones after drafting steps or a new request's
-#: prefill run slow (above). Averaged in, they held the estimate of no speculation 10-25 % over what
-#: plain steps cost in a row, while "auto" drafted at a batch of 16 at T = 0.7 (stop 100): plain
+#: prefill run slow (above). Averaged in, they held the estimated speed of no speculation 6-17 % under
+#: what plain steps in a row made, while "auto" drafted at a batch of 16 at T = 0.7 (stop 100): plain
 #: decode's speed is what a run of plain steps makes, which is what turning speculation off buys
 _PLAIN_SETTLE = 4
 #: while speculating where no speculation is estimated within _PLAIN_CLOSE of the best size,
