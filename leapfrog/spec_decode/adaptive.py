@@ -403,9 +403,9 @@ class SpecController:
         #: bucket -> the time of its last observed step if that was an unwidened plain step (a plain
         #: run's estimate is the lesser of its last two steps)
         self.plain_prev: dict[int, float] = {}
-        #: bucket -> (the requests' ids, how many plain steps of just them in a row it last observed)
-        #: (``_PLAIN_SETTLE``)
-        self._plain_run: dict[int, tuple[tuple, int]] = {}
+        #: the plain steps in a row last observed, unwidened: (the batch size, the requests' ids, how
+        #: many), or None after any other step (``_PLAIN_SETTLE``)
+        self._plain_run: tuple[int, tuple, int] | None = None
         #: auto tree sizes: the path confidence under which greedy chains of the size just chosen
         #: draft no further level (``stop_confidence``: the last weighing's best chain only, else None)
         self.stop_confidence: float | None = None
@@ -603,7 +603,7 @@ class SpecController:
         key = (bucket, self.round_k if size is None else size)
         if key[1]:
             self.probes.pop(bucket, None)   # (a probe's size ran as rounds: the rounds stand for it)
-            self._plain_run.pop(bucket, None)   # (the plain steps after drafting rounds run slow too)
+            self._plain_run = None   # (the plain steps after drafting rounds run slow too)
         else:
             self.off_steps[bucket] += max(rounds, 0)
             self.refresh.pop(bucket, None)   # (plain steps ran as multi-step decode: measured as rounds)
@@ -1111,17 +1111,16 @@ class SpecController:
             depth = self.cfg.num_speculative_tokens
             if drafts.total:   # (a plain step teaches the curves nothing; capping each request cost 25 us at 32)
                 self._observe_tree(drafts, result, probe, [self.cap(r, depth) for r in reqs], ratio)
-        settled = True
-        if s == 1:   # (plain steps of the same requests in a row: _PLAIN_SETTLE)
-            ids = tuple(r.request_id for r in reqs)
-            last = self._plain_run.get(bucket)
-            run = last[1] + 1 if last is not None and last[0] == ids else 1
-            self._plain_run[bucket] = (ids, run)
+        settled, widened = True, (verify_tokens or s) > s
+        if s == 1 and not widened:   # (plain steps of the same batch in a row: _PLAIN_SETTLE)
+            B, ids, last = batch_size or len(reqs), tuple(r.request_id for r in reqs), self._plain_run
+            run = last[2] + 1 if last is not None and last[0] == B and last[1] == ids else 1
+            self._plain_run = (B, ids, run)
             settled = run >= _PLAIN_SETTLE
-        else:
-            self._plain_run.pop(bucket, None)
+        else:   # (a drafting step, or one widened by another proposer's drafts)
+            self._plain_run = None
         self._measure(bucket, s, t_verify, None if t_step is None else max(0.0, t_step - t_draft - t_verify),
-                      (verify_tokens or s) > s, fresh, settled)
+                      widened, fresh, settled)
         n_draft = drafts.total
         if n_draft:
             # a step's drafting time at its K; a tree's at its shape (how many nodes are verified
@@ -1224,13 +1223,13 @@ class SpecController:
         n, B = len(lease.times), len(lease.ids)
         if not n:
             return
-        last = self._plain_run.get(lease.bucket)   # (the step that granted the lease: the same requests)
-        run = last[1] if last is not None and last[0] == lease.ids else 0
+        last = self._plain_run   # (the step that granted the lease: the same batch)
+        run = last[2] if last is not None and last[0] == B and last[1] == lease.ids else 0
         for j, (t_verify, t_host) in enumerate(lease.times, 1):
             if lease.context is not None:
                 self.context = lease.context + j * B
             self._measure(lease.bucket, 1, t_verify, t_host, False, settled=run + j >= _PLAIN_SETTLE)
-        self._plain_run[lease.bucket] = (lease.ids, run + n)
+        self._plain_run = (B, lease.ids, run + n)
         self.observations += n
         self.steps += n
         self.committed = {i: c + n for i in lease.ids if (c := self.committed.get(i)) is not None}

@@ -985,7 +985,7 @@ def test_a_refresh_of_plain_decode_never_sticks():
     r = _Req()
     ctl.observe([r], *plain, 5.0, verify_tokens=3)  # widened by another proposer's drafts
     assert ctl.verify_cost[1][1] == 1.0 and not ctl.refresh
-    for _ in range(_PLAIN_SETTLE - 2):                # (the first plain steps in a row: not averaged)
+    for _ in range(_PLAIN_SETTLE - 1):   # (the first plain steps in a row, the widened one not among them)
         ctl.observe([r], *plain, 5.0)
     assert ctl.verify_cost[1][1] == 1.0
     ctl.observe([r], *plain, 5.0)                     # an ordinary plain step: bounded, not raw
