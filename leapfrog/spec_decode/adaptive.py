@@ -1112,11 +1112,8 @@ class SpecController:
             if drafts.total:   # (a plain step teaches the curves nothing; capping each request cost 25 us at 32)
                 self._observe_tree(drafts, result, probe, [self.cap(r, depth) for r in reqs], ratio)
         settled, widened = True, (verify_tokens or s) > s
-        if s == 1 and not widened:   # (plain steps of the same batch in a row: _PLAIN_SETTLE)
-            B, ids, last = batch_size or len(reqs), tuple(r.request_id for r in reqs), self._plain_run
-            run = last[2] + 1 if last is not None and last[0] == B and last[1] == ids else 1
-            self._plain_run = (B, ids, run)
-            settled = run >= _PLAIN_SETTLE
+        if s == 1 and not widened:
+            settled = self._plain_step(batch_size or len(reqs), tuple(r.request_id for r in reqs))
         else:   # (a drafting step, or one widened by another proposer's drafts)
             self._plain_run = None
         self._measure(bucket, s, t_verify, None if t_step is None else max(0.0, t_step - t_draft - t_verify),
@@ -1223,16 +1220,23 @@ class SpecController:
         n, B = len(lease.times), len(lease.ids)
         if not n:
             return
-        last = self._plain_run   # (the step that granted the lease: the same batch)
-        run = last[2] if last is not None and last[0] == B and last[1] == lease.ids else 0
         for j, (t_verify, t_host) in enumerate(lease.times, 1):
             if lease.context is not None:
                 self.context = lease.context + j * B
-            self._measure(lease.bucket, 1, t_verify, t_host, False, settled=run + j >= _PLAIN_SETTLE)
-        self._plain_run = (B, lease.ids, run + n)
+            self._measure(lease.bucket, 1, t_verify, t_host, False, settled=self._plain_step(B, lease.ids))
         self.observations += n
         self.steps += n
         self.committed = {i: c + n for i in lease.ids if (c := self.committed.get(i)) is not None}
+
+    def _plain_step(self, batch_size: int, ids: tuple) -> bool:
+        """Count an unwidened plain step of the requests ``ids`` in a batch of ``batch_size`` into the
+        run of plain steps of the same batch in a row (``observe``, and ``_end_lease`` for each leased
+        step: the lease's run goes on from the step that granted it) -> whether the step is settled,
+        the _PLAIN_SETTLE-th of the run or later."""
+        last = self._plain_run
+        run = last[2] + 1 if last is not None and last[0] == batch_size and last[1] == ids else 1
+        self._plain_run = (batch_size, ids, run)
+        return run >= _PLAIN_SETTLE
 
     def _measure(self, bucket: int, s: int, t_verify: float, host: float | None, widened: bool,
                  fresh: bool = False, settled: bool = True) -> None:
@@ -1267,7 +1271,7 @@ class SpecController:
             elif due:   # a refresh's last step replaces the estimate, or the one before it if less
                 table[s] = min(t_verify, t_verify if prev_plain is None else prev_plain)
             elif s == 1 and not settled:   # (a slow first plain step: neither the estimate nor the fit)
-                self.plain_prev[bucket] = t_verify
+                self.plain_prev[bucket] = t_verify   # (for a refresh's last two)
                 return
             elif s in table:
                 replaced = fresh

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from leapfrog.spec_decode import adaptive
-from leapfrog.spec_decode.adaptive import (_HOLD_FROM, _PLAIN_FIRST, _PLAIN_REFRESH, _PLAIN_SETTLE,
-                                           _REWEIGH_OFF_STEPS, _REWEIGH_STEPS, SpecController, _bucket, _ContextFit, _curve, shortest_near_best)
+from leapfrog.spec_decode.adaptive import (_HOLD_FROM, _PLAIN_FIRST, _PLAIN_REFRESH, _PLAIN_SETTLE, _REWEIGH_OFF_STEPS,
+                                           _REWEIGH_STEPS, SpecController, _bucket, _ContextFit, _curve,
+                                           shortest_near_best)
 from leapfrog.spec_decode.confidence import GAMMAS
 from leapfrog.spec_decode.rate import geometric_tokens
 
