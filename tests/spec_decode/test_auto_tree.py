@@ -26,6 +26,14 @@ CFG = SpeculativeConfig.from_dict({"method": "eagle3", "model": "h", "num_specul
                                    "eagle_topk": 4, "num_draft_tokens": "auto"})
 
 
+@pytest.fixture(autouse=True)
+def _weighed_chains_as_weighed(request, monkeypatch):
+    """These tests check the weighing's own choice at a batch of 1: the chain of the depth in its
+    place where it sets a stop (adaptive._STOP_AT_DEPTH) only in the tests marked ``stop_at_depth``."""
+    if "stop_at_depth" not in request.keywords:
+        monkeypatch.setattr(adaptive, "_STOP_AT_DEPTH", 0)
+
+
 class _Req:
     _ids = itertools.count()
     num_speculative_tokens = None
@@ -648,6 +656,36 @@ def test_the_best_chain_stops_where_another_level_costs_more_than_it_brings():
         (0.3 + 0.1) * ctl._weighed[1].goodput[k], ctl.calibration, ctl.confidence.gamma,
         (ctl.curve[k - 1] - ctl.curve[k - 2]) / (ctl.curve[k - 2] - (ctl.curve[k - 3] if k >= 3 else 0))))
     ctl.tree_draft_cost[1] = {(n, 1): 50.0 for n in range(1, 5)}   # drafting never pays: no chain, no stop
+    ctl._weighed.clear()
+    ctl.steps += 1
+    assert ctl.choose([_Req()]) == [0] and ctl.stop_confidence is None
+
+
+@pytest.mark.stop_at_depth
+def test_one_sequence_runs_the_chain_of_the_depth_under_the_best_chains_stop():
+    """At a batch of 1, where the weighing's best is a shorter chain with a stop confidence, the
+    chain of the depth runs with that stop (a level past the best is drafted only where the path
+    confidence stays above c*); its neighbours are the tree twice the depth (where weighed) and the
+    chain one shorter, drafted in full. Not at a batch of 2, and not where the best sets no stop."""
+    ctl = SpecController(CFG, 4096)
+    _measured(ctl, {1: 0.1, 2: 0.4, 3: 0.7, 4: 1.0})
+    conf = [0.9, 0.8, 0.3, 0.2]
+    for _ in range(10):
+        ctl.confidence.calibrate(1.7, ctl.confidence.observe([conf], [2]))
+    assert ctl.choose([_Req()]) == [4]
+    w = ctl._weighed[1]
+    assert max(range(len(w.goodput)), key=w.goodput.__getitem__) == 2   # (weighed best: the chain of 2)
+    expect = adaptive.stop_confidence(0.3 * w.goodput[2], ctl.calibration, ctl.confidence.gamma, 0.8 / 0.9)
+    # (up: the tree of 8, past the flat curve here, so never weighed: capped at the chain of 4)
+    assert w.best == 4 and ctl.stop_confidence == pytest.approx(expect) and (w.up, w.down) == (4, 3)
+    ctl.steps = 2 * CFG.adaptive_explore_interval   # exploration down: the chain of 3, in full
+    assert ctl.choose([_Req()]) == [3] and ctl.stop_confidence is None
+    two = SpecController(CFG, 4096)            # a batch of 2: the best chain itself
+    _measured(two, {1: 0.1, 2: 0.4, 3: 0.7, 4: 1.0}, bucket=2)
+    for _ in range(10):
+        two.confidence.calibrate(3.4, two.confidence.observe([conf, conf], [2, 2]))
+    assert two.choose([_Req(), _Req()]) == [2, 2] and two.stop_confidence is not None
+    ctl.tree_draft_cost[1] = {(n, 1): 50.0 for n in range(1, 5)}   # no stop (none best): nothing promoted
     ctl._weighed.clear()
     ctl.steps += 1
     assert ctl.choose([_Req()]) == [0] and ctl.stop_confidence is None
