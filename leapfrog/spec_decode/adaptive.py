@@ -747,12 +747,7 @@ class SpecController:
                 gp[k] = rounds
         gp[0] *= _SPEC_MARGIN
         best = shortest_near_best(gp, _SIZE_MARGIN if _size(bucket) > 1 else 1.0)   # (one sequence: no spread)
-        # neighbours to explore: the next chain lengths up to the depth (close in cost, so a chain one
-        # level longer must stay measured: with 2 x best only, a spike in the chain of 5's drafting
-        # cost kept "auto" on chains of 4 for a whole run), tree sizes by halves and doubles past it
         depth = self.cfg.num_speculative_tokens
-        up = best + 1 if best < depth else best * 2
-        down = best - 1 if best <= depth else max(depth, best // 2)
         stop, ratio = None, 1.0
         if free == 0 and 2 <= best <= depth and len(chains) >= 2:
             # a level of the best chain: what it adds to the step's time, in tokens at the best's
@@ -766,9 +761,12 @@ class SpecController:
             ratio = min(1.0, max((m[best - 1] - m[best - 2]) / prev if prev > 0 else 1.0, _MIN_CHILD_RATIO))
             stop = stop_confidence(extra * gp[best], cal, self.confidence.gamma, ratio)
             if stop is not None and _size(bucket) <= _STOP_AT_DEPTH and best < depth:
-                # the chain of the depth, stopped at c* (_STOP_AT_DEPTH)
-                best = depth
-                up, down = depth * 2, depth - 1
+                best = depth   # the chain of the depth, stopped at c* (_STOP_AT_DEPTH)
+        # neighbours to explore: the next chain lengths up to the depth (close in cost, so a chain one
+        # level longer must stay measured: with 2 x best only, a spike in the chain of 5's drafting
+        # cost kept "auto" on chains of 4 for a whole run), tree sizes by halves and doubles past it
+        up = best + 1 if best < depth else best * 2
+        down = best - 1 if best <= depth else max(depth, best // 2)
         w = _Weighed(self.observations, B, free, gp, best, min(top, max(1, up)), max(0, down),
                      min(top, self._probe_size(B)), stop, ratio)
         if (best == 0 and weighed is not None and weighed.best and not weighed.holding
