@@ -481,9 +481,11 @@ class SpecController:
         self.sampled = mostly_sampled(reqs)
         self._chosen = reqs   # (``observe`` of the same step's requests need not count them again)
         bucket = self._key(B)
+        auto = self.cfg.auto_tree   # (read once: a property, and every step reads it)
+        sized = auto or self.cfg.adaptive
         stop = None   # (stop_confidence: only the weighing's best chain sets one)
         self.context = float(sum(r.num_computed for r in reqs)) if context is None else context
-        if self.cfg.auto_tree:
+        if auto:
             self.free_share = sum(r.unseeded_sampled for r in reqs) / len(reqs) if reqs else 0.0
             self.off_reqs = reqs if reqs and self.best.get(bucket) == 0 else None
         for stale in (self.probes, self.refresh):   # the batch moved on: its probe and refresh are stale
@@ -498,14 +500,14 @@ class SpecController:
         elif self.refresh.get(bucket):   # (the rest of a refresh of t_verify(B, 1): _explore)
             k = 0
             self.refresh[bucket] -= 1
-        elif (self.cfg.auto_tree or self.cfg.adaptive) and bucket in self.confirm:
+        elif sized and bucket in self.confirm:
             k = self.confirm.pop(bucket)  # a size measured once (cold): measure it warm
-        elif (self.cfg.auto_tree or self.cfg.adaptive) and (size := self._round_unmeasured(bucket)) is not None:
+        elif sized and (size := self._round_unmeasured(bucket)) is not None:
             k = size   # (rounds at this batch size: measure them before weighing them)
             self.round_tries[(bucket, k)] = self.round_tries.get((bucket, k), 0) + 1
-        elif (self.cfg.auto_tree or self.cfg.adaptive) and self._inherits_off(bucket) and not self.widened.get(bucket):
+        elif sized and self._inherits_off(bucket) and not self.widened.get(bucket):
             k = self._inherited_off(bucket)
-        elif self.cfg.auto_tree:
+        elif auto:
             k = self._auto_tree_size(B, self.free_share)
             w = self._weighed.get(bucket)
             stop = w.stop if w is not None and k == w.best else None
@@ -733,15 +735,17 @@ class SpecController:
             if near[1] < width:   # wider than any measured here: as much dearer as where it was measured
                 t_draft *= self._widening(bucket, shape, near[1])
             drafting[shape] = t_draft
-        chain = [free * self.expected_chain_tokens(lv) for lv in range(self.cfg.num_speculative_tokens + 1)]
+        chain = ([free * self.expected_chain_tokens(lv) for lv in range(self.cfg.num_speculative_tokens + 1)] if free
+                 else [0.0] * (self.cfg.num_speculative_tokens + 1))   # (no chains without confidence: none of their tokens)
         gp = [1.0 / (t1 + plain_host)]
         cal = self.calibration   # (read once: every step weighs up to K sizes)
         model = self.confidence.model_curve(len(shapes)) if free < 1 else None
         resume = self._resume_cost(bucket)
+        share = 1 - free   # (_tree_tokens inlined: every weighing runs this for up to K sizes)
         for n, (shape, t) in enumerate(zip(shapes, verify), 1):
-            tokens = self._tree_tokens(chain[shape[0]], free, n, cal, model)
+            tokens = chain[shape[0]] if model is None else chain[shape[0]] + share * (1.0 + cal * model[n - 1])
             cost = drafting[shape] + (t or t1) + host
-            gp.append(tokens / (cost + (resume(tokens) if resume is not None else 0.0)))
+            gp.append(tokens / (cost + resume(tokens)) if resume is not None else tokens / cost)
         for k in self.round_sizes:
             if k < len(gp) and (rounds := self._rounds_goodput(bucket, k, resume)) is not None:
                 gp[k] = rounds
@@ -1100,6 +1104,7 @@ class SpecController:
         if reqs is not self._chosen:
             self.sampled = mostly_sampled(reqs)
         bucket = self._key(batch_size or len(reqs))
+        auto = self.cfg.auto_tree   # (read once: a property, and every step reads it)
         self.observations += 1
         s = max(drafts.num_draft, default=0) + 1
         if s > 1 and (w := self._weighed.get(bucket)) is not None and not w.best:
@@ -1115,7 +1120,7 @@ class SpecController:
                 del self.probes[bucket]
         fresh = probe is not None and probe.seen == 1         # verify cost
         fresh_draft = probe is not None and probe.seen == 2   # past the drafter's catch-up
-        if self.cfg.auto_tree:
+        if auto:
             # chains short of the depth: their levels up to it extrapolated (_observe_tree), at the
             # stop confidence's ratio where the chains stopped short of what was asked
             ratio = None
@@ -1136,7 +1141,7 @@ class SpecController:
         if n_draft:
             # a step's drafting time at its K; a tree's at its shape (how many nodes are verified
             # out of those grown is free)
-            if self.cfg.auto_tree:
+            if auto:
                 costs, key = self.tree_draft_cost.setdefault(bucket, {}), self.cfg.tree_shape(s - 1)
             else:
                 costs, key = self.draft_time.setdefault(bucket, {}), max(drafts.num_draft)
@@ -1145,16 +1150,16 @@ class SpecController:
             seen = self.draft_samples.get((bucket, key), 0)
             self.draft_samples[(bucket, key)] = seen + 1
             old = costs.get(key)
-            if self.cfg.auto_tree:   # (a probe's first step too: into the fit)
+            if auto:   # (a probe's first step too: into the fit)
                 t_draft = self._catch_up(reqs, result, bucket, key, t_draft, drafts.num_draft)
             else:
                 self.committed = {}
             if not fresh or old is None:   # a probe's first drafting step also catches up on what it skipped
                 costs[key] = t_draft if old is None or seen < 2 or fresh_draft else _bounded_ema(old, t_draft)
             # alpha: from chains (auto tree sizes: the sampled chains, without confidence)
-            scores = drafts.candidate_scores if self.cfg.auto_tree else None
+            scores = drafts.candidate_scores if auto else None
             chains = [b for b, n in enumerate(drafts.num_draft)
-                      if n and (not self.cfg.auto_tree or (scores is not None and scores[b] is None))]
+                      if n and (not auto or (scores is not None and scores[b] is None))]
             plists = drafts.parent_lists() if drafts.parents is not None and chains else None
             # per chain: accepted, and tried (the accepted and the rejected one, if any)
             counts = [(m := result.num_accepted[b], m + _stopped_early(result, b, drafts.num_draft[b],
@@ -1340,21 +1345,23 @@ def _curve(table: dict[int, float], sizes: list[int]) -> list[float | None]:
     close, came out flat at a batch of 4, and a 65-token tree looked as cheap as 7 tokens), flat
     below the smallest; None when nothing is measured."""
     xs = sorted(table)
+    if not xs:
+        return [None] * len(sizes)
+    first, last = xs[0], xs[-1]
+    # (beyond the largest: along the slope from the smallest; one size measured: flat)
+    slope = max(0.0, (table[last] - table[first]) / (last - first)) if len(xs) >= 2 else None
     out: list[float | None] = []
-    for s in sizes:
-        i = bisect.bisect_left(xs, s)
-        if i < len(xs) and xs[i] == s:
-            out.append(table[s])
-        elif 0 < i < len(xs):
+    for s in sizes:   # (every weighing reads up to K sizes: the cases by cost, bisect last)
+        if (t := table.get(s)) is not None:
+            out.append(t)
+        elif s > last:
+            out.append(table[last] if slope is None else table[last] + slope * (s - last))
+        elif s < first:
+            out.append(table[first])
+        else:
+            i = bisect.bisect_left(xs, s)
             a, b = xs[i - 1], xs[i]
             out.append(table[a] + (table[b] - table[a]) * (s - a) / (b - a))
-        elif i >= 2:   # beyond the largest: along the slope from the smallest
-            a, b = xs[0], xs[i - 1]
-            out.append(table[b] + max(0.0, (table[b] - table[a]) / (b - a)) * (s - b))
-        elif xs:
-            out.append(table[xs[i - 1]] if i else table[xs[0]])
-        else:
-            out.append(None)
     return out
 
 

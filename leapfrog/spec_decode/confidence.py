@@ -51,12 +51,14 @@ import itertools
 import math
 from collections import Counter
 
-from leapfrog.spec_decode.rate import TokenRate
+from leapfrog.spec_decode.rate import TokenRate, update_rates
 
 #: exponents of the confidence model (module docstring)
 GAMMAS = (0.5, 0.625, 0.75, 0.875, 1.0, 1.25, 1.5)
 _LINEAR = GAMMAS.index(1.0)
+_FROM_LINEAR = [abs(math.log(g)) for g in GAMMAS]   # (how far each gamma is from the linear model)
 _EMA = 0.2
+_KEEP = 1 - _EMA
 _SHAPE_WINDOW = 512   # predicted tokens: the shape fit's memory (TokenRate)
 _SHAPE_STEPS = 128    # ... and steps, at most
 
@@ -122,35 +124,44 @@ class ConfidenceCurves:
         """Move the curve by one step's proposals: each one's candidate scores (best first), how
         many of its best candidates were verified and (``accepted``) how many tokens it accepted
         (the shape fit: ``_fit_shape``). -> the tokens each gamma predicts for them ([G]: sum over
-        the proposals of C_gamma(verified)), or None when nothing was."""
-        L = max((min(len(sc), self.K) for sc in scores), default=0)   # positions < L were grown
-        if L == 0:
-            return None
-        if len(scores) == 1:   # (batch 1: its sums are the means; the loops below cost ~20 us a step)
-            means = list(itertools.accumulate(scores[0][:self.K]))
+        the proposals of C_gamma(verified)), or None when nothing was. (Every step of "auto" runs
+        this: plain loops, one proposal's apart; at batch 1 it cost 60 us a step in the engine,
+        2 % of the built-in pair's step.)"""
+        K = self.K
+        if len(scores) == 1:   # (batch 1: its sums are the means)
+            means = list(itertools.accumulate(scores[0][:K]))
+            L = len(means)
         else:
+            L = max((min(len(sc), K) for sc in scores), default=0)   # positions < L were grown
             sums: list[list[float]] = [[] for _ in range(L)]   # per position: C(n) of each proposal that grew n
             for sc in scores:
-                for i, c in enumerate(itertools.accumulate(sc[:self.K])):
+                for i, c in enumerate(itertools.accumulate(sc[:K])):
                     sums[i].append(c)
             means = [sum(col) / len(col) for col in sums]
-        head = means if self.curve is None else [(1 - _EMA) * o + _EMA * m for o, m in zip(self.curve, means)]
+        if L == 0:
+            return None
+        old = self.curve
+        head = means if old is None else [_KEEP * o + _EMA * m for o, m in zip(old, means)]
         head = list(itertools.accumulate(head, max))   # C is a cumulative sum: never decreasing in n
-        if self.curve is None:   # first proposals: positions they did not reach hold their total
-            self.curve = head + [head[-1]] * (self.K - L)
+        last = head[-1]
+        if old is None:   # first proposals: positions they did not reach hold their total
+            self.curve = head + [last] * (K - L)
         else:   # past every proposal's candidates: their increments kept, moved with position L
-            old = self.curve
-            self.curve = head + [o + head[-1] - old[L - 1] for o in old[L:]]
+            at = old[L - 1]
+            self.curve = head + [o + last - at for o in old[L:]]
         self._model = []
-        n = [min(v, len(sc), self.K) for v, sc in zip(verified, scores)]
-        if not any(n):
+        n = [min(v, len(sc), K) for v, sc in zip(verified, scores)]
+        top = max(n, default=0)
+        if not top:
             return None
         # C_gamma(0..top) per gamma, and how many proposals verified each size
-        m = self._increments(max(n))
+        m = self._increments(top)
         prefix = [[0.0, *itertools.accumulate(self._power(m, g))] for g in GAMMAS]   # [G][top + 1]
-        sizes = Counter(v for v in n if v)
         if accepted is not None:
             self._fit_shape(prefix, n, accepted)
+        if len(n) == 1:   # (one proposal: its own prediction)
+            return [pre[top] for pre in prefix]
+        sizes = Counter(v for v in n if v)
         return [sum(c * pre[v] for v, c in sizes.items()) for pre in prefix]
 
     def _fit_shape(self, prefix: list[list[float]], verified: list[int], accepted: list[int]) -> None:
@@ -163,14 +174,24 @@ class ConfidenceCurves:
             return
         shallow_acc = sum(min(k, h) for _, k in chains)
         deep_acc = sum(max(0, k - h) for _, k in chains)
+        if len(chains) == 1:   # (one chain: its own sizes)
+            v = chains[0][0]
+            half = min(h, v)
+            shallow_pred = [pre[half] for pre in prefix]
+            update_rates(self.shallow, shallow_acc, shallow_pred)
+            update_rates(self.deep, deep_acc, [pre[v] - s for pre, s in zip(prefix, shallow_pred)])
+            return
         sizes = [(v, min(h, v), c) for v, c in Counter(v for v, _ in chains).items()]
-        for pre, shallow, deep in zip(prefix, self.shallow, self.deep):
+        shallow_preds, deep_preds = [], []
+        for pre in prefix:
             shallow_pred = whole = 0
             for v, half, c in sizes:   # (plain loops: generator sums per gamma cost ~10 us a step)
                 shallow_pred += c * pre[half]
                 whole += c * pre[v]
-            shallow.update(shallow_acc, shallow_pred)
-            deep.update(deep_acc, whole - shallow_pred)
+            shallow_preds.append(shallow_pred)
+            deep_preds.append(whole - shallow_pred)
+        update_rates(self.shallow, shallow_acc, shallow_preds)
+        update_rates(self.deep, deep_acc, deep_preds)
 
     def chain_prediction(self, k: int, chains: float) -> list[float] | None:
         """What each gamma predicts for ``chains`` proposals verifying their best ``k`` candidates."""
@@ -178,8 +199,7 @@ class ConfidenceCurves:
 
     def calibrate(self, accepted: float, predicted: list[float]) -> None:
         """One step's accepted tokens against each gamma's prediction ([G])."""
-        for rate, p in zip(self.rates, predicted):
-            rate.update(accepted, p)
+        update_rates(self.rates, accepted, predicted)
         self._pick()
 
     def replace_calibration(self, accepted: float, predicted: list[float]) -> None:
@@ -194,9 +214,10 @@ class ConfidenceCurves:
         nearest 1 fitted a drafter that is off by one factor at every depth with a wrong power.)"""
         index, off = _LINEAR, math.inf
         for g, (shallow, deep) in enumerate(zip(self.shallow, self.deep)):
-            if shallow.per > 0 and deep.per > 0 and shallow.accepted > 0 and deep.accepted > 0:
-                d = abs(math.log(deep.value / shallow.value))
-                if d < off - 1e-12 or (d <= off + 1e-12 and abs(math.log(GAMMAS[g])) < abs(math.log(GAMMAS[index]))):
+            sa, sp, da, dp = shallow.accepted, shallow.per, deep.accepted, deep.per   # (read once: every step)
+            if sp > 0 and dp > 0 and sa > 0 and da > 0:
+                d = abs(math.log((da / dp) / (sa / sp)))
+                if d < off - 1e-12 or (d <= off + 1e-12 and _FROM_LINEAR[g] < _FROM_LINEAR[index]):
                     index, off = g, d
         if index != self.index:
             self.index, self._model = index, []

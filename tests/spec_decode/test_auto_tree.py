@@ -580,8 +580,8 @@ def test_sizes_past_the_flat_confidence_are_never_weighed():
     assert set(chosen[_PLAIN_FIRST + 8:]) == {6}    # (before, exploration tried 12 every other interval)
     ctl = SpecController(CFG, 4096)
     weighed = []
-    orig = ctl._tree_tokens
-    ctl._tree_tokens = lambda chains, free, n, *rest: weighed.append(n) or orig(chains, free, n, *rest)
+    orig = ctl._explore_weighed   # (the sizes a weighing weighed: its goodputs past no speculation's)
+    ctl._explore_weighed = lambda bucket, w: weighed.append(len(w.goodput) - 1) or orig(bucket, w)
     for _ in range(_PLAIN_FIRST + 10):
         n = ctl.choose([_Req()])[0]
         _step(ctl, n, conf, min(n, 5), 0.3, 1.0 + 0.001 * n) if n else ctl.observe(
