@@ -33,7 +33,9 @@ _PLAIN_FIRST plain steps every _PLAIN_REFRESH exploration intervals, the lesser 
 replacing the estimate: the plain steps right after speculation run slow, a batch of 16 at T =
 0.7 about 1.2-1.4x for three steps, then 1.0-1.1x its plain steps in a row). Other plain steps
 are averaged in only from the _PLAIN_SETTLE-th of the same requests in a row on (the first ones
-after drafting steps or a new request's prefill run slow too). A step's cost grows
+after drafting steps or a new request's prefill run slow too), each as the median of it and the
+run's two settled steps before it (one slow step, the OS's, must not raise the estimate:
+speculation, then chosen over the raised estimate, leaves no plain step to bring it back down). A step's cost grows
 with the context (attention reads every sequence's keys and values: a plain step of a batch of
 16 of the built-in target 4.4 ms at 72 tokens a sequence, 6.3 at 192), and the sizes are
 measured at different contexts, so every measured verify time is compared at the context of the
@@ -235,7 +237,11 @@ _PLAIN_FIRST = 6
 #: same requests in a row on (``_plain_run``): the first ones after drafting steps or a new request's
 #: prefill run slow (above). Averaged in, they held the estimated speed of no speculation 6-17 % under
 #: what plain steps in a row made, while "auto" drafted at a batch of 16 at T = 0.7 (stop 100): plain
-#: decode's speed is what a run of plain steps makes, which is what turning speculation off buys
+#: decode's speed is what a run of plain steps makes, which is what turning speculation off buys.
+#: Each is averaged in as the median of it and the run's last two (``_settled_plain``): one slow
+#: step (4.4 ms among 2.6-2.9 at a batch of 16, T = 0.7) raised the estimate by a fifth, "auto"
+#: drafted over it, and with no plain step left to correct it, drafted on at 1.2x plain decode's
+#: true cost (stop 104)
 _PLAIN_SETTLE = 4
 #: while speculating where no speculation is estimated within _PLAIN_CLOSE of the best size,
 #: _PLAIN_FIRST plain steps every this many exploration intervals keep t_verify(B, 1) current
@@ -418,6 +424,7 @@ class SpecController:
         #: the plain steps in a row last observed, unwidened: (the batch size, the requests' ids, how
         #: many), or None after any other step (``_PLAIN_SETTLE``)
         self._plain_run: tuple[int, tuple, int] | None = None
+        self._plain_recent: list[float] = []   # the run's last two settled plain steps' t_verify (_settled_plain)
         #: auto tree sizes: the path confidence under which greedy chains of the size just chosen
         #: draft no further level (``stop_confidence``: the last weighing's best chain only, else None)
         self.stop_confidence: float | None = None
@@ -1255,7 +1262,24 @@ class SpecController:
         last = self._plain_run
         run = last[2] + 1 if last is not None and last[0] == batch_size and last[1] == ids else 1
         self._plain_run = (batch_size, ids, run)
+        if run == 1:
+            self._plain_recent = []
         return run >= _PLAIN_SETTLE
+
+    def _settled_plain(self, t_verify: float, prev: float | None) -> float:
+        """What a settled plain step of ``t_verify`` puts into t_verify(B, 1) (``_PLAIN_SETTLE``): the
+        median of it and the run's last two settled steps, or while the run has fewer the lesser of
+        it and the plain step before it (``prev``, one of the slow first ones): one slow step moves
+        nothing, two in a row do."""
+        recent = self._plain_recent
+        if len(recent) == 2:
+            a, b = recent
+            sample = max(min(a, b), min(max(a, b), t_verify))   # (the median of three)
+        else:
+            sample = t_verify if prev is None else min(t_verify, prev)
+        recent.append(t_verify)
+        del recent[:-2]
+        return sample
 
     def _measure(self, bucket: int, s: int, t_verify: float, host: float | None, widened: bool,
                  fresh: bool = False, settled: bool = True) -> None:
@@ -1276,6 +1300,7 @@ class SpecController:
         prev_plain = self.plain_prev.pop(bucket, None)
         table, first = self.verify_cost.setdefault(bucket, {}), self.first_verify.setdefault(bucket, {})
         due = s == 1 and self.refresh.get(bucket) == 0   # (widened, a refresh's last step measures nothing)
+        sample = t_verify   # (what goes into the estimate and the fit)
         if due:
             del self.refresh[bucket]
         if not self.widened[bucket]:
@@ -1294,7 +1319,9 @@ class SpecController:
                 return
             elif s in table:
                 replaced = fresh
-                table[s] = t_verify if fresh else _bounded_ema(table[s], t_verify)
+                if s == 1:   # (settled: robust to one slow step, _PLAIN_SETTLE)
+                    sample = self._settled_plain(t_verify, prev_plain)
+                table[s] = sample if fresh else _bounded_ema(table[s], sample)
             elif s in first:
                 table[s] = t_verify  # the second measurement replaces the cold first one
                 if self.confirm.get(bucket) == s - 1:
@@ -1309,7 +1336,7 @@ class SpecController:
                 x = self.context
                 where[s] = x if replaced or s not in where else _ema(where[s], x)
                 self.context_fit.setdefault(bucket, _ContextFit(min_spread=_CONTEXT_SPREAD)).add(
-                    s, x, math.log(max(t_verify if old is None else min(t_verify, 2 * old), 1e-9)))   # (_verify_table)
+                    s, x, math.log(max(sample if old is None else min(sample, 2 * old), 1e-9)))   # (_verify_table)
 
 
 def shortest_near_best(goodput: list[float], margin: float = _SIZE_MARGIN) -> int:

@@ -1063,6 +1063,33 @@ def test_plain_steps_right_after_drafts_or_a_new_request_leave_plain_decode_alon
     assert ctl.verify_cost[1][1] == pytest.approx(0.8 * 1.1 + 0.2 * 1.6)
 
 
+def test_one_slow_plain_step_in_a_run_leaves_plain_decode_alone():
+    """A settled plain step is averaged in as the median of it and the run's two settled steps
+    before it (the lesser of it and the step before while the run has fewer): one slow step among
+    steady ones (the OS: 4.4 ms among 2.6-2.9 at a batch of 16) moved t_verify(B, 1) by a fifth of
+    itself, and the controller, finding speculation better than the raised estimate, drafted on at
+    0.90-0.95x none with no plain step left to bring it back (stop 104). Two slow steps in a row
+    are a slower plain step, and move it."""
+    ctl = SpecController(CFG, 4096)
+    ctl.verify_cost = {1: {1: 1.0}}
+    r = _Req()
+    plain = (DraftBatch.empty(1), AcceptanceResult([0], [[0]], [0]), 0.0)
+    for t in (1.0, 1.0, 1.0, 1.0, 1.7):   # settled from the fourth; the first settled ones' slow
+        ctl.observe([r], *plain, t)        # step: the lesser of it and the one before
+    assert ctl.verify_cost[1][1] == pytest.approx(1.0)
+    for t in (1.0, 1.0, 1.8, 1.0, 1.0):    # one slow step among three: the median
+        ctl.observe([r], *plain, t)
+        assert ctl.verify_cost[1][1] == pytest.approx(1.0)
+    ctl.observe([r], *plain, 1.5)
+    assert ctl.verify_cost[1][1] == pytest.approx(1.0)
+    ctl.observe([r], *plain, 1.6)          # two in a row: the median, 1.5
+    assert ctl.verify_cost[1][1] == pytest.approx(0.8 * 1.0 + 0.2 * 1.5)
+    ctl.observe([r], DraftBatch.from_lists([[5]]), AcceptanceResult([1], [[0, 0]], [1]), 0.2, 1.5)
+    for t in (2.0, 2.0, 2.0, 1.2, 1.3):    # a new run: the slow first three left out, then the
+        ctl.observe([r], *plain, t)        # lesser of each and the step before
+    assert ctl.verify_cost[1][1] == pytest.approx(0.8 * (0.8 * 1.1 + 0.2 * 1.2) + 0.2 * 1.2)
+
+
 def test_context_fit_recovers_the_shared_slope():
     """Verify time against the batch's context: one line per size, a shared slope, fitted within
     sizes (a size measured at one context alone says nothing about the slope); no spread, or a
