@@ -666,7 +666,12 @@ class LLMEngine:
                 done.append(req)
                 last_rows.append(row + want - 1)
             row += want
-        out = self.runner.step(chunks, hidden=self._target_states)
+        # (the prompts' target states: not while speculation is off at this batch size, as for
+        # the drafter's prefill below; an EAGLE head reads zeros for them: EagleProposer._ready)
+        hidden = self._target_states
+        if hidden is not None and all(self._proposer_of(r) is self.proposer for r, _ in work) and self._drafting_off():
+            hidden = None
+        out = self.runner.step(chunks, hidden=hidden)
         logits = out.logits if len(last_rows) == out.logits.shape[0] else out.logits[last_rows]
         result = self.accept(done, logits, DraftBatch.empty(len(done))) if done else None
         prompt_values = [self._prompt_logprobs(req, out.logits[r0:r0 + len(toks)], toks)
@@ -706,9 +711,7 @@ class LLMEngine:
         ran = False
         for proposer, idx in self._groups(reqs):
             prefill = getattr(proposer, "prefill", None)
-            if prefill is None or (proposer is self.proposer
-                                   and self.spec_controller.drafting_off(
-                                       len(running := self.scheduler.running), sampled=mostly_sampled(running))):
+            if prefill is None or (proposer is self.proposer and self._drafting_off()):
                 continue   # (no drafting at this batch size for now: it catches up when it drafts again)
             ran = True
             sub = [reqs[i] for i in idx]
@@ -719,6 +722,12 @@ class LLMEngine:
                 for req in sub:
                     self._reset_proposer(req)
         return ran
+
+    def _drafting_off(self) -> bool:
+        """Whether the speculation controller drafts nothing at the running batch's size for now
+        (SpecController.drafting_off)."""
+        running = self.scheduler.running
+        return self.spec_controller.drafting_off(len(running), sampled=mostly_sampled(running))
 
     def _decode(self, reqs: list[Request]) -> list[Request]:
         # compute: propose (each request's proposer), verify forward, accept
@@ -760,7 +769,7 @@ class LLMEngine:
                            parents=None if ps is None else [-1] + [q + 1 for q in ps])
                   for r, d, ps in zip(reqs, draft_lists, parent_lists)]
         t1 = time.perf_counter()
-        out = self.runner.step(chunks, hidden=self._target_states)
+        out = self.runner.step(chunks, hidden=self._capture(leased, groups))
         result = self.accept(reqs, out.logits, drafts, out.top)
         t_verify = time.perf_counter() - t1
         # commit / roll back, then feedback and outputs. From here on nothing may raise for the
@@ -811,6 +820,20 @@ class LLMEngine:
                                   verify_tokens=max(drafts.num_draft, default=0) + 1,
                                   t_step=time.perf_counter() - t_step)
         return reqs
+
+    def _capture(self, leased: bool, groups: list[tuple[Any, list[int]]]) -> Any:
+        """The target states a decode step hands the drafter (``runner.step``'s ``hidden``): none
+        on a leased step followed by another leased one, where nothing drafts now or next step
+        (``SpecController.lease_continues``; no caller-supplied predictions in the batch). An EAGLE
+        head reads zeros for the positions it was not given (EagleProposer._ready): lossless,
+        and it accepted about as much as with every feature, except for a few percent less in the
+        first steps after the gap (docs/eagle-measurements.md, stop 105). At a batch of 16 at
+        T = 0.7, where "auto" drafts nothing for hundreds of steps, capturing every step had cost
+        about 2 % of a plain step."""
+        if (leased and self._target_states is not None and self.spec_controller.lease_continues()
+                and all(p is self.proposer for p, _ in groups)):
+            return None
+        return self._target_states
 
     def _decode_steps(self, reqs: list[Request]) -> bool:
         """Multi-step decode (EngineConfig.num_scheduler_steps): when every request is greedy on the

@@ -1229,6 +1229,13 @@ class SpecController:
         self._end_lease()
         return False
 
+    def lease_continues(self) -> bool:
+        """Whether the leased step about to run (``leased``) is not its lease's last: the next step
+        is leased too, so it drafts nothing either (the engine then skips the target's feature
+        capture for EAGLE heads: engine ``_decode``)."""
+        lease = self._lease
+        return lease is not None and len(lease.times) + 1 < lease.steps
+
     def lease_step(self, t_verify: float, t_host: float) -> None:
         """A leased plain step ran (``leased``): its forward (and acceptance) took ``t_verify``, the
         rest of the step ``t_host``."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from leapfrog import LLM, SamplingParams
 from tests.conftest import prompts_of, save_shapes
@@ -115,3 +116,50 @@ def test_steps_the_controller_leased_are_run_without_choosing(target_and_head, t
     assert 1 <= asked.count(2) <= 3                     # 23 steps of both: one in 17 chosen
     assert ctl.observations >= 23 and ctl.plain_host    # (every leased step measured)
     assert llm.get_metrics()["num_draft_tokens"] > 0    # r1 alone drafts
+
+
+def test_no_target_states_while_leased_and_the_head_reads_zeros_there(target_and_head, tokenizer):
+    """While drafting is off at the batch's size, the target's states are not captured for the
+    prompts nor on a leased step followed by another leased one (engine ``_capture``); when the
+    batch shrinks and the head drafts, it catches up on the whole request reading the states that
+    were captured at their positions and zeros everywhere else, and the output is the target's."""
+    target, head = target_and_head
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3, "eagle_topk": 1,
+            "disable_by_batch_size": 1}
+    prompts, sps, want, llm = _alone_and_speculating(target, tokenizer, spec, (40, 56))
+    eng, prop = llm.engine, llm.engine.proposer
+    captured: dict[str, set[int]] = {"r0": set(), "r1": set()}
+    real_plain, real_states = prop.on_plain_states, prop.on_target_states
+
+    def on_plain_states(reqs, states):
+        for r in reqs:
+            captured[r.request_id].add(r.num_computed)
+        real_plain(reqs, states)
+
+    def on_target_states(req, start, states):
+        captured[req.request_id].update(range(start, start + states.shape[0]))
+        real_states(req, start, states)
+    prop.on_plain_states, prop.on_target_states = on_plain_states, on_target_states
+    read: dict[int, torch.Tensor] = {}   # r1's first catch-up: position -> the feature the head read
+    real_step = prop.runner.step
+
+    def step(chunks, **kw):
+        for ch in chunks:
+            if ch.row == eng.requests["r1"].row and ch.features is not None and not read.keys() & {ch.start}:
+                read.update({ch.start + j: ch.features[j] for j in range(len(ch.token_ids))})
+        return real_step(chunks, **kw)
+    prop.runner.step = step
+    for i, (p, sp) in enumerate(zip(prompts, sps)):
+        eng.add_request(f"r{i}", None, p, sp)
+    outs = _drain(eng)
+    assert [outs[f"r{i}"] for i in range(2)] == want
+    assert llm.get_metrics()["num_draft_tokens"] > 0   # r1 drafted alone
+    # 39 steps of both: a chosen step then 16 leased ones, the last of those captured
+    both = set(captured["r0"])
+    assert min(both) == len(prompts[0]) and 4 <= len(both) <= 6
+    first = len(prompts[1]) + 40 - 1   # r1's positions 0..first-1 were written while r0 ran
+    assert {c for c in captured["r1"] if c < first} == {c - len(prompts[0]) + len(prompts[1]) for c in both}
+    # (the catch-up's forward reads all but the last few: the fused chain reads those itself)
+    assert set(range(first - 8)) <= read.keys() and len(read.keys() & captured["r1"]) >= 4
+    for pos in read.keys() & set(range(first)):
+        assert bool(read[pos].any()) == (pos in captured["r1"]), pos

@@ -136,6 +136,8 @@ class EagleProposer:
         # reads half the bytes per draft level, as for draft models
         self.head.pack_for_inference(fp32_head=False, pack_layers=target.enforce_eager)
         self._dtype = self.head.dtype   # (read once: on the step's host path a module lookup costs microseconds)
+        width = self.head.cfg.target_hidden_size if self.head.kind == "eagle" else self.head.cfg.feature_size
+        self._zero_row = torch.zeros(1, width, dtype=self._dtype, device=target.device)   # (_zeros)
         #: an EAGLE-3 head's own vocabulary (target ids) where temperature-only q are computed
         #: (``_draft_probs``, CompiledSampledChain.vocab): when ascending (a checkpoint's d2t could
         #: list them in another order, where an inverse-CDF draw over them would pick other tokens)
@@ -245,14 +247,18 @@ class EagleProposer:
             end = f.end   # (read once)
             if start < end:  # sent again (a retried step): keep what we have
                 rows, start = rows[end - start:], end
-            if start == end:
-                if n := rows.shape[0]:
-                    f.parts.append(rows)
-                    f.n += n
-                return
-        # first states, or a gap (a lost step): positions before start cannot be drafted from
-        # again, so the request goes on without drafts (_ready) rather than with wrong features
+            if start > end:   # steps the engine ran without capturing states: zeros (_ready)
+                f.parts.append(self._zeros(start - end))
+                f.n += start - end
+            if n := rows.shape[0]:
+                f.parts.append(rows)
+                f.n += n
+            return
         self._feats[rid] = _Feats(start, [rows], rows.shape[0])
+
+    def _zeros(self, n: int) -> torch.Tensor:
+        """[n, F] zero features (one row's storage) for positions whose target states were not captured."""
+        return self._zero_row.expand(n, -1)
 
     def on_verified(self, reqs: list[Request], drafts: DraftBatch, result: AcceptanceResult) -> None:
         pass  # committed head positions stay valid; tree columns are scratch
@@ -293,10 +299,28 @@ class EagleProposer:
                           torch.tensor(parents, dtype=torch.long), candidate_scores=scores)
 
     def _ready(self, req: Request) -> bool:
-        """The target features up to position N-2 are here (always, unless a step was lost)."""
-        f = self.feats.get(req.request_id)
-        c = self.computed.get(req.request_id, 0)
-        return f is not None and f.start <= c and f.end >= req.num_tokens - 1
+        """Make the target features of the pending positions computed..N-2 readable -> whether the
+        request drafts (not when it was never started). Positions whose states the engine did not
+        capture (a prefill while speculation is off at the batch size, leased plain steps before
+        another leased one: engine ``_capture``; a lost step) read zero features: the head's KV
+        there comes from the tokens alone. Lossless (the drafts only change how much a step
+        accepts); measured on the built-in pair (chain of 7, T = 0, 40 held-out prompts), a gap of
+        96 zero-featured positions cost 6 % of the accepted tokens over the next 16 positions and
+        none after them (docs/eagle-measurements.md, stop 105)."""
+        rid = req.request_id
+        c = self.computed.get(rid)
+        if c is None:
+            return False
+        f, end = self.feats.get(rid), req.num_tokens - 1
+        if f is None:
+            self._feats[rid] = f = _Feats(c, [], 0)
+        if f.start > c:
+            f.parts.insert(0, self._zeros(f.start - c))
+            f.n, f.start = f.n + f.start - c, c
+        if f.end < end:
+            f.parts.append(self._zeros(end - f.end))
+            f.n = end - f.start
+        return True
 
     def compile(self) -> None:
         """enforce_eager=False: greedy chains and greedy dynamic trees (every request greedy) are
@@ -315,7 +339,7 @@ class EagleProposer:
         expansion's bookkeeping; every batch size its own bucket, nothing padded, up to
         model/compiled.py eager_buckets' cap)."""
         from leapfrog.model.compiled import eager_buckets, make_buckets
-        feats = self.head.cfg.target_hidden_size if self.head.kind == "eagle" else self.head.cfg.feature_size
+        feats = self._zero_row.shape[1]
         rows, s = self.runner.kv.num_rows, self.depth + 1
         # (eagerly: while the runner's per-batch-size inputs stay small at large max_num_seqs, and
         # the sampled chain's [batch, steps, V] draws (float64), q and its spread over the vocabulary
