@@ -243,6 +243,13 @@ _PLAIN_FIRST = 6
 #: drafted over it, and with no plain step left to correct it, drafted on at 1.2x plain decode's
 #: true cost (stop 104)
 _PLAIN_SETTLE = 4
+#: ... and left out when it is more than this many times plain decode's estimate at the step's
+#: context, unless _PLAIN_BURST_STEPS of them come in a row (``_disturbed``): a burst of slow steps
+#: (4.1, 6.4, 14.8, 4.4 ms among 3.0-3.3 at a batch of 16, T = 0.7; the machine's, not the
+#: step's) raised the estimate by 40 % through the medians of three and through the context
+#: fit, "auto" drafted chains of 4 for 73 steps where plain decode was 1.2x faster (stop 105)
+_PLAIN_BURST = 1.25
+_PLAIN_BURST_STEPS = 8
 #: while speculating where no speculation is estimated within _PLAIN_CLOSE of the best size,
 #: _PLAIN_FIRST plain steps every this many exploration intervals keep t_verify(B, 1) current
 _PLAIN_REFRESH = 4
@@ -425,6 +432,7 @@ class SpecController:
         #: many), or None after any other step (``_PLAIN_SETTLE``)
         self._plain_run: tuple[int, tuple, int] | None = None
         self._plain_recent: list[float] = []   # the run's last two settled plain steps' t_verify (_settled_plain)
+        self._plain_high: dict[int, int] = {}   # bucket -> settled plain samples in a row above the estimate's bound (_disturbed)
         #: auto tree sizes: the path confidence under which greedy chains of the size just chosen
         #: draft no further level (``stop_confidence``: the last weighing's best chain only, else None)
         self.stop_confidence: float | None = None
@@ -1288,6 +1296,18 @@ class SpecController:
         del recent[:-2]
         return sample
 
+    def _disturbed(self, bucket: int, sample: float) -> bool:
+        """Whether a settled plain step's ``sample`` (``_settled_plain``) is left out: above
+        _PLAIN_BURST x t_verify(B, 1) as it stands and as moved to the step's context, and not yet
+        the _PLAIN_BURST_STEPS-th such in a row (from then on each is taken, until one is within
+        the bound: plain decode did get dearer)."""
+        bound = _PLAIN_BURST * self.verify_cost[bucket][1]
+        if sample <= bound or sample <= _PLAIN_BURST * self._verify_table(bucket)[1]:
+            self._plain_high.pop(bucket, None)
+            return False
+        n = self._plain_high[bucket] = self._plain_high.get(bucket, 0) + 1
+        return n < _PLAIN_BURST_STEPS
+
     def _measure(self, bucket: int, s: int, t_verify: float, host: float | None, widened: bool,
                  fresh: bool = False, settled: bool = True) -> None:
         """A verified step's times at this batch size (``observe``, ``_end_lease``): its host time
@@ -1328,6 +1348,9 @@ class SpecController:
                 replaced = fresh
                 if s == 1:   # (settled: robust to one slow step, _PLAIN_SETTLE)
                     sample = self._settled_plain(t_verify, prev_plain)
+                    if self._disturbed(bucket, sample):   # (neither the estimate nor the fit)
+                        self.plain_prev[bucket] = t_verify
+                        return
                 table[s] = sample if fresh else _bounded_ema(table[s], sample)
             elif s in first:
                 table[s] = t_verify  # the second measurement replaces the cold first one
