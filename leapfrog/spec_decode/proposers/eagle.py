@@ -8,7 +8,8 @@ target feature yet), the head's committed positions are 0..N-2.
 
 One ``propose`` (per request, all requests in the same forwards):
   1. catch up: head positions ``computed .. N-2`` from the target states the engine handed over
-     (``on_target_states``: committed tokens only, so nothing is ever rolled back), one forward;
+     (``on_target_states``: committed tokens only, so nothing is ever rolled back; zeros where
+     the engine captured none, while speculation was off: ``_ready``), one forward;
      the last position's logits give the depth-1 candidates, its output state h their feature;
   2. grow the tree for ``num_speculative_tokens`` levels: each level runs the head once over the
      frontier nodes (each attends to the committed prefix and its own ancestors, positions by
