@@ -668,8 +668,9 @@ class LLMEngine:
             row += want
         # (the prompts' target states: not while speculation is off at this batch size, as for
         # the drafter's prefill below; an EAGLE head reads zeros for them: EagleProposer._ready)
+        off = self.spec_controller is not None and self._drafting_off()   # (decided once: the batch may shrink below)
         hidden = self._target_states
-        if hidden is not None and all(self._proposer_of(r) is self.proposer for r, _ in work) and self._drafting_off():
+        if hidden is not None and off and all(self._proposer_of(r) is self.proposer for r, _ in work):
             hidden = None
         out = self.runner.step(chunks, hidden=hidden)
         logits = out.logits if len(last_rows) == out.logits.shape[0] else out.logits[last_rows]
@@ -694,24 +695,26 @@ class LLMEngine:
                 if req.request_id in self.requests:
                     self._guarded(req, self._append, req, ids, result.logprobs[b] if result.logprobs else None)
             running = [r for r in done if r.request_id in self.requests]
-            if self._drafters_prefill(running):   # (the caller gets the first token when the step returns)
+            if self._drafters_prefill(running, off):   # (the caller gets the first token when the step returns)
                 now = time.monotonic()
                 for req in running:
                     req.metrics.first_token_time = req.metrics.last_token_time = now
         return done
 
-    def _drafters_prefill(self, reqs: list[Request]) -> bool:
+    def _drafters_prefill(self, reqs: list[Request], off: bool) -> bool:
         """Drafters that run their own forward over the prompt (a draft model, an EAGLE head) do it
         now, in the step that prefilled the target, as vLLM and SGLang run the draft's prefill with
         the target's: else the first decode step pays for it (a spike in inter-token latency, and
         host work outside the decode graphs). Not while the speculation controller drafts nothing
-        at this batch size (``drafting_off``): the drafter catches up when it drafts again. A
-        failure resets the drafter's state for these requests, which then catch up while
-        decoding. -> whether any drafter ran."""
+        at this batch size (``off``: ``_drafting_off`` as the step began, when the target's states
+        of the prompts were left uncaptured for it): the drafter catches up when it drafts again
+        (an EAGLE head on zero features for those prompts: EagleProposer._ready). A failure resets
+        the drafter's state for these requests, which then catch up while decoding. -> whether any
+        drafter ran."""
         ran = False
         for proposer, idx in self._groups(reqs):
             prefill = getattr(proposer, "prefill", None)
-            if prefill is None or (proposer is self.proposer and self._drafting_off()):
+            if prefill is None or (proposer is self.proposer and off):
                 continue   # (no drafting at this batch size for now: it catches up when it drafts again)
             ran = True
             sub = [reqs[i] for i in idx]
@@ -769,7 +772,7 @@ class LLMEngine:
                            parents=None if ps is None else [-1] + [q + 1 for q in ps])
                   for r, d, ps in zip(reqs, draft_lists, parent_lists)]
         t1 = time.perf_counter()
-        out = self.runner.step(chunks, hidden=self._capture(leased, groups))
+        out = self.runner.step(chunks, hidden=self._capture(leased, groups, reqs))
         result = self.accept(reqs, out.logits, drafts, out.top)
         t_verify = time.perf_counter() - t1
         # commit / roll back, then feedback and outputs. From here on nothing may raise for the
@@ -821,17 +824,21 @@ class LLMEngine:
                                   t_step=time.perf_counter() - t_step)
         return reqs
 
-    def _capture(self, leased: bool, groups: list[tuple[Any, list[int]]]) -> Any:
+    def _capture(self, leased: bool, groups: list[tuple[Any, list[int]]], reqs: list[Request]) -> Any:
         """The target states a decode step hands the drafter (``runner.step``'s ``hidden``): none
         on a leased step followed by another leased one, where nothing drafts now or next step
-        (``SpecController.lease_continues``; no caller-supplied predictions in the batch). An EAGLE
+        (``SpecController.lease_continues``; no caller-supplied predictions in the batch; no request
+        that ends at its max_tokens this step: the batch shrinks, the lease ends, and the others may
+        draft next, from this step's states, the root's feature). An EAGLE
         head reads zeros for the positions it was not given (EagleProposer._ready): lossless,
         and it accepted about as much as with every feature, except for a few percent less in the
         first steps after the gap (docs/eagle-measurements.md, stop 105). At a batch of 16 at
         T = 0.7, where "auto" drafts nothing for hundreds of steps, capturing every step had cost
-        about 2 % of a plain step."""
+        about 2 % of a plain step (eager and native forwards; a compiled target graph computes
+        its aux layers either way, and only their hand-over is saved)."""
         if (leased and self._target_states is not None and self.spec_controller.lease_continues()
-                and all(p is self.proposer for p, _ in groups)):
+                and all(p is self.proposer for p, _ in groups)
+                and all(r.max_tokens - len(r.output_ids) > 1 for r in reqs)):
             return None
         return self._target_states
 

@@ -154,11 +154,12 @@ def test_no_target_states_while_leased_and_the_head_reads_zeros_there(target_and
     outs = _drain(eng)
     assert [outs[f"r{i}"] for i in range(2)] == want
     assert llm.get_metrics()["num_draft_tokens"] > 0   # r1 drafted alone
-    # 39 steps of both: a chosen step then 16 leased ones, the last of those captured
+    # 39 steps of both: a chosen step then 16 leased ones, the last of those captured, and r0's last
     both = set(captured["r0"])
     assert min(both) == len(prompts[0]) and 4 <= len(both) <= 6
     first = len(prompts[1]) + 40 - 1   # r1's positions 0..first-1 were written while r0 ran
     assert {c for c in captured["r1"] if c < first} == {c - len(prompts[0]) + len(prompts[1]) for c in both}
+    assert first - 1 in captured["r1"]   # r0's last step (it ends there): r1's root feature when it drafts next
     # (the catch-up's forward reads all but the last few: the fused chain reads those itself)
     assert set(range(first - 8)) <= read.keys() and len(read.keys() & captured["r1"]) >= 4
     for pos in read.keys() & set(range(first)):

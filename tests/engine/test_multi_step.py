@@ -345,16 +345,19 @@ def test_auto_tree_sizes_run_chain_rounds(eagle_target, tmp_path, tokenizer):
 
     def recording(reqs):
         ran = decode_steps(reqs)
-        if ran:
-            ready.extend(proposer._ready(r) for r in reqs if r.request_id in llm.engine.requests)
+        if ran:   # (the states of every position up to the newest token's, none of them zeros)
+            for r in reqs:
+                if r.request_id in llm.engine.requests:
+                    f = proposer.feats.get(r.request_id)
+                    ready.append(f is not None and f.end == r.num_tokens - 1 and bool(f.rows().abs().sum(-1).all()))
         return ran
     llm.engine._decode_steps = recording
     prompts = prompts_of(tokenizer, 2)
     sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     assert [o.token_ids for o in _outs(llm, prompts, sp)] == [o.token_ids for o in _outs(base, prompts, sp)]
     assert _round_calls(llm, 1) > 0 and ctl.round_samples[(1, K)] >= 1
-    # multi-step decode (no speculation) ran and handed the head the target's states of its steps:
-    # the head can draft after it (without them it could not, for good)
+    # multi-step decode (no speculation) ran and handed the head the target's states of its steps
+    # (without them the head would draft from zero features: EagleProposer._ready)
     assert llm.engine.runner.multi_step.direct[(1, 1)].calls > 0 and ctl.round_samples[(1, 0)] >= 1
     assert ready and all(ready)
 

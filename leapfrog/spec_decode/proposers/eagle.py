@@ -258,7 +258,8 @@ class EagleProposer:
         self._feats[rid] = _Feats(start, [rows], rows.shape[0])
 
     def _zeros(self, n: int) -> torch.Tensor:
-        """[n, F] zero features (one row's storage) for positions whose target states were not captured."""
+        """[n, F] zero features for positions whose target states were not captured: a view of one
+        shared row (read only: nothing writes features in place)."""
         return self._zero_row.expand(n, -1)
 
     def on_verified(self, reqs: list[Request], drafts: DraftBatch, result: AcceptanceResult) -> None:
@@ -314,6 +315,8 @@ class EagleProposer:
             return False
         f, end = self.feats.get(rid), req.num_tokens - 1
         if f is None:
+            if c >= end:   # (nothing pending: no position to draft from)
+                return False
             self._feats[rid] = f = _Feats(c, [], 0)
         if f.start > c:
             f.parts.insert(0, self._zeros(f.start - c))
