@@ -210,6 +210,11 @@ _FLAT_TOKENS = 0.05
 #: last weighing stands, exploration included (it moves little from one step to the next, and
 #: weighing every step cost 0.06 ms, 3 % of a step of the chain of 5 at batch 1)
 _REWEIGH_STEPS = 4
+#: ... and at batches of one (the shortest steps, where a weighing of 44-50 sizes every 4 steps was
+#: about 1 % of the built-in pair's 3.1 ms step), a weighing that agrees with the last one for the
+#: same request (the same best size) doubles the wait for the next, up to this many steps; one
+#: that does not, or a new request, is back to _REWEIGH_STEPS
+_REWEIGH_SETTLED = 16
 #: ... and this many while the last weighing put no speculation first: then only plain steps are
 #: measured in between, which move plain decode's time, seldom the verdict (a weighing cost about
 #: 0.2 ms at a batch of 16: every 4th step, 1.5 % of a 3.3 ms plain step, at a batch of 16 at T =
@@ -372,6 +377,7 @@ class SpecController:
         #: batch-size bucket is the sampled one (``_bucket``, ``_key``)
         self.sampled = False
         self._chosen: list[Request] | None = None   # the requests last chosen for (``choose``)
+        self._lead: str | None = None   # ... and the first one's id (_Weighed.lead)
         self.shapes = [cfg.tree_shape(n) for n in range(1, self.K + 1)] if cfg.auto_tree else []
         self.verify_cost: dict[int, dict[int, float]] = {}   # bucket -> s -> seconds
         self.first_verify: dict[int, dict[int, float]] = {}  # bucket -> s -> first (cold) seconds
@@ -495,6 +501,7 @@ class SpecController:
         B = batch_size or len(reqs)
         self.sampled = mostly_sampled(reqs)
         self._chosen = reqs   # (``observe`` of the same step's requests need not count them again)
+        self._lead = reqs[0].request_id if reqs else None
         bucket = self._key(B)
         auto = self.cfg.auto_tree   # (read once: a property, and every step reads it)
         sized = auto or self.cfg.adaptive
@@ -718,7 +725,8 @@ class SpecController:
         bucket = self._key(B)
         weighed = self._weighed.get(bucket)   # (first: a weighing stands only where all below held)
         if (weighed is not None and weighed.free == free and weighed.batch == B
-                and self.observations - weighed.at < (_REWEIGH_STEPS if weighed.best else _REWEIGH_OFF_STEPS)):
+                and self.observations - weighed.at < (_REWEIGH_OFF_STEPS if not weighed.best else weighed.wait
+                                                      if weighed.lead == self._lead else _REWEIGH_STEPS)):
             return self._explore_weighed(bucket, weighed)
         table = self._verify_table(bucket)   # (once a weighing: it fits the slope)
         t1 = table.get(1)
@@ -795,7 +803,11 @@ class SpecController:
             # of unseeded sampled requests, whose sizes are weighed apart, nor past the sizes
             # weighed now: its neighbours are looked up in this weighing's goodputs)
             w = replace(weighed, at=self.observations, batch=B, goodput=gp, up=min(weighed.up, len(gp) - 1),
-                        down=min(weighed.down, len(gp) - 1), holding=True)
+                        down=min(weighed.down, len(gp) - 1), holding=True, wait=_REWEIGH_STEPS)
+        elif (best and weighed is not None and weighed.best == best and not weighed.holding and _size(bucket) == 1
+              and weighed.lead == self._lead and weighed.free == free):
+            w.wait = min(2 * weighed.wait, _REWEIGH_SETTLED)   # (settled: _REWEIGH_SETTLED)
+        w.lead = self._lead
         self._weighed[bucket] = w
         return self._explore_weighed(bucket, w)
 
@@ -1591,6 +1603,10 @@ class _Weighed:
     #: (it swung 0.83-1.11 between weighings, 1.0 on average) kept the chains off for 7-14 weighings
     #: where they ran 1.14x none (stop 97)
     holding: bool = False
+    #: steps this weighing stands while it puts speculation first (_REWEIGH_SETTLED), and the
+    #: first request of the batch it was weighed for
+    wait: int = _REWEIGH_STEPS
+    lead: str | None = None
 
 
 @dataclass

@@ -11,7 +11,7 @@ import torch
 
 from leapfrog.spec_decode import adaptive
 from leapfrog.spec_decode.adaptive import (_HOLD_FROM, _PLAIN_BURST_STEPS, _PLAIN_FIRST, _PLAIN_REFRESH, _PLAIN_SETTLE,
-                                           _REWEIGH_OFF_STEPS,
+                                           _REWEIGH_OFF_STEPS, _REWEIGH_SETTLED,
                                            _REWEIGH_STEPS, SpecController, _bucket, _ContextFit, _curve,
                                            shortest_near_best)
 from leapfrog.spec_decode.confidence import GAMMAS
@@ -767,6 +767,51 @@ def test_the_last_weighing_stands_until_steps_pass_or_the_mix_changes():
     assert ctl.choose([_Req()])[0] > 0
     ctl.observations += 1
     assert ctl.choose([_Req()]) == [0]          # (at batch 1 no hold: _HOLD_FROM)
+
+
+def test_at_a_batch_of_one_a_weighing_that_agrees_stands_longer():
+    """At a batch of 1 a weighing that agrees with the last one for the same request (the same best
+    size) doubles the wait before the next, up to _REWEIGH_SETTLED steps (a weighing of 44-50 sizes
+    every 4 steps was about 1 % of the built-in pair's step); another request, or a weighing for
+    another size, is weighed again after _REWEIGH_STEPS."""
+    ctl = SpecController(CFG, 4096)
+    _measured(ctl, {1: 0.1, 2: 0.4, 3: 0.7, 4: 1.0})
+    for _ in range(3):
+        ctl.confidence.calibrate(1.7, ctl.confidence.observe([[0.9, 0.8, 0.3, 0.2]], [2]))
+    r, b = _Req(), ctl._key(1)
+    assert ctl.choose([r]) == [2]
+    waits = []
+    for _ in range(4):
+        ctl.observations += ctl._weighed[b].wait
+        assert ctl.choose([r]) == [2]
+        waits.append(ctl._weighed[b].wait)
+    assert waits == [2 * _REWEIGH_STEPS, 4 * _REWEIGH_STEPS, _REWEIGH_SETTLED, _REWEIGH_SETTLED]
+    w = ctl._weighed[b]
+    ctl.observations += _REWEIGH_SETTLED - 1
+    assert ctl.choose([r]) == [2] and ctl._weighed[b] is w          # it stands
+    r = _Req()
+    assert ctl.choose([r]) == [2] and ctl._weighed[b] is not w   # another request: weighed again
+    assert ctl._weighed[b].wait == _REWEIGH_STEPS
+    ctl.observations += _REWEIGH_STEPS
+    assert ctl.choose([r]) == [2] and ctl._weighed[b].wait == 2 * _REWEIGH_STEPS
+    ctl.tree_draft_cost[b] = {(n, 1): 0.1 * n for n in range(1, 5)}   # drafting cheaper: a longer chain
+    ctl.observations += 2 * _REWEIGH_STEPS - 1
+    assert ctl.choose([r]) == [2]                # (not yet)
+    ctl.observations += 1
+    k = ctl.choose([r])[0]
+    assert k > 2 and ctl._weighed[b].wait == _REWEIGH_STEPS
+    # at larger batches every _REWEIGH_STEPS, agreeing or not
+    big = [_Req() for _ in range(4)]
+    ctl = SpecController(CFG, 4096)
+    _measured(ctl, {1: 0.1, 2: 0.4, 3: 0.7, 4: 1.0}, ctl._key(4))
+    for _ in range(3):
+        ctl.confidence.calibrate(1.7, ctl.confidence.observe([[0.9, 0.8, 0.3, 0.2]], [2]))
+    k = ctl.choose(big)[0]
+    for _ in range(3):
+        ctl.observations += _REWEIGH_STEPS
+        w = ctl._weighed.get(ctl._key(4))
+        assert ctl.choose(big)[0] == k and ctl._weighed[ctl._key(4)] is not w
+        assert ctl._weighed[ctl._key(4)].wait == _REWEIGH_STEPS
 
 
 def test_speculation_goes_off_only_when_two_weighings_in_a_row_say_so():
