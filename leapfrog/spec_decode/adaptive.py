@@ -377,7 +377,6 @@ class SpecController:
         #: batch-size bucket is the sampled one (``_bucket``, ``_key``)
         self.sampled = False
         self._chosen: list[Request] | None = None   # the requests last chosen for (``choose``)
-        self._lead: str | None = None   # ... and the first one's id (_Weighed.lead)
         self.shapes = [cfg.tree_shape(n) for n in range(1, self.K + 1)] if cfg.auto_tree else []
         self.verify_cost: dict[int, dict[int, float]] = {}   # bucket -> s -> seconds
         self.first_verify: dict[int, dict[int, float]] = {}  # bucket -> s -> first (cold) seconds
@@ -501,7 +500,6 @@ class SpecController:
         B = batch_size or len(reqs)
         self.sampled = mostly_sampled(reqs)
         self._chosen = reqs   # (``observe`` of the same step's requests need not count them again)
-        self._lead = reqs[0].request_id if reqs else None
         bucket = self._key(B)
         auto = self.cfg.auto_tree   # (read once: a property, and every step reads it)
         sized = auto or self.cfg.adaptive
@@ -724,9 +722,10 @@ class SpecController:
         ``free`` of them drafting chains without confidence (unseeded sampled requests)."""
         bucket = self._key(B)
         weighed = self._weighed.get(bucket)   # (first: a weighing stands only where all below held)
+        lead = self._chosen[0].request_id if self._chosen else None   # (_Weighed.lead; choose set _chosen)
         if (weighed is not None and weighed.free == free and weighed.batch == B
                 and self.observations - weighed.at < (_REWEIGH_OFF_STEPS if not weighed.best else weighed.wait
-                                                      if weighed.lead == self._lead else _REWEIGH_STEPS)):
+                                                      if weighed.lead == lead else _REWEIGH_STEPS)):
             return self._explore_weighed(bucket, weighed)
         table = self._verify_table(bucket)   # (once a weighing: it fits the slope)
         t1 = table.get(1)
@@ -805,9 +804,9 @@ class SpecController:
             w = replace(weighed, at=self.observations, batch=B, goodput=gp, up=min(weighed.up, len(gp) - 1),
                         down=min(weighed.down, len(gp) - 1), holding=True, wait=_REWEIGH_STEPS)
         elif (best and weighed is not None and weighed.best == best and not weighed.holding and _size(bucket) == 1
-              and weighed.lead == self._lead and weighed.free == free):
+              and weighed.lead == lead and weighed.free == free):
             w.wait = min(2 * weighed.wait, _REWEIGH_SETTLED)   # (settled: _REWEIGH_SETTLED)
-        w.lead = self._lead
+        w.lead = lead
         self._weighed[bucket] = w
         return self._explore_weighed(bucket, w)
 
