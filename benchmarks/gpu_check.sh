@@ -17,8 +17,9 @@
 #   unpack  on the device, first: the packed assets back in place
 #   restore here, after the call: the assets folder back
 # Usage: bash benchmarks/gpu_check.sh tests 1B ...   (logs and JSON in $OUT, else ./gpu-check; each part's
-# time box in seconds: BENCH_BOX, 330 by default, and TESTS_BOX, 400; the demo part needs the built-in
-# assets, which take the working tree past the device tool's 64 MiB)
+# time box in seconds: BENCH_BOX, 330 by default, and TESTS_BOX, 400; WARMUP_TOKENS: each bench contender's
+# warm-up request, gpu_bench's 8 by default; the demo part needs the built-in assets, which take the
+# working tree past the device tool's 64 MiB)
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-check}
@@ -27,7 +28,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 bench() {   # name, then gpu_bench arguments
     local name=$1; shift
-    timeout "${BENCH_BOX:-330}" "$py" benchmarks/gpu_bench.py "$@" --out "$out/$name.json" > "$out/$name.log" 2>&1
+    timeout "${BENCH_BOX:-330}" "$py" benchmarks/gpu_bench.py "$@" ${WARMUP_TOKENS:+--warmup-tokens "$WARMUP_TOKENS"} --out "$out/$name.json" > "$out/$name.log" 2>&1
     echo "== $name: exit $?"
     grep -v -i -E "warn|compiling|softmax|split the reduction|important use case|^$" "$out/$name.log" | tail -40
 }
