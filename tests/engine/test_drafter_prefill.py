@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from leapfrog import LLM, SamplingParams
+from leapfrog.spec_decode import adaptive
 from tests.conftest import prompts_of, save_shapes
 from tests.spec_decode.test_eagle import SHAPES, make_head
 
@@ -118,12 +119,13 @@ def test_steps_the_controller_leased_are_run_without_choosing(target_and_head, t
     assert llm.get_metrics()["num_draft_tokens"] > 0    # r1 alone drafts
 
 
-def test_no_target_states_while_leased_and_the_head_reads_zeros_there(target_and_head, tokenizer):
+def test_no_target_states_while_leased_and_the_head_reads_zeros_there(target_and_head, tokenizer, monkeypatch):
     """While drafting is off at the batch's size, the target's states are not captured for the
     prompts nor on a leased step followed by another leased one (engine ``_capture``); when the
     batch shrinks and the head drafts, it catches up on the whole request reading the states that
     were captured at their positions and zeros everywhere else, and the output is the target's."""
     target, head = target_and_head
+    monkeypatch.setattr(adaptive, "_LEASE_STEPS", 16)   # (leases shorter than the 39 steps of both: some captured)
     spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3, "eagle_topk": 1,
             "disable_by_batch_size": 1}
     prompts, sps, want, llm = _alone_and_speculating(target, tokenizer, spec, (40, 56))

@@ -1489,9 +1489,10 @@ def _state(ctl: SpecController) -> tuple:
             ctl._plain_run)
 
 
-@pytest.mark.parametrize("extra, per_token, accepted, explore", [
-    ({}, 0.6, 1, False), ({}, 0.6, 1, True), ({}, 0.21, 2, False), ({"disable_by_batch_size": 1}, 0.6, 1, False)])
-def test_leased_plain_steps_choose_and_measure_as_steps_chosen_one_by_one(extra, per_token, accepted, explore,
+@pytest.mark.parametrize("extra, per_token, accepted, explore, B", [
+    ({}, 0.6, 1, False, 2), ({}, 0.6, 1, True, 2), ({}, 0.21, 2, False, 2), ({"disable_by_batch_size": 1}, 0.6, 1, False, 2),
+    ({}, 0.6, 1, False, 1), ({}, 0.6, 1, True, 1)])
+def test_leased_plain_steps_choose_and_measure_as_steps_chosen_one_by_one(extra, per_token, accepted, explore, B,
                                                                            monkeypatch):
     """Where the controller drafts nothing (no speculation weighed best at a batch size, or
     disable_by_batch_size), it promises the engine the next steps of the same batch that it would
@@ -1504,18 +1505,47 @@ def test_leased_plain_steps_choose_and_measure_as_steps_chosen_one_by_one(extra,
         monkeypatch.setattr(adaptive, "_EXPLORE_MARGIN", 0.0)
     cfg = SpeculativeConfig.from_dict({"method": "eagle3", "model": "h", "num_speculative_tokens": 4, "eagle_topk": 4,
                                        "num_draft_tokens": "auto", "adaptive_explore_interval": 4, **extra})
-    ref, ref_sizes, ref_asked = _drive(cfg, leasing=False, per_token=per_token, accepted=accepted)
-    ctl, sizes, asked = _drive(cfg, leasing=True, per_token=per_token, accepted=accepted)
+    ref, ref_sizes, ref_asked = _drive(cfg, leasing=False, per_token=per_token, accepted=accepted, B=B)
+    ctl, sizes, asked = _drive(cfg, leasing=True, per_token=per_token, accepted=accepted, B=B)
     assert not ctl.leased([]) and ctl._lease is None   # (a lease left open ends: its steps measured)
     assert sizes == ref_sizes and _state(ctl) == _state(ref)
     assert ref_asked == len(sizes)
     plain = sizes.count(0)
     if extra:
         assert plain == len(sizes) and asked < len(sizes) / 10
-    elif accepted == 1:   # (off, but probed and explored: drafting steps end the leases)
-        assert 0 < len(sizes) - plain < len(sizes) / (5 if explore else 10) and asked < len(sizes) / 4
+    elif accepted == 1:   # (off, but probed and explored: drafting steps end the leases; at a batch of
+        # one exploration comes every 2 intervals while off)
+        assert 0 < len(sizes) - plain < len(sizes) / (5 if explore else 10)
+        assert asked < len(sizes) / (3 if explore and B == 1 else 4)
     else:   # (on and off: the plain stretches leased)
         assert len(sizes) / 4 < plain < len(sizes) * 3 / 4 and asked < len(sizes) - plain / 2
+
+
+def test_at_a_batch_of_one_an_off_weighing_that_agrees_stands_longer():
+    """At a batch of one, a weighing for no speculation that agrees with the last one doubles the
+    wait for the next, up to _REWEIGH_OFF_SETTLED steps (and the lease up to it: with a head that
+    accepted nothing, the built-in target at batch 1, "auto" had weighed, granted and ended a
+    lease every 11 steps, 1.4 % of its time); at larger batches it stays _REWEIGH_OFF_STEPS. A
+    drafting step in between (a probe) has the sizes weighed again from _REWEIGH_OFF_STEPS."""
+    cfg = SpeculativeConfig.from_dict({"method": "eagle3", "model": "h", "num_speculative_tokens": 4, "eagle_topk": 4,
+                                       "num_draft_tokens": "auto", "adaptive_explore_interval": 4})
+    ctl, sizes, asked = _drive(cfg, leasing=True, per_token=0.6, accepted=1, B=1, steps=1000)
+    assert len(sizes) - sizes.count(0) < len(sizes) / 10 and asked < len(sizes) / 8
+    w = ctl._weighed[1]
+    assert not w.best and w.wait == adaptive._REWEIGH_OFF_SETTLED
+    ctl, sizes, asked2 = _drive(cfg, leasing=True, per_token=0.6, accepted=1, B=2, steps=1000)
+    assert ctl._weighed[_bucket(2)].wait == _REWEIGH_OFF_STEPS and asked2 > asked
+    ctl = SpecController(CFG, 4096)
+    _measured(ctl, {1: 50.0, 2: 50.0, 3: 50.0, 4: 50.0})
+    for _ in range(3):
+        ctl.confidence.calibrate(1.7, ctl.confidence.observe([[0.9, 0.8, 0.3, 0.2]], [2]))
+    assert ctl.choose([_Req()]) == [0] and ctl._weighed[1].wait == _REWEIGH_OFF_STEPS
+    for n in (2, 4, 4):
+        ctl.observations += ctl._weighed[1].wait
+        assert ctl.choose([_Req()]) == [0] and ctl._weighed[1].wait == min(n * _REWEIGH_OFF_STEPS,
+                                                                             adaptive._REWEIGH_OFF_SETTLED)
+    _step(ctl, 2, [0.9, 0.8, 0.3, 0.2], 0, 0.2, 1.0)   # a drafting step: weighed again, from the start
+    assert 1 not in ctl._weighed
 
 
 def test_a_lease_ends_when_the_batch_changes():
