@@ -643,6 +643,8 @@ class SpecController:
         if key[1]:
             self.probes.pop(bucket, None)   # (a probe's size ran as rounds: the rounds stand for it)
             self._plain_run = None   # (the plain steps after drafting rounds run slow too)
+            if (w := self._weighed.get(bucket)) is not None and not w.best:
+                del self._weighed[bucket]   # (drafts measured while off: weighed again next, as in ``observe``)
         else:
             self.off_steps[bucket] += max(rounds, 0)
             self.refresh.pop(bucket, None)   # (plain steps ran as multi-step decode: measured as rounds)
@@ -1231,7 +1233,9 @@ class SpecController:
             return
         else:
             n = self._probe_wait(bucket)[1] - self.off_steps[bucket]   # (step j's choose sees off_steps + j - 1)
-            explores = True   # (whether a step of the lease may explore the size up: _explore)
+            # (whether a step of the lease may explore the size up, _explore: never where the batch
+            # size inherits no speculation, _inherited_off, whose sizes up and down are 0)
+            explores = False
             if not self._inherits_off(bucket):
                 w = self._weighed.get(bucket)
                 if w is None or w.best or w.batch != B or w.free != self.free_share:

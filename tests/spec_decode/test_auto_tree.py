@@ -1446,13 +1446,16 @@ class _Live(_Req):
 
 
 def _drive(cfg: SpeculativeConfig, leasing: bool, steps: int = 700, B: int = 2,
-           per_token: float = 0.6, accepted: int = 1) -> tuple[SpecController, list[int], int]:
+           per_token: float = 0.6, accepted: int = 1, best: dict[int, int] | None = None
+           ) -> tuple[SpecController, list[int], int]:
     """``steps`` steps of a batch of B where drafting does not pay (verifying costs ``per_token`` a
     token more, drafting half that, ``accepted`` of the drafter's candidates accepted), run as the
     engine runs them: leased steps
     (``leasing``) without ``choose``, their times to ``lease_step``; else every step chosen and
-    observed. -> the controller, the size of every step, the steps ``choose`` was asked."""
+    observed; ``best``: the controller's best sizes at other batch sizes to start from. -> the
+    controller, the size of every step, the steps ``choose`` was asked."""
     ctl = SpecController(cfg, 10 ** 6)
+    ctl.best.update(best or {})
     batch = [_Live() for _ in range(B)]
     for i, r in enumerate(batch):
         r.request_id = f"r{i}"   # (the same in every drive)
@@ -1546,6 +1549,23 @@ def test_at_a_batch_of_one_an_off_weighing_that_agrees_stands_longer():
                                                                              adaptive._REWEIGH_OFF_SETTLED)
     _step(ctl, 2, [0.9, 0.8, 0.3, 0.2], 0, 0.2, 1.0)   # a drafting step: weighed again, from the start
     assert 1 not in ctl._weighed
+    ctl.tree_draft_cost[1] = {(n, 1): 50.0 for n in range(1, 5)}
+    assert ctl.choose([_Req()]) == [0] and not ctl._weighed[1].best
+    ctl.observe_rounds(1, 2, 0.5, size=4)               # drafts run as rounds (multi-step decode): the same
+    assert 1 not in ctl._weighed
+
+
+def test_leases_where_no_speculation_is_inherited_choose_as_steps_chosen_one_by_one():
+    """A batch size that inherits no speculation from a smaller one (``_inherits_off``) leases
+    its plain steps up to its first probe (its sizes up and down are none: no exploration cuts
+    a lease), and the sizes and measurements are those of steps chosen one by one."""
+    cfg = SpeculativeConfig.from_dict({"method": "eagle3", "model": "h", "num_speculative_tokens": 4, "eagle_topk": 4,
+                                       "num_draft_tokens": "auto", "adaptive_explore_interval": 4})
+    ref, ref_sizes, _ = _drive(cfg, leasing=False, steps=300, B=4, best={1: 0})
+    ctl, sizes, asked = _drive(cfg, leasing=True, steps=300, B=4, best={1: 0})
+    assert not ctl.leased([]) and sizes == ref_sizes and _state(ctl) == _state(ref)
+    first = next(i for i, k in enumerate(sizes) if k)   # (the first probe ends the inheritance)
+    assert first >= 8 * 4 * 4 and asked < 300 - first + first / 8
 
 
 def test_a_lease_ends_when_the_batch_changes():
