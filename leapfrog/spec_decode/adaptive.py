@@ -1221,8 +1221,9 @@ class SpecController:
         _LEASE_STEPS: any while disable_by_batch_size turns drafting off at this batch size; with
         "auto" tree sizes off at this batch size (no speculation weighed best, or inherited), those
         before its next weighing, its next probe and any step that may explore a size up
-        (``_explore``: none where the weighing puts the size up outside its margin), with no probe, refresh, confirmation or rounds to measure and no other
-        proposer widening its steps. The leased steps measure what plain steps measure, all at
+        (``_explore``: none where the weighing puts the size up outside its margin), with no
+        probe, refresh, confirmation or rounds to measure and no other proposer widening its
+        steps. The leased steps measure what plain steps measure, all at
         once when the lease ends (``_end_lease``): the same as step by step, as nothing reads
         them in between."""
         B = len(reqs)

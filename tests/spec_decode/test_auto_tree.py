@@ -1493,7 +1493,8 @@ def _state(ctl: SpecController) -> tuple:
 
 
 @pytest.mark.parametrize("extra, per_token, accepted, explore, B", [
-    ({}, 0.6, 1, False, 2), ({}, 0.6, 1, True, 2), ({}, 0.21, 2, False, 2), ({"disable_by_batch_size": 1}, 0.6, 1, False, 2),
+    ({}, 0.6, 1, False, 2), ({}, 0.6, 1, True, 2), ({}, 0.21, 2, False, 2),
+    ({"disable_by_batch_size": 1}, 0.6, 1, False, 2),
     ({}, 0.6, 1, False, 1), ({}, 0.6, 1, True, 1)])
 def test_leased_plain_steps_choose_and_measure_as_steps_chosen_one_by_one(extra, per_token, accepted, explore, B,
                                                                            monkeypatch):
