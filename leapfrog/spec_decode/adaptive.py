@@ -643,8 +643,7 @@ class SpecController:
         if key[1]:
             self.probes.pop(bucket, None)   # (a probe's size ran as rounds: the rounds stand for it)
             self._plain_run = None   # (the plain steps after drafting rounds run slow too)
-            if (w := self._weighed.get(bucket)) is not None and not w.best:
-                del self._weighed[bucket]   # (drafts measured while off: weighed again next, as in ``observe``)
+            self._drafted_while_off(bucket)
         else:
             self.off_steps[bucket] += max(rounds, 0)
             self.refresh.pop(bucket, None)   # (plain steps ran as multi-step decode: measured as rounds)
@@ -810,13 +809,12 @@ class SpecController:
             # weighed now: its neighbours are looked up in this weighing's goodputs)
             w = replace(weighed, at=self.observations, batch=B, goodput=gp, up=min(weighed.up, len(gp) - 1),
                         down=min(weighed.down, len(gp) - 1), holding=True, wait=_REWEIGH_STEPS)
-        elif (best and weighed is not None and weighed.best == best and not weighed.holding and _size(bucket) == 1
-              and weighed.lead == lead and weighed.free == free):
-            w.wait = min(2 * weighed.wait, _REWEIGH_SETTLED)   # (settled: _REWEIGH_SETTLED)
-        elif not best:   # (off: _REWEIGH_OFF_STEPS, doubling at a batch of one while off again: _REWEIGH_OFF_SETTLED)
-            settled = (weighed is not None and not weighed.best and _size(bucket) == 1 and weighed.batch == B
-                       and weighed.free == free)
-            w.wait = min(2 * weighed.wait, _REWEIGH_OFF_SETTLED) if settled else _REWEIGH_OFF_STEPS
+        else:   # at a batch of one, a weighing that agrees with the last doubles the wait (the same request's
+            # when speculating): _REWEIGH_SETTLED, _REWEIGH_OFF_SETTLED
+            agrees = (weighed is not None and weighed.best == best and not weighed.holding and _size(bucket) == 1
+                      and weighed.free == free and (not best or weighed.lead == lead))
+            first, most = (_REWEIGH_STEPS, _REWEIGH_SETTLED) if best else (_REWEIGH_OFF_STEPS, _REWEIGH_OFF_SETTLED)
+            w.wait = min(2 * weighed.wait, most) if agrees else first
         w.lead = lead
         self._weighed[bucket] = w
         return self._explore_weighed(bucket, w)
@@ -1144,8 +1142,8 @@ class SpecController:
         auto = self.cfg.auto_tree   # (read once: a property, and every step reads it)
         self.observations += 1
         s = max(drafts.num_draft, default=0) + 1
-        if s > 1 and (w := self._weighed.get(bucket)) is not None and not w.best:
-            del self._weighed[bucket]   # (drafts measured while off: weighed again next, _REWEIGH_OFF_STEPS)
+        if s > 1:
+            self._drafted_while_off(bucket)
         probe = self.probes.get(bucket)
         if probe is not None and (not probe.pending or s == 1):   # not a probe step: the probe is cut short
             del self.probes[bucket]
@@ -1215,6 +1213,13 @@ class SpecController:
             if reqs is self._chosen and not self.last_k and len(reqs) == (batch_size or len(reqs)):
                 self._grant(reqs, bucket)
 
+    def _drafted_while_off(self, bucket: int) -> None:
+        """Drafts ran at this batch size (a probe, exploration, rounds): a weighing of no
+        speculation left out what they measured, so the next choice weighs again (from
+        _REWEIGH_OFF_STEPS)."""
+        if (w := self._weighed.get(bucket)) is not None and not w.best:
+            del self._weighed[bucket]
+
     def _grant(self, reqs: list[Request], bucket: int) -> None:
         """After a plain step of the whole batch ``reqs``: promise the next steps of the same
         requests that ``choose`` would certainly draft nothing for (a lease, ``leased``), up to
@@ -1245,10 +1250,11 @@ class SpecController:
                 # (_explore tries the size up only within _EXPLORE_MARGIN of the best's goodput: this
                 # weighing's, which stands through the lease)
                 explores = w.up != w.best and w.goodput[w.up] >= _EXPLORE_MARGIN * w.goodput[w.best]
-            for j in range(1, min(n, _LEASE_STEPS) + 1) if explores else ():   # step j's _explore sees steps + j - 1
-                if self._explores_up_while_off(bucket, self.steps + j - 1):
-                    n = j - 1
-                    break
+            if explores:
+                for j in range(1, min(n, _LEASE_STEPS) + 1):   # step j's _explore sees steps + j - 1
+                    if self._explores_up_while_off(bucket, self.steps + j - 1):
+                        n = j - 1
+                        break
         if n > 0:
             self._lease = _Lease(tuple(r.request_id for r in reqs), min(n, _LEASE_STEPS), bucket, self.context)
 
