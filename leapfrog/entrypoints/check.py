@@ -379,12 +379,57 @@ def build_llms(model: str, speculative_config: dict[str, Any], *, dtype: str = "
     return base, spec
 
 
+def pinned_sizes(speculative_config: dict[str, Any]) -> tuple[dict[str, Any], int] | None:
+    """``speculative_config`` with its adaptive draft sizes ("adaptive": true, "num_draft_tokens":
+    "auto") fixed at the most the controller may draft a step, and that many tokens; None where the
+    sizes are fixed already. (The controller starts each batch size with plain steps and may settle
+    on drafting nothing: sampling a large batch of short sequences, the check's sampling part, it
+    drafted no token at all. It only chooses how many tokens to draft: every size is verified by
+    the same code.)"""
+    from leapfrog.spec_decode.config import EAGLE_METHODS, SpeculativeConfig
+
+    cfg = SpeculativeConfig.from_dict(speculative_config)
+    if not (cfg.adaptive or cfg.num_draft_tokens == "auto"):
+        return None
+    pinned = {k: v for k, v in speculative_config.items()
+              if k not in ("adaptive", "adaptive_explore_interval", "num_draft_tokens")}
+    n = cfg.num_speculative_tokens
+    if cfg.method in EAGLE_METHODS and cfg.speculative_token_tree is None:
+        n = pinned["num_draft_tokens"] = min(cfg.draft_budget, cfg.tree_candidates)   # (the grown tree's nodes)
+    SpeculativeConfig.from_dict(pinned)
+    return pinned, n
+
+
+def build_sampling_llm(model: str, speculative_config: dict[str, Any], spec_llm, *, dtype: str = "float32",
+                       seed: int = 0, max_num_seqs: int = 64, max_model_len: int | None = None,
+                       **kw) -> tuple[Any, str] | None:
+    """The sampling part's speculative engine where the config's draft sizes are adaptive
+    (``pinned_sizes``): the same config with the sizes pinned, on ``spec_llm``'s loaded target
+    (share_target_with) -> (that LLM, a note for the report); None where the sizes are fixed
+    (the sampling part runs ``spec_llm``)."""
+    from leapfrog import LLM
+
+    got = pinned_sizes(speculative_config)
+    if got is None:
+        return None
+    pinned, n = got
+    llm = LLM(model=model, dtype=dtype, seed=seed + 1, speculative_config={**pinned, "disable_by_batch_size": None},
+              max_num_seqs=max_num_seqs, max_model_len=max_model_len, share_target_with=spec_llm, **kw)
+    note = (f"the draft sizes are adaptive: the greedy part ran them as configured, the sampling part at the most "
+            f"the controller may draft a step ({n} tokens), since it may choose to draft nothing there "
+            "(every size is verified by the same code)")
+    return llm, note
+
+
 def run_check(base_llm, spec_llm, prompts: Sequence[Prompt], *, model: str = "", speculative_config=None,
               dtype: str = "", max_tokens: int = 64, settings: Sequence[Any] = tuple(DEFAULT_SETTINGS),
               positions: int = 2, samples: int = 2000, num_tokens: int = 3, alpha: float = 1e-3,
-              tie_tol: float = 1e-3, log=None, progress: bool = False) -> CheckReport:
+              tie_tol: float = 1e-3, log=None, progress: bool = False,
+              sampling_llm: tuple[Any, str] | None = None) -> CheckReport:
     """Both parts; ``settings`` empty or ``samples`` 0 skips the sampling part, ``max_tokens`` 0 the
-    greedy one. ``progress``: one bar over every generated sequence (throttled when not a terminal)."""
+    greedy one. ``progress``: one bar over every generated sequence (throttled when not a terminal).
+    ``sampling_llm``: the sampling part's speculative engine and a note on it (``build_sampling_llm``;
+    default: ``spec_llm``)."""
     from leapfrog.progress import progress_bar
 
     t_start = time.perf_counter()
@@ -414,15 +459,19 @@ def run_check(base_llm, spec_llm, prompts: Sequence[Prompt], *, model: str = "",
         if not rep.greedy_spec_metrics["num_draft_tokens"]:
             rep.warnings.append("greedy part: the speculative engine drafted no tokens, so it tested nothing")
     if sampling:
-        before = spec_llm.get_metrics()
+        sampler_llm = spec_llm
+        if sampling_llm is not None:
+            sampler_llm = sampling_llm[0]
+            rep.notes.append(sampling_llm[1])
+        before = sampler_llm.get_metrics()
         parsed = [parse_setting(s) for s in settings]
         for d in parsed:
             bar.set_postfix_str(setting_name(d), refresh=False)
-            rep.sampling_tests += check_sampling(base_llm, spec_llm, [prompts[i] for i in chosen], d,
+            rep.sampling_tests += check_sampling(base_llm, sampler_llm, [prompts[i] for i in chosen], d,
                                                  samples, num_tokens, chosen, bar=bar)
         rep.sampling_settings = [setting_name(d) for d in parsed]
         rep.sampling_prompts, rep.sampling_samples = chosen, samples
-        rep.sampling_spec_metrics = _metrics_delta(spec_llm, before)
+        rep.sampling_spec_metrics = _metrics_delta(sampler_llm, before)
         tested = [t for t in rep.sampling_tests if t.dof > 0]
         rep.threshold = alpha / max(len(tested), 1)
         if tested:
@@ -560,10 +609,17 @@ def cmd_check(args) -> int:
     base, spec_llm = build_llms(str(model), spec, dtype=args.dtype, seed=args.seed, max_num_seqs=args.max_num_seqs,
                                 max_model_len=max_model_len, tokenizer=args.tokenizer, device=args.device,
                                 skip_tokenizer_init=args.skip_tokenizer_init, batch_invariant=args.batch_invariant)
+    pinned = None
+    if args.samples > 0 and args.positions > 0:
+        pinned = build_sampling_llm(str(model), spec, spec_llm, dtype=args.dtype, seed=args.seed,
+                                    max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
+                                    tokenizer=args.tokenizer, device=args.device,
+                                    skip_tokenizer_init=args.skip_tokenizer_init, batch_invariant=args.batch_invariant)
     rep = run_check(base, spec_llm, prompts, model=str(model), speculative_config=spec, dtype=args.dtype,
                     max_tokens=args.max_tokens, settings=settings, positions=args.positions, samples=args.samples,
                     num_tokens=args.sample_tokens, alpha=args.alpha, tie_tol=args.tie_tol,
-                    log=lambda s: print(f"[leapfrog check] {s}", file=sys.stderr), progress=not args.no_progress)
+                    log=lambda s: print(f"[leapfrog check] {s}", file=sys.stderr), progress=not args.no_progress,
+                    sampling_llm=pinned)
     print(format_report(rep))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

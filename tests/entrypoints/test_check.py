@@ -21,8 +21,10 @@ import leapfrog.engine.engine as engine_mod
 from leapfrog.demo import save_random_llama
 from leapfrog.entrypoints.check import (DEFAULT_PROMPTS, QUICK_SAMPLES, CheckReport, Mismatch, build_llms,
                                         check_greedy, check_sampling, chi2_two_sample, classify_margin,
-                                        detectable_shift)
+                                        detectable_shift, pinned_sizes)
 from leapfrog.entrypoints.cli import main
+from leapfrog.model.eagle import init_eagle_head, save_eagle_head
+from leapfrog.model.loader import load_model, read_checkpoint
 from leapfrog.spec_decode.verify.greedy import greedy_accept
 from leapfrog.spec_decode.verify.rejection import rejection_accept
 from leapfrog.spec_decode.verify.result import AcceptanceResult
@@ -175,6 +177,15 @@ def _cli(target, draft, tmp_path, *extra):
                  "--positions", "2", "--setting", "temperature=1.0", *extra])
 
 
+def _cli_json(target, spec, tmp_path, samples):
+    """`leapfrog check` on the tiny prompts (16 greedy tokens, ``samples`` at T = 1) -> (exit code, JSON report)."""
+    out_json = tmp_path / "report.json"
+    rc = main(["check", "--model", str(target), "--speculative-config", json.dumps(spec), "--skip-tokenizer-init",
+               "--prompts-file", str(_prompts_file(tmp_path)), "--max-tokens", "16", "--samples", str(samples),
+               "--setting", "temperature=1.0", "--no-progress", "--json", str(out_json)])
+    return rc, json.loads(out_json.read_text())
+
+
 def test_cli_passes_and_writes_json(tiny, tmp_path, capsys):
     target, draft = tiny
     out_json = tmp_path / "report.json"
@@ -218,17 +229,54 @@ def test_cli_nothing_drafted_is_not_a_pass(tiny, tmp_path, capsys):
     """A config that drafts nothing (an n-gram of 20 tokens in sequences of at most 22) checks
     nothing: the result says so and the exit code is 3, not a PASS."""
     target, _ = tiny
-    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 20,
-                       "prompt_lookup_max": 20})
-    out_json = tmp_path / "report.json"
-    rc = main(["check", "--model", str(target), "--speculative-config", spec, "--skip-tokenizer-init",
-               "--prompts-file", str(_prompts_file(tmp_path)), "--max-tokens", "16", "--samples", "50",
-               "--setting", "temperature=1.0", "--no-progress", "--json", str(out_json)])
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 20, "prompt_lookup_max": 20}
+    rc, rep = _cli_json(target, spec, tmp_path, 50)
     out = capsys.readouterr().out
     assert rc == 3, out
     assert "RESULT: NOT TESTED" in out and "greedy and sampling part" in out and "RESULT: PASS" not in out
-    rep = json.loads(out_json.read_text())
     assert rep["untested"] == ["greedy", "sampling"] and rep["passed"]
+
+
+@pytest.fixture(scope="module")
+def tiny_eagle3(tmp_path_factory):
+    """A 3-layer tiny target (EAGLE-3 fuses three layers) and a random EAGLE-3 head for it."""
+    t = save_random_llama(tmp_path_factory.mktemp("chk_e3t"), None, seed=3, **{**SMALL, "num_hidden_layers": 3})
+    target = load_model(read_checkpoint(t), None, "cpu", 64)
+    head = init_eagle_head("eagle3", target.args, seed=0, init_std=0.3)
+    head.bind_target(target)
+    return t, save_eagle_head(head, tmp_path_factory.mktemp("chk_e3h"))
+
+
+def test_cli_adaptive_sizes_are_sampled_at_a_pinned_size(tiny_eagle3, tmp_path, capsys):
+    """"num_draft_tokens": "auto" (and "adaptive": true) starts each batch size with plain steps and
+    may draft nothing: the sampling part's short sequences (K + 2 tokens, a batch of 64) ran without
+    a single draft, and the check said NOT TESTED for the config users are told to run. The
+    sampling part now runs the sizes pinned at the most the controller may draft, and says so; the
+    greedy part runs the config as given."""
+    target, head = tiny_eagle3
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3, "eagle_topk": 2,
+            "num_draft_tokens": "auto"}
+    rc, rep = _cli_json(target, spec, tmp_path, 400)
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "RESULT: PASS" in out and "the sampling part at the most the controller may draft a step (10 tokens)" in out
+    # every sampled sequence drafted (before: 128 draft tokens over the 400 sequences here, and none
+    # at all on the built-in pair, where the check said NOT TESTED)
+    assert rep["sampling_spec_metrics"]["num_draft_tokens"] >= 400 and rep["untested"] == []
+
+
+def test_pinned_sizes_fix_what_the_controller_would_choose():
+    assert pinned_sizes({"method": "ngram", "num_speculative_tokens": 3}) is None   # fixed already
+    fixed, n = pinned_sizes({"method": "ngram", "num_speculative_tokens": 3, "adaptive": True,
+                             "adaptive_explore_interval": 4})
+    assert fixed == {"method": "ngram", "num_speculative_tokens": 3} and n == 3
+    head = {"method": "eagle3", "model": "h", "num_speculative_tokens": 5, "eagle_topk": 3}
+    fixed, n = pinned_sizes({**head, "num_draft_tokens": "auto"})
+    assert fixed == {**head, "num_draft_tokens": 39} and n == 39    # the grown tree: 3 + 4 x 9 nodes
+    fixed, n = pinned_sizes({**head, "eagle_topk": 1, "adaptive": True})
+    assert fixed == {**head, "eagle_topk": 1, "num_draft_tokens": 5} and n == 5   # a chain of the depth
+    fixed, n = pinned_sizes({**head, "num_speculative_tokens": 7, "eagle_topk": 4, "num_draft_tokens": "auto"})
+    assert n == 64   # (the most "auto" weighs)
 
 
 def test_detectable_shift_shrinks_with_samples():
