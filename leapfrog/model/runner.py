@@ -38,7 +38,7 @@ from leapfrog.attention.native import load_native_attention
 from leapfrog.kv.cache import KVCache
 from leapfrog.model.compiled import (Bucket, ChainOutput, CompiledChain, CompiledDecodeSteps, CompiledForward,
                                      CompiledEagleRound, CompiledSampledChain, CompiledSpecRound, CompiledTree,
-                                     DecodeStepsOutput, RoundRace, SampledChainOutput, TreeOutput)
+                                     DecodeStepsOutput, EAGER_MASK_BYTES, RoundRace, SampledChainOutput, TreeOutput)
 from leapfrog.model.graph_inputs import GraphInputs
 from leapfrog.model.native_draft import NativeLlamaForward
 from leapfrog.utils import env_off
@@ -495,8 +495,15 @@ class ModelRunner:
     def _inputs(self, chunks: list[SeqChunk], S: int, kv_len: int, graph: bool) -> tuple[Tensor, Tensor, AttnMeta]:
         """Padded token ids and positions [B, S] and the attention metadata (``graph``: for a
         compiled graph, as wide as the cache)."""
-        if graph and self._arena_ok and not any(c.is_tree for c in chunks):
-            return self._fill(chunks, S)[:3]
+        native = not graph and S <= NATIVE_EAGER_TOKENS and self._native_attention()
+        if (self._arena_ok and (graph or (native and len(chunks) * S * self.kv.max_model_len <= EAGER_MASK_BYTES))
+                and not any(c.is_tree for c in chunks)):
+            # (an eager forward through the C++ attention op takes a graph's inputs, as wide as the
+            # cache: written into an eager arena, plain decode's step at batch 1 spent 62 us here
+            # making them fresh, against 37 in a compiled graph's)
+            tok, posn, meta = self._fill(chunks, S, eager=not graph)[:3]
+            meta.native = native
+            return tok, posn, meta
         cols = [list(range(c.start, c.start + len(c.token_ids))) for c in chunks]
         pos = [c.positions() for c in chunks]
         tokens = [c.token_ids + [0] * (S - len(c.token_ids)) for c in chunks]
@@ -504,7 +511,6 @@ class ModelRunner:
         tree = None
         if any(c.is_tree for c in chunks):
             tree = self._tree_mask(chunks, pos, kv_len, S)
-        native = not graph and S <= NATIVE_EAGER_TOKENS and self._native_attention()
         meta = build_attn_meta([c.row for c in chunks], cols, self.kv.scratch_row, self.device,
                                self.model.args.sliding_window, tree_mask=tree, per_token=self.batch_invariant,
                                pad_to=S, graph_width=self.kv.max_model_len if graph or native else None,
@@ -518,8 +524,9 @@ class ModelRunner:
               eager: bool = False) -> tuple[Tensor, Tensor, AttnMeta, Tensor, Tensor]:
         """Chains padded to a [len(chunks), S] graph bucket, written into that bucket's persistent
         inputs (model/graph_inputs.py) -> token ids, positions, metadata, last index, next column.
-        ``eager``: an eager drafting loop's call, whose every (batch, tokens) shape is its own
-        bucket: only the latest _EAGER_ARENAS shapes keep theirs (each holds a batch x tokens x
+        ``eager``: an eager call (a drafting loop's, or an eager forward through the C++ attention
+        op: ``_inputs``), whose every (batch, tokens) shape is its own bucket: only the latest
+        _EAGER_ARENAS shapes keep theirs (each holds a batch x tokens x
         max_model_len mask: all of them, 80 MB at 4k context, 0.6 GB at 32k; each at most
         model/compiled.py EAGER_MASK_BYTES or 256 tokens' worth)."""
         key = (len(chunks), S)

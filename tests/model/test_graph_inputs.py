@@ -6,13 +6,16 @@ them end to end."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from leapfrog import LLM, SamplingParams
 from leapfrog.attention.metadata import build_attn_meta
 from leapfrog.model.compiled import _spec
 from leapfrog.model.graph_inputs import GraphInputs
+from tests.conftest import prompts_of
 
 WIDTH, SCRATCH = 48, 7
 
@@ -64,3 +67,31 @@ def test_fill_gives_build_attn_meta_values_in_the_same_tensors(first, second):
     assert all(a is b for a, b in zip(_args(*again), _args(*got)))
     for a, b in zip(_args(*again), _args(*_fresh(S, shuffled))):
         assert torch.equal(a, b)
+
+
+def test_eager_native_steps_take_an_arena_and_the_same_values(llama_dir, tokenizer, monkeypatch):
+    """Eager forwards through the C++ attention op (decode, verification) take their inputs from a
+    persistent arena as compiled graphs do (ModelRunner._inputs): the same logits and cache as with
+    inputs made fresh every call (LEAPFROG_GRAPH_INPUTS=0), and the same tensors step after step."""
+    prompts = [{"prompt_token_ids": p} for p in prompts_of(tokenizer, 3)]
+    sp = SamplingParams(temperature=0, max_tokens=12, logprobs=2)
+    outs = {}
+    for arena in ("1", "0"):
+        monkeypatch.setenv("LEAPFROG_GRAPH_INPUTS", arena)
+        llm = LLM(model=str(llama_dir), dtype="float32", max_model_len=128, max_num_seqs=4,
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+        runner = llm.engine.runner
+        if not runner._native_attention():
+            pytest.skip("no C++ attention op here")
+        seen = []
+        fill = runner._fill
+        monkeypatch.setattr(runner, "_fill", lambda *a, **k: seen.append(fill(*a, **k)) or seen[-1])
+        outs[arena] = [(o.outputs[0].token_ids, [{t: x.logprob for t, x in d.items()} for d in o.outputs[0].logprobs])
+                       for o in llm.generate(prompts, sp, use_tqdm=False)]
+        if arena == "1":
+            assert len(seen) > 10 and all(s[2].native for s in seen)   # every decode and verify step
+            same = [s for s in seen if s[0].shape == seen[-1][0].shape]
+            assert len(same) > 1 and all(s[0] is same[0][0] and s[2].mask is same[0][2].mask for s in same)
+        else:
+            assert not seen
+    assert outs["1"] == outs["0"]
