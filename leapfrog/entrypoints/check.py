@@ -371,12 +371,20 @@ def build_llms(model: str, speculative_config: dict[str, Any], *, dtype: str = "
         raise ConfigError("leapfrog check needs a speculative config (a JSON object), got "
                           f"{speculative_config!r}")
     SpeculativeConfig.from_dict(speculative_config)  # validate before loading anything
-    spec = LLM(model=model, dtype=dtype, seed=seed + 1,
-               speculative_config={**speculative_config, "disable_by_batch_size": None},
-               max_num_seqs=max_num_seqs, max_model_len=max_model_len, **kw)
+    spec = _speculative_llm(model, speculative_config, dtype=dtype, seed=seed, max_num_seqs=max_num_seqs,
+                            max_model_len=max_model_len, **kw)
     base = LLM(model=model, dtype=dtype, seed=seed, speculative_config=None, max_num_seqs=max_num_seqs,
                max_model_len=max_model_len, **kw)
     return base, spec
+
+
+def _speculative_llm(model: str, speculative_config: dict[str, Any], *, seed: int, **kw):
+    """The check's speculative engine: engine seed ``seed`` + 1, disable_by_batch_size lifted
+    (``build_llms``)."""
+    from leapfrog import LLM
+
+    return LLM(model=model, seed=seed + 1, speculative_config={**speculative_config, "disable_by_batch_size": None},
+               **kw)
 
 
 def pinned_sizes(speculative_config: dict[str, Any]) -> tuple[dict[str, Any], int] | None:
@@ -407,14 +415,12 @@ def build_sampling_llm(model: str, speculative_config: dict[str, Any], spec_llm,
     (``pinned_sizes``): the same config with the sizes pinned, on ``spec_llm``'s loaded target
     (share_target_with) -> (that LLM, a note for the report); None where the sizes are fixed
     (the sampling part runs ``spec_llm``)."""
-    from leapfrog import LLM
-
     got = pinned_sizes(speculative_config)
     if got is None:
         return None
     pinned, n = got
-    llm = LLM(model=model, dtype=dtype, seed=seed + 1, speculative_config={**pinned, "disable_by_batch_size": None},
-              max_num_seqs=max_num_seqs, max_model_len=max_model_len, share_target_with=spec_llm, **kw)
+    llm = _speculative_llm(model, pinned, dtype=dtype, seed=seed, max_num_seqs=max_num_seqs,
+                           max_model_len=max_model_len, share_target_with=spec_llm, **kw)
     note = (f"the draft sizes are adaptive: the greedy part ran them as configured, the sampling part at the most "
             f"the controller may draft a step ({n} tokens), since it may choose to draft nothing there "
             "(every size is verified by the same code)")
@@ -606,15 +612,12 @@ def cmd_check(args) -> int:
             tok = load_tokenizer(args.tokenizer or resolve_model_path(model))
             lens += [len(tok.encode(p)) for p in prompts if isinstance(p, str)]
         max_model_len = max(lens) + max(args.max_tokens, args.sample_tokens) + 1
-    base, spec_llm = build_llms(str(model), spec, dtype=args.dtype, seed=args.seed, max_num_seqs=args.max_num_seqs,
-                                max_model_len=max_model_len, tokenizer=args.tokenizer, device=args.device,
-                                skip_tokenizer_init=args.skip_tokenizer_init, batch_invariant=args.batch_invariant)
-    pinned = None
-    if args.samples > 0 and args.positions > 0:
-        pinned = build_sampling_llm(str(model), spec, spec_llm, dtype=args.dtype, seed=args.seed,
-                                    max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
-                                    tokenizer=args.tokenizer, device=args.device,
-                                    skip_tokenizer_init=args.skip_tokenizer_init, batch_invariant=args.batch_invariant)
+    engine = dict(dtype=args.dtype, seed=args.seed, max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
+                  tokenizer=args.tokenizer, device=args.device, skip_tokenizer_init=args.skip_tokenizer_init,
+                  batch_invariant=args.batch_invariant)
+    base, spec_llm = build_llms(str(model), spec, **engine)
+    sampled = args.samples > 0 and args.positions > 0
+    pinned = build_sampling_llm(str(model), spec, spec_llm, **engine) if sampled else None
     rep = run_check(base, spec_llm, prompts, model=str(model), speculative_config=spec, dtype=args.dtype,
                     max_tokens=args.max_tokens, settings=settings, positions=args.positions, samples=args.samples,
                     num_tokens=args.sample_tokens, alpha=args.alpha, tie_tol=args.tie_tol,
