@@ -229,3 +229,21 @@ def test_attention_ops_share_metadata_buffers_in_graphs(which, request):
     with torch._inductor.config.patch(opts):
         out = torch.compile(layers, fullgraph=True, dynamic=False)(qt, col, rows, *caches)
     assert torch.equal(out, ref) and all(torch.equal(a, b) for a, b in zip(caches, ref_caches))
+
+
+def test_the_prefetch_changes_no_value(native):
+    """The software prefetch of the next column block (attention/native.py ``prefetch_block``) only
+    asks for cache lines: the op without it (``attention_source(prefetch=False)``, the variant
+    benchmarks/attention_bench.py ``--prefetch-ab`` times) gives bitwise the same outputs and cache
+    writes, over many blocks (the prefetch runs past the rows' last columns, into the next row)."""
+    from leapfrog.attention.native import attention_source, load_variant
+    assert "LEAPFROG_ATTN_PREFETCH 0" in attention_source(prefetch=False) and \
+        "TORCH_LIBRARY(leapfrog_attn_test," in attention_source(True, "leapfrog_attn_test")
+    without = load_variant(prefetch=False, namespace="leapfrog_attn_test")
+    for dtype in (torch.float32, torch.bfloat16):
+        for B, S in ((1, 1), (1, 8), (3, 5)):
+            q, k, v, caches, rows, write_rows, write_cols, mask, kv_len = _case(dtype, B, S, 4, 2, 64, ML, S)
+            other = [c.clone() for c in caches]
+            out = native(q, k, v, *caches, rows, write_rows, write_cols, mask, kv_len)
+            ref = without(q, k, v, *other, rows, write_rows, write_cols, mask, kv_len)
+            assert torch.equal(out, ref) and all(torch.equal(a, b) for a, b in zip(caches, other))
