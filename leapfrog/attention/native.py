@@ -263,8 +263,8 @@ inline void values_block_any(const float* pj, const bool* vj, const float* vb, i
 // Ask for the cache lines of [p, p + bytes) (the next column block's keys or values) ahead of their
 // use: a block's columns are read in order, but the hardware's own prefetch did not keep up with
 // the L3 (measured: the built-in target's attention shape, bf16, 12 layers' caches in turn, 1900
-// columns: 8 queries 427-519 -> 360-376 us a layer, one query 121-134 -> 113-120 us). A prefetch
-// never faults, so the lines past a row's last column are harmless; values are not touched.
+// columns: 8 queries 427-519 -> 360-376 us a layer, one query 121-134 -> 113-120 us). Only the
+// lines of columns the row reads; values are not touched.
 #ifndef LEAPFROG_ATTN_PREFETCH
 #define LEAPFROG_ATTN_PREFETCH 1   // (0: the variant without, attention_source)
 #endif
@@ -294,9 +294,10 @@ void attend_cpu(const T* q, const int64_t* qst, const T* kc, const T* vc, T* out
     // a block of BL key (value) columns [l0, l0 + nb) as float32 rows of Dh: float32 caches are
     // read in place, others converted once into blk (a cache row's columns are contiguous, so
     // the block is nb * Dh contiguous values; one flat loop with its bounds in registers)
-    auto load_block = [&blk, Dh](const T* src, int64_t l0, int64_t nb) -> const float* {
-      // the next block's lines asked for now (prefetch_block): the block's own work hides their wait
-      prefetch_block(src + (l0 + BL) * Dh, BL * Dh * static_cast<int64_t>(sizeof(T)));
+    auto load_block = [&blk, Dh](const T* src, int64_t l0, int64_t nb, int64_t end) -> const float* {
+      // the next block's lines asked for now, if it is read (prefetch_block; ``end``: the row's
+      // extent): the block's own work hides their wait
+      if (l0 + BL < end) prefetch_block(src + (l0 + BL) * Dh, std::min<int64_t>(BL, end - l0 - BL) * Dh * sizeof(T));
       if constexpr (std::is_same_v<T, float>) {
         return src + l0 * Dh;
       } else {
@@ -332,7 +333,7 @@ void attend_cpu(const T* q, const int64_t* qst, const T* kc, const T* vc, T* out
       }
       for (int64_t l0 = 0; l0 < Li; l0 += BL) {
         const int64_t nb = std::min<int64_t>(BL, Li - l0);
-        const float* kb = load_block(K, l0, nb);
+        const float* kb = load_block(K, l0, nb, Li);
         for (int64_t j = 0; j < nq; ++j) {
           const float* qj = qf.data() + j * Dh;
           float* sj = score.data() + j * Lc + l0;
@@ -349,7 +350,7 @@ void attend_cpu(const T* q, const int64_t* qst, const T* kc, const T* vc, T* out
       std::fill(sum.begin(), sum.end(), 0.f);
       for (int64_t l0 = 0; l0 < Li; l0 += BL) {
         const int64_t nb = std::min<int64_t>(BL, Li - l0);
-        const float* vb = load_block(V, l0, nb);
+        const float* vb = load_block(V, l0, nb, Li);
         for (int64_t j = 0; j < nq; ++j) {
           const float* pj = score.data() + j * Lc + l0;
           const bool* vj = vis[j] + l0;

@@ -235,7 +235,7 @@ def test_the_prefetch_changes_no_value(native):
     """The software prefetch of the next column block (attention/native.py ``prefetch_block``) only
     asks for cache lines: the op without it (``attention_source(prefetch=False)``, the variant
     benchmarks/attention_bench.py ``--prefetch-ab`` times) gives bitwise the same outputs and cache
-    writes, over many blocks (the prefetch runs past the rows' last columns, into the next row)."""
+    writes, over many blocks and a partial last one."""
     from leapfrog.attention.native import attention_source, load_variant
     assert "LEAPFROG_ATTN_PREFETCH 0" in attention_source(prefetch=False) and \
         "TORCH_LIBRARY(leapfrog_attn_test," in attention_source(True, "leapfrog_attn_test")
