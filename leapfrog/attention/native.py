@@ -38,6 +38,12 @@ vectorized on AVX2 too (``scale_mask_block``; it was the scalar loop there): flo
 64, 2 threads, Zen 3, the op alone against the scalar build, interleaved, same bits: 6 tokens over
 166 columns 54 / 65 / 65 us against 59 / 72 / 71 (three runs), one token 20 / 32 / 30 against 21 / 33 / 30.
 
+While it works on a block, the op asks for the next block's cache lines (``prefetch_block``): at
+long contexts the keys and values come from the last-level cache, and the hardware's prefetch fell
+behind (the built-in target's shape, bf16, 12 layers' caches in turn: 8 tokens over 1900 columns
+0.90-0.92x the time, one token 0.94-0.97x, a batch of 16 x 5 tokens over 200 columns 0.79-0.85x;
+``benchmarks/attention_bench.py --prefetch-ab``, against the build without it, ``attention_source``).
+
 On CUDA the op calls ATen (index_put_ and SDPA).
 
 It is built once with ``torch.utils.cpp_extension.load_inline`` (utils/cpp.py; about 20 s on 2 cores, cached
