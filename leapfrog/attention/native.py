@@ -59,7 +59,7 @@ import threading
 
 import torch
 
-from leapfrog.utils.cpp import build_inline
+from leapfrog.utils.cpp import build_inline, with_namespace
 
 log = logging.getLogger("leapfrog.attention")
 
@@ -497,10 +497,7 @@ def attention_source(prefetch: bool = True, namespace: str = "leapfrog_native") 
     under op namespace ``namespace``: variants to time side by side (benchmarks/attention_bench.py
     ``--prefetch-ab``); the engine's op is the default."""
     source = _SOURCE if prefetch else "#define LEAPFROG_ATTN_PREFETCH 0\n" + _SOURCE
-    if namespace != "leapfrog_native":
-        source = source.replace("TORCH_LIBRARY(leapfrog_native,", f"TORCH_LIBRARY({namespace},").replace(
-            "TORCH_LIBRARY_IMPL(leapfrog_native,", f"TORCH_LIBRARY_IMPL({namespace},")
-    return source
+    return with_namespace(source, "leapfrog_native", namespace)
 
 
 def load_variant(prefetch: bool, namespace: str):

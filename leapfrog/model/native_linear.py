@@ -139,7 +139,7 @@ import torch
 from torch import Tensor, nn
 
 from leapfrog.utils import env_off
-from leapfrog.utils.cpp import load_inline
+from leapfrog.utils.cpp import load_inline, with_namespace
 
 log = logging.getLogger("leapfrog.model")
 
@@ -1240,9 +1240,7 @@ def kernel_source(isa: str, prefetch_bytes: int | None = None, hint: str | None 
         "#define LEAPFROG_W8A8 1\n" if isa == "avx512_bf16" else "")
     source = (prefix + _HEADER + body.replace("@PREFETCH_CALL@", call) + (_Q8 if isa == "avx512_bf16" else "")
               + (_AMX if amx else "") + _INT8 + _OP)
-    if namespace != "leapfrog_gemm":
-        source = source.replace("TORCH_LIBRARY(leapfrog_gemm,", f"TORCH_LIBRARY({namespace},").replace(
-            "TORCH_LIBRARY_IMPL(leapfrog_gemm,", f"TORCH_LIBRARY_IMPL({namespace},")
+    source = with_namespace(source, "leapfrog_gemm", namespace)
     return source, list(_FLAGS[isa]) + (["-mamx-tile", "-mamx-bf16", "-mamx-int8"] if amx else [])
 
 

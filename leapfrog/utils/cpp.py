@@ -98,6 +98,15 @@ def _dlopen_flags_kept() -> Iterator[None]:
                 sys.setdlopenflags(_loading["flags"])
 
 
+def with_namespace(source: str, old: str, new: str) -> str:
+    """``source``'s op library ``old`` (its TORCH_LIBRARY and TORCH_LIBRARY_IMPL blocks) registered
+    as ``new`` instead: a variant of a library built and loaded beside it, to time side by side."""
+    if new == old:
+        return source
+    return source.replace(f"TORCH_LIBRARY({old},", f"TORCH_LIBRARY({new},").replace(
+        f"TORCH_LIBRARY_IMPL({old},", f"TORCH_LIBRARY_IMPL({new},")
+
+
 def build_inline(name: str, source: str, cflags: list[str]) -> str:
     """Build (or load from the cache) and load ``source`` as ``{name}_{set}`` with this CPU's
     instruction-set flags after ``cflags``; if the compiler refuses them, once more as
