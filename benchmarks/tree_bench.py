@@ -9,11 +9,13 @@ EAGLE-3 head's up to 10 deep (index 6) and the draft model's up to 8 (index 7). 
 HEAD`` adds another EAGLE-3 head (a retrained one) as the chain of 5 (index 8) and the chain up to
 10 with c = 0.3 (index 9), to compare heads in one interleaved run. ``--eagle-depths 7`` adds the head's
 chain of 7 (the built-in default on AVX-512 BF16 CPUs: ``leapfrog.demo.demo_chain_depth``) after those,
-``--auto-depths 7`` the head's "auto" tree sizes at depth 7 after those. ``--continuous``: continuous
+``--auto-depths 7`` the head's "auto" tree sizes at depth 7 after those; with ``--compare-head``, the
+other head's chains at ``--eagle-depths`` come after those (heads compared on the default chain). ``--continuous``: continuous
 batching (all prompts to each engine in one call, at most the batch size running; default: static
 batches of the batch size).
-``--head-quantization w8a8`` adds, last, each EAGLE-3 contender of the head (2, 3, 4, 6, the
-``--eagle-depths`` chains and the ``--auto-depths`` sizes) once more with that ``draft_quantization``
+``--head-quantization w8a8`` adds, last, each EAGLE-3 contender of the heads (2, 3, 4, 6, the
+``--eagle-depths`` chains and the ``--auto-depths`` sizes, and the ``--compare-head``'s) once more
+with that ``draft_quantization``
 (w8a8: the head's linears on the AMX-INT8 tiles, the built-in default on AMX CPUs:
 ``leapfrog.demo.demo_draft_quantization``).
 Prompts: code the models never trained on, either the demo's held-out standard-library files
@@ -93,9 +95,12 @@ def contenders(draft: str, head: str, k: int, compare_head: str | None = None,
         {"method": "draft_model", "model": draft, "num_speculative_tokens": 8, "min_draft_confidence": 0.3},
     ] + other + [{**e3, "num_speculative_tokens": d, "eagle_topk": 1} for d in depths] + [
         {**e3, "num_speculative_tokens": d, "eagle_topk": 4, "num_draft_tokens": "auto"} for d in auto_depths]
+    if compare_head is not None:   # (the other head at the same depths: heads compared on the default chain)
+        specs += [{"method": "eagle3", "model": compare_head, "num_speculative_tokens": d, "eagle_topk": 1}
+                  for d in depths]
     if head_quantization:
         specs += [{**s, "draft_quantization": head_quantization} for s in specs
-                  if s["method"] == "eagle3" and s["model"] == head]
+                  if s["method"] == "eagle3" and s["model"] in (head, compare_head)]
     return specs
 
 
@@ -108,7 +113,9 @@ def main() -> None:
                          "random_head, std 0.2), which accepts almost nothing: what a contender costs where "
                          "drafting cannot pay")
     ap.add_argument("--compare-head", default=None,
-                    help="another EAGLE-3 head: adds its chain of 5 (index 8) and its chain up to 10, c = 0.3 (9)")
+                    help="another EAGLE-3 head: adds its chain of 5 (index 8) and its chain up to 10, c = 0.3 (9), "
+                         "and its chains at --eagle-depths (after --auto-depths' contenders); --head-quantization "
+                         "quantizes its contenders too")
     ap.add_argument("--source", default="heldout", choices=["heldout", "site-packages"])
     ap.add_argument("--num-prompts", type=int, default=12)
     ap.add_argument("--prompt-tokens", type=int, default=64)
