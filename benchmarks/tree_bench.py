@@ -10,7 +10,8 @@ HEAD`` adds another EAGLE-3 head (a retrained one) as the chain of 5 (index 8) a
 10 with c = 0.3 (index 9), to compare heads in one interleaved run. ``--eagle-depths 7`` adds the head's
 chain of 7 (the built-in default on AVX-512 BF16 CPUs: ``leapfrog.demo.demo_chain_depth``) after those,
 ``--auto-depths 7`` the head's "auto" tree sizes at depth 7 after those; with ``--compare-head``, the
-other head's chains at ``--eagle-depths`` come after those (heads compared on the default chain). ``--continuous``: continuous
+other head's chains at ``--eagle-depths`` and "auto" sizes at ``--auto-depths`` come after those
+(heads compared on the built-in default and its adaptive sizes). ``--continuous``: continuous
 batching (all prompts to each engine in one call, at most the batch size running; default: static
 batches of the batch size).
 ``--head-quantization w8a8`` adds, last, each EAGLE-3 contender of the heads (2, 3, 4, 6, the
@@ -96,8 +97,9 @@ def contenders(draft: str, head: str, k: int, compare_head: str | None = None,
     ] + other + [{**e3, "num_speculative_tokens": d, "eagle_topk": 1} for d in depths] + [
         {**e3, "num_speculative_tokens": d, "eagle_topk": 4, "num_draft_tokens": "auto"} for d in auto_depths]
     if compare_head is not None:   # (the other head at the same depths: heads compared on the default chain)
-        specs += [{"method": "eagle3", "model": compare_head, "num_speculative_tokens": d, "eagle_topk": 1}
-                  for d in depths]
+        other3 = {"method": "eagle3", "model": compare_head}
+        specs += [{**other3, "num_speculative_tokens": d, "eagle_topk": 1} for d in depths] + [
+            {**other3, "num_speculative_tokens": d, "eagle_topk": 4, "num_draft_tokens": "auto"} for d in auto_depths]
     if head_quantization:
         specs += [{**s, "draft_quantization": head_quantization} for s in specs
                   if s["method"] == "eagle3" and s["model"] in (head, compare_head)]
@@ -114,7 +116,8 @@ def main() -> None:
                          "drafting cannot pay")
     ap.add_argument("--compare-head", default=None,
                     help="another EAGLE-3 head: adds its chain of 5 (index 8) and its chain up to 10, c = 0.3 (9), "
-                         "and its chains at --eagle-depths (after --auto-depths' contenders); --head-quantization "
+                         "its chains at --eagle-depths and its \"auto\" sizes at --auto-depths (after the head's); "
+                         "--head-quantization "
                          "quantizes its contenders too")
     ap.add_argument("--source", default="heldout", choices=["heldout", "site-packages"])
     ap.add_argument("--num-prompts", type=int, default=12)

@@ -24,10 +24,11 @@ def test_the_compare_head_runs_the_same_depths_quantized_alike():
     assert specs[10] == {"method": "eagle3", "model": "H", "num_speculative_tokens": 7, "eagle_topk": 1}
     assert specs[11]["num_draft_tokens"] == "auto" and specs[11]["model"] == "H"
     assert specs[12] == {"method": "eagle3", "model": "C", "num_speculative_tokens": 7, "eagle_topk": 1}
+    assert specs[13] == {**specs[11], "model": "C"}
     plain = [s for s in specs if "draft_quantization" not in s and s["method"] == "eagle3"]
     quantized = [s for s in specs if s.get("draft_quantization") == "w8a8"]
     assert quantized == [{**s, "draft_quantization": "w8a8"} for s in plain]   # both heads', same order
-    assert quantized[-1] == {**specs[12], "draft_quantization": "w8a8"}
+    assert quantized[-2:] == [{**specs[12], "draft_quantization": "w8a8"}, {**specs[13], "draft_quantization": "w8a8"}]
 
 
 def test_without_a_compare_head_nothing_moves():
