@@ -117,8 +117,7 @@ def main() -> None:
     ap.add_argument("--compare-head", default=None,
                     help="another EAGLE-3 head: adds its chain of 5 (index 8) and its chain up to 10, c = 0.3 (9), "
                          "its chains at --eagle-depths and its \"auto\" sizes at --auto-depths (after the head's); "
-                         "--head-quantization "
-                         "quantizes its contenders too")
+                         "--head-quantization quantizes its contenders too")
     ap.add_argument("--source", default="heldout", choices=["heldout", "site-packages"])
     ap.add_argument("--num-prompts", type=int, default=12)
     ap.add_argument("--prompt-tokens", type=int, default=64)

@@ -7,18 +7,21 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
 
-def _tree_bench():
+
+@pytest.fixture
+def tree_bench(monkeypatch):
     path = Path(__file__).parents[2] / "benchmarks" / "tree_bench.py"
     spec = importlib.util.spec_from_file_location("tree_bench", path)
     mod = importlib.util.module_from_spec(spec)
-    sys.modules["tree_bench"] = mod
+    monkeypatch.setitem(sys.modules, spec.name, mod)
     spec.loader.exec_module(mod)
     return mod
 
 
-def test_the_compare_head_runs_the_same_depths_quantized_alike():
-    specs = _tree_bench().contenders("D", "H", 4, "C", [7], "w8a8", [7])
+def test_the_compare_head_runs_the_same_depths_quantized_alike(tree_bench):
+    specs = tree_bench.contenders("D", "H", 4, "C", [7], "w8a8", [7])
     # indices 0..9 and the head's own chains and "auto" sizes stay where they were
     assert specs[8]["model"] == specs[9]["model"] == "C" and specs[8]["num_speculative_tokens"] == 5
     assert specs[10] == {"method": "eagle3", "model": "H", "num_speculative_tokens": 7, "eagle_topk": 1}
@@ -31,8 +34,8 @@ def test_the_compare_head_runs_the_same_depths_quantized_alike():
     assert quantized[-2:] == [{**specs[12], "draft_quantization": "w8a8"}, {**specs[13], "draft_quantization": "w8a8"}]
 
 
-def test_without_a_compare_head_nothing_moves():
-    specs = _tree_bench().contenders("D", "H", 4, None, [7], "w8a8", [7])
+def test_without_a_compare_head_nothing_moves(tree_bench):
+    specs = tree_bench.contenders("D", "H", 4, None, [7], "w8a8", [7])
     assert len(specs) == 10 + 6   # 8 + the chain and "auto" of 7, then the head's 6 quantized
     assert all(s.get("model") != "C" for s in specs)
     assert specs[8]["num_speculative_tokens"] == 7 and specs[9]["num_draft_tokens"] == "auto"
