@@ -81,6 +81,12 @@ def contenders(draft: str, head: str, k: int, compare_head: str | None = None,
                depths: list[int] = (), head_quantization: str | None = None,
                auto_depths: list[int] = ()) -> list[dict]:
     e3 = {"method": "eagle3", "model": head}
+
+    def at_depths(model: str) -> list[dict]:   # a head's chains at ``depths``, then its "auto" sizes at ``auto_depths``
+        e = {"method": "eagle3", "model": model}
+        return [{**e, "num_speculative_tokens": d, "eagle_topk": 1} for d in depths] + [
+            {**e, "num_speculative_tokens": d, "eagle_topk": 4, "num_draft_tokens": "auto"} for d in auto_depths]
+
     other = [] if compare_head is None else [
         {"method": "eagle3", "model": compare_head, "num_speculative_tokens": 5, "eagle_topk": 1},
         {"method": "eagle3", "model": compare_head, "num_speculative_tokens": 10, "eagle_topk": 1,
@@ -94,12 +100,9 @@ def contenders(draft: str, head: str, k: int, compare_head: str | None = None,
         {"method": "draft_model", "model": draft, "num_speculative_tokens": k, "adaptive": True},
         {**e3, "num_speculative_tokens": 10, "eagle_topk": 1, "min_draft_confidence": 0.3},
         {"method": "draft_model", "model": draft, "num_speculative_tokens": 8, "min_draft_confidence": 0.3},
-    ] + other + [{**e3, "num_speculative_tokens": d, "eagle_topk": 1} for d in depths] + [
-        {**e3, "num_speculative_tokens": d, "eagle_topk": 4, "num_draft_tokens": "auto"} for d in auto_depths]
+    ] + other + at_depths(head)
     if compare_head is not None:   # (the other head at the same depths: heads compared on the default chain)
-        other3 = {"method": "eagle3", "model": compare_head}
-        specs += [{**other3, "num_speculative_tokens": d, "eagle_topk": 1} for d in depths] + [
-            {**other3, "num_speculative_tokens": d, "eagle_topk": 4, "num_draft_tokens": "auto"} for d in auto_depths]
+        specs += at_depths(compare_head)
     if head_quantization:
         specs += [{**s, "draft_quantization": head_quantization} for s in specs
                   if s["method"] == "eagle3" and s["model"] in (head, compare_head)]
