@@ -3,8 +3,11 @@ config classes; transformers' own model classes are the oracle for our model mat
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +31,20 @@ def pytest_runtest_setup(item):
     deadline = os.environ.get("LEAPFROG_SLOW_DEADLINE")
     if deadline and item.get_closest_marker("slow") is not None and time.time() > float(deadline):
         pytest.skip("CI's time budget for slow tests is spent (LEAPFROG_SLOW_DEADLINE)")
+
+@pytest.fixture
+def load_script(monkeypatch):
+    """-> load(relpath): a script of the repository (benchmarks/, scripts/) imported as a module,
+    in sys.modules for the test's duration only (its dataclasses look their module up)."""
+    def load(relpath: str):
+        path = Path(__file__).resolve().parents[1] / relpath
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        mod = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, spec.name, mod)
+        spec.loader.exec_module(mod)
+        return mod
+    return load
+
 
 # initializer_range 0.2 makes random models' distributions peaked, so argmax near-ties are rare.
 BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -2,31 +2,23 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 from leapfrog import LLM, SamplingParams
 
 
-def _gpu_bench():
-    path = Path(__file__).parents[2] / "benchmarks" / "gpu_bench.py"
-    spec = importlib.util.spec_from_file_location("gpu_bench", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_bench"] = mod   # (its dataclasses look their module up)
-    spec.loader.exec_module(mod)
-    return mod
+@pytest.fixture
+def gpu_bench(load_script):
+    return load_script("benchmarks/gpu_bench.py")
 
 
-def test_forward_kernels_are_one_decode_forwards_ops(llama_dir):
+def test_forward_kernels_are_one_decode_forwards_ops(llama_dir, gpu_bench):
     """The profile covers decode forwards only, counted per forward: each decoder layer's linears
     appear a whole number of times per forward (a prefill inside would add a fraction), and the
     profiled request runs to its end."""
     llm = LLM(model=str(llama_dir), dtype="float32", enforce_eager=True, max_num_seqs=1, max_model_len=128)
     layers = llm.engine.model.args.num_hidden_layers
-    rows = _gpu_bench().forward_kernels(llm, list(range(5, 21)), n=16, cuda=False)
+    rows = gpu_bench.forward_kernels(llm, list(range(5, 21)), n=16, cuda=False)
     assert rows and len(rows) <= 15
     assert all(ms > 0 and calls > 0 for _, ms, calls in rows)
     linear = [c for key, _, c in rows if "linear" in key.lower() or key in ("aten::mm", "aten::addmm")]
@@ -35,29 +27,29 @@ def test_forward_kernels_are_one_decode_forwards_ops(llama_dir):
     assert not llm.engine.has_unfinished()
 
 
-def test_forward_kernels_refuses_speculation(llama_dir):
+def test_forward_kernels_refuses_speculation(llama_dir, gpu_bench):
     """A speculative step is not one decode forward: the profile refuses it, with a message."""
     llm = LLM(model=str(llama_dir), dtype="float32", enforce_eager=True, max_num_seqs=1, max_model_len=128,
               speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3})
     with pytest.raises(ValueError, match="plain one-token steps"):
-        _gpu_bench().forward_kernels(llm, list(range(5, 21)), cuda=False)
+        gpu_bench.forward_kernels(llm, list(range(5, 21)), cuda=False)
     assert not llm.engine.has_unfinished()
 
 
-def test_one_max_contenders_compile_without_the_split_argmax():
+def test_one_max_contenders_compile_without_the_split_argmax(gpu_bench):
     """The -1max contenders' graphs are traced with first_max's split off, and the setting comes
     back afterwards, even when making the LLM fails."""
     from leapfrog.model import compiled
-    bench, before = _gpu_bench(), compiled.SPLIT_MAX_AT
-    with bench.one_reduction_argmax():
+    before = compiled.SPLIT_MAX_AT
+    with gpu_bench.one_reduction_argmax():
         assert compiled.SPLIT_MAX_AT > 1 << 40
-    with pytest.raises(RuntimeError), bench.one_reduction_argmax():
+    with pytest.raises(RuntimeError), gpu_bench.one_reduction_argmax():
         raise RuntimeError("no GPU")
     assert compiled.SPLIT_MAX_AT == before
-    assert {"graphs-1max", "steps-1max"} <= set(bench.ALL)
+    assert {"graphs-1max", "steps-1max"} <= set(gpu_bench.ALL)
 
 
-def test_random_head_fits_a_short_vocabulary(tmp_path_factory, tmp_path, tokenizer):
+def test_random_head_fits_a_short_vocabulary(tmp_path_factory, tmp_path, tokenizer, gpu_bench):
     """``random_head`` (gpu_bench.py; ``tree_bench.py --head random``) writes an EAGLE-3 head the
     engine loads for a target whose vocabulary is shorter than 32000 ids, drafting over all of it;
     output stays the target's."""
@@ -66,7 +58,7 @@ def test_random_head_fits_a_short_vocabulary(tmp_path_factory, tmp_path, tokeniz
     from tests.conftest import prompts_of, save_shapes
     from tests.spec_decode.test_eagle import SHAPES
     llama_dir = save_shapes(tmp_path_factory, tokenizer, {"t": SHAPES["llama_untied"]})["t"]   # (3 layers to fuse)
-    head = _gpu_bench().random_head(llama_dir, tmp_path / "head", 0.2)
+    head = gpu_bench.random_head(llama_dir, tmp_path / "head", 0.2)
     vocab = json.loads((llama_dir / "config.json").read_text())["vocab_size"]
     assert json.loads((head / "config.json").read_text())["draft_vocab_size"] == vocab
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -3,21 +3,12 @@ and ``--compare-head`` compares the heads on the same chains, quantized alike.""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 
 @pytest.fixture
-def tree_bench(monkeypatch):
-    path = Path(__file__).parents[2] / "benchmarks" / "tree_bench.py"
-    spec = importlib.util.spec_from_file_location("tree_bench", path)
-    mod = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, mod)
-    spec.loader.exec_module(mod)
-    return mod
+def tree_bench(load_script):
+    return load_script("benchmarks/tree_bench.py")
 
 
 def test_the_compare_head_runs_the_same_depths_quantized_alike(tree_bench):

@@ -3,23 +3,15 @@ keeps the records and loss curves of the phases before it."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_eagle_demo.py"
-
 
 @pytest.fixture
-def script(monkeypatch):
-    spec = importlib.util.spec_from_file_location("train_eagle_demo", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, mod)   # (its dataclasses look their module up)
-    spec.loader.exec_module(mod)
-    return mod
+def script(load_script):
+    return load_script("scripts/train_eagle_demo.py")
 
 
 def test_every_later_phase_fine_tunes_the_one_before(script):
