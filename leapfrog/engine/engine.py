@@ -43,6 +43,7 @@ from leapfrog.sampling_params import SamplingParams
 from leapfrog.scheduler.scheduler import Scheduler
 from leapfrog.spec_decode.adaptive import cap_drafts, mostly_sampled
 from leapfrog.spec_decode.draft import DraftBatch, depths, path_to
+from leapfrog.spec_decode.native_confidence import load_native_confidence, native_confidence_enabled
 from leapfrog.spec_decode.proposers.prediction import MAX_DRAFT as MAX_PREDICTION_DRAFT, PredictionProposer
 from leapfrog.spec_decode.verify.greedy import greedy_accept
 from leapfrog.spec_decode.verify.native import (chain_rejection, load_native_verify,
@@ -361,6 +362,8 @@ class LLMEngine:
                 and ((cfg.quantization is None and not env_off("LEAPFROG_NATIVE_FORWARD"))
                      or (method in ("eagle3", "draft_model") and not env_off("LEAPFROG_NATIVE_DRAFTS")))):
             loaders.append(load_native_draft)
+        if (cfg.speculative_config or {}).get("num_draft_tokens") == "auto" and native_confidence_enabled():
+            loaders.append(load_native_confidence)   # ("auto" tree sizes' controller, spec_decode/native_confidence.py)
         build_ahead(loaders)   # (not spec_decode/verify/native.py's op: greedy runs never load it)
 
     def expect_sampled_requests(self) -> None:

@@ -50,6 +50,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import Counter
+from typing import Any
 
 from leapfrog.spec_decode.rate import TokenRate, update_rates
 
@@ -65,7 +66,9 @@ _SHAPE_STEPS = 128    # ... and steps, at most
 
 class ConfidenceCurves:
     """C(n), n = 1..K, and the calibration a of each gamma of GAMMAS; ``gamma`` and
-    ``calibration`` are the model in use, ``expected`` its accepted tokens."""
+    ``calibration`` are the model in use (``model_curve``: its C_gamma). The reference model:
+    spec_decode/native_confidence.py's C++ ``Curves`` computes the same floats (``confidence_curves``
+    picks)."""
 
     def __init__(self, K: int, depth: int | None = None) -> None:
         self.K = K
@@ -78,16 +81,27 @@ class ConfidenceCurves:
         #: miscalibration by depth changes slowly: a longer memory than a's)
         self.shallow = [TokenRate(prior=1.0, window=_SHAPE_WINDOW, steps=_SHAPE_STEPS) for _ in GAMMAS]
         self.deep = [TokenRate(prior=1.0, window=_SHAPE_WINDOW, steps=_SHAPE_STEPS) for _ in GAMMAS]
-        self.index = _LINEAR
+        self._index = _LINEAR
         self._model: list[float] = []   # C_gamma(n) of the model in use, n = 1..len (cache)
 
     @property
+    def index(self) -> int:
+        """The model in use: its gamma's place in GAMMAS (set: that gamma until the next calibration)."""
+        return self._index
+
+    @index.setter
+    def index(self, i: int) -> None:
+        if not 0 <= i < len(GAMMAS):
+            raise IndexError("gamma index out of range")
+        self._index, self._model = i, []
+
+    @property
     def gamma(self) -> float:
-        return GAMMAS[self.index]
+        return GAMMAS[self._index]
 
     @property
     def calibration(self) -> float:
-        return self.rates[self.index].value
+        return self.rates[self._index].value
 
     def calibration_at(self, gamma: float) -> float:
         return self.rates[GAMMAS.index(gamma)].value
@@ -126,7 +140,8 @@ class ConfidenceCurves:
         (the shape fit: ``_fit_shape``). -> the tokens each gamma predicts for them ([G]: sum over
         the proposals of C_gamma(verified)), or None when nothing was. (Every step of "auto" runs
         this: plain loops, one proposal's apart; at batch 1 it cost 60 us a step in the engine,
-        2 % of the built-in pair's step.)"""
+        2 % of the built-in pair's step: the controller takes the C++ model, native_confidence.py,
+        where it builds.)"""
         K = self.K
         if len(scores) == 1:   # (batch 1: its sums are the means)
             means = list(itertools.accumulate(scores[0][:K]))
@@ -219,5 +234,14 @@ class ConfidenceCurves:
                 d = abs(math.log((da / dp) / (sa / sp)))
                 if d < off - 1e-12 or (d <= off + 1e-12 and _FROM_LINEAR[g] < _FROM_LINEAR[index]):
                     index, off = g, d
-        if index != self.index:
-            self.index, self._model = index, []
+        if index != self._index:
+            self._index, self._model = index, []
+
+
+def confidence_curves(K: int, depth: int | None = None) -> Any:
+    """The confidence model of an auto tree size's controller: the C++ one
+    (spec_decode/native_confidence.py: the same floats, one call a step) where it builds, else
+    ConfidenceCurves."""
+    from leapfrog.spec_decode.native_confidence import native_curves
+    native = native_curves(K, depth)
+    return native if native is not None else ConfidenceCurves(K, depth)

@@ -20,6 +20,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -58,9 +59,10 @@ def build_lock(name: str) -> Iterator[None]:
         yield
 
 
-def load_inline(name: str, source: str, cflags: list[str]) -> None:
+def load_inline(name: str, source: str, cflags: list[str], module: bool = False) -> Any:
     """Build (or load from the cache) and load ``source`` as op library ``name`` (torch's
-    ``load_inline``, no Python module) with ``cflags`` and OpenMP's flags, under ``build_lock``.
+    ``load_inline``) with ``cflags`` and OpenMP's flags, under ``build_lock``; ``module``: a
+    Python module the source binds with pybind11 (``PYBIND11_MODULE``) -> that module, else None.
     No implicit ``torch/extension.h``: the ops register through ``TORCH_LIBRARY`` and include
     ``torch/library.h`` and ATen's headers themselves. The C++ frontend and pybind11 that
     ``torch/extension.h`` pulls in were most of a build's time: 43 s against 16 s for the attention
@@ -71,8 +73,8 @@ def load_inline(name: str, source: str, cflags: list[str]) -> None:
     slim = ({"no_implicit_headers": True}
             if "no_implicit_headers" in inspect.signature(cpp_extension.load_inline).parameters else {})
     with build_lock(name), _dlopen_flags_kept():
-        cpp_extension.load_inline(name, cpp_sources=source, is_python_module=False, **slim,
-                                  extra_cflags=[*cflags, *omp], extra_ldflags=omp)
+        return cpp_extension.load_inline(name, cpp_sources=source, is_python_module=module, **slim,
+                                         extra_cflags=[*cflags, *omp], extra_ldflags=omp)
 
 
 _loading = {"count": 0, "flags": 0}   # loads in flight (threads of build_ahead), and the dlopen flags before them
@@ -191,12 +193,14 @@ class OpLibrary:
     ``available()`` -> whether it loaded. A build that fails (no compiler, no headers) is logged
     once, naming ``fallback`` (what serves instead), and the callers take their Python path.
     ``isa``: built with this CPU's instruction-set flags (``build_inline``: a source whose vector
-    code must match another library's lanes, such as model/native_ops.py's row kernels)."""
+    code must match another library's lanes, such as model/native_ops.py's row kernels).
+    ``module``: the source binds a Python module (pybind11), ``module`` once loaded."""
 
     def __init__(self, name: str, source: str, cflags: list[str], what: str, fallback: str,
-                 isa: bool = False) -> None:
+                 isa: bool = False, module: bool = False) -> None:
         self.name, self.source, self.cflags, self.what, self.fallback = name, source, cflags, what, fallback
-        self.isa = isa
+        self.isa, self.binds = isa, module
+        self.module: Any = None   # (``module``: the loaded Python module)
         self.build: str | None = None   # (isa: the instruction-set build that loaded, build_inline's suffix)
         self._ok: bool | None = None
         self._lock = threading.Lock()
@@ -220,4 +224,4 @@ class OpLibrary:
         if self.isa:
             self.build = build_inline(self.name, self.source, self.cflags)
         else:
-            load_inline(self.name, self.source, self.cflags)
+            self.module = load_inline(self.name, self.source, self.cflags, module=self.binds)

@@ -610,7 +610,7 @@ def test_a_drafter_unsure_at_depth_is_weighed_by_the_fitted_power():
         ctl.confidence.calibrate(sum(ks), ctl.confidence.observe([chain] * len(ks), [4] * len(ks), ks))
     assert ctl.confidence.gamma == 0.5
     assert ctl.choose([_Req()]) == [4]
-    ctl.confidence.index, ctl.confidence._model = GAMMAS.index(1.0), []   # the linear model
+    ctl.confidence.index = GAMMAS.index(1.0)   # the linear model
     ctl._weighed.clear()
     assert ctl.choose([_Req()]) == [3]
 
