@@ -42,6 +42,7 @@ from leapfrog.sampling.grammar import GrammarCompiler, GrammarState
 from leapfrog.sampling_params import SamplingParams
 from leapfrog.scheduler.scheduler import Scheduler
 from leapfrog.spec_decode.adaptive import cap_drafts, mostly_sampled
+from leapfrog.spec_decode.config import EAGLE_METHODS
 from leapfrog.spec_decode.draft import DraftBatch, depths, path_to
 from leapfrog.spec_decode.native_confidence import load_native_confidence, native_confidence_enabled
 from leapfrog.spec_decode.proposers.prediction import MAX_DRAFT as MAX_PREDICTION_DRAFT, PredictionProposer
@@ -357,12 +358,14 @@ class LLMEngine:
         # the few-row kernel, eager, the attention op; the target's own unless quantized
         on_kernel = self.dtype == torch.bfloat16 or (self.dtype == torch.float32
                                                      and ckpt.config_dtype == torch.bfloat16)
-        method = (cfg.speculative_config or {}).get("method")
+        spec = cfg.speculative_config or {}
+        method = spec.get("method")
         if (on_kernel and cfg.enforce_eager and not cfg.batch_invariant and len(loaders) == 3
                 and ((cfg.quantization is None and not env_off("LEAPFROG_NATIVE_FORWARD"))
                      or (method in ("eagle3", "draft_model") and not env_off("LEAPFROG_NATIVE_DRAFTS")))):
             loaders.append(load_native_draft)
-        if (cfg.speculative_config or {}).get("num_draft_tokens") == "auto" and native_confidence_enabled():
+        if native_confidence_enabled() and method in EAGLE_METHODS and (spec.get("num_draft_tokens") == "auto"
+                                                                        or spec.get("adaptive")):
             loaders.append(load_native_confidence)   # ("auto" tree sizes' controller, spec_decode/native_confidence.py)
         build_ahead(loaders)   # (not spec_decode/verify/native.py's op: greedy runs never load it)
 

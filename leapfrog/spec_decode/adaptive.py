@@ -401,7 +401,7 @@ class SpecController:
         self.steps = 0
         self.last_k = self.K
         #: auto tree size: the confidence curves C(n), n = 1..K, and their calibrations (confidence.py)
-        self.confidence = confidence_curves(self.K, cfg.num_speculative_tokens)
+        self.confidence = confidence_curves(self.K, cfg.num_speculative_tokens, native=cfg.auto_tree)
         self._weighed: dict[int, _Weighed] = {}   # auto tree size: bucket -> its last weighing of the sizes
         self.observations = 0   # verified steps observed (observe, observe_rounds)
         #: speculation rounds: the drafts per round of the engine's rounds graph (None: none compiled)

@@ -238,10 +238,11 @@ class ConfidenceCurves:
             self._index, self._model = index, []
 
 
-def confidence_curves(K: int, depth: int | None = None) -> Any:
+def confidence_curves(K: int, depth: int | None = None, native: bool = True) -> Any:
     """The confidence model of an auto tree size's controller: the C++ one
-    (spec_decode/native_confidence.py: the same floats, one call a step) where it builds, else
+    (spec_decode/native_confidence.py: the same floats, one call a step) where it builds and
+    ``native`` (a controller that never observes a tree asks for none: no build), else
     ConfidenceCurves."""
     from leapfrog.spec_decode.native_confidence import native_curves
-    native = native_curves(K, depth)
-    return native if native is not None else ConfidenceCurves(K, depth)
+    curves = native_curves(K, depth) if native else None
+    return curves if curves is not None else ConfidenceCurves(K, depth)

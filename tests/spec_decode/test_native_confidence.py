@@ -122,5 +122,8 @@ def test_the_controller_takes_the_native_model_unless_turned_off(monkeypatch):
                                        "eagle_topk": 2, "num_draft_tokens": "auto"})
     assert not isinstance(SpecController(cfg, 256).confidence, ConfidenceCurves)
     assert not isinstance(confidence_curves(8), ConfidenceCurves)
+    # (a controller that never sizes trees asks for no C++ model: nothing to build for it)
+    ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=True)
+    assert isinstance(SpecController(ngram, 256).confidence, ConfidenceCurves)
     monkeypatch.setenv("LEAPFROG_NATIVE_CONFIDENCE", "0")
     assert isinstance(SpecController(cfg, 256).confidence, ConfidenceCurves)
