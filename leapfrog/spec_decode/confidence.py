@@ -52,6 +52,7 @@ import math
 from collections import Counter
 from typing import Any
 
+from leapfrog.spec_decode.native_confidence import native_curves
 from leapfrog.spec_decode.rate import TokenRate, update_rates
 
 #: exponents of the confidence model (module docstring)
@@ -243,6 +244,5 @@ def confidence_curves(K: int, depth: int | None = None, native: bool = True) -> 
     (spec_decode/native_confidence.py: the same floats, one call a step) where it builds and
     ``native`` (a controller that never observes a tree asks for none: no build), else
     ConfidenceCurves."""
-    from leapfrog.spec_decode.native_confidence import native_curves
     curves = native_curves(K, depth) if native else None
     return curves if curves is not None else ConfidenceCurves(K, depth)

@@ -64,7 +64,7 @@ def load_inline(name: str, source: str, cflags: list[str], module: bool = False)
     ``load_inline``) with ``cflags`` and OpenMP's flags, under ``build_lock``; ``module``: a
     Python module the source binds with pybind11 (``PYBIND11_MODULE``) -> that module, else None.
     No implicit ``torch/extension.h``: the ops register through ``TORCH_LIBRARY`` and include
-    ``torch/library.h`` and ATen's headers themselves. The C++ frontend and pybind11 that
+    ``torch/library.h`` and ATen's headers themselves (a module, pybind11's headers). The C++ frontend and pybind11 that
     ``torch/extension.h`` pulls in were most of a build's time: 43 s against 16 s for the attention
     op on a 2-vCPU VM, paid by a user's first run and by every fresh CI machine, once per op.
     (An older torch without ``no_implicit_headers`` adds the header: the same ops, built slower.)"""
