@@ -350,7 +350,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 """
 
 _LIBRARY = OpLibrary("leapfrog_native_confidence", _SOURCE, ["-O2", "-ffp-contract=off"],
-                     "native confidence model of auto tree sizes (about 15 s)", "the Python one serves", module=True)
+                     "native confidence model of auto tree sizes (about 10 s)", "the Python one serves", module=True)
 
 
 def native_confidence_enabled() -> bool:
