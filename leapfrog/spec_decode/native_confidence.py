@@ -143,12 +143,12 @@ class Curves {
       for (const auto& sc : scores) L = std::max(L, sc.size() < Ku ? sc.size() : Ku);
       std::vector<double> sums(L, 0.0);
       std::vector<long> counts(L, 0);
-      for (const auto& sc : scores) {   // (sum(col): 0 + the first, then in order)
+      for (const auto& sc : scores) {   // (sum(col): from 0, in order)
         const size_t n = sc.size() < Ku ? sc.size() : Ku;
         double c = 0.0;
         for (size_t i = 0; i < n; ++i) {
           c = i ? c + sc[i] : sc[i];
-          sums[i] = counts[i] ? sums[i] + c : c;
+          sums[i] += c;
           ++counts[i];
         }
       }
@@ -204,10 +204,7 @@ class Curves {
     const auto sizes = counted(n);
     for (int g = 0; g < G; ++g) {
       double s = 0.0;
-      for (size_t j = 0; j < sizes.size(); ++j) {
-        const double x = static_cast<double>(sizes[j].second) * prefix[g][sizes[j].first];
-        s = j ? s + x : x;
-      }
+      for (const auto& vc : sizes) s += static_cast<double>(vc.second) * prefix[g][vc.first];
       out[g] = s;
     }
     return out;
@@ -220,7 +217,7 @@ class Curves {
     for (int g = 0; g < G; ++g) {
       const std::vector<double> pw = power(m, GAMMAS[g]);
       double s = 0.0;
-      for (size_t i = 0; i < pw.size(); ++i) s = i ? s + pw[i] : pw[i];
+      for (double x : pw) s += x;
       out[g] = s * chains;
     }
     return out;
@@ -294,11 +291,11 @@ class Curves {
       const auto sizes = counted(vs);
       for (int g = 0; g < G; ++g) {
         double s = 0.0, whole = 0.0;
-        for (size_t j = 0; j < sizes.size(); ++j) {
-          const long v = sizes[j].first, half = std::min(h, v);
-          const double c = static_cast<double>(sizes[j].second);
-          s = j ? s + c * prefix[g][half] : c * prefix[g][half];
-          whole = j ? whole + c * prefix[g][v] : c * prefix[g][v];
+        for (const auto& vc : sizes) {
+          const long v = vc.first, half = std::min(h, v);
+          const double c = static_cast<double>(vc.second);
+          s += c * prefix[g][half];
+          whole += c * prefix[g][v];
         }
         shallow_pred[g] = s;
         deep_pred[g] = whole - s;

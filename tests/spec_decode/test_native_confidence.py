@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import random
 import sys
 
 import pytest
@@ -84,7 +85,6 @@ def test_random_steps_give_the_same_floats(K, depth, steps):
 def test_a_long_run_of_chains_and_trees_stays_equal():
     """Many steps of batch-1 chains and batch-4 trees, calibrated from their own predictions, as
     the controller runs them: the curves, the gamma picked and its calibration agree throughout."""
-    import random
     rng = random.Random(3)
     py, cc = ConfidenceCurves(40, 7), native_curves(40, 7)
     for step in range(600):
