@@ -33,7 +33,8 @@ _PLAIN_FIRST plain steps every _PLAIN_REFRESH exploration intervals, the lesser 
 replacing the estimate: the plain steps right after speculation run slow, a batch of 16 at T =
 0.7 about 1.2-1.4x for three steps, then 1.0-1.1x its plain steps in a row). Other plain steps
 are averaged in only from the _PLAIN_SETTLE-th of the same requests in a row on (the first ones
-after drafting steps or a new request's prefill run slow too), each as the median of it and the
+after drafting steps or a new request's prefill run slow too; so do drafting steps right after a
+request joined: the first _SPEC_SETTLE of them leave the measured verify and host times alone), each as the median of it and the
 run's two settled steps before it (one slow step, the OS's, must not raise the estimate:
 speculation, then chosen over the raised estimate, leaves no plain step to bring it back down). A step's cost grows
 with the context (attention reads every sequence's keys and values: a plain step of a batch of
@@ -62,7 +63,8 @@ drafted); while speculation is off it also drafts a probe (4
 steps in a row) after 8 intervals of decode steps (tokens per sequence) times the batch-size bucket to keep alpha
 current (and the costs: a transient that made speculation look bad must not turn it off for
 good), twice as long after each probe that leaves it off (up to 8 times: at large batches it
-never pays, and probes cost).
+never pays, and probes cost); from a batch of _HOLD_FROM on, speculation that turns off after
+speculating is probed once with the size it ran after _REPROBE_STEPS plain steps.
 The first time of a forward shape includes one-off costs (kernel selection and packing for a
 new row count: the first 21-token verify of the demo target measured 11.7 ms, later ones about
 8), so a size's first measurement is only provisional: the next step runs the same size again
@@ -236,6 +238,15 @@ _LEASE_STEPS = 64
 #: 0.7, "auto" with it ran 0.95-1.00 of the chain of 7 against 0.97-1.03 without it in seven
 #: alternated runs each, inside the runs' noise: stop 97)
 _HOLD_FROM = 8
+#: from _HOLD_FROM on, speculation that turns off after speculating (the last weighing's best was a
+#: size, this one's is none) is probed again with that size after this many plain steps, once (then
+#: the probes' usual wait, _probe_due): the weighings that turn it off come mostly at a static
+#: batch's start, where its first steps accept less (chains of 5 at a batch of 16: 3.9-4.1 tokens a
+#: sequence in the first four steps, 4.9-5.0 from the seventh) and the confidence curve still
+#: holds the last batch's tail (its least predictable requests, which finished last); while off
+#: nothing measured moves either, and the next probe came 2048 steps later: "auto" sat out whole
+#: batches of 16-32 at T = 0 where the chains ran 1.05-1.1x none (stop 112)
+_REPROBE_STEPS = 32
 #: plain decode is measured first at a batch size, this many steps, the lesser of the last two
 #: standing: the steps right after a prefill run slow (a batch of 16 after its 64-token prompts:
 #: the forward 3.8, 3.5, 2.8, 2.6 ms, then 2.3), and the second of two made speculation look 20 %
@@ -243,6 +254,12 @@ _HOLD_FROM = 8
 #: AMX Xeon: 5.2, 5.2, 4.4, 4.0, then 3.7 ms, the same requests' steady plain steps), and the
 #: lesser of the third and fourth still read 10 % slow (stop 100). (Refreshes run as many.)
 _PLAIN_FIRST = 6
+#: drafting steps right after a request joined the batch (its prefill ran) are slow too: a batch
+#: of 16 verifying chains of 3, the forward 5.7, 5.4, 5.0 ms, then 4.7-4.8 (chains of 5: 7.7, 7.4,
+#: 6.8, then 6.6), at a smaller context than the steps after; moved along the context fit they
+#: made every size measured at a batch's start look 15-25 % dearer than it ran. The first this
+#: many drafting steps after a join leave the verify times and host times measured alone.
+_SPEC_SETTLE = 3
 #: a plain step's time is averaged into t_verify(B, 1) only from the this-many-th plain step of the
 #: same requests in a row on (``_plain_run``): the first ones after drafting steps or a new request's
 #: prefill run slow (above). Averaged in, they held the estimated speed of no speculation 6-17 % under
@@ -416,6 +433,7 @@ class SpecController:
         #: the decode steps to wait before the next probe
         self.off_steps: defaultdict[int, int] = defaultdict(int)
         self.probe_wait: dict[int, int] = {}
+        self.reprobe: dict[int, int] = {}   # bucket -> the size to probe when speculation turned off (_REPROBE_STEPS)
         self.plain_samples: dict[int, int] = {}   # bucket -> one-token steps measured before t_verify(B, 1) stands
         #: bucket -> plain steps of a refresh of t_verify(B, 1) still to choose (0: the next observed
         #: one-token step is its last, whose sample replaces the estimate unless widened)
@@ -441,6 +459,9 @@ class SpecController:
         #: the plain steps in a row last observed, unwidened: (the batch size, the requests' ids, how
         #: many), or None after any other step (``_PLAIN_SETTLE``)
         self._plain_run: tuple[int, tuple, int] | None = None
+        #: the requests of the last step observed, and steps since a request joined (_SPEC_SETTLE)
+        self._seen_ids: set = set()
+        self._since_join = 0
         self._plain_recent: list[float] = []   # the run's last two settled plain steps' t_verify (_settled_plain)
         self._plain_high: dict[int, int] = {}   # bucket -> settled plain samples in a row above the estimate's bound (_disturbed)
         #: auto tree sizes: the path confidence under which greedy chains of the size just chosen
@@ -990,13 +1011,19 @@ class SpecController:
         where no speculation is estimated within _PLAIN_CLOSE of best: 0, the first of a refresh's
         _PLAIN_FIRST plain steps (module docstring; ``choose`` runs the rest)."""
         interval = self.cfg.adaptive_explore_interval
-        self.best[bucket] = best
+        last, self.best[bucket] = self.best.get(bucket), best
+        if best == 0 and last and _size(bucket) >= _HOLD_FROM:   # (turned off after speculating: _REPROBE_STEPS)
+            self.reprobe[bucket] = last
+            self.off_steps[bucket] = 0
+            self.probe_wait[bucket] = _REPROBE_STEPS
         if best == 0 and self._probe_due(bucket):
+            probe = self.reprobe.pop(bucket, probe)
             self.probes[bucket] = _Probe(probe)
             return probe
         if best:
             self.off_steps.pop(bucket, None)
             self.probe_wait.pop(bucket, None)
+            self.reprobe.pop(bucket, None)
         # t_verify(B, 1) again, at the context the sizes now run at (not where the engine runs plain
         # steps as multi-step decode, measured as rounds, nor while other proposers widen the steps)
         period = max(_PLAIN_REFRESH * interval, _PLAIN_REFRESH_STEPS)
@@ -1035,12 +1062,13 @@ class SpecController:
         0.84x fixed K) times the batch-size bucket (the same number of tokens in all: a probe's
         steps and the drafter's catch-up cost grow with the batch, and large batches are where
         speculation pays least), twice as long after each probe that leaves it off (up to
-        _PROBE_BACKOFF times)."""
+        _PROBE_BACKOFF times). After a turn-off from speculating at a batch of _HOLD_FROM or more
+        (``_explore``): _REPROBE_STEPS, once, and the usual wait after that probe."""
         base, wait = self._probe_wait(bucket)
         if self.off_steps[bucket] < wait:
             return False
         self.off_steps[bucket] = 0
-        self.probe_wait[bucket] = min(2 * wait, _PROBE_BACKOFF * base)
+        self.probe_wait[bucket] = base if bucket in self.reprobe else min(2 * wait, _PROBE_BACKOFF * base)
         return True
 
     def _probe_wait(self, bucket: int) -> tuple[int, int]:
@@ -1166,10 +1194,19 @@ class SpecController:
             if drafts.total:   # (a plain step teaches the curves nothing; capping each request cost 25 us at 32)
                 self._observe_tree(drafts, result, probe, [self.cap(r, depth) for r in reqs], ratio)
         settled, widened = True, (verify_tokens or s) > s
+        seen = self._seen_ids
+        if any(r.request_id not in seen for r in reqs):
+            self._since_join = 0
+            self._seen_ids = {r.request_id for r in reqs}
+        else:
+            self._since_join += 1
+            if len(seen) != len(reqs):
+                self._seen_ids = {r.request_id for r in reqs}
         if s == 1 and not widened:
             settled = self._plain_step(batch_size or len(reqs), tuple(r.request_id for r in reqs))
         else:   # (a drafting step, or one widened by another proposer's drafts)
             self._plain_run = None
+            settled = self._since_join >= _SPEC_SETTLE
         self._measure(bucket, s, t_verify, None if t_step is None else max(0.0, t_step - t_draft - t_verify),
                       widened, fresh, settled)
         n_draft = drafts.total
@@ -1355,7 +1392,8 @@ class SpecController:
         if host is not None:
             kind = self.plain_host if s == 1 else self.host_cost
             old = kind.get(bucket)
-            kind[bucket] = host if old is None else _bounded_ema(old, host)
+            if old is None or settled or s == 1:   # (a slow drafting step after a join: _SPEC_SETTLE)
+                kind[bucket] = host if old is None else _bounded_ema(old, host)
         self.widened[bucket] = widened
         if s == 1:
             self.off_steps[bucket] += 1
@@ -1378,6 +1416,8 @@ class SpecController:
                 table[s] = min(t_verify, t_verify if prev_plain is None else prev_plain)
             elif s == 1 and not settled:   # (a slow first plain step: neither the estimate nor the fit)
                 self.plain_prev[bucket] = t_verify   # (for a refresh's last two)
+                return
+            elif not settled and not fresh and s in table:   # (a slow drafting step after a join: _SPEC_SETTLE)
                 return
             elif s in table:
                 replaced = fresh

@@ -11,7 +11,7 @@ import torch
 
 from leapfrog.spec_decode import adaptive
 from leapfrog.spec_decode.adaptive import (_HOLD_FROM, _PLAIN_BURST_STEPS, _PLAIN_FIRST, _PLAIN_REFRESH, _PLAIN_SETTLE,
-                                           _REWEIGH_OFF_STEPS, _REWEIGH_SETTLED,
+                                           _REPROBE_STEPS, _REWEIGH_OFF_STEPS, _SPEC_SETTLE, _REWEIGH_SETTLED,
                                            _REWEIGH_STEPS, SpecController, _bucket, _ContextFit, _curve,
                                            shortest_near_best)
 from leapfrog.spec_decode.confidence import GAMMAS
@@ -337,10 +337,10 @@ def test_plain_decode_is_weighed_at_a_plain_steps_host_time():
     nothing. K = 1 makes 1.5 tokens in 2.5 against none's 1 in 1.0: none, where one shared host
     time (0.5 after alternating steps) weighed none at 1 in 1.5 and K = 1 at 1.5 in 2.0."""
     cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=1, adaptive=True)
-    ctl = SpecController(cfg, 4096)
+    ctl, r = SpecController(cfg, 4096), _Req()
     for _ in range(6):
-        _chain_step(ctl, 1, 1, 0.0, 1.5, t_step=2.5)
-        _chain_step(ctl, 0, 0, 0.0, 1.0, t_step=1.0)
+        _chain_step(ctl, 1, 1, 0.0, 1.5, t_step=2.5, req=r)
+        _chain_step(ctl, 0, 0, 0.0, 1.0, t_step=1.0, req=r)
     ctl.alpha = 0.5
     assert ctl._hosts(1) == pytest.approx((0.0, 1.0))
     assert ctl._adaptive_k(1) == 0
@@ -814,19 +814,26 @@ def test_at_a_batch_of_one_a_weighing_that_agrees_stands_longer():
         assert ctl._weighed[ctl._key(4)].wait == _REWEIGH_STEPS
 
 
+def _speculating(B: int) -> tuple[SpecController, list[_Req], int]:
+    """A controller drafting size k > 0 for a batch of B: chains of 1..4 measured cheap there, a
+    confident drafter."""
+    ctl = SpecController(CFG, 4096)
+    _measured(ctl, {1: 0.1, 2: 0.4, 3: 0.7, 4: 1.0}, _bucket(B))
+    for _ in range(3):
+        ctl.confidence.calibrate(1.7, ctl.confidence.observe([[0.9, 0.8, 0.3, 0.2]], [2]))
+    batch = [_Req() for _ in range(B)]
+    k = ctl.choose(batch)[0]
+    assert k > 0
+    return ctl, batch, k
+
+
 def test_speculation_goes_off_only_when_two_weighings_in_a_row_say_so():
     """Speculating, a first weighing for no speculation keeps the last best size until the next
     weighing, after that size's fresh measurements: while off nothing measured moves acceptance or
     the calibration, so one unlucky stretch kept speculation off for hundreds of steps where it
     paid. A second weighing for speculation in between clears the hold."""
     B, b = _HOLD_FROM, _bucket(_HOLD_FROM)
-    ctl = SpecController(CFG, 4096)
-    _measured(ctl, {1: 0.1, 2: 0.4, 3: 0.7, 4: 1.0}, b)
-    for _ in range(3):
-        ctl.confidence.calibrate(1.7, ctl.confidence.observe([[0.9, 0.8, 0.3, 0.2]], [2]))
-    batch = [_Req() for _ in range(B)]
-    k = ctl.choose(batch)[0]
-    assert k > 0
+    ctl, batch, k = _speculating(B)
     cheap, dear = dict(ctl.tree_draft_cost[b]), {(n, 1): 50.0 for n in range(1, 5)}
     ctl.tree_draft_cost[b] = dear
     ctl.observations += _REWEIGH_STEPS
@@ -850,6 +857,76 @@ def test_speculation_goes_off_only_when_two_weighings_in_a_row_say_so():
     small.tree_draft_cost[1] = dear
     small.observations += _REWEIGH_STEPS
     assert small.choose([_Req()]) == [0]
+
+
+def _off_after_speculating(B: int) -> tuple[SpecController, list[_Req], int]:
+    """A controller at a batch of B that drafted size k, then turned speculation off (drafting got
+    dear: two weighings in a row from _HOLD_FROM on, one below)."""
+    b = _bucket(B)
+    ctl, batch, k = _speculating(B)
+    ctl.tree_draft_cost[b] = {(n, 1): 50.0 for n in range(1, 5)}
+    while ctl.choose(batch)[0]:
+        ctl.observations += _REWEIGH_STEPS
+    assert ctl.best[b] == 0
+    return ctl, batch, k
+
+
+def _plain_steps_until_drafts(ctl: SpecController, batch: list, most: int) -> int | None:
+    """Plain steps of ``batch`` (each chosen, then observed) until ``choose`` drafts: how many ran
+    before (None: none drafted in ``most``)."""
+    B = len(batch)
+    plain = (DraftBatch.empty(B), AcceptanceResult([0] * B, [[0]] * B, [0] * B), 0.0, 1.0)
+    for n in range(most):
+        ctl.observe(batch, *plain)
+        if ctl.choose(batch)[0]:
+            return n + 1
+    return None
+
+
+def test_speculation_turned_off_after_speculating_is_probed_again_soon_with_its_size():
+    """From _HOLD_FROM on, speculation that turns off after speculating is probed with the size it
+    ran after _REPROBE_STEPS plain steps, once: the weighings that turn it off come mostly at a
+    static batch's start (its first steps accept less, the curve still holds the last batch's
+    tail), and while off nothing measured moves them; the next probe came 2048 steps later at a
+    batch of 16, and "auto" sat out whole batches where the chains ran 1.05-1.1x none. After that
+    probe, the usual wait (8 intervals x the batch size, doubling)."""
+    ctl, batch, k = _off_after_speculating(_HOLD_FROM)
+    assert _plain_steps_until_drafts(ctl, batch, 4 * _REPROBE_STEPS) == _REPROBE_STEPS
+    assert ctl.choose(batch)[0] == k            # the probe: the size speculation ran
+    assert _plain_steps_until_drafts(ctl, batch, 8 * _REPROBE_STEPS) is None   # (cut short: plain steps)
+    # below _HOLD_FROM a probe comes soon anyway (128 steps at batch 1): the usual wait
+    small, batch, k = _off_after_speculating(1)
+    assert _plain_steps_until_drafts(small, batch, 4 * _REPROBE_STEPS) == 8 * CFG.adaptive_explore_interval
+
+
+def test_drafting_steps_right_after_a_request_joined_leave_the_costs_alone():
+    """The first _SPEC_SETTLE drafting steps after a request joined the batch (its prefill ran)
+    run slow (a batch of 16 verifying chains of 3: 5.7, 5.4, 5.0 ms, then 4.7-4.8): they move no
+    verify or host time already measured. A request finishing joins nothing; a new one does."""
+    ctl = SpecController(CFG, 4096)
+    ctl.verify_cost, ctl.host_cost = {2: {1: 1.0, 3: 2.0}}, {2: 0.5}
+    drafts = DraftBatch(torch.zeros(4, dtype=torch.long), [2, 2], None, torch.full((4,), -1), [[0.5, 0.2]] * 2)
+
+    def step(reqs: list, t_verify: float) -> None:
+        n = len(reqs)
+        d = drafts if n == 2 else DraftBatch(torch.zeros(2, dtype=torch.long), [2], None, torch.full((2,), -1),
+                                             [[0.5, 0.2]])
+        ctl.observe(reqs, d, AcceptanceResult([1] * n, [[0, 0]] * n, [2] * n), 0.1, t_verify, batch_size=2,
+                    t_step=t_verify + 0.1 + 0.9)
+
+    a, b, c = _Req(), _Req(), _Req()
+    for _ in range(_SPEC_SETTLE):
+        step([a, b], 3.0)                       # right after the join: slow, left out
+    assert ctl.verify_cost[2][3] == 2.0 and ctl.host_cost[2] == 0.5
+    step([a, b], 2.5)                           # settled: averaged in
+    assert ctl.verify_cost[2][3] == pytest.approx(0.8 * 2.0 + 0.2 * 2.5)
+    assert ctl.host_cost[2] == pytest.approx(0.8 * 0.5 + 0.2 * 0.9)
+    before = ctl.verify_cost[2][3]
+    step([a], 2.5)                              # b finished: still settled
+    assert ctl.verify_cost[2][3] == pytest.approx(0.8 * before + 0.2 * 2.5)
+    before = ctl.verify_cost[2][3]
+    step([a, c], 3.0)                           # c joined: slow again
+    assert ctl.verify_cost[2][3] == before
 
 
 def test_no_hold_across_another_share_of_unseeded_sampled_requests():
@@ -1225,10 +1302,9 @@ def test_verify_costs_are_compared_at_the_current_context():
     later: each measured time moves to the context of the step being chosen by the growth
     fitted within sizes. Measured as is, plain decode (2.0) made a tree of 2 (1.5 expected tokens
     for 1.58) look 1.9x better than none; at context 400 none costs 1.32, and none wins."""
-    ctl = SpecController(CFG, 4096)
+    ctl, r = SpecController(CFG, 4096), _Req()
 
     def reqs(ctx: int) -> list[_Req]:
-        r = _Req()
         r.num_computed = ctx
         return [r]
 
