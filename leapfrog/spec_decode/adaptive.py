@@ -1194,16 +1194,16 @@ class SpecController:
             if drafts.total:   # (a plain step teaches the curves nothing; capping each request cost 25 us at 32)
                 self._observe_tree(drafts, result, probe, [self.cap(r, depth) for r in reqs], ratio)
         settled, widened = True, (verify_tokens or s) > s
-        seen = self._seen_ids
-        if any(r.request_id not in seen for r in reqs):
+        ids, seen = tuple(r.request_id for r in reqs), self._seen_ids
+        if any(i not in seen for i in ids):
             self._since_join = 0
-            self._seen_ids = {r.request_id for r in reqs}
+            self._seen_ids = set(ids)
         else:
             self._since_join += 1
-            if len(seen) != len(reqs):
-                self._seen_ids = {r.request_id for r in reqs}
+            if len(seen) != len(ids):
+                self._seen_ids = set(ids)
         if s == 1 and not widened:
-            settled = self._plain_step(batch_size or len(reqs), tuple(r.request_id for r in reqs))
+            settled = self._plain_step(batch_size or len(reqs), ids)
         else:   # (a drafting step, or one widened by another proposer's drafts)
             self._plain_run = None
             settled = self._since_join >= _SPEC_SETTLE
