@@ -56,9 +56,10 @@ The first drafts at a batch size are a probe of the size a smaller batch size se
 of K (less at larger batches: _seed_size, _probe_size) for _FIRST_PROBE_STEPS steps. Every
 ``adaptive_explore_interval`` steps the controller tries a
 neighbour of k* if its estimated goodput is within 15 % of k*'s, so close calls stay measured
-without paying for hopeless ones (auto tree sizes: the chain one level longer or shorter up to
-the depth, tree sizes doubled or halved past it; while speculation is off, the size up only every
-2 x bucket intervals: that step first catches the drafter up on every token since it last
+without paying for hopeless ones (within 30 % where its verify time went _STALE_STEPS steps
+unmeasured: that step's time replaces the estimate, which may date from a burst of slow steps;
+auto tree sizes: the chain one level longer or shorter up to the depth, tree sizes doubled or
+halved past it; while speculation is off, the size up only every 2 x bucket intervals: that step first catches the drafter up on every token since it last
 drafted); while speculation is off it also drafts a probe (4
 steps in a row) after 8 intervals of decode steps (tokens per sequence) times the batch-size bucket to keep alpha
 current (and the costs: a transient that made speculation look bad must not turn it off for
@@ -203,6 +204,14 @@ _PROBE_STEPS = 4   # a probe while speculation is off: this many steps in a row 
 #: speculation off for 512 steps)
 _FIRST_PROBE_STEPS = 8
 _EXPLORE_MARGIN = 0.85  # explore a neighbouring K only if it is estimated within 15 % of the best
+#: ... or within this of it where its verify time was measured but not for _STALE_STEPS steps, and
+#: then the step's time replaces that estimate (it may have been taken in a burst of slow steps:
+#: at a batch of 16, T = 0, four steps moved the chain of 4's verify estimate from 6.1 to 8.2 ms,
+#: level with the chain of 5's, where fixed chains of 4 verify in about 6.5; weighed 0.80-0.82 of
+#: the chain of 3 it was never explored again, and "auto" ran chains of 3 for the rest of the run,
+#: 1.07x none, where in another run of the harness the chain of 4 ran 1.16x; stop 113)
+_STALE_MARGIN = 0.7
+_STALE_STEPS = 64
 _ROUND_TRIES = 3   # picks of the rounds' size at a batch size before giving up on measuring rounds there
 _PROBE_BACKOFF = 8   # a probe that finds speculation still not paying doubles the wait, up to this many times
 #: "auto" tree sizes: a size whose confidence C(n) is within this many tokens of the largest size's
@@ -441,6 +450,7 @@ class SpecController:
         #: bucket -> s -> the batch's context (sum of its sequences' lengths) where verify_cost[bucket][s]
         #: stands (averaged as the cost is), and bucket -> the fit of verify time against that context
         self.verify_context: dict[int, dict[int, float]] = {}
+        self.verify_at: dict[int, dict[int, int]] = {}   # bucket -> s -> the observation that last moved it
         self.context_fit: dict[int, _ContextFit] = {}
         #: auto tree sizes, the drafter's catch-up (``_catch_up``): request -> tokens committed since
         #: the drafter last ran for it (what it catches up on before its next drafts), bucket ->
@@ -742,7 +752,8 @@ class SpecController:
             return self.expected_chain_tokens(k) / (drafting[k - 1] + t + host)
 
         best_k = max(range(self.K + 1), key=goodput)
-        return self._explore(bucket, best_k, goodput, min(self.K, best_k + 1), max(0, best_k - 1), 1)
+        return self._explore(bucket, best_k, goodput, min(self.K, best_k + 1), max(0, best_k - 1), 1,
+                             lambda k: k + 1)
 
     def _auto_tree_size(self, B: int, free: float = 0.0) -> int:
         """The tree size by goodput (module docstring) for a batch of B sequences, a share
@@ -980,7 +991,9 @@ class SpecController:
 
     def _explore_weighed(self, bucket: int, w: _Weighed) -> int:
         """_explore over a weighing of the auto tree sizes."""
-        return self._explore(bucket, w.best, w.goodput.__getitem__, w.up, w.down, w.probe)
+        shapes = self.shapes   # (a size's verified tokens: its nodes + 1, or its levels + 1 where all draft chains)
+        return self._explore(bucket, w.best, w.goodput.__getitem__, w.up, w.down, w.probe,
+                             (lambda n: shapes[n - 1][0] + 1) if w.free == 1 else (lambda n: n + 1))
 
     def _tree_tokens(self, chains: float, free: float, n: int, cal: float | None = None,
                      model: list[float] | None = None) -> float:
@@ -995,10 +1008,11 @@ class SpecController:
         return chains + (1 - free) * (1.0 + a * model[n - 1])
 
     def _explore(self, bucket: int, best: int, goodput: Callable[[int], float], up: int, down: int,
-                 probe: int) -> int:
+                 probe: int, tokens: Callable[[int], int] | None = None) -> int:
         """``best``, except every ``adaptive_explore_interval`` steps: a neighbour (``up`` and
         ``down`` in turn) if its estimated goodput is within 15 % of best's, so close calls stay
-        measured; while speculation is off, ``probe`` when one is due (_probe_due) keeps acceptance
+        measured (within 30 % where the verify time of its ``tokens`` a sequence went stale:
+        _STALE_MARGIN); while speculation is off, ``probe`` when one is due (_probe_due) keeps acceptance
         (and a tree's confidences and calibration) current. A probe runs _PROBE_STEPS steps, and its
         measurements replace the estimates of its size (they may be many steps old: averaging
         fresh samples into them would keep speculation off long after what turned it off is gone):
@@ -1039,8 +1053,11 @@ class SpecController:
             # last drafted, B per step; at a batch of 32 on an AVX2 CPU a chain of 1 explored after
             # 60 plain steps of 17 ms took 107 ms, and with one every 2 intervals "auto" ran
             # 0.88-0.94x none in traces at batches of 16-32, where it had settled on none)
+            # (a speculating neighbour whose verify time went stale: within _STALE_MARGIN)
+            margin = (_STALE_MARGIN if best and cand and tokens is not None and self._stale(bucket, tokens(cand))
+                      else _EXPLORE_MARGIN)
             if (cand != best and (best or self._explores_up_while_off(bucket, self.steps))
-                    and goodput(cand) >= _EXPLORE_MARGIN * goodput(best)):
+                    and goodput(cand) >= margin * goodput(best)):
                 return cand
         return best
 
@@ -1380,6 +1397,12 @@ class SpecController:
         n = self._plain_high[bucket] = self._plain_high.get(bucket, 0) + 1
         return n < _PLAIN_BURST_STEPS
 
+    def _stale(self, bucket: int, s: int) -> bool:
+        """Whether the verify time of ``s`` tokens a sequence at this batch size was measured, but
+        not in the last _STALE_STEPS observed steps (_STALE_MARGIN)."""
+        at = self.verify_at.get(bucket, {}).get(s)
+        return at is not None and self.observations - at >= _STALE_STEPS
+
     def _measure(self, bucket: int, s: int, t_verify: float, host: float | None, widened: bool,
                  fresh: bool = False, settled: bool = True) -> None:
         """A verified step's times at this batch size (``observe``, ``_end_lease``): its host time
@@ -1420,13 +1443,14 @@ class SpecController:
             elif not settled and not fresh and s in table:   # (a slow drafting step after a join: _SPEC_SETTLE)
                 return
             elif s in table:
-                replaced = fresh
+                # (a size not measured for _STALE_STEPS: the step replaces its estimate, _STALE_MARGIN)
+                replaced = fresh or (s > 1 and self._stale(bucket, s))
                 if s == 1:   # (settled: robust to one slow step, _PLAIN_SETTLE)
                     sample = self._settled_plain(t_verify, prev_plain)
                     if self._disturbed(bucket, sample):   # (neither the estimate nor the fit)
                         self.plain_prev[bucket] = t_verify
                         return
-                table[s] = sample if fresh else _bounded_ema(table[s], sample)
+                table[s] = sample if replaced else _bounded_ema(table[s], sample)
             elif s in first:
                 table[s] = t_verify  # the second measurement replaces the cold first one
                 if self.confirm.get(bucket) == s - 1:
@@ -1436,6 +1460,8 @@ class SpecController:
                 self.confirm[bucket] = s - 1
             if s == 1:
                 self.plain_prev[bucket] = t_verify
+            if s in table:
+                self.verify_at.setdefault(bucket, {})[s] = self.observations
             if s in table and self.context is not None:   # where the estimate stands, and the fit
                 where = self.verify_context.setdefault(bucket, {})
                 x = self.context

@@ -12,7 +12,7 @@ import torch
 from leapfrog.spec_decode import adaptive
 from leapfrog.spec_decode.adaptive import (_HOLD_FROM, _PLAIN_BURST_STEPS, _PLAIN_FIRST, _PLAIN_REFRESH, _PLAIN_SETTLE,
                                            _REPROBE_STEPS, _REWEIGH_OFF_STEPS, _SPEC_SETTLE, _REWEIGH_SETTLED,
-                                           _REWEIGH_STEPS, SpecController, _bucket, _ContextFit, _curve,
+                                           _REWEIGH_STEPS, _STALE_STEPS, SpecController, _bucket, _ContextFit, _curve,
                                            shortest_near_best)
 from leapfrog.spec_decode.confidence import GAMMAS
 from leapfrog.spec_decode.rate import geometric_tokens
@@ -927,6 +927,41 @@ def test_drafting_steps_right_after_a_request_joined_leave_the_costs_alone():
     before = ctl.verify_cost[2][3]
     step([a, c], 3.0)                           # c joined: slow again
     assert ctl.verify_cost[2][3] == before
+
+
+def test_a_neighbour_whose_verify_time_went_stale_is_explored_and_measured_afresh():
+    """A neighbour weighed under _EXPLORE_MARGIN of the best size (never explored) but within
+    _STALE_MARGIN is explored once its verify time has gone _STALE_STEPS steps unmeasured, and that
+    step's time replaces the estimate: taken in a burst of slow steps (the chain of 4 at a batch of
+    16 estimated 8.2 ms where it ran 6.5), it would otherwise stand for good. Its next step is
+    averaged in again; no speculation and sizes outside _STALE_MARGIN are never explored so."""
+    interval = CFG.adaptive_explore_interval
+    ctl = SpecController(CFG, 4096)
+    ctl.verify_cost = {2: {1: 1.0, 3: 2.0, 4: 4.0}}
+    ctl.verify_at = {2: {1: 0, 3: 0, 4: 0}}
+    gp = {0: 0.5, 1: 0.5, 2: 1.0, 3: 0.8}.__getitem__
+    tokens = lambda n: n + 1   # (a size's verified tokens a sequence)
+
+    def explore(goodput=gp, best=2) -> int:
+        ctl.steps = interval   # an exploration step, the size up's turn
+        return ctl._explore(2, best, goodput, 3, 1, 1, tokens)
+
+    ctl.observations = _STALE_STEPS - 1
+    assert explore() == 2                        # 0.8 of the best, measured lately: not explored
+    ctl.observations = _STALE_STEPS
+    assert explore() == 3                        # gone stale
+    assert explore({0: 0.5, 1: 0.5, 2: 1.0, 3: 0.6}.__getitem__) == 2   # outside _STALE_MARGIN
+    a, b = _Req(), _Req()
+    ctl._seen_ids, ctl._since_join = {a.request_id, b.request_id}, _SPEC_SETTLE   # (a settled batch)
+    drafts = DraftBatch(torch.zeros(6, dtype=torch.long), [3, 3], None, torch.full((6,), -1), [[0.5, 0.3, 0.2]] * 2)
+    step = (AcceptanceResult([1, 1], [[0, 0]] * 2, [3, 3]), 0.1)
+    ctl.observe([a, b], drafts, *step, 2.5)
+    assert ctl.verify_cost[2][4] == 2.5          # replaced
+    assert ctl.verify_at[2][4] == ctl.observations and explore() == 2
+    ctl.observe([a, b], drafts, *step, 3.0)
+    assert ctl.verify_cost[2][4] == pytest.approx(0.8 * 2.5 + 0.2 * 3.0)   # fresh again: averaged in
+    ctl.observations += _STALE_STEPS
+    assert explore({0: 0.8, 1: 0.5, 2: 1.0, 3: 0.6}.__getitem__, best=0) == 0   # while off: as before
 
 
 def test_no_hold_across_another_share_of_unseeded_sampled_requests():
