@@ -256,6 +256,13 @@ _HOLD_FROM = 8
 #: nothing measured moves either, and the next probe came 2048 steps later: "auto" sat out whole
 #: batches of 16-32 at T = 0 where the chains ran 1.05-1.1x none (stop 112)
 _REPROBE_STEPS = 32
+#: ... and in the first this many steps of a batch whose requests are mostly new (more than half of
+#: a step's requests joined at once: a static batch's start), no weighing turns speculation off
+#: after speculating, however many in a row say so: those steps accept less (above) and still beat
+#: none, and the weighings there turned speculation off until the re-probe. In a same-process A/B
+#: at T = 0 (10 runs each), "auto" ran 1.011x itself without the hold at batches of 16 (faster in
+#: 9 of 10 runs) and 32 (8 of 10), with no turn-off left at a batch's start (stop 113)
+_START_HOLD = 8
 #: plain decode is measured first at a batch size, this many steps, the lesser of the last two
 #: standing: the steps right after a prefill run slow (a batch of 16 after its 64-token prompts:
 #: the forward 3.8, 3.5, 2.8, 2.6 ms, then 2.3), and the second of two made speculation look 20 %
@@ -472,6 +479,7 @@ class SpecController:
         #: the requests of the last step observed, and steps since a request joined (_SPEC_SETTLE)
         self._seen_ids: set = set()
         self._since_join = 0
+        self._since_start = 1 << 30
         self._plain_recent: list[float] = []   # the run's last two settled plain steps' t_verify (_settled_plain)
         self._plain_high: dict[int, int] = {}   # bucket -> settled plain samples in a row above the estimate's bound (_disturbed)
         #: auto tree sizes: the path confidence under which greedy chains of the size just chosen
@@ -833,10 +841,12 @@ class SpecController:
         down = best - 1 if best <= depth else max(depth, best // 2)
         w = _Weighed(self.observations, B, free, gp, best, min(top, max(1, up)), max(0, down),
                      min(top, self._probe_size(B)), stop, ratio)
-        if (best == 0 and weighed is not None and weighed.best and not weighed.holding
+        if (best == 0 and weighed is not None and weighed.best
+                and (not weighed.holding or self._since_start < _START_HOLD)
                 and _size(bucket) >= _HOLD_FROM and weighed.free == free and weighed.best < len(gp)):
-            # speculating, and no speculation weighed best for the first time: the last best size
-            # runs on until the next weighing agrees (_Weighed.holding; not across another share
+            # speculating, and no speculation weighed best for the first time (or in a batch's first
+            # _START_HOLD steps): the last best size runs on until the next weighing agrees
+            # (_Weighed.holding; not across another share
             # of unseeded sampled requests, whose sizes are weighed apart, nor past the sizes
             # weighed now: its neighbours are looked up in this weighing's goodputs)
             w = replace(weighed, at=self.observations, batch=B, goodput=gp, up=min(weighed.up, len(gp) - 1),
@@ -1214,9 +1224,12 @@ class SpecController:
         ids, seen = tuple(r.request_id for r in reqs), self._seen_ids
         if any(i not in seen for i in ids):
             self._since_join = 0
+            if 2 * sum(i not in seen for i in ids) > len(ids):   # (most of the batch new: a batch's start)
+                self._since_start = 0
             self._seen_ids = set(ids)
         else:
             self._since_join += 1
+            self._since_start += 1
             if len(seen) != len(ids):
                 self._seen_ids = set(ids)
         if s == 1 and not widened:

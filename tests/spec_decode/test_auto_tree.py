@@ -12,7 +12,7 @@ import torch
 from leapfrog.spec_decode import adaptive
 from leapfrog.spec_decode.adaptive import (_HOLD_FROM, _PLAIN_BURST_STEPS, _PLAIN_FIRST, _PLAIN_REFRESH, _PLAIN_SETTLE,
                                            _REPROBE_STEPS, _REWEIGH_OFF_STEPS, _SPEC_SETTLE, _REWEIGH_SETTLED,
-                                           _REWEIGH_STEPS, _STALE_STEPS, SpecController, _bucket, _ContextFit, _curve,
+                                           _REWEIGH_STEPS, _STALE_STEPS, _START_HOLD, SpecController, _bucket, _ContextFit, _curve,
                                            shortest_near_best)
 from leapfrog.spec_decode.confidence import GAMMAS
 from leapfrog.spec_decode.rate import geometric_tokens
@@ -857,6 +857,40 @@ def test_speculation_goes_off_only_when_two_weighings_in_a_row_say_so():
     small.tree_draft_cost[1] = dear
     small.observations += _REWEIGH_STEPS
     assert small.choose([_Req()]) == [0]
+
+
+def test_a_batchs_first_steps_never_turn_speculation_off():
+    """In the first _START_HOLD steps of a batch whose requests are mostly new (a static batch's
+    start, which accepts less for a few steps and still beats none), weighings for no speculation
+    hold the last size however many come in a row; from then on two in a row turn it off. A few
+    requests joining a running batch start nothing."""
+    B, b = _HOLD_FROM, _bucket(_HOLD_FROM)
+    plain = (DraftBatch.empty(B), AcceptanceResult([0] * B, [[0]] * B, [0] * B), 0.0, 1.0)
+
+    def weighings_until_off(batch: list) -> int:
+        for n in range(1, 3 * _START_HOLD):
+            ctl.observations += _REWEIGH_STEPS - 1
+            ctl.observe(batch, *plain)   # (a step: the batch ages by one)
+            if ctl.choose(batch)[0] == 0:
+                return n
+        raise AssertionError("speculation never went off")
+
+    def speculating_for_a_while() -> tuple[SpecController, list[_Req]]:
+        ctl, batch, k = _speculating(B)
+        for _ in range(_START_HOLD):   # (its own start long past)
+            ctl.observe(batch, *plain)
+        assert ctl.choose(batch)[0] == k
+        ctl.tree_draft_cost[b] = {(n, 1): 50.0 for n in range(1, 5)}   # drafting got dear: none weighs best
+        return ctl, batch
+
+    ctl, batch = speculating_for_a_while()
+    assert weighings_until_off(batch) == 2           # two weighings in a row (the hold, then off)
+    ctl, batch = speculating_for_a_while()
+    new = [_Req() for _ in range(B)]
+    assert weighings_until_off(new) == _START_HOLD + 1   # a new batch: held until _START_HOLD of its steps ran
+    ctl, batch = speculating_for_a_while()
+    joined = batch[:-B // 2] + [_Req() for _ in range(B // 2)]   # half the batch new: no batch start
+    assert weighings_until_off(joined) == 2          # two weighings in a row (the hold, then off)
 
 
 def _off_after_speculating(B: int) -> tuple[SpecController, list[_Req], int]:
