@@ -28,8 +28,9 @@ k = 0 (no speculation) has E = 1 and cost t_verify(B, 1) + a plain step's t_host
 times its goodput (speculation's costs outside its steps: the constant's comment). t_verify(B, 1)
 is measured first at every batch-size bucket (the lesser of the last two of _PLAIN_FIRST
 one-token steps: the first steps after a prefill run slow) and again while speculating where no
-speculation's estimated goodput is within _PLAIN_CLOSE of the best size's (``_explore``:
-_PLAIN_FIRST plain steps every _PLAIN_REFRESH exploration intervals, the lesser of the last two
+speculation's estimated goodput is within _PLAIN_CLOSE of the best size's, or however far off
+once the estimate is old enough that a refresh costs under _PLAIN_STALE_COST of the steps since
+(``_explore``: _PLAIN_FIRST plain steps every _PLAIN_REFRESH exploration intervals, the lesser of the last two
 replacing the estimate: the plain steps right after speculation run slow, a batch of 16 at T =
 0.7 about 1.2-1.4x for three steps, then 1.0-1.1x its plain steps in a row). Other plain steps
 are averaged in only from the _PLAIN_SETTLE-th of the same requests in a row on (the first ones
@@ -59,8 +60,8 @@ neighbour of k* if its estimated goodput is within 15 % of k*'s, so close calls 
 without paying for hopeless ones (within 30 % where its verify time went _STALE_STEPS steps
 unmeasured: that step's time replaces the estimate, which may date from a burst of slow steps;
 auto tree sizes: the chain one level longer or shorter up to the depth, tree sizes doubled or
-halved past it; while speculation is off, the size up only every 2 x bucket intervals: that step first catches the drafter up on every token since it last
-drafted); while speculation is off it also drafts a probe (4
+halved past it; while speculation is off, the size up only every 2 x bucket intervals: that
+step first catches the drafter up on every token since it last drafted); while speculation is off it also drafts a probe (4
 steps in a row) after 8 intervals of decode steps (tokens per sequence) times the batch-size bucket to keep alpha
 current (and the costs: a transient that made speculation look bad must not turn it off for
 good), twice as long after each probe that leaves it off (up to 8 times: at large batches it
@@ -298,6 +299,17 @@ _PLAIN_BURST_STEPS = 8
 _PLAIN_REFRESH = 4
 _PLAIN_REFRESH_STEPS = 64   # ... and every this many steps at most (a short exploration interval)
 _PLAIN_CLOSE = 0.75
+#: ... and however far off, once plain decode's estimate has stood for as many steps as keep a
+#: refresh's cost under this share of them (1200 steps where none is estimated half the best
+#: size's goodput, 1440 at 0.4): an estimate taken in a disturbance that made none look bad stood
+#: for good. At a batch of 32, T = 0.7, with another process busy on one of the 2 cores for the
+#: first 25 s, plain decode measured 90 ms a step (7.7 after), "auto" weighed chains of 2 1.9-2.0x
+#: none and drafted them for the whole run at 25 ms a step, 0.92x none (in a run disturbed by
+#: a test run alongside, 0.34x). A refresh is due at once where plain decode's estimate stands
+#: over _PLAIN_BURST times a longer size's measured time (``_plain_due``): with the first 8 plain steps at a batch of
+#: 32 timed 10x slow in the harness (T = 0.7, where drafting loses), "auto" without it drafted the
+#: whole run, 0.65x none; with it, off after 45 steps, 0.84x (stop 113)
+_PLAIN_STALE_COST = 0.0025
 #: the verify times' context fit: no slope until the contexts spread this much (_ContextFit)
 _CONTEXT_SPREAD = 0.1
 #: speculation is chosen over none only where its estimated goodput is at least this many times
@@ -1052,7 +1064,7 @@ class SpecController:
         # steps as multi-step decode, measured as rounds, nor while other proposers widen the steps)
         period = max(_PLAIN_REFRESH * interval, _PLAIN_REFRESH_STEPS)
         if (best and self.steps % period == period - 1 and 0 not in self.round_sizes
-                and not self.widened.get(bucket) and goodput(0) >= _PLAIN_CLOSE * goodput(best)):
+                and not self.widened.get(bucket) and self._plain_due(bucket, goodput(0) / goodput(best))):
             self.refresh[bucket] = _PLAIN_FIRST - 1
             return 0
         if self.steps and self.steps % interval == 0:
@@ -1070,6 +1082,22 @@ class SpecController:
                     and goodput(cand) >= margin * goodput(best)):
                 return cand
         return best
+
+    def _plain_due(self, bucket: int, ratio: float) -> bool:
+        """Whether plain decode is due a refresh while speculating at this batch size, where no
+        speculation's estimated goodput is ``ratio`` of the best size's: it is within _PLAIN_CLOSE,
+        or t_verify(B, 1) went unmeasured for as many steps as keep a refresh's cost (its
+        _PLAIN_FIRST plain steps, each 1 - ratio of a step short of the best size's) under
+        _PLAIN_STALE_COST of them, or it stands over _PLAIN_BURST times a longer size's measured
+        time (measured slow: ``_monotone`` reads it at that time meanwhile; at a batch of 1 a few
+        tokens verify in about one's time, and timing noise alone must not call a refresh)."""
+        table = self.verify_cost.get(bucket, {})
+        t1 = table.get(1)
+        if ratio >= _PLAIN_CLOSE or (t1 is not None and any(_PLAIN_BURST * t < t1 for s, t in table.items()
+                                                            if s > 1)):
+            return True
+        at = self.verify_at.get(bucket, {}).get(1)
+        return at is not None and self.observations - at >= _PLAIN_FIRST * (1 - ratio) / _PLAIN_STALE_COST
 
     def _first_probe(self, bucket: int, size: int) -> int:
         """The first drafts at a batch size: a probe of ``size`` for _FIRST_PROBE_STEPS steps (its

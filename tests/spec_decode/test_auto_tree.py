@@ -11,6 +11,7 @@ import torch
 
 from leapfrog.spec_decode import adaptive
 from leapfrog.spec_decode.adaptive import (_HOLD_FROM, _PLAIN_BURST_STEPS, _PLAIN_FIRST, _PLAIN_REFRESH, _PLAIN_SETTLE,
+                                           _PLAIN_STALE_COST,
                                            _REPROBE_STEPS, _REWEIGH_OFF_STEPS, _SPEC_SETTLE, _REWEIGH_SETTLED,
                                            _REWEIGH_STEPS, _STALE_STEPS, _START_HOLD, SpecController, _bucket, _ContextFit, _curve,
                                            shortest_near_best)
@@ -1229,6 +1230,33 @@ def test_a_refresh_of_plain_decode_never_sticks():
     ctl.refresh = {1: 2, 4: 0}
     ctl.choose([_Req(), _Req()])                          # batch size 2 now
     assert not ctl.refresh
+
+
+def test_plain_decode_far_off_the_best_is_refreshed_once_its_estimate_is_old():
+    """Speculating where no speculation weighs far under the best size (outside _PLAIN_CLOSE), a
+    refresh of plain decode still comes once its estimate has stood for as many steps as keep the
+    refresh's cost under _PLAIN_STALE_COST of them: an estimate taken in a disturbance (another
+    process on a core: plain decode measured at 90 ms a step where it ran 7.7) otherwise stood for
+    good, and "auto" drafted at 0.92x none for a whole run. Standing above a longer size's time it
+    is due at once."""
+    period = max(_PLAIN_REFRESH * CFG.adaptive_explore_interval, 64)
+    ratio = 0.5
+    gp = {0: ratio, 1: 0.9, 2: 1.0, 3: 0.9}.__getitem__
+    ctl = SpecController(CFG, 4096)
+    ctl.verify_cost, ctl.verify_at = {1: {1: 1.0}}, {1: {1: 0}}
+    ctl.steps = period - 1
+    due = math.ceil(_PLAIN_FIRST * (1 - ratio) / _PLAIN_STALE_COST)
+    ctl.observations = due - 1
+    assert ctl._explore(1, 2, gp, 3, 1, 1) == 2          # measured lately enough: no refresh
+    ctl.observations = due
+    assert ctl._explore(1, 2, gp, 3, 1, 1) == 0 and ctl.refresh == {1: _PLAIN_FIRST - 1}
+    ctl = SpecController(CFG, 4096)
+    ctl.verify_cost, ctl.verify_at = {1: {1: 1.0}}, {1: {1: 0}}
+    ctl.steps, ctl.observations = period - 1, due
+    assert ctl._explore(1, 2, {0: 0.4, 1: 0.9, 2: 1.0, 3: 0.9}.__getitem__, 3, 1, 1) == 2   # farther off: later
+    ctl.verify_cost = {1: {1: 3.0, 3: 2.0}}   # dearer than 3 tokens a sequence: measured slow, due now
+    ctl.verify_at = {1: {1: ctl.observations, 3: ctl.observations}}
+    assert ctl._explore(1, 2, gp, 3, 1, 1) == 0
 
 
 def test_plain_steps_right_after_drafts_or_a_new_request_leave_plain_decode_alone():
