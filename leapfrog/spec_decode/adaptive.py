@@ -57,8 +57,8 @@ The first drafts at a batch size are a probe of the size a smaller batch size se
 of K (less at larger batches: _seed_size, _probe_size) for _FIRST_PROBE_STEPS steps. Every
 ``adaptive_explore_interval`` steps the controller tries a
 neighbour of k* if its estimated goodput is within 15 % of k*'s, so close calls stay measured
-without paying for hopeless ones (within 30 % where its verify time went _STALE_STEPS steps
-unmeasured: that step's time replaces the estimate, which may date from a burst of slow steps;
+without paying for hopeless ones (from a batch of _HOLD_FROM, within 30 % where its verify time
+went _STALE_STEPS steps unmeasured: that step's time replaces the estimate, which may date from a burst of slow steps;
 auto tree sizes: the chain one level longer or shorter up to the depth, tree sizes doubled or
 halved past it; while speculation is off, the size up only every 2 x bucket intervals: that
 step first catches the drafter up on every token since it last drafted); while speculation is off it also drafts a probe (4
@@ -211,6 +211,9 @@ _EXPLORE_MARGIN = 0.85  # explore a neighbouring K only if it is estimated withi
 #: level with the chain of 5's, where fixed chains of 4 verify in about 6.5; weighed 0.80-0.82 of
 #: the chain of 3 it was never explored again, and "auto" ran chains of 3 for the rest of the run,
 #: 1.07x none, where in another run of the harness the chain of 4 ran 1.16x; stop 113)
+#: (from a batch of _HOLD_FROM: at batch 1 the chain of the depth wins and its neighbours are
+#: measured as often as close calls are, and the wider exploration ran "auto" 0.96 of the chain of
+#: 7 against 0.97 in two tree_bench runs each at T = 0, 0.97-0.99 against 0.99-1.01 at T = 0.7)
 _STALE_MARGIN = 0.7
 _STALE_STEPS = 64
 _ROUND_TRIES = 3   # picks of the rounds' size at a batch size before giving up on measuring rounds there
@@ -1033,8 +1036,8 @@ class SpecController:
                  probe: int, tokens: Callable[[int], int] | None = None) -> int:
         """``best``, except every ``adaptive_explore_interval`` steps: a neighbour (``up`` and
         ``down`` in turn) if its estimated goodput is within 15 % of best's, so close calls stay
-        measured (within 30 % where the verify time of its ``tokens`` a sequence went stale:
-        _STALE_MARGIN); while speculation is off, ``probe`` when one is due (_probe_due) keeps acceptance
+        measured (from a batch of _HOLD_FROM, within 30 % where the verify time of its ``tokens`` a
+        sequence went stale: _STALE_MARGIN); while speculation is off, ``probe`` when one is due (_probe_due) keeps acceptance
         (and a tree's confidences and calibration) current. A probe runs _PROBE_STEPS steps, and its
         measurements replace the estimates of its size (they may be many steps old: averaging
         fresh samples into them would keep speculation off long after what turned it off is gone):
@@ -1076,8 +1079,8 @@ class SpecController:
             # 60 plain steps of 17 ms took 107 ms, and with one every 2 intervals "auto" ran
             # 0.88-0.94x none in traces at batches of 16-32, where it had settled on none)
             # (a speculating neighbour whose verify time went stale: within _STALE_MARGIN)
-            margin = (_STALE_MARGIN if best and cand and tokens is not None and self._stale(bucket, tokens(cand))
-                      else _EXPLORE_MARGIN)
+            margin = (_STALE_MARGIN if best and cand and tokens is not None and _size(bucket) >= _HOLD_FROM
+                      and self._stale(bucket, tokens(cand)) else _EXPLORE_MARGIN)
             if (cand != best and (best or self._explores_up_while_off(bucket, self.steps))
                     and goodput(cand) >= margin * goodput(best)):
                 return cand

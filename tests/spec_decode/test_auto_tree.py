@@ -972,29 +972,33 @@ def test_a_neighbour_whose_verify_time_went_stale_is_explored_and_measured_afres
     averaged in again; no speculation and sizes outside _STALE_MARGIN are never explored so."""
     interval = CFG.adaptive_explore_interval
     ctl = SpecController(CFG, 4096)
-    ctl.verify_cost = {2: {1: 1.0, 3: 2.0, 4: 4.0}}
-    ctl.verify_at = {2: {1: 0, 3: 0, 4: 0}}
+    big = _bucket(_HOLD_FROM)
+    ctl.verify_cost = {n: {1: 1.0, 3: 2.0, 4: 4.0} for n in (1, 2, big)}
+    ctl.verify_at = {n: {1: 0, 3: 0, 4: 0} for n in (1, 2, big)}
     gp = {0: 0.5, 1: 0.5, 2: 1.0, 3: 0.8}.__getitem__
     tokens = lambda n: n + 1   # (a size's verified tokens a sequence)
 
-    def explore(goodput=gp, best=2) -> int:
+    def explore(goodput=gp, best=2, bucket=big) -> int:
         ctl.steps = interval   # an exploration step, the size up's turn
-        return ctl._explore(2, best, goodput, 3, 1, 1, tokens)
+        return ctl._explore(bucket, best, goodput, 3, 1, 1, tokens)
 
     ctl.observations = _STALE_STEPS - 1
     assert explore() == 2                        # 0.8 of the best, measured lately: not explored
     ctl.observations = _STALE_STEPS
     assert explore() == 3                        # gone stale
+    assert explore(bucket=1) == 2                # (below a batch of _HOLD_FROM: as before)
     assert explore({0: 0.5, 1: 0.5, 2: 1.0, 3: 0.6}.__getitem__) == 2   # outside _STALE_MARGIN
     a, b = _Req(), _Req()
     ctl._seen_ids, ctl._since_join = {a.request_id, b.request_id}, _SPEC_SETTLE   # (a settled batch)
     drafts = DraftBatch(torch.zeros(6, dtype=torch.long), [3, 3], None, torch.full((6,), -1), [[0.5, 0.3, 0.2]] * 2)
     step = (AcceptanceResult([1, 1], [[0, 0]] * 2, [3, 3]), 0.1)
     ctl.observe([a, b], drafts, *step, 2.5)
-    assert ctl.verify_cost[2][4] == 2.5          # replaced
-    assert ctl.verify_at[2][4] == ctl.observations and explore() == 2
+    assert ctl.verify_cost[2][4] == 2.5          # replaced (the measurement holds at any batch size)
+    assert ctl.verify_at[2][4] == ctl.observations
     ctl.observe([a, b], drafts, *step, 3.0)
     assert ctl.verify_cost[2][4] == pytest.approx(0.8 * 2.5 + 0.2 * 3.0)   # fresh again: averaged in
+    ctl.verify_at[big][4] = ctl.observations   # (measured lately at the batch explored)
+    assert explore() == 2
     ctl.observations += _STALE_STEPS
     assert explore({0: 0.8, 1: 0.5, 2: 1.0, 3: 0.6}.__getitem__, best=0) == 0   # while off: as before
 
