@@ -1099,8 +1099,7 @@ class SpecController:
         if ratio >= _PLAIN_CLOSE or (t1 is not None and any(_PLAIN_BURST * t < t1 for s, t in table.items()
                                                             if s > 1)):
             return True
-        at = self.verify_at.get(bucket, {}).get(1)
-        return at is not None and self.observations - at >= _PLAIN_FIRST * (1 - ratio) / _PLAIN_STALE_COST
+        return self._unmeasured_for(bucket, 1) >= _PLAIN_FIRST * (1 - ratio) / _PLAIN_STALE_COST
 
     def _first_probe(self, bucket: int, size: int) -> int:
         """The first drafts at a batch size: a probe of ``size`` for _FIRST_PROBE_STEPS steps (its
@@ -1253,9 +1252,9 @@ class SpecController:
                 self._observe_tree(drafts, result, probe, [self.cap(r, depth) for r in reqs], ratio)
         settled, widened = True, (verify_tokens or s) > s
         ids, seen = tuple(r.request_id for r in reqs), self._seen_ids
-        if any(i not in seen for i in ids):
+        if joined := sum(i not in seen for i in ids):
             self._since_join = 0
-            if 2 * sum(i not in seen for i in ids) > len(ids):   # (most of the batch new: a batch's start)
+            if 2 * joined > len(ids):   # (most of the batch new: a batch's start)
                 self._since_start = 0
             self._seen_ids = set(ids)
         else:
@@ -1441,11 +1440,16 @@ class SpecController:
         n = self._plain_high[bucket] = self._plain_high.get(bucket, 0) + 1
         return n < _PLAIN_BURST_STEPS
 
+    def _unmeasured_for(self, bucket: int, s: int) -> float:
+        """Observed steps since the verify time of ``s`` tokens a sequence at this batch size last
+        moved (-inf: never measured)."""
+        at = self.verify_at.get(bucket, {}).get(s)
+        return -math.inf if at is None else self.observations - at
+
     def _stale(self, bucket: int, s: int) -> bool:
         """Whether the verify time of ``s`` tokens a sequence at this batch size was measured, but
         not in the last _STALE_STEPS observed steps (_STALE_MARGIN)."""
-        at = self.verify_at.get(bucket, {}).get(s)
-        return at is not None and self.observations - at >= _STALE_STEPS
+        return self._unmeasured_for(bucket, s) >= _STALE_STEPS
 
     def _measure(self, bucket: int, s: int, t_verify: float, host: float | None, widened: bool,
                  fresh: bool = False, settled: bool = True) -> None:
