@@ -11,7 +11,7 @@ import torch
 from leapfrog.detokenizer import Detokenizer
 from leapfrog.outputs import CompletionOutput, PositionLogprobs, RequestMetrics
 from leapfrog.sampling.grammar import GrammarState
-from leapfrog.sampling.sampler import PositionKey, Rng, RowSpec
+from leapfrog.sampling.sampler import NoiseRows, PositionKey, Rng, RowSpec
 from leapfrog.sampling_params import SamplingParams
 
 
@@ -44,6 +44,7 @@ class Request:
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.monotonic()))
     index: int = 0                         # completion index when n > 1
     seed_key: int | None = None            # seeded requests: key of the per-position noise
+    noise_rows: NoiseRows = field(default_factory=NoiseRows)   # seeded: its positions' noise, drawn once
     error: BaseException | None = None     # set when finish_reason == "error"
     # SamplingParams.logprobs / prompt_logprobs: one entry per output / prompt token
     output_logprobs: list[PositionLogprobs] | None = None
@@ -76,7 +77,9 @@ class Request:
         if self.params.greedy:
             return None
         if self.seed_key is not None:
-            return PositionKey(self.seed_key, len(self.output_ids) + j)
+            n = len(self.output_ids)
+            self.noise_rows.drop_below(n)
+            return PositionKey(self.seed_key, n + j, self.noise_rows)
         return self.generator
 
     @property

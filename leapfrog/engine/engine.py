@@ -870,7 +870,7 @@ class LLMEngine:
         stream = [d and r.seed_key is None for r, d in zip(reqs, drawn)]
         if any(d and not s for d, s in zip(drawn, stream)):
             rngs = [r.rng(j) if d and not s else None for r, d, s in zip(reqs, drawn, stream) for j in range(steps)]
-            e = -torch.log(sampler.noise(rngs, self.vocab_size, dev)).view(len(reqs), steps, -1)
+            e = sampler.exponentials(rngs, self.vocab_size, dev).view(len(reqs), steps, -1)
         else:
             e = self._no_noise(len(reqs), steps)
         w = sampler.stream_rows([r.generator if s else None for r, s in zip(reqs, stream)], [steps] * len(reqs),
@@ -991,7 +991,7 @@ class LLMEngine:
         if not all(r == d for r, d in zip(reject, drawn)):
             races = [d and not x for d, x in zip(drawn, reject)]
             rngs = [r.rng(j) if c and j < n else None for r, c in zip(reqs, races) for j in range(P)]
-            e = -torch.log(sampler.noise(rngs, V, dev).view(len(reqs), P, V))
+            e = sampler.exponentials(rngs, V, dev).view(len(reqs), P, V)
         w = sampler.stream_rows([r.generator if x else None for r, x in zip(reqs, reject)], [3 * n] * len(reqs),
                                 3 * P, dev).view(len(reqs), P, 3)
         return RoundRace(self._race_temperatures(reqs, drawn), torch.tensor(drawn, device=dev), e,

@@ -8,7 +8,8 @@ SamplingParams and the token history that penalties and min_tokens read.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
 import torch
@@ -195,12 +196,58 @@ def greedy_tokens(logits: Tensor, rows: RowBatch | None = None) -> Tensor:
     return logits.argmax(dim=-1)
 
 
+class NoiseRows:
+    """A seeded request's position noise, kept while in use: a position's V uniforms U (and the
+    race's exponentials E = -log U) are a pure function of (key, position), and a speculating
+    request asks for the same positions again and again (its drafter races under q at n..n+K-1,
+    the verifier under p at n..n+K, and the rejected positions come back next step), each time
+    45 us of a CPU generator and 7 of a log for V = 8192. Kept, each position is drawn once while
+    the request needs it, as plain decoding draws it once per token. Bounded: at most ``budget``
+    bytes (the most recently used; a long chain of rounds past the bound draws as before), and the
+    positions before the request's output are forgotten (``drop_below``: its tokens there are
+    fixed). Per request (``Request.noise_rows``)."""
+
+    def __init__(self, budget: int = 2 << 20):
+        self.budget = budget
+        # position -> [U, E]: [V] float64 CPU uniforms and their exponentials (None until raced)
+        self._rows: OrderedDict[int, list[Tensor | None]] = OrderedDict()
+        self._floor = 0
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def get(self, position: int, vocab_size: int) -> list[Tensor | None] | None:
+        """The position's [U, E] (E None until computed), or None when not kept."""
+        entry = self._rows.get(position)
+        if entry is None or entry[0].numel() != vocab_size:
+            return None
+        self._rows.move_to_end(position)
+        return entry
+
+    def put(self, position: int, entry: list[Tensor | None]) -> None:
+        if position < self._floor:
+            return
+        self._rows[position] = entry
+        self._rows.move_to_end(position)
+        while len(self._rows) > max(1, self.budget // (16 * entry[0].numel())):
+            self._rows.popitem(last=False)   # the least recently used
+
+    def drop_below(self, position: int) -> None:
+        """Forget the positions before ``position`` (the request's output reached it)."""
+        if position > self._floor:
+            self._floor = position
+            for n in [n for n in self._rows if n < position]:
+                del self._rows[n]
+
+
 @dataclass(frozen=True)
 class PositionKey:
     """Counter-based randomness of a seeded request: the noise behind output position
     ``position`` is a pure function of (``key``, ``position``), whatever K, batch or method."""
     key: int        # the request's 64-bit key (see seed_key)
     position: int   # output position n (0 = the first generated token)
+    # where the request keeps drawn positions (the same noise, drawn once); not part of the key
+    rows: NoiseRows | None = field(default=None, compare=False, hash=False, repr=False)
 
 
 #: where a row's randomness comes from: a seeded position, an unseeded request's stream, or
@@ -243,29 +290,61 @@ def noise(rngs: Sequence[Rng], vocab_size: int, device: torch.device | str = "cp
     noise is one function of (key, position): one-token steps sample on the host while CUDA
     graphs (multi-step decode, speculation rounds, sampled draft chains) race on the GPU, and a
     CUDA generator draws other numbers (found on the H100: multi-step seeded output differed)."""
-    u = torch.empty(len(rngs), vocab_size, dtype=torch.float64, device=device)
-    drawn: dict[PositionKey, int] = {}   # a tree's rows at one depth share their position's noise: drawn once
+    return _rows(rngs, vocab_size, device, exponential=False)
+
+
+def exponentials(rngs: Sequence[Rng], vocab_size: int, device: torch.device | str = "cpu") -> Tensor:
+    """[N, V] float64 the race's exponentials E = -log U of ``noise``'s rows (1 for rows with no
+    randomness), on ``device``: a seeded position's E is computed once, on the host, and kept
+    with its U (``NoiseRows``), so every race at that position (one-token steps, verification,
+    multi-step and speculation-round graphs) divides by the very same numbers."""
+    return _rows(rngs, vocab_size, device, exponential=True)
+
+
+def _rows(rngs: Sequence[Rng], vocab_size: int, device: torch.device | str, exponential: bool) -> Tensor:
+    """``noise`` (U) or ``exponentials`` (E = -log U): [N, V] float64, the rows' blocks joined at once."""
+    parts: list[Tensor] = []
+    seen: dict[PositionKey, Tensor] = {}   # a tree's rows at one depth share their position's noise: drawn once
     i = 0
     while i < len(rngs):
         r, j = rngs[i], i + 1
         if r is None:
-            u[i] = 0.36787944117144233
-        elif isinstance(r, PositionKey) and r in drawn:
-            u[i] = u[drawn[r]]
-        else:
-            if isinstance(r, PositionKey):   # always a CPU generator: the same noise on every device
-                g = position_generator(r)
-                drawn[r] = i
-            else:   # consecutive rows of one stream in one call (the same draws as row by row)
-                g = r
-                while j < len(rngs) and rngs[j] is r:
-                    j += 1
-            if g.device.type == u.device.type:
-                torch.rand(j - i, vocab_size, generator=g, dtype=torch.float64, out=u[i:j])
-            else:   # a request's stream lives on the CPU: drawn there, copied to the logits' device
-                u[i:j] = torch.rand(j - i, vocab_size, generator=g, dtype=torch.float64, device=g.device)
+            while j < len(rngs) and rngs[j] is None:
+                j += 1
+            parts.append(torch.full((j - i, vocab_size), 1.0 if exponential else 0.36787944117144233,
+                                    dtype=torch.float64))
+        elif isinstance(r, PositionKey):   # always a CPU generator: the same noise on every device
+            if r not in seen:
+                seen[r] = _position_row(r, vocab_size, exponential)[None]
+            parts.append(seen[r])
+        else:   # consecutive rows of one stream in one call (the same draws as row by row)
+            while j < len(rngs) and rngs[j] is r:
+                j += 1
+            u = torch.empty(j - i, vocab_size, dtype=torch.float64, device=r.device)
+            torch.rand(j - i, vocab_size, generator=r, dtype=torch.float64, out=u)
+            u.clamp_(min=_TINY)   # U = 0 would give E = inf and let a p = 0 token win a 0-0 tie
+            parts.append((torch.log(u).neg_() if exponential else u).to("cpu"))
         i = j
-    return u.clamp_(min=_TINY)   # U = 0 would give E = inf and let a p = 0 token win a 0-0 tie
+    if not parts:
+        return torch.empty(0, vocab_size, dtype=torch.float64, device=device)
+    return torch.cat(parts).to(device)   # (a copy: the kept rows are never handed out)
+
+
+def _position_row(pk: PositionKey, vocab_size: int, exponential: bool) -> Tensor:
+    """[V] float64 CPU: a seeded position's uniforms U in (0, 1), or E = -log U: the kept ones
+    where the request has them (``NoiseRows``), else drawn by the position's generator (and kept)."""
+    entry = None if pk.rows is None else pk.rows.get(pk.position, vocab_size)
+    if entry is None:
+        u = torch.empty(vocab_size, dtype=torch.float64)
+        torch.rand(vocab_size, generator=position_generator(pk), dtype=torch.float64, out=u)
+        entry = [u.clamp_(min=_TINY), None]
+        if pk.rows is not None:
+            pk.rows.put(pk.position, entry)
+    if not exponential:
+        return entry[0]
+    if entry[1] is None:
+        entry[1] = torch.log(entry[0]).neg_()
+    return entry[1]
 
 
 def sample(p: Tensor, rngs: Sequence[Rng]) -> Tensor:
@@ -350,8 +429,8 @@ def race_top(p: Tensor, rngs: Sequence[Rng], k: int) -> RaceTop:
 
 def _race(p: Tensor, rngs: Sequence[Rng]) -> Tensor:
     """[N, V] float64 p / E: the race's finishing order (largest first)."""
-    e = -torch.log(noise(rngs, p.shape[-1], p.device))   # [N, V] float64, in (0, 745]
-    return p.double() / e
+    e = exponentials(rngs, p.shape[-1], p.device)   # [N, V] float64, in (0, 745]
+    return p / e   # (float32 p promotes to float64 exactly, element by element: no [N, V] copy)
 
 
 def stream_rows(generators: Sequence[torch.Generator | None], counts: Sequence[int], width: int,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from unittest.mock import patch
+
 import numpy as np
 import pytest
 import torch
@@ -231,6 +233,32 @@ def test_noise_draws_each_stream_in_order_whatever_the_runs():
                         row(rb), row(rb), row(ra)]).clamp(min=torch.finfo(torch.float64).tiny)
     assert torch.equal(got, want)
     assert torch.equal(torch.rand(3, generator=a), torch.rand(3, generator=ra))
+
+
+def test_kept_position_noise_is_the_drawn_noise_drawn_once():
+    """A seeded request's positions (NoiseRows) are drawn once and then given back as drawn; the
+    positions before its output are forgotten, and at most ``budget`` bytes are kept (the most
+    recently used)."""
+    from leapfrog.sampling.sampler import NoiseRows, PositionKey, seed_key
+    V, key, rows, calls = 40, seed_key(3), NoiseRows(budget=16 * 40 * 3), []
+    real = sampler.position_generator
+
+    def counted(pk):
+        calls.append(pk.position)
+        return real(pk)
+    fresh = sampler.noise([PositionKey(key, n) for n in range(5)], V)
+    with patch.object(sampler, "position_generator", counted):
+        first = sampler.noise([PositionKey(key, n, rows) for n in range(3)], V)
+        again = sampler.noise([PositionKey(key, n, rows) for n in (2, 1, 0, 0)], V)
+        assert calls == [0, 1, 2] and len(rows) == 3
+        assert torch.equal(first, fresh[:3]) and torch.equal(again, fresh[[2, 1, 0, 0]])
+        sampler.noise([PositionKey(key, 3, rows), PositionKey(key, 4, rows)], V)   # over budget: 1 and 2 go
+        assert len(rows) == 3 and rows.get(0, V) is not None and rows.get(1, V) is None
+        rows.drop_below(4)
+        assert len(rows) == 1 and rows.get(4, V) is not None
+        calls.clear()
+        out = sampler.noise([PositionKey(key, n, rows) for n in (3, 4)], V)
+        assert calls == [3] and torch.equal(out, fresh[3:5])
 
 
 def test_stream_rows_take_each_generators_next_uniforms():

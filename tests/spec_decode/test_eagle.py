@@ -198,6 +198,31 @@ def test_greedy_seeded_and_sampled_requests_mix_in_one_tree_batch(shapes, tokeni
     assert llm.get_metrics()["num_draft_tokens"] > 0
 
 
+@pytest.mark.parametrize("tree", ["chain", "dynamic"])
+def test_seeded_speculation_draws_each_positions_noise_once(shapes, tokenizer, tree):
+    """A seeded request's drafter (at n+1..n+K) and verifier (at n..n+K) race with the same
+    position noise, and the rejected positions come back next step: each position's V uniforms
+    are drawn once while the request needs them (Request.noise_rows), so a run draws about one
+    position per output token, as plain decoding does, and the output is still the seeded one."""
+    from leapfrog.sampling import sampler
+    target, heads = shapes["llama_gqa_llama3"]
+    prompts = prompts_of(tokenizer, 3)
+    sp = [SamplingParams(temperature=0.8, seed=11 + i, max_tokens=MAX, ignore_eos=True) for i in range(3)]
+    _, ref = _generate(target, None, prompts, sp)
+    drawn = []
+    real = sampler.position_generator
+
+    def counted(pk):
+        drawn.append((pk.key, pk.position))
+        return real(pk)
+    with patch.object(sampler, "position_generator", counted):
+        llm, ids = _generate(target, {"method": "eagle3", "model": str(heads["eagle3"]), **TREES[tree]}, prompts, sp)
+    assert ids == ref
+    assert llm.get_metrics()["num_draft_tokens"] > 0
+    # each request's MAX positions, and the drafts past its end
+    assert len(drawn) == len(set(drawn)) and len(drawn) <= 3 * (MAX + TREES[tree]["num_speculative_tokens"] + 1)
+
+
 @pytest.mark.parametrize("where", ["verify", "draft"])
 def test_failed_batch_keeps_drafting_for_the_others(shapes, tokenizer, where):
     """A batched step that raises (in verification, or inside the head's own forward) is retried
