@@ -51,8 +51,8 @@ def race_chain_draws(self: EagleProposer, rs, levels, chain):
     uniforms per level from its position noise or its generator (stream rows: none)."""
     dev, steps, vocab = self.runner.device, chain.steps, chain.model.args.vocab_size
     rngs = [r.rng(d) if d < n else None for r, n in zip(rs, levels) for d in range(steps)]
-    u = sampler.noise(rngs, vocab, dev).view(len(rs), steps, vocab)
-    return u, torch.zeros(len(rs), dtype=torch.bool, device=dev), torch.zeros(len(rs), steps, dtype=torch.float64,
+    e = sampler.exponentials(rngs, vocab, dev).view(len(rs), steps, vocab)
+    return e, torch.zeros(len(rs), dtype=torch.bool, device=dev), torch.zeros(len(rs), steps, dtype=torch.float64,
                                                                                device=dev)
 
 

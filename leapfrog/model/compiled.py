@@ -40,7 +40,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -850,8 +849,9 @@ class CompiledSampledChain(CompiledChain):
     """Sampled chain drafting in one graph per bucket, the sampled twin of CompiledChain (an
     EAGLE head's chains at temperature > 0). Each step draws as the sampler does
     (sampling/sampler.py ``sample``) from q = softmax(logits / logit_scale / T): seeded rows
-    the race's winner argmax q / E, E = -log U, with their position noise U [batch, steps, V]
-    float64, unseeded rows (``stream``) the inverse-CDF draw with one uniform w [batch, steps]
+    the race's winner argmax q / E with the exponentials E = -log U of their position noise
+    [batch, steps, V] float64 (``sampler.exponentials``: the kept E every race at that position
+    divides by), unseeded rows (``stream``) the inverse-CDF draw with one uniform w [batch, steps]
     float64 of their generator, both drawn on the host and passed in, so the graph draws the
     tokens the eager drafter draws. Rows with ``sampled`` False take the argmax, as
     CompiledChain. Only temperature: requests with penalties, token rules, top-k/p or min-p
@@ -871,26 +871,26 @@ class CompiledSampledChain(CompiledChain):
             raise ValueError("a sampled chain's own vocabulary must be in ascending target-id order")
         super().__init__(model, kv, buckets, steps, feature_width, next_width, vocab, compile=compile)
         self.want, self.logit_scale = want, logit_scale
-        self._unread_u: Tensor | None = None   # (``unread``)
+        self._unread_e: Tensor | None = None   # (``unread``)
         self._fn = self._wrap(self._sampled_chain)
 
     def unread(self, batch: int, dev: torch.device) -> Tensor:
-        """[batch, steps, V] float64 exp(-1) (E = 1): the race's uniforms of a step where no row
+        """[batch, steps, V] float64 ones: the race's exponentials of a step where no row
         races (greedy and unseeded rows), rows of one buffer as large as the largest warmed
         bucket, made at the first such step (eagerly a broadcast view of one value: no buffer of
         max_num_seqs x steps x V)."""
         if not self.compiled:
-            return torch.tensor(math.exp(-1), dtype=torch.float64, device=dev).expand(
+            return torch.tensor(1.0, dtype=torch.float64, device=dev).expand(
                 batch, self.steps, self.model.args.vocab_size)
-        if self._unread_u is None:
+        if self._unread_e is None:
             most = max(b.batch for b in self.warmed)
-            self._unread_u = torch.full((most, self.steps, self.model.args.vocab_size), math.exp(-1),
-                                        dtype=torch.float64, device=dev)
-        return self._unread_u[:batch]
+            self._unread_e = torch.ones(most, self.steps, self.model.args.vocab_size, dtype=torch.float64,
+                                        device=dev)
+        return self._unread_e[:batch]
 
     def _sampled_chain(self, tok: Tensor, pos: Tensor, mask: Tensor, rows: Tensor, write_rows: Tensor,
                        write_cols: Tensor, kv_len: Tensor, features: Tensor | None, last: Tensor, col: Tensor,
-                       temperature: Tensor, sampled: Tensor, u: Tensor, stream: Tensor,
+                       temperature: Tensor, sampled: Tensor, e: Tensor, stream: Tensor,
                        w: Tensor, steps: int | None = None) -> SampledChainOutput:
         # (eagerly: the whole chain from C++, over the head's own vocabulary or the target's: a head
         # whose vocabulary is not in ascending order picks over the spread logits, in Python)
@@ -898,36 +898,36 @@ class CompiledSampledChain(CompiledChain):
             toks, lps, shares, q = self.native_draft.sampled_chain(
                 tok, pos, mask, rows, write_rows, write_cols, kv_len, features, last, col,
                 self.steps if steps is None else steps, self.vocab, self.window, self.kv,
-                temperature=temperature, sampled=sampled, u=u, stream=stream, w=w, want=self.want,
-                scale=self.logit_scale, race=u.stride(-1) != 0)
+                temperature=temperature, sampled=sampled, e=e, stream=stream, w=w, want=self.want,
+                scale=self.logit_scale, race=e.stride(-1) != 0)
         else:
             toks, (lps, shares, q) = self._steps(tok, pos, mask, rows, write_rows, write_cols, kv_len, features,
-                                                 last, col, temperature, sampled, u, stream, w, steps=steps)
-        if self.vocab is not None and q.shape[-1] != u.shape[-1]:   # [B, steps, Vd] -> [B, steps, V] (the op spreads)
-            q = q.new_zeros(*q.shape[:-1], u.shape[-1]).index_copy(-1, self.vocab, q)
+                                                 last, col, temperature, sampled, e, stream, w, steps=steps)
+        if self.vocab is not None and q.shape[-1] != e.shape[-1]:   # [B, steps, Vd] -> [B, steps, V] (the op spreads)
+            q = q.new_zeros(*q.shape[:-1], e.shape[-1]).index_copy(-1, self.vocab, q)
         return SampledChainOutput(toks, lps, shares, q)
 
     def _pick(self, logits: Tensor, j: int, *pick_args: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
-        temperature, sampled, u, stream, w = pick_args   # [B], [B] bool, [B, steps, V], [B] bool, [B, steps]
+        temperature, sampled, e, stream, w = pick_args   # [B], [B] bool, [B, steps, V], [B] bool, [B, steps]
         lf = logits.float()                                                        # [B, V'] (V' = Vd: vocab)
         lp, greedy = first_max(torch.log_softmax(lf, -1))                          # [B], [B]
         q = race_probs(lf, temperature, self.logit_scale)                          # [B, V'] as the sampler's probs
-        if not self.compiled and u.stride(-1) == 0:
-            # eagerly, a step where no row races (u: ``unread``'s broadcast view): no race to run
-            # (about 50 us a level: V logs, V float64 quotients, a top-k), no seeded row's share
+        if not self.compiled and e.stride(-1) == 0:
+            # eagerly, a step where no row races (e: ``unread``'s broadcast view): no race to run
+            # (about 40 us a level: V float64 quotients, a top-k), no seeded row's share
             drawn = torch.where(stream, inverse_cdf_draw(q, w[:, j]), greedy)
             return torch.where(sampled, drawn, greedy), (lp, torch.zeros_like(lp), q)
-        uj = u[:, j] if self.vocab is None else u[:, j].index_select(-1, self.vocab)   # [B, V']
-        top = (q.double() / -torch.log(uj)).topk(min(self.want, q.shape[-1]), -1)  # the race's first finishers
+        ej = e[:, j] if self.vocab is None else e[:, j].index_select(-1, self.vocab)   # [B, V']
+        top = (q.double() / ej).topk(min(self.want, q.shape[-1]), -1)  # the race's first finishers
         drawn = torch.where(stream, inverse_cdf_draw(q, w[:, j]), top.indices[:, 0])
         x = torch.where(sampled, drawn, greedy)
         share = torch.log(top.values[:, 0] / top.values.sum(-1)).float()
         return x, (lp, share, q)
 
     def __call__(self, tok: Tensor, pos: Tensor, meta: AttnMeta, features: Tensor | None,  # type: ignore[override]
-                 last: Tensor, col: Tensor, temperature: Tensor, sampled: Tensor, u: Tensor, stream: Tensor,
+                 last: Tensor, col: Tensor, temperature: Tensor, sampled: Tensor, e: Tensor, stream: Tensor,
                  w: Tensor, steps: int | None = None) -> SampledChainOutput:
-        return self._serve(self._args(tok, pos, meta, features, last, col, temperature, sampled, u, stream, w),
+        return self._serve(self._args(tok, pos, meta, features, last, col, temperature, sampled, e, stream, w),
                            steps)
 
     def _flatten(self, out: SampledChainOutput) -> list[Tensor]:  # type: ignore[override]
@@ -940,7 +940,7 @@ class CompiledSampledChain(CompiledChain):
         V = self.model.args.vocab_size
         return (*super()._warm_extra(b, kv_len, dev), torch.full((b.batch,), 0.7, device=dev),
                 torch.ones(b.batch, dtype=torch.bool, device=dev),
-                torch.rand(b.batch, self.steps, V, dtype=torch.float64, device=dev).clamp_(min=1e-300),
+                -torch.log(torch.rand(b.batch, self.steps, V, dtype=torch.float64, device=dev).clamp_(min=1e-300)),
                 torch.arange(b.batch, device=dev) % 2 == 1,
                 torch.rand(b.batch, self.steps, dtype=torch.float64, device=dev))
 

@@ -526,13 +526,14 @@ std::tuple<Tensor, Tensor> eagle3_chain(CHAIN_ARGS, const Tensor& stop) {
 
 // CompiledSampledChain's chain (its _pick): rows with ``sampled`` draw from q = softmax(logits /
 // scale / T), unseeded ones (``stream``) by inverse CDF with w [B, steps] float64, seeded ones as the
-// race's winner argmax q / E, E = -log u [B, steps, V] (``race`` false: no row races, u unread);
+// race's winner argmax q / E with E [B, steps, V] the race's exponentials (sampler.exponentials: a
+// seeded position's kept -log U; ``race`` false: no row races, E unread);
 // the others take the argmax -> tokens, log q of the argmax (0 where every row draws by inverse CDF:
 // never read there), the winner's share, q [B, steps, V]
-// (spread over the target's vocabulary, u's width, where ``vocab`` maps the head's own; an
+// (spread over the target's vocabulary, e's width, where ``vocab`` maps the head's own; an
 // index_copy in Python cost 33 us a step)
 std::tuple<Tensor, Tensor, Tensor, Tensor> eagle3_sampled_chain(
-    CHAIN_ARGS, const Tensor& temperature, const Tensor& sampled, const Tensor& u, const Tensor& stream,
+    CHAIN_ARGS, const Tensor& temperature, const Tensor& sampled, const Tensor& e, const Tensor& stream,
     const Tensor& w, int64_t want, double scale, bool race) {
   // the rows' kinds, read once (tiny [B] tensors): where(sampled, where(stream, inverse CDF, race
   // or argmax), argmax) per row in a loop, the inverse CDF only where a row takes it
@@ -563,9 +564,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> eagle3_sampled_chain(
     const int64_t B = q.size(0), Vq = q.size(1);
     Tensor share = no_share, raced;
     if (race) {
-      Tensor uj = u.select(1, j);
-      if (vocab.numel()) uj = uj.index_select(-1, vocab);
-      auto [values, indices] = q.to(at::kDouble).div(uj.log().neg()).topk(std::min<int64_t>(want, Vq), -1);
+      Tensor ej = e.select(1, j);
+      if (vocab.numel()) ej = ej.index_select(-1, vocab);
+      auto [values, indices] = q.to(at::kDouble).div(ej).topk(std::min<int64_t>(want, Vq), -1);
       raced = indices.select(1, 0).contiguous();
       share = values.select(1, 0).div(values.sum(-1)).log().to(at::kFloat);
     }
@@ -580,8 +581,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> eagle3_sampled_chain(
     return std::make_pair(x, std::vector<Tensor>{lp, share, q});
   });
   Tensor q = r[3];                                                             // [B, steps, Vd]
-  if (vocab.numel()) {   // spread over the target's V = u's width: zeros outside the draft vocabulary
-    const int64_t V = u.size(-1), Vd = q.size(-1), R = q.size(0) * q.size(1);
+  if (vocab.numel()) {   // spread over the target's V = e's width: zeros outside the draft vocabulary
+    const int64_t V = e.size(-1), Vd = q.size(-1), R = q.size(0) * q.size(1);
     TORCH_CHECK(vocab.numel() == Vd && vocab.scalar_type() == at::kLong && q.scalar_type() == at::kFloat,
                 "eagle3_sampled_chain: vocab [Vd] long, float32 q");
     Tensor full = at::zeros({q.size(0), q.size(1), V}, q.options());
@@ -689,7 +690,7 @@ TORCH_LIBRARY(leapfrog_draft, m) {
         "Tensor write_rows, Tensor write_cols, Tensor kv_len, Tensor last, Tensor col, int steps, Tensor vocab, "
         "int window, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor embed, Tensor cos, Tensor sin, Tensor[] norms, "
         "Tensor[] weights, Tensor[] biases, Tensor[] scales, int[] sizes, float eps, bool norm_before_residual, "
-        "Tensor temperature, Tensor sampled, Tensor u, Tensor stream, Tensor w, int want, float scale, bool race) "
+        "Tensor temperature, Tensor sampled, Tensor e, Tensor stream, Tensor w, int want, float scale, bool race) "
         "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def("llama_chain(Tensor tok, Tensor pos, Tensor mask, Tensor rows, Tensor write_rows, Tensor write_cols, "
         "Tensor kv_len, Tensor last, Tensor col, int steps, Tensor stop, int window, Tensor(a!)[] k_caches, "
@@ -819,13 +820,13 @@ class NativeHeadForward:
         return torch.ops.leapfrog_draft.eagle3_chain(*self._chain_args(*args),
                                                      self.no_stop if stop is None else stop)
 
-    def sampled_chain(self, *args, temperature: Tensor, sampled: Tensor, u: Tensor, stream: Tensor, w: Tensor,
+    def sampled_chain(self, *args, temperature: Tensor, sampled: Tensor, e: Tensor, stream: Tensor, w: Tensor,
                       want: int, scale: float, race: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """CompiledSampledChain's chain (its ``_steps`` and ``_pick``) in one call: ``args`` as
-        ``chain``'s, then the pick's (model/compiled.py); ``race`` False: no row races (u unread)
+        ``chain``'s, then the pick's (model/compiled.py); ``race`` False: no row races (e unread)
         -> tokens, log q of the argmax, the winner's share [B, steps], q [B, steps, V] (spread over
-        the target's vocabulary, u's width, when ``vocab`` maps the head's)."""
-        return torch.ops.leapfrog_draft.eagle3_sampled_chain(*self._chain_args(*args), temperature, sampled, u,
+        the target's vocabulary, e's width, when ``vocab`` maps the head's)."""
+        return torch.ops.leapfrog_draft.eagle3_sampled_chain(*self._chain_args(*args), temperature, sampled, e,
                                                             stream, w, want, scale, race)
 
     def tree(self, tok: Tensor, pos: Tensor, mask: Tensor, rows: Tensor, write_rows: Tensor, write_cols: Tensor,

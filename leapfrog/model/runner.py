@@ -332,17 +332,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def draft_sampled_chain(self, chunks: list[SeqChunk], temperature: Tensor, sampled: Tensor,
-                            u: Tensor, stream: Tensor, w: Tensor,
+                            e: Tensor, stream: Tensor, w: Tensor,
                             steps: int | None = None) -> SampledChainOutput | None:
         """Chains of the sampled graph's ``steps`` tokens after each chunk (as ``draft_chain``):
-        temperature [n], sampled [n] bool (False: the argmax), u [n, steps, V] float64 the race's
-        uniforms of seeded rows, stream [n] bool the unseeded rows, which draw by inverse CDF
+        temperature [n], sampled [n] bool (False: the argmax), e [n, steps, V] float64 the race's
+        exponentials of seeded rows (sampler.exponentials), stream [n] bool the unseeded rows, which draw by inverse CDF
         with w [n, steps] float64, all on the runner's device; ``steps``: the tokens wanted (default
         the graph's; an eager chain runs just those). -> per chunk, or None when no graph fits."""
         c = self.sampled_chain
         if c is None or (steps or 0) > c.steps:
             return None
-        return _first(self._fused_chain(c, chunks, steps or c.steps, (temperature, sampled, u, stream, w)),
+        return _first(self._fused_chain(c, chunks, steps or c.steps, (temperature, sampled, e, stream, w)),
                       len(chunks))
 
     @torch.inference_mode()

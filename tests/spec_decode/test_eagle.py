@@ -276,13 +276,13 @@ def test_failed_batch_keeps_drafting_for_the_others(shapes, tokenizer, where):
     assert eng.kv.num_free == eng.kv.num_rows
 
 
-def test_sampled_requests_draft_sampled_chains_and_seeded_ones_race_trees(shapes, tokenizer, monkeypatch):
+def test_sampled_requests_draft_sampled_chains_and_seeded_ones_race_chains(shapes, tokenizer, monkeypatch):
     """In a tree batch, greedy requests branch (top tokens, point masses); unseeded sampled
     requests draft one sampled token per level with their q (rejection sampling needs it), each an
     inverse-CDF draw with one uniform of the request's generator (nothing more drawn from it);
-    seeded ones branch too, their children the first finishers of the race under q with the
-    target's own (seed, position) noise at each depth (the coupling that makes matching accept
-    often)."""
+    seeded ones draft the chain of the race's winners under q with the target's own (seed,
+    position) noise at each depth (the coupling that makes matching accept often), as the fused
+    sampled chain loop drafts them."""
     from leapfrog.sampling import sampler
     target, heads = shapes["llama_gqa_llama3"]
     prompts = prompts_of(tokenizer, 3)
@@ -320,7 +320,7 @@ def test_sampled_requests_draft_sampled_chains_and_seeded_ones_race_trees(shapes
         eng.add_request(f"r{i}", None, p, sp)
     while eng.has_unfinished():
         eng.step()
-    branched = {"r0": False, "r2": False}
+    branched = {"r0": False}
     drew = 0
     for ids, drafts in seen:
         o, parents = drafts.offsets(), drafts.parent_lists()
@@ -329,8 +329,8 @@ def test_sampled_requests_draft_sampled_chains_and_seeded_ones_race_trees(shapes
             if rid in branched:
                 branched[rid] |= parents[b] != list(range(-1, n - 1))
                 continue
-            assert parents[b] == list(range(-1, n - 1)), parents[b]      # a chain
-            if n:
+            assert parents[b] == list(range(-1, n - 1)), parents[b]      # a chain (r1 and the seeded r2)
+            if n and rid == "r1":
                 q = drafts.draft_probs[o[b]:o[b + 1]]                    # [n, V]
                 torch.testing.assert_close(q.sum(-1), torch.ones(n))
                 assert bool((q.gather(1, drafts.token_ids[o[b]:o[b + 1], None]) > 0).all())
@@ -643,8 +643,10 @@ def test_fast_path_samples_chains_as_eager(shapes, tokenizer, tree, monkeypatch)
     generator, replayed here against the graph's own q (one uniform per level, nothing more
     drawn): not compared with the eager engine, whose q differs from inductor's in the last bits,
     which moves an inverse-CDF draw about once in 20,000 (the race's argmax is not moved by
-    it). With a tree configured, unseeded requests (which draft chains whatever the tree) use the
-    graph, seeded ones grow trees eagerly. Nothing compiles while serving."""
+    it). With a tree configured, sampled requests (which draft chains whatever the tree: an
+    unseeded one's draws, a seeded one's race winners) use the graph when no greedy request's
+    tree is in the step, and the expansion draws the same chain for a seeded one beside a greedy
+    tree. Nothing compiles while serving."""
     from torch._dynamo.utils import counters
 
     from leapfrog.model.compiled import CompiledSampledChain
@@ -682,15 +684,24 @@ def test_fast_path_samples_chains_as_eager(shapes, tokenizer, tree, monkeypatch)
                  SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)],
                 [SamplingParams(temperature=0.9, seed=6, max_tokens=MAX, ignore_eos=True),
                  SamplingParams(temperature=0.9, top_k=20, seed=7, max_tokens=MAX, ignore_eos=True)]]
-    if tree == "dynamic":   # a seeded one's trees (eager)
-        compared = [[SamplingParams(temperature=0.8, seed=5, max_tokens=MAX, ignore_eos=True)]]
+    if tree == "dynamic":   # a seeded one's chains alone (the graph), then beside a greedy tree (eager)
+        compared = [[SamplingParams(temperature=0.8, seed=5, max_tokens=MAX, ignore_eos=True)],
+                    [SamplingParams(temperature=0.9, seed=6, max_tokens=MAX, ignore_eos=True),
+                     SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)]]
     unseeded = [SamplingParams(temperature=t, max_tokens=MAX, ignore_eos=True) for t in (0.7, 0.9)]
     graphs = counters["stats"]["unique_graphs"]
-    outs = {}
+    outs, alone = {}, None
     for eager, llm in llms.items():
-        outs[eager] = [[o.outputs[0].token_ids for o in llm.generate(
-            [{"prompt_token_ids": p} for p in prompts[:len(sps)]], sps, use_tqdm=False)] for sps in compared]
+        outs[eager] = []
+        for sps in compared:
+            outs[eager].append([o.outputs[0].token_ids for o in llm.generate(
+                [{"prompt_token_ids": p} for p in prompts[:len(sps)]], sps, use_tqdm=False)])
+            if not eager and alone is None:
+                alone = (len(calls), len(seen[False]))   # the first group's steps on the fast engine
     assert outs[False] == outs[True]
+    if tree == "dynamic":   # the seeded request alone: every drafting step one graph call, chains
+        assert alone[0] == alone[1] > 0
+        assert all(p == list(range(-1, len(p) - 1)) for _, parents in seen[False][:alone[1]] for p in parents)
     assert len(seen[False]) == len(seen[True]) and seen[False] == seen[True]
     fast = llms[False]
     assert fast.engine.proposer.runner.sampled_chain is not None

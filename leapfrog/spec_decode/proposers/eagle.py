@@ -32,12 +32,12 @@ step's requests all draw temperature-only and the fused sampled chain loop serve
 seeded request drafts the chain of the race's winners (one child per level, whatever the tree
 settings, as unseeded requests do): its tree grown level by level in Python ran the built-in
 pair 0.78x no speculation at batch 1 and 0.30x at batch 16 (T = 0.7, 16 nodes, stop 114) where
-the fused chain ran 1.56x and 0.73x. In steps grown level by level (a static tree, greedy trees
-in the batch, other sampling settings) a node's
-children are the race's first ``eagle_topk`` finishers under q (``sampler.race_top``): a tree
-like a greedy one, each child scored by its share of the finishers' race values q / E, any of
-whose children may match (which children are drafted never changes the output, only how much of
-it one step accepts). Unseeded requests get a *sampled chain* (one child per level, whatever
+the fused chain ran 1.56x and 0.73x; the level-by-level expansion (greedy trees in the batch,
+other sampling settings) draws the same chain (``_grown_width``). Only a static tree gives a
+seeded request siblings: a node's children are the race's first finishers under q
+(``sampler.race_top``), each scored by its share of the finishers' race values q / E, any of
+which may match (which children are drafted never changes the output, only how much of it one
+step accepts). Unseeded requests get a *sampled chain* (one child per level, whatever
 the tree settings): x ~ q (an inverse-CDF draw with one uniform of the request's generator, as
 the sampler draws unseeded rows), and q goes to lossless rejection sampling (accept with
 min(1, p/q): about sum min(p, q) per token, where a point mass on argmax q gets only
@@ -337,8 +337,8 @@ class EagleProposer:
         drafted by one compiled graph per step (model/compiled.py CompiledChain / CompiledTree: the
         catch-up forward over up to depth + 1 new positions, then the levels), sampled chains by
         CompiledSampledChain (seeded and unseeded requests draft chains there whatever the tree
-        settings); static trees, seeded trees in batches with greedy trees and long catch-ups (a
-        new prompt) run eagerly. A chain graph is compiled
+        settings); static trees, batches with greedy trees beside sampled requests and long
+        catch-ups (a new prompt) run eagerly. A chain graph is compiled
         when chains can be asked for (a tree of width 1, or "auto" tree sizes up to the depth), a
         tree graph for the configured tree (depth x the width ``num_draft_tokens`` uses, as the
         eager expansion grows it; "auto": depth x eagle_topk, every size cut from it)."""
@@ -521,20 +521,21 @@ class EagleProposer:
     def _chain_draws(self, rs: list[Request], levels: list[int],
                      chain: CompiledSampledChain) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The sampled chain graph's randomness for requests ``rs``, for the ``levels`` each draws
-        (the levels the eager expansion would draw): the race's uniforms u [n, steps, V] float64
-        (a seeded request's position noise), the unseeded rows stream [n] bool and their uniforms
+        (the levels the eager expansion would draw): the race's exponentials e [n, steps, V]
+        float64 (a seeded request's kept position noise, sampler.exponentials: what
+        ``_candidates``' race divides by), the unseeded rows stream [n] bool and their uniforms
         w [n, steps] float64 (the next draws of the request's generator, one per level: the
-        draws ``_candidates`` makes). When no row races, u is the graph's unread buffer: the
+        draws ``_candidates`` makes). When no row races, e is the graph's unread buffer: the
         draw of V uniforms per level is what inverse CDF saves."""
         dev, steps, vocab = self.runner.device, chain.steps, chain.model.args.vocab_size
         stream = [r.unseeded_sampled for r in rs]
         if any(not r.params.greedy and r.seed_key is not None for r in rs):
             rngs = [r.rng(d) if d < n and not s else None for r, n, s in zip(rs, levels, stream) for d in range(steps)]
-            u = sampler.noise(rngs, vocab, dev).view(len(rs), steps, vocab)
+            e = sampler.exponentials(rngs, vocab, dev).view(len(rs), steps, vocab)
         else:
-            u = chain.unread(len(rs), dev)
+            e = chain.unread(len(rs), dev)
         w = sampler.stream_rows([r.generator if s else None for r, s in zip(rs, stream)], levels, steps, dev)
-        return u, torch.tensor(stream, device=dev), w
+        return e, torch.tensor(stream, device=dev), w
 
     def _catch_up(self, reqs: list[Request], keep: int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Run the head over every pending position (long prompts in chunks); -> the last
@@ -578,7 +579,8 @@ class EagleProposer:
         frontier: dict[int, list[int]] = {}
         cands = self._candidates(logits, [(reqs[b], nodes[b], -1) for b in active])
         for i, b in enumerate(active):
-            frontier[b] = self._children(nodes[b], -1, 0.0, 1, cands[i], states[i], self._width(ks[b]))
+            frontier[b] = self._children(nodes[b], -1, 0.0, 1, cands[i], states[i],
+                                         self._grown_width(reqs[b], ks[b]))
         next_col = {b: self.computed[reqs[b].request_id] for b in active}
         context = dict(next_col)
         for depth in range(2, self.depth + 1):
@@ -613,9 +615,9 @@ class EagleProposer:
                 cand = []
                 for j in frontier[b]:
                     cand += self._children(nodes[b], j, nodes[b][j].score, depth, cands[o], out.hidden[o],
-                                           self._width(ks[b]))
+                                           self._grown_width(reqs[b], ks[b]))
                     o += 1
-                frontier[b] = self._next_frontier(nodes[b], cand, self._width(ks[b]))
+                frontier[b] = self._next_frontier(nodes[b], cand, self._grown_width(reqs[b], ks[b]))
 
     def _chain_ended(self, req: Request, ns: list[_Node], frontier: list[int]) -> bool:
         """Whether a greedy request's chain ends before this level: its last draft's path
@@ -699,6 +701,12 @@ class EagleProposer:
         (SpeculativeConfig.tree_shape: a chain for k <= depth, so "auto" sizes below that grow,
         and pay for, one node per level)."""
         return self.cfg.tree_shape(k)[1]
+
+    def _grown_width(self, req: Request, k: int) -> int:
+        """``_width`` for ``req``'s dynamic tree: 1 for a sampled request (an unseeded one draws
+        one child anyway; a seeded one drafts the race's winner per level, as the fused sampled
+        chain loop drafts it: module docstring), so both paths draft the same chain."""
+        return 1 if not req.params.greedy else self._width(k)
 
     def _children(self, ns: list[_Node], parent: int, score: float, depth: int, cand: _Cand,
                   state: torch.Tensor, width: int) -> list[int]:
