@@ -487,7 +487,7 @@ class EagleProposer:
         chain = self.runner.sampled_chain
         rs = [reqs[b] for b in active]
         if chain is None or not all((r.params.greedy or r.temperature_only)
-                                    and (self._width(ks[b]) == 1 or not r.params.greedy)
+                                    and self._grown_width(r, ks[b]) == 1
                                     for b, r in zip(active, rs)):
             return False
         chunks = self._pending(rs, chain.max_tokens)
