@@ -48,7 +48,7 @@ from leapfrog.spec_decode.native_confidence import load_native_confidence, nativ
 from leapfrog.spec_decode.proposers.prediction import MAX_DRAFT as MAX_PREDICTION_DRAFT, PredictionProposer
 from leapfrog.spec_decode.verify.greedy import greedy_accept
 from leapfrog.spec_decode.verify.native import (chain_rejection, load_native_verify,
-                                                native_verify_enabled)
+                                                native_verify_enabled, race_match)
 from leapfrog.spec_decode.verify.rejection import rejection_accept
 from leapfrog.spec_decode.verify.result import AcceptanceResult
 from leapfrog.spec_decode.verify.tree import tree_match_accept, tree_rejection_accept
@@ -230,10 +230,11 @@ class LLMEngine:
             #: which target states the proposer reads (EAGLE: "hidden" or aux layers), else None
             self._target_states = getattr(self.proposer, "target_states", None)
             #: chains of unseeded temperature-only requests verified, and their tokens drawn (plain
-            #: decode too: chains of none), by one C++ call (on CPU: spec_decode/verify/native.py;
-            #: LEAPFROG_NATIVE_VERIFY=0, read here, turns it off)
+            #: decode too: chains of none), by one C++ call, and seeded requests' rows raced by
+            #: another (on CPU: spec_decode/verify/native.py; LEAPFROG_NATIVE_VERIFY=0, read here,
+            #: turns them off)
             self._native_verify = self.device.type == "cpu" and native_verify_enabled()
-            self._sampled_seen = False   # whether an unseeded sampled request came (the op's build starts then)
+            self._sampled_seen = False   # whether a sampled request came (the op's build starts then)
             if not config.enforce_eager:
                 self._compile()
         except BaseException:
@@ -372,8 +373,9 @@ class LLMEngine:
     def expect_sampled_requests(self) -> None:
         """The caller will send sampled requests (a server: the OpenAI API's default temperature is 1):
         on CPU, build the sampled-chain verify op (which draws plain decode's tokens too) ahead,
-        rather than at the first sampled decode step (7-10 s on a fresh machine). Called by the
-        engine itself at the first unseeded sampled request too (its prefill runs meanwhile)."""
+        rather than at the first sampled decode step (7-10 s on a fresh machine; seeded requests'
+        rows are raced by it too). Called by the engine itself at the first sampled request too
+        (its prefill runs meanwhile)."""
         self._sampled_seen = True
         if self._native_verify:   # (CPU logits: the op verifies chains and draws tokens)
             build_ahead([load_native_verify])
@@ -454,7 +456,7 @@ class LLMEngine:
             req.metrics.arrival_time = arrival_time
         self.requests[request_id] = req
         self.scheduler.add(req)
-        if req.unseeded_sampled and not self._sampled_seen:   # (its prefill runs while the op builds)
+        if req.sampled and not self._sampled_seen:   # (its prefill runs while the op builds)
             self.expect_sampled_requests()
         proposer = self._proposer_of(req)
         if proposer is not None:
@@ -1144,9 +1146,18 @@ class LLMEngine:
         num_accepted, outputs, nodes = [0] * B, [[] for _ in range(B)], [[] for _ in range(B)]
         if matched:
             sub = drafts.select(matched)
+            sub_parents = [q for b in matched for q in parent_lists[b]]
             rngs = [reqs[b].rng(row_depth[i]) for b in matched for i in rows_of([b])]
-            res = match(sampler.sample(p_of(matched), rngs).tolist(), sub,
-                        [q for b in matched for q in parent_lists[b]])
+            p_m = p_of(matched)
+            if self._native_verify and p_m.dtype == torch.float32 and load_native_verify():
+                # (one C++ call racing only the rows the match reads: the rows past a mismatch
+                # are never raced; the Python race over every row was some 5 ms a step at a
+                # batch of 16 seeded chains of 5)
+                target = race_match(p_m, [sampler.exponential_row(r, p_m.shape[-1]) for r in rngs],
+                                    sub.token_ids, torch.tensor(sub_parents, dtype=torch.long), sub.num_draft)
+            else:
+                target = sampler.sample(p_m, rngs).tolist()
+            res = match(target, sub, sub_parents)
             for i, b in enumerate(matched):
                 num_accepted[b], outputs[b], nodes[b] = res.num_accepted[i], res.output_ids[i], res.accepted(i)
         if other and not any(drafts.num_draft[b] for b in other):   # nothing to verify: draw from p

@@ -330,6 +330,17 @@ def _rows(rngs: Sequence[Rng], vocab_size: int, device: torch.device | str, expo
     return torch.cat(parts).to(device)   # (a copy: the kept rows are never handed out)
 
 
+def exponential_row(rng: Rng, vocab_size: int) -> Tensor | None:
+    """One row's exponentials E [V] float64 on the CPU, as ``exponentials`` gives them (the kept
+    row itself: read it, never write it), or None for a row with no randomness (E = 1). For
+    the race's rows only (seeded positions and greedy rows; a stream row draws by inverse CDF)."""
+    if rng is None:
+        return None
+    if not isinstance(rng, PositionKey):
+        raise TypeError("exponential_row: a stream row draws by inverse CDF, not by a race")
+    return _position_row(rng, vocab_size, exponential=True)
+
+
 def _position_row(pk: PositionKey, vocab_size: int, exponential: bool) -> Tensor:
     """[V] float64 CPU: a seeded position's uniforms U in (0, 1), or E = -log U: the kept ones
     where the request has them (``NoiseRows``), else drawn by the position's generator (and kept)."""

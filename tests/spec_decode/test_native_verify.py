@@ -238,3 +238,95 @@ def test_op_verified_sampling_follows_the_target_law(tmp_path_factory):
         assert_follows_target(target, {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2},
                               SETTINGS[1], seed=5)
     assert len(calls) >= 2
+
+
+def _random_drafts(g, num_draft, V, p, tree):
+    """Drafts per request: chains, or trees (each node's parent any earlier node or the root), a
+    node's token often the argmax of its parent's row (so paths run deep); siblings are distinct
+    tokens (draft.py's rule). -> (draft ids [T], parents [T] local, each row's depth [T + B])"""
+    ids, parents, depths, s = [], [], [], 0
+    for k in num_draft:
+        d, kids = [0], {}
+        for j in range(k):
+            par = int(torch.randint(-1, j, (1,), generator=g)) if tree and j else j - 1
+            x = (int(p[s + 1 + par].argmax()) if torch.rand(1, generator=g) < 0.7
+                 else int(torch.randint(V, (1,), generator=g)))
+            while x in kids.setdefault(par, set()):
+                x = (x + 1) % V
+            kids[par].add(x)
+            ids.append(x)
+            parents.append(par)
+            d.append(d[par + 1] + 1)
+        depths += d
+        s += k + 1
+    return torch.tensor(ids), parents, depths
+
+
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("seed,V", [*((s, 50) for s in range(5)), (5, 8192), (6, 4099)])
+def test_race_match_finds_what_racing_every_row_finds(tree, seed, V):
+    """Seeded rows (kept position noise) and greedy rows (E = 1) in one batch: the op's tokens on
+    the rows it races are sampler.sample's, the match over them is the match over every row's
+    token, and it races only the rows that match reads (each request's accepted path and the
+    row after it)."""
+    from leapfrog.spec_decode.verify.greedy import greedy_accept
+    from leapfrog.spec_decode.verify.tree import tree_match_accept
+    g = torch.Generator().manual_seed(seed)
+    num_draft = [3, 0, 6, 1, 4]
+    B, T = len(num_draft), sum(num_draft)
+    # peaked rows, so the race's winner is often the argmax and drafts of it are accepted
+    p = torch.softmax(torch.randn(T + B, V, generator=g) * 4, -1)
+    p[4] = torch.full((V,), 1.0 / V)   # (a greedy row of equal values: the first, as torch.argmax)
+    draft_ids, parents, depths = _random_drafts(g, num_draft, V, p, tree)
+    kept = [sampler.NoiseRows() for _ in num_draft]   # (per request, as Request.noise_rows)
+    owner = [b for b, k in enumerate(num_draft) for _ in range(k + 1)]
+    greedy = {1, 3}   # requests without randomness
+    rngs = [None if b in greedy else sampler.PositionKey(1000 + b, 5 + d, kept[b]) for b, d in zip(owner, depths)]
+    every = sampler.sample(p, rngs).tolist()
+    got = native.race_match(p, [sampler.exponential_row(x, V) for x in rngs], draft_ids,
+                            torch.tensor(parents), num_draft)
+    raced = [i for i, t in enumerate(got) if t >= 0]
+    assert all(got[i] == every[i] for i in raced)
+    ids = draft_ids.tolist()
+    if tree:
+        want, res = tree_match_accept(every, ids, parents, num_draft), tree_match_accept(got, ids, parents, num_draft)
+    else:
+        want, res = greedy_accept(every, ids, num_draft), greedy_accept(got, ids, num_draft)
+    assert res == want and sum(want.num_accepted) > 0
+    assert len(raced) == sum(n + 1 for n in want.num_accepted) < T + B
+
+
+def test_race_match_refuses_bad_trees_and_rows():
+    p = torch.full((3, 8), 0.125)
+    with pytest.raises(RuntimeError, match="parent after its child"):
+        native.race_match(p, [None] * 3, torch.tensor([1, 2]), torch.tensor([1, -1]), [2])
+    with pytest.raises(RuntimeError, match="float64"):
+        native.race_match(p, [torch.ones(8)] * 3, torch.tensor([1, 2]), torch.tensor([-1, 0]), [2])
+
+
+@pytest.mark.parametrize("spec", [{"method": "draft_model", "model": "self", "num_speculative_tokens": 3,
+                                   "draft_quantization": "int4"},
+                                  {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}, None])
+def test_seeded_output_is_the_same_with_the_race_op_on_and_off(pair, tokenizer, spec, monkeypatch):
+    """Seeded requests (temperature only, and with top-p) beside a greedy one, batched: the op
+    races their verification rows (plain decode's too) and the output is the Python race's, token
+    for token, and the output without speculation."""
+    calls = []
+    fn = native.race_match
+    monkeypatch.setattr("leapfrog.engine.engine.race_match", lambda *a: calls.append(1) or fn(*a))
+    prompts = [{"prompt_token_ids": p} for p in prompts_of(tokenizer, 4)]
+    sps = [SamplingParams(temperature=0.8, seed=3, max_tokens=20, ignore_eos=True),
+           SamplingParams(temperature=1.1, seed=4, top_p=0.9, max_tokens=20, ignore_eos=True),
+           SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+           SamplingParams(temperature=0.6, seed=5, max_tokens=20, ignore_eos=True)]
+    outs = {}
+    for on in ("0", "1"):
+        monkeypatch.setenv("LEAPFROG_NATIVE_VERIFY", on)
+        llm = LLM(model=str(pair), dtype="float32", max_model_len=128, max_num_seqs=4, speculative_config=spec)
+        outs[on] = [o.outputs[0].token_ids for o in llm.generate(prompts, sps, use_tqdm=False)]
+        assert (len(calls) > 5) == (on == "1"), len(calls)
+        calls.clear()
+    assert outs["0"] == outs["1"]
+    if spec is not None:
+        llm = LLM(model=str(pair), dtype="float32", max_model_len=128, max_num_seqs=4)
+        assert outs["1"] == [o.outputs[0].token_ids for o in llm.generate(prompts, sps, use_tqdm=False)]
