@@ -921,7 +921,8 @@ class CompiledSampledChain(CompiledChain):
         top = (q.double() / ej).topk(min(self.want, q.shape[-1]), -1)  # the race's first finishers
         drawn = torch.where(stream, inverse_cdf_draw(q, w[:, j]), top.indices[:, 0])
         x = torch.where(sampled, drawn, greedy)
-        share = torch.log(top.values[:, 0] / top.values.sum(-1)).float()
+        # (the share of the racing rows only, as the C++ op gives it: 0 for the other rows)
+        share = torch.where(sampled & ~stream, torch.log(top.values[:, 0] / top.values.sum(-1)).float(), 0.0)
         return x, (lp, share, q)
 
     def __call__(self, tok: Tensor, pos: Tensor, meta: AttnMeta, features: Tensor | None,  # type: ignore[override]

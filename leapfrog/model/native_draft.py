@@ -62,7 +62,7 @@ from torch import Tensor
 
 from leapfrog.utils import env_off
 from leapfrog.model.native_ops import ROW_KERNELS_CPP
-from leapfrog.sampling.native import INVERSE_CDF_DRAW_CPP
+from leapfrog.sampling.native import INVERSE_CDF_DRAW_CPP, RACE_TOP_CPP
 from leapfrog.utils.cpp import OpLibrary
 
 log = logging.getLogger("leapfrog.model")
@@ -324,7 +324,7 @@ std::tuple<Tensor, Tensor> eagle3_forward(
   return {x, logits};
 }
 // sampler.inverse_cdf_draw (sampling/native.py)
-""" + INVERSE_CDF_DRAW_CPP + r"""
+""" + INVERSE_CDF_DRAW_CPP + RACE_TOP_CPP + r"""
 
 // CompiledChain._steps: the first forward over each sequence's pending tokens (``last``: the last
 // real one's index), then steps - 1 one-token forwards, each fed the previous pick (``pick(logits,
@@ -549,6 +549,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> eagle3_sampled_chain(
   // computed (two ATen calls a level; those rows' log q come back 0, as the proposer never reads them)
   bool all_drawn = true;
   for (int64_t b = 0; b < tok.size(0); ++b) all_drawn = all_drawn && sam[b] && str[b];
+  // the head's target ids as the race reads them (checked once: E's columns)
+  Tensor vocab_ids = race && vocab.numel() ? vocab.to(at::kLong).contiguous() : vocab;
+  if (race && vocab.numel()) {
+    const int64_t* id = vocab_ids.data_ptr<int64_t>();
+    for (int64_t i = 0; i < vocab_ids.numel(); ++i)
+      TORCH_CHECK(id[i] >= 0 && id[i] < e.size(-1), "eagle3_sampled_chain: vocab id out of V");
+  }
   auto r = chain_steps(CHAIN_CALL, w.new_empty({0}), [&](const Tensor& logits, int64_t j) {
     Tensor lf = logits.to(at::kFloat);
     Tensor lp, greedy;
@@ -562,22 +569,42 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> eagle3_sampled_chain(
     Tensor q = at::softmax(z.div(temperature.view({-1, 1})), -1).contiguous();  // [B, V'] compiled.race_probs
     TORCH_CHECK(q.scalar_type() == at::kFloat, "eagle3_sampled_chain: float32 q");
     const int64_t B = q.size(0), Vq = q.size(1);
-    Tensor share = no_share, raced;
-    if (race) {
-      Tensor ej = e.select(1, j);
-      if (vocab.numel()) ej = ej.index_select(-1, vocab);
-      auto [values, indices] = q.to(at::kDouble).div(ej).topk(std::min<int64_t>(want, Vq), -1);
-      raced = indices.select(1, 0).contiguous();
-      share = values.select(1, 0).div(values.sum(-1)).log().to(at::kFloat);
-    }
+    Tensor share = no_share;
     Tensor x = all_drawn ? greedy : greedy.contiguous().clone();               // [B] (all_drawn: each row set below)
     int64_t* xs = x.data_ptr<int64_t>();
     const float* qs = q.data_ptr<float>();
-    for (int64_t b = 0; b < B; ++b) {
-      if (!sam[b]) continue;
-      if (str[b]) xs[b] = inverse_cdf_row(qs + b * Vq, Vq, wa[b][j]);
-      else if (race) xs[b] = raced.data_ptr<int64_t>()[b];
+    if (race) {
+      // the racing rows' first finishers of q / E (sampling/native.py race_top_row over the kept
+      // E, through the head's ids; ATen's [B, V'] float64 gather, copy, quotient and top-k cost
+      // about 2 ms a step at a batch of 16 chains of 5, stop 115), and the winner's share of
+      // them (ATen's sum, log, on the same values: the bits of _pick's); 0 for the other rows
+      std::vector<int64_t> racing;
+      for (int64_t b = 0; b < B; ++b)
+        if (sam[b] && !str[b]) racing.push_back(b);
+      const int64_t R = racing.size(), k = std::min<int64_t>(want, Vq), V = e.size(-1);
+      Tensor values = at::empty({R, k}, w.options());                          // [R, k] float64
+      Tensor indices = at::empty({R, k}, x.options());
+      const int64_t* vid = vocab_ids.numel() ? vocab_ids.data_ptr<int64_t>() : nullptr;
+      TORCH_CHECK(e.is_contiguous() && e.dim() == 3 && e.size(0) == B && (vid ? vocab_ids.numel() == Vq : V == Vq),
+                  "eagle3_sampled_chain: e [B, steps, V] contiguous");
+      const double* es = e.data_ptr<double>();
+      double* vs = values.data_ptr<double>();
+      int64_t* is = indices.data_ptr<int64_t>();
+      at::parallel_for(0, R, std::max<int64_t>(1, 65536 / Vq), [&](int64_t lo, int64_t hi) {
+        for (int64_t i = lo; i < hi; ++i) {
+          const int64_t b = racing[i];
+          race_top_row(qs + b * Vq, es + (b * e.size(1) + j) * V, vid, Vq, k, vs + i * k, is + i * k);
+        }
+      });
+      for (int64_t i = 0; i < R; ++i) xs[racing[i]] = is[i * k];
+      if (R) {
+        Tensor won = values.select(1, 0).div(values.sum(-1)).log().to(at::kFloat);   // [R]
+        share = at::zeros({B}, won.options());
+        for (int64_t i = 0; i < R; ++i) share.data_ptr<float>()[racing[i]] = won.data_ptr<float>()[i];
+      }
     }
+    for (int64_t b = 0; b < B; ++b)
+      if (sam[b] && str[b]) xs[b] = inverse_cdf_row(qs + b * Vq, Vq, wa[b][j]);
     return std::make_pair(x, std::vector<Tensor>{lp, share, q});
   });
   Tensor q = r[3];                                                             // [B, steps, Vd]

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from leapfrog.sampling.native import INVERSE_CDF_DRAW_CPP
+from leapfrog.sampling.native import INVERSE_CDF_DRAW_CPP, RACE_TOP_CPP
 from leapfrog.utils import env_off
 from leapfrog.utils.cpp import OpLibrary
 
@@ -67,8 +67,8 @@ _SOURCE = r"""
 namespace {
 using at::Tensor;
 
-// sampler.inverse_cdf_draw (sampling/native.py)
-""" + INVERSE_CDF_DRAW_CPP + r"""
+// sampler.inverse_cdf_draw and sampler.race_top of one row (sampling/native.py)
+""" + INVERSE_CDF_DRAW_CPP + RACE_TOP_CPP + r"""
 
 // the module docstring: -> ok [] bool, num_accepted [B] long, tokens [B] long
 std::tuple<Tensor, Tensor, Tensor> chain_rejection(
@@ -206,38 +206,11 @@ Tensor race_match(const Tensor& p, at::TensorList e, const Tensor& draft_ids, co
   }
   Tensor out = at::full({N}, -1, p.options().dtype(at::kLong));
   int64_t* Y = out.data_ptr<int64_t>();
-  // sampler.sample's race: argmax_v p[v] / E[v] in float64 (float32 p promotes exactly, as
-  // ATen's p / e), the first of equal maxima (torch.argmax); E = 1: argmax p. By blocks: the
-  // quotients and their maximum in vector code, a block searched only where its maximum wins
+  // sampler.sample's race: argmax_v p[v] / E[v] (sampling/native.py race_top_row, k = 1)
   auto race = [&](int64_t row) {
-    const float* pr = P + row * V;
-    const double* er = E[row];
-    constexpr int64_t W = 256;
-    double r[W], best = -1;
-    int64_t arg = 0;
-    for (int64_t v0 = 0; v0 < V; v0 += W) {
-      const int64_t n = std::min(W, V - v0);
-      double m = -1;
-      if (er) {
-#pragma omp simd reduction(max : m)
-        for (int64_t i = 0; i < n; ++i) {
-          r[i] = static_cast<double>(pr[v0 + i]) / er[v0 + i];
-          m = std::max(m, r[i]);
-        }
-      } else {
-#pragma omp simd reduction(max : m)
-        for (int64_t i = 0; i < n; ++i) {
-          r[i] = static_cast<double>(pr[v0 + i]);
-          m = std::max(m, r[i]);
-        }
-      }
-      if (m > best) {                                                          // (ties: the earlier block's)
-        int64_t i = 0;
-        while (r[i] != m) ++i;
-        best = m;
-        arg = v0 + i;
-      }
-    }
+    double best;
+    int64_t arg;
+    race_top_row(P + row * V, E[row], static_cast<const int64_t*>(nullptr), V, 1, &best, &arg);
     return arg;
   };
   at::parallel_for(0, B, std::max<int64_t>(1, 32768 / V), [&](int64_t lo, int64_t hi) {
