@@ -131,7 +131,8 @@ once every chain of the batch has a path confidence under ``stop_confidence``'s 
 level costs more than it brings (``SpecController.stop_confidence``, handed to the EAGLE proposer
 by the engine; exploration, probes and measurement steps draft in full; the levels a stopped
 chain did not draft count in the confidence curve below its last: ``_observe_tree``). At a batch
-of 1 the chain of the depth runs in its place, under the same stop (_STOP_AT_DEPTH).
+of 1 the chain of the depth runs in its place, under the same stop (_STOP_AT_DEPTH), where the
+request is greedy: sampled chains (seeded ones too) never stop early, so there the best size runs.
 
 Speculation rounds (num_scheduler_steps > 1 on the compiled fast path: engine ``_spec_rounds``).
 When the engine has a rounds graph for a chain of ``round_k`` drafts (K, or the chain of the
@@ -344,7 +345,10 @@ _SIZE_MARGIN = 0.97
 #: are the ones a deeper level pays on: at T = 0 (16 held-out prompts, AMX Xeon) "auto" at depth
 #: 7 ran chains of 6 in 26 % of its steps (4.81 tokens a step, against 5.62 at 7) and 0.949x the
 #: chain of 7 (stop 102). Not at larger batches: the stop ends a step's chains only once every
-#: row is under c*, and longer chains spread a static batch's lengths (_SIZE_MARGIN)
+#: row is under c*, and longer chains spread a static batch's lengths (_SIZE_MARGIN). Nor for a
+#: sampled request, whose chain drafts every level (``SpecController.stops``): a seeded request
+#: at a batch of 1 drafted the chain of 7 in 449 of 477 steps where the weighing put chains of
+#: 4-6 first, 0.95-0.96x the chain of 5 (stop 115)
 _STOP_AT_DEPTH = 1
 #: "auto" tree sizes: the least chain seeded at a batch size when no smaller one is measured
 #: (_seed_size)
@@ -426,6 +430,10 @@ class SpecController:
         #: auto tree size: the share of the batch last chosen for that drafts chains without
         #: confidence (unseeded sampled requests: ``Request.unseeded_sampled``)
         self.free_share = 0.0
+        #: ... and whether its chains stop at a stop confidence: only greedy chains do (the greedy
+        #: chain loop; sampled requests, seeded ones too, draft their chains in full), so only an
+        #: all-greedy batch runs the chain of the depth in the best chain's place (_STOP_AT_DEPTH)
+        self.stops = False
         #: whether the batch last chosen for (or observed) is mostly sampled requests: its
         #: batch-size bucket is the sampled one (``_bucket``, ``_key``)
         self.sampled = False
@@ -566,6 +574,7 @@ class SpecController:
         self.context = float(sum(r.num_computed for r in reqs)) if context is None else context
         if auto:
             self.free_share = sum(r.unseeded_sampled for r in reqs) / len(reqs) if reqs else 0.0
+            self.stops = bool(reqs) and not any(r.sampled for r in reqs)
             self.off_reqs = reqs if reqs and self.best.get(bucket) == 0 else None
         for stale in (self.probes, self.refresh):   # the batch moved on: its probe and refresh are stale
             for b in [b for b in stale if b != bucket]:
@@ -784,7 +793,7 @@ class SpecController:
         bucket = self._key(B)
         weighed = self._weighed.get(bucket)   # (first: a weighing stands only where all below held)
         lead = self._chosen[0].request_id if self._chosen else None   # (_Weighed.lead; choose set _chosen)
-        if (weighed is not None and weighed.free == free and weighed.batch == B
+        if (weighed is not None and weighed.free == free and weighed.batch == B and weighed.stops == self.stops
                 and self.observations - weighed.at < (weighed.wait if not weighed.best or weighed.lead == lead
                                                       else _REWEIGH_STEPS)):
             return self._explore_weighed(bucket, weighed)
@@ -847,7 +856,7 @@ class SpecController:
             prev = 0.0 if m is None or len(m) < best else m[best - 2] - (m[best - 3] if best >= 3 else 0.0)
             ratio = min(1.0, max((m[best - 1] - m[best - 2]) / prev if prev > 0 else 1.0, _MIN_CHILD_RATIO))
             stop = stop_confidence(extra * gp[best], cal, self.confidence.gamma, ratio)
-            if stop is not None and _size(bucket) <= _STOP_AT_DEPTH and best < depth:
+            if stop is not None and self.stops and _size(bucket) <= _STOP_AT_DEPTH and best < depth:
                 best = depth   # the chain of the depth, stopped at c* (_STOP_AT_DEPTH)
         # neighbours to explore: the next chain lengths up to the depth (close in cost, so a chain one
         # level longer must stay measured: with 2 x best only, a spike in the chain of 5's drafting
@@ -855,10 +864,11 @@ class SpecController:
         up = best + 1 if best < depth else best * 2
         down = best - 1 if best <= depth else max(depth, best // 2)
         w = _Weighed(self.observations, B, free, gp, best, min(top, max(1, up)), max(0, down),
-                     min(top, self._probe_size(B)), stop, ratio)
+                     min(top, self._probe_size(B)), stop, ratio, stops=self.stops)
         if (best == 0 and weighed is not None and weighed.best
                 and (not weighed.holding or self._since_start < _START_HOLD)
-                and _size(bucket) >= _HOLD_FROM and weighed.free == free and weighed.best < len(gp)):
+                and _size(bucket) >= _HOLD_FROM and weighed.free == free and weighed.stops == self.stops
+                and weighed.best < len(gp)):
             # speculating, and no speculation weighed best for the first time (or in a batch's first
             # _START_HOLD steps): the last best size runs on until the next weighing agrees
             # (_Weighed.holding; not across another share
@@ -869,7 +879,7 @@ class SpecController:
         else:   # at a batch of one, a weighing that agrees with the last doubles the wait (the same request's
             # when speculating): _REWEIGH_SETTLED, _REWEIGH_OFF_SETTLED
             agrees = (weighed is not None and weighed.best == best and not weighed.holding and _size(bucket) == 1
-                      and weighed.free == free and (not best or weighed.lead == lead))
+                      and weighed.free == free and weighed.stops == self.stops and (not best or weighed.lead == lead))
             first, most = (_REWEIGH_STEPS, _REWEIGH_SETTLED) if best else (_REWEIGH_OFF_STEPS, _REWEIGH_OFF_SETTLED)
             w.wait = min(2 * weighed.wait, most) if agrees else first
         w.lead = lead
@@ -1341,7 +1351,7 @@ class SpecController:
             explores = False
             if not self._inherits_off(bucket):
                 w = self._weighed.get(bucket)
-                if w is None or w.best or w.batch != B or w.free != self.free_share:
+                if w is None or w.best or w.batch != B or w.free != self.free_share or w.stops != self.stops:
                     return
                 n = min(n, w.wait - (self.observations - w.at))
                 # (_explore tries the size up only within _EXPLORE_MARGIN of the best's goodput: this
@@ -1740,6 +1750,8 @@ class _Weighed:
     #: (it swung 0.83-1.11 between weighings, 1.0 on average) kept the chains off for 7-14 weighings
     #: where they ran 1.14x none (stop 97)
     holding: bool = False
+    #: whether the batch weighed for stops its chains (SpecController.stops: all greedy)
+    stops: bool = False
     #: steps this weighing stands while it puts speculation first (_REWEIGH_SETTLED), and the
     #: first request of the batch it was weighed for
     wait: int = _REWEIGH_STEPS

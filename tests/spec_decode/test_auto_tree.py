@@ -693,6 +693,26 @@ def test_one_sequence_runs_the_chain_of_the_depth_under_the_best_chains_stop():
     assert ctl.choose([_Req()]) == [0] and ctl.stop_confidence is None
 
 
+@pytest.mark.stop_at_depth
+def test_a_seeded_request_alone_runs_the_best_chain_itself():
+    """A seeded request's chain (a sampled one) drafts every level: no stop would cut the chain of
+    the depth, so at a batch of 1 the weighing's best chain runs, where a greedy request's
+    measurements, weighed alike, run the chain of the depth under the stop."""
+    seeded = _Req()
+    seeded.sampled = True   # (a seeded request: sampled, not ``unseeded_sampled``: weighed by its confidences)
+    conf = [0.9, 0.8, 0.3, 0.2]
+    got = {}
+    for req in (_Req(), seeded):
+        ctl = SpecController(CFG, 4096)
+        ctl.sampled = req.sampled
+        _measured(ctl, {1: 0.1, 2: 0.4, 3: 0.7, 4: 1.0}, bucket=ctl._key(1))
+        for _ in range(10):
+            ctl.confidence.calibrate(1.7, ctl.confidence.observe([conf], [2]))
+        got[req.sampled] = (ctl.choose([req]), ctl._weighed[ctl._key(1)])
+    assert got[False][0] == [4] and got[True][0] == [2]
+    assert got[False][1].goodput == got[True][1].goodput and got[True][1].best == 2 and not got[True][1].stops
+
+
 def test_levels_a_chain_did_not_draft_count_below_its_last():
     """A step whose chain grew fewer levels than the depth counts the levels not drafted at its
     last level's confidence times a child's ratio per level: the ratio the stop confidence assumed
