@@ -585,12 +585,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> eagle3_sampled_chain(
       Tensor values = at::empty({R, k}, w.options());                          // [R, k] float64
       Tensor indices = at::empty({R, k}, x.options());
       const int64_t* vid = vocab_ids.numel() ? vocab_ids.data_ptr<int64_t>() : nullptr;
-      TORCH_CHECK(e.is_contiguous() && e.dim() == 3 && e.size(0) == B && (vid ? vocab_ids.numel() == Vq : V == Vq),
-                  "eagle3_sampled_chain: e [B, steps, V] contiguous");
+      TORCH_CHECK(e.is_contiguous() && e.dim() == 3 && e.size(0) == B && e.size(1) > j && k >= 1 &&
+                  (vid ? vocab_ids.numel() == Vq : V == Vq),
+                  "eagle3_sampled_chain: e [B, steps, V] contiguous, want >= 1");
       const double* es = e.data_ptr<double>();
       double* vs = values.data_ptr<double>();
       int64_t* is = indices.data_ptr<int64_t>();
-      at::parallel_for(0, R, std::max<int64_t>(1, 65536 / Vq), [&](int64_t lo, int64_t hi) {
+      at::parallel_for(0, R, std::max<int64_t>(1, 65536 / std::max<int64_t>(1, Vq)), [&](int64_t lo, int64_t hi) {
         for (int64_t i = lo; i < hi; ++i) {
           const int64_t b = racing[i];
           race_top_row(qs + b * Vq, es + (b * e.size(1) + j) * V, vid, Vq, k, vs + i * k, is + i * k);

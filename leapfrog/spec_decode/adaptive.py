@@ -598,7 +598,8 @@ class SpecController:
         elif auto:
             k = self._auto_tree_size(B, self.free_share)
             w = self._weighed.get(bucket)
-            stop = w.stop if w is not None and k == w.best else None
+            # (only greedy chains stop: a batch with a sampled request drafts its chains in full)
+            stop = w.stop if w is not None and k == w.best and self.stops else None
         elif self.cfg.adaptive:
             k = self._adaptive_k(B)
         else:
@@ -787,13 +788,20 @@ class SpecController:
         return self._explore(bucket, best_k, goodput, min(self.K, best_k + 1), max(0, best_k - 1), 1,
                              lambda k: k + 1)
 
+    def _stops_key(self, bucket: int) -> bool:
+        """What a weighing records of ``stops``: it decides the weighing only up to _STOP_AT_DEPTH
+        (the chain of the depth in the best chain's place); past it every batch weighs alike (True),
+        so a batch whose greedy and sampled requests change places keeps its weighing."""
+        return self.stops or _size(bucket) > _STOP_AT_DEPTH
+
     def _auto_tree_size(self, B: int, free: float = 0.0) -> int:
         """The tree size by goodput (module docstring) for a batch of B sequences, a share
         ``free`` of them drafting chains without confidence (unseeded sampled requests)."""
         bucket = self._key(B)
         weighed = self._weighed.get(bucket)   # (first: a weighing stands only where all below held)
         lead = self._chosen[0].request_id if self._chosen else None   # (_Weighed.lead; choose set _chosen)
-        if (weighed is not None and weighed.free == free and weighed.batch == B and weighed.stops == self.stops
+        if (weighed is not None and weighed.free == free and weighed.batch == B
+                and weighed.stops == self._stops_key(bucket)
                 and self.observations - weighed.at < (weighed.wait if not weighed.best or weighed.lead == lead
                                                       else _REWEIGH_STEPS)):
             return self._explore_weighed(bucket, weighed)
@@ -864,10 +872,10 @@ class SpecController:
         up = best + 1 if best < depth else best * 2
         down = best - 1 if best <= depth else max(depth, best // 2)
         w = _Weighed(self.observations, B, free, gp, best, min(top, max(1, up)), max(0, down),
-                     min(top, self._probe_size(B)), stop, ratio, stops=self.stops)
+                     min(top, self._probe_size(B)), stop, ratio, stops=self._stops_key(bucket))
         if (best == 0 and weighed is not None and weighed.best
                 and (not weighed.holding or self._since_start < _START_HOLD)
-                and _size(bucket) >= _HOLD_FROM and weighed.free == free and weighed.stops == self.stops
+                and _size(bucket) >= _HOLD_FROM and weighed.free == free and weighed.stops == self._stops_key(bucket)
                 and weighed.best < len(gp)):
             # speculating, and no speculation weighed best for the first time (or in a batch's first
             # _START_HOLD steps): the last best size runs on until the next weighing agrees
@@ -879,7 +887,8 @@ class SpecController:
         else:   # at a batch of one, a weighing that agrees with the last doubles the wait (the same request's
             # when speculating): _REWEIGH_SETTLED, _REWEIGH_OFF_SETTLED
             agrees = (weighed is not None and weighed.best == best and not weighed.holding and _size(bucket) == 1
-                      and weighed.free == free and weighed.stops == self.stops and (not best or weighed.lead == lead))
+                      and weighed.free == free and weighed.stops == self._stops_key(bucket)
+                      and (not best or weighed.lead == lead))
             first, most = (_REWEIGH_STEPS, _REWEIGH_SETTLED) if best else (_REWEIGH_OFF_STEPS, _REWEIGH_OFF_SETTLED)
             w.wait = min(2 * weighed.wait, most) if agrees else first
         w.lead = lead
@@ -1351,7 +1360,8 @@ class SpecController:
             explores = False
             if not self._inherits_off(bucket):
                 w = self._weighed.get(bucket)
-                if w is None or w.best or w.batch != B or w.free != self.free_share or w.stops != self.stops:
+                if (w is None or w.best or w.batch != B or w.free != self.free_share
+                        or w.stops != self._stops_key(bucket)):
                     return
                 n = min(n, w.wait - (self.observations - w.at))
                 # (_explore tries the size up only within _EXPLORE_MARGIN of the best's goodput: this
@@ -1750,7 +1760,8 @@ class _Weighed:
     #: (it swung 0.83-1.11 between weighings, 1.0 on average) kept the chains off for 7-14 weighings
     #: where they ran 1.14x none (stop 97)
     holding: bool = False
-    #: whether the batch weighed for stops its chains (SpecController.stops: all greedy)
+    #: whether the batch weighed for stops its chains (SpecController.stops: all greedy; True past
+    #: _STOP_AT_DEPTH, where it changes nothing: ``_stops_key``)
     stops: bool = False
     #: steps this weighing stands while it puts speculation first (_REWEIGH_SETTLED), and the
     #: first request of the batch it was weighed for

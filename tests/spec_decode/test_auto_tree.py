@@ -708,9 +708,11 @@ def test_a_seeded_request_alone_runs_the_best_chain_itself():
         _measured(ctl, {1: 0.1, 2: 0.4, 3: 0.7, 4: 1.0}, bucket=ctl._key(1))
         for _ in range(10):
             ctl.confidence.calibrate(1.7, ctl.confidence.observe([conf], [2]))
-        got[req.sampled] = (ctl.choose([req]), ctl._weighed[ctl._key(1)])
+        got[req.sampled] = (ctl.choose([req]), ctl._weighed[ctl._key(1)], ctl.stop_confidence)
     assert got[False][0] == [4] and got[True][0] == [2]
     assert got[False][1].goodput == got[True][1].goodput and got[True][1].best == 2 and not got[True][1].stops
+    # (no stop handed to the proposer for a chain that never stops)
+    assert got[False][2] is not None and got[True][2] is None
 
 
 def test_levels_a_chain_did_not_draft_count_below_its_last():

@@ -296,6 +296,18 @@ def test_race_match_finds_what_racing_every_row_finds(tree, seed, V):
     assert len(raced) == sum(n + 1 for n in want.num_accepted) < T + B
 
 
+def test_race_match_ties_go_to_the_first_column_across_blocks():
+    """Equal p / E at columns 10 and 300 (two of the op's 256-column blocks): the first, as
+    torch.argmax; with E larger at 10 the later one; what sampler.sample's race gives."""
+    p = torch.zeros(1, 600)
+    p[0, 10] = p[0, 300] = 0.5
+    for e10, want in ((1.0, 10), (2.0, 300)):
+        e = torch.ones(600, dtype=torch.float64)
+        e[10] = e10
+        got = native.race_match(p, [e], torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long), [0])
+        assert got == [want] == (p.double() / e).argmax(-1).tolist()
+
+
 def test_race_match_refuses_bad_trees_and_rows():
     p = torch.full((3, 8), 0.125)
     with pytest.raises(RuntimeError, match="parent after its child"):

@@ -213,6 +213,7 @@ Tensor race_match(const Tensor& p, at::TensorList e, const Tensor& draft_ids, co
     race_top_row(P + row * V, E[row], static_cast<const int64_t*>(nullptr), V, 1, &best, &arg);
     return arg;
   };
+  TORCH_CHECK(V > 0, "race_match: an empty vocabulary");
   at::parallel_for(0, B, std::max<int64_t>(1, 32768 / V), [&](int64_t lo, int64_t hi) {
     for (int64_t b = lo; b < hi; ++b) {
       const int64_t s = row0[b], o = flat0[b], k = num_draft[b];
