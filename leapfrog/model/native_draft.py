@@ -323,7 +323,7 @@ std::tuple<Tensor, Tensor> eagle3_forward(
   Tensor logits = linear(n, 4, sizes[9] != 0).to(at::kFloat);
   return {x, logits};
 }
-// sampler.inverse_cdf_draw (sampling/native.py)
+// sampler.inverse_cdf_draw and sampler.race_top of one row (sampling/native.py)
 """ + INVERSE_CDF_DRAW_CPP + RACE_TOP_CPP + r"""
 
 // CompiledChain._steps: the first forward over each sequence's pending tokens (``last``: the last

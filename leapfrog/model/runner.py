@@ -336,9 +336,10 @@ class ModelRunner:
                             steps: int | None = None) -> SampledChainOutput | None:
         """Chains of the sampled graph's ``steps`` tokens after each chunk (as ``draft_chain``):
         temperature [n], sampled [n] bool (False: the argmax), e [n, steps, V] float64 the race's
-        exponentials of seeded rows (sampler.exponentials), stream [n] bool the unseeded rows, which draw by inverse CDF
-        with w [n, steps] float64, all on the runner's device; ``steps``: the tokens wanted (default
-        the graph's; an eager chain runs just those). -> per chunk, or None when no graph fits."""
+        exponentials of seeded rows (sampler.exponentials), stream [n] bool the unseeded rows,
+        which draw by inverse CDF with w [n, steps] float64, all on the runner's device; ``steps``:
+        the tokens wanted (default the graph's; an eager chain runs just those). -> per chunk, or
+        None when no graph fits."""
         c = self.sampled_chain
         if c is None or (steps or 0) > c.steps:
             return None

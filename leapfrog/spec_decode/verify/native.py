@@ -185,6 +185,7 @@ Tensor race_match(const Tensor& p, at::TensorList e, const Tensor& draft_ids, co
               parents.size(0) == T && draft_ids.scalar_type() == at::kLong && parents.scalar_type() == at::kLong,
               "race_match: p [T + B, V] float32, e: T + B rows, drafts and parents [T] long, sum(num_draft) == T");
   const int64_t V = p.size(1);
+  TORCH_CHECK(V > 0, "race_match: an empty vocabulary");
   for (const Tensor& row : e)
     TORCH_CHECK(!row.numel() || (row.dim() == 1 && row.size(0) == V && row.scalar_type() == at::kDouble &&
                                  row.is_contiguous() && row.device().is_cpu()),
@@ -213,7 +214,6 @@ Tensor race_match(const Tensor& p, at::TensorList e, const Tensor& draft_ids, co
     race_top_row(P + row * V, E[row], static_cast<const int64_t*>(nullptr), V, 1, &best, &arg);
     return arg;
   };
-  TORCH_CHECK(V > 0, "race_match: an empty vocabulary");
   at::parallel_for(0, B, std::max<int64_t>(1, 32768 / V), [&](int64_t lo, int64_t hi) {
     for (int64_t b = lo; b < hi; ++b) {
       const int64_t s = row0[b], o = flat0[b], k = num_draft[b];
@@ -244,8 +244,8 @@ TORCH_LIBRARY_IMPL(leapfrog_verify, CPU, m) {
 }
 """
 
-_LIBRARY = OpLibrary("leapfrog_native_verify", _SOURCE, ["-O3", "-fopenmp-simd"], "native chain verification op (about 10 s)",
-                     "verifying in Python")
+_LIBRARY = OpLibrary("leapfrog_native_verify", _SOURCE, ["-O3", "-fopenmp-simd"],
+                     "native verification ops (about 10 s)", "verifying in Python")
 
 
 def native_verify_enabled() -> bool:
@@ -276,7 +276,6 @@ def chain_rejection(logits: Tensor, temperatures: Tensor, q: Tensor | None, draf
     if not bool(ok):
         return None
     return ChainDraw(n.tolist(), tok.tolist())
-
 
 
 def race_match(p: Tensor, e: list[Tensor | None], draft_ids: Tensor, parents: Tensor,
