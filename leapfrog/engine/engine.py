@@ -38,6 +38,7 @@ from leapfrog.model.runner import ModelRunner, SeqChunk
 from leapfrog.outputs import IterationStats, Logprob, PositionLogprobs, RequestOutput, SpecMetrics
 from leapfrog.request import Request
 from leapfrog.sampling import logprobs as lp, sampler
+from leapfrog.sampling.native import load_native_noise
 from leapfrog.sampling.grammar import GrammarCompiler, GrammarState
 from leapfrog.sampling_params import SamplingParams
 from leapfrog.scheduler.scheduler import Scheduler
@@ -235,6 +236,7 @@ class LLMEngine:
             #: turns them off)
             self._native_verify = self.device.type == "cpu" and native_verify_enabled()
             self._sampled_seen = False   # whether a sampled request came (the op's build starts then)
+            self._seeded_seen = False   # whether a seeded one came (sampling/native.py's noise op: built then)
             if not config.enforce_eager:
                 self._compile()
         except BaseException:
@@ -458,6 +460,15 @@ class LLMEngine:
         self.scheduler.add(req)
         if req.sampled and not self._sampled_seen:   # (its prefill runs while the op builds)
             self.expect_sampled_requests()
+        if req.sampled and key is not None and not self._seeded_seen:
+            self._seeded_seen = True
+            spec = self.config.speculative_config or {}
+            if self.device.type == "cpu" and (spec.get("method") in ("draft_model", *EAGLE_METHODS)
+                                              or not self.config.enforce_eager):
+                # (drafters racing under q, and the graphs' noise rows: computed in C++ once
+                # built, the same bits as torch's twin meanwhile; verification races in the
+                # verify op, plain decode too)
+                build_ahead([load_native_noise])
         proposer = self._proposer_of(req)
         if proposer is not None:
             proposer.start(req)
@@ -1153,7 +1164,7 @@ class LLMEngine:
                 # (one C++ call racing only the rows the match reads: the rows past a mismatch
                 # are never raced; the Python race over every row took about 9 ms for a batch
                 # of 16 seeded chains of 5, the op 0.4-0.5)
-                target = race_match(p_m, [sampler.exponential_row(r, p_m.shape[-1]) for r in rngs],
+                target = race_match(p_m, [sampler.race_key(r) for r in rngs],
                                     sub.token_ids, torch.tensor(sub_parents, dtype=torch.long), sub.num_draft)
             else:
                 target = sampler.sample(p_m, rngs).tolist()

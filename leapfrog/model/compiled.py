@@ -872,7 +872,15 @@ class CompiledSampledChain(CompiledChain):
         super().__init__(model, kv, buckets, steps, feature_width, next_width, vocab, compile=compile)
         self.want, self.logit_scale = want, logit_scale
         self._unread_e: Tensor | None = None   # (``unread``)
+        self._no_keys = torch.zeros(0, 0, 2, dtype=torch.int64)
         self._fn = self._wrap(self._sampled_chain)
+
+    @property
+    def races_by_key(self) -> bool:
+        """Whether the chain runs eagerly in C++ (model/native_draft.py), which races seeded rows
+        by their noise keys (sampler.noise_keys [B, steps, 2]) in place of E [B, steps, V]."""
+        return isinstance(self.native_draft, NativeHeadForward) and (self.vocab is not None
+                                                                     or self.model.identity_vocab)
 
     def unread(self, batch: int, dev: torch.device) -> Tensor:
         """[batch, steps, V] float64 ones: the race's exponentials of a step where no row
@@ -894,16 +902,18 @@ class CompiledSampledChain(CompiledChain):
                        w: Tensor, steps: int | None = None) -> SampledChainOutput:
         # (eagerly: the whole chain from C++, over the head's own vocabulary or the target's: a head
         # whose vocabulary is not in ascending order picks over the spread logits, in Python)
-        if isinstance(self.native_draft, NativeHeadForward) and (self.vocab is not None or self.model.identity_vocab):
+        if self.races_by_key:
+            # (e: the seeded rows' noise keys [B, steps, 2] int64, or ``unread``'s float ones: no race)
+            race = e.dtype == torch.int64
             toks, lps, shares, q = self.native_draft.sampled_chain(
                 tok, pos, mask, rows, write_rows, write_cols, kv_len, features, last, col,
                 self.steps if steps is None else steps, self.vocab, self.window, self.kv,
-                temperature=temperature, sampled=sampled, e=e, stream=stream, w=w, want=self.want,
-                scale=self.logit_scale, race=e.stride(-1) != 0)
-        else:
-            toks, (lps, shares, q) = self._steps(tok, pos, mask, rows, write_rows, write_cols, kv_len, features,
-                                                 last, col, temperature, sampled, e, stream, w, steps=steps)
-        if self.vocab is not None and q.shape[-1] != e.shape[-1]:   # [B, steps, Vd] -> [B, steps, V] (the op spreads)
+                temperature=temperature, sampled=sampled, keys=e if race else self._no_keys, stream=stream, w=w,
+                want=self.want, scale=self.logit_scale, race=race, vocab_size=self.model.args.vocab_size)
+            return SampledChainOutput(toks, lps, shares, q)
+        toks, (lps, shares, q) = self._steps(tok, pos, mask, rows, write_rows, write_cols, kv_len, features,
+                                             last, col, temperature, sampled, e, stream, w, steps=steps)
+        if self.vocab is not None and q.shape[-1] != e.shape[-1]:   # [B, steps, Vd] -> [B, steps, V]
             q = q.new_zeros(*q.shape[:-1], e.shape[-1]).index_copy(-1, self.vocab, q)
         return SampledChainOutput(toks, lps, shares, q)
 

@@ -62,7 +62,7 @@ from torch import Tensor
 
 from leapfrog.utils import env_off
 from leapfrog.model.native_ops import ROW_KERNELS_CPP
-from leapfrog.sampling.native import INVERSE_CDF_DRAW_CPP, RACE_TOP_CPP
+from leapfrog.sampling.native import INVERSE_CDF_DRAW_CPP, NOISE_CPP, RACE_KEY_CPP, RACE_TOP_CPP
 from leapfrog.utils.cpp import OpLibrary
 
 log = logging.getLogger("leapfrog.model")
@@ -324,7 +324,7 @@ std::tuple<Tensor, Tensor> eagle3_forward(
   return {x, logits};
 }
 // sampler.inverse_cdf_draw and sampler.race_top of one row (sampling/native.py)
-""" + INVERSE_CDF_DRAW_CPP + RACE_TOP_CPP + r"""
+""" + INVERSE_CDF_DRAW_CPP + NOISE_CPP + RACE_TOP_CPP + RACE_KEY_CPP + r"""
 
 // CompiledChain._steps: the first forward over each sequence's pending tokens (``last``: the last
 // real one's index), then steps - 1 one-token forwards, each fed the previous pick (``pick(logits,
@@ -526,15 +526,16 @@ std::tuple<Tensor, Tensor> eagle3_chain(CHAIN_ARGS, const Tensor& stop) {
 
 // CompiledSampledChain's chain (its _pick): rows with ``sampled`` draw from q = softmax(logits /
 // scale / T), unseeded ones (``stream``) by inverse CDF with w [B, steps] float64, seeded ones as the
-// race's winner argmax q / E with E [B, steps, V] the race's exponentials (sampler.exponentials: a
-// seeded position's kept -log U; ``race`` false: no row races, E unread);
+// race's winner argmax q / E with E the position noise of keys [B, steps, 2] int64 (a level's row
+// key, sampler.row_key, and whether it has one; E = 1 where not), computed where it can win
+// (sampling/native.py race_key_row; ``race`` false: no row races, keys unread);
 // the others take the argmax -> tokens, log q of the argmax (0 where every row draws by inverse CDF:
 // never read there), the winner's share, q [B, steps, V]
-// (spread over the target's vocabulary, e's width, where ``vocab`` maps the head's own; an
+// (spread over the target's vocabulary of V ids where ``vocab`` maps the head's own; an
 // index_copy in Python cost 33 us a step)
 std::tuple<Tensor, Tensor, Tensor, Tensor> eagle3_sampled_chain(
-    CHAIN_ARGS, const Tensor& temperature, const Tensor& sampled, const Tensor& e, const Tensor& stream,
-    const Tensor& w, int64_t want, double scale, bool race) {
+    CHAIN_ARGS, const Tensor& temperature, const Tensor& sampled, const Tensor& keys, const Tensor& stream,
+    const Tensor& w, int64_t want, double scale, bool race, int64_t V) {
   // the rows' kinds, read once (tiny [B] tensors): where(sampled, where(stream, inverse CDF, race
   // or argmax), argmax) per row in a loop, the inverse CDF only where a row takes it
   Tensor sampled_c = sampled.to(at::kBool).contiguous(), stream_c = stream.to(at::kBool).contiguous();
@@ -554,7 +555,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> eagle3_sampled_chain(
   if (race && vocab.numel()) {
     const int64_t* id = vocab_ids.data_ptr<int64_t>();
     for (int64_t i = 0; i < vocab_ids.numel(); ++i)
-      TORCH_CHECK(id[i] >= 0 && id[i] < e.size(-1), "eagle3_sampled_chain: vocab id out of V");
+      TORCH_CHECK(id[i] >= 0 && id[i] < V, "eagle3_sampled_chain: vocab id out of V");
   }
   auto r = chain_steps(CHAIN_CALL, w.new_empty({0}), [&](const Tensor& logits, int64_t j) {
     Tensor lf = logits.to(at::kFloat);
@@ -574,27 +575,33 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> eagle3_sampled_chain(
     int64_t* xs = x.data_ptr<int64_t>();
     const float* qs = q.data_ptr<float>();
     if (race) {
-      // the racing rows' first finishers of q / E (sampling/native.py race_top_row over the kept
-      // E, through the head's ids; ATen's [B, V'] float64 gather, copy, quotient and top-k cost
-      // about 2 ms a step at a batch of 16 chains of 5, stop 115), and the winner's share of
+      // the racing rows' first finishers of q / E (sampling/native.py race_key_row through the
+      // head's ids: E computed only where it can win; ATen's [B, V'] float64 gather, copy,
+      // quotient and top-k cost about 2 ms a step at a batch of 16 chains of 5, stop 115, and
+      // the host's [B, steps, V] rows of E 2.6 ms more, stop 116), and the winner's share of
       // them (ATen's sum, log, on the same values: the bits of _pick's); 0 for the other rows
       std::vector<int64_t> racing;
       for (int64_t b = 0; b < B; ++b)
         if (sam[b] && !str[b]) racing.push_back(b);
-      const int64_t R = racing.size(), k = std::min<int64_t>(want, Vq), V = e.size(-1);
+      const int64_t R = racing.size(), k = std::min<int64_t>(want, Vq);
       Tensor values = at::empty({R, k}, w.options());                          // [R, k] float64
       Tensor indices = at::empty({R, k}, x.options());
       const int64_t* vid = vocab_ids.numel() ? vocab_ids.data_ptr<int64_t>() : nullptr;
-      TORCH_CHECK(e.is_contiguous() && e.dim() == 3 && e.size(0) == B && e.size(1) > j && k >= 1 &&
+      TORCH_CHECK(keys.is_contiguous() && keys.dim() == 3 && keys.size(0) == B && keys.size(1) > j &&
+                  keys.size(2) == 2 && keys.scalar_type() == at::kLong && k >= 1 &&
                   (vid ? vocab_ids.numel() == Vq : V == Vq),
-                  "eagle3_sampled_chain: e [B, steps, V] contiguous, want >= 1");
-      const double* es = e.data_ptr<double>();
+                  "eagle3_sampled_chain: keys [B, steps, 2] contiguous int64, want >= 1");
+      const int64_t* ks = keys.data_ptr<int64_t>();
       double* vs = values.data_ptr<double>();
       int64_t* is = indices.data_ptr<int64_t>();
       at::parallel_for(0, R, std::max<int64_t>(1, 65536 / std::max<int64_t>(1, Vq)), [&](int64_t lo, int64_t hi) {
         for (int64_t i = lo; i < hi; ++i) {
           const int64_t b = racing[i];
-          race_top_row(qs + b * Vq, es + (b * e.size(1) + j) * V, vid, Vq, k, vs + i * k, is + i * k);
+          const int64_t* key = ks + (b * keys.size(1) + j) * 2;
+          if (key[1])
+            race_key_row(qs + b * Vq, static_cast<uint64_t>(key[0]), vid, Vq, k, vs + i * k, is + i * k);
+          else
+            race_top_row(qs + b * Vq, static_cast<const double*>(nullptr), vid, Vq, k, vs + i * k, is + i * k);
         }
       });
       for (int64_t i = 0; i < R; ++i) xs[racing[i]] = is[i * k];
@@ -609,8 +616,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> eagle3_sampled_chain(
     return std::make_pair(x, std::vector<Tensor>{lp, share, q});
   });
   Tensor q = r[3];                                                             // [B, steps, Vd]
-  if (vocab.numel()) {   // spread over the target's V = e's width: zeros outside the draft vocabulary
-    const int64_t V = e.size(-1), Vd = q.size(-1), R = q.size(0) * q.size(1);
+  if (vocab.numel()) {   // spread over the target's V: zeros outside the draft vocabulary
+    const int64_t Vd = q.size(-1), R = q.size(0) * q.size(1);
     TORCH_CHECK(vocab.numel() == Vd && vocab.scalar_type() == at::kLong && q.scalar_type() == at::kFloat,
                 "eagle3_sampled_chain: vocab [Vd] long, float32 q");
     Tensor full = at::zeros({q.size(0), q.size(1), V}, q.options());
@@ -718,7 +725,8 @@ TORCH_LIBRARY(leapfrog_draft, m) {
         "Tensor write_rows, Tensor write_cols, Tensor kv_len, Tensor last, Tensor col, int steps, Tensor vocab, "
         "int window, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor embed, Tensor cos, Tensor sin, Tensor[] norms, "
         "Tensor[] weights, Tensor[] biases, Tensor[] scales, int[] sizes, float eps, bool norm_before_residual, "
-        "Tensor temperature, Tensor sampled, Tensor e, Tensor stream, Tensor w, int want, float scale, bool race) "
+        "Tensor temperature, Tensor sampled, Tensor keys, Tensor stream, Tensor w, int want, float scale, bool race, "
+        "int V) "
         "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def("llama_chain(Tensor tok, Tensor pos, Tensor mask, Tensor rows, Tensor write_rows, Tensor write_cols, "
         "Tensor kv_len, Tensor last, Tensor col, int steps, Tensor stop, int window, Tensor(a!)[] k_caches, "
@@ -848,14 +856,16 @@ class NativeHeadForward:
         return torch.ops.leapfrog_draft.eagle3_chain(*self._chain_args(*args),
                                                      self.no_stop if stop is None else stop)
 
-    def sampled_chain(self, *args, temperature: Tensor, sampled: Tensor, e: Tensor, stream: Tensor, w: Tensor,
-                      want: int, scale: float, race: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def sampled_chain(self, *args, temperature: Tensor, sampled: Tensor, keys: Tensor, stream: Tensor, w: Tensor,
+                      want: int, scale: float, race: bool, vocab_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """CompiledSampledChain's chain (its ``_steps`` and ``_pick``) in one call: ``args`` as
-        ``chain``'s, then the pick's (model/compiled.py); ``race`` False: no row races (e unread)
-        -> tokens, log q of the argmax, the winner's share [B, steps], q [B, steps, V] (spread over
-        the target's vocabulary, e's width, when ``vocab`` maps the head's)."""
-        return torch.ops.leapfrog_draft.eagle3_sampled_chain(*self._chain_args(*args), temperature, sampled, e,
-                                                            stream, w, want, scale, race)
+        ``chain``'s, then the pick's (model/compiled.py), the seeded rows' noise as ``keys`` [B,
+        steps, 2] int64 (each level's row key and whether it has one: sampler.noise_keys); ``race``
+        False: no row races (keys unread) -> tokens, log q of the argmax, the winner's share [B,
+        steps], q [B, steps, V] (spread over the target's ``vocab_size`` ids when ``vocab`` maps
+        the head's)."""
+        return torch.ops.leapfrog_draft.eagle3_sampled_chain(*self._chain_args(*args), temperature, sampled, keys,
+                                                            stream, w, want, scale, race, vocab_size)
 
     def tree(self, tok: Tensor, pos: Tensor, mask: Tensor, rows: Tensor, write_rows: Tensor, write_cols: Tensor,
              kv_len: Tensor, features: Tensor, last: Tensor, col: Tensor, steps: int, topk: int, nodes: int,

@@ -15,6 +15,7 @@ from typing import NamedTuple, Sequence
 import torch
 from torch import Tensor
 
+from leapfrog.sampling import native
 from leapfrog.sampling import processors as P
 from leapfrog.sampling.grammar import GrammarState
 from leapfrog.sampling_params import SamplingParams
@@ -198,28 +199,33 @@ def greedy_tokens(logits: Tensor, rows: RowBatch | None = None) -> Tensor:
 
 class NoiseRows:
     """A seeded request's position noise, kept while in use: a position's V uniforms U (and the
-    race's exponentials E = -log U) are a pure function of (key, position), and a speculating
-    request asks for the same positions again and again (its drafter races under q at n..n+K-1,
-    the verifier under p at n..n+K, and the rejected positions come back next step), each time
-    45 us of a CPU generator and 7 of a log for V = 8192. Kept, each position is drawn once while
-    the request needs it, as plain decoding draws it once per token. Bounded: at most ``budget``
-    bytes (the most recently used; a long chain of rounds past the bound draws as before), and the
-    positions before the request's output are forgotten (``drop_below``: its tokens there are
-    fixed). Per request (``Request.noise_rows``)."""
+    race's exponentials E = -log U) are a pure function of (key, position) (``position_noise``),
+    and a speculating request asks for the same positions again and again (its drafter races
+    under q at n..n+K-1, the verifier under p at n..n+K, and the rejected positions come back
+    next step). Kept, each position's rows are computed once while the request needs them (the
+    C++ races compute what they read themselves and keep nothing: these are the rows that graphs
+    and the Python race take). Bounded: at most ``budget`` bytes (the most recently used; a long
+    chain of rounds past the bound computes them again), and the positions before the request's
+    output are forgotten (``drop_below``: its tokens there are fixed). Per request
+    (``Request.noise_rows``)."""
 
     def __init__(self, budget: int = 2 << 20):
         self.budget = budget
-        # position -> [U, E]: [V] float64 CPU uniforms and their exponentials (None until raced)
+        # position -> [U, E]: [V] float64 CPU uniforms and their exponentials (None until computed)
         self._rows: OrderedDict[int, list[Tensor | None]] = OrderedDict()
         self._floor = 0
 
     def __len__(self) -> int:
         return len(self._rows)
 
+    @staticmethod
+    def _width(entry: list[Tensor | None]) -> int:
+        return next(x.numel() for x in entry if x is not None)
+
     def get(self, position: int, vocab_size: int) -> list[Tensor | None] | None:
-        """The position's [U, E] (E None until computed), or None when not kept."""
+        """The position's [U, E] (either None until computed), or None when not kept."""
         entry = self._rows.get(position)
-        if entry is None or entry[0].numel() != vocab_size:
+        if entry is None or self._width(entry) != vocab_size:
             return None
         self._rows.move_to_end(position)
         return entry
@@ -229,7 +235,7 @@ class NoiseRows:
             return
         self._rows[position] = entry
         self._rows.move_to_end(position)
-        while len(self._rows) > max(1, self.budget // (16 * entry[0].numel())):
+        while len(self._rows) > max(1, self.budget // (16 * self._width(entry))):
             self._rows.popitem(last=False)   # the least recently used
 
     def drop_below(self, position: int) -> None:
@@ -276,20 +282,84 @@ def seed_key(seed: int) -> int:
             return x
 
 
-def position_generator(pk: PositionKey) -> torch.Generator:
-    """The CPU generator behind a seeded request's output position (``noise``)."""
-    g = torch.Generator()
-    g.manual_seed(_mix64(pk.key ^ _mix64(pk.position + 0x9E3779B97F4A7C15 & _MASK64)) >> 1)
-    return g
+_GOLDEN = 0x9E3779B97F4A7C15
+#: log's odd series 2 atanh(s) = 2 s sum_n z^n / (2n + 1), z = s^2, coefficients in Horner's order
+#: (n = 11 .. 0: |s| <= 0.172, so z^12 / 25 < 2e-20); sampling/native.py NOISE_CPP's SERIES
+_SERIES = tuple(1.0 / (2 * n + 1) for n in range(11, -1, -1))
+_SQRT_HALF = 0.7071067811865476
+_LN2 = 0.6931471805599453
+
+
+def row_key(pk: PositionKey) -> int:
+    """The 64-bit key of a seeded position's noise row (``position_noise``)."""
+    return _mix64(pk.key ^ _mix64(pk.position + _GOLDEN & _MASK64))
+
+
+def signed64(x: int) -> int:
+    """A uint64 as the int64 of its bits (how a key travels in an int64 tensor)."""
+    return x - (1 << 64) if x >> 63 else x
+
+
+def position_noise(keys: Sequence[int], vocab_size: int, exponential: bool) -> Tensor:
+    """[N, V] float64 CPU: the noise rows of row keys ``keys`` (``row_key``), the uniforms U or the
+    race's exponentials E = -log U. Counter-based: column v's U is ((h >> 12) + 0.5) 2^-52 with
+    h = splitmix64's output v + 1 from the row key, in [2^-53, 1 - 2^-53]; E is -log U by a fixed
+    sequence of float64 operations (frexp, then the odd series of 2 atanh((m - 1) / (m + 1))),
+    relative error under 5e-16. The same bits from sampling/native.py's C++ (``noise_rows``,
+    used once loaded; its races compute a row's E only at the columns that can win) and from
+    these torch operations (any device, no compiler). Until stop 116 a position's noise came
+    from torch's CPU generator seeded per position: 8192 float64 uniforms took 46 us and their
+    log 16 more (with the Python around them about 0.1 ms a seeded token, a quarter of plain
+    seeded decode's time at batch 16); the op computes a row of E in about 18 us, a race reads
+    a handful of columns' logs."""
+    k = torch.tensor([signed64(x) for x in keys], dtype=torch.int64)
+    if native.noise_op_loaded():
+        return native.noise_rows(k, vocab_size, exponential)
+    u = _twin_uniforms(k, vocab_size)
+    return _twin_neg_log(u) if exponential else u
+
+
+def _shr(x: Tensor, s: int) -> Tensor:
+    """Logical right shift of int64 bits (torch's >> is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _twin_mix64(x: Tensor) -> Tensor:
+    """_mix64 on int64 tensors (wrapping products: the uint64 bits)."""
+    x = (x ^ _shr(x, 30)) * signed64(0xBF58476D1CE4E5B9)
+    x = (x ^ _shr(x, 27)) * signed64(0x94D049BB133111EB)
+    return x ^ _shr(x, 31)
+
+
+def _twin_uniforms(keys: Tensor, vocab_size: int) -> Tensor:
+    """[N, V] float64: position_noise's U from int64 row keys [N]."""
+    col = torch.arange(1, vocab_size + 1, dtype=torch.int64, device=keys.device) * signed64(_GOLDEN)
+    h = _twin_mix64(keys[:, None] + col)                                        # [N, V] int64
+    return (_shr(h, 12).double() + 0.5) * 2.0 ** -52
+
+
+def _twin_neg_log(u: Tensor) -> Tensor:
+    """-log u for u in (0, 1) float64, op for op NOISE_CPP's neg_log."""
+    m, x = torch.frexp(u)                                                       # u = m 2^x, m in [0.5, 1)
+    small = m < _SQRT_HALF
+    m = torch.where(small, m * 2.0, m)
+    x = x - small.to(x.dtype)
+    s = (m - 1.0) / (m + 1.0)
+    z = s * s
+    poly = torch.full_like(z, _SERIES[0])
+    for c in _SERIES[1:]:
+        poly = poly * z + c
+    t = s * poly
+    return -(x.double() * _LN2 + (t + t))
 
 
 def noise(rngs: Sequence[Rng], vocab_size: int, device: torch.device | str = "cpu") -> Tensor:
     """[N, V] float64 uniforms in (0, 1) per row (rows with no randomness get exp(-1): E = 1), on
     ``device``. float64: a float32 grid (2^-24) would under-sample tokens with p below ~1e-7.
-    A seeded row's noise is drawn by a CPU generator whatever ``device`` is, so that a position's
-    noise is one function of (key, position): one-token steps sample on the host while CUDA
-    graphs (multi-step decode, speculation rounds, sampled draft chains) race on the GPU, and a
-    CUDA generator draws other numbers (found on the H100: multi-step seeded output differed)."""
+    A seeded row's noise is ``position_noise``'s, computed on the host whatever ``device`` is,
+    one function of (key, position): one-token steps sample on the host while CUDA graphs
+    (multi-step decode, speculation rounds, sampled draft chains) race on the GPU (a CUDA
+    generator drew other numbers: found on the H100, multi-step seeded output differed)."""
     return _rows(rngs, vocab_size, device, exponential=False)
 
 
@@ -313,7 +383,7 @@ def _rows(rngs: Sequence[Rng], vocab_size: int, device: torch.device | str, expo
                 j += 1
             parts.append(torch.full((j - i, vocab_size), 1.0 if exponential else 0.36787944117144233,
                                     dtype=torch.float64))
-        elif isinstance(r, PositionKey):   # always a CPU generator: the same noise on every device
+        elif isinstance(r, PositionKey):   # (position_noise: on the host, the same noise on every device)
             if r not in seen:
                 seen[r] = _position_row(r, vocab_size, exponential)[None]
             parts.append(seen[r])
@@ -330,32 +400,36 @@ def _rows(rngs: Sequence[Rng], vocab_size: int, device: torch.device | str, expo
     return torch.cat(parts).to(device)   # (a copy: the kept rows are never handed out)
 
 
-def exponential_row(rng: Rng, vocab_size: int) -> Tensor | None:
-    """One row's exponentials E [V] float64 on the CPU, as ``exponentials`` gives them (the kept
-    row itself: read it, never write it), or None for a row with no randomness (E = 1). For
-    the race's rows only (seeded positions and greedy rows; a stream row draws by inverse CDF)."""
+def race_key(rng: Rng) -> int | None:
+    """A race row's noise key (``row_key``) for the C++ races, or None for a row with no
+    randomness (E = 1). For the race's rows only (seeded positions and greedy rows; a stream row
+    draws by inverse CDF)."""
     if rng is None:
         return None
     if not isinstance(rng, PositionKey):
-        raise TypeError("exponential_row: a stream row draws by inverse CDF, not by a race")
-    return _position_row(rng, vocab_size, exponential=True)
+        raise TypeError("race_key: a stream row draws by inverse CDF, not by a race")
+    return row_key(rng)
+
+
+def noise_keys(rngs: Sequence[Rng], device: torch.device | str = "cpu") -> Tensor:
+    """[N, 2] int64: each race row's noise key (``row_key``'s bits) and 1, or 0 and 0 for a row
+    with no randomness (E = 1): what the C++ races take in place of ``exponentials``' rows."""
+    return torch.tensor([[signed64(row_key(r)), 1] if isinstance(r, PositionKey) else [0, 0] for r in rngs],
+                        dtype=torch.int64, device=device).view(len(rngs), 2)
 
 
 def _position_row(pk: PositionKey, vocab_size: int, exponential: bool) -> Tensor:
     """[V] float64 CPU: a seeded position's uniforms U in (0, 1), or E = -log U: the kept ones
-    where the request has them (``NoiseRows``), else drawn by the position's generator (and kept)."""
+    where the request has them (``NoiseRows``), else computed (``position_noise``) and kept."""
     entry = None if pk.rows is None else pk.rows.get(pk.position, vocab_size)
     if entry is None:
-        u = torch.empty(vocab_size, dtype=torch.float64)
-        torch.rand(vocab_size, generator=position_generator(pk), dtype=torch.float64, out=u)
-        entry = [u.clamp_(min=_TINY), None]
+        entry = [None, None]
+    i = 1 if exponential else 0
+    if entry[i] is None:
+        entry[i] = position_noise([row_key(pk)], vocab_size, exponential)[0]
         if pk.rows is not None:
             pk.rows.put(pk.position, entry)
-    if not exponential:
-        return entry[0]
-    if entry[1] is None:
-        entry[1] = torch.log(entry[0]).neg_()
-    return entry[1]
+    return entry[i]
 
 
 def sample(p: Tensor, rngs: Sequence[Rng]) -> Tensor:
@@ -378,13 +452,13 @@ def sample(p: Tensor, rngs: Sequence[Rng]) -> Tensor:
     """
     stream = [i for i, r in enumerate(rngs) if isinstance(r, torch.Generator)]
     if not stream:
-        return _race(p, rngs).argmax(dim=-1)
+        return _race_top(p, rngs, 1)[1][:, 0]
     if len(stream) == len(rngs):
         return inverse_cdf_draw(p, stream_uniforms(rngs, p.device))
     out = torch.empty(len(rngs), dtype=torch.long, device=p.device)
     keyed = [i for i, r in enumerate(rngs) if not isinstance(r, torch.Generator)]   # (not empty here)
     idx = torch.tensor(keyed, device=p.device)
-    out[idx] = _race(p[idx], [rngs[i] for i in keyed]).argmax(dim=-1)
+    out[idx] = _race_top(p[idx], [rngs[i] for i in keyed], 1)[1][:, 0]
     idx = torch.tensor(stream, device=p.device)
     out[idx] = inverse_cdf_draw(p[idx], stream_uniforms([rngs[i] for i in stream], p.device))
     return out
@@ -433,15 +507,25 @@ def race_top(p: Tensor, rngs: Sequence[Rng], k: int) -> RaceTop:
     Drafting for a seeded request: its target token at an output position is the race winner
     under p with that position's noise, so the drafter's k best tokens under q with the same
     noise are the k likeliest to be it (a tree's children: any of them may match)."""
-    r = _race(p, rngs)   # [N, V]
-    top = r.topk(min(k, r.shape[-1]), dim=-1)
-    return RaceTop(top.values, top.indices.masked_fill(top.values <= 0, -1))
+    values, columns = _race_top(p, rngs, min(k, p.shape[-1]))
+    return RaceTop(values, columns.masked_fill(values <= 0, -1))
 
 
-def _race(p: Tensor, rngs: Sequence[Rng]) -> Tensor:
-    """[N, V] float64 p / E: the race's finishing order (largest first)."""
-    e = exponentials(rngs, p.shape[-1], p.device)   # [N, V] float64, in (0, 745]
-    return p / e   # (float32 p promotes to float64 exactly, element by element: no [N, V] copy)
+def _race_top(p: Tensor, rngs: Sequence[Rng], k: int) -> tuple[Tensor, Tensor]:
+    """The k largest p / E per row of p [N, V] (keyed and greedy rows), best first -> values [N, k]
+    float64, columns [N, k]: sampling/native.py's race where it serves (CPU p; it computes E
+    only at the columns that can finish in the top k), else p divided by ``exponentials``
+    (the same bits)."""
+    if p.device.type == "cpu" and p.dtype in (torch.float32, torch.float64) and native.noise_op_loaded():
+        keyed = [isinstance(r, PositionKey) for r in rngs]
+        keys = torch.tensor([signed64(row_key(r)) if c else 0 for r, c in zip(rngs, keyed)], dtype=torch.int64)
+        return native.race_rows(p, keys, torch.tensor(keyed), k)
+    r = p / exponentials(rngs, p.shape[-1], p.device)   # [N, V] float64 (float32 p promotes exactly)
+    if k == 1:   # (argmax: the first of equal maxima)
+        i = r.argmax(dim=-1, keepdim=True)
+        return r.gather(-1, i), i
+    top = r.topk(k, dim=-1)
+    return top.values, top.indices
 
 
 def stream_rows(generators: Sequence[torch.Generator | None], counts: Sequence[int], width: int,

@@ -220,6 +220,10 @@ class OpLibrary:
                     self._ok = False
         return self._ok
 
+    def loaded(self) -> bool:
+        """Whether the library is loaded (never builds it)."""
+        return self._ok is True
+
     def _build(self) -> None:
         if self.isa:
             self.build = build_inline(self.name, self.source, self.cflags)

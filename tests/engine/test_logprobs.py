@@ -94,7 +94,8 @@ def test_logprobs_with_speculation_equal_logprobs_without(llama_dir, draft_dir, 
     prediction): the same tokens (greedy, seeded) and the same logprobs as without speculation."""
     prompts = [{"prompt_token_ids": p} for p in prompts_of(tokenizer, 4)]
     sps = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2),
-           SamplingParams(temperature=0.8, seed=9, max_tokens=20, ignore_eos=True, logprobs=0),
+           # (a seed whose drafts the random heads get accepted: the accepted paths' logprobs compare)
+           SamplingParams(temperature=0.8, seed=10, max_tokens=20, ignore_eos=True, logprobs=0),
            SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=5, prompt_logprobs=1),
            SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True, logprobs=1)]
     ref = plain.generate(prompts, sps, use_tqdm=False)

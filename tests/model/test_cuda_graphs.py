@@ -120,9 +120,9 @@ def test_unseeded_sampling_on_cuda(llama_dir, draft_dir, tokenizer):
 
 
 def test_position_noise_is_the_same_on_cuda():
-    """A seeded request's noise at an output position is drawn by a CPU generator on every device:
-    one-token steps race on the host, multi-step and round graphs on the GPU (with a CUDA
-    generator their draws differed, found on the H100)."""
+    """A seeded request's noise at an output position is computed on the host for every device
+    (sampler.position_noise): one-token steps race on the host, multi-step and round graphs on
+    the GPU (with a CUDA generator their draws differed, found on the H100)."""
     from leapfrog.sampling import sampler
     from leapfrog.sampling.sampler import PositionKey
     rngs = [PositionKey(12345, j) for j in range(3)] + [None]

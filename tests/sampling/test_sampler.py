@@ -229,7 +229,8 @@ def test_noise_draws_each_stream_in_order_whatever_the_runs():
     ra, rb = gen(1), gen(2)
     row = lambda g: torch.rand(V, generator=g, dtype=torch.float64)   # noqa: E731
     want = torch.stack([row(ra), row(ra), torch.full((V,), 0.36787944117144233, dtype=torch.float64), row(ra),
-                        row(sampler.position_generator(pk)), row(sampler.position_generator(pk)),
+                        sampler.position_noise([sampler.row_key(pk)], V, False)[0],
+                        sampler.position_noise([sampler.row_key(pk)], V, False)[0],
                         row(rb), row(rb), row(ra)]).clamp(min=torch.finfo(torch.float64).tiny)
     assert torch.equal(got, want)
     assert torch.equal(torch.rand(3, generator=a), torch.rand(3, generator=ra))
@@ -241,15 +242,16 @@ def test_kept_position_noise_is_the_drawn_noise_drawn_once():
     recently used)."""
     from leapfrog.sampling.sampler import NoiseRows, PositionKey, seed_key
     V, key, rows, calls = 40, seed_key(3), NoiseRows(budget=16 * 40 * 3), []
-    real = sampler.position_generator
+    real = sampler.position_noise
 
-    def counted(pk):
-        calls.append(pk.position)
-        return real(pk)
+    def counted(keys, vocab_size, exponential):
+        calls.extend(keys)
+        return real(keys, vocab_size, exponential)
     fresh = sampler.noise([PositionKey(key, n) for n in range(5)], V)
-    with patch.object(sampler, "position_generator", counted):
+    with patch.object(sampler, "position_noise", counted):
         first = sampler.noise([PositionKey(key, n, rows) for n in range(3)], V)
         again = sampler.noise([PositionKey(key, n, rows) for n in (2, 1, 0, 0)], V)
+        calls[:] = [[sampler.row_key(PositionKey(key, n)) for n in range(8)].index(c) for c in calls]
         assert calls == [0, 1, 2] and len(rows) == 3
         assert torch.equal(first, fresh[:3]) and torch.equal(again, fresh[[2, 1, 0, 0]])
         sampler.noise([PositionKey(key, 3, rows), PositionKey(key, 4, rows)], V)   # over budget: 1 and 2 go
@@ -258,6 +260,7 @@ def test_kept_position_noise_is_the_drawn_noise_drawn_once():
         assert len(rows) == 1 and rows.get(4, V) is not None
         calls.clear()
         out = sampler.noise([PositionKey(key, n, rows) for n in (3, 4)], V)
+        calls[:] = [[sampler.row_key(PositionKey(key, n)) for n in range(8)].index(c) for c in calls]
         assert calls == [3] and torch.equal(out, fresh[3:5])
 
 

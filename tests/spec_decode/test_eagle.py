@@ -201,21 +201,22 @@ def test_greedy_seeded_and_sampled_requests_mix_in_one_tree_batch(shapes, tokeni
 @pytest.mark.parametrize("tree", ["chain", "dynamic"])
 def test_seeded_speculation_draws_each_positions_noise_once(shapes, tokenizer, tree):
     """A seeded request's drafter (at n+1..n+K) and verifier (at n..n+K) race with the same
-    position noise, and the rejected positions come back next step: each position's V uniforms
-    are drawn once while the request needs them (Request.noise_rows), so a run draws about one
-    position per output token, as plain decoding does, and the output is still the seeded one."""
+    position noise, and the rejected positions come back next step: each position's noise row is
+    computed at most once while the request needs it (Request.noise_rows; the C++ races compute
+    what they read and keep nothing), so a run computes at most about one position per output
+    token, as plain decoding does, and the output is still the seeded one."""
     from leapfrog.sampling import sampler
     target, heads = shapes["llama_gqa_llama3"]
     prompts = prompts_of(tokenizer, 3)
     sp = [SamplingParams(temperature=0.8, seed=11 + i, max_tokens=MAX, ignore_eos=True) for i in range(3)]
     _, ref = _generate(target, None, prompts, sp)
     drawn = []
-    real = sampler.position_generator
+    real = sampler.position_noise
 
-    def counted(pk):
-        drawn.append((pk.key, pk.position))
-        return real(pk)
-    with patch.object(sampler, "position_generator", counted):
+    def counted(keys, vocab_size, exponential):
+        drawn.extend((k, exponential) for k in keys)
+        return real(keys, vocab_size, exponential)
+    with patch.object(sampler, "position_noise", counted):
         llm, ids = _generate(target, {"method": "eagle3", "model": str(heads["eagle3"]), **TREES[tree]}, prompts, sp)
     assert ids == ref
     assert llm.get_metrics()["num_draft_tokens"] > 0

@@ -240,16 +240,18 @@ def test_op_verified_sampling_follows_the_target_law(tmp_path_factory):
     assert len(calls) >= 2
 
 
-def _random_drafts(g, num_draft, V, p, tree):
+def _random_drafts(g, num_draft, V, p, tree, likely=None):
     """Drafts per request: chains, or trees (each node's parent any earlier node or the root), a
-    node's token often the argmax of its parent's row (so paths run deep); siblings are distinct
-    tokens (draft.py's rule). -> (draft ids [T], parents [T] local, each row's depth [T + B])"""
+    node's token often the likeliest of its parent's row (``likely(b, row, depth)``, else the
+    argmax: so paths run deep); siblings are distinct tokens (draft.py's rule). -> (draft ids
+    [T], parents [T] local, each row's depth [T + B])"""
     ids, parents, depths, s = [], [], [], 0
-    for k in num_draft:
+    likely = likely or (lambda b, row, depth: int(p[row].argmax()))
+    for b, k in enumerate(num_draft):
         d, kids = [0], {}
         for j in range(k):
             par = int(torch.randint(-1, j, (1,), generator=g)) if tree and j else j - 1
-            x = (int(p[s + 1 + par].argmax()) if torch.rand(1, generator=g) < 0.7
+            x = (likely(b, s + 1 + par, d[par + 1]) if torch.rand(1, generator=g) < 0.7
                  else int(torch.randint(V, (1,), generator=g)))
             while x in kids.setdefault(par, set()):
                 x = (x + 1) % V
@@ -277,13 +279,17 @@ def test_race_match_finds_what_racing_every_row_finds(tree, seed, V):
     # peaked rows, so the race's winner is often the argmax and drafts of it are accepted
     p = torch.softmax(torch.randn(T + B, V, generator=g) * 4, -1)
     p[4] = torch.full((V,), 1.0 / V)   # (a greedy row of equal values: the first, as torch.argmax)
-    draft_ids, parents, depths = _random_drafts(g, num_draft, V, p, tree)
     kept = [sampler.NoiseRows() for _ in num_draft]   # (per request, as Request.noise_rows)
-    owner = [b for b, k in enumerate(num_draft) for _ in range(k + 1)]
     greedy = {1, 3}   # requests without randomness
-    rngs = [None if b in greedy else sampler.PositionKey(1000 + b, 5 + d, kept[b]) for b, d in zip(owner, depths)]
+
+    def rng(b, depth):
+        return None if b in greedy else sampler.PositionKey(1000 + b, 5 + depth, kept[b])
+    draft_ids, parents, depths = _random_drafts(
+        g, num_draft, V, p, tree, lambda b, row, depth: int(sampler.sample(p[row:row + 1], [rng(b, depth)])))
+    owner = [b for b, k in enumerate(num_draft) for _ in range(k + 1)]
+    rngs = [rng(b, d) for b, d in zip(owner, depths)]
     every = sampler.sample(p, rngs).tolist()
-    got = native.race_match(p, [sampler.exponential_row(x, V) for x in rngs], draft_ids,
+    got = native.race_match(p, [sampler.race_key(x) for x in rngs], draft_ids,
                             torch.tensor(parents), num_draft)
     raced = [i for i, t in enumerate(got) if t >= 0]
     assert all(got[i] == every[i] for i in raced)
@@ -297,23 +303,21 @@ def test_race_match_finds_what_racing_every_row_finds(tree, seed, V):
 
 
 def test_race_match_ties_go_to_the_first_column_across_blocks():
-    """Equal p / E at columns 10 and 300 (two of the op's 256-column blocks): the first, as
-    torch.argmax; with E larger at 10 the later one; what sampler.sample's race gives."""
-    p = torch.zeros(1, 600)
-    p[0, 10] = p[0, 300] = 0.5
-    for e10, want in ((1.0, 10), (2.0, 300)):
-        e = torch.ones(600, dtype=torch.float64)
-        e[10] = e10
-        got = native.race_match(p, [e], torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long), [0])
-        assert got == [want] == (p.double() / e).argmax(-1).tolist()
+    """A greedy row (E = 1) with equal p at columns 10 and 300 (two of the op's 256-column blocks):
+    the first, as torch.argmax; a larger p at 300 wins."""
+    for p300, want in ((0.5, 10), (0.6, 300)):
+        p = torch.zeros(1, 600)
+        p[0, 10], p[0, 300] = 0.5, p300
+        got = native.race_match(p, [None], torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long), [0])
+        assert got == [want] == p.argmax(-1).tolist()
 
 
 def test_race_match_refuses_bad_trees_and_rows():
     p = torch.full((3, 8), 0.125)
     with pytest.raises(RuntimeError, match="parent after its child"):
         native.race_match(p, [None] * 3, torch.tensor([1, 2]), torch.tensor([1, -1]), [2])
-    with pytest.raises(RuntimeError, match="float64"):
-        native.race_match(p, [torch.ones(8)] * 3, torch.tensor([1, 2]), torch.tensor([-1, 0]), [2])
+    with pytest.raises(RuntimeError, match="keys and keyed"):
+        native.race_match(p, [None] * 2, torch.tensor([1, 2]), torch.tensor([-1, 0]), [2])
 
 
 @pytest.mark.parametrize("spec", [{"method": "draft_model", "model": "self", "num_speculative_tokens": 3,

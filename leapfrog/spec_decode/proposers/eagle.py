@@ -523,7 +523,8 @@ class EagleProposer:
         """The sampled chain graph's randomness for requests ``rs``, for the ``levels`` each draws
         (the levels the eager expansion would draw): the race's exponentials e [n, steps, V]
         float64 (a seeded request's kept position noise, sampler.exponentials: what
-        ``_candidates``' race divides by), the unseeded rows stream [n] bool and their uniforms
+        ``_candidates``' race divides by; where the chain runs in C++, their noise keys [n,
+        steps, 2] int64, sampler.noise_keys), the unseeded rows stream [n] bool and their uniforms
         w [n, steps] float64 (the next draws of the request's generator, one per level: the
         draws ``_candidates`` makes). When no row races, e is the graph's unread buffer: the
         draw of V uniforms per level is what inverse CDF saves."""
@@ -531,7 +532,10 @@ class EagleProposer:
         stream = [r.unseeded_sampled for r in rs]
         if any(not r.params.greedy and r.seed_key is not None for r in rs):
             rngs = [r.rng(d) if d < n and not s else None for r, n, s in zip(rs, levels, stream) for d in range(steps)]
-            e = sampler.exponentials(rngs, vocab, dev).view(len(rs), steps, vocab)
+            if chain.races_by_key:   # (the C++ chain computes E where it reads it: keys [n, steps, 2])
+                e = sampler.noise_keys(rngs, dev).view(len(rs), steps, 2)
+            else:
+                e = sampler.exponentials(rngs, vocab, dev).view(len(rs), steps, vocab)
         else:
             e = chain.unread(len(rs), dev)
         w = sampler.stream_rows([r.generator if s else None for r, s in zip(rs, stream)], levels, steps, dev)

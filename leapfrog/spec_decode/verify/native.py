@@ -31,13 +31,14 @@ check and the draw; 0.17-0.20 -> 0.12-0.14 ms a step at T = 0.7 in step_bench, s
 
 The library's second op, ``race_match``, serves seeded (and greedy) requests, verified by matching
 (verify/greedy.py, verify/tree.py): it walks each request's drafts from the root and races only
-the rows the walk reads (sampler.sample's race, argmax_v p(v) / E(v) in float64 over the kept
-exponentials of each row's position, the first of equal maxima as torch.argmax), so the rows
-past a request's first mismatch, and the siblings off its path, are never raced. The Python race
+the rows the walk reads (sampler.sample's race, argmax_v p(v) / E(v) in float64 with E the
+position noise of each row's key, computed only at the columns that can win, sampling/native.py
+race_key_row; the first of equal maxima as torch.argmax), so the rows past a request's first
+mismatch, and the siblings off its path, are never raced. The Python race
 over every verified row ([N, V] float64 joined, divided and reduced by ATen) took some 9 ms at
 a batch of 16 seeded chains of 5 (96 rows of 8192) where the op takes 0.4-0.5 ms (stop 115).
 
-    tokens[row] = argmax_v p[row, v] / E_row[v]     (E_row absent: argmax_v p[row, v])
+    tokens[row] = argmax_v p[row, v] / E_row[v]     (no key: argmax_v p[row, v])
                   for the rows on each request's accepted path and the row after it; -1 elsewhere
 
 Built once like the other C++ ops (utils/cpp.py, about 10 s, cached); where it cannot be built
@@ -51,7 +52,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from leapfrog.sampling.native import INVERSE_CDF_DRAW_CPP, RACE_TOP_CPP
+from leapfrog.sampling.native import INVERSE_CDF_DRAW_CPP, NOISE_CPP, RACE_KEY_CPP, RACE_TOP_CPP
+from leapfrog.sampling.sampler import signed64
 from leapfrog.utils import env_off
 from leapfrog.utils.cpp import OpLibrary
 
@@ -68,7 +70,7 @@ namespace {
 using at::Tensor;
 
 // sampler.inverse_cdf_draw and sampler.race_top of one row (sampling/native.py)
-""" + INVERSE_CDF_DRAW_CPP + RACE_TOP_CPP + r"""
+""" + INVERSE_CDF_DRAW_CPP + NOISE_CPP + RACE_TOP_CPP + RACE_KEY_CPP + r"""
 
 // the module docstring: -> ok [] bool, num_accepted [B] long, tokens [B] long
 std::tuple<Tensor, Tensor, Tensor> chain_rejection(
@@ -172,8 +174,8 @@ std::tuple<Tensor, Tensor, Tensor> chain_rejection(
 // verify/greedy.py and verify/tree.py's matching of seeded (and greedy) requests, racing only
 // the rows the walk reads: -> tokens [T + B] long, the target's token at each raced row, -1 at
 // the others (the rows past a request's first mismatch, and siblings' rows off its path)
-Tensor race_match(const Tensor& p, at::TensorList e, const Tensor& draft_ids, const Tensor& parents,
-                  at::IntArrayRef num_draft) {
+Tensor race_match(const Tensor& p, const Tensor& keys, const Tensor& keyed, const Tensor& draft_ids,
+                  const Tensor& parents, at::IntArrayRef num_draft) {
   const int64_t B = num_draft.size(), T = draft_ids.size(0), N = T + B;
   int64_t drafted = 0;
   for (int64_t k : num_draft) {
@@ -181,21 +183,20 @@ Tensor race_match(const Tensor& p, at::TensorList e, const Tensor& draft_ids, co
     drafted += k;
   }
   TORCH_CHECK(p.dim() == 2 && p.size(0) == N && p.scalar_type() == at::kFloat && drafted == T &&
-              static_cast<int64_t>(e.size()) == N && draft_ids.dim() == 1 && parents.dim() == 1 &&
+              keys.dim() == 1 && keys.size(0) == N && keys.scalar_type() == at::kLong && keyed.numel() == N &&
+              draft_ids.dim() == 1 && parents.dim() == 1 &&
               parents.size(0) == T && draft_ids.scalar_type() == at::kLong && parents.scalar_type() == at::kLong,
-              "race_match: p [T + B, V] float32, e: T + B rows, drafts and parents [T] long, sum(num_draft) == T");
+              "race_match: p [T + B, V] float32, keys and keyed [T + B], drafts and parents [T] long, "
+              "sum(num_draft) == T");
   const int64_t V = p.size(1);
   TORCH_CHECK(V > 0, "race_match: an empty vocabulary");
-  for (const Tensor& row : e)
-    TORCH_CHECK(!row.numel() || (row.dim() == 1 && row.size(0) == V && row.scalar_type() == at::kDouble &&
-                                 row.is_contiguous() && row.device().is_cpu()),
-                "race_match: each row of e is empty (E = 1) or [V] contiguous float64 on the CPU");
-  Tensor pc = p.contiguous(), dc = draft_ids.contiguous(), pa = parents.contiguous();
+  Tensor pc = p.contiguous(), dc = draft_ids.contiguous(), pa = parents.contiguous(), kc = keys.contiguous();
+  Tensor mc = keyed.to(at::kBool).contiguous();
+  const int64_t* KEY = kc.data_ptr<int64_t>();
+  const bool* KEYED = mc.data_ptr<bool>();
   const float* P = pc.data_ptr<float>();
   const int64_t* X = dc.data_ptr<int64_t>();
   const int64_t* PAR = pa.data_ptr<int64_t>();
-  std::vector<const double*> E(N);
-  for (int64_t i = 0; i < N; ++i) E[i] = e[i].numel() ? e[i].data_ptr<double>() : nullptr;
   std::vector<int64_t> row0(B), flat0(B);                                      // s_b and o_b (verify/tree.py)
   for (int64_t b = 0, r = 0, t = 0; b < B; ++b) {
     row0[b] = r;
@@ -207,11 +208,17 @@ Tensor race_match(const Tensor& p, at::TensorList e, const Tensor& draft_ids, co
   }
   Tensor out = at::full({N}, -1, p.options().dtype(at::kLong));
   int64_t* Y = out.data_ptr<int64_t>();
-  // sampler.sample's race: argmax_v p[v] / E[v] (sampling/native.py race_top_row, k = 1)
+  // sampler.sample's race: argmax_v p[v] / E[v], E the row's position noise (sampling/native.py
+  // race_key_row, k = 1: E only where it can win), or argmax p (E = 1: greedy rows)
   auto race = [&](int64_t row) {
     double best;
     int64_t arg;
-    race_top_row(P + row * V, E[row], static_cast<const int64_t*>(nullptr), V, 1, &best, &arg);
+    if (KEYED[row])
+      race_key_row(P + row * V, static_cast<uint64_t>(KEY[row]), static_cast<const int64_t*>(nullptr), V, 1,
+                   &best, &arg);
+    else
+      race_top_row(P + row * V, static_cast<const double*>(nullptr), static_cast<const int64_t*>(nullptr), V, 1,
+                   &best, &arg);
     return arg;
   };
   at::parallel_for(0, B, std::max<int64_t>(1, 32768 / V), [&](int64_t lo, int64_t hi) {
@@ -236,7 +243,8 @@ Tensor race_match(const Tensor& p, at::TensorList e, const Tensor& draft_ids, co
 TORCH_LIBRARY(leapfrog_verify, m) {
   m.def("chain_rejection(Tensor logits, Tensor temperature, Tensor q, Tensor draft_ids, int[] num_draft, "
         "Tensor u, Tensor w) -> (Tensor, Tensor, Tensor)");
-  m.def("race_match(Tensor p, Tensor[] e, Tensor draft_ids, Tensor parents, int[] num_draft) -> Tensor");
+  m.def("race_match(Tensor p, Tensor keys, Tensor keyed, Tensor draft_ids, Tensor parents, int[] num_draft) "
+        "-> Tensor");
 }
 TORCH_LIBRARY_IMPL(leapfrog_verify, CPU, m) {
   m.impl("chain_rejection", &chain_rejection);
@@ -244,8 +252,8 @@ TORCH_LIBRARY_IMPL(leapfrog_verify, CPU, m) {
 }
 """
 
-_LIBRARY = OpLibrary("leapfrog_native_verify", _SOURCE, ["-O3", "-fopenmp-simd"],
-                     "native verification ops (about 10 s)", "verifying in Python")
+_LIBRARY = OpLibrary("leapfrog_native_verify", _SOURCE, ["-O3", "-fopenmp-simd", "-ffp-contract=off"],
+                     "native verification ops (about 10 s)", "verifying in Python", isa=True)
 
 
 def native_verify_enabled() -> bool:
@@ -278,12 +286,12 @@ def chain_rejection(logits: Tensor, temperatures: Tensor, q: Tensor | None, draf
     return ChainDraw(n.tolist(), tok.tolist())
 
 
-def race_match(p: Tensor, e: list[Tensor | None], draft_ids: Tensor, parents: Tensor,
+def race_match(p: Tensor, keys: list[int | None], draft_ids: Tensor, parents: Tensor,
                num_draft: list[int]) -> list[int]:
     """The target's tokens [T + B] for matching (verify/greedy.py, verify/tree.py) of seeded and
     greedy requests, raced only where the walk from each root reads them: p [T + B, V] float32
-    on the CPU, ``e`` each row's exponentials [V] float64 (sampler.exponential_row; None: E = 1,
-    the argmax), ``parents`` [T] local (chains: -1, 0, 1, ...) -> -1 at the rows not raced."""
-    empty = torch.empty(0, dtype=torch.float64)
-    return torch.ops.leapfrog_verify.race_match(p, [empty if r is None else r for r in e], draft_ids,
-                                                parents, num_draft).tolist()
+    on the CPU, ``keys`` each row's noise key (sampler.row_key of its position; None: E = 1, the
+    argmax), ``parents`` [T] local (chains: -1, 0, 1, ...) -> -1 at the rows not raced."""
+    k = torch.tensor([0 if x is None else signed64(x) for x in keys], dtype=torch.int64)
+    keyed = torch.tensor([x is not None for x in keys])
+    return torch.ops.leapfrog_verify.race_match(p, k, keyed, draft_ids, parents, num_draft).tolist()
