@@ -43,7 +43,7 @@ from leapfrog.train.distill import heldout_prompts
 
 def race_for_every_row(p: torch.Tensor, rngs) -> torch.Tensor:
     """The draw before inverse CDF: every row's token the race's winner (V uniforms per row)."""
-    return sampler._race(p, rngs).argmax(dim=-1)
+    return (p / sampler.exponentials(rngs, p.shape[-1], p.device)).argmax(dim=-1)
 
 
 def race_chain_draws(self: EagleProposer, rs, levels, chain):

@@ -38,7 +38,6 @@ from leapfrog.model.runner import ModelRunner, SeqChunk
 from leapfrog.outputs import IterationStats, Logprob, PositionLogprobs, RequestOutput, SpecMetrics
 from leapfrog.request import Request
 from leapfrog.sampling import logprobs as lp, sampler
-from leapfrog.sampling.native import load_native_noise
 from leapfrog.sampling.grammar import GrammarCompiler, GrammarState
 from leapfrog.sampling_params import SamplingParams
 from leapfrog.scheduler.scheduler import Scheduler
@@ -236,7 +235,6 @@ class LLMEngine:
             #: turns them off)
             self._native_verify = self.device.type == "cpu" and native_verify_enabled()
             self._sampled_seen = False   # whether a sampled request came (the op's build starts then)
-            self._seeded_seen = False   # whether a seeded one came (sampling/native.py's noise op: built then)
             if not config.enforce_eager:
                 self._compile()
         except BaseException:
@@ -460,15 +458,6 @@ class LLMEngine:
         self.scheduler.add(req)
         if req.sampled and not self._sampled_seen:   # (its prefill runs while the op builds)
             self.expect_sampled_requests()
-        if req.sampled and key is not None and not self._seeded_seen:
-            self._seeded_seen = True
-            spec = self.config.speculative_config or {}
-            if self.device.type == "cpu" and (spec.get("method") in ("draft_model", *EAGLE_METHODS)
-                                              or not self.config.enforce_eager):
-                # (drafters racing under q, and the graphs' noise rows: computed in C++ once
-                # built, the same bits as torch's twin meanwhile; verification races in the
-                # verify op, plain decode too)
-                build_ahead([load_native_noise])
         proposer = self._proposer_of(req)
         if proposer is not None:
             proposer.start(req)

@@ -902,8 +902,9 @@ class CompiledSampledChain(CompiledChain):
                        w: Tensor, steps: int | None = None) -> SampledChainOutput:
         # (eagerly: the whole chain from C++, over the head's own vocabulary or the target's: a head
         # whose vocabulary is not in ascending order picks over the spread logits, in Python)
-        if self.races_by_key:
-            # (e: the seeded rows' noise keys [B, steps, 2] int64, or ``unread``'s float ones: no race)
+        if self.races_by_key and (e.dtype == torch.int64 or e.stride(-1) == 0):
+            # (e: the seeded rows' noise keys [B, steps, 2] int64, or ``unread``'s view: no race; rows
+            # of E given (benchmarks/sampling_bench.py's race of unseeded rows) race in Python below)
             race = e.dtype == torch.int64
             toks, lps, shares, q = self.native_draft.sampled_chain(
                 tok, pos, mask, rows, write_rows, write_cols, kv_len, features, last, col,

@@ -303,10 +303,23 @@ def load_native_noise() -> bool:
     return native_noise_enabled() and _LIBRARY.available()
 
 
+_loading: list[object] = []   # (the background load started: noise_op_loaded)
+
+
 def noise_op_loaded() -> bool:
-    """Whether the op is loaded (the sampler never builds it: the engine does, ahead, for seeded
-    requests; the torch twin computes the same rows meanwhile)."""
-    return _LIBRARY.loaded()
+    """Whether the op is loaded; the first call that finds it not starts loading it in the
+    background (built once, cached on disk; the torch twin computes the same rows meanwhile).
+    Asked only where a row of noise is computed or raced outside the C++ ops that race by key
+    (the verify op, the EAGLE chain loop): a draft model's seeded proposals, the Python drafters'
+    races, the graphs' rows. Loaded at a seeded request's arrival, the op cost an EAGLE chain's
+    first drafting steps the CPU it took (at batch 1 "auto" then weighed them dear and turned
+    speculation off for its first request)."""
+    if _LIBRARY.loaded():
+        return True
+    if not _loading and native_noise_enabled():
+        from leapfrog.utils.cpp import build_ahead
+        _loading.extend(build_ahead([_LIBRARY.available]))
+    return False
 
 
 def noise_rows(keys: Tensor, vocab_size: int, exponential: bool) -> Tensor:
