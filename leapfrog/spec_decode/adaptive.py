@@ -66,7 +66,8 @@ steps in a row) after 8 intervals of decode steps (tokens per sequence) times th
 current (and the costs: a transient that made speculation look bad must not turn it off for
 good), twice as long after each probe that leaves it off (up to 8 times: at large batches it
 never pays, and probes cost); from a batch of _HOLD_FROM on, speculation that turns off after
-speculating is probed once with the size it ran after _REPROBE_STEPS plain steps.
+speculating is probed once with the size it ran after _REPROBE_STEPS plain steps, and so is
+speculation that the first weighing at a batch size turns off (any batch size, with the probe size).
 The first time of a forward shape includes one-off costs (kernel selection and packing for a
 new row count: the first 21-token verify of the demo target measured 11.7 ms, later ones about
 8), so a size's first measurement is only provisional: the next step runs the same size again
@@ -259,7 +260,11 @@ _HOLD_FROM = 8
 #: sequence in the first four steps, 4.9-5.0 from the seventh) and the confidence curve still
 #: holds the last batch's tail (its least predictable requests, which finished last); while off
 #: nothing measured moves either, and the next probe came 2048 steps later: "auto" sat out whole
-#: batches of 16-32 at T = 0 where the chains ran 1.05-1.1x none (stop 112)
+#: batches of 16-32 at T = 0 where the chains ran 1.05-1.1x none (stop 112). So is speculation
+#: that the first weighing at a batch size turns off, at any batch size: it has only the first
+#: probe's few steps of acceptance (at batch 1, T = 0.7, seeded, a first probe's chains of 7 took
+#: 1.6 tokens a step where the request's later ones took about 4, and the wait of 128 plain
+#: steps, a whole request there, followed: stop 116)
 _REPROBE_STEPS = 32
 #: ... and in the first this many steps of a batch whose requests are mostly new (more than half of
 #: a step's requests joined at once: a static batch's start), no weighing turns speculation off
@@ -473,6 +478,7 @@ class SpecController:
         self.off_steps: defaultdict[int, int] = defaultdict(int)
         self.probe_wait: dict[int, int] = {}
         self.reprobe: dict[int, int] = {}   # bucket -> the size to probe when speculation turned off (_REPROBE_STEPS)
+        self.first_probed: dict[int, int] = {}   # bucket -> the first probe's size, until the next choice (_explore)
         self.plain_samples: dict[int, int] = {}   # bucket -> one-token steps measured before t_verify(B, 1) stands
         #: bucket -> plain steps of a refresh of t_verify(B, 1) still to choose (0: the next observed
         #: one-token step is its last, whose sample replaces the estimate unless widened)
@@ -1070,8 +1076,11 @@ class SpecController:
         _PLAIN_FIRST plain steps (module docstring; ``choose`` runs the rest)."""
         interval = self.cfg.adaptive_explore_interval
         last, self.best[bucket] = self.best.get(bucket), best
-        if best == 0 and last and _size(bucket) >= _HOLD_FROM:   # (turned off after speculating: _REPROBE_STEPS)
-            self.reprobe[bucket] = last
+        first = self.first_probed.pop(bucket, None)   # (the first choice after the first probe here)
+        if best == 0 and ((last and _size(bucket) >= _HOLD_FROM) or first):
+            # (turned off after speculating, or right after the first probe at this batch size, on
+            # its few steps of acceptance: _REPROBE_STEPS)
+            self.reprobe[bucket] = last or first
             self.off_steps[bucket] = 0
             self.probe_wait[bucket] = _REPROBE_STEPS
         if best == 0 and self._probe_due(bucket):
@@ -1128,6 +1137,7 @@ class SpecController:
         if size == self.round_k and size in self.round_sizes:
             size = size - 1 if size > 1 else size + 1
         self.probes[bucket] = _Probe(size, steps=_FIRST_PROBE_STEPS, replaces=False)
+        self.first_probed[bucket] = size
         return size
 
     def _probe_due(self, bucket: int) -> bool:
@@ -1138,8 +1148,9 @@ class SpecController:
         0.84x fixed K) times the batch-size bucket (the same number of tokens in all: a probe's
         steps and the drafter's catch-up cost grow with the batch, and large batches are where
         speculation pays least), twice as long after each probe that leaves it off (up to
-        _PROBE_BACKOFF times). After a turn-off from speculating at a batch of _HOLD_FROM or more
-        (``_explore``): _REPROBE_STEPS, once, and the usual wait after that probe."""
+        _PROBE_BACKOFF times). After a turn-off from speculating at a batch of _HOLD_FROM or more,
+        or by the first weighing at a batch size (``_explore``): _REPROBE_STEPS, once, and the
+        usual wait after that probe."""
         base, wait = self._probe_wait(bucket)
         if self.off_steps[bucket] < wait:
             return False

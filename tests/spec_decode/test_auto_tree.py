@@ -54,10 +54,10 @@ def _step(ctl: SpecController, n: int, confidences: list[float], accepted: int, 
     ctl.observe([_Req()], drafts, AcceptanceResult([accepted], [[0] * (accepted + 1)], [n]), t_draft, t_verify)
 
 
-def _converge(cost_per_token: float, confidences: list[float], accept_of) -> list[int]:
+def _converge(cost_per_token: float, confidences: list[float], accept_of, steps: int = 60) -> list[int]:
     ctl = SpecController(CFG, 4096)
     chosen = []
-    for _ in range(60):
+    for _ in range(steps):
         n = ctl.choose([_Req()])[0]
         chosen.append(n)
         t_verify = 1.0 + cost_per_token * n     # t(B, n + 1), in units of a plain step
@@ -79,9 +79,12 @@ def test_cheap_verification_and_a_confident_drafter_verify_a_big_tree():
 
 def test_expensive_verification_shrinks_the_tree_or_turns_it_off():
     conf = [0.5 ** (i + 1) for i in range(64)]                # unsure: the best node is a coin flip
-    chosen = _converge(0.5, conf, lambda n: 0)
+    chosen = _converge(0.5, conf, lambda n: 0, steps=100)
     assert max(chosen[-20:]) <= 2
     assert chosen[-20:].count(0) >= 15
+    # the first probe turned it off: probed once more after _REPROBE_STEPS plain steps, then off
+    first_off = chosen.index(0, chosen.index(16))
+    assert chosen[first_off:first_off + 32] == [0] * 32 and chosen[first_off + 32] == 16
 
 
 def test_calibration_follows_measured_acceptance():
