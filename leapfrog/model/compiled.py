@@ -850,8 +850,9 @@ class CompiledSampledChain(CompiledChain):
     EAGLE head's chains at temperature > 0). Each step draws as the sampler does
     (sampling/sampler.py ``sample``) from q = softmax(logits / logit_scale / T): seeded rows
     the race's winner argmax q / E with the exponentials E = -log U of their position noise
-    [batch, steps, V] float64 (``sampler.exponentials``: the kept E every race at that position
-    divides by), unseeded rows (``stream``) the inverse-CDF draw with one uniform w [batch, steps]
+    [batch, steps, V] float64 (``sampler.exponentials``: the E every race at that position
+    divides by; the eager C++ chain takes their noise keys [batch, steps, 2] int64 instead,
+    ``races_by_key``), unseeded rows (``stream``) the inverse-CDF draw with one uniform w [batch, steps]
     float64 of their generator, both drawn on the host and passed in, so the graph draws the
     tokens the eager drafter draws. Rows with ``sampled`` False take the argmax, as
     CompiledChain. Only temperature: requests with penalties, token rules, top-k/p or min-p

@@ -336,7 +336,8 @@ class ModelRunner:
                             steps: int | None = None) -> SampledChainOutput | None:
         """Chains of the sampled graph's ``steps`` tokens after each chunk (as ``draft_chain``):
         temperature [n], sampled [n] bool (False: the argmax), e [n, steps, V] float64 the race's
-        exponentials of seeded rows (sampler.exponentials), stream [n] bool the unseeded rows,
+        exponentials of seeded rows (sampler.exponentials; where the chain runs in C++, their
+        noise keys [n, steps, 2] int64, sampler.noise_keys), stream [n] bool the unseeded rows,
         which draw by inverse CDF with w [n, steps] float64, all on the runner's device; ``steps``:
         the tokens wanted (default the graph's; an eager chain runs just those). -> per chunk, or
         None when no graph fits."""

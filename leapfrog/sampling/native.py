@@ -101,7 +101,7 @@ void race_top_row(const scalar_t* p, const double* e, const int64_t* vid, int64_
 #: E = -log U by ``neg_log``: frexp (by the bits: U is normal), then log m = 2 atanh(s) as an odd series in s = (m - 1) / (m + 1),
 #: a fixed sequence of IEEE float64 operations that sampler.py's torch twin runs op for op (no FMA:
 #: every library that includes this builds with -ffp-contract=off), so the C++ and torch rows are
-#: the same bits on any device. Relative error under 2e-16 against a correctly rounded log.
+#: the same bits on any device. Relative error under 5e-16 against a correctly rounded log.
 NOISE_CPP = r"""
 namespace noise {
 constexpr uint64_t GOLDEN = 0x9E3779B97F4A7C15ULL;
@@ -145,7 +145,8 @@ inline double neg_log(double u) {
 #: bound p / (1 - U) falls below the k-th largest lower bound p U / (1 - U) (with a 1e-9 margin for
 #: rounding) cannot finish in the top k nor tie there, so only the others get their log and their
 #: exact quotient, in column order, inserted as race_top_row inserts (a handful of columns at a
-#: peaked p; every column where fewer than k have p > 0). Bitwise race_top_row over ``noise_rows``.
+#: peaked p; where fewer than k have p > 0, every column with p > 0). Bitwise race_top_row over
+#: ``noise_rows``, for finite non-negative p (as race_top_row's; a NaN column is never taken).
 RACE_KEY_CPP = r"""
 template <typename scalar_t>
 void race_key_row(const scalar_t* p, uint64_t r, const int64_t* vid, int64_t V, int64_t k, double* val,
@@ -192,7 +193,8 @@ void race_key_row(const scalar_t* p, uint64_t r, const int64_t* vid, int64_t V, 
     for (int64_t i = 0; i < n; ++i) {
       if (!(ub[v0 + i] * (1 + 1e-9) >= bar)) continue;
       const uint64_t col = vid ? static_cast<uint64_t>(vid[v0 + i]) : static_cast<uint64_t>(v0 + i);
-      const double q = static_cast<double>(p[v0 + i]) / noise::neg_log(noise::uniform(r, col));
+      const double pv = static_cast<double>(p[v0 + i]);                       // (p = 0: 0 whatever E is)
+      const double q = pv == 0 ? pv : pv / noise::neg_log(noise::uniform(r, col));
       if (!(q > val[k - 1])) continue;
       int64_t j = k - 1;                                                       // insert, after its equals
       for (; j > 0 && q > val[j - 1]; --j) {
@@ -217,8 +219,8 @@ _SOURCE = r"""
 #include <torch/library.h>
 #include <vector>
 
-""" + NOISE_CPP + RACE_TOP_CPP + RACE_KEY_CPP + r"""
 namespace {
+""" + NOISE_CPP + RACE_TOP_CPP + RACE_KEY_CPP + r"""
 using at::Tensor;
 
 // sampler.race_top's first k finishers per row of p [N, V] (float32 or float64): rows with

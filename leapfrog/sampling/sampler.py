@@ -365,9 +365,10 @@ def noise(rngs: Sequence[Rng], vocab_size: int, device: torch.device | str = "cp
 
 def exponentials(rngs: Sequence[Rng], vocab_size: int, device: torch.device | str = "cpu") -> Tensor:
     """[N, V] float64 the race's exponentials E = -log U of ``noise``'s rows (1 for rows with no
-    randomness), on ``device``: a seeded position's E is computed once, on the host, and kept
-    with its U (``NoiseRows``), so every race at that position (one-token steps, verification,
-    multi-step and speculation-round graphs) divides by the very same numbers."""
+    randomness), on ``device``: a seeded position's E is computed on the host and kept with its
+    U (``NoiseRows``) for the graphs and Python races that take rows (multi-step and
+    speculation-round graphs); the C++ races compute the same numbers from the row key where
+    they read them (``position_noise``), so every race at that position divides by the same bits."""
     return _rows(rngs, vocab_size, device, exponential=True)
 
 
@@ -516,6 +517,8 @@ def _race_top(p: Tensor, rngs: Sequence[Rng], k: int) -> tuple[Tensor, Tensor]:
     float64, columns [N, k]: sampling/native.py's race where it serves (CPU p; it computes E
     only at the columns that can finish in the top k), else p divided by ``exponentials``
     (the same bits)."""
+    if any(isinstance(r, torch.Generator) for r in rngs):
+        raise TypeError("race_top: a stream row draws by inverse CDF, not by a race")
     if p.device.type == "cpu" and p.dtype in (torch.float32, torch.float64) and native.noise_op_loaded():
         keyed = [isinstance(r, PositionKey) for r in rngs]
         keys = torch.tensor([signed64(row_key(r)) if c else 0 for r, c in zip(rngs, keyed)], dtype=torch.int64)

@@ -582,7 +582,7 @@ class SpecController:
             self.free_share = sum(r.unseeded_sampled for r in reqs) / len(reqs) if reqs else 0.0
             self.stops = bool(reqs) and not any(r.sampled for r in reqs)
             self.off_reqs = reqs if reqs and self.best.get(bucket) == 0 else None
-        for stale in (self.probes, self.refresh):   # the batch moved on: its probe and refresh are stale
+        for stale in (self.probes, self.refresh, self.first_probed):   # the batch moved on: its probe and refresh are stale
             for b in [b for b in stale if b != bucket]:
                 del stale[b]
         if self.cfg.disable_by_batch_size is not None and B > self.cfg.disable_by_batch_size:

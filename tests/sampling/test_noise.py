@@ -83,8 +83,12 @@ def test_the_ops_race_finds_what_racing_every_column_finds(op, V):
             values, columns = native.race_rows(p, keys, keyed, k)
             want = r.topk(k, -1)
             assert torch.equal(values, want.values)
-            live = want.values > 0   # (columns of p = 0 tie at 0: any order)
+            live = want.values > 0   # (columns of p = 0 tie at 0: torch.topk's order is any)
             assert torch.equal(columns[live], want.indices[live])
+            for row in range(N):   # the op's: the earliest of equal values first, as race_top_row
+                dead = columns[row][~live[row]].tolist()
+                zeros = [v for v in range(V) if r[row, v] == 0]
+                assert dead == zeros[:len(dead)]
             if k == 1:
                 assert torch.equal(columns[:, 0], r.argmax(-1))
 
@@ -108,3 +112,9 @@ def test_seeded_draws_follow_p():
     e = _twin(keys, V, True)
     x = (p.double() / e).argmax(-1).numpy()
     assert chisq_pvalue(np.bincount(x, minlength=V), p[0].double().numpy()) > 1e-4
+
+
+def test_race_top_refuses_stream_rows():
+    """An unseeded request's stream draws by inverse CDF: racing it would read noise it has none of."""
+    with pytest.raises(TypeError, match="inverse CDF"):
+        sampler.race_top(torch.full((1, 4), 0.25), [torch.Generator()], 1)
