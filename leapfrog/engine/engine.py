@@ -1153,7 +1153,7 @@ class LLMEngine:
                 # (one C++ call racing only the rows the match reads: the rows past a mismatch
                 # are never raced; the Python race over every row took about 9 ms for a batch
                 # of 16 seeded chains of 5, the op 0.4-0.5)
-                target = race_match(p_m, [sampler.race_key(r) for r in rngs],
+                target = race_match(p_m, sampler.noise_keys(rngs),
                                     sub.token_ids, torch.tensor(sub_parents, dtype=torch.long), sub.num_draft)
             else:
                 target = sampler.sample(p_m, rngs).tolist()

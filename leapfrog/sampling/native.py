@@ -223,28 +223,28 @@ namespace {
 """ + NOISE_CPP + RACE_TOP_CPP + RACE_KEY_CPP + r"""
 using at::Tensor;
 
-// sampler.race_top's first k finishers per row of p [N, V] (float32 or float64): rows with
-// ``keyed`` race under their row key's noise (race_key_row), the others take the top k of p
-// (E = 1) -> values [N, k] float64, columns [N, k] long
-std::tuple<Tensor, Tensor> race_rows(const Tensor& p, const Tensor& keys, const Tensor& keyed, int64_t k) {
-  TORCH_CHECK(p.dim() == 2 && p.size(1) > 0 && keys.dim() == 1 && keys.size(0) == p.size(0) &&
-              keys.scalar_type() == at::kLong && keyed.numel() == p.size(0) && k >= 1 && k <= p.size(1),
-              "race_rows: p [N, V], keys and keyed [N], 1 <= k <= V");
+// sampler.race_top's first k finishers per row of p [N, V] (float32 or float64), keys [N, 2] int64
+// (sampler.noise_keys: a row key and whether the row has one): keyed rows race under their row
+// key's noise (race_key_row), the others take the top k of p (E = 1) -> values [N, k] float64,
+// columns [N, k] long
+std::tuple<Tensor, Tensor> race_rows(const Tensor& p, const Tensor& keys, int64_t k) {
+  TORCH_CHECK(p.dim() == 2 && p.size(1) > 0 && keys.dim() == 2 && keys.size(0) == p.size(0) &&
+              keys.size(1) == 2 && keys.scalar_type() == at::kLong && k >= 1 && k <= p.size(1),
+              "race_rows: p [N, V], keys [N, 2] int64, 1 <= k <= V");
   TORCH_CHECK(p.scalar_type() == at::kFloat || p.scalar_type() == at::kDouble, "race_rows: float32 or float64 p");
-  Tensor pc = p.contiguous(), kc = keys.contiguous(), mc = keyed.to(at::kBool).contiguous();
+  Tensor pc = p.contiguous(), kc = keys.contiguous();
   const int64_t N = pc.size(0), V = pc.size(1);
   Tensor val = at::empty({N, k}, pc.options().dtype(at::kDouble));
   Tensor idx = at::empty({N, k}, pc.options().dtype(at::kLong));
   const int64_t* K = kc.data_ptr<int64_t>();
-  const bool* M = mc.data_ptr<bool>();
   double* VA = val.data_ptr<double>();
   int64_t* IX = idx.data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES(pc.scalar_type(), "race_rows", [&] {
     const scalar_t* P = pc.data_ptr<scalar_t>();
     at::parallel_for(0, N, std::max<int64_t>(1, 32768 / V), [&](int64_t lo, int64_t hi) {
       for (int64_t n = lo; n < hi; ++n) {
-        if (M[n])
-          race_key_row(P + n * V, static_cast<uint64_t>(K[n]), static_cast<const int64_t*>(nullptr), V, k,
+        if (K[2 * n + 1])
+          race_key_row(P + n * V, static_cast<uint64_t>(K[2 * n]), static_cast<const int64_t*>(nullptr), V, k,
                        VA + n * k, IX + n * k);
         else
           race_top_row(P + n * V, static_cast<const double*>(nullptr), static_cast<const int64_t*>(nullptr),
@@ -283,7 +283,7 @@ Tensor noise_rows(const Tensor& keys, int64_t V, bool exponential) {
 
 TORCH_LIBRARY(leapfrog_sampling, m) {
   m.def("noise_rows(Tensor keys, int V, bool exponential) -> Tensor");
-  m.def("race_rows(Tensor p, Tensor keys, Tensor keyed, int k) -> (Tensor, Tensor)");
+  m.def("race_rows(Tensor p, Tensor keys, int k) -> (Tensor, Tensor)");
 }
 TORCH_LIBRARY_IMPL(leapfrog_sampling, CPU, m) {
   m.impl("noise_rows", &noise_rows);
@@ -329,8 +329,8 @@ def noise_rows(keys: Tensor, vocab_size: int, exponential: bool) -> Tensor:
     return torch.ops.leapfrog_sampling.noise_rows(keys, vocab_size, exponential)
 
 
-def race_rows(p: Tensor, keys: Tensor, keyed: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """sampler.race_top's k first finishers per row of p [N, V] on the CPU, rows with ``keyed``
-    [N] bool under row key ``keys`` [N] int64's noise, the others the top k of p -> values [N, k]
-    float64, columns [N, k] long."""
-    return torch.ops.leapfrog_sampling.race_rows(p, keys, keyed, k)
+def race_rows(p: Tensor, keys: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """sampler.race_top's k first finishers per row of p [N, V] on the CPU, keyed rows of ``keys``
+    [N, 2] int64 (sampler.noise_keys) under their row key's noise, the others the top k of p ->
+    values [N, k] float64, columns [N, k] long."""
+    return torch.ops.leapfrog_sampling.race_rows(p, keys, k)

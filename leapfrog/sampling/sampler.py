@@ -401,20 +401,13 @@ def _rows(rngs: Sequence[Rng], vocab_size: int, device: torch.device | str, expo
     return torch.cat(parts).to(device)   # (a copy: the kept rows are never handed out)
 
 
-def race_key(rng: Rng) -> int | None:
-    """A race row's noise key (``row_key``) for the C++ races, or None for a row with no
-    randomness (E = 1). For the race's rows only (seeded positions and greedy rows; a stream row
-    draws by inverse CDF)."""
-    if rng is None:
-        return None
-    if not isinstance(rng, PositionKey):
-        raise TypeError("race_key: a stream row draws by inverse CDF, not by a race")
-    return row_key(rng)
-
-
 def noise_keys(rngs: Sequence[Rng], device: torch.device | str = "cpu") -> Tensor:
     """[N, 2] int64: each race row's noise key (``row_key``'s bits) and 1, or 0 and 0 for a row
-    with no randomness (E = 1): what the C++ races take in place of ``exponentials``' rows."""
+    with no randomness (E = 1): what the C++ races (the verify op, ``race_rows``, the EAGLE chain
+    op) take in place of ``exponentials``' rows. For the race's rows only (seeded positions and
+    greedy rows; a stream row draws by inverse CDF)."""
+    if any(isinstance(r, torch.Generator) for r in rngs):
+        raise TypeError("noise_keys: a stream row draws by inverse CDF, not by a race")
     return torch.tensor([[signed64(row_key(r)), 1] if isinstance(r, PositionKey) else [0, 0] for r in rngs],
                         dtype=torch.int64, device=device).view(len(rngs), 2)
 
@@ -517,12 +510,9 @@ def _race_top(p: Tensor, rngs: Sequence[Rng], k: int) -> tuple[Tensor, Tensor]:
     float64, columns [N, k]: sampling/native.py's race where it serves (CPU p; it computes E
     only at the columns that can finish in the top k), else p divided by ``exponentials``
     (the same bits)."""
-    if any(isinstance(r, torch.Generator) for r in rngs):
-        raise TypeError("race_top: a stream row draws by inverse CDF, not by a race")
+    keys = noise_keys(rngs)   # [N, 2] (refuses stream rows)
     if p.device.type == "cpu" and p.dtype in (torch.float32, torch.float64) and native.noise_op_loaded():
-        keyed = [isinstance(r, PositionKey) for r in rngs]
-        keys = torch.tensor([signed64(row_key(r)) if c else 0 for r, c in zip(rngs, keyed)], dtype=torch.int64)
-        return native.race_rows(p, keys, torch.tensor(keyed), k)
+        return native.race_rows(p, keys, k)
     r = p / exponentials(rngs, p.shape[-1], p.device)   # [N, V] float64 (float32 p promotes exactly)
     if k == 1:   # (argmax: the first of equal maxima)
         i = r.argmax(dim=-1, keepdim=True)

@@ -289,7 +289,7 @@ def test_race_match_finds_what_racing_every_row_finds(tree, seed, V):
     owner = [b for b, k in enumerate(num_draft) for _ in range(k + 1)]
     rngs = [rng(b, d) for b, d in zip(owner, depths)]
     every = sampler.sample(p, rngs).tolist()
-    got = native.race_match(p, [sampler.race_key(x) for x in rngs], draft_ids,
+    got = native.race_match(p, sampler.noise_keys(rngs), draft_ids,
                             torch.tensor(parents), num_draft)
     raced = [i for i, t in enumerate(got) if t >= 0]
     assert all(got[i] == every[i] for i in raced)
@@ -308,16 +308,16 @@ def test_race_match_ties_go_to_the_first_column_across_blocks():
     for p300, want in ((0.5, 10), (0.6, 300)):
         p = torch.zeros(1, 600)
         p[0, 10], p[0, 300] = 0.5, p300
-        got = native.race_match(p, [None], torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long), [0])
+        got = native.race_match(p, sampler.noise_keys([None]), torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long), [0])
         assert got == [want] == p.argmax(-1).tolist()
 
 
 def test_race_match_refuses_bad_trees_and_rows():
     p = torch.full((3, 8), 0.125)
     with pytest.raises(RuntimeError, match="parent after its child"):
-        native.race_match(p, [None] * 3, torch.tensor([1, 2]), torch.tensor([1, -1]), [2])
-    with pytest.raises(RuntimeError, match="keys and keyed"):
-        native.race_match(p, [None] * 2, torch.tensor([1, 2]), torch.tensor([-1, 0]), [2])
+        native.race_match(p, sampler.noise_keys([None] * 3), torch.tensor([1, 2]), torch.tensor([1, -1]), [2])
+    with pytest.raises(RuntimeError, match="keys \\[T \\+ B, 2\\]"):
+        native.race_match(p, sampler.noise_keys([None] * 2), torch.tensor([1, 2]), torch.tensor([-1, 0]), [2])
 
 
 @pytest.mark.parametrize("spec", [{"method": "draft_model", "model": "self", "num_speculative_tokens": 3,

@@ -53,7 +53,6 @@ import torch
 from torch import Tensor
 
 from leapfrog.sampling.native import INVERSE_CDF_DRAW_CPP, NOISE_CPP, RACE_KEY_CPP, RACE_TOP_CPP
-from leapfrog.sampling.sampler import signed64
 from leapfrog.utils import env_off
 from leapfrog.utils.cpp import OpLibrary
 
@@ -174,8 +173,8 @@ std::tuple<Tensor, Tensor, Tensor> chain_rejection(
 // verify/greedy.py and verify/tree.py's matching of seeded (and greedy) requests, racing only
 // the rows the walk reads: -> tokens [T + B] long, the target's token at each raced row, -1 at
 // the others (the rows past a request's first mismatch, and siblings' rows off its path)
-Tensor race_match(const Tensor& p, const Tensor& keys, const Tensor& keyed, const Tensor& draft_ids,
-                  const Tensor& parents, at::IntArrayRef num_draft) {
+Tensor race_match(const Tensor& p, const Tensor& keys, const Tensor& draft_ids, const Tensor& parents,
+                  at::IntArrayRef num_draft) {
   const int64_t B = num_draft.size(), T = draft_ids.size(0), N = T + B;
   int64_t drafted = 0;
   for (int64_t k : num_draft) {
@@ -183,17 +182,15 @@ Tensor race_match(const Tensor& p, const Tensor& keys, const Tensor& keyed, cons
     drafted += k;
   }
   TORCH_CHECK(p.dim() == 2 && p.size(0) == N && p.scalar_type() == at::kFloat && drafted == T &&
-              keys.dim() == 1 && keys.size(0) == N && keys.scalar_type() == at::kLong && keyed.numel() == N &&
+              keys.dim() == 2 && keys.size(0) == N && keys.size(1) == 2 && keys.scalar_type() == at::kLong &&
               draft_ids.dim() == 1 && parents.dim() == 1 &&
               parents.size(0) == T && draft_ids.scalar_type() == at::kLong && parents.scalar_type() == at::kLong,
-              "race_match: p [T + B, V] float32, keys and keyed [T + B], drafts and parents [T] long, "
+              "race_match: p [T + B, V] float32, keys [T + B, 2] int64, drafts and parents [T] long, "
               "sum(num_draft) == T");
   const int64_t V = p.size(1);
   TORCH_CHECK(V > 0, "race_match: an empty vocabulary");
   Tensor pc = p.contiguous(), dc = draft_ids.contiguous(), pa = parents.contiguous(), kc = keys.contiguous();
-  Tensor mc = keyed.to(at::kBool).contiguous();
-  const int64_t* KEY = kc.data_ptr<int64_t>();
-  const bool* KEYED = mc.data_ptr<bool>();
+  const int64_t* KEY = kc.data_ptr<int64_t>();                                // [N, 2] (sampler.noise_keys)
   const float* P = pc.data_ptr<float>();
   const int64_t* X = dc.data_ptr<int64_t>();
   const int64_t* PAR = pa.data_ptr<int64_t>();
@@ -213,8 +210,8 @@ Tensor race_match(const Tensor& p, const Tensor& keys, const Tensor& keyed, cons
   auto race = [&](int64_t row) {
     double best;
     int64_t arg;
-    if (KEYED[row])
-      race_key_row(P + row * V, static_cast<uint64_t>(KEY[row]), static_cast<const int64_t*>(nullptr), V, 1,
+    if (KEY[2 * row + 1])
+      race_key_row(P + row * V, static_cast<uint64_t>(KEY[2 * row]), static_cast<const int64_t*>(nullptr), V, 1,
                    &best, &arg);
     else
       race_top_row(P + row * V, static_cast<const double*>(nullptr), static_cast<const int64_t*>(nullptr), V, 1,
@@ -243,8 +240,7 @@ Tensor race_match(const Tensor& p, const Tensor& keys, const Tensor& keyed, cons
 TORCH_LIBRARY(leapfrog_verify, m) {
   m.def("chain_rejection(Tensor logits, Tensor temperature, Tensor q, Tensor draft_ids, int[] num_draft, "
         "Tensor u, Tensor w) -> (Tensor, Tensor, Tensor)");
-  m.def("race_match(Tensor p, Tensor keys, Tensor keyed, Tensor draft_ids, Tensor parents, int[] num_draft) "
-        "-> Tensor");
+  m.def("race_match(Tensor p, Tensor keys, Tensor draft_ids, Tensor parents, int[] num_draft) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(leapfrog_verify, CPU, m) {
   m.impl("chain_rejection", &chain_rejection);
@@ -286,12 +282,11 @@ def chain_rejection(logits: Tensor, temperatures: Tensor, q: Tensor | None, draf
     return ChainDraw(n.tolist(), tok.tolist())
 
 
-def race_match(p: Tensor, keys: list[int | None], draft_ids: Tensor, parents: Tensor,
+def race_match(p: Tensor, keys: Tensor, draft_ids: Tensor, parents: Tensor,
                num_draft: list[int]) -> list[int]:
     """The target's tokens [T + B] for matching (verify/greedy.py, verify/tree.py) of seeded and
     greedy requests, raced only where the walk from each root reads them: p [T + B, V] float32
-    on the CPU, ``keys`` each row's noise key (sampler.row_key of its position; None: E = 1, the
-    argmax), ``parents`` [T] local (chains: -1, 0, 1, ...) -> -1 at the rows not raced."""
-    k = torch.tensor([0 if x is None else signed64(x) for x in keys], dtype=torch.int64)
-    keyed = torch.tensor([x is not None for x in keys])
-    return torch.ops.leapfrog_verify.race_match(p, k, keyed, draft_ids, parents, num_draft).tolist()
+    on the CPU, ``keys`` [T + B, 2] int64 each row's noise key (sampler.noise_keys; a row without
+    one: E = 1, the argmax), ``parents`` [T] local (chains: -1, 0, 1, ...) -> -1 at the rows not
+    raced."""
+    return torch.ops.leapfrog_verify.race_match(p, keys, draft_ids, parents, num_draft).tolist()
