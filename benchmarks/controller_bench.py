@@ -187,7 +187,9 @@ def main(argv: list[str] | None = None) -> int:
         traces = {}
         for name, spec in (("auto", {**head, "eagle_topk": args.topk, "num_draft_tokens": "auto"}),
                            ("chain", {**head, "eagle_topk": 1})):
-            llm = LLM(args.target, speculative_config=spec, max_num_seqs=seqs, share_target_with=base)
+            llm, refused = LLM.sharing_if_possible(base, model=args.target, speculative_config=spec, max_num_seqs=seqs)
+            if refused:
+                print(f"{name} loads its own copy of the target: {refused}")
             traces[name] = record(llm, prompts, params, B)
             llm.close()
         rows = {"auto (C++ model)": measure(traces["auto"], "native", args.repeats),

@@ -378,13 +378,15 @@ def build_llms(model: str, speculative_config: dict[str, Any], *, dtype: str = "
     return base, spec
 
 
-def _speculative_llm(model: str, speculative_config: dict[str, Any], *, seed: int, **kw):
+def _speculative_llm(model: str, speculative_config: dict[str, Any], *, seed: int, share_with: Any = None, **kw):
     """The check's speculative engine: engine seed ``seed`` + 1, disable_by_batch_size lifted
-    (``build_llms``)."""
+    (``build_llms``); on ``share_with``'s loaded target where it may share it, else (a target that
+    streams its weights beside a drafter: ``LLM.sharing_if_possible``) on a copy of its own."""
     from leapfrog import LLM
 
-    return LLM(model=model, seed=seed + 1, speculative_config={**speculative_config, "disable_by_batch_size": None},
-               **kw)
+    kw = dict(model=model, seed=seed + 1, speculative_config={**speculative_config, "disable_by_batch_size": None},
+              **kw)
+    return LLM(**kw) if share_with is None else LLM.sharing_if_possible(share_with, **kw)[0]
 
 
 def pinned_sizes(speculative_config: dict[str, Any]) -> tuple[dict[str, Any], int] | None:
@@ -413,14 +415,14 @@ def build_sampling_llm(model: str, speculative_config: dict[str, Any], spec_llm,
                        **kw) -> tuple[Any, str] | None:
     """The sampling part's speculative engine where the config's draft sizes are adaptive
     (``pinned_sizes``): the same config with the sizes pinned, on ``spec_llm``'s loaded target
-    (share_target_with) -> (that LLM, a note for the report); None where the sizes are fixed
+    where it may share it -> (that LLM, a note for the report); None where the sizes are fixed
     (the sampling part runs ``spec_llm``)."""
     got = pinned_sizes(speculative_config)
     if got is None:
         return None
     pinned, n = got
     llm = _speculative_llm(model, pinned, dtype=dtype, seed=seed, max_num_seqs=max_num_seqs,
-                           max_model_len=max_model_len, share_target_with=spec_llm, **kw)
+                           max_model_len=max_model_len, share_with=spec_llm, **kw)
     note = (f"the draft sizes are adaptive: the greedy part ran them as configured, the sampling part at the most "
             f"the controller may draft a step ({n} tokens), since it may choose to draft nothing there "
             "(every size is verified by the same code)")

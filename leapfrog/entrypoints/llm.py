@@ -9,7 +9,7 @@ from leapfrog.progress import progress_bar
 
 from leapfrog.config import EngineConfig
 from leapfrog.engine.engine import LLMEngine
-from leapfrog.errors import ConfigError, EngineError, RequestError
+from leapfrog.errors import ConfigError, EngineError, NotShareable, RequestError
 from leapfrog.outputs import RequestOutput
 from leapfrog.sampling_params import SamplingParams
 
@@ -86,6 +86,20 @@ class LLM:
         self.engine = LLMEngine(self.config, None if share_target_with is None else share_target_with.engine,
                                 share_kv_cache=share_kv_cache)
         self._ids = itertools.count()
+
+    @classmethod
+    def sharing_if_possible(cls, owner: "LLM", **kw) -> "tuple[LLM, str | None]":
+        """``LLM(share_target_with=owner, **kw)`` where that engine may share ``owner``'s loaded
+        target, else ``LLM(**kw)`` with its own copy -> (the LLM, why it could not share or None).
+        Sharing is refused (NotShareable) e.g. beside a drafter where the target is larger than the
+        last-level cache and streams its weights (float32 on AVX2 CPUs): benchmarks and checks that
+        only want to save memory take the copy."""
+        refused = None
+        try:
+            return cls(share_target_with=owner, **kw), None
+        except NotShareable as e:
+            refused = str(e)
+        return cls(**kw), refused   # (out of the except: the refused engine is freed before the copy loads)
 
     def close(self) -> None:
         """Release what outlives the object: tensor-parallel worker processes and the process group."""

@@ -74,12 +74,20 @@ def test_a_target_streaming_beside_a_drafter_is_not_shared(llama_dir, draft_dir,
         LLM(model=str(llama_dir), dtype="bfloat16", max_model_len=128, max_num_seqs=2, share_target_with=base,
             speculative_config=spec)
     assert not any(m.stream for m in linears)
+    # (benchmarks and `leapfrog check`, which only share to save memory, take a copy instead)
+    copy, why = LLM.sharing_if_possible(base, model=str(llama_dir), dtype="bfloat16", max_model_len=128,
+                                        max_num_seqs=2, speculative_config=spec)
+    assert "streams its weights" in why and copy.engine.model is not base.engine.model
+    assert not any(m.stream for m in linears)
     streaming = LLM(model=str(llama_dir), dtype="bfloat16", max_model_len=128, max_num_seqs=2,
                     speculative_config=spec)
     assert any(m.stream for m in streaming.engine.model.modules() if isinstance(m, NativeLinear))
     with pytest.raises(ConfigError, match="streams its weights"):
         LLM(model=str(llama_dir), dtype="bfloat16", max_model_len=128, share_target_with=streaming)
     monkeypatch.setenv("LEAPFROG_STREAM_WEIGHTS", "0")   # no streaming anywhere: shared
+    shared, why = LLM.sharing_if_possible(base, model=str(llama_dir), dtype="bfloat16", max_model_len=128,
+                                          max_num_seqs=2, speculative_config=spec)
+    assert why is None and shared.engine.model is base.engine.model
     assert LLM(model=str(llama_dir), dtype="bfloat16", max_model_len=128, max_num_seqs=2, share_target_with=base,
                speculative_config=spec).engine.model is base.engine.model
 
