@@ -1427,13 +1427,23 @@ def would_stream(model: nn.Module) -> bool:
     return _streaming(model)[1]
 
 
+def kernel_streams() -> bool:
+    """Whether this CPU's kernel build prefetches non-temporally where asked (``NativeLinear.stream``):
+    the AVX-512 build; the AVX2 build keeps its one prefetch hint (module docstring)."""
+    return kernel_isa() == "avx512_bf16"
+
+
 def _streaming(model: nn.Module) -> tuple[list[NativeLinear], bool]:
-    """``model``'s bf16-kernel linears, and whether together they exceed the last-level cache
-    (unless ``LEAPFROG_STREAM_WEIGHTS=0``)."""
+    """``model``'s bf16-kernel linears, and whether together they exceed the last-level cache on a
+    build that streams (``kernel_streams``; unless ``LEAPFROG_STREAM_WEIGHTS=0``). Where the build
+    does not stream, nothing is marked: engines may then share the target beside a drafter (on an
+    AVX2 EPYC every benchmark engine had loaded its own copy for a flag its kernel ignores)."""
     linears = [m for m in model.modules() if isinstance(m, NativeLinear)]
+    if not linears or not kernel_streams() or env_off("LEAPFROG_STREAM_WEIGHTS"):
+        return linears, False
     cache = last_level_cache_bytes()
     total = sum(m.packed.numel() * m.packed.element_size() for m in linears)
-    return linears, not env_off("LEAPFROG_STREAM_WEIGHTS") and cache is not None and total > cache
+    return linears, cache is not None and total > cache
 
 
 def set_streaming(model: nn.Module) -> int:

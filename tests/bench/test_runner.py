@@ -414,6 +414,7 @@ def test_share_target_by_default_gives_a_streaming_target_its_own_copy(llama_dir
     if not native_linear.native_linear_supported(torch.bfloat16, "cpu"):
         pytest.skip("no bf16 linear kernel on this CPU (nothing streams)")
     monkeypatch.setattr(native_linear, "last_level_cache_bytes", lambda: 1)
+    monkeypatch.setattr(native_linear, "kernel_streams", lambda: True)   # (as on AVX-512 builds)
     monkeypatch.delenv("LEAPFROG_STREAM_WEIGHTS", raising=False)
     said = []
     spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 2}

@@ -170,13 +170,17 @@ def test_streaming_prefetch_gives_the_same_bits(rows):
 @needs_kernel
 def test_set_streaming_policy(monkeypatch):
     """A model's linears stream when their packed weights exceed the last-level cache, not when
-    they fit, the cache size is unknown, or LEAPFROG_STREAM_WEIGHTS=0."""
+    they fit, the cache size is unknown, LEAPFROG_STREAM_WEIGHTS=0, or the kernel's build does
+    not stream (AVX2: its one prefetch hint)."""
     from leapfrog.model import native_linear as nl
+    assert nl.kernel_streams() == (nl.kernel_isa() == "avx512_bf16")
     model = nn.Sequential(NativeLinear(torch.randn(64, 32).to(BF16), None),
                           NativeLinear(torch.randn(32, 64).to(BF16), None))   # 8 KiB packed
     size = nl.last_level_cache_bytes()   # (this machine's, from sysfs)
     assert size is None or size >= 1 << 16
-    for cache, env, want in ((4096, None, 2), (1 << 20, None, 0), (None, None, 0), (4096, "0", 0)):
+    for cache, env, streams, want in ((4096, None, True, 2), (1 << 20, None, True, 0), (None, None, True, 0),
+                                      (4096, "0", True, 0), (4096, None, False, 0)):
+        monkeypatch.setattr(nl, "kernel_streams", lambda streams=streams: streams)
         monkeypatch.setattr(nl, "last_level_cache_bytes", lambda cache=cache: cache)
         if env is None:
             monkeypatch.delenv("LEAPFROG_STREAM_WEIGHTS", raising=False)
@@ -193,6 +197,7 @@ def test_target_streams_beside_a_drafter_and_stays_lossless(monkeypatch, llama_d
     from leapfrog import LLM, SamplingParams
     from leapfrog.model import native_linear as nl
     monkeypatch.setattr(nl, "last_level_cache_bytes", lambda: 1024)
+    monkeypatch.setattr(nl, "kernel_streams", lambda: True)   # (the AVX2 build ignores the flag: the same bits)
     prompts = ["def parse(text):", "import os\nfor name in"]
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     plain = LLM(model=str(llama_dir), dtype="bfloat16", max_model_len=128)
