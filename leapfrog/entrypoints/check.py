@@ -371,22 +371,24 @@ def build_llms(model: str, speculative_config: dict[str, Any], *, dtype: str = "
         raise ConfigError("leapfrog check needs a speculative config (a JSON object), got "
                           f"{speculative_config!r}")
     SpeculativeConfig.from_dict(speculative_config)  # validate before loading anything
-    spec = _speculative_llm(model, speculative_config, dtype=dtype, seed=seed, max_num_seqs=max_num_seqs,
-                            max_model_len=max_model_len, **kw)
+    spec, _ = _speculative_llm(model, speculative_config, dtype=dtype, seed=seed, max_num_seqs=max_num_seqs,
+                               max_model_len=max_model_len, **kw)
     base = LLM(model=model, dtype=dtype, seed=seed, speculative_config=None, max_num_seqs=max_num_seqs,
                max_model_len=max_model_len, **kw)
     return base, spec
 
 
-def _speculative_llm(model: str, speculative_config: dict[str, Any], *, seed: int, share_with: Any = None, **kw):
+def _speculative_llm(model: str, speculative_config: dict[str, Any], *, seed: int, share_with: Any = None,
+                     **kw) -> tuple[Any, str | None]:
     """The check's speculative engine: engine seed ``seed`` + 1, disable_by_batch_size lifted
     (``build_llms``); on ``share_with``'s loaded target where it may share it, else (a target that
-    streams its weights beside a drafter: ``LLM.sharing_if_possible``) on a copy of its own."""
+    streams its weights beside a drafter: ``LLM.sharing_if_possible``) on a copy of its own
+    -> (the LLM, why it holds its own copy or None)."""
     from leapfrog import LLM
 
     kw = dict(model=model, seed=seed + 1, speculative_config={**speculative_config, "disable_by_batch_size": None},
               **kw)
-    return LLM(**kw) if share_with is None else LLM.sharing_if_possible(share_with, **kw)[0]
+    return (LLM(**kw), None) if share_with is None else LLM.sharing_if_possible(share_with, **kw)
 
 
 def pinned_sizes(speculative_config: dict[str, Any]) -> tuple[dict[str, Any], int] | None:
@@ -415,17 +417,19 @@ def build_sampling_llm(model: str, speculative_config: dict[str, Any], spec_llm,
                        **kw) -> tuple[Any, str] | None:
     """The sampling part's speculative engine where the config's draft sizes are adaptive
     (``pinned_sizes``): the same config with the sizes pinned, on ``spec_llm``'s loaded target
-    where it may share it -> (that LLM, a note for the report); None where the sizes are fixed
+    where it may share it (else on a copy, which the note says) -> (that LLM, a note for the report); None where the sizes are fixed
     (the sampling part runs ``spec_llm``)."""
     got = pinned_sizes(speculative_config)
     if got is None:
         return None
     pinned, n = got
-    llm = _speculative_llm(model, pinned, dtype=dtype, seed=seed, max_num_seqs=max_num_seqs,
-                           max_model_len=max_model_len, share_with=spec_llm, **kw)
+    llm, own = _speculative_llm(model, pinned, dtype=dtype, seed=seed, max_num_seqs=max_num_seqs,
+                                max_model_len=max_model_len, share_with=spec_llm, **kw)
     note = (f"the draft sizes are adaptive: the greedy part ran them as configured, the sampling part at the most "
             f"the controller may draft a step ({n} tokens), since it may choose to draft nothing there "
             "(every size is verified by the same code)")
+    if own is not None:   # (a third copy of the target's weights in memory: said, not silent)
+        note += f"; that engine loaded its own copy of the target ({own})"
     return llm, note
 
 

@@ -92,8 +92,8 @@ class LLM:
         """``LLM(share_target_with=owner, **kw)`` where that engine may share ``owner``'s loaded
         target, else ``LLM(**kw)`` with its own copy -> (the LLM, why it could not share or None).
         Sharing is refused (NotShareable) e.g. beside a drafter where the target is larger than the
-        last-level cache and streams its weights (float32 on AVX2 CPUs): benchmarks and checks that
-        only want to save memory take the copy."""
+        last-level cache and streams its weights (on CPUs whose linear-kernel build streams: AVX-512):
+        benchmarks and checks that only want to save memory take the copy, and say so."""
         refused = None
         try:
             return cls(share_target_with=owner, **kw), None

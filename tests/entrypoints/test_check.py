@@ -279,6 +279,34 @@ def test_pinned_sizes_fix_what_the_controller_would_choose():
     assert n == 64   # (the most "auto" weighs)
 
 
+def test_the_pinned_sampling_engine_shares_the_target_or_says_it_loaded_a_copy(tiny, monkeypatch):
+    """build_sampling_llm: on the checked engine's loaded target where the engine allows it; where
+    the target streams its weights beside a drafter (refused to engines sharing it) on a copy of
+    its own, which the report's note names (it had raised NotShareable: `leapfrog check` with
+    adaptive sizes failed on CPUs whose target outgrows the last-level cache)."""
+    import torch
+
+    from leapfrog import LLM
+    from leapfrog.entrypoints.check import build_sampling_llm
+    from leapfrog.model import native_linear
+    if not native_linear.native_linear_supported(torch.bfloat16, "cpu"):
+        pytest.skip("no bf16 linear kernel on this CPU (nothing streams)")
+    target, draft = tiny
+    spec = {**_spec("draft_model", draft, 2), "adaptive": True}
+    kw = dict(dtype="bfloat16", max_num_seqs=2, max_model_len=64, skip_tokenizer_init=True)
+    checked = LLM(model=str(target), speculative_config=spec, seed=1, **kw)
+    llm, note = build_sampling_llm(str(target), spec, checked, **kw)
+    assert llm.engine.model is checked.engine.model and "own copy" not in note
+    monkeypatch.setattr(native_linear, "last_level_cache_bytes", lambda: 1)
+    monkeypatch.setattr(native_linear, "kernel_streams", lambda: True)   # (as on AVX-512 builds)
+    monkeypatch.delenv("LEAPFROG_STREAM_WEIGHTS", raising=False)
+    llm, note = build_sampling_llm(str(target), spec, checked, **kw)
+    assert llm.engine.model is not checked.engine.model
+    assert "loaded its own copy of the target" in note and "streams its weights" in note
+    got = llm.engine.config.speculative_config   # (the same pinned engine as when shared: check seed 0 + 1)
+    assert got["num_speculative_tokens"] == 2 and "adaptive" not in got and llm.engine.config.seed == 1
+
+
 def test_detectable_shift_shrinks_with_samples():
     a, b = detectable_shift(400, 1e-4), detectable_shift(1600, 1e-4)
     assert 0 < b < a < 0.5 and b == pytest.approx(a / 2, rel=1e-6)   # λ fixed: δ ∝ 1/sqrt(n)
