@@ -43,7 +43,7 @@ import numpy as np
 
 from leapfrog.bench.hf_backend import HF_PREFIX
 from leapfrog.bench.workloads import WorkloadItem
-from leapfrog.errors import ConfigError, NotShareable
+from leapfrog.errors import ConfigError
 from leapfrog.outputs import SpecMetrics
 
 ALL = "all"
@@ -299,24 +299,17 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
         steps = num_scheduler_steps if engine_spec is None or supports_rounds(engine_spec) else 1
         say(f"loading {name}" + (f" ({steps} steps per engine step)" if steps > 1 else "") + " ...")
 
-        def load(owner: Any) -> Any:
-            return LLM(model=str(model), tokenizer=tokenizer, dtype=dtype, seed=seed,
-                       speculative_config=engine_spec, max_num_seqs=max(batch_sizes), max_model_len=max_model_len,
-                       enforce_eager=enforce_eager, num_scheduler_steps=steps, share_target_with=owner,
-                       share_kv_cache=owner is not None)
-
+        kw = dict(model=str(model), tokenizer=tokenizer, dtype=dtype, seed=seed, speculative_config=engine_spec,
+                  max_num_seqs=max(batch_sizes), max_model_len=max_model_len, enforce_eager=enforce_eager,
+                  num_scheduler_steps=steps)
         owner = llms["none"] if share_target is not False and name != "none" else None
-        refused = None
-        try:
-            llms[name] = load(owner)
-        except NotShareable as e:   # (engine.check_shareable, or a drafter beside a streaming target)
-            if share_target is not None:
-                raise
-            refused = str(e)
-        if refused is not None:   # (out of the except: the refused engine is freed before the copy loads)
-            say(f"{name} loads its own copy of the target: {refused}")
-            llms[name] = load(None)
-            owner = None
+        if owner is None or share_target:   # (a copy each, or shared or refused: NotShareable)
+            llms[name] = LLM(share_target_with=owner, share_kv_cache=owner is not None, **kw)
+        else:   # (engine.check_shareable, or a drafter beside a streaming target: its own copy)
+            llms[name], refused = LLM.sharing_if_possible(owner, share_kv_cache=True, **kw)
+            if refused is not None:
+                say(f"{name} loads its own copy of the target: {refused}")
+                owner = None
         if name != "none" and owner is None:
             own_target.append(name)
         if steps > 1:

@@ -88,15 +88,16 @@ class LLM:
         self._ids = itertools.count()
 
     @classmethod
-    def sharing_if_possible(cls, owner: "LLM", **kw) -> "tuple[LLM, str | None]":
-        """``LLM(share_target_with=owner, **kw)`` where that engine may share ``owner``'s loaded
-        target, else ``LLM(**kw)`` with its own copy -> (the LLM, why it could not share or None).
-        Sharing is refused (NotShareable) e.g. beside a drafter where the target is larger than the
-        last-level cache and streams its weights (on CPUs whose linear-kernel build streams: AVX-512):
-        benchmarks and checks that only want to save memory take the copy, and say so."""
+    def sharing_if_possible(cls, owner: "LLM", share_kv_cache: bool = False, **kw) -> "tuple[LLM, str | None]":
+        """``LLM(share_target_with=owner, share_kv_cache=share_kv_cache, **kw)`` where that engine
+        may share ``owner``'s loaded target, else ``LLM(**kw)`` with its own copy (and cache) ->
+        (the LLM, why it could not share or None). Sharing is refused (NotShareable) e.g. beside a
+        drafter where the target is larger than the last-level cache and streams its weights (on
+        CPUs whose linear-kernel build streams: AVX-512): benchmarks and checks that only want to
+        save memory take the copy, and say so."""
         refused = None
         try:
-            return cls(share_target_with=owner, **kw), None
+            return cls(share_target_with=owner, share_kv_cache=share_kv_cache, **kw), None
         except NotShareable as e:
             refused = str(e)
         return cls(**kw), refused   # (out of the except: the refused engine is freed before the copy loads)

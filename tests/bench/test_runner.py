@@ -215,10 +215,11 @@ def test_no_enforce_eager_loads_every_contender_on_the_fast_path(llama_dir, tmp_
     import leapfrog
     seen, real = [], leapfrog.LLM
 
-    def recording(*args, enforce_eager=True, num_scheduler_steps=1, **kw):
-        seen.append((enforce_eager, num_scheduler_steps))
-        return real(*args, **kw)
-    monkeypatch.setattr(leapfrog, "LLM", recording)
+    class Recording(real):   # (a subclass: the runner also calls LLM.sharing_if_possible)
+        def __init__(self, *args, enforce_eager=True, num_scheduler_steps=1, **kw):
+            seen.append((enforce_eager, num_scheduler_steps))
+            super().__init__(*args, **kw)
+    monkeypatch.setattr(leapfrog, "LLM", Recording)
     wl = tmp_path / "mine.jsonl"
     wl.write_text(json.dumps({"prompt": ITEMS[0].prompt}) + "\n")
     args = ["bench", "--model", str(llama_dir), "--speculative-config", json.dumps(NG2), "--workload", str(wl),
