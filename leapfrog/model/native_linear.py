@@ -167,6 +167,9 @@ _HEADER = r"""
 #ifndef LEAPFROG_W8A8
 #define LEAPFROG_W8A8 0  // linear_w8a8: the AVX-512 BF16 build (VNNI, and AMX-INT8 with amx)
 #endif
+#ifndef LEAPFROG_W8A8_AVX2
+#define LEAPFROG_W8A8_AVX2 0  // linear_w8a8: the AVX2 build (vpmaddubsw)
+#endif
 
 """
 
@@ -503,6 +506,7 @@ _Q8 = r"""
 namespace {
 
 constexpr int64_t Q8_K = 64;   // k's per A tile (16 k-quads: one B tile's rows); Kp is a multiple
+constexpr int64_t W8_BLOCK = BLOCK;   // output columns per packed block (pack_w8a8: 32)
 
 // One row quantized: q[k] = round-half-even(x[k] * (127 / max |x|)) in [-127, 127] (zeros past K and
 // for an all-zero row) -> its scale max |x| / 127, float32 throughout (quant.w8a8_reference); 16
@@ -647,6 +651,134 @@ void v8_range(const uint8_t* U, const float* sa, int64_t M, int64_t Kp, const in
       const int64_t R = std::min(V8_ROWS, M - m0);
       if (m0 == 0) v8_rows<true>(R, U, Kp, blk, sa, e, comp, Cv, nb * BLOCK, n);
       else v8_rows<false>(R, U + m0 * Kp, Kp, blk, sa + m0, e, comp, Cv, m0 * n + nb * BLOCK, n);
+    }
+  }
+}
+
+}  // namespace
+"""
+
+_Q8_AVX2 = r"""
+// ---- W8A8 (int8 rows x int8 weights: quant.W8A8Linear, linear_w8a8), the AVX2 build (no VNNI):
+// the same weights packed by pack_w8a8 ([N/32, Kp/4, 32, 4] int8: a k-quad of a block's 32
+// columns is 128 bytes, one column's four int8 side by side), the same rows' quantization and the
+// same epilogue as the AVX-512 build (quant.w8a8_reference: the same bits). 32 bytes of a k-quad
+// (8 columns x 4 k's) against the row's four int8 broadcast to the 8 lanes: vpmaddubsw multiplies
+// |w| (unsigned) by the row's values with w's signs (vpsignb) and adds pairs into int16 (|a pair|
+// <= 2 x 127 x 127 = 32258: never saturates), vpmaddwd by ones adds the two pairs of a column into
+// int32, added to the column's sum. Every product and sum is exact (a column's sum at most Kp x
+// 16129, Kp <= 65536), so the order does not matter: the result depends on the row and the weights
+// only. Two rows per pass over a block (8 sums, the weights' absolute values shared), one left over.
+namespace {
+
+constexpr int64_t W8_BLOCK = 32;     // output columns per packed block (pack_w8a8)
+constexpr int64_t Q8_K = 64;         // Kp is a multiple (pack_w8a8)
+
+// One float32 row quantized: q[k] = round-half-even(x[k] * (127 / max |x|)) in [-127, 127] (zeros
+// past K and for an all-zero row) -> its scale max |x| / 127, float32 throughout; a row holding a
+// NaN or an infinity gets scale NaN (zeros in q): NaN outputs
+float q8_row8(const float* x, int64_t K, int8_t* q, int64_t Kp) {
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 mx = _mm256_setzero_ps();
+  int nan = 0;   // (maxps drops a NaN operand: they are counted apart)
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    const __m256 v = _mm256_and_ps(_mm256_loadu_ps(x + k), absmask);
+    nan |= _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    mx = _mm256_max_ps(mx, v);
+  }
+  alignas(32) float lane[8];
+  _mm256_store_ps(lane, mx);
+  float amax = 0.f;
+  for (int i = 0; i < 8; ++i) amax = std::max(amax, lane[i]);
+  for (; k < K; ++k) {
+    const float v = std::fabs(x[k]);
+    if (std::isnan(v)) nan = 1;
+    else amax = std::max(amax, v);
+  }
+  std::memset(q, 0, Kp);
+  if (nan || !std::isfinite(amax)) return std::numeric_limits<float>::quiet_NaN();
+  if (!(amax > 0.f)) return 0.f;
+  const float inv_s = 127.f / amax;
+  const __m256 inv = _mm256_set1_ps(inv_s);
+  const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+  for (k = 0; k + 8 <= K; k += 8) {
+    __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k), inv));   // nearest-even (MXCSR default)
+    v = _mm256_min_epi32(_mm256_max_epi32(v, lo), hi);
+    const __m128i h = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    _mm_storel_epi64((__m128i*)(q + k), _mm_packs_epi16(h, h));
+  }
+  for (; k < K; ++k) q[k] = (int8_t)std::min(127.f, std::max(-127.f, std::nearbyint(x[k] * inv_s)));
+  return amax / 127.f;
+}
+
+// S[m, 0:32] = int32 sums of rows A[m] (int8, stride Kp) against one block, m < R (R <= 2: 4 R
+// sums, R broadcasts, a weight vector, its absolute values and ones in the 16 registers)
+template <int R>
+void w2_tile(const int8_t* A, int64_t Kp, const int8_t* blk, int32_t* S) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i c[R][4];
+  _Pragma("GCC unroll 2") for (int m = 0; m < R; ++m)
+    _Pragma("GCC unroll 4") for (int h = 0; h < 4; ++h) c[m][h] = _mm256_setzero_si256();
+  for (int64_t j = 0; j < Kp / 4; ++j) {
+    const int8_t* w = blk + j * 4 * W8_BLOCK;
+    __m256i a[R];
+    _Pragma("GCC unroll 2") for (int m = 0; m < R; ++m) {
+      int32_t v;
+      std::memcpy(&v, A + m * Kp + 4 * j, sizeof v);
+      a[m] = _mm256_set1_epi32(v);
+    }
+    _Pragma("GCC unroll 4") for (int h = 0; h < 4; ++h) {
+      const __m256i wv = _mm256_loadu_si256((const __m256i*)(w + 32 * h)), aw = _mm256_abs_epi8(wv);
+      _Pragma("GCC unroll 2") for (int m = 0; m < R; ++m)
+        c[m][h] = _mm256_add_epi32(c[m][h], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(a[m], wv)), ones));
+    }
+  }
+  _Pragma("GCC unroll 2") for (int m = 0; m < R; ++m)
+    _Pragma("GCC unroll 4") for (int h = 0; h < 4; ++h)
+      _mm256_storeu_si256((__m256i*)(S + m * W8_BLOCK + 8 * h), c[m][h]);
+}
+
+// one row's 32 int32 sums S with its scale sa: y = float(sum) * (sa * sw) + bias (float32, the
+// product rounded before the bias: no fused multiply-add, as the reference), cols to C
+void w2_store(const int32_t* S, float sa, const float* sw, const float* bb, float* C, int64_t cols) {
+  alignas(32) float out[W8_BLOCK];
+  const __m256 s = _mm256_set1_ps(sa);
+  for (int v = 0; v < W8_BLOCK / 8; ++v) {
+    __m256 y = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i*)(S + 8 * v))),
+                             _mm256_mul_ps(s, _mm256_load_ps(sw + 8 * v)));
+    if (bb != nullptr) {
+      asm volatile("" : "+x"(y));
+      y = _mm256_add_ps(y, _mm256_load_ps(bb + 8 * v));
+    }
+    _mm256_store_ps(out + 8 * v, y);
+  }
+  std::memcpy(C, out, cols * sizeof(float));
+}
+
+// rows A [M, Kp] (int8, q8_row8) with scales sa on blocks [b0, b1) of this thread, two rows a pass
+// over a block (read once from memory, then from cache), one left over; C [M, n] float32
+void w2_range(const int8_t* A, const float* sa, int64_t M, int64_t Kp, const int8_t* W, int64_t b0, int64_t b1,
+              const float* sw, const float* bp, float* C, int64_t n) {
+  alignas(32) int32_t S[2 * W8_BLOCK];
+  alignas(32) float swb[W8_BLOCK], bbb[W8_BLOCK];
+  for (int64_t nb = b0; nb < b1; ++nb) {
+    const int8_t* blk = W + nb * Kp * W8_BLOCK;
+    const int64_t cols = std::min<int64_t>(W8_BLOCK, n - nb * W8_BLOCK);
+    std::memset(swb, 0, sizeof swb);
+    std::memset(bbb, 0, sizeof bbb);
+    std::memcpy(swb, sw + nb * W8_BLOCK, cols * sizeof(float));
+    if (bp != nullptr) std::memcpy(bbb, bp + nb * W8_BLOCK, cols * sizeof(float));
+    const float* bb = bp != nullptr ? bbb : nullptr;
+    int64_t m = 0;
+    for (; m + 2 <= M; m += 2) {
+      w2_tile<2>(A + m * Kp, Kp, blk, S);
+      w2_store(S, sa[m], swb, bb, C + m * n + nb * W8_BLOCK, cols);
+      w2_store(S + W8_BLOCK, sa[m + 1], swb, bb, C + (m + 1) * n + nb * W8_BLOCK, cols);
+    }
+    if (m < M) {
+      w2_tile<1>(A + m * Kp, Kp, blk, S);
+      w2_store(S, sa[m], swb, bb, C + m * n + nb * W8_BLOCK, cols);
     }
   }
 }
@@ -1118,22 +1250,23 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
 
 // x [..., K] bf16 or float32, w [ceil(N/32), Kp/4, 32, 4] int8 (pack_w8a8), scale [N] float32 (the
 // weights' per column), bias [N] float32 or None -> [..., N] in x's dtype, or float32 with f32_out.
-// Each row quantized to int8 on the fly (q8_row), int32 sums on the AMX-INT8 tiles where this
-// process may use them, else with AVX-512 VNNI (the AVX-512 BF16 build: the same bits either way)
+// Each row quantized to int8 on the fly (q8_row, q8_row8), int32 sums on the AMX-INT8 tiles where
+// this process may use them, else with AVX-512 VNNI (the AVX-512 BF16 build), or in 16-bit pairs
+// (the AVX2 build: vpmaddubsw): the same bits every way
 at::Tensor linear_w8a8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                        const c10::optional<at::Tensor>& bias, int64_t n, bool f32_out) {
-#if LEAPFROG_W8A8
+#if LEAPFROG_W8A8 || LEAPFROG_W8A8_AVX2
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && scale.device().is_cpu() &&
               (!bias.has_value() || bias->device().is_cpu()), "linear_w8a8: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
               "linear_w8a8: bf16 or float32 rows, got ", x.scalar_type());
-  TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 4 && w.size(2) == BLOCK && w.size(3) == 4 &&
+  TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 4 && w.size(2) == W8_BLOCK && w.size(3) == 4 &&
               w.is_contiguous(), "linear_w8a8: the weight must be packed by pack_w8a8, got ", w.scalar_type(),
               " ", w.sizes());
   const int64_t nblocks = w.size(0), Kp = 4 * w.size(1), K = x.size(-1);
   TORCH_CHECK(K > 0 && nblocks > 0 && Kp % Q8_K == 0 && K <= Kp && K > Kp - Q8_K,
               "linear_w8a8: input has ", K, " features, the weight ", Kp, " (padded to 64)");
-  TORCH_CHECK(n > (nblocks - 1) * BLOCK && n <= nblocks * BLOCK, "linear_w8a8: ", n,
+  TORCH_CHECK(n > (nblocks - 1) * W8_BLOCK && n <= nblocks * W8_BLOCK, "linear_w8a8: ", n,
               " output features do not fit ", nblocks, " packed blocks");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 1 && scale.size(0) == n,
               "linear_w8a8: a float32 scale per output feature");
@@ -1142,6 +1275,31 @@ at::Tensor linear_w8a8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "linear_w8a8: bias of shape ", bias->sizes(), " for ", n);
     b = bias->to(at::kFloat).contiguous();
   }
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / (Kp * W8_BLOCK));   // >= 64 KiB of weights a thread
+  const int8_t* W = w.data_ptr<int8_t>();
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+#if LEAPFROG_W8A8_AVX2
+  TORCH_CHECK(Kp <= 65536, "linear_w8a8: at most 65536 input features (int32 sums), got ", K);
+  if (x.scalar_type() != at::kFloat) {   // bf16 rows: widened (exact), the float32 result rounded once
+    const at::Tensor y = linear_w8a8(x.to(at::kFloat), w, scale, bias, n, true);
+    return f32_out ? y : y.to(at::kBFloat16);
+  }
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = xc.numel() / K;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  at::Tensor out = at::detail::empty_cpu(shape, at::kFloat, std::nullopt, std::nullopt, std::nullopt, std::nullopt);
+  if (M == 0) return out;
+  std::vector<int8_t> A(M * Kp);
+  std::vector<float> sa(M);
+  const float* X = xc.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) sa[m] = q8_row8(X + m * K, K, A.data() + m * Kp, Kp);
+  float* C = out.data_ptr<float>();
+  at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
+    w2_range(A.data(), sa.data(), M, Kp, W, b0, b1, sc.data_ptr<float>(), bp, C, n);
+  });
+  return out;
+#else
   const at::Tensor xc = x.contiguous();
   const int64_t M = xc.numel() / K;
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
@@ -1150,9 +1308,6 @@ at::Tensor linear_w8a8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
                                          std::nullopt, std::nullopt);
   if (M == 0) return out;
   const bool f32 = f32_out || x.scalar_type() == at::kFloat;   // (float32 out: float32 stores)
-  const int8_t* W = w.data_ptr<int8_t>();
-  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  const int64_t grain = std::max<int64_t>(1, (64 << 10) / (Kp * BLOCK));   // >= 64 KiB of weights a thread
   void* C = out.data_ptr();
 #if LEAPFROG_AMX
   const bool tiles = amx_ready();
@@ -1182,8 +1337,9 @@ at::Tensor linear_w8a8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
     v8_range(U, sa.data(), M, Kp, W, b0, b1, sc.data_ptr<float>(), bp, C, n, f32);
   });
   return out;
+#endif
 #else
-  TORCH_CHECK(false, "linear_w8a8: this build has neither AVX-512 VNNI nor AMX-INT8 (the AVX-512 BF16 build has)");
+  TORCH_CHECK(false, "linear_w8a8: this build has no int8-row kernel");
   return x;
 #endif
 }
@@ -1237,8 +1393,8 @@ def kernel_source(isa: str, prefetch_bytes: int | None = None, hint: str | None 
     if amx and isa != "avx512_bf16":
         raise ValueError("the AMX tiles come with the avx512_bf16 build only")
     prefix = ("#define LEAPFROG_AMX 1\n" if amx else "") + (
-        "#define LEAPFROG_W8A8 1\n" if isa == "avx512_bf16" else "")
-    source = (prefix + _HEADER + body.replace("@PREFETCH_CALL@", call) + (_Q8 if isa == "avx512_bf16" else "")
+        "#define LEAPFROG_W8A8 1\n" if isa == "avx512_bf16" else "#define LEAPFROG_W8A8_AVX2 1\n")
+    source = (prefix + _HEADER + body.replace("@PREFETCH_CALL@", call) + (_Q8 if isa == "avx512_bf16" else _Q8_AVX2)
               + (_AMX if amx else "") + _INT8 + _OP)
     source = with_namespace(source, "leapfrog_gemm", namespace)
     return source, list(_FLAGS[isa]) + (["-mamx-tile", "-mamx-bf16", "-mamx-int8"] if amx else [])
@@ -1321,8 +1477,10 @@ def w8a8_supported() -> bool:
     the AVX-512 BF16 build loaded, on a CPU with AMX-INT8 where the tiles are in use
     (``amx_in_use``) or else with AVX-512 VNNI (``w8a8_tiles`` tells which; the same bits either
     way), unless ``LEAPFROG_NATIVE_LINEAR=0``."""
-    if env_off("LEAPFROG_NATIVE_LINEAR") or not load_native_linear() or _STATE["isa"] != "avx512_bf16":
+    if env_off("LEAPFROG_NATIVE_LINEAR") or not load_native_linear():
         return False
+    if _STATE["isa"] == "avx2":   # (vpmaddubsw: every AVX2 build)
+        return True
     # (the op takes the tiles wherever the bf16 rows do, amx_in_use: there only AMX-INT8 serves)
     return w8a8_tiles() or ("avx512_vnni" in cpu_flags() and not amx_in_use())
 

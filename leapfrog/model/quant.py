@@ -12,10 +12,10 @@ int8  per output channel, symmetric: w[n, k] ~= q[n, k] * s[n], q in [-127, 127]
 w8a8  the weights quantized as for int8 (per output channel), and each row of activations quantized on the fly
       to int8 (per row, symmetric: x[m, k] ~= p[m, k] * a[m], a[m] = max_k |x[m, k]| / 127, p
       rounded half to even); the int8 products summed exactly in int32, then
-      y = float(sum) * (a[m] * s[n]) + bias. Kernel: leapfrog's ``linear_w8a8`` (model/native_linear.py)
-      in its AVX-512 BF16 build: on the AMX-INT8 tiles (Intel Xeon since Sapphire Rapids), else
-      with AVX-512 VNNI (AMD Zen 4 and later, Intel Cooper Lake), the same bits either way;
-      elsewhere a ConfigError.
+      y = float(sum) * (a[m] * s[n]) + bias. Kernel: leapfrog's ``linear_w8a8`` (model/native_linear.py):
+      in its AVX-512 BF16 build on the AMX-INT8 tiles (Intel Xeon since Sapphire Rapids), else
+      with AVX-512 VNNI (AMD Zen 4 and later, Intel Cooper Lake); in its AVX2 build with
+      vpmaddubsw (AMD Zen 2/3, Intel since Haswell); the same bits every way; elsewhere a ConfigError.
       Rounding the activations too makes it coarser than int8 (for drafters: the built-in EAGLE-3
       head drafted 5.26 tokens a step against 5.30 in bf16), and with bf16 rows a step reads
       half the bytes and multiplies at the tiles' pace: the head's five linears, one row, 63 against
@@ -172,7 +172,8 @@ def reference_weight(method: str, weight: Tensor, group_size: int | None = None)
 
 class W8A8Linear(nn.Module):
     """int8 weights (per output channel, as Int8Linear) times rows quantized to int8 on the fly (per
-    row): ``linear_w8a8`` on the AMX-INT8 tiles or with AVX-512 VNNI (the module docstring). Row-invariant: a row's
+    row): ``linear_w8a8`` on the AMX-INT8 tiles, with AVX-512 VNNI or with AVX2's vpmaddubsw (the kernel's
+    module docstring). Row-invariant: a row's
     scale and its int32 sums depend on that row alone."""
 
     row_invariant = True
@@ -181,8 +182,8 @@ class W8A8Linear(nn.Module):
         super().__init__()
         from leapfrog.model.native_linear import pack_w8a8, w8a8_supported
         if not w8a8_supported():
-            raise RuntimeError("W8A8Linear needs leapfrog's AVX-512 BF16 kernel on a CPU with AMX-INT8 or AVX-512 VNNI "
-                               "(check_quantization)")
+            raise RuntimeError("W8A8Linear needs leapfrog's native linear kernel (AVX2 or AVX-512 BF16; "
+                               "check_quantization)")
         self.out_features, self.in_features = weight.shape
         q, self.scale = quantize_int8(weight)   # [N, K] int8, [N] float32
         self.packed = pack_w8a8(q)              # [ceil(N/32), K/4 rounded up to 16, 32, 4]
@@ -246,10 +247,9 @@ def check_quantization(method: str | None, dtype: torch.dtype, device: torch.dev
             raise ConfigError(f"{what}='w8a8' takes bfloat16 or float32 models, not {dtype}; use another dtype, "
                               "or 'int8'")
         if torch.device(device).type != "cpu" or not w8a8_supported():
-            raise ConfigError(f"{what}='w8a8' (int8 weights and rows) runs with leapfrog's AVX-512 BF16 kernel "
-                              f"(LEAPFROG_NATIVE_LINEAR not 0) on CPUs with AMX-INT8 or AVX-512 VNNI (Intel Xeon "
-                              f"since Cooper Lake, AMD since Zen 4); {device} here has neither: use 'int8' "
-                              f"(weight-only)")
+            raise ConfigError(f"{what}='w8a8' (int8 weights and rows) runs on the CPU with leapfrog's native "
+                              f"linear kernel (x86 CPUs with AVX2 and FMA, a C++ compiler, LEAPFROG_NATIVE_LINEAR "
+                              f"not 0); {device} here has none of it: use 'int8' (weight-only)")
     try:
         g = torch.Generator().manual_seed(0)
         w = torch.randn(64, 256, generator=g).to(dtype=dtype, device=device)

@@ -98,10 +98,10 @@ def test_quantized_model_is_the_dequantized_float_model(llama_dir, method):
     ("int4", {"method": "draft_model", "model": "self", "draft_quantization": "int4", "num_speculative_tokens": 4}),
     (None, {"method": "draft_model", "model": "self", "draft_quantization": "int8", "num_speculative_tokens": 4}),
     pytest.param("w8a8", {"method": "draft_model", "model": "self", "num_speculative_tokens": 3},
-                 marks=pytest.mark.skipif(not _w8a8(), reason="w8a8 runs on CPUs with AMX-INT8 or AVX-512 VNNI only")),
+                 marks=pytest.mark.skipif(not _w8a8(), reason="w8a8 runs on leapfrog's native CPU kernel (AVX2 or AVX-512 BF16) only")),
     pytest.param(None, {"method": "draft_model", "model": "self", "draft_quantization": "w8a8",
                         "num_speculative_tokens": 3},
-                 marks=pytest.mark.skipif(not _w8a8(), reason="w8a8 runs on CPUs with AMX-INT8 or AVX-512 VNNI only")),
+                 marks=pytest.mark.skipif(not _w8a8(), reason="w8a8 runs on leapfrog's native CPU kernel (AVX2 or AVX-512 BF16) only")),
 ])
 def test_greedy_speculation_on_a_quantized_target_is_lossless(llama_dir, tokenizer, quant, spec):
     prompts = [{"prompt_token_ids": p} for p in prompts_of(tokenizer, 5)]
@@ -179,9 +179,9 @@ def test_int8_batch_invariant_greedy_alone_equals_batched(llama_dir, tokenizer):
     assert batched == alone
 
 
-# ---------------------------------------------------- w8a8 (AMX-INT8 or AVX-512 VNNI)
+# ---------------------------------------------------- w8a8 (AVX2, AVX-512 VNNI or AMX-INT8)
 
-needs_w8a8 = pytest.mark.skipif(not _w8a8(), reason="w8a8 runs on CPUs with AMX-INT8 or AVX-512 VNNI only")
+needs_w8a8 = pytest.mark.skipif(not _w8a8(), reason="w8a8 runs on leapfrog's native CPU kernel (AVX2 or AVX-512 BF16) only")
 
 
 def test_pack_w8a8_layout():
@@ -215,14 +215,14 @@ def test_w8a8_reference_rounds_rows_to_int8():
     assert y.dtype == torch.float32 and w8a8_reference(x.bfloat16(), q, s).dtype == torch.bfloat16
 
 
-def test_w8a8_refused_without_amx_int8_or_vnni(monkeypatch):
+def test_w8a8_refused_where_the_kernel_does_not_serve(monkeypatch):
     """Where the w8a8 kernel does not serve, quantization='w8a8' is a ConfigError naming
     what it needs and the weight-only alternative."""
     import leapfrog.model.native_linear as nl
     monkeypatch.setattr(nl, "w8a8_supported", lambda: False)
-    with pytest.raises(ConfigError, match="quantization='w8a8'.*AMX-INT8 or AVX-512 VNNI.*use 'int8'"):
+    with pytest.raises(ConfigError, match="quantization='w8a8'.*AVX2.*use 'int8'"):
         check_quantization("w8a8", torch.bfloat16, CPU)
-    with pytest.raises(ConfigError, match="speculative_config.draft_quantization='w8a8'.*AMX-INT8"):
+    with pytest.raises(ConfigError, match="speculative_config.draft_quantization='w8a8'.*AVX2"):
         check_quantization("w8a8", torch.bfloat16, CPU, "speculative_config.draft_quantization")
 
 
@@ -249,10 +249,10 @@ def test_w8a8_kernel_bitwise_reference_and_row_invariant(n, k, rows):
                 assert torch.equal(one, y[-1:])
 
 
-def test_w8a8_served_by_the_avx512_bf16_build_with_amx_int8_or_vnni(monkeypatch):
-    """w8a8_supported: the AVX-512 BF16 build, on the AMX-INT8 tiles or else with AVX-512 VNNI;
-    not where bf16 rows run on tiles without AMX-INT8 (the op would take them), not the AVX2 build,
-    and not with LEAPFROG_NATIVE_LINEAR=0."""
+def test_w8a8_served_by_the_avx2_build_and_the_avx512_bf16_build_with_amx_int8_or_vnni(monkeypatch):
+    """w8a8_supported: the AVX2 build (vpmaddubsw), the AVX-512 BF16 build on the AMX-INT8 tiles or
+    else with AVX-512 VNNI; not where bf16 rows run on tiles without AMX-INT8 (the op would take
+    them), and not with LEAPFROG_NATIVE_LINEAR=0."""
     import leapfrog.model.native_linear as nl
     monkeypatch.setattr(nl, "load_native_linear", lambda: True)
     # (amx: bf16 rows on the tiles, where the op sums on them too, so a CPU without AMX-INT8 has no w8a8)
@@ -261,7 +261,8 @@ def test_w8a8_served_by_the_avx512_bf16_build_with_amx_int8_or_vnni(monkeypatch)
                                   ("avx512_bf16", {"amx_int8", "avx512_vnni"}, True, True),
                                   ("avx512_bf16", {"avx512_vnni"}, True, False),
                                   ("avx512_bf16", set(), False, False),
-                                  ("avx2", {"avx512_vnni"}, False, False)]:
+                                  ("avx2", {"avx512_vnni"}, False, True),
+                                  ("avx2", set(), False, True)]:
         monkeypatch.setitem(nl._STATE, "isa", isa)
         monkeypatch.setattr(nl, "cpu_flags", lambda flags=flags: frozenset(flags))
         monkeypatch.setattr(nl, "amx_in_use", lambda amx=amx: amx)
@@ -289,8 +290,9 @@ def test_w8a8_reads_an_unaligned_packed_weight():
 
 @needs_w8a8
 def test_w8a8_vnni_sums_stay_in_int32():
-    """Without the AMX-INT8 tiles the VNNI sums of unsigned rows (q + 128) can reach K x 255 x 127:
-    past 65536 input features that could leave int32, so the op refuses, where the tiles take it."""
+    """Without the AMX-INT8 tiles the VNNI sums of unsigned rows (q + 128) can reach K x 255 x 127
+    (the AVX2 build's K x 127 x 127): past 65536 input features the op refuses, where the tiles
+    take it."""
     from leapfrog.model.native_linear import pack_w8a8, w8a8_tiles
     from leapfrog.model.quant import w8a8_reference
     k = 65536 + 64
