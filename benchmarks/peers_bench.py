@@ -12,7 +12,7 @@ Contenders (``--contenders``, comma-separated; default: all that can run here):
   leapfrog-draft-eager, leapfrog-eagle3-eager  draft_model K and the EAGLE-3 chain eagerly (the
                     default path: enforce_eager=True, each step's drafting one C++ call)
   leapfrog-eagle3-w8a8-eager  the eager chain with the head's linears in w8a8 (the built-in
-                    default on AMX-INT8 CPUs; elsewhere a ConfigError: leave it out there)
+                    default on AMX-INT8 and AVX-512 VNNI CPUs, and on AVX2 ones with a float32 target)
   leapfrog-int8     no speculation, int8 weight-only target, compiled (a different model: listed apart)
   transformers      ``generate``, float32 (its fast CPU path)
   llama.cpp         ``llama-completion`` on the GGUF of the same checkpoint (``--target-gguf``)

@@ -66,7 +66,7 @@ CONTENDERS["eagle3-tree16"] = {**CONTENDERS["eagle3"], "eagle_topk": 4, "num_dra
 CONTENDERS["eagle3-conf"] = {**CONTENDERS["eagle3"], "num_speculative_tokens": 10, "min_draft_confidence": 0.3}
 CONTENDERS["draft_model-conf"] = {**CONTENDERS["draft_model"], "num_speculative_tokens": 8,
                                   "min_draft_confidence": 0.3}
-#: the head's linears in w8a8 (int8 weights and rows on the AMX-INT8 tiles; AMX CPUs only): the
+#: the head's linears in w8a8 (int8 weights and rows: AMX-INT8 tiles, AVX-512 VNNI or AVX2): the
 #: chain of 5, of 7, and the confidence-ended chain
 CONTENDERS["eagle3-w8a8"] = {**CONTENDERS["eagle3"], "draft_quantization": "w8a8"}
 CONTENDERS["eagle3-7"] = {**CONTENDERS["eagle3"], "num_speculative_tokens": 7}
@@ -165,7 +165,7 @@ def make_llm(name: str, enforce_eager: bool) -> LLM:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", nargs="*", choices=list(CONTENDERS), default=None,
-                    help="default: every contender this CPU runs (the w8a8 ones need AMX-INT8)")
+                    help="default: every contender this CPU runs (the w8a8 ones need leapfrog's native linear kernel)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--num-prompts", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=128)

@@ -17,7 +17,7 @@ batches of the batch size).
 ``--head-quantization w8a8`` adds, last, each EAGLE-3 contender of the heads (2, 3, 4, 6, the
 ``--eagle-depths`` chains and the ``--auto-depths`` sizes, and the ``--compare-head``'s) once more
 with that ``draft_quantization``
-(w8a8: the head's linears on the AMX-INT8 tiles, the built-in default on AMX CPUs:
+(w8a8: the head's linears in int8 weights and rows, the built-in default on AMX-INT8, AVX-512 VNNI and AVX2 CPUs:
 ``leapfrog.demo.demo_draft_quantization``).
 Prompts: code the models never trained on, either the demo's held-out standard-library files
 (``--source heldout``, default) or third-party files from this Python's site-packages

@@ -70,7 +70,7 @@ def test_the_built_in_chain_fills_the_kernels_row_tile(monkeypatch):
             monkeypatch.setattr(nl, "kernel_amx", lambda amx=amx, isa=isa: amx and isa == "avx512_bf16")
             monkeypatch.setattr(nl, "cpu_flags", lambda flags=flags: flags)
             monkeypatch.setattr(nl, "w8a8_supported", lambda amx=amx, int8=int8, vnni=vnni, isa=isa:
-                                ((amx and int8) or vnni) and isa == "avx512_bf16")
+                                ((amx and int8) or vnni) and isa == "avx512_bf16" or isa == "avx2")
             spec = demo.default_model(dtype)[1]
             assert spec["method"] == "eagle3" and spec["num_speculative_tokens"] == depth, (isa, dtype, spec)
             assert spec["eagle_topk"] == 1
@@ -81,7 +81,9 @@ def test_the_built_in_chain_fills_the_kernels_row_tile(monkeypatch):
             # the head's linears in w8a8 where the bf16 target runs on the AVX-512 BF16 kernel and the
             # CPU has AMX-INT8 (stop 80: chains of 7 at 2.89x no speculation against 2.26x with the
             # bf16 head) or AVX-512 VNNI (stop 89: 2.45x against 2.10x)
-            w8a8 = ((amx and int8) or vnni) and isa == "avx512_bf16" and dtype != "float32"
+            # or, on AVX2 CPUs, where the target runs float32 (stop 118: 2.01x against 1.89x at batch 1)
+            w8a8 = (((amx and int8) or vnni) and isa == "avx512_bf16" and dtype != "float32"
+                    or isa == "avx2" and dtype == "auto")
             assert spec.get("draft_quantization") == ("w8a8" if w8a8 else None), (isa, dtype, amx, int8, vnni, spec)
 
 
@@ -104,8 +106,9 @@ def test_cli_and_llm_pass_their_dtype_to_the_default(monkeypatch, tmp_path, caps
 
 
 def test_the_w8a8_head_only_where_the_engine_runs_on_the_cpu(monkeypatch):
-    """On an AMX-INT8 or AVX-512 VNNI host the built-in head drafts in w8a8 on the CPU, but not
-    when the engine runs on a GPU (device "cuda", or "auto" with one): the int8 kernel is the CPU's."""
+    """On an AMX-INT8 or AVX-512 VNNI host (or an AVX2 one with a float32 target) the built-in head
+    drafts in w8a8 on the CPU, but not when the engine runs on a GPU (device "cuda", or "auto" with
+    one): the int8 kernel is the CPU's."""
     import leapfrog.model.native_linear as nl
 
     for name, value in (("kernel_amx", True), ("native_linear_supported", True), ("w8a8_supported", True),
@@ -116,6 +119,15 @@ def test_the_w8a8_head_only_where_the_engine_runs_on_the_cpu(monkeypatch):
         assert demo.demo_draft_quantization("auto", "cpu") == "w8a8"
     monkeypatch.setattr(nl, "cpu_flags", lambda: frozenset())
     assert demo.demo_draft_quantization("auto", "cpu") is None   # (an AVX-512 BF16 CPU without either)
+    monkeypatch.setattr(nl, "kernel_isa", lambda: "avx2")   # AVX2: the float32 target's head (vpmaddubsw)
+    assert demo.demo_draft_quantization("auto", "cpu") == "w8a8"
+    assert demo.demo_draft_quantization("float32", "cpu") == "w8a8"
+    assert demo.demo_draft_quantization("bfloat16", "cpu") is None   # (unmeasured: bf16 emulated there)
+    assert demo.demo_draft_quantization("auto", "cuda") is None
+    monkeypatch.setattr(nl, "w8a8_supported", lambda: False)   # (no compiler, LEAPFROG_NATIVE_LINEAR=0)
+    assert demo.demo_draft_quantization("auto", "cpu") is None
+    monkeypatch.setattr(nl, "w8a8_supported", lambda: True)
+    monkeypatch.setattr(nl, "kernel_isa", lambda: "avx512_bf16")
     monkeypatch.setattr(nl, "cpu_flags", lambda: frozenset({"avx512_vnni"}))
     assert demo.demo_draft_quantization("auto", "cuda") is None   # (no CUDA here: a ConfigError, so not the CPU)
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)

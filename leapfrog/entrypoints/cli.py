@@ -64,7 +64,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "tokens arrive that many steps at a time)")
     p.add_argument("--quantization", default=None, choices=["int8", "int4", "w8a8"],
                    help="quantization of the target's decoder layers at load: weight-only int8/int4, or w8a8 "
-                        "(int8 weights and rows, AMX-INT8 CPUs); speculation stays lossless relative to the "
+                        "(int8 weights and rows, x86 CPUs with AVX2); speculation stays lossless relative to the "
                         "quantized target")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights from config.json alone (measure a model shape without its files)")

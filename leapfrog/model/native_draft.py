@@ -779,7 +779,7 @@ _MISMATCH: list[bool] = []   # (warned once)
 
 def _on_the_kernel(linears: list[torch.nn.Module], logits_head: torch.nn.Module, w8a8: bool = False) -> bool:
     """Whether a drafter's ``linears`` (its LM head's projection among them) all run the bf16 few-row
-    kernel (NativeLinear; with ``w8a8``, or the AMX-INT8 one: quant.W8A8Linear), its LogitsHead takes
+    kernel (NativeLinear; with ``w8a8``, or the int8-row one: quant.W8A8Linear), its LogitsHead takes
     bf16 or float32 rows, and the ops are built."""
     from leapfrog.model.native_linear import NativeLinear
     from leapfrog.model.quant import W8A8Linear

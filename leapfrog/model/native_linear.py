@@ -97,7 +97,7 @@ the same time (1.06-1.10 ms for 47 MB). oneDNN's bf16 matmul, which uses AMX too
 at every row count.
 
 The AMX build also holds ``linear_w8a8`` (quant.W8A8Linear: ``quantization`` / ``draft_quantization``
-"w8a8", on CPUs with AMX-INT8, ``w8a8_supported``): weights quantized to int8 per output column and
+"w8a8"; on CPUs with AMX-INT8 here, with VNNI or AVX2 below: ``w8a8_supported``): weights quantized to int8 per output column and
 packed by ``pack_w8a8`` in blocks of 32 columns, a k-quad of a block 128 bytes (so 16 k-quads of 16
 columns are one B tile of 64 k's for ``tdpbssd``, the same geometry as the bf16 blocks), K
 zero-padded to a multiple of 64; each row quantized on the fly (16 lanes at a time: its max |x|,
@@ -119,6 +119,19 @@ k-quad. Measured (2 threads, a 2-vCPU AVX-512 EPYC, the head's five linears of a
 each): one row 74 us against 105 us for the vdpbf16ps tiles, four rows 84 against 129, eight rows
 174 against 206, 16 rows 268 against 365; 8192 x 2048 from memory 163 against 363 us. About 4.5 us
 of each call is the op's fixed cost (the row's quantization, the buffers, the threads).
+
+The AVX2 build holds ``linear_w8a8`` too (``_Q8_AVX2``, every CPU without AVX-512 BF16 that runs the
+AVX2 build: ``w8a8_supported``), on
+the same packed weights and with the same rows' quantization and epilogue, so the same bits (no
+VNNI there): 32 bytes of a k-quad (8 columns x 4 k's) against the row's four int8 broadcast,
+``vpmaddubsw`` on |w| (unsigned) and the row's values carrying w's signs (``vpsignb``; a pair's
+sum at most 2 x 127 x 127, so never saturated), then ``vpmaddwd`` by ones into the column's int32
+sum; two rows per pass over a block. Sign-extending the weights to 16-bit lanes for ``vpmaddwd``
+instead took 1.27x the time from L3 and 1.45x from L2 (single thread, Zen 3). Measured (2-vCPU AVX2
+EPYC, Zen 3, float32 rows, one call each, the EAGLE-3 head's five linears of a level and its fc):
+one row 159 us against 234 us for the bf16 kernel's float32 rows, six rows 521 against 657; its
+4096 x 512 LM head alone one row 49 against 101 us (single thread 68 against 147). The head's
+chain of 5 drafts in 1.97 ms against 2.32 (``step_bench.py``), the same tokens a step to 0.5 %.
 
 It is built once per instruction set with ``torch.utils.cpp_extension.load_inline`` (about 20 s,
 cached under ``TORCH_EXTENSIONS_DIR``) for the CPU's best (``/proc/cpuinfo``: AVX-512 BF16, else
@@ -170,6 +183,9 @@ _HEADER = r"""
 #ifndef LEAPFROG_W8A8_AVX2
 #define LEAPFROG_W8A8_AVX2 0  // linear_w8a8: the AVX2 build (vpmaddubsw)
 #endif
+
+constexpr int64_t W8_BLOCK = 32;   // output columns per packed int8 block of linear_w8a8 (pack_w8a8)
+constexpr int64_t Q8_K = 64;       // linear_w8a8's K is zero-padded to a multiple (one AMX B tile's 16 k-quads)
 
 """
 
@@ -505,11 +521,9 @@ _Q8 = r"""
 // and the weights only, and both paths give the same bits (quant.w8a8_reference).
 namespace {
 
-constexpr int64_t Q8_K = 64;   // k's per A tile (16 k-quads: one B tile's rows); Kp is a multiple
-constexpr int64_t W8_BLOCK = BLOCK;   // output columns per packed block (pack_w8a8: 32)
 
-// One row quantized: q[k] = round-half-even(x[k] * (127 / max |x|)) in [-127, 127] (zeros past K and
-// for an all-zero row) -> its scale max |x| / 127, float32 throughout (quant.w8a8_reference); 16
+// One row quantized: q[k] = round-half-even(x[k] * (127 / max |x|)) in [-127, 127] (zeros past K, and
+// for an all-zero row or one so small that 127 / max |x| overflows) -> its scale max |x| / 127 (or 0), float32 throughout (quant.w8a8_reference); 16
 // lanes at a time (the max is exact in any order, the rest is per element). A row holding a NaN or
 // an infinity gets scale NaN (zeros in q): its outputs are NaN, as the float product's would be.
 template <typename T>
@@ -532,7 +546,7 @@ float q8_row(const T* x, int64_t K, int8_t* q, int64_t Kp) {
   const float amax = _mm512_reduce_max_ps(mx);
   std::memset(q, 0, Kp);
   if (nan || !std::isfinite(amax)) return std::numeric_limits<float>::quiet_NaN();
-  if (!(amax > 0.f)) return 0.f;
+  if (!(amax > 0.f) || !std::isfinite(127.f / amax)) return 0.f;   // (under 127 / FLT_MAX: as zeros)
   const __m512 inv = _mm512_set1_ps(127.f / amax);
   const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
   for (int64_t k = 0; k < K; k += 16) {
@@ -671,11 +685,8 @@ _Q8_AVX2 = r"""
 // only. Two rows per pass over a block (8 sums, the weights' absolute values shared), one left over.
 namespace {
 
-constexpr int64_t W8_BLOCK = 32;     // output columns per packed block (pack_w8a8)
-constexpr int64_t Q8_K = 64;         // Kp is a multiple (pack_w8a8)
-
-// One float32 row quantized: q[k] = round-half-even(x[k] * (127 / max |x|)) in [-127, 127] (zeros
-// past K and for an all-zero row) -> its scale max |x| / 127, float32 throughout; a row holding a
+// One float32 row quantized as q8_row: q[k] = round-half-even(x[k] * (127 / max |x|)) in [-127, 127]
+// (zeros past K, and for an all-zero row or one under 127 / FLT_MAX) -> its scale, float32 throughout; a row holding a
 // NaN or an infinity gets scale NaN (zeros in q): NaN outputs
 float q8_row8(const float* x, int64_t K, int8_t* q, int64_t Kp) {
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
@@ -698,7 +709,7 @@ float q8_row8(const float* x, int64_t K, int8_t* q, int64_t Kp) {
   }
   std::memset(q, 0, Kp);
   if (nan || !std::isfinite(amax)) return std::numeric_limits<float>::quiet_NaN();
-  if (!(amax > 0.f)) return 0.f;
+  if (!(amax > 0.f) || !std::isfinite(127.f / amax)) return 0.f;   // (under 127 / FLT_MAX: as zeros)
   const float inv_s = 127.f / amax;
   const __m256 inv = _mm256_set1_ps(inv_s);
   const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
@@ -970,7 +981,7 @@ void amx_range(const uint16_t* A, int64_t M, int64_t Mp, int64_t Kp, const uint1
 // a k-quad of a block's 32 columns is 128 bytes, so 16 k-quads of its low (high) 16 columns are one
 // B tile of 16 rows x 64 bytes at a row stride of 128, the layout tdpbssd wants (the four int8 of
 // a k-quad side by side). A tiles: 64 int8 k's of up to 16 rows. Sums in int32: exact, whatever
-// the order, so a row's result depends on that row and the weights only (Q8_K: _Q8).
+// the order, so a row's result depends on that row and the weights only (Q8_K: _HEADER).
 
 // C[m, block] int32 for the rows of one (NA = 1) or two (NA = 2) A tiles: A [rows, Kp] int8, blk one
 // packed block [Kp/4][32][4]; out: [NA * 16][BLOCK] int32 sums
@@ -1284,22 +1295,7 @@ at::Tensor linear_w8a8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
     const at::Tensor y = linear_w8a8(x.to(at::kFloat), w, scale, bias, n, true);
     return f32_out ? y : y.to(at::kBFloat16);
   }
-  const at::Tensor xc = x.contiguous();
-  const int64_t M = xc.numel() / K;
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = n;
-  at::Tensor out = at::detail::empty_cpu(shape, at::kFloat, std::nullopt, std::nullopt, std::nullopt, std::nullopt);
-  if (M == 0) return out;
-  std::vector<int8_t> A(M * Kp);
-  std::vector<float> sa(M);
-  const float* X = xc.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) sa[m] = q8_row8(X + m * K, K, A.data() + m * Kp, Kp);
-  float* C = out.data_ptr<float>();
-  at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
-    w2_range(A.data(), sa.data(), M, Kp, W, b0, b1, sc.data_ptr<float>(), bp, C, n);
-  });
-  return out;
-#else
+#endif
   const at::Tensor xc = x.contiguous();
   const int64_t M = xc.numel() / K;
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
@@ -1307,8 +1303,18 @@ at::Tensor linear_w8a8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   at::Tensor out = at::detail::empty_cpu(shape, f32_out ? at::kFloat : x.scalar_type(), std::nullopt, std::nullopt,
                                          std::nullopt, std::nullopt);
   if (M == 0) return out;
-  const bool f32 = f32_out || x.scalar_type() == at::kFloat;   // (float32 out: float32 stores)
   void* C = out.data_ptr();
+#if LEAPFROG_W8A8_AVX2
+  std::vector<int8_t> A(M * Kp);
+  std::vector<float> sa(M);
+  const float* X = xc.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) sa[m] = q8_row8(X + m * K, K, A.data() + m * Kp, Kp);
+  at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
+    w2_range(A.data(), sa.data(), M, Kp, W, b0, b1, sc.data_ptr<float>(), bp, static_cast<float*>(C), n);
+  });
+  return out;
+#else
+  const bool f32 = f32_out || x.scalar_type() == at::kFloat;   // (float32 out: float32 stores)
 #if LEAPFROG_AMX
   const bool tiles = amx_ready();
   const int64_t Mp = tiles ? amx_padded_rows(M) : M;
@@ -1474,9 +1480,9 @@ def amx_in_use() -> bool:
 
 def w8a8_supported() -> bool:
     """Whether ``linear_w8a8`` (int8 rows x int8 weights: quant.W8A8Linear) serves in this process:
-    the AVX-512 BF16 build loaded, on a CPU with AMX-INT8 where the tiles are in use
-    (``amx_in_use``) or else with AVX-512 VNNI (``w8a8_tiles`` tells which; the same bits either
-    way), unless ``LEAPFROG_NATIVE_LINEAR=0``."""
+    the AVX2 build loaded (vpmaddubsw), or the AVX-512 BF16 build on a CPU with AMX-INT8 where the
+    tiles are in use (``amx_in_use``) or else with AVX-512 VNNI (``w8a8_tiles`` tells which; the
+    same bits every way), unless ``LEAPFROG_NATIVE_LINEAR=0``."""
     if env_off("LEAPFROG_NATIVE_LINEAR") or not load_native_linear():
         return False
     if _STATE["isa"] == "avx2":   # (vpmaddubsw: every AVX2 build)

@@ -211,7 +211,7 @@ def w8a8_reference(x: Tensor, q: Tensor, scale: Tensor, bias: Tensor | None = No
     xf = x.float()
     amax = xf.abs().amax(-1, keepdim=True)                                         # [M, 1]
     inv = torch.full_like(amax, 127.0) / amax                                      # (true division)
-    ok = torch.isfinite(amax) & (amax > 0)
+    ok = torch.isfinite(amax) & (amax > 0) & torch.isfinite(inv)   # (a row under 127 / FLT_MAX: as zeros)
     p = torch.where(ok, torch.round(xf * inv).clamp(-127, 127), torch.zeros_like(xf))
     a = torch.where(ok, amax / 127.0, torch.where(torch.isfinite(amax), 0.0, float("nan")))
     sums = (p.double() @ q.double().T).float()                                     # exact, then rounded

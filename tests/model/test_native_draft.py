@@ -104,7 +104,7 @@ W8A8 = pytest.mark.skipif(not _w8a8(), reason="w8a8 heads run on leapfrog's nati
     ("qwen2", "float32", "chain", None), ("qwen2", "bfloat16", "tree", None), ("gqa_window", "float32", "tree", None),
     ("gqa_window", "bfloat16", "chain", None), ("variant", "float32", "chain", None),
     ("variant", "bfloat16", "tree", None),
-    # a head whose linears are w8a8 (quant.W8A8Linear: its fc, layer and LM head in int8: AMX-INT8 or VNNI)
+    # a head whose linears are w8a8 (quant.W8A8Linear: its fc, layer and LM head in int8: AMX-INT8, VNNI or AVX2)
     pytest.param("qwen2", "bfloat16", "chain", "w8a8", marks=W8A8),
     pytest.param("variant", "float32", "tree", "w8a8", marks=W8A8)])
 def test_native_forwards_draft_what_the_python_forward_drafts(heads, tokenizer, shape, dtype, tree, quant,

@@ -272,6 +272,34 @@ def test_w8a8_served_by_the_avx2_build_and_the_avx512_bf16_build_with_amx_int8_o
 
 
 @needs_w8a8
+@pytest.mark.parametrize("k", [3, 7, 1030])
+def test_w8a8_edge_rows_bitwise_reference(k):
+    """K shorter than a vector (the quantization's scalar tail only) and K = 1030 (a tail of 6): a
+    NaN or an infinity in the tail makes the row NaN, an all-zero row and a row so small that
+    127 / max |x| overflows float32 give the bias (both: scale 0, in the kernel and the reference),
+    the other rows their bits; no rows (float32 and bf16) give an empty result."""
+    from leapfrog.model.native_linear import pack_w8a8
+    from leapfrog.model.quant import w8a8_reference
+    g = torch.Generator().manual_seed(k)
+    q, s = quantize_int8(torch.randn(40, k, generator=g) * 0.05)
+    p, b = pack_w8a8(q), torch.randn(40, generator=g)
+    x = torch.randn(6, k, generator=g) * 3
+    x[1, -1], x[2, -1] = float("nan"), float("-inf")
+    x[3] = 0
+    x[4] = torch.linspace(-1, 1, k) * 2e-37   # (127 / 2e-37 overflows: as zeros)
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        y = torch.ops.leapfrog_gemm.linear_w8a8(xd, p, s, b, 40, True)
+        ref = w8a8_reference(xd, q, s, b, True)
+        assert torch.isnan(y[1:3]).all() and torch.isnan(ref[1:3]).all(), dtype
+        keep = [0, 3, 4, 5]
+        assert torch.equal(y[keep], ref[keep]), dtype
+        assert torch.equal(y[3], b) and torch.equal(y[4], b), dtype
+        empty = torch.ops.leapfrog_gemm.linear_w8a8(xd[:0], p, s, b, 40, False)
+        assert empty.shape == (0, 40) and empty.dtype == dtype
+
+
+@needs_w8a8
 def test_w8a8_reads_an_unaligned_packed_weight():
     """A packed weight that is a contiguous view at an odd address (not the 64-byte alignment of a
     fresh tensor) gives the same bits."""
@@ -289,7 +317,7 @@ def test_w8a8_reads_an_unaligned_packed_weight():
 
 
 @needs_w8a8
-def test_w8a8_vnni_sums_stay_in_int32():
+def test_w8a8_sums_stay_in_int32():
     """Without the AMX-INT8 tiles the VNNI sums of unsigned rows (q + 128) can reach K x 255 x 127
     (the AVX2 build's K x 127 x 127): past 65536 input features the op refuses, where the tiles
     take it."""
