@@ -141,11 +141,12 @@ def demo_draft_quantization(dtype: str = "auto", device: str = "auto") -> str | 
     """The built-in head's ``draft_quantization``: "w8a8" where the engine runs on the CPU
     (``device``, "auto" resolved as the engine resolves it: a GPU host runs the model there) and
     either its target runs bf16 on the AVX-512 BF16 kernel and the CPU has AMX-INT8 or AVX-512 VNNI,
-    or the kernel's AVX2 build serves (no AVX-512 BF16) and the target runs float32 (``dtype`` "auto" or "float32"; the AVX2
-    build's vpmaddubsw path: ``w8a8_supported``), else None (bf16). On a 2-vCPU AVX2 EPYC (stop 118,
-    ``tree_bench.py --only 2 4 8 10 --head-quantization w8a8``, float32 target): the chain of 5 at
-    2.01x / 1.61x no speculation at batch 1 (T = 0 / 0.7) against 1.89x / 1.55x with the bf16 head,
-    1.11x / 1.02x at batch 4 against 1.05x / 0.96x, the same 4.93 tokens a step at T = 0. Measured on an AMX Xeon
+    or the kernel's AVX2 build serves (no AVX-512 BF16) and the target runs float32 (``dtype``
+    "auto" or "float32"; the AVX2 build's vpmaddubsw path: ``w8a8_supported``), else None (bf16).
+    On a 2-vCPU AVX2 EPYC (stop 118, ``tree_bench.py --only 2 4 8 10 --head-quantization w8a8``,
+    float32 target): the chain of 5 at 2.01x / 1.61x no speculation at batch 1 (T = 0 / 0.7)
+    against 1.89x / 1.55x with the bf16 head, 1.11x / 1.02x at batch 4 against 1.05x / 0.96x, the
+    same 4.93 tokens a step at T = 0. Measured on an AMX Xeon
     (stop 80, ``step_bench.py``, batch 1; the head's five linears of a chain level, one row: 63
     against 178 us; its drafts the same to within 1 % of tokens a step, 5.26 against 5.30
     accepted): chains of 5 / 7 at 2.71x / 2.89x no speculation against 2.26x / 2.26x with the bf16

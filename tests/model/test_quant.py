@@ -98,10 +98,10 @@ def test_quantized_model_is_the_dequantized_float_model(llama_dir, method):
     ("int4", {"method": "draft_model", "model": "self", "draft_quantization": "int4", "num_speculative_tokens": 4}),
     (None, {"method": "draft_model", "model": "self", "draft_quantization": "int8", "num_speculative_tokens": 4}),
     pytest.param("w8a8", {"method": "draft_model", "model": "self", "num_speculative_tokens": 3},
-                 marks=pytest.mark.skipif(not _w8a8(), reason="w8a8 runs on leapfrog's native CPU kernel (AVX2 or AVX-512 BF16) only")),
+                 marks=pytest.mark.skipif(not _w8a8(), reason="w8a8 needs leapfrog's native CPU kernel")),
     pytest.param(None, {"method": "draft_model", "model": "self", "draft_quantization": "w8a8",
                         "num_speculative_tokens": 3},
-                 marks=pytest.mark.skipif(not _w8a8(), reason="w8a8 runs on leapfrog's native CPU kernel (AVX2 or AVX-512 BF16) only")),
+                 marks=pytest.mark.skipif(not _w8a8(), reason="w8a8 needs leapfrog's native CPU kernel")),
 ])
 def test_greedy_speculation_on_a_quantized_target_is_lossless(llama_dir, tokenizer, quant, spec):
     prompts = [{"prompt_token_ids": p} for p in prompts_of(tokenizer, 5)]
@@ -181,7 +181,7 @@ def test_int8_batch_invariant_greedy_alone_equals_batched(llama_dir, tokenizer):
 
 # ---------------------------------------------------- w8a8 (AVX2, AVX-512 VNNI or AMX-INT8)
 
-needs_w8a8 = pytest.mark.skipif(not _w8a8(), reason="w8a8 runs on leapfrog's native CPU kernel (AVX2 or AVX-512 BF16) only")
+needs_w8a8 = pytest.mark.skipif(not _w8a8(), reason="w8a8 needs leapfrog's native CPU kernel")
 
 
 def test_pack_w8a8_layout():
