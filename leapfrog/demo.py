@@ -121,19 +121,23 @@ def demo_chain_depth(dtype: str = "auto") -> int:
     return 7 if dtype in ("auto", "bfloat16", "bf16") and kernel_isa() == "avx512_bf16" else 5
 
 
-def demo_disable_by_batch_size(dtype: str = "auto") -> int:
+def demo_disable_by_batch_size(dtype: str = "auto", draft_quantization: str | None = None) -> int:
     """Above how many sequences the built-in head stops drafting: 4 where the bf16 target's linears
     run on AMX tiles (``amx_in_use``, which loads the kernel: verifying 8 rows costs 1.26 one-token
-    forwards there, against 1.83 on the vdpbf16ps tiles), else 3 (DEMO_EAGLE3's). Measured on an
-    AMX Xeon (stop 79, ``tree_bench.py --only 2 8 --eagle-depths 7 --batch-sizes 1 4 8 16
-    --temperatures 0 0.7``): the chain of 7 ran 1.49x / 1.26x no speculation at batch 4 (T = 0 /
-    0.7), 1.23x / 0.94x at 8, 1.01x / 0.65x at 16."""
+    forwards there, against 1.83 on the vdpbf16ps tiles) and where the head drafts in w8a8 on the
+    kernel's AVX2 build (``draft_quantization``, ``demo_draft_quantization``'s), else 3
+    (DEMO_EAGLE3's). Measured on an AMX Xeon (stop 79, ``tree_bench.py --only 2 8 --eagle-depths 7
+    --batch-sizes 1 4 8 16 --temperatures 0 0.7``): the chain of 7 ran 1.49x / 1.26x no speculation
+    at batch 4 (T = 0 / 0.7), 1.23x / 0.94x at 8, 1.01x / 0.65x at 16. On a 2-vCPU AVX2 EPYC with the
+    w8a8 head (stop 118, float32 target, the chain of 5, two ``tree_bench.py`` runs): 1.11x / 1.02x
+    and 1.23x / 1.04x at batch 4 (T = 0 / 0.7), 1.19x / 1.03x at 5 in one run."""
     import torch
 
-    from leapfrog.model.native_linear import amx_in_use, kernel_amx, native_linear_supported
+    from leapfrog.model.native_linear import amx_in_use, kernel_amx, kernel_isa, native_linear_supported
     # (the flags first: elsewhere nothing is loaded here, and the engine builds its ops in parallel)
     on = (dtype in ("auto", "bfloat16", "bf16") and kernel_amx() and native_linear_supported(torch.bfloat16, "cpu")
           and amx_in_use())
+    on = on or (draft_quantization == "w8a8" and kernel_isa() == "avx2")
     return 4 if on else DEMO_EAGLE3["disable_by_batch_size"]
 
 
@@ -177,9 +181,9 @@ def default_model(dtype: str = "auto", device: str = "auto") -> tuple[str, dict[
     if pair is not None:
         head = DEMO_DIR / "eagle3"
         if (head / "config.json").is_file():
-            spec = {**DEMO_EAGLE3, "num_speculative_tokens": demo_chain_depth(dtype),
-                    "disable_by_batch_size": demo_disable_by_batch_size(dtype), "model": str(head)}
             quant = demo_draft_quantization(dtype, device)
+            spec = {**DEMO_EAGLE3, "num_speculative_tokens": demo_chain_depth(dtype),
+                    "disable_by_batch_size": demo_disable_by_batch_size(dtype, quant), "model": str(head)}
             return str(pair[0]), {**spec, "draft_quantization": quant} if quant else spec
         return str(pair[0]), {"method": "draft_model", "model": str(pair[1]), "num_speculative_tokens": 4}
     path = cache_dir() / "tiny-random-llama-v1"

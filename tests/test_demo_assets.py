@@ -76,7 +76,9 @@ def test_the_built_in_chain_fills_the_kernels_row_tile(monkeypatch):
             assert spec["eagle_topk"] == 1
             # off above 3 sequences: sampled requests at batch 4-8 ran 0.82-0.90x plain decode (stop 75);
             # above 4 where bf16 rows run on AMX tiles (batch 4: 1.49x / 1.26x at T = 0 / 0.7, stop 79)
-            want = 4 if amx and isa == "avx512_bf16" and dtype != "float32" else 3
+            # and above 4 where the head drafts in w8a8 on AVX2 (stop 118: batch 4 1.11-1.23x / 1.02-1.04x)
+            want = 4 if ((amx and isa == "avx512_bf16" and dtype != "float32")
+                         or (isa == "avx2" and dtype == "auto")) else 3
             assert spec["disable_by_batch_size"] == want, (isa, dtype, amx, spec)
             # the head's linears in w8a8 where the bf16 target runs on the AVX-512 BF16 kernel and the
             # CPU has AMX-INT8 (stop 80: chains of 7 at 2.89x no speculation against 2.26x with the
