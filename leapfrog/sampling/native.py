@@ -296,7 +296,9 @@ _LIBRARY = OpLibrary("leapfrog_native_sampling", _SOURCE, ["-O3", "-fopenmp-simd
 
 
 def native_noise_enabled() -> bool:
-    """Whether the op may serve (LEAPFROG_NATIVE_VERIFY=0 turns it off with the verify ops)."""
+    """Whether the op may serve: ``LEAPFROG_NATIVE_VERIFY=0`` turns it off with the verify ops, the
+    one switch of both libraries (spec_decode/verify/native.py ``native_verify_enabled`` reads it
+    here); read at each call."""
     return not env_off("LEAPFROG_NATIVE_VERIFY")
 
 

@@ -52,8 +52,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from leapfrog.sampling.native import INVERSE_CDF_DRAW_CPP, NOISE_CPP, RACE_KEY_CPP, RACE_TOP_CPP
-from leapfrog.utils import env_off
+from leapfrog.sampling.native import (INVERSE_CDF_DRAW_CPP, NOISE_CPP, RACE_KEY_CPP, RACE_TOP_CPP,
+                                      native_noise_enabled)
 from leapfrog.utils.cpp import OpLibrary
 
 _SOURCE = r"""
@@ -253,8 +253,9 @@ _LIBRARY = OpLibrary("leapfrog_native_verify", _SOURCE, ["-O3", "-fopenmp-simd",
 
 
 def native_verify_enabled() -> bool:
-    """Whether the op may serve (LEAPFROG_NATIVE_VERIFY=0 turns it off); read when an engine is built."""
-    return not env_off("LEAPFROG_NATIVE_VERIFY")
+    """Whether the ops may serve (``LEAPFROG_NATIVE_VERIFY=0`` turns them off, with the native noise
+    op: one switch, sampling/native.py ``native_noise_enabled``); read when an engine is built."""
+    return native_noise_enabled()
 
 
 def load_native_verify() -> bool:
