@@ -115,9 +115,12 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt: str | None, prompt_ids: list[int] | None,
                        params: SamplingParams, num_speculative_tokens: int | None = None,
-                       reservation: Reservation | None = None) -> AsyncIterator[RequestOutput]:
+                       reservation: Reservation | None = None,
+                       on_accepted: Callable[[], None] | None = None) -> AsyncIterator[RequestOutput]:
         """Yield cumulative RequestOutputs until finished; leaving early (even before the engine
-        accepted the request) aborts the request."""
+        accepted the request) aborts the request. ``on_accepted`` is called (on the event loop)
+        once the engine has accepted the request, before its first output: a caller running
+        several requests as one answer holds its first bytes until every one is accepted."""
         loop = asyncio.get_running_loop()
         arrival = time.monotonic()
         # prepared off the engine's thread (a bad prompt or constraint raises its RequestError here;
@@ -141,6 +144,8 @@ class AsyncEngine:
         finished = False
         try:
             await cmd.accepted  # raises the engine's RequestError for bad requests
+            if on_accepted is not None:
+                on_accepted()
             while True:
                 out = await cmd.out.get()
                 if isinstance(out, BaseException):

@@ -265,9 +265,14 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
                     choice["token_ids"] = c.token_ids[n:]
                 return choice
 
-            extra_first = {}
-            if req.return_token_ids:
-                extra_first["prompt_token_ids"] = prompt.ids
+            def extra_first(o: RequestOutput) -> dict:   # (the top-level fields of the answer without streaming)
+                extra = {}
+                if req.return_token_ids:
+                    extra["prompt_token_ids"] = prompt.ids
+                if req.prompt_logprobs is not None:
+                    extra["prompt_logprobs"] = prompt_logprobs_json(o.prompt_logprobs)
+                return extra
+
             return await _streaming(serving.stream_all([prompt], sp, k), disconnected(raw),
                                     {**top, "object": "chat.completion.chunk"}, sp.n, sp.n, req.stream_options,
                                     chunk, first_delta={"role": "assistant", "content": ""},
@@ -347,14 +352,15 @@ class StreamEvent:
 
 async def _streaming(events, client_gone, head: dict, n: int, total: int, stream_options: StreamOptions | None,
                      make_choice: Callable[[StreamEvent], dict], first_delta: dict | None = None,
-                     always: bool = False, first_extra: dict | None = None):
+                     always: bool = False, first_extra: Callable[[RequestOutput], dict] | None = None):
     """Start the stream (so request errors, and an engine failure of a one-choice request in
     its first step, still become JSON errors), then serve SSE chunks. Until the first event the
     client is watched here (Starlette watches it once the response runs). Every stream ends
     with a finish_reason per choice and ``[DONE]``: if the engine fails after the 200 went out,
     the open choices end with finish_reason "error" and an ``error`` object. A choice's chunk
     goes out when it has new text, when it finishes, or (``always``: logprobs, token ids, echo)
-    whenever it has new tokens. ``first_extra``: fields of the stream's first chunk."""
+    whenever it has new tokens. ``first_extra``: fields of the stream's first chunk, from the
+    first output (the prompt's logprobs come with it)."""
     include_usage = bool(stream_options and stream_options.include_usage)
     continuous = include_usage and stream_options.continuous_usage_stats
     it = events.__aiter__()
@@ -380,6 +386,7 @@ async def _streaming(events, client_gone, head: dict, n: int, total: int, stream
     if first is not None and total == 1 and first[1].finished and first[1].outputs[0].finish_reason == "error":
         await it.aclose()
         raise failure(first[1], "request")
+    extra0 = first_extra(first[1]) if first_extra is not None and first is not None else {}
 
 
     async def chunks():
@@ -389,7 +396,7 @@ async def _streaming(events, client_gone, head: dict, n: int, total: int, stream
             if first_delta is not None:
                 for i in range(total):
                     yield sse({**head, "choices": [{"index": i, "delta": first_delta, "logprobs": None,
-                                                    "finish_reason": None}], **(first_extra if i == 0 else {})})
+                                                    "finish_reason": None}], **(extra0 if i == 0 else {})})
             ev = first
             while ev is not None:
                 idx, out, text, new_tok = ev
@@ -403,8 +410,8 @@ async def _streaming(events, client_gone, head: dict, n: int, total: int, stream
                     if continuous:
                         p, c = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
                         extra["usage"] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-                    if first_delta is None and first_extra and not started - {idx}:
-                        extra.update(first_extra)
+                    if first_delta is None and extra0 and not started - {idx}:
+                        extra.update(extra0)
                     yield sse({**head, "choices": [choice], **extra})
                 if out.finished:
                     finals[idx] = out
@@ -416,8 +423,12 @@ async def _streaming(events, client_gone, head: dict, n: int, total: int, stream
                 outs = [finals[i] for i in sorted(finals)]
                 yield sse({**head, "choices": [], "usage": usage(outs, n)})
         except Exception as e:  # noqa: BLE001 - reported in-band: the status line is long gone
-            log.exception("stream failed")
-            err = APIError(500, f"{type(e).__name__}: {e}", "server_error", code="engine_error").body()
+            if isinstance(e, APIError):   # (its own status and type: 503 when the server shuts down)
+                log.warning("stream ended with HTTP %d: %s", e.status, e.message)
+                err = e.body()
+            else:
+                log.exception("stream failed")
+                err = APIError(500, f"{type(e).__name__}: {e}", "server_error", code="engine_error").body()
             for i in range(total):
                 if i not in finals:
                     choice = {"index": i, "logprobs": None, "finish_reason": "error"}

@@ -226,9 +226,10 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ running
     async def _stream(self, rid: str, prompt: Prompt, sp: SamplingParams, k: int | None,
-                      reservation: Reservation) -> AsyncIterator[RequestOutput]:
+                      reservation: Reservation, on_accepted: Callable[[], None] | None = None
+                      ) -> AsyncIterator[RequestOutput]:
         try:
-            async for out in self.engine.generate(rid, prompt.text, prompt.ids, sp, k, reservation):
+            async for out in self.engine.generate(rid, prompt.text, prompt.ids, sp, k, reservation, on_accepted):
                 yield out
         except RequestError as e:
             raise APIError(400, str(e), param=e.param or "prompt") from None
@@ -301,14 +302,18 @@ class OpenAIServing:
     async def stream_all(self, prompts: list[Prompt], sp: SamplingParams, k: int | None
                          ) -> AsyncIterator[tuple[int, RequestOutput, str, int]]:
         """Yield (choice index, output, new text, new tokens) as any choice advances. Text that
-        could still become part of a stop string is held back until it cannot."""
+        could still become part of a stop string is held back until it cannot. Nothing is yielded
+        until the engine has accepted every choice: a request refused at the door (its second
+        prompt too long for the context) raises its error before the first event, so the answer
+        is a JSON 4xx, not a stream that fails after the first prompt's first tokens went out."""
         base = uuid.uuid4().hex
         hold = max((len(s) for s in sp.stop_strings), default=1) - 1
         q: asyncio.Queue = asyncio.Queue()
 
         async def pump(idx: int, p: Prompt, s: SamplingParams) -> None:
             try:
-                async for out in self._stream(f"{base}-{idx}", p, s, k, reservation):
+                async for out in self._stream(f"{base}-{idx}", p, s, k, reservation,
+                                              lambda: q.put_nowait((idx, _ACCEPTED))):
                     await q.put((idx, out))
             except Exception as e:  # noqa: BLE001 - forwarded to the consumer
                 await q.put((idx, e))
@@ -318,12 +323,22 @@ class OpenAIServing:
         tasks = [asyncio.ensure_future(pump(*j)) for j in jobs]
         sent_text = [0] * len(jobs)
         sent_tok = [0] * len(jobs)
-        done = 0
+        done = accepted = 0
+        held: list[tuple[int, RequestOutput]] = []   # outputs that came before every choice was accepted
         try:
             while done < len(jobs):
-                idx, out = await q.get()
+                if accepted == len(jobs) and held:
+                    idx, out = held.pop(0)
+                else:
+                    idx, out = await q.get()
                 if isinstance(out, BaseException):
                     raise out
+                if out is _ACCEPTED:
+                    accepted += 1
+                    continue
+                if accepted < len(jobs):
+                    held.append((idx, out))
+                    continue
                 c = out.outputs[0]
                 end = len(c.text) if out.finished else max(sent_text[idx], len(c.text) - hold)
                 text = c.text[sent_text[idx]:end]
@@ -337,6 +352,10 @@ class OpenAIServing:
             for t in tasks:
                 t.cancel()
             self.engine.release(reservation)
+
+
+#: stream_all's queue marker: the engine accepted a choice (AsyncEngine.generate's on_accepted)
+_ACCEPTED = object()
 
 
 class ClientDisconnected(Exception):

@@ -112,6 +112,27 @@ def test_prompt_logprobs(server, reference):
         assert plp[j][str(ids[j])]["rank"] == ref[j][ids[j]].rank
 
 
+def test_prompt_logprobs_streamed(server):
+    """Streamed, the prompt's logprobs come in chat's first chunk (they were once dropped there)
+    and in each completion choice's first chunk, as the answers without streaming carry them."""
+    c = client(server)
+    msgs = [{"role": "user", "content": "hi"}]
+    kw = dict(model="tiny", max_tokens=3, temperature=0, extra_body={"prompt_logprobs": 1})
+    full = c.chat.completions.create(messages=msgs, **kw).model_extra["prompt_logprobs"]
+    chunks = list(c.chat.completions.create(messages=msgs, stream=True, **kw))
+    assert [i for i, ch in enumerate(chunks) if "prompt_logprobs" in ch.model_extra] == [0]
+    streamed = chunks[0].model_extra["prompt_logprobs"]
+    assert streamed[0] is None and len(streamed) == len(full) > 1
+    for a, b in zip(streamed[1:], full[1:]):
+        assert a.keys() == b.keys() and all(a[t]["logprob"] == pytest.approx(b[t]["logprob"], abs=1e-5) for t in a)
+    chunks = list(c.completions.create(prompt=[PROMPT, "x = 1"], stream=True, **kw))
+    firsts = {}
+    for ch in chunks:
+        for choice in ch.choices:
+            firsts.setdefault(choice.index, choice.model_extra.get("prompt_logprobs"))
+    assert sorted(firsts) == [0, 1] and all(v is not None and v[0] is None for v in firsts.values())
+
+
 def test_token_rules_and_truncation(server, reference):
     c = client(server)
     r = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, logit_bias={"42": 100},

@@ -125,6 +125,31 @@ def test_bad_requests_get_400_and_hurt_nobody(server, expected, path, body, what
     assert good(server) == expected and idle(server, 5)
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_streamed_prompts_are_all_accepted_before_the_first_byte(server, expected, monkeypatch, n):
+    """Several text prompts streamed, the second too long for the context and tokenized only once
+    the first has tokens out (held here): the answer is the JSON 400, not a 200 stream that sends
+    prompt 0's first tokens and then fails every choice (found by fuzzing)."""
+    eng = engine_of(server)
+    real, first_out = eng.encode_prompt, threading.Event()
+    long_prompt = "hello world " * 200
+
+    def slow(text):
+        if text == long_prompt:
+            first_out.wait(10)   # prompt 0 has produced a token (or 10 s went by)
+        return real(text)
+    monkeypatch.setattr(eng, "encode_prompt", slow)
+    on_iteration = server.app.state.engine.on_iteration
+    monkeypatch.setattr(server.app.state.engine, "on_iteration",
+                        lambda stats: (first_out.set(), on_iteration and on_iteration(stats)))
+    r = httpx.post(server.url + C, timeout=60, json={"model": "tiny", "prompt": ["hi", long_prompt], "max_tokens": 4,
+                                                     "n": n, "stream": True})
+    assert first_out.is_set()
+    assert r.status_code == 400 and r.headers["content-type"].startswith("application/json"), r.text
+    assert "max_model_len" in r.json()["error"]["message"]
+    assert good(server) == expected and idle(server, 5)
+
+
 @pytest.mark.parametrize("held", ["compile_grammar", "encode_prompt"])
 def test_requests_are_prepared_off_the_engine_thread(server, expected, monkeypatch, held):
     """A text prompt is tokenized, and a structured-output matcher built, on threads of their
