@@ -246,8 +246,8 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, raw: Request):
         serving.check_request(req)
-        max_tokens = req.max_completion_tokens or req.max_tokens
-        sp = serving.sampling_params(req, max_tokens)
+        max_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        sp = serving.sampling_params(req, getattr(req, max_field), max_field)
         k = serving.spec_tokens(req)
         prompt = await async_engine.in_tokenizer_thread(serving.chat_prompt, req)
         top = head("chatcmpl", "chat.completion")

@@ -45,8 +45,19 @@ class Prediction(BaseModel):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
+#: fields OpenAI's API documents as nullable that have a non-null default here: null means that
+#: default (as in the OpenAI API and vLLM); clients that send every field, null where unset, work
+_NULL_MEANS_DEFAULT = ("n", "stream", "presence_penalty", "frequency_penalty", "echo", "logprobs")
+
+
 class _Sampling(_Base):
     model_config = ConfigDict(allow_inf_nan=False)   # (with _Base's extra="allow", strict=True)
+
+    @field_validator(*_NULL_MEANS_DEFAULT, mode="before", check_fields=False)
+    @classmethod
+    def _null_means_default(cls, v: Any, info: Any) -> Any:
+        return cls.model_fields[info.field_name].get_default() if v is None else v
+
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)

@@ -75,10 +75,12 @@ class OpenAIServing:
             raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
                            param="model", code="model_not_found")
 
-    def sampling_params(self, req: _Sampling, max_tokens: int | None) -> SamplingParams:
+    def sampling_params(self, req: _Sampling, max_tokens: int | None, max_field: str = "max_tokens") -> SamplingParams:
+        """``max_field``: the request field ``max_tokens`` came from (chat's max_completion_tokens),
+        named in its errors."""
         if max_tokens is not None and max_tokens > self.max_model_len:
-            raise APIError(400, f"max_tokens={max_tokens} is larger than the context ({self.max_model_len})",
-                           param="max_tokens")
+            raise APIError(400, f"{max_field}={max_tokens} is larger than the context ({self.max_model_len})",
+                           param=max_field)
         prompt_logprobs = req.prompt_logprobs
         if isinstance(req, ChatCompletionRequest):
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -111,7 +113,7 @@ class OpenAIServing:
             return SamplingParams(**kw)
         except ConfigError as e:
             param = str(e).split("=")[0].removeprefix("SamplingParams.")
-            raise APIError(400, str(e), param=param) from None
+            raise APIError(400, str(e), param=max_field if param == "max_tokens" else param) from None
 
     def structured_outputs(self, req: _Sampling) -> StructuredOutputsParams | None:
         """The one constraint of response_format, structured_outputs or guided_* (more than one: 400)."""

@@ -219,6 +219,31 @@ def test_errors_name_the_field_at_fault(server, body, param):
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
+def test_chat_max_completion_tokens_errors_name_it(server):
+    msgs = [{"role": "user", "content": "hi"}]
+    r = httpx.post(server.url + CH, timeout=30, json={"model": "tiny", "messages": msgs,
+                                                      "max_completion_tokens": 10**30})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens", r.text
+    assert "max_completion_tokens=" in r.json()["error"]["message"]
+
+
+def test_null_means_the_default_where_openai_allows_null(server, expected):
+    """Clients that send every field, null where unset (n, stream, the penalties, echo, chat's
+    logprobs are nullable in OpenAI's API), get the defaults' answer, not a 400; null stays a
+    400 for fields OpenAI does not make nullable."""
+    nulls = {"n": None, "stream": None, "presence_penalty": None, "frequency_penalty": None}
+    r = httpx.post(server.url + C, timeout=60, json={"model": "tiny", "prompt": PROMPT, "max_tokens": 16,
+                                                     "temperature": 0, "ignore_eos": True, "echo": None,
+                                                     "logprobs": None, **nulls})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected, r.text
+    assert len(r.json()["choices"]) == 1 and r.json()["choices"][0]["logprobs"] is None
+    r = httpx.post(server.url + CH, timeout=60, json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                                      "max_tokens": 4, "logprobs": None, **nulls})
+    assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None, r.text
+    r = httpx.post(server.url + C, timeout=30, json={"model": "tiny", "prompt": "x", "ignore_eos": None})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "ignore_eos", r.text
+
+
 @pytest.mark.parametrize("raw", [b'{"model": "tiny", "prompt": "x", "temperature": NaN}',
                                  b'{"model": "tiny", "prompt": "x", "top_p": Infinity}',
                                  b'{"model": "tiny", "prompt": "x", "presence_penalty": -Infinity}'])
