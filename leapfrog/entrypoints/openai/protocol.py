@@ -72,6 +72,14 @@ class _Sampling(_Base):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     best_of: int | None = Field(None, ge=1)
+    # accepted with no effect on the answer (stored completions, tracing, service options), typed
+    # as OpenAI's API types them (a 5 for ``metadata`` is a 400 like any other wrong type)
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    parallel_tool_calls: bool | None = None
     # vLLM extras
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1)
@@ -119,7 +127,8 @@ class ChatMessage(BaseModel):
     @field_validator("content")
     @classmethod
     def _text_parts_only(cls, v: Any) -> Any:
-        """Content parts must be ``{"type": "text", "text": str}``; other kinds are refused."""
+        """Content parts must be ``{"type": "text", "text": str}``; other kinds, and other keys in
+        a part (``cache_control``: refused, never ignored), are refused."""
         if isinstance(v, list):
             for i, part in enumerate(v):
                 if part.get("type") != "text":
@@ -127,6 +136,10 @@ class ChatMessage(BaseModel):
                                      "(only 'text' parts)")
                 if not isinstance(part.get("text"), str):
                     raise ValueError(f"content part {i}: 'text' must be a string")
+                other = sorted(set(part) - {"type", "text"})
+                if other:
+                    raise ValueError(f"content part {i}: {other[0]!r} is not supported (a text part has "
+                                     "'type' and 'text' only)")
         return v
 
 

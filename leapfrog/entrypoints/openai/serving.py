@@ -56,7 +56,7 @@ class OpenAIServing:
             if unused is not None and not unused(value):
                 raise APIError(400, f"`{name}` is not supported by this server", param=name,
                                code="unsupported_parameter")
-            if unused is None and name not in _NO_EFFECT:
+            if unused is None:
                 raise APIError(400, f"`{name}` is not a field this server knows; it is refused rather than ignored "
                                     "(check its spelling, and the README's list of request fields)",
                                param=name, code="unsupported_parameter")
@@ -121,10 +121,17 @@ class OpenAIServing:
         rf = req.response_format
         if rf is not None:
             kind = rf.get("type")
+            other = sorted(set(rf) - {"type"} - ({"json_schema"} if kind == "json_schema" else set()))
+            spec = rf.get("json_schema")
+            if isinstance(spec, dict):   # (OpenAI's name, description, schema and strict; vLLM also reads
+                other += [f"json_schema.{k}" for k in sorted(   # the schema under json_schema.json_schema)
+                    set(spec) - {"name", "description", "schema", "strict", "json_schema"})]
+            if other:
+                raise APIError(400, f"response_format: {other[0]!r} is not supported (refused, not ignored)",
+                               param="response_format")
             if kind == "json_object":
                 given.append(("response_format", {"json_object": True}))
             elif kind == "json_schema":
-                spec = rf.get("json_schema")
                 schema = spec.get("schema", spec.get("json_schema")) if isinstance(spec, dict) else None
                 if not isinstance(schema, dict):
                     raise APIError(400, "response_format json_schema needs json_schema.schema (an object)",
@@ -384,11 +391,6 @@ def _unused(*values: Any) -> Callable[[Any], bool]:
 
 #: a logit_bias key: a token id written in ASCII decimal digits
 _TOKEN_ID_KEY = re.compile(r"-?[0-9]+")
-
-#: fields OpenAI clients send that cannot change the answer (stored-completion, tracing and
-#: service options); any other field the schema does not define is refused (check_request)
-_NO_EFFECT = frozenset({"metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
-                        "parallel_tool_calls"})
 
 # OpenAI/vLLM fields that would change the answer and are not implemented yet -> 400, with the
 # values that mean "not used" (which are accepted).

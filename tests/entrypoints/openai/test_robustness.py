@@ -80,6 +80,16 @@ BAD = [  # (path, body, param or message fragment)
                                                                               "json_schema": {"schema": {"type": 5}}}},
      "structured_outputs"),
     (CH, {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
+    # keys inside objects are refused as fields are (found by fuzzing: they were ignored)
+    (CH, {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "text", "junk": 1}}, "junk"),
+    (CH, {"messages": [{"role": "user", "content": "hi"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}, "junk": 1}}}, "junk"),
+    (CH, {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {}}]}]},
+     "cache_control"),
+    # the fields with no effect on the answer are typed too
+    (C, {"prompt": "x", "metadata": 5}, "metadata"),
+    (C, {"prompt": "x", "store": "x"}, "store"),
+    (CH, {"messages": [{"role": "user", "content": "hi"}], "parallel_tool_calls": 5}, "parallel_tool_calls"),
     (CH, {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
     (C, {"prompt": [[1, 2], [3, 10**6]], "stream": True}, "prompt 1"),
     (C, {"prompt": [[1, 2], []]}, "prompt 1"),
