@@ -535,8 +535,15 @@ class LLMEngine:
         try:
             return list(self.tokenizer.encode(text, **kw))
         except Exception as e:  # noqa: BLE001 - the input's fault
-            raise RequestError(f"could not tokenize the {what}: {type(e).__name__}: {e}",
-                               param=None if what == "prompt" else what) from None
+            param = None if what == "prompt" else what
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as u:   # (the tokenizer's own message names its Rust types)
+                raise RequestError(f"could not tokenize the {what}: it is not valid Unicode text (a lone UTF-16 "
+                                   f"surrogate {text[u.start]!r} at character {u.start})", param=param) from None
+            except (AttributeError, TypeError):
+                pass
+            raise RequestError(f"could not tokenize the {what}: {type(e).__name__}: {e}", param=param) from None
 
     def _check_vocab(self, ids: list[int], what: str) -> None:
         bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]

@@ -145,6 +145,9 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
         msg = first.get("msg", "invalid request")
         if first.get("type") == "json_invalid":
             return error(400, f"invalid JSON body: {msg}", code="invalid_json")
+        if not loc and first.get("type") in ("dict_type", "model_attributes_type"):   # (not an object, or not JSON)
+            return error(400, "the body must be a JSON object (Content-Type: application/json)",
+                         code="invalid_json")
         return error(400, f"{'.'.join(loc) or 'body'}: {msg}", param=".".join(loc) or None)
 
     @app.exception_handler(StarletteHTTPException)
@@ -152,7 +155,7 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return error(e.status_code, str(e.detail), type_=kind)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])   # (HEAD: load balancers' probes)
     async def health():
         if not async_engine.alive:
             return error(503, "the engine is not running", type_="server_unavailable", code="engine_down")

@@ -182,6 +182,10 @@ def test_bad_input_gets_4xx_error_shape(server, path, body, status, param):
 def test_transport_level_errors_and_recovery(server, reference):
     r = httpx.post(server.url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "error" in r.json()
+    for body, kind in ((b"hello", "text/plain"), (b"[1, 2]", "application/json")):   # not a JSON object
+        r = httpx.post(server.url + "/v1/completions", content=body, headers={"content-type": kind})
+        assert r.status_code == 400 and "must be a JSON object" in r.json()["error"]["message"], r.text
+    assert httpx.head(server.url + "/health").status_code == 200   # (load balancers' probes)
     r = httpx.get(server.url + "/v1/nothing")
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
     r = httpx.post(server.url + "/v1/completions", content=b"x" * (5 * 1024 * 1024),
