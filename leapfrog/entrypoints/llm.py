@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Any, Sequence
 
@@ -143,6 +144,9 @@ class LLM:
         bad = [type(sp).__name__ for sp in params if not isinstance(sp, SamplingParams)]
         if bad:
             raise RequestError(f"sampling_params must be SamplingParams objects, got a {bad[0]}")
+        # checked again as they are now (n = 0 set after construction is a ConfigError, not an
+        # IndexError below; the engine checks the other fields again as it adds each request)
+        params = [dataclasses.replace(sp) for sp in params]
         groups: list[list[str]] = []
         added: list[str] = []
         try:

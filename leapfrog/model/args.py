@@ -24,6 +24,9 @@ SUPPORTED_ARCHITECTURES = {
 }
 SUPPORTED_MODEL_TYPES = set(SUPPORTED_ARCHITECTURES.values())
 SUPPORTED_ROPE_TYPES = {"default", "linear", "dynamic", "llama3"}
+#: the keys each scaled rope type must give (as transformers' rope validation requires them)
+_ROPE_REQUIRED = {"linear": ("factor",), "dynamic": ("factor",),
+                  "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 
 REQUIRED: Any = object()
 """``config_field`` default meaning: the field must be present (and not null)."""
@@ -215,6 +218,12 @@ def _parse_rope(cfg: dict[str, Any], source: str) -> RopeConfig:
         raise CheckpointError(
             f"{source}: unsupported rope type {rope_type!r}; supported: {sorted(SUPPORTED_ROPE_TYPES)}"
         )
+    # the keys transformers requires of each scaled type (filling them in with guesses would run
+    # another model than the checkpoint's)
+    missing = [k for k in _ROPE_REQUIRED.get(rope_type, ()) if params.get(k) is None]
+    if missing:
+        raise CheckpointError(f"{source}: {rope_type} rope needs {', '.join(missing)} in rope_parameters (or "
+                              "rope_scaling)")
     low, high = get("low_freq_factor", float, 1.0, minimum=0), get("high_freq_factor", float, 4.0, minimum=0)
     if rope_type == "llama3" and low == high:
         raise CheckpointError(f"{source}: llama3 rope needs low_freq_factor != high_freq_factor (both {low})")

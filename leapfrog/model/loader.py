@@ -120,6 +120,8 @@ def check_stored_dtype(cfg: dict, cfg_file: Path | str) -> torch.dtype | None:
 
 def resolve_dtype(dtype: str | torch.dtype, ckpt: Checkpoint, device: torch.device) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():   # (torch.int8 or torch.float64 as well as "float64": refused)
+            raise CheckpointError(f"dtype {dtype} not supported; use auto, float32, bfloat16 or float16")
         return dtype
     if dtype == "auto":
         dt = ckpt.config_dtype or torch.float32
@@ -252,6 +254,14 @@ class _TensorSource:
             return self._pickled[name][index]
         return self._from_file(name, lambda sf: sf.get_slice(name)[index])
 
+    def dtype(self, name: str) -> str:
+        """The stored dtype, from the safetensors header ("BF16", "I32", ...; a pickled tensor's
+        torch dtype as "torch.float32"): no data is read."""
+        if not self._pickled:
+            return str(self._from_file(name, lambda sf: sf.get_slice(name).get_dtype()))
+        self.shape(name)   # (an entry that is not a tensor is refused there)
+        return str(self._pickled[name].dtype)
+
     def shape(self, name: str) -> tuple[int, ...]:
         """From the safetensors header: no data is read."""
         if not self._pickled:
@@ -260,6 +270,11 @@ class _TensorSource:
         if not isinstance(t, Tensor):
             raise CheckpointError(f"{self.files[name]}: entry {name!r} is a {type(t).__name__}, not a tensor")
         return tuple(t.shape)
+
+
+#: the stored dtypes a weight may have (safetensors' names, and torch's for pickled checkpoints)
+_WEIGHT_DTYPES = frozenset({"F16", "BF16", "F32", "F64", "torch.float16", "torch.bfloat16", "torch.float32",
+                            "torch.float64"})
 
 
 def _fill_plan(args: LlamaArgs, src: _TensorSource, shapes: dict[str, tuple[int, ...]]) -> dict[str, list[str]]:
@@ -281,6 +296,12 @@ def _fill_plan(args: LlamaArgs, src: _TensorSource, shapes: dict[str, tuple[int,
             raise CheckpointError(
                 f"{src.files[hf_names[i]].name}: tensor {hf_names[i]!r} has shape {got[i]}, which does not fit "
                 f"config.json (expected {expected} for {ours} after fusing {len(got)} tensor(s))")
+        for n in hf_names:   # (an integer, boolean, complex or fp8 tensor would be cast silently: a wrong model)
+            stored = src.dtype(n)
+            if stored not in _WEIGHT_DTYPES:
+                raise CheckpointError(f"{src.files[n].name}: tensor {n!r} is stored as {stored}; weights must be "
+                                      "float16, bfloat16, float32 or float64 (pre-quantized weights are not "
+                                      "supported: the README's quantization section)")
         plan[ours] = hf_names
     return plan
 

@@ -134,6 +134,11 @@ def test_over_long_and_bad_prompts(llm):
     sp.max_tokens = -5
     with pytest.raises(ConfigError, match="max_tokens"):
         llm.generate("x", sp, use_tqdm=False)
+    for n in (0, 2.5):   # (n is read by generate itself: it was an IndexError / TypeError there)
+        sp = SamplingParams(temperature=0, max_tokens=3)
+        sp.n = n
+        with pytest.raises(ConfigError, match="SamplingParams.n"):
+            llm.generate("x", sp, use_tqdm=False)
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     free = gen(llm, [1, 2, 3], temperature=0, max_tokens=12, ignore_eos=True)
     sp.stop = [free.text[4:7]] if len(free.text) > 7 else None

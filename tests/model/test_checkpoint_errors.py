@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from leapfrog import LLM, SamplingParams
 from leapfrog.demo import save_random_llama
@@ -187,6 +187,28 @@ def test_a_tensor_in_two_weight_files_is_refused(tmp_path, llama_dir, kind):
         LLM(model=str(d), dtype="float32", allow_pickle=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.bool, torch.int32, torch.int8, torch.float8_e4m3fn, torch.complex64])
+def test_weights_stored_as_other_than_float_are_refused(tmp_path, llama_dir, dtype):
+    """An integer, boolean, complex or fp8 tensor would be cast to the model's dtype silently (a
+    boolean final norm generated token 0 over and over): the file, the tensor and its dtype are
+    named, from the safetensors header."""
+    d = copy(llama_dir, tmp_path)
+    f, name = next((f, n) for f in sorted(d.glob("*.safetensors")) for n in load_file(f) if n == "model.norm.weight")
+    tensors = load_file(f)
+    tensors[name] = tensors[name].to(dtype)
+    save_file(tensors, f, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=re.escape(f"{f.name}: tensor {name!r} is stored as ")):
+        LLM(model=str(d), dtype="float32")
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float64, torch.complex64])
+def test_a_torch_dtype_outside_the_supported_ones_is_refused(llama_dir, dtype):
+    """``dtype=torch.float64`` ran silently in float64 (and torch.int8 failed deep in torch), where
+    the string "float64" is refused."""
+    with pytest.raises(CheckpointError, match="not supported; use auto, float32, bfloat16 or float16"):
+        LLM(model=str(llama_dir), dtype=dtype)
+
+
 def test_tensors_the_config_does_not_read_are_refused(tmp_path, llama_dir):
     """config.json with fewer layers than the checkpoint holds would load a different model
     silently: the unused tensors are named instead."""
@@ -243,6 +265,9 @@ def test_generation_config_without_eos_is_fine(tmp_path, llama_dir):
     ({"rope_parameters": {"rope_type": "default", "rope_theta": -1.0}},
      r"field 'rope_parameters.rope_theta' must be a number > 0, got -1.0"),
     ({"rope_scaling": "llama3"}, r"field 'rope_scaling' must be a JSON object"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0}},   # (once filled in
+     r"llama3 rope needs low_freq_factor, high_freq_factor, original_max_position_embeddings"),   # with guesses)
+    ({"rope_parameters": None, "rope_scaling": {"rope_type": "linear"}}, r"linear rope needs factor"),
     ({"rope_parameters": None, "rope_scaling": {"rope_type": ["llama3"]}}, r"field 'rope_scaling.rope_type' must be a string"),
     ({"architectures": "LlamaForCausalLM"}, r"field 'architectures' must be a JSON list, got 'LlamaForCausalLM'"),
     ({"architectures": [7]}, r"field 'architectures\[0\]' must be a string"),
