@@ -84,6 +84,8 @@ class EngineConfig:
     whole copies of the target's embedding and LM head there: parallel/replica.py)."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model.strip():   # ("" loaded the current directory)
+            raise ConfigError(f"model={self.model!r}: must be a checkpoint directory or a hub id (a non-empty string)")
         for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "num_scheduler_steps"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:

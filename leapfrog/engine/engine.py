@@ -555,6 +555,12 @@ class LLMEngine:
         """Who drafts for this request: its prediction if it has one, else the configured proposer."""
         return self.predictor if req.prediction_ids is not None else self.proposer
 
+    def _non_finite_logits(self) -> FloatingPointError:
+        """The error of a step whose logits hold NaN or infinity, with the likely cause for the dtype."""
+        why = ("fp16 overflow? try bfloat16 or float32" if self.dtype == torch.float16
+               else "NaN or infinite weights in the checkpoint, or activations past the dtype's range?")
+        return FloatingPointError(f"non-finite logits from the model ({why})")
+
     def _check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: ids against this model's vocabulary, stop
         strings against the tokenizer."""
@@ -889,7 +895,7 @@ class LLMEngine:
         if out is None:
             raise RuntimeError("multi-step decode: no graph for a step its bucket check admitted")
         if not all(map(math.isfinite, out.logits.flatten().tolist())):
-            raise FloatingPointError("non-finite logits from the model (fp16 overflow? try bfloat16 or float32)")
+            raise self._non_finite_logits()
         for b, (req, ids) in enumerate(zip(reqs, out.tokens.tolist())):
             # the cache holds the input token and all but the last new one; tokens past a stop are dropped
             self._guarded(req, self._commit, req, req.num_computed + steps, None,
@@ -958,7 +964,7 @@ class LLMEngine:
         race = self._round_noise(reqs, drawn, rounds * (g.k + 1)) if any(drawn) else None
         out = self.runner.spec_rounds([r.row for r in reqs], state, cols, rounds, race)
         if not all(map(math.isfinite, out.top.flatten().tolist())):
-            raise FloatingPointError("non-finite logits from the model (fp16 overflow? try bfloat16 or float32)")
+            raise self._non_finite_logits()
         accepted = drafted = rejected = 0
         last = {}   # request -> the last round's tokens (what its drafter catches up on next)
         for req, drafts, target in zip(reqs, out.drafts.tolist(), out.target.tolist()):
@@ -1113,7 +1119,7 @@ class LLMEngine:
             # max propagates NaN and +inf, so checking the chosen logits finds any non-finite row
             # (isfinite over the whole [N, V] cost 70 us per step here)
             if not all(map(math.isfinite, values.tolist())):
-                raise FloatingPointError("non-finite logits from the model (fp16 overflow? try bfloat16 or float32)")
+                raise self._non_finite_logits()
             return target.tolist()
 
         flat_parents = [p for ps in parent_lists for p in ps]

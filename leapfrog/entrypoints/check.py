@@ -186,6 +186,8 @@ def parse_setting(text: str | dict[str, Any] | SamplingParams) -> dict[str, Any]
             k, v = (s.strip() for s in part.split("=", 1))
             if k not in _SETTING_KEYS:
                 raise ConfigError(f"sampling setting {text!r}: unknown key {k!r}; known: {sorted(_SETTING_KEYS)}")
+            if k in d:   # (the last one won silently)
+                raise ConfigError(f"sampling setting {text!r}: {k} is given twice")
             try:
                 d[k] = _SETTING_KEYS[k](v)
             except ValueError:

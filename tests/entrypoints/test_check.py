@@ -350,3 +350,6 @@ def test_cli_bad_input_exit_2(tiny, tmp_path, capsys):
     assert main(base + ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
                         "--setting", "temperature=hot"]) == 2
     assert "temperature" in capsys.readouterr().err
+    assert main(base + ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
+                        "--setting", "temperature=1,temperature=0.5"]) == 2   # (the last one won silently)
+    assert "temperature is given twice" in capsys.readouterr().err

@@ -65,7 +65,9 @@ def test_bad_files_and_numbers_exit_two_with_one_line(llama_dir, tmp_path, capsy
     m = ["--model", str(llama_dir)]
     spec = ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 2})]
     for i, text in enumerate(['{"prompt": "a"}\n{oops', '{"prompt_token_ids": []}', '{"prompt": 5}', "\n\n",
-                              "[1, 2]\n{}"]):
+                              "[1, 2]\n{}",
+                              '{"prompt": "a", "prompt_token_id": [5]}',   # (a typo was ignored: "a" ran)
+                              '{"prompt": "a", "prompt_token_ids": [5]}']):
         f = tmp_path / f"p{i}.jsonl"
         f.write_text(text)
         assert main(["generate", *m, "--prompts-file", str(f), "--speculative-config", "none"]) == 2

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from leapfrog import LLM, SamplingParams
 from leapfrog.demo import save_random_llama
-from leapfrog.errors import CheckpointError
+from leapfrog.errors import CheckpointError, EngineError
 from leapfrog.model.loader import (
     _TensorSource,
     _weight_files,
@@ -199,6 +199,18 @@ def test_weights_stored_as_other_than_float_are_refused(tmp_path, llama_dir, dty
     save_file(tensors, f, metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=re.escape(f"{f.name}: tensor {name!r} is stored as ")):
         LLM(model=str(d), dtype="float32")
+
+
+def test_nan_weights_fail_with_the_likely_cause(tmp_path, llama_dir):
+    """A NaN in a float32 checkpoint's weights: the request fails naming non-finite logits and the
+    weights as the likely cause (the hint said "fp16 overflow?" in any dtype)."""
+    d = copy(llama_dir, tmp_path)
+    f = next(f for f in sorted(d.glob("*.safetensors")) if "model.norm.weight" in load_file(f))
+    tensors = load_file(f)
+    tensors["model.norm.weight"][0] = float("nan")
+    save_file(tensors, f, metadata={"format": "pt"})
+    with pytest.raises(EngineError, match="non-finite logits .*NaN or infinite weights"):
+        LLM(model=str(d), dtype="float32").generate({"prompt_token_ids": [5, 6, 7]}, GREEDY)
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float64, torch.complex64])

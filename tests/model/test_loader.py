@@ -134,6 +134,8 @@ def test_hub_ids_for_models_and_tokenizers(tmp_path, llama_dir, monkeypatch):
     for bad in ("a/b/c", "-x", "x y"):
         with pytest.raises(CheckpointError, match="not a hub id"):
             LLM(model=bad)
+    with pytest.raises(ConfigError, match="model='': must be a checkpoint directory"):   # (it loaded ".")
+        LLM(model="")
     assert [a[0] for a in asked] == ["org/tok", "gpt2", "some-org/some-model", "org/none"]
 
 
