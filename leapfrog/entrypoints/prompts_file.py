@@ -1,9 +1,10 @@
 """``--prompts-file`` of ``generate`` and ``check``: one reader, one format.
 
 One prompt per line (``\\n`` escapes allowed, blank lines skipped), or JSONL lines with
-``"prompt"`` (a string) or ``"prompt_token_ids"`` (a non-empty list of integers), one of them and
-no other key (a misspelt key is refused, as ``LLM.generate`` refuses it). A file that does not
-parse is a ConfigError naming the file and the line (the CLI's exit code 2).
+``"prompt"`` (a string) or ``"prompt_token_ids"`` (a non-empty list of integers; read first when
+both are given); other keys (a dataset's metadata) are not read, except that one starting with
+"prompt" is refused as a misspelling. A file that does not parse is a ConfigError naming the
+file and the line (the CLI's exit code 2).
 """
 
 from __future__ import annotations
@@ -38,10 +39,12 @@ def read_prompts(path: str, flag: str = "--prompts-file") -> list[Prompt]:
         if not isinstance(d, dict):
             raise ConfigError(f"{where}, line {i}: a JSON line must be an object with \"prompt\" or "
                               "\"prompt_token_ids\"")
-        other = sorted(set(d) - {"prompt", "prompt_token_ids"})
-        if other or len(d) > 1:   # (a misspelt key is refused, not ignored, as LLM.generate refuses it)
-            raise ConfigError(f"{where}, line {i}: " + (f"unknown key {other[0]!r}; " if other else "")
-                              + "a JSON line holds \"prompt\" or \"prompt_token_ids\", one of them")
+        # other keys are a dataset's metadata (HumanEval's task_id, ...) and stay unread; one that
+        # starts with "prompt" is a misspelling of ours (prompt_token_id ran "prompt" silently)
+        typo = sorted(k for k in d if k.startswith("prompt") and k not in ("prompt", "prompt_token_ids"))
+        if typo:
+            raise ConfigError(f"{where}, line {i}: unknown key {typo[0]!r} (the keys read are \"prompt\" and "
+                              "\"prompt_token_ids\")")
         if "prompt_token_ids" in d:
             ids = d["prompt_token_ids"]
             if not isinstance(ids, list) or not ids or any(isinstance(t, bool) or not isinstance(t, int) for t in ids):

@@ -24,9 +24,10 @@ SUPPORTED_ARCHITECTURES = {
 }
 SUPPORTED_MODEL_TYPES = set(SUPPORTED_ARCHITECTURES.values())
 SUPPORTED_ROPE_TYPES = {"default", "linear", "dynamic", "llama3"}
-#: the keys each scaled rope type must give (as transformers' rope validation requires them)
+#: the keys each scaled rope type must give (transformers 5's rope validation requires them; llama3's
+#: original_max_position_embeddings may come from config.json's top level or max_position_embeddings)
 _ROPE_REQUIRED = {"linear": ("factor",), "dynamic": ("factor",),
-                  "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+                  "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
 
 REQUIRED: Any = object()
 """``config_field`` default meaning: the field must be present (and not null)."""
@@ -233,5 +234,8 @@ def _parse_rope(cfg: dict[str, Any], source: str) -> RopeConfig:
         factor=get("factor", float, 1.0, minimum=0),
         low_freq_factor=low,
         high_freq_factor=high,
-        original_max_position_embeddings=get("original_max_position_embeddings", int, None, minimum=1),
+        # (transformers 5's standardize_rope_params: the rope's own, else config.json's top level;
+        # rope.py falls back to max_position_embeddings)
+        original_max_position_embeddings=get("original_max_position_embeddings", int, config_field(
+            cfg, "original_max_position_embeddings", int, source, default=None, minimum=1), minimum=1),
     )

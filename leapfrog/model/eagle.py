@@ -95,6 +95,9 @@ EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # non-weights some old transformers versions saved
 
+#: the dtypes a head's weight may be stored in (as the target's: model/loader.py _WEIGHT_DTYPES)
+_HEAD_WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
 
 def aux_layers_from_vllm(ids: Sequence[int]) -> tuple[int, ...]:
     """vLLM's ``eagle_aux_hidden_state_layer_ids`` (captured before layer id) -> leapfrog aux layers."""
@@ -478,8 +481,9 @@ def _fill(head: EagleHead, src: _TensorSource, dtype: torch.dtype) -> set[str]:
         for ours, ck_names in plan.items():
             parts = [src.get(n) for n in ck_names]
             for n, t in zip(ck_names, parts):
-                if not t.dtype.is_floating_point:   # (an integer tensor would be cast silently)
-                    raise CheckpointError(f"{src.files[n]}: tensor {n!r} is {t.dtype}; weights must be floating point")
+                if t.dtype not in _HEAD_WEIGHT_DTYPES:   # (an integer or fp8 tensor would be cast silently)
+                    raise CheckpointError(f"{src.files[n]}: tensor {n!r} is {t.dtype}; weights must be float16, "
+                                          "bfloat16, float32 or float64")
             params[ours].copy_((torch.cat(parts) if len(parts) > 1 else parts[0]).to(dtype))
     return {n for names in plan.values() for n in names}
 

@@ -22,7 +22,7 @@ def test_generate_with_speculation_and_compare(llama_dir, capsys):
 
 def test_prompts_file_and_sampling_flags(llama_dir, tmp_path, capsys):
     f = tmp_path / "prompts.txt"
-    f.write_text("import os\n{\"prompt\": \"class A:\"}\n{\"prompt_token_ids\": [5, 6, 7]}\n")
+    f.write_text("import os\n{\"prompt\": \"class A:\", \"task_id\": 3}\n{\"prompt_token_ids\": [5, 6, 7]}\n")
     rc = main(["generate", "--model", str(llama_dir), "--prompts-file", str(f), "--temperature", "0.8",
                "--top-k", "5", "--top-p", "0.9", "--max-tokens", "6", "--seed", "3", "--speculative-config", "none"])
     out = capsys.readouterr().out
@@ -66,8 +66,7 @@ def test_bad_files_and_numbers_exit_two_with_one_line(llama_dir, tmp_path, capsy
     spec = ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 2})]
     for i, text in enumerate(['{"prompt": "a"}\n{oops', '{"prompt_token_ids": []}', '{"prompt": 5}', "\n\n",
                               "[1, 2]\n{}",
-                              '{"prompt": "a", "prompt_token_id": [5]}',   # (a typo was ignored: "a" ran)
-                              '{"prompt": "a", "prompt_token_ids": [5]}']):
+                              '{"prompt": "a", "prompt_token_id": [5]}']):   # (a typo was ignored: "a" ran)
         f = tmp_path / f"p{i}.jsonl"
         f.write_text(text)
         assert main(["generate", *m, "--prompts-file", str(f), "--speculative-config", "none"]) == 2

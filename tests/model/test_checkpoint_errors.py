@@ -201,6 +201,16 @@ def test_weights_stored_as_other_than_float_are_refused(tmp_path, llama_dir, dty
         LLM(model=str(d), dtype="float32")
 
 
+def test_pickled_weights_stored_as_integers_are_refused(tmp_path, llama_dir):
+    d = copy(llama_dir, tmp_path)
+    tensors = load_file(d / "model.safetensors")
+    (d / "model.safetensors").unlink()
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.int32)
+    torch.save(tensors, d / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="'model.norm.weight' is stored as torch.int32"):
+        LLM(model=str(d), dtype="float32", allow_pickle=True)
+
+
 def test_nan_weights_fail_with_the_likely_cause(tmp_path, llama_dir):
     """A NaN in a float32 checkpoint's weights: the request fails naming non-finite logits and the
     weights as the likely cause (the hint said "fp16 overflow?" in any dtype)."""
@@ -278,7 +288,7 @@ def test_generation_config_without_eos_is_fine(tmp_path, llama_dir):
      r"field 'rope_parameters.rope_theta' must be a number > 0, got -1.0"),
     ({"rope_scaling": "llama3"}, r"field 'rope_scaling' must be a JSON object"),
     ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0}},   # (once filled in
-     r"llama3 rope needs low_freq_factor, high_freq_factor, original_max_position_embeddings"),   # with guesses)
+     r"llama3 rope needs low_freq_factor, high_freq_factor in rope_parameters"),   # with guesses)
     ({"rope_parameters": None, "rope_scaling": {"rope_type": "linear"}}, r"linear rope needs factor"),
     ({"rope_parameters": None, "rope_scaling": {"rope_type": ["llama3"]}}, r"field 'rope_scaling.rope_type' must be a string"),
     ({"architectures": "LlamaForCausalLM"}, r"field 'architectures' must be a JSON list, got 'LlamaForCausalLM'"),
@@ -327,6 +337,13 @@ def test_valid_variants_still_load(tmp_path, llama_dir):
     a = read_checkpoint(d).args
     assert (a.head_dim, a.num_key_value_heads, a.sliding_window, a.bos_token_id) == (16, 4, None, None)
     assert a.rms_norm_eps == 1e-5 and isinstance(a.rms_norm_eps, float)
+    # llama3 rope's original context: its own, else config.json's top level, else (rope.py)
+    # max_position_embeddings, as transformers 5 reads it
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0}
+    for top, want in ((None, None), (128, 128)):
+        edit_config(d, rope_parameters=rope, rope_scaling=None, original_max_position_embeddings=top)
+        assert read_checkpoint(d).args.rope.original_max_position_embeddings == want
 
 
 # ---------------------------------------------------------------- tokenizer files

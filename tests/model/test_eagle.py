@@ -481,6 +481,16 @@ def test_error_wrong_tensor_shape_and_unexpected(tmp_path, target):
         load_eagle_head(path, target)
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float8_e4m3fn])
+def test_error_weights_stored_as_other_than_float(tmp_path, target, dtype):
+    """An integer or fp8 head weight would be cast silently (fp8 passed the floating-point check)."""
+    path, t, _ = write_eagle3(tmp_path / "h")
+    t["fc.weight"] = t["fc.weight"].to(dtype)
+    save_file(t, str(path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"'fc.weight' is torch\.\w+; weights must be float16, bfloat16"):
+        load_eagle_head(path, target)
+
+
 def test_error_pickle_needs_allow_pickle(tmp_path, target):
     path, _ = write_eagle1(tmp_path / "h", pickle=True)
     with pytest.raises(CheckpointError, match="allow_pickle=True"):

@@ -145,7 +145,7 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
         msg = first.get("msg", "invalid request")
         if first.get("type") == "json_invalid":
             return error(400, f"invalid JSON body: {msg}", code="invalid_json")
-        if not loc and first.get("type") in ("dict_type", "model_attributes_type"):   # (not an object, or not JSON)
+        if not loc and first.get("type") in ("dict_type", "model_type", "model_attributes_type"):   # (not an object)
             return error(400, "the body must be a JSON object (Content-Type: application/json)",
                          code="invalid_json")
         return error(400, f"{'.'.join(loc) or 'body'}: {msg}", param=".".join(loc) or None)

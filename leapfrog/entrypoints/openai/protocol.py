@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 
 class _Base(BaseModel):
     # Fields we do not define are kept in ``model_extra`` so that OpenAIServing.check_request can
-    # refuse them by name (never ignore them), and accept the few that cannot change the answer.
+    # refuse them by name (never ignore them), or accept the ones it does not implement when they
+    # hold the value that changes nothing (``tools: []``).
     # Strict types: "0.5" is not a number, 1 is not true, true is not a token id (a 400, never a
     # silent conversion); an integer is still a valid float.
     model_config = ConfigDict(extra="allow", strict=True)
@@ -55,7 +56,8 @@ class _Sampling(_Base):
 
     @field_validator(*_NULL_MEANS_DEFAULT, mode="before", check_fields=False)
     @classmethod
-    def _null_means_default(cls, v: Any, info: Any) -> Any:
+    def _null_means_default(cls, v: Any, info: ValidationInfo) -> Any:
+        """null -> the field's default, before the strict type check (_NULL_MEANS_DEFAULT)."""
         return cls.model_fields[info.field_name].get_default() if v is None else v
 
     model: str | None = None

@@ -324,6 +324,13 @@ class OpenAIServing:
                 async for out in self._stream(f"{base}-{idx}", p, s, k, reservation,
                                               lambda: q.put_nowait((idx, _ACCEPTED))):
                     await q.put((idx, out))
+            except asyncio.CancelledError:
+                if asyncio.current_task().cancelling():   # (stream_all ended and cancels its pumps)
+                    raise
+                # the tokenizer's pool shut down under a prompt (the server stops): the consumer
+                # must hear of it, or the stream waits for this choice for ever
+                q.put_nowait((idx, APIError(503, "the server is shutting down", type_="server_unavailable",
+                                            code="shutting_down")))
             except Exception as e:  # noqa: BLE001 - forwarded to the consumer
                 await q.put((idx, e))
 
@@ -333,11 +340,14 @@ class OpenAIServing:
         sent_text = [0] * len(jobs)
         sent_tok = [0] * len(jobs)
         done = accepted = 0
-        held: list[tuple[int, RequestOutput]] = []   # outputs that came before every choice was accepted
+        # each choice's latest output from before every choice was accepted (outputs are cumulative:
+        # the latest carries all the earlier ones' text and tokens), in the order the choices first came
+        held: dict[int, RequestOutput] = {}
         try:
             while done < len(jobs):
                 if accepted == len(jobs) and held:
-                    idx, out = held.pop(0)
+                    idx = next(iter(held))
+                    out = held.pop(idx)
                 else:
                     idx, out = await q.get()
                 if isinstance(out, BaseException):
@@ -346,7 +356,7 @@ class OpenAIServing:
                     accepted += 1
                     continue
                 if accepted < len(jobs):
-                    held.append((idx, out))
+                    held[idx] = out
                     continue
                 c = out.outputs[0]
                 end = len(c.text) if out.finished else max(sent_text[idx], len(c.text) - hold)

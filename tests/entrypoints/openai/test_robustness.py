@@ -160,6 +160,28 @@ def test_streamed_prompts_are_all_accepted_before_the_first_byte(server, expecte
     assert good(server) == expected and idle(server, 5)
 
 
+def test_an_api_error_inside_a_stream_keeps_its_status(server, expected, monkeypatch):
+    """A choice that ends with an APIError after the stream started (the server shutting down:
+    503) reports that error in-band, not a relabelled 500 engine error."""
+    from leapfrog.entrypoints.openai.serving import APIError, OpenAIServing
+    real = OpenAIServing._stream
+
+    async def failing(self, rid, *args, **kw):
+        async for out in real(self, rid, *args, **kw):
+            yield out
+            if rid.endswith("-1"):   # the second choice, after its first output
+                raise APIError(503, "the server is shutting down", type_="server_unavailable", code="shutting_down")
+    monkeypatch.setattr(OpenAIServing, "_stream", failing)
+    r = httpx.post(server.url + C, timeout=60, json={"model": "tiny", "prompt": PROMPT, "max_tokens": 16, "n": 2,
+                                                     "temperature": 0, "ignore_eos": True, "stream": True})
+    chunks, done = _sse(r.text.splitlines())
+    assert r.status_code == 200 and done
+    errors = [c["error"] for c in chunks if "error" in c]
+    assert errors and all(e["type"] == "server_unavailable" and e["code"] == "shutting_down" for e in errors), errors
+    monkeypatch.undo()
+    assert good(server) == expected and idle(server, 5)
+
+
 @pytest.mark.parametrize("held", ["compile_grammar", "encode_prompt"])
 def test_requests_are_prepared_off_the_engine_thread(server, expected, monkeypatch, held):
     """A text prompt is tokenized, and a structured-output matcher built, on threads of their
