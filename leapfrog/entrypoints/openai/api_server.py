@@ -155,11 +155,15 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return error(e.status_code, str(e.detail), type_=kind)
 
-    @app.api_route("/health", methods=["GET", "HEAD"])   # (HEAD: load balancers' probes)
+    @app.get("/health")
     async def health():
         if not async_engine.alive:
             return error(503, "the engine is not running", type_="server_unavailable", code="engine_down")
         return {"status": "ok"}
+
+    @app.head("/health", include_in_schema=False)   # (load balancers' probes; GET's operation in the schema)
+    async def health_head():
+        return await health()
 
     def model_card() -> dict:
         return {"id": served_model_name, "object": "model", "created": int(time.time()), "owned_by": "leapfrog",
