@@ -95,9 +95,6 @@ EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # non-weights some old transformers versions saved
 
-#: the dtypes a head's weight may be stored in (as the target's: model/loader.py _WEIGHT_DTYPES)
-_HEAD_WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
 
 def aux_layers_from_vllm(ids: Sequence[int]) -> tuple[int, ...]:
     """vLLM's ``eagle_aux_hidden_state_layer_ids`` (captured before layer id) -> leapfrog aux layers."""
@@ -473,6 +470,7 @@ def _fill(head: EagleHead, src: _TensorSource, dtype: torch.dtype) -> set[str]:
             raise CheckpointError(f"{src.path}: tensor {missing[0]!r} is missing from the checkpoint "
                                   f"(an {head.kind} head with this config.json needs it)")
         for n, want in zip(ck_names, _part_shapes(tuple(params[ours].shape), len(ck_names), head.args), strict=True):
+            src.check_weight_dtype(n)
             if src.shape(n) != want:
                 hint = " ([H, 2H] for EAGLE-1, [H, #layer ids * target_hidden_size] for EAGLE-3)" * (n == "fc.weight")
                 raise CheckpointError(f"{src.files[n]}: tensor {n!r} has shape {src.shape(n)}, but config.json "
@@ -480,10 +478,6 @@ def _fill(head: EagleHead, src: _TensorSource, dtype: torch.dtype) -> set[str]:
     with torch.no_grad():
         for ours, ck_names in plan.items():
             parts = [src.get(n) for n in ck_names]
-            for n, t in zip(ck_names, parts):
-                if t.dtype not in _HEAD_WEIGHT_DTYPES:   # (an integer or fp8 tensor would be cast silently)
-                    raise CheckpointError(f"{src.files[n]}: tensor {n!r} is {t.dtype}; weights must be float16, "
-                                          "bfloat16, float32 or float64")
             params[ours].copy_((torch.cat(parts) if len(parts) > 1 else parts[0]).to(dtype))
     return {n for names in plan.values() for n in names}
 

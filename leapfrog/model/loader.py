@@ -262,6 +262,15 @@ class _TensorSource:
         self.shape(name)   # (an entry that is not a tensor is refused there)
         return str(self._pickled[name].dtype)
 
+    def check_weight_dtype(self, name: str) -> None:
+        """A weight stored as an integer, boolean, complex or fp8 tensor would be cast to the model's
+        dtype silently (a wrong model): a CheckpointError naming it (target, drafter and EAGLE head)."""
+        stored = self.dtype(name)
+        if stored not in _WEIGHT_DTYPES:
+            raise CheckpointError(f"{self.files[name].name}: tensor {name!r} is stored as {stored}; weights must be "
+                                  "float16, bfloat16, float32 or float64 (pre-quantized weights are not "
+                                  "supported: the README's quantization section)")
+
     def shape(self, name: str) -> tuple[int, ...]:
         """From the safetensors header: no data is read."""
         if not self._pickled:
@@ -296,12 +305,8 @@ def _fill_plan(args: LlamaArgs, src: _TensorSource, shapes: dict[str, tuple[int,
             raise CheckpointError(
                 f"{src.files[hf_names[i]].name}: tensor {hf_names[i]!r} has shape {got[i]}, which does not fit "
                 f"config.json (expected {expected} for {ours} after fusing {len(got)} tensor(s))")
-        for n in hf_names:   # (an integer, boolean, complex or fp8 tensor would be cast silently: a wrong model)
-            stored = src.dtype(n)
-            if stored not in _WEIGHT_DTYPES:
-                raise CheckpointError(f"{src.files[n].name}: tensor {n!r} is stored as {stored}; weights must be "
-                                      "float16, bfloat16, float32 or float64 (pre-quantized weights are not "
-                                      "supported: the README's quantization section)")
+        for n in hf_names:
+            src.check_weight_dtype(n)
         plan[ours] = hf_names
     return plan
 
