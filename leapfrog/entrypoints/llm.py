@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 from typing import Any, Sequence
 
 from leapfrog.progress import progress_bar
@@ -75,7 +76,7 @@ class LLM:
         if speculative_config is not None and not isinstance(speculative_config, dict):
             raise ConfigError(f"speculative_config must be a dict, got {type(speculative_config).__name__}")
         self.config = EngineConfig(
-            model=str(model), tokenizer=tokenizer, dtype=dtype, device=device, seed=seed,
+            model=os.fspath(model) if isinstance(model, os.PathLike) else model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, allow_pickle=allow_pickle,
             skip_tokenizer_init=skip_tokenizer_init, speculative_config=speculative_config,

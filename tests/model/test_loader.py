@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -39,7 +40,8 @@ def test_bf16_and_auto_dtype(llama_dir):
     ck = read_checkpoint(llama_dir)
     m = load_model(ck, torch.bfloat16, torch.device("cpu"), 64)
     assert m.dtype == torch.bfloat16
-    llm = LLM(model=str(llama_dir), dtype="bfloat16")
+    llm = LLM(model=llama_dir, dtype="bfloat16")   # (a path object, as a string)
+    assert llm.config.model == str(llama_dir)
     out = llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 5
 
@@ -136,6 +138,9 @@ def test_hub_ids_for_models_and_tokenizers(tmp_path, llama_dir, monkeypatch):
             LLM(model=bad)
     with pytest.raises(ConfigError, match="model='': must be a checkpoint directory"):   # (it loaded ".")
         LLM(model="")
+    for bad in (5, b"dir", ["a"]):   # (5 was tried as the hub id "5")
+        with pytest.raises(ConfigError, match=re.escape(f"model={bad!r}: must be a checkpoint directory")):
+            LLM(model=bad)
     assert [a[0] for a in asked] == ["org/tok", "gpt2", "some-org/some-model", "org/none"]
 
 
