@@ -366,8 +366,9 @@ async def _streaming(events, client_gone, head: dict, n: int, total: int, stream
     with a finish_reason per choice and ``[DONE]``: if the engine fails after the 200 went out,
     the open choices end with finish_reason "error" and an ``error`` object. A choice's chunk
     goes out when it has new text, when it finishes, or (``always``: logprobs, token ids, echo)
-    whenever it has new tokens. ``first_extra``: fields of the stream's first chunk, from the
-    first output (the prompt's logprobs come with it)."""
+    whenever it has new tokens. ``first_extra``: fields of the ``first_delta`` chunk (the stream's
+    first), from the first output (the prompt's logprobs come with it)."""
+    assert first_extra is None or first_delta is not None, "first_extra rides on the first_delta chunk"
     include_usage = bool(stream_options and stream_options.include_usage)
     continuous = include_usage and stream_options.continuous_usage_stats
     it = events.__aiter__()
@@ -395,7 +396,6 @@ async def _streaming(events, client_gone, head: dict, n: int, total: int, stream
         raise failure(first[1], "request")
     extra0 = first_extra(first[1]) if first_extra is not None and first is not None else {}
 
-
     async def chunks():
         finals: dict[int, object] = {}
         try:
@@ -417,8 +417,6 @@ async def _streaming(events, client_gone, head: dict, n: int, total: int, stream
                     if continuous:
                         p, c = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
                         extra["usage"] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-                    if first_delta is None and extra0 and not started - {idx}:
-                        extra.update(extra0)
                     yield sse({**head, "choices": [choice], **extra})
                 if out.finished:
                     finals[idx] = out
