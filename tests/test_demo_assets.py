@@ -107,6 +107,20 @@ def test_cli_and_llm_pass_their_dtype_to_the_default(monkeypatch, tmp_path, caps
     capsys.readouterr()
 
 
+def test_explicit_none_turns_the_built_in_speculation_off(monkeypatch, llama_dir):
+    """``LLM()`` takes the built-in model's default speculation; ``speculative_config=None`` given
+    explicitly means none, as in vLLM (it took the default too: a baseline that speculated)."""
+    from leapfrog import LLM
+
+    ngram = {"method": "ngram", "num_speculative_tokens": 3}
+    monkeypatch.setattr(demo, "default_model", lambda dtype="auto", device="auto": (str(llama_dir), ngram))
+    assert LLM().config.speculative_config == ngram
+    assert LLM(speculative_config=None).config.speculative_config is None
+    other = {"method": "ngram", "num_speculative_tokens": 2}
+    assert LLM(speculative_config=other).config.speculative_config == other
+    assert LLM(model=str(llama_dir)).config.speculative_config is None
+
+
 def test_the_w8a8_head_only_where_the_engine_runs_on_the_cpu(monkeypatch):
     """On an AMX-INT8 or AVX-512 VNNI host (or an AVX2 one with a float32 target) the built-in head
     drafts in w8a8 on the CPU, but not when the engine runs on a GPU (device "cuda", or "auto" with

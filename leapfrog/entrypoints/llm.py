@@ -16,13 +16,17 @@ from leapfrog.outputs import RequestOutput
 from leapfrog.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
+#: speculative_config not given: the built-in model's default speculation where model is None
+#: (an explicit None turns speculation off, as in vLLM)
+_BUILT_IN_SPEC: Any = type("_BuiltInSpec", (), {"__repr__": lambda self: "<the built-in default>"})()
 
 
 class LLM:
     """An offline engine.
 
     Args:
-        model: a local Hugging Face directory or a hub id; None = the built-in demo model.
+        model: a local Hugging Face directory or a hub id; None = the built-in demo model (with
+            its default speculation unless speculative_config is given; None: no speculation).
         tokenizer: tokenizer directory or hub id (default: the model's).
         dtype: "auto" (the checkpoint's), "float32", "bfloat16" or "float16".
         seed: seeds requests that carry no seed of their own.
@@ -60,7 +64,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, tokenizer: str | None = None, dtype: str = "auto",
-                 seed: int = 0, speculative_config: dict[str, Any] | None = None, *,
+                 seed: int = 0, speculative_config: dict[str, Any] | None = _BUILT_IN_SPEC, *,
                  max_model_len: int | None = None, max_num_seqs: int = 16,
                  max_num_batched_tokens: int = 2048, device: str = "auto", allow_pickle: bool = False,
                  skip_tokenizer_init: bool = False, batch_invariant: bool = False,
@@ -72,11 +76,14 @@ class LLM:
             from leapfrog.demo import default_model
             model, default_spec = default_model(dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch."),
                                                 str(device))
-            speculative_config = speculative_config if speculative_config is not None else default_spec
+            speculative_config = default_spec if speculative_config is _BUILT_IN_SPEC else speculative_config
+        elif speculative_config is _BUILT_IN_SPEC:
+            speculative_config = None
         if speculative_config is not None and not isinstance(speculative_config, dict):
             raise ConfigError(f"speculative_config must be a dict, got {type(speculative_config).__name__}")
         self.config = EngineConfig(
-            model=os.fspath(model) if isinstance(model, os.PathLike) else model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed,
+            model=os.fspath(model) if isinstance(model, os.PathLike) else model, tokenizer=tokenizer,
+            dtype=dtype, device=device, seed=seed,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, allow_pickle=allow_pickle,
             skip_tokenizer_init=skip_tokenizer_init, speculative_config=speculative_config,
