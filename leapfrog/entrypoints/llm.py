@@ -11,6 +11,7 @@ from leapfrog.progress import progress_bar
 
 from leapfrog.config import EngineConfig
 from leapfrog.engine.engine import LLMEngine
+from leapfrog.entrypoints.openai.protocol import check_messages, template_messages
 from leapfrog.errors import ConfigError, EngineError, NotShareable, RequestError
 from leapfrog.outputs import RequestOutput
 from leapfrog.sampling_params import SamplingParams
@@ -174,25 +175,30 @@ class LLM:
             raise
         return self._run(groups, use_tqdm and len(prompts) > 1)
 
-    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation or a list of them, then generate."""
+        """Apply the tokenizer's chat template to one conversation or a list of them, then generate.
+        Messages are checked as the server checks them (``{"role", "content"}``, content a string
+        or text parts; an unknown role or key such as ``name`` or ``tool_calls`` is a
+        RequestError, not dropped)."""
         tok = self.engine.tokenizer
         if tok is None:
             raise RequestError("chat() needs a tokenizer")
-        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not isinstance(messages, list) or not messages:
+            raise RequestError("messages must be a non-empty list of messages or of conversations")
+        one = isinstance(messages[0], dict)
+        convs = [messages] if one else messages
         prompts = []
-        for conv in convs:
-            if not isinstance(conv, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
-                                                     for m in conv):
-                raise RequestError("each message must be a dict with 'role' and 'content'")
+        for c, conv in enumerate(convs):
+            try:
+                checked = check_messages(conv)
+            except ValueError as e:
+                raise RequestError(str(e) if one else f"conversation {c}: {e}") from None
             if chat_template is None and not getattr(tok, "chat_template", None):
                 raise RequestError("this tokenizer has no chat template; pass chat_template=...")
-            if not all(isinstance(m["content"], str) for m in conv):
-                raise RequestError("message 'content' must be a string")
             try:
-                ids = tok.apply_chat_template(conv, chat_template=chat_template, tokenize=True,
+                ids = tok.apply_chat_template(template_messages(checked), chat_template=chat_template, tokenize=True,
                                               add_generation_prompt=add_generation_prompt)
             except Exception as e:  # noqa: BLE001 - a template error is the caller's input
                 raise RequestError(f"could not apply the chat template: {type(e).__name__}: {e}") from None

@@ -112,6 +112,26 @@ def test_text_prompt_and_chat(llm):
     assert len(out.outputs[0].token_ids) <= 5
     chat = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert "<|assistant|>" in chat[0].prompt
+    parts = llm.chat([{"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]}],
+                     SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)   # text parts, as the server
+    assert parts[0].prompt_token_ids == chat[0].prompt_token_ids
+
+
+@pytest.mark.parametrize("messages, pattern", [
+    ([{"role": "user", "content": "hi", "name": "bob"}], "message 0: name: Extra inputs"),   # (were dropped)
+    ([{"role": "user", "content": "hi"}, {"role": "tool", "content": "42", "tool_call_id": "1"}],
+     "message 1: tool_call_id: Extra inputs"),
+    ([{"role": "bogus", "content": "hi"}], "message 0: role: Input should be"),   # (was rendered)
+    ([{"role": "user"}], "message 0: .*user message needs content"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "type 'image_url' is not supported"),
+    ([], "non-empty"),                                   # (was [] silently)
+    ([[{"role": "user", "content": "a"}], []], "conversation 1: .*non-empty"),
+    ([[{"role": "user", "content": 5}]], "conversation 0: message 0: content"),
+    ("hi", "non-empty list"),
+])
+def test_chat_messages_checked_as_the_server_checks_them(llm, messages, pattern):
+    with pytest.raises(RequestError, match=pattern):
+        llm.chat(messages, use_tqdm=False)
 
 
 def test_over_long_and_bad_prompts(llm):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 
 class _Base(BaseModel):
@@ -143,6 +143,34 @@ class ChatMessage(BaseModel):
                     raise ValueError(f"content part {i}: {other[0]!r} is not supported (a text part has "
                                      "'type' and 'text' only)")
         return v
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Checked messages -> what the chat template reads: role and text (text parts joined). The
+    server and ``LLM.chat`` both render through this."""
+    out = []
+    for m in messages:
+        content = m.content
+        if isinstance(content, list):
+            content = "".join(part["text"] for part in content)
+        out.append({"role": m.role, "content": content or ""})
+    return out
+
+
+def check_messages(messages: Any) -> list[ChatMessage]:
+    """A conversation from Python (``LLM.chat``) -> checked messages, as the server checks them:
+    ValueError naming the message and field (an unknown role or key is refused, not dropped)."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("a conversation must be a non-empty list of messages")
+    checked = []
+    for i, m in enumerate(messages):
+        try:
+            checked.append(ChatMessage.model_validate(m))
+        except ValidationError as e:
+            first = e.errors()[0]
+            loc = ".".join(str(x) for x in first.get("loc", ()))
+            raise ValueError(f"message {i}{': ' + loc if loc else ''}: {first.get('msg')}") from None
+    return checked
 
 
 class ChatCompletionRequest(_Sampling):

@@ -11,7 +11,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from leapfrog.engine.async_engine import AsyncEngine, EngineOverloaded, EngineStopped, Reservation
 from leapfrog.entrypoints.openai.metrics import ServerMetrics
-from leapfrog.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest, _Sampling
+from leapfrog.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, TokenizeRequest, _Sampling,
+                                                  template_messages)
 from leapfrog.errors import ConfigError, RequestError
 from leapfrog.outputs import PositionLogprobs, RequestOutput, SpecMetrics
 from leapfrog.sampling.grammar import StructuredOutputsParams
@@ -219,14 +220,8 @@ class OpenAIServing:
     def _chat_ids(self, messages: list, add_generation_prompt: bool) -> list[int]:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "this model's tokenizer has no chat template", param="messages")
-        msgs = []
-        for m in messages:
-            content = m.content
-            if isinstance(content, list):
-                content = "".join(part.get("text", "") for part in content if part.get("type") == "text")
-            msgs.append({"role": m.role, "content": content or ""})
         try:
-            ids = self.tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=add_generation_prompt)
+            ids = self.tokenizer.apply_chat_template(template_messages(messages), tokenize=True, add_generation_prompt=add_generation_prompt)
         except Exception as e:  # noqa: BLE001 - template errors are the request's fault
             raise APIError(400, f"could not apply the chat template: {e}", param="messages") from None
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
