@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
@@ -28,6 +28,11 @@ from leapfrog.sampling.grammar import GrammarState
 from leapfrog.sampling_params import SamplingParams
 
 log = logging.getLogger("leapfrog.engine")
+
+
+def _resolve(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 class EngineOverloaded(LeapfrogError):
@@ -41,6 +46,49 @@ class Reservation:
 
 class EngineStopped(LeapfrogError):
     """The engine is shutting down."""
+
+
+class _Worker:
+    """One daemon thread running submitted calls in order (tokenizing, compiling grammars).
+    Not a ThreadPoolExecutor: the interpreter joins those at exit, so a 4 MB prompt still
+    tokenizing (seconds) held the server's exit after its requests had been answered."""
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._closed = False
+
+    def submit(self, fn: Callable, *args) -> Future:
+        fut: Future = Future()
+        if self._closed:
+            fut.cancel()
+            return fut
+        if not self._thread.is_alive():   # (started with the first call, as a pool's threads are)
+            self._thread.start()
+        self._jobs.put((fut, fn, args))
+        return fut
+
+    def shutdown(self) -> None:
+        """Cancel the calls not started; the running one finishes (or the process exits under it)."""
+        self._closed = True
+        self._jobs.put(None)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fut, fn, args = job
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - delivered to the caller
+                fut.set_exception(e)
+        while True:   # shut down: what is still queued never runs
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None:
+                job[0].cancel()
 
 
 @dataclass
@@ -71,8 +119,11 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="leapfrog-engine", daemon=True)
         # a thread each: prompts tokenize one at a time and grammars compile one at a time (a slow
         # grammar never holds a plain request back), and neither takes every core from the engine
-        self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="leapfrog-tokenize")
-        self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="leapfrog-grammar")
+        self._tokenize_pool = _Worker("leapfrog-tokenize")
+        self._grammar_pool = _Worker("leapfrog-grammar")
+        #: futures (one per call waiting on a worker) that begin_shutdown resolves: the call's
+        #: caller hears EngineStopped at once, not after the prompt ahead of it has tokenized
+        self._stop_waiters: set[asyncio.Future] = set()
         self.on_finished: Callable[[RequestOutput], None] | None = None
         self.on_iteration: Callable[[IterationStats], None] | None = None
 
@@ -82,9 +133,12 @@ class AsyncEngine:
 
     def begin_shutdown(self) -> None:
         """Refuse new requests and end every in-flight one with finish_reason "abort" at the
-        engine's next step boundary; returns at once (safe in a signal handler)."""
+        engine's next step boundary; returns at once (safe in a signal handler: no lock). Calls
+        waiting on the tokenizer's or the grammar's thread raise EngineStopped now."""
         self._stop.set()
         self._wake.set()
+        for w in list(self._stop_waiters):   # (added and removed on their loop's thread only)
+            w.get_loop().call_soon_threadsafe(_resolve, w)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop and wait for it; in-flight requests end with finish_reason "abort"."""
@@ -92,7 +146,7 @@ class AsyncEngine:
         if self._thread.is_alive():
             self._thread.join(timeout)
         for pool in (self._tokenize_pool, self._grammar_pool):
-            pool.shutdown(wait=False, cancel_futures=True)
+            pool.shutdown()
 
     @property
     def num_waiting(self) -> int:
@@ -166,10 +220,25 @@ class AsyncEngine:
         event loop would hold every stream's chunks, on the engine's thread every request."""
         return await self._in_thread(self._tokenize_pool, fn, *args)
 
-    async def _in_thread(self, pool: ThreadPoolExecutor, fn: Callable, *args):
+    async def _in_thread(self, pool: _Worker, fn: Callable, *args):
+        """``fn(*args)`` on ``pool``'s thread; EngineStopped as soon as the engine begins to shut
+        down (the call, if it runs already, finishes unheard; if queued, never runs)."""
         if self._closed or self._stop.is_set():   # the pools shut down with the engine
             raise EngineStopped("the server is shutting down")
-        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+        loop = asyncio.get_running_loop()
+        fut = asyncio.wrap_future(pool.submit(fn, *args))
+        stop = loop.create_future()
+        self._stop_waiters.add(stop)
+        try:
+            if self._stop.is_set():   # (begun between the check above and the add)
+                _resolve(stop)
+            await asyncio.wait({fut, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if not fut.done() or fut.cancelled():   # (cancelled: the pool shut down under it)
+                raise EngineStopped("the server is shutting down")
+            return fut.result()
+        finally:
+            self._stop_waiters.discard(stop)
+            fut.cancel()   # (done: no effect; left early: a queued call never runs)
 
     def abort(self, request_id: str) -> None:
         self._cmds.put(("abort", request_id))

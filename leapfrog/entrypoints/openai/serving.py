@@ -319,14 +319,7 @@ class OpenAIServing:
                 async for out in self._stream(f"{base}-{idx}", p, s, k, reservation,
                                               lambda: q.put_nowait((idx, _ACCEPTED))):
                     await q.put((idx, out))
-            except asyncio.CancelledError:
-                if asyncio.current_task().cancelling():   # (stream_all ended and cancels its pumps)
-                    raise
-                # the tokenizer's pool shut down under a prompt (the server stops): the consumer
-                # must hear of it, or the stream waits for this choice for ever
-                q.put_nowait((idx, APIError(503, "the server is shutting down", type_="server_unavailable",
-                                            code="shutting_down")))
-            except Exception as e:  # noqa: BLE001 - forwarded to the consumer
+            except Exception as e:  # noqa: BLE001 - forwarded to the consumer (a shutdown: EngineStopped's 503)
                 await q.put((idx, e))
 
         jobs = self._jobs(prompts, sp)
