@@ -438,7 +438,7 @@ def _train_draft_parser(sub) -> None:
                    help="bf16 autocast: auto = on for CUDA and CPUs with native bf16")
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--checkpoint-dir", default=None,
+    p.add_argument("--checkpoint-dir", default=None, type=output_dir,
                    help="default: OUT.ckpt; draft_model resumes from it, EAGLE with --resume")
     p.add_argument("--checkpoint-every", type=int, default=50)
     p.add_argument("--json", default=None, type=output_file, help="also write the summary to this file")

@@ -65,6 +65,8 @@ def _jsonl_document(obj: dict, name: str, where: str) -> Document:
         return Document(name, _jsonl_text(obj, where))
     if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
         raise ConfigError(f"{where}: 'token_ids' must be a list of non-negative integers")
+    if ids and max(ids) >= 2**63:   # (past int64; ids past the target's vocab_size are refused with it)
+        raise ConfigError(f"{where}: token id {max(ids)} is no token id (they are below the target's vocab_size)")
     return Document(name, "", tuple(ids))
 
 
@@ -72,7 +74,10 @@ def _jsonl_text(obj: dict, where: str) -> str:
     if isinstance(obj.get("text"), str):
         return obj["text"]
     if isinstance(obj.get("prompt"), str):
-        return obj["prompt"] + (obj.get("completion") or "")
+        completion = obj.get("completion")
+        if completion is not None and not isinstance(completion, str):
+            raise ConfigError(f"{where}: 'completion' must be a string, got {type(completion).__name__}")
+        return obj["prompt"] + (completion or "")
     if isinstance(obj.get("messages"), list):
         return "\n".join(str(m.get("content", "")) for m in obj["messages"] if isinstance(m, dict))
     raise ConfigError(f"{where}: a JSONL line needs a 'text', 'prompt' or 'messages' field (or 'token_ids')")

@@ -70,6 +70,7 @@ from leapfrog.attention.metadata import AttnMeta
 from leapfrog.errors import ConfigError
 from leapfrog.model.eagle import EagleHead, EagleKind, head_fingerprint, init_eagle_head, save_eagle_head
 from leapfrog.model.llama import LlamaModel
+from leapfrog.spec_decode.config import MAX_SPECULATIVE_TOKENS
 from leapfrog.train.corpus import (Document, fingerprint, heldout_or_training, pack_stream, read_documents,
                                    split_by_file)
 from leapfrog.train.distill import (check_target, generation_params, generation_temperatures, heldout_prompts,
@@ -719,6 +720,12 @@ def train_eagle(target: str | os.PathLike, corpus: str | os.PathLike | list[Docu
         raise ConfigError(f"save_dtype must be float32 or bfloat16, got {save_dtype!r}")
     if recipe.steps_for(kind) < 1:
         raise ConfigError(f"ttt_steps must be >= 1, got {recipe.ttt_steps}")
+    if recipe.steps_for(kind) > MAX_SPECULATIVE_TOKENS:
+        raise ConfigError(f"ttt_steps={recipe.ttt_steps}: at most {MAX_SPECULATIVE_TOKENS}, the deepest a head "
+                          "drafts (num_speculative_tokens)")
+    if recipe.steps_for(kind) >= cfg.seq_len:   # (a loss of nan, blamed on the learning rate)
+        raise ConfigError(f"ttt_steps={recipe.steps_for(kind)} must be below seq_len={cfg.seq_len} (unrolled step "
+                          "j learns from positions j and later of each window)")
     out = Path(out)
     device = resolve_device(cfg.device)
     cfg.device = str(device)

@@ -44,6 +44,9 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.lr <= 0 or self.warmup_steps < 0:
             raise ConfigError("lr must be > 0 and warmup_steps >= 0")
+        # (batches and noise are drawn from seed x 1_000_003 + step: a torch seed below 2**64)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
+            raise ConfigError(f"seed={self.seed!r}: must be an integer in [0, 2**32)")
 
 
 @dataclass
@@ -72,6 +75,14 @@ def batch_at(stream: Tensor, step: int, cfg: TrainConfig) -> Tensor:
 
 def save_checkpoint(path: Path, model: nn.Module, opt: torch.optim.Optimizer, state: TrainState,
                     cfg: TrainConfig) -> None:
+    """Save the training state (atomically). Non-finite weights are never saved (TrainingDiverged):
+    a resume would go on from them, and a run that stops on them says nothing was saved; the
+    last finite checkpoint, if any, stays."""
+    bad = _non_finite(model)
+    if bad is not None:
+        kept = (f"the checkpoint in {path} from before is kept (remove it to start again with other settings)"
+                if (path / CHECKPOINT_NAME).is_file() else "no training checkpoint was saved")
+        raise TrainingDiverged(f"training stopped: weight {bad} is not finite at step {state.step}; {kept} (lower --lr)")
     path.mkdir(parents=True, exist_ok=True)
     tmp = path / (CHECKPOINT_NAME + ".tmp")
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "state": asdict(state),
@@ -83,10 +94,14 @@ class TrainingDiverged(LeapfrogError, FloatingPointError):
     """The loss (or the weights) stopped being finite: nothing is saved as a draft."""
 
 
+def _non_finite(model: nn.Module) -> str | None:
+    """The first parameter holding a NaN or an infinity, by name (None: all finite)."""
+    return next((n for n, p in model.named_parameters() if not torch.isfinite(p).all()), None)
+
+
 def check_finite(model: nn.Module, desc: str) -> None:
     """Refuse to save weights a diverged run left non-finite (the engine would load them)."""
-    bad = next((n for n, p in model.named_parameters() if not torch.isfinite(p).all()), None)
-    if bad is not None:
+    if (bad := _non_finite(model)) is not None:
         raise TrainingDiverged(f"{desc}: weight {bad} is not finite after training; nothing saved (lower --lr)")
 
 

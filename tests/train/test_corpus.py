@@ -93,3 +93,10 @@ def test_token_id_documents_need_no_tokenizer(tmp_path, tokenizer):
     (tmp_path / "bad.jsonl").write_text(json.dumps({"token_ids": [1, -2]}) + "\n")
     with pytest.raises(ConfigError, match="non-negative integers"):
         read_documents(tmp_path / "bad.jsonl")
+    (tmp_path / "huge.jsonl").write_text(json.dumps({"token_ids": [3, 10**30]}) + "\n")   # (an int64 overflow)
+    with pytest.raises(ConfigError, match=r"huge\.jsonl:1: token id 10+ is no token id"):
+        read_documents(tmp_path / "huge.jsonl")
+    for completion in (5, ["x"]):   # (a TypeError)
+        (tmp_path / "c.jsonl").write_text(json.dumps({"prompt": "a", "completion": completion}) + "\n")
+        with pytest.raises(ConfigError, match=r"c\.jsonl:1: 'completion' must be a string"):
+            read_documents(tmp_path / "c.jsonl")

@@ -42,6 +42,11 @@ def test_flags_and_paths_refused_before_any_work(tmp_path, llama_dir, corpus_dir
         (["--out", tmp_path / "o", "--method", "eagle3", "--eagle-topk", "0"], "at least 1"),
         (["--out", tmp_path / "o", "--method", "eagle3", "--eval-k", "40"], "--eval-k 40"),
         (["--out", tmp_path / "o", "--eval-max-tokens", "-1"], "at least 1"),
+        (["--out", tmp_path / "o", "--seed", str(2**70)], "must be an integer in [0, 2**32)"),   # (a traceback)
+        (["--out", tmp_path / "o", "--method", "eagle3", "--ttt-steps", "33"], "at most 32"),   # (ran for ever)
+        (["--out", tmp_path / "o", "--method", "eagle3", "--ttt-steps", "20", "--seq-len", "16"],
+         "below seq_len=16"),                                   # (a nan loss blamed on --lr)
+        (["--out", tmp_path / "o", "--checkpoint-dir", tmp_path / "afile"], "not a folder"),   # (after loading)
     ]
     for extra, msg in cases:
         rc, err = run(capsys, *base, *extra)
@@ -75,6 +80,10 @@ def test_corrupt_or_foreign_checkpoints_and_divergence(tmp_path, llama_dir, corp
     rc, err = run(capsys, "train-draft", llama_dir, "--corpus", corpus_dir, "--out", tmp_path / "nan", *TINY,
                   *DRAFT, "--lr", "1e30")
     assert rc == 2 and "lower --lr" in err and not (tmp_path / "nan").exists(), err
+    assert not (tmp_path / "nan.ckpt" / "train_state.pt").exists()   # (its NaN weights were kept and resumed)
+    rc, err = run(capsys, "train-draft", llama_dir, "--corpus", corpus_dir, "--out", tmp_path / "nan", *TINY,
+                  *DRAFT, "--lr", "1e-3")   # as the message says
+    assert rc == 0 and (tmp_path / "nan" / "config.json").is_file(), err
     # token ids past the vocabulary
     (tmp_path / "ids.jsonl").write_text("\n".join(json.dumps({"token_ids": list(range(300, 340)) * 3 + [100000]})
                                                   for _ in range(4)))
