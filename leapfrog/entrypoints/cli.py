@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 from pathlib import Path
 
 from leapfrog.entrypoints.argtypes import (non_empty, nonneg_float, nonneg_int, output_dir, output_file, port,
@@ -92,15 +93,28 @@ def _read_prompts(args) -> list[str | dict]:
     return [args.prompt if args.prompt is not None else "def quicksort(arr):"]
 
 
-def _spec_arg(text: str | None):
+def _spec_arg(text: str | None, validate: bool = True):
+    """--speculative-config's text -> (the dict or None, whether it was given); ``validate``: as a
+    speculative_config, before any model loads (bench's contenders carry keys of their own)."""
     if text is None:
         return None, False
     if text.strip().lower() == "none":
         return None, True
+    def no_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:   # (json.loads kept the last silently)
+        keys = [k for k, _ in pairs]
+        if (twice := next((k for k in keys if keys.count(k) > 1), None)) is not None:
+            raise LeapfrogError(f"--speculative-config gives {twice!r} twice")
+        return dict(pairs)
+
     try:
-        spec = json.loads(text)
+        spec = json.loads(text, object_pairs_hook=no_repeats)
     except json.JSONDecodeError as e:
         raise LeapfrogError(f"--speculative-config is not valid JSON: {e}") from None
+    if not isinstance(spec, dict):
+        raise LeapfrogError(f"--speculative-config must be a JSON object or none, got {text!r}")
+    if validate:   # its own errors before any model loads (minutes, for a large one)
+        from leapfrog.spec_decode.config import SpeculativeConfig
+        SpeculativeConfig.from_dict(spec)
     return spec, True
 
 
@@ -332,10 +346,7 @@ def cmd_bench(args) -> int:
 
     specs = []
     for text in args.speculative_config or []:
-        spec, _ = _spec_arg(text)
-        if spec is not None and not isinstance(spec, dict):
-            raise LeapfrogError(f"--speculative-config must be a JSON object or none, got {text!r}")
-        specs.append(spec)
+        specs.append(_spec_arg(text, validate=False)[0])
     if args.limit is not None and args.limit < 1:
         raise LeapfrogError("--limit must be >= 1")
     from leapfrog.bench.edits import BUILTIN, builtin_workload

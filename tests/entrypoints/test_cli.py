@@ -45,6 +45,24 @@ def test_seed_is_the_engine_seed_not_every_requests(llama_dir, tmp_path, capsys)
     assert outs[0] == outs[1] and len(set(outs[0])) > 1, outs
 
 
+def test_speculative_config_flag_checked_before_any_model_loads(llama_dir, capsys, monkeypatch):
+    """A repeated key (json.loads kept the last one silently) or a bad field of --speculative-config
+    is refused before the target loads (it was refused after: minutes, for a large model)."""
+    from leapfrog.entrypoints import llm as llm_mod
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before --speculative-config was checked")
+    monkeypatch.setattr(llm_mod, "LLMEngine", no_load)
+    for cmd in (["generate", "x", "--model", str(llama_dir)], ["check", "--model", str(llama_dir)]):
+        for text, msg in (('{"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens": 4}',
+                           "gives 'num_speculative_tokens' twice"),
+                          ('{"method": "ngram", "num_speculative_tokens": 2, "method": "eagle"}', "'method' twice"),
+                          ('[1]', "must be a JSON object or none"),
+                          ('{"method": "ngram", "num_speculative_tokens": 4, "eagle_topk": 2}', "eagle_topk")):
+            assert main([*cmd, "--speculative-config", text]) == 2, (cmd, text)
+            assert msg in capsys.readouterr().err, (cmd, text)
+
+
 def test_bad_input_clear_errors(llama_dir, capsys):
     assert main(["generate", "x", "--model", str(llama_dir), "--speculative-config", "{not json"]) == 2
     assert "not valid JSON" in capsys.readouterr().err
