@@ -67,6 +67,8 @@ QUICK_SAMPLES, QUICK_POSITIONS = 400, 1
 THOROUGH_SAMPLES, THOROUGH_POSITIONS = 2000, 2
 POWER = 0.8
 
+#: --tie-tol's bound: a relative logit margin this wide is no numeric near-tie
+MAX_TIE_TOL = 0.1
 _SETTING_KEYS = {"temperature": float, "top_k": int, "top_p": float, "min_p": float,
                  "repetition_penalty": float, "presence_penalty": float, "frequency_penalty": float}
 
@@ -179,8 +181,9 @@ def parse_setting(text: str | dict[str, Any] | SamplingParams) -> dict[str, Any]
         d = {}
         for part in str(text).split(","):
             part = part.strip()
-            if not part:
-                continue
+            if not part:   # ('' and 'a=1,,b=2': a slip, not the defaults)
+                raise ConfigError(f"sampling setting {text!r}: an empty item; expected key=value pairs "
+                                  "separated by commas")
             if "=" not in part:
                 raise ConfigError(f"sampling setting {text!r}: expected key=value pairs separated by commas")
             k, v = (s.strip() for s in part.split("=", 1))
@@ -196,7 +199,9 @@ def parse_setting(text: str | dict[str, Any] | SamplingParams) -> dict[str, Any]
     unknown = sorted(set(d) - set(_SETTING_KEYS))
     if unknown:
         raise ConfigError(f"sampling setting: unknown key(s) {unknown}; known: {sorted(_SETTING_KEYS)}")
-    SamplingParams(**d)  # validates the values
+    if SamplingParams(**d).temperature == 0:  # validates the values
+        raise ConfigError(f"sampling setting {setting_name(d)}: temperature 0 is greedy, which the greedy part "
+                          "checks; the sampling part needs a temperature above 0")
     return d
 
 
@@ -595,12 +600,28 @@ def cmd_check(args) -> int:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
     if not 0 < args.alpha < 1:
         raise ConfigError("--alpha must be in (0, 1)")
+    if args.tie_tol >= MAX_TIE_TOL:   # (1e308: every divergence a near-tie, a check that cannot fail)
+        raise ConfigError(f"--tie-tol {args.tie_tol:g}: must be below {MAX_TIE_TOL:g} (a relative logit margin; "
+                          "wider ones are no numeric near-ties)")
+    if not -2**63 <= args.seed < 2**64 - 1:   # (the engine's range, less one: named with the value given)
+        raise ConfigError(f"--seed {args.seed}: must be an integer in [-2**63, 2**64 - 1) (the speculative "
+                          "engine runs with seed + 1)")
+    if args.samples == 0 or args.positions == 0:   # the sampling part is skipped: its flags would do nothing
+        skipped = "--samples 0" if args.samples == 0 else "--positions 0"
+        unread = [f for f, given in (("--setting", args.setting), ("--thorough", args.thorough),
+                                     ("--sample-tokens", args.sample_tokens is not None),
+                                     ("--positions" if args.samples == 0 else "--samples",
+                                      (args.positions if args.samples == 0 else args.samples) is not None))
+                  if given]
+        if unread:
+            raise ConfigError(f"{', '.join(unread)}: the sampling part's options, and {skipped} skips it")
     settings = [parse_setting(s) for s in (args.setting or DEFAULT_SETTINGS)]
     if args.sample_tokens is None:
         from leapfrog.spec_decode.config import SpeculativeConfig
         args.sample_tokens = min(SpeculativeConfig.from_dict(spec).num_speculative_tokens + 2, 6)
     if args.samples is None:
         args.samples = THOROUGH_SAMPLES if args.thorough else QUICK_SAMPLES
+    positions_given = args.positions is not None
     if args.positions is None:
         args.positions = THOROUGH_POSITIONS if args.thorough else QUICK_POSITIONS
     if args.max_tokens == 0 and (args.samples == 0 or args.positions == 0):
@@ -611,6 +632,9 @@ def cmd_check(args) -> int:
         prompts = prompts[:args.num_prompts]
     if not prompts:
         raise ConfigError("no prompts to check")
+    if positions_given and args.positions > len(prompts):   # (it was cut to the prompts there are)
+        raise ConfigError(f"--positions {args.positions}: there are {len(prompts)} prompts to sample from "
+                          "(--num-prompts, --prompts-file)")
     # Size the KV rows for the check: max_num_seqs rows of the longest prompt plus the new tokens.
     max_model_len = args.max_model_len
     if max_model_len is None:

@@ -104,6 +104,21 @@ def test_bad_files_and_numbers_exit_two_with_one_line(llama_dir, tmp_path, capsy
         assert "prompt_token_ids" in capsys.readouterr().err
     assert main(["check", *m, *spec, "--max-tokens", "0", "--samples", "0"]) == 2
     assert "nothing to check" in capsys.readouterr().err
+    # options that would do nothing or make the check unable to fail (each ran and reported PASS)
+    for extra, msg in ((["--samples", "0", "--setting", "temperature=0.5"], "--setting: the sampling part's"),
+                       (["--samples", "0", "--thorough", "--sample-tokens", "3"], "--thorough, --sample-tokens"),
+                       (["--positions", "0", "--samples", "10"], "--samples: the sampling part's options, and "
+                                                                "--positions 0 skips it"),
+                       (["--setting", "temperature=0"], "temperature 0 is greedy"),
+                       (["--setting", ""], "an empty item"),
+                       (["--setting", "temperature=1,,top_k=2"], "an empty item"),
+                       (["--num-prompts", "1", "--positions", "5"], "--positions 5: there are 1 prompts"),
+                       (["--tie-tol", "1e308"], "must be below 0.1"),
+                       (["--seed", str(2**64 - 1)], f"--seed {2**64 - 1}: must be an integer")):
+        assert main(["check", *m, *spec, *extra]) == 2, extra
+        assert msg in capsys.readouterr().err, extra
+    assert main(["bench", *m, *spec, "--greedy-share", "0.5", "--temperature", "0"]) == 2
+    assert "every temperature here is 0" in capsys.readouterr().err
     for argv in (["check", *m, "--sample-tokens", "0"], ["check", *m, "--tie-tol", "nan"],
                  ["bench", *m, "--threads", "-1"], ["train-draft", str(llama_dir), "--lr", "nan"],
                  ["train-draft", str(llama_dir), "--eval-k", "0"]):
