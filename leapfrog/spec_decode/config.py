@@ -99,6 +99,10 @@ class SpeculativeConfig:
         unknown = sorted((k for k in d if k not in known), key=str)
         if unknown:
             raise ConfigError(f"speculative_config: unknown key(s) {unknown}; known keys: {sorted(known)}")
+        for k in ("eagle_topk", *SUFFIX_KEYS, "prompt_lookup_min", "prompt_lookup_max", "draft_dtype",
+                  "adaptive_explore_interval"):
+            if k in d and d[k] is None:   # (null = not given, as vLLM reads it and as the other optional keys)
+                del d[k]
         if "method" not in d:
             raise ConfigError(f"speculative_config needs 'method', one of {list(METHODS)}")
         if "num_speculative_tokens" not in d:
@@ -207,6 +211,9 @@ class SpeculativeConfig:
         if self.adaptive and n is not None and n != "auto":
             raise ConfigError("speculative_config: adaptive with a fixed num_draft_tokens; use "
                               "num_draft_tokens='auto' to let the tree size adapt")
+        if self.adaptive and self.speculative_token_tree is not None:   # (it cut the tree, undocumented)
+            raise ConfigError("speculative_config: adaptive with a static speculative_token_tree, which fixes the "
+                              "nodes; leave the tree out and use num_draft_tokens='auto' to let the tree size adapt")
         if isinstance(n, int) and self.speculative_token_tree is None:
             k, w = self.num_speculative_tokens, self.eagle_topk
             most = min(_candidates(k, w), sum(w ** d for d in range(1, k + 1)))   # nor more than the full tree
@@ -278,6 +285,8 @@ def parse_token_tree(tree: str | list) -> list[tuple[int, ...]]:
         raw = ast.literal_eval(tree) if isinstance(tree, str) else tree
         if not isinstance(raw, (list, tuple)):   # (a dict or set would give its keys)
             raise TypeError(f"a {type(raw).__name__}")
+        if bad := [p for p in raw if not isinstance(p, (list, tuple))]:   # (bytes, dicts and sets were read too)
+            raise TypeError(f"the path {bad[0]!r} is a {type(bad[0]).__name__}")
         paths = [tuple(p) for p in raw]
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError) as e:
         raise ConfigError(f"speculative_config.speculative_token_tree={shown}: not a list of tuples "

@@ -27,7 +27,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 2}
     ({"method": "draft_model", "model": 5}, r"speculative_config\.model=5: must be a string"),
     ({"method": "draft_model", "model": ["d"]}, r"speculative_config\.model=\['d'\]: must be a string"),
     ({"prompt_lookup_min": "1"}, r"speculative_config\.prompt_lookup_min='1': must be an integer >= 1"),
-    ({"prompt_lookup_max": None}, r"speculative_config\.prompt_lookup_max=None: must be an integer >= 1"),
+    ({"prompt_lookup_max": "5"}, r"speculative_config\.prompt_lookup_max='5': must be an integer >= 1"),
     ({"disable_by_batch_size": "4"}, r"speculative_config\.disable_by_batch_size='4': must be an integer >= 1 \(or null\)"),
     ({"adaptive": "yes"}, r"speculative_config\.adaptive='yes': must be true or false"),
     ({"adaptive": True, "adaptive_explore_interval": 1},
@@ -85,6 +85,13 @@ def test_engine_reports_it_and_a_good_engine_still_works(llama_dir):
     ({"speculative_token_tree": "[(0,), (-1,)]", "num_speculative_tokens": 1}, r"child ranks in \[0, 128\)"),
     ({"speculative_token_tree": "[(0,), (1000000000,)]", "num_speculative_tokens": 1}, r"child ranks in \[0, 128\)"),
     ({"speculative_token_tree": "{(0,): 1}", "num_speculative_tokens": 1}, "not a list of tuples .*a dict"),
+    ({"speculative_token_tree": "[b'\\x00', b'\\x00\\x00']", "num_speculative_tokens": 2},   # (read as (0,), (0, 0))
+     "path b'\\\\x00' is a bytes"),
+    ({"speculative_token_tree": "[{0}, {0, 1}]", "num_speculative_tokens": 2}, r"path \{0\} is a set"),
+    ({"speculative_token_tree": [{0: "a"}], "num_speculative_tokens": 1}, "is a dict"),
+    ({"speculative_token_tree": "[(0,), {}]", "num_speculative_tokens": 1}, r"path \{\} is a dict"),
+    ({"speculative_token_tree": "[(0,), (1,)]", "num_speculative_tokens": 1, "adaptive": True},
+     "adaptive with a static speculative_token_tree"),
     ({"speculative_token_tree": "[(0,)]" + " " * 500 + "x", "num_speculative_tokens": 1}, r"\.\.\.: not a list"),
     ({"speculative_token_tree": "[(0,), (1,)]", "num_speculative_tokens": 1, "eagle_topk": 1}, "leave eagle_topk out"),
     ({"num_draft_tokens": 50, "eagle_topk": 1}, "grows at most 3 candidate nodes"),
@@ -106,3 +113,17 @@ def test_eagle_tree_keys_refused_for_other_methods():
         for method in ("ngram", "suffix"):
             with pytest.raises(ConfigError, match=f"{key} applies to methods \\['eagle', 'eagle3'\\] only"):
                 SpeculativeConfig.from_dict({"method": method, "num_speculative_tokens": 3, key: value})
+
+
+def test_null_means_not_given_for_every_optional_key():
+    """``null`` in an optional key is the default, as vLLM reads it: draft_dtype, eagle_topk, the
+    n-gram and suffix keys were refused ("applies to methods ...") where draft_quantization and
+    speculative_token_tree were taken."""
+    from leapfrog.spec_decode.config import SUFFIX_KEYS
+
+    base = {"method": "ngram", "num_speculative_tokens": 3}
+    nulls = {k: None for k in ("eagle_topk", "draft_dtype", "draft_quantization", "speculative_token_tree",
+                               "prompt_lookup_min", "prompt_lookup_max", "adaptive_explore_interval", *SUFFIX_KEYS)}
+    assert SpeculativeConfig.from_dict({**base, **nulls}) == SpeculativeConfig.from_dict(base)
+    with pytest.raises(ConfigError, match="draft_dtype applies to methods"):   # a value still is refused
+        SpeculativeConfig.from_dict({**base, "draft_dtype": "float32"})
