@@ -233,6 +233,20 @@ def test_metrics_counters_match_usage(llama_dir):
         per_pos = sum(v for (name, _), v in m.items() if name == "leapfrog:spec_decode_num_accepted_tokens_per_pos_total")
         assert per_pos == total["num_accepted_tokens"]
         assert m[("leapfrog:time_to_first_token_seconds_count", ())] == 4
+        # n > 1 (README): every choice is an engine request with its own prefill; usage counts the
+        # prompt once, request_params_* count the API request once
+        r = c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=5, temperature=0, n=3,
+                                 extra_body={"ignore_eos": True})
+        m2 = metric_values(s.url)
+        grew = {k: m2[(k, ())] - m[(k, ())] for k in (
+            "leapfrog:prompt_tokens_total", "leapfrog:request_prompt_tokens_sum",
+            "leapfrog:request_prompt_tokens_count", "leapfrog:request_params_n_count",
+            "leapfrog:request_params_n_sum", "leapfrog:generation_tokens_total")}
+        assert grew == {"leapfrog:prompt_tokens_total": 3 * r.usage.prompt_tokens,
+                        "leapfrog:request_prompt_tokens_sum": 3 * r.usage.prompt_tokens,
+                        "leapfrog:request_prompt_tokens_count": 3, "leapfrog:request_params_n_count": 1,
+                        "leapfrog:request_params_n_sum": 3, "leapfrog:generation_tokens_total": 15}, grew
+        assert r.usage.completion_tokens == 15
 
 
 def test_api_key(llama_dir):
