@@ -33,7 +33,7 @@ from leapfrog.engine.engine import LLMEngine
 from leapfrog.entrypoints.openai.metrics import ServerMetrics
 from leapfrog import __version__
 from leapfrog.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                  StreamOptions, TokenizeRequest)
+                                                  StreamOptions, TokenizeRequest, text_chars)
 from leapfrog.entrypoints.openai.serving import (APIError, ClientDisconnected, OpenAIServing, chat_logprobs,
                                                  completion_logprobs, failure, prompt_logprobs_json, sse, usage)
 from leapfrog.outputs import RequestOutput
@@ -256,7 +256,7 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
         max_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         sp = serving.sampling_params(req, getattr(req, max_field), max_field)
         k = serving.spec_tokens(req)
-        prompt = await async_engine.in_tokenizer_thread(serving.chat_prompt, req)
+        prompt = await async_engine.in_tokenizer_thread(serving.chat_prompt, req, chars=text_chars(req.messages))
         top = head("chatcmpl", "chat.completion")
         k_lp = req.top_logprobs or 0
 
@@ -304,7 +304,8 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
         serving.check_model(req.model)
-        ids = await async_engine.in_tokenizer_thread(serving.tokenize, req)
+        ids = await async_engine.in_tokenizer_thread(serving.tokenize, req,
+                                                     chars=len(req.prompt or "") + text_chars(req.messages))
         body = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
         if req.return_token_strs:
             body["token_strs"] = serving.tokenizer.convert_ids_to_tokens(ids)

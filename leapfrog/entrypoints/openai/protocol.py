@@ -157,6 +157,12 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
     return out
 
 
+def text_chars(messages: list[ChatMessage] | None) -> int:
+    """How much text (characters) rendering ``messages`` tokenizes, the template aside."""
+    return sum(len(m.content) if isinstance(m.content, str) else
+               sum(len(part.get("text", "")) for part in m.content or ()) for m in messages or ())
+
+
 def check_messages(messages: Any) -> list[ChatMessage]:
     """A conversation from Python (``LLM.chat``) -> checked messages, as the server checks them:
     ValueError naming the message and field (an unknown role or key is refused, not dropped)."""

@@ -243,6 +243,51 @@ def test_chat_templates_and_tokenize_run_off_the_event_loop(server, monkeypatch)
     assert len(threads) >= 2 and set(threads) == {"leapfrog-tokenize"}, threads
 
 
+def test_a_long_prompt_tokenizing_holds_no_normal_request(server, monkeypatch):
+    """Text over LONG_TEXT_CHARS tokenizes on a thread of its own: while a long prompt (here held
+    in the tokenizer; a 4 MB one takes seconds, and is refused when it can never fit) tokenizes,
+    normal completions, chats and /tokenize are answered. They queued behind it: 4 such prompts
+    held a small request 31 s (helper's fuzzing)."""
+    from leapfrog.engine.async_engine import LONG_TEXT_CHARS
+    tok = engine_of(server).tokenizer
+    release, holding, threads = threading.Event(), threading.Event(), []
+    for name in ("apply_chat_template", "encode"):
+        real = getattr(tok, name)
+
+        def spy(text, *a, _real=real, **k):
+            long = len(text) > LONG_TEXT_CHARS if isinstance(text, str) else len(str(text)) > LONG_TEXT_CHARS
+            threads.append((long, threading.current_thread().name))
+            if long:
+                holding.set()
+                release.wait(60)
+            return _real(text, *a, **k)
+        monkeypatch.setattr(tok, name, spy)
+    long_prompt = "def f(x):\n" * (LONG_TEXT_CHARS // 10 + 1)
+    answers = {}
+
+    def send(name, route, body):
+        answers[name] = httpx.post(server.url + route, timeout=60, json={"model": "tiny", **body})
+    bigs = [threading.Thread(target=send, args=("long", C, {"prompt": long_prompt, "max_tokens": 2})),
+            threading.Thread(target=send, args=("long-chat", CH, {"messages": [{"role": "user", "content": long_prompt}],
+                                                                   "max_tokens": 2}))]
+    for t in bigs:
+        t.start()
+    try:
+        assert holding.wait(30)
+        send("small", C, {"prompt": "def f():", "max_tokens": 2})
+        send("chat", CH, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        send("tokenize", "/tokenize", {"prompt": "def f():"})
+        assert "long" not in answers and "long-chat" not in answers   # (still held: these did not wait for it)
+    finally:
+        release.set()
+        for t in bigs:
+            t.join(60)
+    assert [answers[k].status_code for k in ("small", "chat", "tokenize")] == [200, 200, 200]
+    assert {answers[k].status_code for k in ("long", "long-chat")} <= {200, 400}   # (400: longer than the context)
+    assert {name for long, name in threads if long} == {"leapfrog-tokenize-long"}, threads
+    assert {name for long, name in threads if not long} == {"leapfrog-tokenize"}, threads
+
+
 @pytest.mark.parametrize("body, param", [({"stop_token_ids": [100000]}, "stop_token_ids"),
                                          ({"min_tokens": 2, "stop_token_ids": list(range(320))}, "min_tokens"),
                                          ({"logit_bias": {"100000": 1}}, "logit_bias")])
