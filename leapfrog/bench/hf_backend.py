@@ -41,7 +41,7 @@ def hf_mode_for(spec: dict | None) -> HFMode | None:
     if spec.get("method") == "draft_model" and spec.get("model"):
         return HFMode("assisted", k, str(spec["model"]))
     if spec.get("method") == "ngram":
-        return HFMode("prompt_lookup", k, ngram_max=int(spec.get("prompt_lookup_max", 5)))
+        return HFMode("prompt_lookup", k, ngram_max=int(spec.get("prompt_lookup_max") or 5))
     return None
 
 

@@ -274,7 +274,7 @@ def run_bench(model: str, specs: Sequence[dict | None], items: Sequence[Workload
         raise ConfigError(f"temperatures must be finite and >= 0, got {list(temperatures)}")
     if greedy_share and not any(temperatures):   # (mixes greedy requests into sampled cells only)
         raise ConfigError(f"greedy share {greedy_share}: mixes greedy requests into the cells of a temperature "
-                          "above 0, and every temperature here is 0; add one (e.g. --temperature 0 0.7)")
+                          "above 0, and every temperature here is 0; add a temperature above 0")
     if warmup == 0:
         say("warning: --warmup 0: each contender's first timed batch pays one-time costs (the first run of a "
             "shape, caches), which bias the first contender's figures")

@@ -61,21 +61,24 @@ class _Worker:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._closed = False
+        self._lock = threading.Lock()
 
     def submit(self, fn: Callable, *args) -> Future:
         fut: Future = Future()
-        if self._closed:
-            fut.cancel()
-            return fut
-        if not self._thread.is_alive():   # (started with the first call, as a pool's threads are)
-            self._thread.start()
-        self._jobs.put((fut, fn, args))
+        with self._lock:
+            if self._closed:
+                fut.cancel()
+                return fut
+            if self._thread.ident is None:   # (started with the first call, as a pool's threads are)
+                self._thread.start()
+            self._jobs.put((fut, fn, args))
         return fut
 
     def shutdown(self) -> None:
         """Cancel the calls not started; the running one finishes (or the process exits under it)."""
-        self._closed = True
-        self._jobs.put(None)
+        with self._lock:
+            self._closed = True
+            self._jobs.put(None)
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
@@ -122,7 +125,8 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="leapfrog-engine", daemon=True)
         # a thread each: prompts tokenize one at a time and grammars compile one at a time (a slow
-        # grammar never holds a plain request back), and neither takes every core from the engine
+        # grammar never holds a plain request back); at most three such threads run beside the
+        # engine's (a long text, a normal one, a grammar), each one core
         self._tokenize_pool = _Worker("leapfrog-tokenize")
         # texts over LONG_TEXT_CHARS tokenize on a lane of their own: a 4 MB prompt (seconds, and
         # refused anyway when it can never fit the context) never holds a normal request back
@@ -145,7 +149,10 @@ class AsyncEngine:
         self._stop.set()
         self._wake.set()
         for w in list(self._stop_waiters):   # (added and removed on their loop's thread only)
-            w.get_loop().call_soon_threadsafe(_resolve, w)
+            try:
+                w.get_loop().call_soon_threadsafe(_resolve, w)
+            except RuntimeError:   # (its loop closed: nobody waits on it)
+                pass
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop and wait for it; in-flight requests end with finish_reason "abort"."""

@@ -174,8 +174,8 @@ class CheckReport:
 def parse_setting(text: str | dict[str, Any] | SamplingParams) -> dict[str, Any]:
     """'temperature=0.7,top_k=20' -> {'temperature': 0.7, 'top_k': 20} (validated)."""
     if isinstance(text, SamplingParams):
-        return {k: getattr(text, k) for k in _SETTING_KEYS}
-    if isinstance(text, dict):
+        d = {k: getattr(text, k) for k in _SETTING_KEYS}
+    elif isinstance(text, dict):
         d = dict(text)
     else:
         d = {}
@@ -611,7 +611,7 @@ def cmd_check(args) -> int:
         unread = [f for f, given in (("--setting", args.setting), ("--thorough", args.thorough),
                                      ("--sample-tokens", args.sample_tokens is not None),
                                      ("--positions" if args.samples == 0 else "--samples",
-                                      (args.positions if args.samples == 0 else args.samples) is not None))
+                                      (args.positions if args.samples == 0 else args.samples) not in (None, 0)))
                   if given]
         if unread:
             raise ConfigError(f"{', '.join(unread)}: the sampling part's options, and {skipped} skips it")

@@ -98,8 +98,9 @@ def _spec_arg(text: str | None, validate: bool = True):
     speculative_config, before any model loads (bench's contenders carry keys of their own)."""
     if text is None:
         return None, False
-    if text.strip().lower() == "none":
+    if text.strip().lower() in ("none", "null"):   # (null: as JSON writes None)
         return None, True
+
     def no_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:   # (json.loads kept the last silently)
         keys = [k for k, _ in pairs]
         if (twice := next((k for k in keys if keys.count(k) > 1), None)) is not None:

@@ -286,7 +286,7 @@ def parse_token_tree(tree: str | list) -> list[tuple[int, ...]]:
         if not isinstance(raw, (list, tuple)):   # (a dict or set would give its keys)
             raise TypeError(f"a {type(raw).__name__}")
         if bad := [p for p in raw if not isinstance(p, (list, tuple))]:   # (bytes, dicts and sets were read too)
-            raise TypeError(f"the path {bad[0]!r} is a {type(bad[0]).__name__}")
+            raise TypeError(f"the path {bad[0]!r} is of type {type(bad[0]).__name__}")
         paths = [tuple(p) for p in raw]
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError) as e:
         raise ConfigError(f"speculative_config.speculative_token_tree={shown}: not a list of tuples "

@@ -45,8 +45,8 @@ class TrainConfig:
         if self.lr <= 0 or self.warmup_steps < 0:
             raise ConfigError("lr must be > 0 and warmup_steps >= 0")
         # (batches and noise are drawn from seed x 1_000_003 + step: a torch seed below 2**64)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
-            raise ConfigError(f"seed={self.seed!r}: must be an integer in [0, 2**32)")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -2**32 <= self.seed < 2**32:
+            raise ConfigError(f"seed={self.seed!r}: must be an integer in [-2**32, 2**32)")
 
 
 @dataclass

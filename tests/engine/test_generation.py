@@ -114,7 +114,16 @@ def test_text_prompt_and_chat(llm):
     assert "<|assistant|>" in chat[0].prompt
     parts = llm.chat([{"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]}],
                      SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)   # text parts, as the server
-    assert parts[0].prompt_token_ids == chat[0].prompt_token_ids
+    joined = llm.chat([{"role": "user", "content": "h\ni"}], SamplingParams(temperature=0, max_tokens=4),
+                      use_tqdm=False)   # (joined by a newline, as vLLM joins them)
+    assert parts[0].prompt_token_ids == joined[0].prompt_token_ids
+    dumped = {"role": "assistant", "content": "hi", "name": None, "tool_calls": None, "function_call": None,
+              "refusal": None, "annotations": [], "audio": None}   # (the openai SDK's model_dump())
+    again = llm.chat([{"role": "user", "content": "hi"}, dumped], SamplingParams(temperature=0, max_tokens=4),
+                     use_tqdm=False)
+    plain = llm.chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hi"}],
+                     SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert again[0].prompt_token_ids == plain[0].prompt_token_ids
 
 
 @pytest.mark.parametrize("messages, pattern", [
@@ -124,6 +133,8 @@ def test_text_prompt_and_chat(llm):
     ([{"role": "bogus", "content": "hi"}], "message 0: role: Input should be"),   # (was rendered)
     ([{"role": "user"}], "message 0: .*user message needs content"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "type 'image_url' is not supported"),
+    ([{"role": "user", "content": ["hi"]}], "content part 0 must be an object"),   # (said "content.str")
+    ([{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}], "tool_calls: Extra inputs"),
     ([], "non-empty"),                                   # (was [] silently)
     ([[{"role": "user", "content": "a"}], []], "conversation 1: .*non-empty"),
     ([[{"role": "user", "content": 5}]], "conversation 0: message 0: content"),

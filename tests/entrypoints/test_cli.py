@@ -61,6 +61,8 @@ def test_speculative_config_flag_checked_before_any_model_loads(llama_dir, capsy
                           ('{"method": "ngram", "num_speculative_tokens": 4, "eagle_topk": 2}', "eagle_topk")):
             assert main([*cmd, "--speculative-config", text]) == 2, (cmd, text)
             assert msg in capsys.readouterr().err, (cmd, text)
+    from leapfrog.entrypoints.cli import _spec_arg
+    assert _spec_arg("null") == _spec_arg("none") == (None, True)   # (JSON's none: json.dumps(None))
 
 
 def test_bad_input_clear_errors(llama_dir, capsys):

@@ -42,7 +42,7 @@ def test_flags_and_paths_refused_before_any_work(tmp_path, llama_dir, corpus_dir
         (["--out", tmp_path / "o", "--method", "eagle3", "--eagle-topk", "0"], "at least 1"),
         (["--out", tmp_path / "o", "--method", "eagle3", "--eval-k", "40"], "--eval-k 40"),
         (["--out", tmp_path / "o", "--eval-max-tokens", "-1"], "at least 1"),
-        (["--out", tmp_path / "o", "--seed", str(2**70)], "must be an integer in [0, 2**32)"),   # (a traceback)
+        (["--out", tmp_path / "o", "--seed", str(2**70)], "must be an integer in [-2**32, 2**32)"),   # (a traceback)
         (["--out", tmp_path / "o", "--method", "eagle3", "--ttt-steps", "33"], "at most 32"),   # (ran for ever)
         (["--out", tmp_path / "o", "--method", "eagle3", "--ttt-steps", "20", "--seq-len", "16"],
          "below seq_len=16"),                                   # (a nan loss blamed on --lr)

@@ -113,12 +113,35 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(None, ge=0, le=20)
 
 
+#: message fields with no effect when null or empty (the openai SDK writes them so)
+_EMPTY_OK = ("name", "tool_calls", "tool_call_id", "function_call", "refusal", "annotations", "audio")
+
+
 class ChatMessage(BaseModel):
     """A message as the chat template sees it: its role and its text. Other message fields
     (``name``, ``tool_calls``, ``tool_call_id``, ...) would change the prompt and are refused."""
     model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_fields_not_given(cls, data: Any) -> Any:
+        """Fields the openai SDK's ``model_dump()`` writes as null or [] (``tool_calls``,
+        ``refusal``, ...) are taken as not given; with a value they are refused."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (k in _EMPTY_OK and (v is None or v == []))}
+        return data
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _parts_are_objects(cls, v: Any) -> Any:
+        if isinstance(v, list):   # (a bare string in the list got the union's "content.str" error)
+            for i, part in enumerate(v):
+                if not isinstance(part, dict):
+                    raise ValueError(f"content part {i} must be an object like {{\"type\": \"text\", \"text\": "
+                                     f"\"...\"}}, got {type(part).__name__}")
+        return v
 
     @model_validator(mode="after")
     def _content_given(self) -> "ChatMessage":
@@ -146,13 +169,13 @@ class ChatMessage(BaseModel):
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Checked messages -> what the chat template reads: role and text (text parts joined). The
-    server and ``LLM.chat`` both render through this."""
+    """Checked messages -> what the chat template reads: role and text (text parts joined by a
+    newline, as vLLM joins them). The server and ``LLM.chat`` both render through this."""
     out = []
     for m in messages:
         content = m.content
         if isinstance(content, list):
-            content = "".join(part["text"] for part in content)
+            content = "\n".join(part["text"] for part in content)   # (vLLM's join)
         out.append({"role": m.role, "content": content or ""})
     return out
 

@@ -215,5 +215,5 @@ def test_sigterm_while_a_prompt_tokenizes_answers_every_request_at_once():
         assert json.loads(text)["error"]["code"] == "shutting_down", (name, text)
         assert at - t0 < 2.0, (name, at - t0)
     assert set(answers) == {"big", "queued"}
-    assert exited < 4.0, exited   # (the tokenization alone has seconds left)
+    assert exited < 6.0, exited   # (the old exit waited out both tokenizations: ~7 s each here)
     assert proc.returncode in (0, -signal.SIGTERM), out
