@@ -13,6 +13,7 @@ compile, and on the engine's thread either would stall every running request for
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -195,6 +196,10 @@ class AsyncEngine:
         # leaving now leaves nothing in the engine to abort)
         if prompt_ids is None and isinstance(prompt, str):
             prompt_ids = await self.in_tokenizer_thread(self.engine.encode_prompt, prompt, chars=len(prompt))
+        if isinstance(params.prediction, str) and self.engine.tokenizer is not None:   # (else add_request says why)
+            pred = await self.in_tokenizer_thread(self.engine.encode_prediction, params.prediction,
+                                                  chars=len(params.prediction))
+            params = dataclasses.replace(params, prediction=pred)
         grammar = None
         if params.structured_outputs is not None:
             grammar = await self._in_thread(self._grammar_pool, self.engine.compile_grammar, params)

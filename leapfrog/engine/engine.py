@@ -476,6 +476,11 @@ class LLMEngine:
             raise RequestError(f"a prompt must be a string, got {type(prompt).__name__}")
         return self._encode(prompt, "prompt")
 
+    def encode_prediction(self, text: str) -> list[int]:
+        """A text prediction's token ids, as ``add_request`` encodes it; safe on any thread (the
+        server encodes here: up to 4 MB of text on the engine's thread would stall every request)."""
+        return self._encode(text, "prediction", add_special_tokens=False)
+
     def compile_grammar(self, params: SamplingParams) -> GrammarState | None:
         """The matcher of ``params.structured_outputs`` (None without one), compiled with its first
         mask computed. Safe on any thread: the server compiles here, off the engine's thread (a
@@ -504,7 +509,7 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise RequestError("a text prediction needs a tokenizer (skip_tokenizer_init=True was set); "
                                    "pass its token ids", param="prediction")
-            ids = self._encode(pred, "prediction", add_special_tokens=False)
+            ids = self.encode_prediction(pred)
         else:
             ids = list(pred)
         self._check_vocab(ids, "prediction")

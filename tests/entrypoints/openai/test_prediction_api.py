@@ -85,3 +85,18 @@ def test_suffix_cache_in_metrics(server):
     vals = {s.labels["quantity"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
             if s.name == "leapfrog:suffix_cache"}
     assert vals["requests"] >= 2 and vals["tokens"] > 0 and vals["nodes"] > 0 and vals["bytes"] > 0
+
+
+def test_text_predictions_tokenize_off_the_engine_thread(server, ref, monkeypatch):
+    """A text prediction (up to the 4 MiB body) is tokenized on the tokenizer's thread, as the
+    prompt is: in the engine's add_request it stalled every running request while it tokenized."""
+    import threading
+    eng = server.app.state.engine.engine
+    real, threads = eng.encode_prediction, []
+    monkeypatch.setattr(eng, "encode_prediction",
+                        lambda text: threads.append(threading.current_thread().name) or real(text))
+    r = client(server).completions.create(model="tiny", prompt=PROMPT, max_tokens=32, temperature=0,
+                                          extra_body={"ignore_eos": True,
+                                                      "prediction": {"type": "content", "content": ref}})
+    assert r.choices[0].text == ref and r.usage.completion_tokens_details.accepted_prediction_tokens > 0
+    assert threads == ["leapfrog-tokenize"], threads
