@@ -14,6 +14,8 @@ from leapfrog.errors import ConfigError
 LOAD_FORMATS = ("auto", "dummy")
 #: the most decode steps (or speculation rounds) per engine step (num_scheduler_steps)
 MAX_SCHEDULER_STEPS = 32
+#: the engine seed's range, [SEED_MIN, SEED_END) (torch's manual_seed)
+SEED_MIN, SEED_END = -(2**63), 2**64
 
 
 @dataclass(frozen=True)
@@ -138,7 +140,7 @@ class EngineConfig:
         from leapfrog.sampling.logprobs import LOGPROBS_MODES
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ConfigError(f"logprobs_mode={self.logprobs_mode!r}: must be one of {list(LOGPROBS_MODES)}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64:
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not SEED_MIN <= self.seed < SEED_END:
             raise ConfigError(f"seed={self.seed!r}: must be an integer in [-2**63, 2**64)")
         if not isinstance(self.dtype, (str, torch.dtype)):
             raise ConfigError(f"dtype={self.dtype!r}: must be a string (auto, float32, bfloat16, float16)")

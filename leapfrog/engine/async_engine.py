@@ -76,7 +76,8 @@ class _Worker:
         return fut
 
     def shutdown(self) -> None:
-        """Cancel the calls not started; the running one finishes (or the process exits under it)."""
+        """Take no more calls; those queued run unless cancelled (``_in_thread`` cancels its call
+        when the engine stops), the running one finishes (or the process exits under it)."""
         with self._lock:
             self._closed = True
             self._jobs.put(None)
@@ -90,13 +91,6 @@ class _Worker:
                 fut.set_result(fn(*args))
             except BaseException as e:  # noqa: BLE001 - delivered to the caller
                 fut.set_exception(e)
-        while True:   # shut down: what is still queued never runs
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                return
-            if job is not None:
-                job[0].cancel()
 
 
 @dataclass

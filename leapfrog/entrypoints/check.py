@@ -38,6 +38,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from leapfrog.config import SEED_END, SEED_MIN
 from leapfrog.entrypoints import prompts_file
 from leapfrog.entrypoints.argtypes import nonneg_float, nonneg_int, output_file, positive_int, probability
 from leapfrog.errors import ConfigError, LeapfrogError
@@ -603,7 +604,7 @@ def cmd_check(args) -> int:
     if args.tie_tol >= MAX_TIE_TOL:   # (1e308: every divergence a near-tie, a check that cannot fail)
         raise ConfigError(f"--tie-tol {args.tie_tol:g}: must be below {MAX_TIE_TOL:g} (a relative logit margin; "
                           "wider ones are no numeric near-ties)")
-    if not -2**63 <= args.seed < 2**64 - 1:   # (the engine's range, less one: named with the value given)
+    if not SEED_MIN <= args.seed < SEED_END - 1:   # (the engine's range, less one: named with the value given)
         raise ConfigError(f"--seed {args.seed}: must be an integer in [-2**63, 2**64 - 1) (the speculative "
                           "engine runs with seed + 1)")
     if args.samples == 0 or args.positions == 0:   # the sampling part is skipped: its flags would do nothing

@@ -8,8 +8,8 @@ import json
 import os
 import sys
 import time
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 from leapfrog.entrypoints.argtypes import (non_empty, nonneg_float, nonneg_int, output_dir, output_file, port,
                                           positive_float, positive_int, share)

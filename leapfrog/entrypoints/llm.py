@@ -198,8 +198,8 @@ class LLM:
             if chat_template is None and not getattr(tok, "chat_template", None):
                 raise RequestError("this tokenizer has no chat template; pass chat_template=...")
             try:
-                ids = tok.apply_chat_template(template_messages(checked), chat_template=chat_template, tokenize=True,
-                                              add_generation_prompt=add_generation_prompt)
+                ids = tok.apply_chat_template(template_messages(checked), chat_template=chat_template,
+                                              tokenize=True, add_generation_prompt=add_generation_prompt)
             except Exception as e:  # noqa: BLE001 - a template error is the caller's input
                 raise RequestError(f"could not apply the chat template: {type(e).__name__}: {e}") from None
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):

@@ -221,7 +221,8 @@ class OpenAIServing:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "this model's tokenizer has no chat template", param="messages")
         try:
-            ids = self.tokenizer.apply_chat_template(template_messages(messages), tokenize=True, add_generation_prompt=add_generation_prompt)
+            ids = self.tokenizer.apply_chat_template(template_messages(messages), tokenize=True,
+                                                     add_generation_prompt=add_generation_prompt)
         except Exception as e:  # noqa: BLE001 - template errors are the request's fault
             raise APIError(400, f"could not apply the chat template: {e}", param="messages") from None
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
