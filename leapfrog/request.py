@@ -11,7 +11,7 @@ import torch
 from leapfrog.detokenizer import Detokenizer
 from leapfrog.outputs import CompletionOutput, PositionLogprobs, RequestMetrics
 from leapfrog.sampling.grammar import GrammarState
-from leapfrog.sampling.sampler import NoiseRows, PositionKey, Rng, RowSpec
+from leapfrog.sampling.sampler import BadWords, NoiseRows, PositionKey, Rng, RowSpec
 from leapfrog.sampling_params import SamplingParams
 
 
@@ -39,7 +39,7 @@ class Request:
     stop_reason: int | str | None = None
     num_speculative_tokens: int | None = None  # per-request cap (None = engine's)
     prediction_ids: list[int] | None = None    # predicted output (SamplingParams.prediction), tokenized
-    bad_word_ids: tuple[tuple[int, ...], ...] = ()  # SamplingParams.bad_words, tokenized
+    bad_words: BadWords = BadWords()   # SamplingParams.bad_words, tokenized and indexed
     grammar: GrammarState | None = None    # SamplingParams.structured_outputs, at output_ids
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.monotonic()))
     index: int = 0                         # completion index when n > 1
@@ -112,7 +112,7 @@ class Request:
     def row_spec(self, extra: list[int] = ()) -> RowSpec:  # type: ignore[assignment]
         """Sampling context of the row after output_ids + extra (drafts)."""
         out = self.output_ids + list(extra) if extra else self.output_ids
-        return RowSpec(self.params, self.prompt_ids, out, self.stop_ids, self.bad_word_ids, self.grammar)
+        return RowSpec(self.params, self.prompt_ids, out, self.stop_ids, self.bad_words, self.grammar)
 
     def completion(self, delta: bool = False) -> CompletionOutput:
         text = self.detok.text if self.detok is not None else ""

@@ -69,3 +69,62 @@ def test_queued_tokens_are_decoded_only_when_the_text_is_read(tokenizer):
     for t in ids[5:]:
         mixed.add(t)
     assert mixed.text == one.text
+
+
+def _first_stop_by_find(text: str, before: int, stops: list[str]) -> tuple[int, str] | None:
+    """The stop check as one ``str.find`` per stop string (the rule StopStrings must keep)."""
+    start = max(0, before - max(map(len, stops)) + 1)
+    best = None
+    for s in stops:
+        i = text.find(s, start)
+        if i >= 0 and (best is None or i < best[0]):
+            best = (i, s)
+    return best
+
+
+@settings(max_examples=300, deadline=None)
+@given(picks=st.lists(st.integers(0, 10_000), min_size=1, max_size=40),
+       spans=st.lists(st.tuples(st.integers(0, len(TEXT)), st.integers(1, 12)), min_size=1, max_size=6),
+       checks=st.lists(st.booleans(), min_size=1, max_size=40), include=st.booleans())
+def test_stop_strings_match_what_a_find_per_stop_string_matches(tokenizer, picks, spans, checks, include):
+    """The reversed-character trie finds the stop string a ``find`` per stop string finds (the
+    leftmost occurrence; at equal starts the one listed first), the same token, the same cut,
+    with stop checks skipped for some tokens (min_tokens) and stop strings inside one another."""
+    ids = _stream(tokenizer, picks, len(tokenizer))
+    stops = [TEXT[a:a + n] for a, n in spans if TEXT[a:a + n]] or ["x"]
+    prompt = tokenizer.encode("x = 1\n")
+    plain = Detokenizer(tokenizer, prompt)
+    got = Detokenizer(tokenizer, prompt, stop=stops, include_stop=include)
+    for j, t in enumerate(ids):
+        check = checks[j % len(checks)]
+        before = len(plain.text)
+        plain.add(t)
+        want = _first_stop_by_find(plain.text, before, stops) if check and len(plain.text) > before else None
+        assert got.add(t, check_stop=check) == (want[1] if want else None)
+        if want:
+            i, s = want
+            assert got.text == plain.text[:i + len(s) if include else i]
+            return
+        assert got.text == plain.text
+
+
+def test_stop_strings_by_the_hundred_thousand_cost_a_lookup_a_character(tokenizer):
+    """100k stop strings: each token's check walks the trie from the new characters (it ran a
+    find per stop string: 38 ms a token on the engine's thread); one of them still stops."""
+    stops = [f"zq{i}xv" for i in range(100_000)] + ["return"]
+    d = Detokenizer(tokenizer, tokenizer.encode("x = 1\n"), stop=stops)
+    calls = 0
+    real = d.stop._trie.get
+
+    class Counting(dict):
+        def get(self, key, default=None):
+            nonlocal calls
+            calls += 1
+            return real(key, default)
+    d.stop._trie = Counting(d.stop._trie)
+    ids = tokenizer.encode("def f(x):\n    y = x + 1\n    return y\n", add_special_tokens=False)
+    for t in ids:
+        if (matched := d.add(t)) is not None:
+            break
+    assert matched == "return" and d.text == "def f(x):\n    y = x + 1\n    "
+    assert calls <= len(d.text) + 16   # one root lookup per new character (not 100k finds a token)

@@ -22,10 +22,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
+from leapfrog.detokenizer import StopStrings
 from leapfrog.engine.engine import LLMEngine
 from leapfrog.errors import LeapfrogError, RequestError
 from leapfrog.outputs import IterationStats, RequestOutput
 from leapfrog.sampling.grammar import GrammarState
+from leapfrog.sampling.sampler import BadWords
 from leapfrog.sampling_params import SamplingParams
 
 log = logging.getLogger("leapfrog.engine")
@@ -104,6 +106,8 @@ class _Add:
     out: asyncio.Queue
     accepted: asyncio.Future
     grammar: GrammarState | None = None   # compiled off the engine's thread (structured outputs)
+    bad_words: BadWords | None = None     # tokenized off the engine's thread
+    stops: StopStrings | None = None      # indexed off the engine's thread
     arrival_time: float | None = None     # time.monotonic() when generate() was called
 
 
@@ -194,11 +198,19 @@ class AsyncEngine:
             pred = await self.in_tokenizer_thread(self.engine.encode_prediction, params.prediction,
                                                   chars=len(params.prediction))
             params = dataclasses.replace(params, prediction=pred)
+        bad_words = None
+        if params.bad_words and self.engine.tokenizer is not None:   # (else add_request says why)
+            bad_words = await self.in_tokenizer_thread(self.engine.encode_bad_words, params,
+                                                       chars=sum(len(w) for w in params.bad_words))
+        stops = None
+        if params.stop_strings:   # (100k of them take a second to index)
+            stops = await self.in_tokenizer_thread(StopStrings, params.stop_strings,
+                                                   chars=sum(map(len, params.stop_strings)))
         grammar = None
         if params.structured_outputs is not None:
             grammar = await self._in_thread(self._grammar_pool, self.engine.compile_grammar, params)
         cmd = _Add(request_id, prompt, prompt_ids, params, num_speculative_tokens, loop, asyncio.Queue(),
-                   loop.create_future(), grammar, arrival)
+                   loop.create_future(), grammar, bad_words, stops, arrival)
         with self._lock:  # the engine thread's final drain takes this lock after setting _closed
             if self._closed or self._stop.is_set():
                 raise EngineStopped("the server is shutting down")
@@ -284,7 +296,8 @@ class AsyncEngine:
                 try:
                     self.engine.add_request(cmd.request_id, cmd.prompt, cmd.prompt_ids, cmd.params,
                                             num_speculative_tokens=cmd.num_speculative_tokens,
-                                            grammar=cmd.grammar, arrival_time=cmd.arrival_time)
+                                            grammar=cmd.grammar, bad_words=cmd.bad_words, stops=cmd.stops,
+                                            arrival_time=cmd.arrival_time)
                 except Exception as e:  # noqa: BLE001 - reported to the caller
                     self._resolve(cmd, e)
                 else:

@@ -25,7 +25,7 @@ import torch
 
 from leapfrog.attention.native import load_native_attention
 from leapfrog.config import EngineConfig
-from leapfrog.detokenizer import Detokenizer
+from leapfrog.detokenizer import Detokenizer, StopStrings
 from leapfrog.errors import CacheBusy, ConfigError, NotShareable, RequestError
 from leapfrog.kv.manager import KVManager
 from leapfrog.model.compiled import RoundRace, can_compile, make_buckets
@@ -39,6 +39,7 @@ from leapfrog.outputs import IterationStats, Logprob, PositionLogprobs, RequestO
 from leapfrog.request import Request
 from leapfrog.sampling import logprobs as lp, sampler
 from leapfrog.sampling.grammar import GrammarCompiler, GrammarState
+from leapfrog.sampling.sampler import BadWords
 from leapfrog.sampling_params import SamplingParams
 from leapfrog.scheduler.scheduler import Scheduler
 from leapfrog.spec_decode.adaptive import cap_drafts, mostly_sampled
@@ -384,9 +385,12 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | None, prompt_ids: list[int] | None,
                     params: SamplingParams, index: int = 0,
                     num_speculative_tokens: int | None = None, grammar: GrammarState | None = None,
-                    arrival_time: float | None = None) -> Request:
+                    arrival_time: float | None = None, bad_words: BadWords | None = None,
+                    stops: StopStrings | None = None) -> Request:
         """``grammar``: the matcher ``compile_grammar(params)`` built for this request (elsewhere,
-        ahead of time); compiled here when not given. ``arrival_time`` (time.monotonic()): when
+        ahead of time); compiled here when not given; ``bad_words``: ``encode_bad_words(params)``,
+        ``stops``: ``StopStrings(params.stop_strings)`` likewise (the server builds them off the
+        engine's thread). ``arrival_time`` (time.monotonic()): when
         the request arrived, if before this call (the server's, before it tokenized the prompt
         and compiled the grammar: TTFT and queue time count them, as vLLM's do); default now."""
         if request_id in self.requests:
@@ -433,11 +437,13 @@ class LLMEngine:
         gen = torch.Generator().manual_seed(self._seed_rng.getrandbits(63))
         detok = None
         if self.tokenizer is not None:
-            detok = Detokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens, params.stop_strings,
+            detok = Detokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens,
+                                params.stop_strings if stops is None else stops,
                                 params.include_stop_str_in_output)
-        bad_word_ids = self._bad_word_ids(params)
+        if bad_words is None:
+            bad_words = self.encode_bad_words(params)
         if params.allowed_token_ids is not None:
-            never = {w[0] for w in bad_word_ids if len(w) == 1}
+            never = set(bad_words.always)
             if params.min_tokens:
                 never |= set(params.stop_token_ids or ()) | (set() if params.ignore_eos else set(self.eos_ids))
             if set(params.allowed_token_ids) <= never:
@@ -450,7 +456,7 @@ class LLMEngine:
         req = Request(request_id, prompt, prompt_ids, params, gen, detok, self.eos_ids,
                       max_tokens=min(params.max_tokens or room, room), index=index,
                       num_speculative_tokens=num_speculative_tokens, seed_key=key, prediction_ids=prediction_ids,
-                      bad_word_ids=bad_word_ids, grammar=grammar)
+                      bad_words=bad_words, grammar=grammar)
         req.metrics.num_prompt_tokens = len(prompt_ids)
         if arrival_time is not None:
             req.metrics.arrival_time = arrival_time
@@ -518,11 +524,13 @@ class LLMEngine:
                                f"the prompt (max_model_len {self.max_model_len})", param="prediction")
         return ids
 
-    def _bad_word_ids(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
+    def encode_bad_words(self, params: SamplingParams) -> BadWords:
         """Each bad word as token ids, as written and (when that tokenizes into as many tokens,
-        starting differently) with a leading space: a word inside text usually follows one."""
+        starting differently) with a leading space: a word inside text usually follows one.
+        Safe on any thread: the server encodes here, off the engine's thread (100k words take
+        about 9 s; the 4 MiB body holds 400k), and passes them to ``add_request``."""
         if not params.bad_words:
-            return ()
+            return BadWords()
         if self.tokenizer is None:
             raise RequestError("bad_words needs a tokenizer (skip_tokenizer_init=True was set)", param="bad_words")
         out: list[tuple[int, ...]] = []
@@ -532,7 +540,7 @@ class LLMEngine:
             out.append(plain)
             if spaced and len(spaced) == len(plain) and spaced[0] != plain[0]:
                 out.append(spaced)
-        return tuple(w for w in out if w)
+        return BadWords(tuple(out))
 
     def _encode(self, text: str, what: str, **kw) -> list[int]:
         """``text`` (the request's ``what``: "prompt" or "prediction") tokenized; a tokenizer

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from leapfrog import LLM, SamplingParams
 from leapfrog.errors import ConfigError, RequestError
 from leapfrog.sampling import sampler
-from leapfrog.sampling.sampler import RowSpec
+from leapfrog.sampling.sampler import BadWords, RowSpec
 from tests.conftest import prompts_of
 from tests.spec_decode.test_sampling_lossless import _spec, assert_follows_target, tiny  # noqa: F401
 
@@ -23,7 +25,7 @@ def _rows(specs):
 
 def test_bad_words_ban_the_last_token_after_the_prefix():
     sp = SamplingParams(temperature=0)
-    words = ((4,), (1, 2, 3))
+    words = BadWords(((4,), (1, 2, 3)))
     logits = torch.zeros(3, V)
     rows = _rows([RowSpec(sp, [1], [7, 1], (), words),      # ends with the prefix 1 2? no: 7 1
                   RowSpec(sp, [1], [7, 1, 2], (), words),   # ends with 1 2: 3 is banned
@@ -32,6 +34,16 @@ def test_bad_words_ban_the_last_token_after_the_prefix():
     assert out[:, 4].isinf().all()                          # one-token words: banned everywhere
     assert torch.isinf(out[1, 3]) and not torch.isinf(out[0, 3]) and not torch.isinf(out[2, 3])
     assert torch.isfinite(out[:, [0, 1, 2, 5, 6, 7, 8, 9]]).all()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=4), max_size=12),
+       st.lists(st.integers(0, 4), max_size=8))
+def test_bad_words_index_bans_what_the_word_by_word_rule_bans(words, output):
+    """The index (one lookup per distinct word length) bans exactly the tokens the rule bans
+    word by word: each word's last token wherever the output ends with the rest of the word."""
+    want = {w[-1] for w in words if len(w) - 1 <= len(output) and output[len(output) - len(w) + 1:] == w[:-1]}
+    assert set(BadWords(tuple(map(tuple, words))).banned(output)) == want
 
 
 def test_allowed_bias_and_greedy():
@@ -90,7 +102,7 @@ def test_rules_through_the_engine(plain, tokenizer):
                 if tokenizer.encode(w := tokenizer.decode(base[i:i + 2]), add_special_tokens=False) == base[i:i + 2]
                 and w.strip())
     out = plain.generate(prompt, SamplingParams(**g, bad_words=[word]), use_tqdm=False)[0].outputs[0]
-    variants = plain.engine._bad_word_ids(SamplingParams(bad_words=[word]))
+    variants = plain.engine.encode_bad_words(SamplingParams(bad_words=[word])).words
     assert any(_contains(base, v) for v in variants)
     assert not any(_contains(out.token_ids, v) for v in variants) and out.token_ids != base
 

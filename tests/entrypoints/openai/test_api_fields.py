@@ -161,6 +161,45 @@ def test_token_rules_and_truncation(server, reference):
     assert len(r.choices) == 2
 
 
+def test_bad_words_tokenize_off_the_engine_thread(server, reference, monkeypatch):
+    """bad_words (up to the 4 MiB body: ~1 M words) are tokenized on the tokenizer's thread, as the
+    prompt is: in the engine's add_request they stalled every running request while they tokenized.
+    Many of them still ban what one of them bans."""
+    import threading
+    eng = server.app.state.engine.engine
+    real, threads = eng.encode_bad_words, []
+    monkeypatch.setattr(eng, "encode_bad_words",
+                        lambda params: threads.append(threading.current_thread().name) or real(params))
+    base = ref_out(reference, PROMPT, max_tokens=10)
+    tok = reference.get_tokenizer()
+    word = next(w for t in base.outputs[0].token_ids
+                if (w := tok.decode([t])).strip() and tok.encode(w, add_special_tokens=False) == [t])
+    many = [f"zq{i}xv" for i in range(20_000)] + [word]
+    r = client(server).completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0,
+                                          extra_body={"bad_words": many, "ignore_eos": True})
+    assert r.choices[0].text == ref_out(reference, PROMPT, max_tokens=10, bad_words=[word]).outputs[0].text
+    assert threads == ["leapfrog-tokenize-long"], threads   # (160k characters: the long texts' lane)
+
+
+def test_many_stop_strings_are_indexed_off_the_engine_thread(server, reference, monkeypatch):
+    """Stop strings are indexed (StopStrings: a second for 100k) on the tokenizer's thread, not in
+    the engine's add_request; 20k of them stop where the one that matches stops."""
+    import threading
+
+    from leapfrog.engine import async_engine
+    real, threads = async_engine.StopStrings, []
+    monkeypatch.setattr(async_engine, "StopStrings",
+                        lambda stops: threads.append(threading.current_thread().name) or real(stops))
+    text = ref_out(reference, PROMPT, max_tokens=10).outputs[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    want = ref_out(reference, PROMPT, max_tokens=10, stop=[stop]).outputs[0]
+    r = client(server).completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0,
+                                          stop=[f"zq{i}xv" for i in range(20_000)] + [stop],
+                                          extra_body={"ignore_eos": True})
+    assert r.choices[0].text == want.text and r.choices[0].finish_reason == "stop" and want.finish_reason == "stop"
+    assert threads == ["leapfrog-tokenize-long"], threads
+
+
 def test_continuous_usage_and_stop_token_text(server, reference):
     c = client(server)
     chunks = list(c.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, stream=True,
