@@ -39,6 +39,7 @@ from leapfrog.entrypoints.openai.serving import (APIError, ClientDisconnected, O
 from leapfrog.outputs import RequestOutput
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
+TOKEN_CHARS = 4   # about a token's characters: a token list's size as text, for the long texts' lane
 log = logging.getLogger("leapfrog.server")
 
 
@@ -308,13 +309,16 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
                                                      chars=len(req.prompt or "") + text_chars(req.messages))
         body = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
         if req.return_token_strs:
-            body["token_strs"] = serving.tokenizer.convert_ids_to_tokens(ids)
+            body["token_strs"] = await async_engine.in_tokenizer_thread(
+                serving.tokenizer.convert_ids_to_tokens, ids, chars=TOKEN_CHARS * len(ids))
         return body
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
-        serving.check_model(req.model)
-        return {"prompt": serving.detokenize(req.tokens)}
+        serving.check_model(req.model)   # (~1M ids of a 4 MiB body: a second of decoding, off the event loop)
+        text = await async_engine.in_tokenizer_thread(serving.detokenize, req.tokens,
+                                                      chars=TOKEN_CHARS * len(req.tokens))
+        return {"prompt": text}
 
     @app.get("/version")
     async def version():

@@ -235,6 +235,20 @@ def test_unknown_model_is_404(server):
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
+def test_detokenize_and_token_strs_run_off_the_event_loop(server, monkeypatch):
+    """/detokenize (a 4 MiB body holds ~1M ids: a second to decode) and /tokenize's token strings
+    run on the tokenizer's thread: on the event loop they held every stream's chunks."""
+    import threading
+    tok, threads = server.app.state.engine.engine.tokenizer, []
+    for name in ("decode", "convert_ids_to_tokens"):
+        real = getattr(tok, name)
+        monkeypatch.setattr(tok, name, lambda *a, real=real, **k: threads.append(threading.current_thread().name)
+                            or real(*a, **k))
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT, "return_token_strs": True}).json()["tokens"]
+    r = httpx.post(server.url + "/detokenize", json={"tokens": ids * 20_000})   # (~2M characters: the long lane)
+    assert r.status_code == 200 and r.json()["prompt"].startswith(PROMPT)
+    assert threads == ["leapfrog-tokenize", "leapfrog-tokenize-long"], threads
+
 def test_tokenize_detokenize_version_models(server, reference):
     tok = reference.get_tokenizer()
     r = httpx.post(server.url + "/tokenize", json={"model": "tiny", "prompt": PROMPT, "return_token_strs": True})
