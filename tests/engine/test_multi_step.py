@@ -142,7 +142,9 @@ K = 3
 @pytest.fixture(scope="module")
 def rounds(llama_dir):
     """Multi-step speculation: STEPS rounds of K drafts per graph. The draft is the target itself in
-    bfloat16: mostly the target's own tokens, sometimes not (rounds accept all, some or none)."""
+    bfloat16: mostly the target's own tokens, sometimes not (rounds accept all, some or none).
+    Slow tests only: its graphs (the target's, the draft's, and the greedy and sampled rounds' for
+    batches of 1 and 2) compile in 190-240 s on 2 cores, a third of the default suite's 10 minutes."""
     spec = {"method": "draft_model", "model": str(llama_dir), "num_speculative_tokens": K, "draft_dtype": "bfloat16"}
     with patch.dict(compiled.INDUCTOR_OPTIONS, FAST_COMPILE):
         return LLM(model=str(llama_dir), dtype="float32", max_model_len=MAX_LEN, max_num_seqs=2,
@@ -154,6 +156,7 @@ def _round_calls(llm, batch, sampled=False):
     return g.direct[(batch, g.k + 1)].calls
 
 
+@pytest.mark.slow   # (the rounds fixture: 190-240 s of compiling on 2 cores)
 def test_speculation_rounds_give_the_target_greedy_output(rounds, base, tokenizer):
     """Greedy output, batched and ragged, with a max_tokens inside a round, equals the target's
     own (one-token eager steps); the rounds graph did the decoding, its rounds accepted all, some
@@ -177,6 +180,7 @@ def test_speculation_rounds_give_the_target_greedy_output(rounds, base, tokenize
     assert counters["stats"]["unique_graphs"] == graphs
 
 
+@pytest.mark.slow   # (the rounds fixture: 190-240 s of compiling on 2 cores)
 def test_chained_rounds_equal_rounds_called_one_by_one(rounds):
     """The rounds' lean loop (direct calls whose inputs are built once, only the carried state
     swapped in) gives what calling the graph round by round through ``_serve`` gives, from the
@@ -218,6 +222,7 @@ def test_adaptive_k_runs_rounds_when_it_picks_k(llama_dir, base, tokenizer):
     assert ctl.verify_cost[1].get(1) is not None   # (one-token plain steps measured first)
 
 
+@pytest.mark.slow   # (the rounds fixture: 190-240 s of compiling on 2 cores)
 def test_stops_and_other_requests_in_speculation_rounds(rounds, base, tokenizer):
     """A stop token or string reached inside a round drops the tokens after it, as one-token steps
     stop; a request with top-k in the batch makes the step run one round (seeded: the eager
@@ -239,6 +244,7 @@ def test_stops_and_other_requests_in_speculation_rounds(rounds, base, tokenizer)
     assert got.token_ids == want.token_ids and len(got.token_ids) == MAX_LEN - len(prompt)
 
 
+@pytest.mark.slow   # (the rounds fixture: 190-240 s of compiling on 2 cores)
 def test_sampled_speculation_rounds_draw_the_targets_tokens(rounds, base, tokenizer):
     """Temperature-only sampled requests run in the sampled rounds' graph, alone and batched with a
     greedy one: a seeded request's output is exactly its output without speculation (the target's
