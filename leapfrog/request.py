@@ -40,6 +40,7 @@ class Request:
     num_speculative_tokens: int | None = None  # per-request cap (None = engine's)
     prediction_ids: list[int] | None = None    # predicted output (SamplingParams.prediction), tokenized
     bad_words: BadWords = BadWords()   # SamplingParams.bad_words, tokenized and indexed
+    rule_tensors: dict = field(default_factory=dict)   # RowSpec.memo: its RuleTensors, built at its first row
     grammar: GrammarState | None = None    # SamplingParams.structured_outputs, at output_ids
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.monotonic()))
     index: int = 0                         # completion index when n > 1
@@ -112,7 +113,8 @@ class Request:
     def row_spec(self, extra: list[int] = ()) -> RowSpec:  # type: ignore[assignment]
         """Sampling context of the row after output_ids + extra (drafts)."""
         out = self.output_ids + list(extra) if extra else self.output_ids
-        return RowSpec(self.params, self.prompt_ids, out, self.stop_ids, self.bad_words, self.grammar)
+        return RowSpec(self.params, self.prompt_ids, out, self.stop_ids, self.bad_words, self.grammar,
+                       self.rule_tensors)
 
     def completion(self, delta: bool = False) -> CompletionOutput:
         text = self.detok.text if self.detok is not None else ""

@@ -58,6 +58,35 @@ class BadWords:
 
 
 @dataclass(frozen=True)
+class RuleTensors:
+    """The tensors of a request's rules that depend on its params and prompt only, built at its
+    first row and kept for every row of every step after (Request.rule_tensors): rebuilt per row,
+    a 128k vocabulary cost 110 ms a step of 6 rows for an allowed_token_ids of the whole
+    vocabulary, 350 ms for a logit_bias of it, 26 ms for a penalty's 32k-token prompt."""
+    outside: Tensor | None       # [V] bool: not in allowed_token_ids (None: no such list)
+    bias_ids: Tensor | None      # [M] long: logit_bias's tokens (None: no bias)
+    bias_values: Tensor | None   # [M] float32
+    prompt_seen: Tensor | None   # [V] bool: in the prompt (None: no penalties)
+
+    @staticmethod
+    def of(params: SamplingParams, prompt_ids: Sequence[int], vocab_size: int,
+           device: torch.device | str) -> "RuleTensors":
+        outside = bias_ids = bias_values = prompt_seen = None
+        if params.allowed_token_ids is not None:
+            outside = torch.ones(vocab_size, dtype=torch.bool, device=device)
+            outside[torch.tensor(params.allowed_token_ids, dtype=torch.long, device=device)] = False
+        if params.logit_bias:
+            bias_ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=device)
+            bias_values = torch.tensor([float(v) for v in params.logit_bias.values()], dtype=torch.float32,
+                                       device=device)
+        if params.has_penalties:
+            prompt_seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            if len(prompt_ids):
+                prompt_seen[torch.tensor(list(prompt_ids), dtype=torch.long, device=device)] = True
+        return RuleTensors(outside, bias_ids, bias_values, prompt_seen)
+
+
+@dataclass(frozen=True)
 class RowSpec:
     """What processing one logits row needs."""
     params: SamplingParams
@@ -66,6 +95,17 @@ class RowSpec:
     stop_ids: tuple[int, ...] = ()   # EOS + stop_token_ids, suppressed while < min_tokens
     bad_words: BadWords = BadWords()   # bad_words, tokenized and indexed (Request.bad_words)
     grammar: GrammarState | None = None   # structured outputs: the request's matcher (sampling/grammar.py)
+    memo: dict | None = field(default=None, compare=False)
+    # (the request's RuleTensors by (vocab size, device), filled at its first row; None: built per row)
+
+    def rule_tensors(self, vocab_size: int, device: torch.device | str) -> RuleTensors:
+        key = (vocab_size, str(device))
+        got = self.memo.get(key) if self.memo is not None else None
+        if got is None:
+            got = RuleTensors.of(self.params, self.prompt_ids, vocab_size, device)
+            if self.memo is not None:
+                self.memo[key] = got
+        return got
 
 
 @dataclass
@@ -93,14 +133,17 @@ def build_rows(specs: Sequence[RowSpec], vocab_size: int, device: torch.device |
         N = len(specs)
         seen = torch.zeros(N, vocab_size, dtype=torch.bool, device=device)
         counts = torch.zeros(N, vocab_size, dtype=torch.float32, device=device)
+        rows: list[int] = []
+        ids: list[int] = []
         for i, s in enumerate(specs):
-            if not s.params.has_penalties:
-                continue
-            out = torch.tensor(list(s.output_ids), dtype=torch.long, device=device)
-            if len(out):
-                counts[i] = torch.bincount(out, minlength=vocab_size)[:vocab_size].float()
-            if len(s.prompt_ids):
-                seen[i, torch.tensor(list(s.prompt_ids), dtype=torch.long, device=device)] = True
+            if s.params.has_penalties:
+                rows += [i] * len(s.output_ids)
+                ids += s.output_ids
+                seen[i] = s.rule_tensors(vocab_size, device).prompt_seen
+        if ids:   # (one scatter for every row's output counts)
+            counts.index_put_((torch.tensor(rows, dtype=torch.long, device=device),
+                               torch.tensor(ids, dtype=torch.long, device=device)),
+                              torch.ones(len(ids), dtype=torch.float32, device=device), accumulate=True)
         seen |= counts > 0
         penalties = (seen, counts, f([p.repetition_penalty for p in ps]),
                      f([p.presence_penalty for p in ps]), f([p.frequency_penalty for p in ps]))
@@ -126,9 +169,7 @@ def _token_rules(specs: Sequence[RowSpec], vocab_size: int, device: torch.device
     """Per-row masks (a grammar, allowed_token_ids, bad_words ending here, stop tokens under
     min_tokens) and logit_bias entries; (None, None) when no row has any."""
     masked = None
-    bias_rows: list[int] = []
-    bias_ids: list[int] = []
-    bias_vals: list[float] = []
+    bias: list[tuple[int, Tensor, Tensor]] = []   # (row, ids [M], values [M])
     for i, s in enumerate(specs):
         p = s.params
         ban: list[int] = []
@@ -145,21 +186,16 @@ def _token_rules(specs: Sequence[RowSpec], vocab_size: int, device: torch.device
             if allowed is not None:
                 masked[i] = ~allowed.to(device)
             if p.allowed_token_ids is not None:
-                outside = torch.ones(vocab_size, dtype=torch.bool, device=device)
-                outside[torch.tensor(p.allowed_token_ids, dtype=torch.long, device=device)] = False
-                masked[i] |= outside
+                masked[i] |= s.rule_tensors(vocab_size, device).outside
             if ban:
                 masked[i, torch.tensor(ban, dtype=torch.long, device=device)] = True
         if p.logit_bias:
-            bias_rows += [i] * len(p.logit_bias)
-            bias_ids += list(p.logit_bias)
-            bias_vals += [float(v) for v in p.logit_bias.values()]
-    bias = None
-    if bias_rows:
-        bias = (torch.tensor(bias_rows, dtype=torch.long, device=device),
-                torch.tensor(bias_ids, dtype=torch.long, device=device),
-                torch.tensor(bias_vals, dtype=torch.float32, device=device))
-    return masked, bias
+            rt = s.rule_tensors(vocab_size, device)
+            bias.append((i, rt.bias_ids, rt.bias_values))
+    if not bias:
+        return masked, None
+    rows = torch.cat([torch.full((len(ids),), i, dtype=torch.long, device=device) for i, ids, _ in bias])
+    return masked, (rows, torch.cat([ids for _, ids, _ in bias]), torch.cat([v for _, _, v in bias]))
 
 
 def penalised_logits(logits: Tensor, rows: RowBatch) -> Tensor:

@@ -84,6 +84,39 @@ def test_engine_checks_ids_and_impossible_rules(plain):
             plain.generate("x = 1", SamplingParams(max_tokens=4, **kw), use_tqdm=False)
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, V - 1), min_size=1, max_size=V), st.dictionaries(st.integers(0, V - 1),
+       st.floats(-5, 5), max_size=V), st.floats(1.0, 2.0), st.lists(st.integers(0, V - 1), max_size=6),
+       st.lists(st.lists(st.integers(0, V - 1), max_size=5), min_size=1, max_size=4))
+def test_rows_with_the_requests_kept_tensors_equal_rows_built_afresh(allowed, bias, rep, prompt, outs):
+    """A request's rule tensors kept in its memo (RuleTensors, built at its first row) give the
+    rows that building them for every row gives, step after step (its output growing)."""
+    sp = SamplingParams(temperature=0.7, allowed_token_ids=allowed, logit_bias=bias, repetition_penalty=rep,
+                        presence_penalty=0.5)
+    memo: dict = {}
+    for step in range(3):
+        out = [t for o in outs[:step + 1] for t in o]
+        kept = _rows([RowSpec(sp, prompt, out + o, memo=memo) for o in outs])
+        fresh = _rows([RowSpec(sp, prompt, out + o) for o in outs])
+        assert len(memo) == 1
+        assert torch.equal(kept.masked, fresh.masked)
+        assert (kept.bias is None) == (fresh.bias is None)
+        if kept.bias is not None:
+            assert all(torch.equal(a, b) for a, b in zip(kept.bias, fresh.bias))
+        assert all(torch.equal(a, b) for a, b in zip(kept.penalties, fresh.penalties))
+
+
+def test_a_requests_rule_tensors_are_built_once(plain, tokenizer, monkeypatch):
+    """allowed_token_ids, logit_bias and a penalty's prompt become tensors once per request, not
+    once per row of every step (a 128k vocabulary: 110-350 ms a step of 6 rows)."""
+    calls = []
+    real = sampler.RuleTensors.of
+    monkeypatch.setattr(sampler.RuleTensors, "of", staticmethod(lambda *a: calls.append(a[0]) or real(*a)))
+    sp = SamplingParams(temperature=0.8, seed=1, max_tokens=16, ignore_eos=True, allowed_token_ids=list(range(30, 300)),
+                        logit_bias={50: 2.0}, repetition_penalty=1.2)
+    outs = plain.generate([{"prompt_token_ids": p} for p in prompts_of(tokenizer, 2)], sp, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 16 for o in outs) and len(calls) == 2
+
 def _contains(seq: list[int], sub: tuple[int, ...]) -> bool:
     return any(tuple(seq[i:i + len(sub)]) == sub for i in range(len(seq) - len(sub) + 1))
 
