@@ -17,6 +17,18 @@ MAX_LOGPROBS = 20
 #: |logit_bias| at most (OpenAI's range)
 MAX_LOGIT_BIAS = 100.0
 
+
+def token_ids_ok(ids, end: int | None = None) -> bool:
+    """Every item of ``ids`` a non-negative int, not a bool (below ``end`` when given). Checked with
+    C loops (the set of the types, min, max): as a generator expression 500k ids of one request
+    (stop_token_ids, allowed_token_ids) took 0.25 s a check on the engine's thread."""
+    if not ids:
+        return True
+    if set(map(type, ids)) <= {int}:
+        return min(ids) >= 0 and (end is None or max(ids) < end)
+    return all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 and (end is None or t < end)
+               for t in ids)   # (int subclasses, or items that are not ints)
+
 # field -> (low, high, low excluded, note): finite values only; the bounds keep every transform
 # finite in float32 (a repetition penalty of 1e-300 would turn a logit into inf, the softmax into NaN).
 _FLOAT_RANGES: dict[str, tuple[float, float, bool, str]] = {
@@ -127,16 +139,14 @@ class SamplingParams:
             raise bad("stop", "must be a non-empty string or a list of them")
         self._stop_list = list(stops)
         ids = self.stop_token_ids
-        if ids is not None and (not isinstance(ids, (list, tuple))
-                                or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids)):
+        if ids is not None and (not isinstance(ids, (list, tuple)) or not token_ids_ok(ids)):
             raise bad("stop_token_ids", "must be a list of non-negative integers")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be true or false")
         pred = self.prediction
-        if pred is not None and not isinstance(pred, str) and (
-                not isinstance(pred, (list, tuple))
-                or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in pred)):
+        if pred is not None and not isinstance(pred, str) and (not isinstance(pred, (list, tuple))
+                                                               or not token_ids_ok(pred)):
             raise bad("prediction", "must be a string or a list of token ids")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
@@ -154,8 +164,8 @@ class SamplingParams:
                     raise bad("logit_bias", f"value {v!r} for token {t} must be a number in "
                                             f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
         allowed = self.allowed_token_ids
-        if allowed is not None and (not isinstance(allowed, (list, tuple)) or not allowed or any(
-                isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in allowed)):
+        if allowed is not None and (not isinstance(allowed, (list, tuple)) or not allowed
+                                    or not token_ids_ok(allowed)):
             raise bad("allowed_token_ids", "must be a non-empty list of token ids (non-negative integers)")
         words = self.bad_words
         if words is not None and (not isinstance(words, (list, tuple))

@@ -40,7 +40,7 @@ from leapfrog.request import Request
 from leapfrog.sampling import logprobs as lp, sampler
 from leapfrog.sampling.grammar import GrammarCompiler, GrammarState
 from leapfrog.sampling.sampler import BadWords
-from leapfrog.sampling_params import SamplingParams
+from leapfrog.sampling_params import SamplingParams, token_ids_ok
 from leapfrog.scheduler.scheduler import Scheduler
 from leapfrog.spec_decode.adaptive import cap_drafts, mostly_sampled
 from leapfrog.spec_decode.config import EAGLE_METHODS
@@ -559,6 +559,8 @@ class LLMEngine:
             raise RequestError(f"could not tokenize the {what}: {type(e).__name__}: {e}", param=param) from None
 
     def _check_vocab(self, ids: list[int], what: str) -> None:
+        if token_ids_ok(ids, self.vocab_size):
+            return
         bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
             raise RequestError(f"{what} token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})",
@@ -1269,9 +1271,9 @@ class LLMEngine:
                 req.cumulative_logprob += logprobs[i][t].logprob
             req.metrics.num_generated_tokens += 1
             n = len(req.output_ids)
-            if req.grammar is not None and t not in req.stop_ids:
+            if req.grammar is not None and t not in req.stop_set:
                 req.grammar.advance(t)
-            if t in req.stop_ids:  # never sampled before min_tokens: the sampler suppresses them
+            if t in req.stop_set:  # never sampled before min_tokens: the sampler suppresses them
                 if p.include_stop_str_in_output and detok is not None:
                     # its text (vLLM; none for special tokens when skipped)
                     text_ids.append(t) if at_once else detok.add(t, check_stop=False)

@@ -117,6 +117,17 @@ def test_a_requests_rule_tensors_are_built_once(plain, tokenizer, monkeypatch):
     outs = plain.generate([{"prompt_token_ids": p} for p in prompts_of(tokenizer, 2)], sp, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 16 for o in outs) and len(calls) == 2
 
+def test_a_requests_stop_ids_are_kept_once_each(plain):
+    """EOS and stop_token_ids become one tuple (each id once) and a set when the request is added:
+    rebuilt at every access, 500k stop_token_ids cost 30 ms a step of the whole batch."""
+    sp = SamplingParams(temperature=0, max_tokens=8, min_tokens=2, stop_token_ids=[7, 7, 9] * 100_000)
+    req = plain.engine.add_request("long-ids", None, [1, 2, 3], sp)
+    try:
+        assert req.stop_ids == (*plain.engine.eos_ids, 7, 9) and req.stop_set == set(req.stop_ids)
+        assert req.stop_ids is req.stop_ids   # (kept, not rebuilt)
+    finally:
+        plain.engine.abort("long-ids")
+
 def _contains(seq: list[int], sub: tuple[int, ...]) -> bool:
     return any(tuple(seq[i:i + len(sub)]) == sub for i in range(len(seq) - len(sub) + 1))
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from leapfrog.errors import ConfigError
 from leapfrog.sampling import sampler
 from leapfrog.sampling.sampler import PositionKey, RowSpec, seed_key
-from leapfrog.sampling_params import SamplingParams
+from leapfrog.sampling_params import SamplingParams, token_ids_ok
 
 V = 64
 WILD = st.one_of(st.floats(allow_nan=True, allow_infinity=True),
@@ -76,3 +76,18 @@ def test_integer_values_of_float_fields_are_stored_as_floats():
     for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
         assert type(getattr(sp, name)) is float
     assert torch.tensor([sp.temperature]).dtype == torch.float32
+
+
+class Tok(int):   # an int subclass (an IntEnum's kind): an id like any int
+    pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(ints, st.booleans(), st.floats(0, 10), st.integers(0, 9).map(Tok), st.none()), max_size=8),
+       st.one_of(st.none(), st.integers(1, 3 * V)))
+def test_token_ids_ok_is_the_item_by_item_rule(ids, end):
+    """The C-loop check (types as a set, min, max) accepts exactly what the item-by-item rule
+    accepts: non-negative ints, no bools, below ``end``."""
+    want = all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 and (end is None or t < end) for t in ids)
+    assert token_ids_ok(ids, end) is want
+    assert token_ids_ok(tuple(ids), end) is want
