@@ -19,43 +19,47 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 _PROMPT_TAIL = 5
-_END = ""   # a trie node's key for "a stop string ends here" (never a character)
 
 
 class StopStrings:
-    """A request's stop strings in a trie of their reversed characters: the ones that end at a
-    position of the text are found by walking back from it, one dict step a character, not by
-    one ``str.find`` per stop string a token (100k stop strings took 38 ms a token that way, on
-    the engine's thread, for every request of the batch). Building it takes about a second for
-    100k: the server builds it off the engine's thread (``AsyncEngine.generate``)."""
+    """A request's stop strings grouped by length: the ones that end at a position of the text are
+    found by one dict lookup per distinct length (one ``startswith`` where a length has one stop
+    string), after a set lookup of the position's character among the stop strings' last ones,
+    instead of one ``str.find`` per stop string a token (100k stop strings: 32 ms a token on
+    the engine's thread, for every request of the batch; now 0.02 ms). Memory and build time
+    stay linear (a dict entry per stop string: 100k in 0.06 s)."""
 
     def __init__(self, stops: Sequence[str] = ()) -> None:
         self.stops = list(stops)
-        self.longest = max(map(len, self.stops), default=0)
-        self._trie: dict = {}
+        by_len: dict[int, dict[str, int]] = {}
         for k, s in enumerate(self.stops):
-            node = self._trie
-            for ch in reversed(s):
-                node = node.setdefault(ch, {})
-            node.setdefault(_END, k)   # (of equal stop strings, the first)
+            by_len.setdefault(len(s), {}).setdefault(s, k)   # (of equal stop strings, the first)
+        # (length, {stop string: its first index}, (the string, its index) when it is the only one)
+        self._by_len = [(n, g, next(iter(g.items())) if len(g) == 1 else None) for n, g in sorted(by_len.items())]
+        self._last = frozenset(s[-1] for s in self.stops if s)
 
     def __bool__(self) -> bool:
         return bool(self.stops)
 
-    def first(self, text: str, start: int, ends_after: int) -> tuple[int, str] | None:
-        """(i, s): of the occurrences in ``text`` that start at ``start`` or later and end after
-        ``ends_after``, the leftmost; at equal starts the stop string listed first (what a
-        ``text.find(s, start)`` per stop string in list order picks)."""
+    def first(self, text: str, before: int) -> tuple[int, str] | None:
+        """(i, s): of the occurrences in ``text`` that end past ``before`` (the text the last
+        check saw, as vLLM's stop check reads), the leftmost; at equal starts the stop string
+        listed first."""
         best: tuple[int, int] | None = None
-        for end in range(max(start, ends_after) + 1, len(text) + 1):
-            node, i = self._trie, end
-            while i > start:
-                node = node.get(text[i - 1])
-                if node is None:
+        for end in range(before + 1, len(text) + 1):
+            if text[end - 1] not in self._last:
+                continue
+            for n, group, only in self._by_len:
+                i = end - n
+                if i < 0:
                     break
-                i -= 1
-                k = node.get(_END)
-                if k is not None and (best is None or (i, k) < best):
+                if only is not None:
+                    s, k = only
+                    if not text.startswith(s, i):
+                        continue
+                elif (k := group.get(text[i:end], -1)) < 0:
+                    continue
+                if best is None or (i, k) < best:
                     best = (i, k)
         return None if best is None else (best[0], self.stops[best[1]])
 
@@ -72,7 +76,6 @@ class Detokenizer:
     _ids: list[int] = field(default_factory=list)
     _prefix: int = 0
     _read: int = 0
-    _searched: int = 0   # len(_text) at the last stop check that found none (no match ends before)
 
     def __post_init__(self) -> None:
         self._ids = list(self.prompt_ids[-_PROMPT_TAIL:])
@@ -118,11 +121,8 @@ class Detokenizer:
         before = len(self._text)
         if not self._emit() or not (check_stop and self.stop):
             return None
-        # a match may start up to longest - 1 characters back; one ending at or before _searched
-        # would have been found then (its start is at or after that check's start)
-        best = self.stop.first(self._text, max(0, before - self.stop.longest + 1), self._searched)
+        best = self.stop.first(self._text, before)   # (a stop string ends in the new text)
         if best is None:
-            self._searched = len(self._text)
             return None
         i, s = best
         self._text = self._text[: i + len(s) if self.include_stop else i]

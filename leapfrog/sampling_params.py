@@ -29,6 +29,13 @@ def token_ids_ok(ids, end: int | None = None) -> bool:
     return all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 and (end is None or t < end)
                for t in ids)   # (int subclasses, or items that are not ints)
 
+
+def _texts_ok(texts, strip: bool = False) -> bool:
+    """Every item a string, not empty (nor blank with ``strip``): C loops as in token_ids_ok."""
+    if set(map(type, texts)) <= {str}:
+        return all(map(str.strip, texts)) if strip else all(texts)
+    return all(isinstance(t, str) and (t.strip() if strip else t) for t in texts)
+
 # field -> (low, high, low excluded, note): finite values only; the bounds keep every transform
 # finite in float32 (a repetition penalty of 1e-300 would turn a logit into inf, the softmax into NaN).
 _FLOAT_RANGES: dict[str, tuple[float, float, bool, str]] = {
@@ -135,7 +142,7 @@ class SamplingParams:
         stops = [self.stop] if isinstance(self.stop, str) else self.stop
         if stops is None:
             stops = []
-        if not isinstance(stops, (list, tuple)) or any(not isinstance(s, str) or not s for s in stops):
+        if not isinstance(stops, (list, tuple)) or not _texts_ok(stops):
             raise bad("stop", "must be a non-empty string or a list of them")
         self._stop_list = list(stops)
         ids = self.stop_token_ids
@@ -168,8 +175,7 @@ class SamplingParams:
                                     or not token_ids_ok(allowed)):
             raise bad("allowed_token_ids", "must be a non-empty list of token ids (non-negative integers)")
         words = self.bad_words
-        if words is not None and (not isinstance(words, (list, tuple))
-                                  or any(not isinstance(w, str) or not w.strip() for w in words)):
+        if words is not None and (not isinstance(words, (list, tuple)) or not _texts_ok(words, strip=True)):
             raise bad("bad_words", "must be a list of non-empty strings")
         so = self.structured_outputs
         if isinstance(so, dict):

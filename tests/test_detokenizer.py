@@ -72,11 +72,11 @@ def test_queued_tokens_are_decoded_only_when_the_text_is_read(tokenizer):
 
 
 def _first_stop_by_find(text: str, before: int, stops: list[str]) -> tuple[int, str] | None:
-    """The stop check as one ``str.find`` per stop string (the rule StopStrings must keep)."""
-    start = max(0, before - max(map(len, stops)) + 1)
+    """The stop check as one ``str.find`` per stop string over the text that ends past ``before``
+    (vLLM's window), the leftmost match winning (the rule StopStrings must keep)."""
     best = None
     for s in stops:
-        i = text.find(s, start)
+        i = text.find(s, max(0, before - len(s) + 1))
         if i >= 0 and (best is None or i < best[0]):
             best = (i, s)
     return best
@@ -87,9 +87,10 @@ def _first_stop_by_find(text: str, before: int, stops: list[str]) -> tuple[int, 
        spans=st.lists(st.tuples(st.integers(0, len(TEXT)), st.integers(1, 12)), min_size=1, max_size=6),
        checks=st.lists(st.booleans(), min_size=1, max_size=40), include=st.booleans())
 def test_stop_strings_match_what_a_find_per_stop_string_matches(tokenizer, picks, spans, checks, include):
-    """The reversed-character trie finds the stop string a ``find`` per stop string finds (the
-    leftmost occurrence; at equal starts the one listed first), the same token, the same cut,
-    with stop checks skipped for some tokens (min_tokens) and stop strings inside one another."""
+    """The stop strings grouped by length find the stop string a ``find`` per stop string finds
+    (the leftmost occurrence that ends in the new text; at equal starts the one listed first), the
+    same token, the same cut, with checks skipped for some tokens (min_tokens: a stop string
+    completed then never ends the output later) and stop strings inside one another."""
     ids = _stream(tokenizer, picks, len(tokenizer))
     stops = [TEXT[a:a + n] for a, n in spans if TEXT[a:a + n]] or ["x"]
     prompt = tokenizer.encode("x = 1\n")
@@ -108,23 +109,22 @@ def test_stop_strings_match_what_a_find_per_stop_string_matches(tokenizer, picks
         assert got.text == plain.text
 
 
-def test_stop_strings_by_the_hundred_thousand_cost_a_lookup_a_character(tokenizer):
-    """100k stop strings: each token's check walks the trie from the new characters (it ran a
-    find per stop string: 38 ms a token on the engine's thread); one of them still stops."""
-    stops = [f"zq{i}xv" for i in range(100_000)] + ["return"]
-    d = Detokenizer(tokenizer, tokenizer.encode("x = 1\n"), stop=stops)
-    calls = 0
-    real = d.stop._trie.get
+def test_a_stop_string_completed_under_min_tokens_never_ends_the_output_later(tokenizer):
+    """Checks resume past min_tokens with the new text only (vLLM's rule): a stop string the
+    output completed before then is not found afterwards (the old window, the longest stop
+    string's length back, found it and cut the output inside its first min_tokens tokens)."""
+    ids = tokenizer.encode("ab cd ef gh", add_special_tokens=False)
+    d = Detokenizer(tokenizer, tokenizer.encode("x = 1\n"), stop=["ab", "a much longer stop string"])
+    matched = [d.add(t, check_stop=j >= len(ids) - 1) for j, t in enumerate(ids)]
+    assert matched == [None] * len(ids) and d.text.endswith("ab cd ef gh")
 
-    class Counting(dict):
-        def get(self, key, default=None):
-            nonlocal calls
-            calls += 1
-            return real(key, default)
-    d.stop._trie = Counting(d.stop._trie)
+
+def test_many_and_long_stop_strings(tokenizer):
+    """100k stop strings and one of 100k characters: the one that ends the text stops it."""
+    stops = [f"zq{i}xv" for i in range(100_000)] + ["b" + "a" * 100_000, "return"]
+    d = Detokenizer(tokenizer, tokenizer.encode("x = 1\n"), stop=stops)
     ids = tokenizer.encode("def f(x):\n    y = x + 1\n    return y\n", add_special_tokens=False)
     for t in ids:
         if (matched := d.add(t)) is not None:
             break
     assert matched == "return" and d.text == "def f(x):\n    y = x + 1\n    "
-    assert calls <= len(d.text) + 16   # one root lookup per new character (not 100k finds a token)

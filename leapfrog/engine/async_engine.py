@@ -111,6 +111,14 @@ class _Add:
     arrival_time: float | None = None     # time.monotonic() when generate() was called
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """What a request's params need built off the engine's thread, once for all its choices (n):
+    its bad words tokenized and its stop strings indexed (``AsyncEngine.prepare``)."""
+    bad_words: BadWords | None = None
+    stops: StopStrings | None = None
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_waiting: int = 256) -> None:
         self.engine = engine
@@ -183,11 +191,13 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt: str | None, prompt_ids: list[int] | None,
                        params: SamplingParams, num_speculative_tokens: int | None = None,
                        reservation: Reservation | None = None,
-                       on_accepted: Callable[[], None] | None = None) -> AsyncIterator[RequestOutput]:
+                       on_accepted: Callable[[], None] | None = None,
+                       prepared: Prepared | None = None) -> AsyncIterator[RequestOutput]:
         """Yield cumulative RequestOutputs until finished; leaving early (even before the engine
         accepted the request) aborts the request. ``on_accepted`` is called (on the event loop)
         once the engine has accepted the request, before its first output: a caller running
-        several requests as one answer holds its first bytes until every one is accepted."""
+        several requests as one answer holds its first bytes until every one is accepted.
+        ``prepared``: ``prepare(params)``'s result, shared by one request's choices (else built here)."""
         loop = asyncio.get_running_loop()
         arrival = time.monotonic()
         # prepared off the engine's thread (a bad prompt or constraint raises its RequestError here;
@@ -198,19 +208,13 @@ class AsyncEngine:
             pred = await self.in_tokenizer_thread(self.engine.encode_prediction, params.prediction,
                                                   chars=len(params.prediction))
             params = dataclasses.replace(params, prediction=pred)
-        bad_words = None
-        if params.bad_words and self.engine.tokenizer is not None:   # (else add_request says why)
-            bad_words = await self.in_tokenizer_thread(self.engine.encode_bad_words, params,
-                                                       chars=sum(len(w) for w in params.bad_words))
-        stops = None
-        if params.stop_strings:   # (100k of them take a second to index)
-            stops = await self.in_tokenizer_thread(StopStrings, params.stop_strings,
-                                                   chars=sum(map(len, params.stop_strings)))
+        if prepared is None:
+            prepared = await self.prepare(params)
         grammar = None
         if params.structured_outputs is not None:
             grammar = await self._in_thread(self._grammar_pool, self.engine.compile_grammar, params)
         cmd = _Add(request_id, prompt, prompt_ids, params, num_speculative_tokens, loop, asyncio.Queue(),
-                   loop.create_future(), grammar, bad_words, stops, arrival)
+                   loop.create_future(), grammar, prepared.bad_words, prepared.stops, arrival)
         with self._lock:  # the engine thread's final drain takes this lock after setting _closed
             if self._closed or self._stop.is_set():
                 raise EngineStopped("the server is shutting down")
@@ -239,6 +243,19 @@ class AsyncEngine:
         finally:
             if not finished:
                 self.abort(request_id)   # queued after the add, so it always finds the request
+
+    async def prepare(self, params: SamplingParams) -> Prepared:
+        """``params``' bad words tokenized (100k take 9 s) and stop strings indexed (4 MiB of them a
+        quarter of a second) on the tokenizer's thread; a caller running several choices of one
+        request passes the result to each one's ``generate``."""
+        bad_words = stops = None
+        if params.bad_words and self.engine.tokenizer is not None:   # (else add_request says why)
+            bad_words = await self.in_tokenizer_thread(self.engine.encode_bad_words, params,
+                                                       chars=sum(map(len, params.bad_words)))
+        if params.stop_strings:
+            stops = await self.in_tokenizer_thread(StopStrings, params.stop_strings,
+                                                   chars=sum(map(len, params.stop_strings)))
+        return Prepared(bad_words, stops)
 
     async def in_tokenizer_thread(self, fn: Callable, *args, chars: int = 0):
         """``fn(*args)`` on the tokenizer's thread: tokenizing (a prompt, a chat template) on the

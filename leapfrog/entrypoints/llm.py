@@ -10,6 +10,7 @@ from typing import Any, Sequence
 from leapfrog.progress import progress_bar
 
 from leapfrog.config import EngineConfig
+from leapfrog.detokenizer import StopStrings
 from leapfrog.engine.engine import LLMEngine
 from leapfrog.entrypoints.openai.protocol import check_messages, template_messages
 from leapfrog.errors import ConfigError, EngineError, NotShareable, RequestError
@@ -163,9 +164,12 @@ class LLM:
                 text, ids = _split_prompt(prompt)
                 rid = str(next(self._ids))
                 group = []
+                shared = {}   # (n choices: the bad words tokenized and the stop strings indexed once)
+                if sp.n > 1:
+                    shared = dict(bad_words=self.engine.encode_bad_words(sp), stops=StopStrings(sp.stop_strings))
                 for i in range(sp.n):
                     sub = f"{rid}-{i}" if sp.n > 1 else rid
-                    self.engine.add_request(sub, text, ids, sp, index=i)
+                    self.engine.add_request(sub, text, ids, sp, index=i, **shared)
                     added.append(sub)
                     group.append(sub)
                 groups.append(group)

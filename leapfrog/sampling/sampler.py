@@ -49,7 +49,12 @@ class BadWords:
 
     def banned(self, output_ids: Sequence[int]) -> list[int]:
         """The tokens that may not follow ``output_ids`` (the prompt does not count: vLLM's rule)."""
-        out = list(self.always)
+        return list(self.always) + self.ending(output_ids)
+
+    def ending(self, output_ids: Sequence[int]) -> list[int]:
+        """The last tokens of the words of several tokens whose others end ``output_ids`` (the
+        one-token words aside: RuleTensors.never masks them)."""
+        out: list[int] = []
         m = len(output_ids)
         for n, by_prefix in self.ends.items():
             if n <= m:
@@ -62,28 +67,36 @@ class RuleTensors:
     """The tensors of a request's rules that depend on its params and prompt only, built at its
     first row and kept for every row of every step after (Request.rule_tensors): rebuilt per row,
     a 128k vocabulary cost 110 ms a step of 6 rows for an allowed_token_ids of the whole
-    vocabulary, 350 ms for a logit_bias of it, 26 ms for a penalty's 32k-token prompt."""
+    vocabulary, 350 ms for a logit_bias of it, 26 ms for a penalty's 32k-token prompt, 100k
+    one-token bad words (or stop ids under min_tokens) 80-100 ms."""
     outside: Tensor | None       # [V] bool: not in allowed_token_ids (None: no such list)
     bias_ids: Tensor | None      # [M] long: logit_bias's tokens (None: no bias)
     bias_values: Tensor | None   # [M] float32
     prompt_seen: Tensor | None   # [V] bool: in the prompt (None: no penalties)
+    never: Tensor | None         # [V] bool: one-token bad words (None: none)
+    stops: Tensor | None         # [V] bool: EOS and stop_token_ids, banned under min_tokens (None: no min_tokens)
 
     @staticmethod
-    def of(params: SamplingParams, prompt_ids: Sequence[int], vocab_size: int,
-           device: torch.device | str) -> "RuleTensors":
-        outside = bias_ids = bias_values = prompt_seen = None
-        if params.allowed_token_ids is not None:
-            outside = torch.ones(vocab_size, dtype=torch.bool, device=device)
-            outside[torch.tensor(params.allowed_token_ids, dtype=torch.long, device=device)] = False
+    def of(spec: "RowSpec", vocab_size: int, device: torch.device | str) -> "RuleTensors":
+        params = spec.params
+
+        def mask(ids: Sequence[int], value: bool = True) -> Tensor:
+            m = torch.full((vocab_size,), not value, dtype=torch.bool, device=device)
+            if len(ids):
+                m[torch.tensor(list(ids), dtype=torch.long, device=device)] = value
+            return m
+
+        bias_ids = bias_values = None
         if params.logit_bias:
             bias_ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=device)
             bias_values = torch.tensor([float(v) for v in params.logit_bias.values()], dtype=torch.float32,
                                        device=device)
-        if params.has_penalties:
-            prompt_seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-            if len(prompt_ids):
-                prompt_seen[torch.tensor(list(prompt_ids), dtype=torch.long, device=device)] = True
-        return RuleTensors(outside, bias_ids, bias_values, prompt_seen)
+        return RuleTensors(
+            outside=mask(params.allowed_token_ids, False) if params.allowed_token_ids is not None else None,
+            bias_ids=bias_ids, bias_values=bias_values,
+            prompt_seen=mask(spec.prompt_ids) if params.has_penalties else None,
+            never=mask(spec.bad_words.always) if spec.bad_words.always else None,
+            stops=mask(spec.stop_ids) if params.min_tokens and spec.stop_ids else None)
 
 
 @dataclass(frozen=True)
@@ -102,7 +115,7 @@ class RowSpec:
         key = (vocab_size, str(device))
         got = self.memo.get(key) if self.memo is not None else None
         if got is None:
-            got = RuleTensors.of(self.params, self.prompt_ids, vocab_size, device)
+            got = RuleTensors.of(self, vocab_size, device)
             if self.memo is not None:
                 self.memo[key] = got
         return got
@@ -172,21 +185,20 @@ def _token_rules(specs: Sequence[RowSpec], vocab_size: int, device: torch.device
     bias: list[tuple[int, Tensor, Tensor]] = []   # (row, ids [M], values [M])
     for i, s in enumerate(specs):
         p = s.params
-        ban: list[int] = []
-        if s.stop_ids and len(s.output_ids) < p.min_tokens:
-            ban += s.stop_ids
-        if s.bad_words:
-            ban += s.bad_words.banned(s.output_ids)
+        ban = s.bad_words.ending(s.output_ids) if s.bad_words else []
+        stops = bool(s.stop_ids) and len(s.output_ids) < p.min_tokens
         allowed = None
         if s.grammar is not None:   # the grammar's state after the committed output and this row's drafts
             allowed = s.grammar.allowed(list(s.output_ids[s.grammar.num_consumed:]))
-        if ban or p.allowed_token_ids is not None or allowed is not None:
+        if ban or stops or s.bad_words.always or p.allowed_token_ids is not None or allowed is not None:
             if masked is None:
                 masked = torch.zeros(len(specs), vocab_size, dtype=torch.bool, device=device)
             if allowed is not None:
                 masked[i] = ~allowed.to(device)
-            if p.allowed_token_ids is not None:
-                masked[i] |= s.rule_tensors(vocab_size, device).outside
+            rt = s.rule_tensors(vocab_size, device)
+            for m in (rt.outside, rt.never, rt.stops if stops else None):
+                if m is not None:
+                    masked[i] |= m
             if ban:
                 masked[i, torch.tensor(ban, dtype=torch.long, device=device)] = True
         if p.logit_bias:

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from leapfrog.errors import ConfigError
 from leapfrog.sampling import sampler
 from leapfrog.sampling.sampler import PositionKey, RowSpec, seed_key
-from leapfrog.sampling_params import SamplingParams, token_ids_ok
+from leapfrog.sampling_params import SamplingParams, _texts_ok, token_ids_ok
 
 V = 64
 WILD = st.one_of(st.floats(allow_nan=True, allow_infinity=True),
@@ -82,6 +82,10 @@ class Tok(int):   # an int subclass (an IntEnum's kind): an id like any int
     pass
 
 
+class Text(str):   # a str subclass: a string like any
+    pass
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.one_of(ints, st.booleans(), st.floats(0, 10), st.integers(0, 9).map(Tok), st.none()), max_size=8),
        st.one_of(st.none(), st.integers(1, 3 * V)))
@@ -91,3 +95,12 @@ def test_token_ids_ok_is_the_item_by_item_rule(ids, end):
     want = all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 and (end is None or t < end) for t in ids)
     assert token_ids_ok(ids, end) is want
     assert token_ids_ok(tuple(ids), end) is want
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(st.text(max_size=3), st.integers(), st.none(), st.text(max_size=2).map(Text)), max_size=6),
+       st.booleans())
+def test_texts_ok_is_the_item_by_item_rule(texts, strip):
+    """The C-loop check of stop strings and bad words accepts what the item-by-item rule accepts."""
+    want = all(isinstance(t, str) and (t.strip() if strip else t) for t in texts)
+    assert bool(_texts_ok(texts, strip)) is want

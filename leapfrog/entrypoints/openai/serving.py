@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from leapfrog.engine.async_engine import AsyncEngine, EngineOverloaded, EngineStopped, Reservation
+from leapfrog.engine.async_engine import AsyncEngine, EngineOverloaded, EngineStopped, Prepared, Reservation
 from leapfrog.entrypoints.openai.metrics import ServerMetrics
 from leapfrog.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, TokenizeRequest, _Sampling,
                                                   template_messages)
@@ -231,15 +232,17 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ running
     async def _stream(self, rid: str, prompt: Prompt, sp: SamplingParams, k: int | None,
-                      reservation: Reservation, on_accepted: Callable[[], None] | None = None
-                      ) -> AsyncIterator[RequestOutput]:
-        try:
-            async for out in self.engine.generate(rid, prompt.text, prompt.ids, sp, k, reservation, on_accepted):
+                      reservation: Reservation, prepared: Prepared,
+                      on_accepted: Callable[[], None] | None = None) -> AsyncIterator[RequestOutput]:
+        with _engine_errors():
+            async for out in self.engine.generate(rid, prompt.text, prompt.ids, sp, k, reservation, on_accepted,
+                                                  prepared):
                 yield out
-        except RequestError as e:
-            raise APIError(400, str(e), param=e.param or "prompt") from None
-        except EngineStopped as e:
-            raise APIError(503, str(e), type_="server_unavailable", code="shutting_down") from None
+
+    async def _prepare(self, sp: SamplingParams) -> Prepared:
+        """The request's bad words and stop strings, built once for all its choices."""
+        with _engine_errors():
+            return await self.engine.prepare(sp)
 
     def _jobs(self, prompts: list[Prompt], sp: SamplingParams) -> list[tuple[int, Prompt, SamplingParams]]:
         """One engine request per (prompt, n) choice; seeds differ per choice."""
@@ -269,12 +272,13 @@ class OpenAIServing:
         every choice is aborted at once and ClientDisconnected is raised. A choice that failed in
         the engine (finish_reason "error") makes the whole answer a JSON 500."""
         base = uuid.uuid4().hex
+        prepared = await self._prepare(sp)
         jobs = self._jobs(prompts, sp)
         reservation = self.admit(len(jobs), sp)
 
         async def one(idx: int, p: Prompt, s: SamplingParams) -> RequestOutput:
             last = None
-            async for out in self._stream(f"{base}-{idx}", p, s, k, reservation):
+            async for out in self._stream(f"{base}-{idx}", p, s, k, reservation, prepared):
                 last = out
             assert last is not None
             return last
@@ -317,12 +321,13 @@ class OpenAIServing:
 
         async def pump(idx: int, p: Prompt, s: SamplingParams) -> None:
             try:
-                async for out in self._stream(f"{base}-{idx}", p, s, k, reservation,
+                async for out in self._stream(f"{base}-{idx}", p, s, k, reservation, prepared,
                                               lambda: q.put_nowait((idx, _ACCEPTED))):
                     await q.put((idx, out))
             except Exception as e:  # noqa: BLE001 - forwarded to the consumer (a shutdown: EngineStopped's 503)
                 await q.put((idx, e))
 
+        prepared = await self._prepare(sp)
         jobs = self._jobs(prompts, sp)
         reservation = self.admit(len(jobs), sp)
         tasks = [asyncio.ensure_future(pump(*j)) for j in jobs]
@@ -403,6 +408,17 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "chat_template_kwargs": _unused({}), "documents": _unused(),
     "length_penalty": _unused(1.0), "spaces_between_special_tokens": _unused(True),
 }
+
+
+@contextlib.contextmanager
+def _engine_errors():
+    """The engine's refusals as API errors: a bad request's 400, a shutdown's 503."""
+    try:
+        yield
+    except RequestError as e:
+        raise APIError(400, str(e), param=e.param or "prompt") from None
+    except EngineStopped as e:
+        raise APIError(503, str(e), type_="server_unavailable", code="shutting_down") from None
 
 
 def _fields(sp: SamplingParams) -> dict:

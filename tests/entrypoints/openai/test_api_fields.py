@@ -175,15 +175,17 @@ def test_bad_words_tokenize_off_the_engine_thread(server, reference, monkeypatch
     word = next(w for t in base.outputs[0].token_ids
                 if (w := tok.decode([t])).strip() and tok.encode(w, add_special_tokens=False) == [t])
     many = [f"zq{i}xv" for i in range(20_000)] + [word]
-    r = client(server).completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0,
+    r = client(server).completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0, n=2,
                                           extra_body={"bad_words": many, "ignore_eos": True})
-    assert r.choices[0].text == ref_out(reference, PROMPT, max_tokens=10, bad_words=[word]).outputs[0].text
-    assert threads == ["leapfrog-tokenize-long"], threads   # (160k characters: the long texts' lane)
+    want = ref_out(reference, PROMPT, max_tokens=10, bad_words=[word]).outputs[0].text
+    assert [c.text for c in r.choices] == [want, want]
+    assert threads == ["leapfrog-tokenize-long"], threads   # (160k characters: the long lane; once for n = 2)
 
 
 def test_many_stop_strings_are_indexed_off_the_engine_thread(server, reference, monkeypatch):
-    """Stop strings are indexed (StopStrings: a second for 100k) on the tokenizer's thread, not in
-    the engine's add_request; 20k of them stop where the one that matches stops."""
+    """Stop strings are indexed (StopStrings) on the tokenizer's thread, not in the engine's
+    add_request, once for a request's choices; 20k of them stop where the one that matches
+    stops, streaming too."""
     import threading
 
     from leapfrog.engine import async_engine
@@ -193,11 +195,16 @@ def test_many_stop_strings_are_indexed_off_the_engine_thread(server, reference, 
     text = ref_out(reference, PROMPT, max_tokens=10).outputs[0].text
     stop = text[len(text) // 2:len(text) // 2 + 2]
     want = ref_out(reference, PROMPT, max_tokens=10, stop=[stop]).outputs[0]
-    r = client(server).completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0,
-                                          stop=[f"zq{i}xv" for i in range(20_000)] + [stop],
+    r = client(server).completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0, n=2,
+                                          stop=[f"zq{i}xv" for i in range(20_000)] + [stop], stream=True,
                                           extra_body={"ignore_eos": True})
-    assert r.choices[0].text == want.text and r.choices[0].finish_reason == "stop" and want.finish_reason == "stop"
-    assert threads == ["leapfrog-tokenize-long"], threads
+    text, finish = ["", ""], [None, None]
+    for chunk in r:
+        for c in chunk.choices:
+            text[c.index] += c.text
+            finish[c.index] = c.finish_reason or finish[c.index]
+    assert text == [want.text] * 2 and finish == ["stop"] * 2 and want.finish_reason == "stop"
+    assert threads == ["leapfrog-tokenize-long"], threads   # (once for n = 2)
 
 
 def test_continuous_usage_and_stop_token_text(server, reference):
