@@ -1282,7 +1282,7 @@ class LLMEngine:
             elif at_once:
                 text_ids.append(t)
             elif detok is not None:
-                matched = detok.add(t, check_stop=n >= p.min_tokens)
+                matched = detok.add(t, check_stop=n > p.min_tokens)   # (as vLLM: from token min_tokens + 1)
                 if matched is not None:
                     req.finish_reason, req.stop_reason = "stop", matched
             if req.finish_reason is None and req.grammar is not None and req.grammar.finished:

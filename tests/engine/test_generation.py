@@ -77,6 +77,19 @@ def test_stop_token_ids_kept_in_ids(llm, tokenizer):
     assert stop_id not in late.token_ids[:first + 2]
 
 
+def test_stop_strings_count_from_the_token_after_min_tokens(llm, tokenizer):
+    """As stop ids, stop strings end the output only from token min_tokens + 1 on (vLLM's rule): a
+    stop string the min_tokens-th token completes does not stop it (it stopped it there)."""
+    p = prompts_of(tokenizer, 1)[0]
+    full = gen(llm, p, temperature=0, max_tokens=30, ignore_eos=True)
+    k = next(j for j in range(3, 20) if (w := tokenizer.decode(full.token_ids[j - 1:j])).strip()
+             and w not in tokenizer.decode(full.token_ids[:j - 1]))   # token k's text, new there
+    stop = tokenizer.decode(full.token_ids[k - 1:k])
+    at_k = gen(llm, p, temperature=0, max_tokens=30, ignore_eos=True, stop=[stop], min_tokens=k - 1)
+    assert at_k.finish_reason == "stop" and len(at_k.token_ids) == k   # (checked from token k on)
+    late = gen(llm, p, temperature=0, max_tokens=30, ignore_eos=True, stop=[stop], min_tokens=k)
+    assert len(late.token_ids) > k and late.token_ids[:k] == full.token_ids[:k]
+
 def test_eos_stops_unless_ignored(llm, tokenizer):
     p = prompts_of(tokenizer, 1)[0]
     full = gen(llm, p, temperature=0, max_tokens=30, ignore_eos=True).token_ids

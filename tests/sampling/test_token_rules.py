@@ -114,6 +114,20 @@ def test_rows_with_the_requests_kept_tensors_equal_rows_built_afresh(allowed, bi
         assert all(torch.equal(a, b) for a, b in zip(kept.penalties, fresh.penalties))
 
 
+def test_a_long_list_of_words_after_one_prefix_is_a_kept_tensor():
+    """100 bad words after one token: a row ending with it bans all 100 (and the rows that do not,
+    none), the list's tensor built once and kept for the request's later rows."""
+    words = BadWords(tuple((7, t) for t in range(100)) + ((9, 8, 1),))
+    sp, memo = SamplingParams(temperature=0), {}
+    for _ in range(2):
+        rows = sampler.build_rows([RowSpec(sp, [1], [3, 7], (), words, memo=memo),
+                                   RowSpec(sp, [1], [3, 9, 8], (), words, memo=memo),
+                                   RowSpec(sp, [1], [7, 3], (), words, memo=memo)], 128)
+        assert rows.masked[0].nonzero().flatten().tolist() == list(range(100))
+        assert rows.masked[1].nonzero().flatten().tolist() == [1] and not rows.masked[2].any()
+    (rt,) = memo.values()
+    assert len(rt.groups) == 1
+
 def test_a_requests_rule_tensors_are_built_once(plain, tokenizer, monkeypatch):
     """allowed_token_ids, logit_bias and a penalty's prompt become tensors once per request, not
     once per row of every step (a 128k vocabulary: 110-350 ms a step of 6 rows)."""

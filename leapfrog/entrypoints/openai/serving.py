@@ -239,10 +239,16 @@ class OpenAIServing:
                                                   prepared):
                 yield out
 
-    async def _prepare(self, sp: SamplingParams) -> Prepared:
-        """The request's bad words and stop strings, built once for all its choices."""
-        with _engine_errors():
-            return await self.engine.prepare(sp)
+    async def _prepare(self, sp: SamplingParams, reservation: Reservation) -> Prepared:
+        """The request's bad words and stop strings, built once for all its choices, after it was
+        admitted (an overloaded server answers its 503 at once); refused or left (a cancelled
+        task), its places are released."""
+        try:
+            with _engine_errors():
+                return await self.engine.prepare(sp)
+        except BaseException:
+            self.engine.release(reservation)
+            raise
 
     def _jobs(self, prompts: list[Prompt], sp: SamplingParams) -> list[tuple[int, Prompt, SamplingParams]]:
         """One engine request per (prompt, n) choice; seeds differ per choice."""
@@ -272,9 +278,9 @@ class OpenAIServing:
         every choice is aborted at once and ClientDisconnected is raised. A choice that failed in
         the engine (finish_reason "error") makes the whole answer a JSON 500."""
         base = uuid.uuid4().hex
-        prepared = await self._prepare(sp)
         jobs = self._jobs(prompts, sp)
         reservation = self.admit(len(jobs), sp)
+        prepared = await self._prepare(sp, reservation)
 
         async def one(idx: int, p: Prompt, s: SamplingParams) -> RequestOutput:
             last = None
@@ -327,9 +333,9 @@ class OpenAIServing:
             except Exception as e:  # noqa: BLE001 - forwarded to the consumer (a shutdown: EngineStopped's 503)
                 await q.put((idx, e))
 
-        prepared = await self._prepare(sp)
         jobs = self._jobs(prompts, sp)
         reservation = self.admit(len(jobs), sp)
+        prepared = await self._prepare(sp, reservation)
         tasks = [asyncio.ensure_future(pump(*j)) for j in jobs]
         sent_text = [0] * len(jobs)
         sent_tok = [0] * len(jobs)

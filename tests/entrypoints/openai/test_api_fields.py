@@ -182,6 +182,24 @@ def test_bad_words_tokenize_off_the_engine_thread(server, reference, monkeypatch
     assert threads == ["leapfrog-tokenize-long"], threads   # (160k characters: the long lane; once for n = 2)
 
 
+def test_bad_words_are_tokenized_after_admission_and_a_failure_frees_its_places(server, monkeypatch):
+    """A request the queue can never take is refused before its bad words are tokenized (they can
+    take seconds); one whose bad words cannot be tokenized gets its 400 and leaves no place held."""
+    ae = server.app.state.engine
+    calls = []
+    real = ae.engine.encode_bad_words
+    monkeypatch.setattr(ae.engine, "encode_bad_words", lambda p: calls.append(1) or real(p))
+    r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": ["a"] * 17, "n": 16,
+                                                         "max_tokens": 2, "bad_words": ["x"]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_sequences" and not calls
+    for stream in (False, True):
+        body = json.dumps({"model": "tiny", "prompt": "a", "n": 2, "max_tokens": 2, "bad_words": ["ok", "\ud800"],
+                           "stream": stream})   # (a lone surrogate, escaped: it cannot be tokenized)
+        r = httpx.post(server.url + "/v1/completions", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words", r.text
+        assert ae._pending == 0
+    assert client(server).completions.create(model="tiny", prompt="a", max_tokens=2).choices[0].text is not None
+
 def test_many_stop_strings_are_indexed_off_the_engine_thread(server, reference, monkeypatch):
     """Stop strings are indexed (StopStrings) on the tokenizer's thread, not in the engine's
     add_request, once for a request's choices; 20k of them stop where the one that matches
