@@ -95,6 +95,14 @@ class _Worker:
                 fut.set_exception(e)
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """What a request's params need built off the engine's thread, once for all its choices (n):
+    its bad words tokenized and its stop strings indexed (``AsyncEngine.prepare``)."""
+    bad_words: BadWords | None = None
+    stops: StopStrings | None = None
+
+
 @dataclass
 class _Add:
     request_id: str
@@ -106,17 +114,8 @@ class _Add:
     out: asyncio.Queue
     accepted: asyncio.Future
     grammar: GrammarState | None = None   # compiled off the engine's thread (structured outputs)
-    bad_words: BadWords | None = None     # tokenized off the engine's thread
-    stops: StopStrings | None = None      # indexed off the engine's thread
+    prepared: Prepared = Prepared()       # bad words and stop strings, built off the engine's thread
     arrival_time: float | None = None     # time.monotonic() when generate() was called
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """What a request's params need built off the engine's thread, once for all its choices (n):
-    its bad words tokenized and its stop strings indexed (``AsyncEngine.prepare``)."""
-    bad_words: BadWords | None = None
-    stops: StopStrings | None = None
 
 
 class AsyncEngine:
@@ -214,7 +213,7 @@ class AsyncEngine:
         if params.structured_outputs is not None:
             grammar = await self._in_thread(self._grammar_pool, self.engine.compile_grammar, params)
         cmd = _Add(request_id, prompt, prompt_ids, params, num_speculative_tokens, loop, asyncio.Queue(),
-                   loop.create_future(), grammar, prepared.bad_words, prepared.stops, arrival)
+                   loop.create_future(), grammar, prepared, arrival)
         with self._lock:  # the engine thread's final drain takes this lock after setting _closed
             if self._closed or self._stop.is_set():
                 raise EngineStopped("the server is shutting down")
@@ -313,8 +312,8 @@ class AsyncEngine:
                 try:
                     self.engine.add_request(cmd.request_id, cmd.prompt, cmd.prompt_ids, cmd.params,
                                             num_speculative_tokens=cmd.num_speculative_tokens,
-                                            grammar=cmd.grammar, bad_words=cmd.bad_words, stops=cmd.stops,
-                                            arrival_time=cmd.arrival_time)
+                                            grammar=cmd.grammar, bad_words=cmd.prepared.bad_words,
+                                            stops=cmd.prepared.stops, arrival_time=cmd.arrival_time)
                 except Exception as e:  # noqa: BLE001 - reported to the caller
                     self._resolve(cmd, e)
                 else:

@@ -561,10 +561,9 @@ class LLMEngine:
     def _check_vocab(self, ids: list[int], what: str) -> None:
         if token_ids_ok(ids, self.vocab_size):
             return
-        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise RequestError(f"{what} token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})",
-                               param=None if what == "prompt" else what)
+        bad = next(t for t in ids if not token_ids_ok((t,), self.vocab_size))
+        raise RequestError(f"{what} token id {bad!r} is outside the vocabulary [0, {self.vocab_size})",
+                           param=None if what == "prompt" else what)
 
     def _proposer_of(self, req: Request) -> Any:
         """Who drafts for this request: its prediction if it has one, else the configured proposer."""
