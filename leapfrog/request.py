@@ -5,14 +5,38 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from leapfrog.detokenizer import Detokenizer
+from leapfrog.detokenizer import Detokenizer, StopStrings
 from leapfrog.outputs import CompletionOutput, PositionLogprobs, RequestMetrics
 from leapfrog.sampling.grammar import GrammarState
 from leapfrog.sampling.sampler import BadWords, NoiseRows, PositionKey, Rng, RowSpec
 from leapfrog.sampling_params import SamplingParams
+
+
+def stop_ids_of(params: SamplingParams, eos_ids: tuple[int, ...]) -> tuple[int, ...]:
+    """EOS (unless ignore_eos) and stop_token_ids, each once, in that order."""
+    eos = () if params.ignore_eos else eos_ids
+    return tuple(dict.fromkeys(eos + tuple(params.stop_token_ids or ())))
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request's params checked against the engine and their lists built (``LLMEngine.prepare``):
+    once for every engine request that shares them (an API request's prompts x n choices), and
+    off the engine's thread where the caller can. Done per choice, a 4 MiB body's lists (400k
+    stop ids) cost ~90 ms each on the engine's thread, 23 s for n = 256."""
+    params: SamplingParams                  # a validated copy of the caller's
+    owner: Any = field(default=None, compare=False, repr=False)   # the engine that checked them
+    bad_words: BadWords = BadWords()        # params.bad_words tokenized and indexed
+    stops: StopStrings | None = None        # params.stop_strings indexed (None: no tokenizer)
+    prediction_ids: tuple[int, ...] | None = None   # params.prediction tokenized, vocabulary-checked
+    stop_ids: tuple[int, ...] = ()          # stop_ids_of(params, the engine's EOS)
+    stop_set: frozenset[int] = frozenset()
+    rules: dict = field(default_factory=dict, compare=False, repr=False)
+    # (RowSpec.shared: the RuleTensors of the params alone, built at the first row of any of them)
 
 
 class Status(enum.Enum):
@@ -41,8 +65,9 @@ class Request:
     prediction_ids: list[int] | None = None    # predicted output (SamplingParams.prediction), tokenized
     bad_words: BadWords = BadWords()   # SamplingParams.bad_words, tokenized and indexed
     rule_tensors: dict = field(default_factory=dict)   # RowSpec.memo: its RuleTensors, built at its first row
-    stop_ids: tuple[int, ...] = field(init=False)   # EOS (unless ignore_eos) and stop_token_ids, each once
-    stop_set: frozenset[int] = field(init=False, repr=False)   # the same, for `in`
+    shared_rules: dict = field(default_factory=dict, repr=False)   # RowSpec.shared (Prepared.rules)
+    stop_ids: tuple[int, ...] | None = None   # stop_ids_of(params, eos_ids) (None: computed here)
+    stop_set: frozenset[int] | None = field(default=None, repr=False)   # the same, for `in`
     grammar: GrammarState | None = None    # SamplingParams.structured_outputs, at output_ids
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.monotonic()))
     index: int = 0                         # completion index when n > 1
@@ -70,10 +95,12 @@ class Request:
         return not self.output_ids
 
     def __post_init__(self) -> None:
-        # (once: rebuilt at every access, 500k stop_token_ids cost 30 ms a step of the batch)
-        eos = () if self.params.ignore_eos else self.eos_ids
-        self.stop_ids = tuple(dict.fromkeys(eos + tuple(self.params.stop_token_ids or ())))
-        self.stop_set = frozenset(self.stop_ids)
+        # (once: rebuilt at every access, 500k stop_token_ids cost 30 ms a step of the batch; the
+        # engine passes them from its Prepared, built once for all of a request's choices)
+        if self.stop_ids is None:
+            self.stop_ids = stop_ids_of(self.params, self.eos_ids)
+        if self.stop_set is None:
+            self.stop_set = frozenset(self.stop_ids)
 
     def rng(self, j: int = 0) -> Rng:
         """Randomness of the row j tokens after output_ids: none (greedy), the noise keyed by
@@ -117,7 +144,7 @@ class Request:
         """Sampling context of the row after output_ids + extra (drafts)."""
         out = self.output_ids + list(extra) if extra else self.output_ids
         return RowSpec(self.params, self.prompt_ids, out, self.stop_ids, self.bad_words, self.grammar,
-                       self.rule_tensors)
+                       self.rule_tensors, self.shared_rules)
 
     def completion(self, delta: bool = False) -> CompletionOutput:
         text = self.detok.text if self.detok is not None else ""

@@ -13,7 +13,6 @@ compile, and on the engine's thread either would stall every running request for
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import queue
 import threading
@@ -22,12 +21,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from leapfrog.detokenizer import StopStrings
 from leapfrog.engine.engine import LLMEngine
 from leapfrog.errors import LeapfrogError, RequestError
 from leapfrog.outputs import IterationStats, RequestOutput
+from leapfrog.request import Prepared
 from leapfrog.sampling.grammar import GrammarState
-from leapfrog.sampling.sampler import BadWords
 from leapfrog.sampling_params import SamplingParams
 
 log = logging.getLogger("leapfrog.engine")
@@ -35,6 +33,19 @@ log = logging.getLogger("leapfrog.engine")
 #: text (characters) above which a prompt tokenizes on the long texts' thread (about 0.1 s of
 #: tokenizing on a 2-core EPYC; a 2.5 MB prompt takes about 4 s)
 LONG_TEXT_CHARS = 1 << 16
+
+
+def _text_chars(params: SamplingParams) -> int:
+    """How much text ``LLMEngine.prepare(params)`` tokenizes or indexes (which thread it runs on)."""
+    n = 0
+    if not isinstance(params, SamplingParams):
+        return n
+    for v in (params.bad_words, params.stop, params.prediction):
+        try:
+            n += len(v) if isinstance(v, str) else sum(map(len, v or ()))
+        except TypeError:   # (token ids; a wrong type: prepare says why)
+            pass
+    return n
 
 
 def _resolve(fut: asyncio.Future) -> None:
@@ -95,26 +106,18 @@ class _Worker:
                 fut.set_exception(e)
 
 
-@dataclass(frozen=True)
-class Prepared:
-    """What a request's params need built off the engine's thread, once for all its choices (n):
-    its bad words tokenized and its stop strings indexed (``AsyncEngine.prepare``)."""
-    bad_words: BadWords | None = None
-    stops: StopStrings | None = None
-
-
 @dataclass
 class _Add:
     request_id: str
     prompt: str | None
     prompt_ids: list[int] | None
-    params: SamplingParams
+    prepared: Prepared                    # the params, checked and their lists built off the engine's thread
+    index: int                            # the choice's (n > 1: its seed is the params' + index)
     num_speculative_tokens: int | None
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue
     accepted: asyncio.Future
     grammar: GrammarState | None = None   # compiled off the engine's thread (structured outputs)
-    prepared: Prepared = Prepared()       # bad words and stop strings, built off the engine's thread
     arrival_time: float | None = None     # time.monotonic() when generate() was called
 
 
@@ -188,32 +191,28 @@ class AsyncEngine:
             r.left = 0
 
     async def generate(self, request_id: str, prompt: str | None, prompt_ids: list[int] | None,
-                       params: SamplingParams, num_speculative_tokens: int | None = None,
+                       params: SamplingParams | Prepared, num_speculative_tokens: int | None = None,
                        reservation: Reservation | None = None,
-                       on_accepted: Callable[[], None] | None = None,
-                       prepared: Prepared | None = None) -> AsyncIterator[RequestOutput]:
+                       on_accepted: Callable[[], None] | None = None, index: int = 0) -> AsyncIterator[RequestOutput]:
         """Yield cumulative RequestOutputs until finished; leaving early (even before the engine
         accepted the request) aborts the request. ``on_accepted`` is called (on the event loop)
         once the engine has accepted the request, before its first output: a caller running
         several requests as one answer holds its first bytes until every one is accepted.
-        ``prepared``: ``prepare(params)``'s result, shared by one request's choices (else built here)."""
+        ``params``: a SamplingParams, or ``prepare(params)``'s result, shared by one API request's
+        choices and prompts (else prepared here); ``index``: the choice's (``LLMEngine.add_request``)."""
         loop = asyncio.get_running_loop()
         arrival = time.monotonic()
         # prepared off the engine's thread (a bad prompt or constraint raises its RequestError here;
         # leaving now leaves nothing in the engine to abort)
+        prepared = params if isinstance(params, Prepared) else await self.prepare(params)
+        params = prepared.params
         if prompt_ids is None and isinstance(prompt, str):
             prompt_ids = await self.in_tokenizer_thread(self.engine.encode_prompt, prompt, chars=len(prompt))
-        if isinstance(params.prediction, str) and self.engine.tokenizer is not None:   # (else add_request says why)
-            pred = await self.in_tokenizer_thread(self.engine.encode_prediction, params.prediction,
-                                                  chars=len(params.prediction))
-            params = dataclasses.replace(params, prediction=pred)
-        if prepared is None:
-            prepared = await self.prepare(params)
         grammar = None
         if params.structured_outputs is not None:
             grammar = await self._in_thread(self._grammar_pool, self.engine.compile_grammar, params)
-        cmd = _Add(request_id, prompt, prompt_ids, params, num_speculative_tokens, loop, asyncio.Queue(),
-                   loop.create_future(), grammar, prepared, arrival)
+        cmd = _Add(request_id, prompt, prompt_ids, prepared, index, num_speculative_tokens, loop, asyncio.Queue(),
+                   loop.create_future(), grammar, arrival)
         with self._lock:  # the engine thread's final drain takes this lock after setting _closed
             if self._closed or self._stop.is_set():
                 raise EngineStopped("the server is shutting down")
@@ -244,17 +243,11 @@ class AsyncEngine:
                 self.abort(request_id)   # queued after the add, so it always finds the request
 
     async def prepare(self, params: SamplingParams) -> Prepared:
-        """``params``' bad words tokenized (100k take 9 s) and stop strings indexed (4 MiB of them a
-        quarter of a second) on the tokenizer's thread; a caller running several choices of one
-        request passes the result to each one's ``generate``."""
-        bad_words = stops = None
-        if params.bad_words and self.engine.tokenizer is not None:   # (else add_request says why)
-            bad_words = await self.in_tokenizer_thread(self.engine.encode_bad_words, params,
-                                                       chars=sum(map(len, params.bad_words)))
-        if params.stop_strings:
-            stops = await self.in_tokenizer_thread(StopStrings, params.stop_strings,
-                                                   chars=sum(map(len, params.stop_strings)))
-        return Prepared(bad_words, stops)
+        """``LLMEngine.prepare(params)`` on the tokenizer's thread: the params validated and checked
+        against the model, bad words tokenized (100k take 9 s), stop strings indexed (4 MiB of
+        them a quarter of a second), a text prediction tokenized. A caller running several
+        choices or prompts of one request passes the result to each one's ``generate``."""
+        return await self.in_tokenizer_thread(self.engine.prepare, params, chars=_text_chars(params))
 
     async def in_tokenizer_thread(self, fn: Callable, *args, chars: int = 0):
         """``fn(*args)`` on the tokenizer's thread: tokenizing (a prompt, a chat template) on the
@@ -310,10 +303,9 @@ class AsyncEngine:
                 return
             if isinstance(cmd, _Add):
                 try:
-                    self.engine.add_request(cmd.request_id, cmd.prompt, cmd.prompt_ids, cmd.params,
+                    self.engine.add_request(cmd.request_id, cmd.prompt, cmd.prompt_ids, cmd.prepared, cmd.index,
                                             num_speculative_tokens=cmd.num_speculative_tokens,
-                                            grammar=cmd.grammar, bad_words=cmd.prepared.bad_words,
-                                            stops=cmd.prepared.stops, arrival_time=cmd.arrival_time)
+                                            grammar=cmd.grammar, arrival_time=cmd.arrival_time)
                 except Exception as e:  # noqa: BLE001 - reported to the caller
                     self._resolve(cmd, e)
                 else:

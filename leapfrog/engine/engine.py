@@ -36,7 +36,7 @@ from leapfrog.model.native_ops import load_native_ops, row_max
 from leapfrog.model.quant import check_batch_invariant_quantization, check_quantization
 from leapfrog.model.runner import ModelRunner, SeqChunk
 from leapfrog.outputs import IterationStats, Logprob, PositionLogprobs, RequestOutput, SpecMetrics
-from leapfrog.request import Request
+from leapfrog.request import Prepared, Request, stop_ids_of
 from leapfrog.sampling import logprobs as lp, sampler
 from leapfrog.sampling.grammar import GrammarCompiler, GrammarState
 from leapfrog.sampling.sampler import BadWords
@@ -382,25 +382,50 @@ class LLMEngine:
             build_ahead([load_native_verify])
 
     # ------------------------------------------------------------------ requests
+    def prepare(self, params: SamplingParams) -> Prepared:
+        """``params`` checked (again: a field set after construction is validated) against this
+        model and tokenizer, and their lists built: bad words tokenized, stop strings indexed, a
+        text prediction tokenized. Pass the result to ``add_request`` in place of the params to
+        do this once for several requests (n choices, many prompts). Safe on any thread: the
+        server prepares on its tokenizer's thread (100k bad words take 9 s to tokenize)."""
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        params = dataclasses.replace(params)   # (validated; the requests keep this copy)
+        self._check_params(params)
+        stop_ids = stop_ids_of(params, self.eos_ids)
+        stop_set = frozenset(stop_ids)
+        if params.min_tokens and len(stop_set) >= self.vocab_size:
+            raise RequestError("stop_token_ids and EOS cover the whole vocabulary, so min_tokens leaves no token "
+                               "to generate", param="min_tokens")
+        bad_words = self.encode_bad_words(params)
+        if params.allowed_token_ids is not None:
+            never = set(bad_words.always) | (stop_set if params.min_tokens else set())
+            if never.issuperset(params.allowed_token_ids):
+                raise RequestError("every one of allowed_token_ids is banned (by a one-token bad word, or as a stop "
+                                   "token under min_tokens): no token is left to generate", param="allowed_token_ids")
+        stops = StopStrings(params.stop_strings) if self.tokenizer is not None else None
+        return Prepared(params, self, bad_words, stops, self._prediction_ids(params), stop_ids, stop_set)
+
     def add_request(self, request_id: str, prompt: str | None, prompt_ids: list[int] | None,
-                    params: SamplingParams, index: int = 0,
+                    params: SamplingParams | Prepared, index: int = 0,
                     num_speculative_tokens: int | None = None, grammar: GrammarState | None = None,
-                    arrival_time: float | None = None, bad_words: BadWords | None = None,
-                    stops: StopStrings | None = None) -> Request:
-        """``grammar``: the matcher ``compile_grammar(params)`` built for this request (elsewhere,
-        ahead of time); compiled here when not given; ``bad_words``: ``encode_bad_words(params)``,
-        ``stops``: ``StopStrings(params.stop_strings)`` likewise (the server builds them off the
-        engine's thread). ``arrival_time`` (time.monotonic()): when
+                    arrival_time: float | None = None) -> Request:
+        """``params``: a SamplingParams, or ``prepare(params)``'s result (checked once for every
+        request that passes it: the server's choices and prompts, ``LLM.generate``'s). ``index``:
+        the choice's index (n > 1): its seed is ``params.seed + index``. ``grammar``: the matcher
+        ``compile_grammar(params)`` built for this request (elsewhere, ahead of time); compiled
+        here when not given. ``arrival_time`` (time.monotonic()): when
         the request arrived, if before this call (the server's, before it tokenized the prompt
         and compiled the grammar: TTFT and queue time count them, as vLLM's do); default now."""
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already running")
-        if not isinstance(params, SamplingParams):
-            raise RequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        # checked again as they are now: a field set after construction (max_tokens = -5, a new
-        # stop list) is validated, and the request keeps its own copy
-        params = dataclasses.replace(params)
-        self._check_params(params)
+        if isinstance(params, Prepared):
+            if params.owner is not self:
+                raise RequestError("these params were prepared by another engine: prepare them with this one")
+            prepared = params
+        else:
+            prepared = self.prepare(params)
+        params = prepared.params
         if prompt_ids is None:
             prompt_ids = self.encode_prompt(prompt)
         prompt_ids = list(prompt_ids)
@@ -424,7 +449,10 @@ class LLMEngine:
             raise RequestError(f"prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len} "
                                "(the prompt plus at least one new token must fit)")
         room = self.max_model_len - len(prompt_ids)
-        prediction_ids = self._prediction_ids(params, room)
+        prediction_ids = prepared.prediction_ids
+        if prediction_ids is not None and len(prediction_ids) > room:
+            raise RequestError(f"the prediction has {len(prediction_ids)} tokens but at most {room} new tokens fit "
+                               f"after the prompt (max_model_len {self.max_model_len})", param="prediction")
         if params.max_tokens is not None:
             self.kv.check_fits(len(prompt_ids) + params.max_tokens)
         if num_speculative_tokens is not None and (isinstance(num_speculative_tokens, bool) or
@@ -437,26 +465,18 @@ class LLMEngine:
         gen = torch.Generator().manual_seed(self._seed_rng.getrandbits(63))
         detok = None
         if self.tokenizer is not None:
-            detok = Detokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens,
-                                params.stop_strings if stops is None else stops,
+            detok = Detokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens, prepared.stops,
                                 params.include_stop_str_in_output)
-        if bad_words is None:
-            bad_words = self.encode_bad_words(params)
-        if params.allowed_token_ids is not None:
-            never = set(bad_words.always)
-            if params.min_tokens:
-                never |= set(params.stop_token_ids or ()) | (set() if params.ignore_eos else set(self.eos_ids))
-            if set(params.allowed_token_ids) <= never:
-                raise RequestError("every one of allowed_token_ids is banned (by a one-token bad word, or as a stop "
-                                   "token under min_tokens): no token is left to generate", param="allowed_token_ids")
         if params.structured_outputs is None:
             grammar = None
         elif grammar is None or grammar.num_consumed:
             grammar = self.compile_grammar(params)
         req = Request(request_id, prompt, prompt_ids, params, gen, detok, self.eos_ids,
                       max_tokens=min(params.max_tokens or room, room), index=index,
-                      num_speculative_tokens=num_speculative_tokens, seed_key=key, prediction_ids=prediction_ids,
-                      bad_words=bad_words, grammar=grammar)
+                      num_speculative_tokens=num_speculative_tokens, seed_key=key,
+                      prediction_ids=None if prediction_ids is None else list(prediction_ids),
+                      bad_words=prepared.bad_words, shared_rules=prepared.rules, stop_ids=prepared.stop_ids,
+                      stop_set=prepared.stop_set, grammar=grammar)
         req.metrics.num_prompt_tokens = len(prompt_ids)
         if arrival_time is not None:
             req.metrics.arrival_time = arrival_time
@@ -506,8 +526,9 @@ class LLMEngine:
                 self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
         return self._grammars.matcher(params.structured_outputs)
 
-    def _prediction_ids(self, params: SamplingParams, room: int) -> list[int] | None:
-        """The prediction's token ids, checked against the vocabulary and the context."""
+    def _prediction_ids(self, params: SamplingParams) -> tuple[int, ...] | None:
+        """The prediction's token ids, checked against the vocabulary (add_request checks that
+        they fit the context)."""
         pred = params.prediction
         if pred is None:
             return None
@@ -519,10 +540,7 @@ class LLMEngine:
         else:
             ids = list(pred)
         self._check_vocab(ids, "prediction")
-        if len(ids) > room:
-            raise RequestError(f"the prediction has {len(ids)} tokens but at most {room} new tokens fit after "
-                               f"the prompt (max_model_len {self.max_model_len})", param="prediction")
-        return ids
+        return tuple(ids)
 
     def encode_bad_words(self, params: SamplingParams) -> BadWords:
         """Each bad word as token ids, as written and (when that tokenizes into as many tokens,
@@ -578,11 +596,7 @@ class LLMEngine:
     def _check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: ids against this model's vocabulary, stop
         strings against the tokenizer."""
-        ids = params.stop_token_ids or ()
-        self._check_vocab(list(ids), "stop_token_ids")
-        if params.min_tokens and not params.ignore_eos and len(set(ids) | set(self.eos_ids)) >= self.vocab_size:
-            raise RequestError("stop_token_ids and EOS cover the whole vocabulary, so min_tokens leaves no token "
-                               "to generate", param="min_tokens")
+        self._check_vocab(list(params.stop_token_ids or ()), "stop_token_ids")
         self._check_vocab(list(params.logit_bias or ()), "logit_bias")
         self._check_vocab(list(params.allowed_token_ids or ()), "allowed_token_ids")
         if params.stop_strings and self.tokenizer is None:

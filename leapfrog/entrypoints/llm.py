@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import os
 from typing import Any, Sequence
@@ -10,11 +9,11 @@ from typing import Any, Sequence
 from leapfrog.progress import progress_bar
 
 from leapfrog.config import EngineConfig
-from leapfrog.detokenizer import StopStrings
 from leapfrog.engine.engine import LLMEngine
 from leapfrog.entrypoints.openai.protocol import check_messages, template_messages
 from leapfrog.errors import ConfigError, EngineError, NotShareable, RequestError
 from leapfrog.outputs import RequestOutput
+from leapfrog.request import Prepared
 from leapfrog.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
@@ -155,8 +154,12 @@ class LLM:
         if bad:
             raise RequestError(f"sampling_params must be SamplingParams objects, got a {bad[0]}")
         # checked again as they are now (n = 0 set after construction is a ConfigError, not an
-        # IndexError below; the engine checks the other fields again as it adds each request)
-        params = [dataclasses.replace(sp) for sp in params]
+        # IndexError below) and against the model, once per distinct object: a list repeating
+        # one SamplingParams with 400k stop ids is checked once, not once per prompt and choice
+        prepared: dict[int, Prepared] = {}
+        for sp in params:
+            if id(sp) not in prepared:
+                prepared[id(sp)] = self.engine.prepare(sp)
         groups: list[list[str]] = []
         added: list[str] = []
         try:
@@ -164,12 +167,11 @@ class LLM:
                 text, ids = _split_prompt(prompt)
                 rid = str(next(self._ids))
                 group = []
-                shared = {}   # (n choices: the bad words tokenized and the stop strings indexed once)
-                if sp.n > 1:
-                    shared = dict(bad_words=self.engine.encode_bad_words(sp), stops=StopStrings(sp.stop_strings))
-                for i in range(sp.n):
-                    sub = f"{rid}-{i}" if sp.n > 1 else rid
-                    self.engine.add_request(sub, text, ids, sp, index=i, **shared)
+                prep = prepared[id(sp)]
+                n = prep.params.n
+                for i in range(n):
+                    sub = f"{rid}-{i}" if n > 1 else rid
+                    self.engine.add_request(sub, text, ids, prep, index=i)
                     added.append(sub)
                     group.append(sub)
                 groups.append(group)

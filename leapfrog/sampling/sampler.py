@@ -8,9 +8,10 @@ SamplingParams and the token history that penalties and min_tokens read.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 from torch import Tensor
@@ -85,25 +86,45 @@ class RuleTensors:
 
     @staticmethod
     def of(spec: "RowSpec", vocab_size: int, device: torch.device | str) -> "RuleTensors":
+        """The params' tensors come from ``spec.shared`` when another request with the same
+        params (a choice of the same API request) built them; the prompt's are this request's."""
+        base = _kept(spec.shared, (vocab_size, str(device)), lambda: RuleTensors._of_params(spec, vocab_size, device))
+        if not spec.params.has_penalties:
+            return base
+        return dataclasses.replace(base, prompt_seen=_mask(spec.prompt_ids, vocab_size, device))   # (groups shared)
+
+    @staticmethod
+    def _of_params(spec: "RowSpec", vocab_size: int, device: torch.device | str) -> "RuleTensors":
         params = spec.params
-
-        def mask(ids: Sequence[int], value: bool = True) -> Tensor:
-            m = torch.full((vocab_size,), not value, dtype=torch.bool, device=device)
-            if len(ids):
-                m[torch.tensor(list(ids), dtype=torch.long, device=device)] = value
-            return m
-
         bias_ids = bias_values = None
         if params.logit_bias:
             bias_ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=device)
             bias_values = torch.tensor([float(v) for v in params.logit_bias.values()], dtype=torch.float32,
                                        device=device)
+        allowed = params.allowed_token_ids
         return RuleTensors(
-            outside=mask(params.allowed_token_ids, False) if params.allowed_token_ids is not None else None,
-            bias_ids=bias_ids, bias_values=bias_values,
-            prompt_seen=mask(spec.prompt_ids) if params.has_penalties else None,
-            never=mask(spec.bad_words.always) if spec.bad_words.always else None,
-            stops=mask(spec.stop_ids) if params.min_tokens and spec.stop_ids else None)
+            outside=_mask(allowed, vocab_size, device, False) if allowed is not None else None,
+            bias_ids=bias_ids, bias_values=bias_values, prompt_seen=None,
+            never=_mask(spec.bad_words.always, vocab_size, device) if spec.bad_words.always else None,
+            stops=_mask(spec.stop_ids, vocab_size, device) if params.min_tokens and spec.stop_ids else None)
+
+
+def _kept(memo: dict | None, key: tuple, build: Callable[[], RuleTensors]) -> RuleTensors:
+    """``memo[key]``, built the first time (no memo: built at every call)."""
+    got = memo.get(key) if memo is not None else None
+    if got is None:
+        got = build()
+        if memo is not None:
+            memo[key] = got
+    return got
+
+
+def _mask(ids: Sequence[int], vocab_size: int, device: torch.device | str, value: bool = True) -> Tensor:
+    """[V] bool: ``value`` at ``ids``, the opposite elsewhere."""
+    m = torch.full((vocab_size,), not value, dtype=torch.bool, device=device)
+    if len(ids):
+        m[torch.tensor(list(ids), dtype=torch.long, device=device)] = value
+    return m
 
 
 @dataclass(frozen=True)
@@ -117,15 +138,11 @@ class RowSpec:
     grammar: GrammarState | None = None   # structured outputs: the request's matcher (sampling/grammar.py)
     memo: dict | None = field(default=None, compare=False)
     # (the request's RuleTensors by (vocab size, device), filled at its first row; None: built per row)
+    shared: dict | None = field(default=None, compare=False)
+    # (the params' own part of them, shared by the requests of one Prepared: request.py)
 
     def rule_tensors(self, vocab_size: int, device: torch.device | str) -> RuleTensors:
-        key = (vocab_size, str(device))
-        got = self.memo.get(key) if self.memo is not None else None
-        if got is None:
-            got = RuleTensors.of(self, vocab_size, device)
-            if self.memo is not None:
-                self.memo[key] = got
-        return got
+        return _kept(self.memo, (vocab_size, str(device)), lambda: RuleTensors.of(self, vocab_size, device))
 
 
 @dataclass

@@ -4,6 +4,8 @@ without speculation; the sampled law is the constrained target's)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -139,6 +141,46 @@ def test_a_requests_rule_tensors_are_built_once(plain, tokenizer, monkeypatch):
                         logit_bias={50: 2.0}, repetition_penalty=1.2)
     outs = plain.generate([{"prompt_token_ids": p} for p in prompts_of(tokenizer, 2)], sp, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 16 for o in outs) and len(calls) == 2
+
+def test_one_params_object_is_prepared_once_for_every_prompt_and_choice(plain, tokenizer, monkeypatch):
+    """LLM.generate checks a SamplingParams against the model once, and every request made from it
+    (prompts x n choices) shares what that built: the stop ids, the bad words and the params'
+    rule tensors (a prompt's penalty mask stays its own). Checked per choice, 400k stop ids cost
+    ~90 ms each on the engine's thread. Choice i is the request seeded with seed + i."""
+    eng = plain.engine
+    prepared, checks, reqs = [], [], []
+    real_prepare, real_check, real_add = eng.prepare, eng._check_params, eng.add_request
+    monkeypatch.setattr(eng, "prepare", lambda p: prepared.append(p) or real_prepare(p))
+    monkeypatch.setattr(eng, "_check_params", lambda p: checks.append(p) or real_check(p))
+    monkeypatch.setattr(eng, "add_request", lambda *a, **k: reqs.append(real_add(*a, **k)) or reqs[-1])
+    sp = SamplingParams(temperature=0.8, seed=3, n=3, max_tokens=6, ignore_eos=True, min_tokens=2,
+                        stop_token_ids=[7, 7, 9] * 1000, allowed_token_ids=list(range(30, 300)),
+                        repetition_penalty=1.2, bad_words=["return"])
+    prompts = [{"prompt_token_ids": p} for p in prompts_of(tokenizer, 2)]
+    outs = plain.generate(prompts, sp, use_tqdm=False)
+    assert len(prepared) == len(checks) == 1 and len(reqs) == 6
+    first = reqs[0]
+    for r in reqs:
+        assert r.stop_ids is first.stop_ids and r.stop_set is first.stop_set and r.bad_words is first.bad_words
+        assert r.params is first.params and r.shared_rules is first.shared_rules
+    (base,) = first.shared_rules.values()   # (built at the first row of any of them)
+    tensors = [next(iter(r.rule_tensors.values())) for r in reqs]
+    assert all(t.outside is base.outside and t.stops is base.stops for t in tensors)
+    assert not torch.equal(tensors[0].prompt_seen, tensors[3].prompt_seen)   # (two prompts)
+    monkeypatch.undo()
+    for j, p in enumerate(prompts):
+        for i in range(3):
+            one = plain.generate(p, dataclasses.replace(sp, n=1, seed=3 + i), use_tqdm=False)[0]
+            assert outs[j].outputs[i].token_ids == one.outputs[0].token_ids
+
+
+def test_params_prepared_by_another_engine_are_refused(plain, llama_dir):
+    """(Their ids were checked against the other model's vocabulary, their EOS is its own.)"""
+    other = LLM(model=str(llama_dir), dtype="float32", max_model_len=64, max_num_seqs=1)
+    with pytest.raises(RequestError, match="another engine"):
+        plain.engine.add_request("other", None, [1, 2, 3], other.engine.prepare(SamplingParams()))
+    assert "other" not in plain.engine.requests
+
 
 def test_a_requests_stop_ids_are_kept_once_each(plain):
     """EOS and stop_token_ids become one tuple (each id once) and a set when the request is added:

@@ -10,12 +10,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from leapfrog.engine.async_engine import AsyncEngine, EngineOverloaded, EngineStopped, Prepared, Reservation
+from leapfrog.engine.async_engine import AsyncEngine, EngineOverloaded, EngineStopped, Reservation
 from leapfrog.entrypoints.openai.metrics import ServerMetrics
 from leapfrog.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, TokenizeRequest, _Sampling,
                                                   template_messages)
 from leapfrog.errors import ConfigError, RequestError
 from leapfrog.outputs import PositionLogprobs, RequestOutput, SpecMetrics
+from leapfrog.request import Prepared
 from leapfrog.sampling.grammar import StructuredOutputsParams
 from leapfrog.sampling_params import SamplingParams
 
@@ -231,18 +232,18 @@ class OpenAIServing:
         return list(ids)
 
     # ------------------------------------------------------------------ running
-    async def _stream(self, rid: str, prompt: Prompt, sp: SamplingParams, k: int | None,
-                      reservation: Reservation, prepared: Prepared,
-                      on_accepted: Callable[[], None] | None = None) -> AsyncIterator[RequestOutput]:
+    async def _stream(self, rid: str, prompt: Prompt, index: int, k: int | None, reservation: Reservation,
+                      prepared: Prepared, on_accepted: Callable[[], None] | None = None
+                      ) -> AsyncIterator[RequestOutput]:
         with _engine_errors():
-            async for out in self.engine.generate(rid, prompt.text, prompt.ids, sp, k, reservation, on_accepted,
-                                                  prepared):
+            async for out in self.engine.generate(rid, prompt.text, prompt.ids, prepared, k, reservation, on_accepted,
+                                                  index):
                 yield out
 
     async def _prepare(self, sp: SamplingParams, reservation: Reservation) -> Prepared:
-        """The request's bad words and stop strings, built once for all its choices, after it was
-        admitted (an overloaded server answers its 503 at once); refused or left (a cancelled
-        task), its places are released."""
+        """The request's params checked and their lists built (bad words, stop strings, a
+        prediction) once for all its prompts and choices, after it was admitted (an overloaded
+        server answers its 503 at once); refused or left (a cancelled task), its places are released."""
         try:
             with _engine_errors():
                 return await self.engine.prepare(sp)
@@ -250,15 +251,10 @@ class OpenAIServing:
             self.engine.release(reservation)
             raise
 
-    def _jobs(self, prompts: list[Prompt], sp: SamplingParams) -> list[tuple[int, Prompt, SamplingParams]]:
-        """One engine request per (prompt, n) choice; seeds differ per choice."""
-        jobs = []
-        for p in prompts:
-            for i in range(sp.n):
-                one = SamplingParams(**{**_fields(sp), "n": 1,
-                                        "seed": None if sp.seed is None else sp.seed + i})
-                jobs.append((len(jobs), p, one))
-        return jobs
+    def _jobs(self, prompts: list[Prompt], sp: SamplingParams) -> list[tuple[int, Prompt, int]]:
+        """One engine request per (prompt, n) choice: (its index in the answer, its prompt, its
+        choice index, which offsets its seed); all share the request's prepared params."""
+        return [(j * sp.n + i, p, i) for j, p in enumerate(prompts) for i in range(sp.n)]
 
     def admit(self, jobs: int, sp: SamplingParams) -> Reservation:
         """A request of ``jobs`` engine requests (prompts x n) must fit the waiting bound: one that
@@ -282,9 +278,9 @@ class OpenAIServing:
         reservation = self.admit(len(jobs), sp)
         prepared = await self._prepare(sp, reservation)
 
-        async def one(idx: int, p: Prompt, s: SamplingParams) -> RequestOutput:
+        async def one(idx: int, p: Prompt, i: int) -> RequestOutput:
             last = None
-            async for out in self._stream(f"{base}-{idx}", p, s, k, reservation, prepared):
+            async for out in self._stream(f"{base}-{idx}", p, i, k, reservation, prepared):
                 last = out
             assert last is not None
             return last
@@ -325,9 +321,9 @@ class OpenAIServing:
         hold = max((len(s) for s in sp.stop_strings), default=1) - 1
         q: asyncio.Queue = asyncio.Queue()
 
-        async def pump(idx: int, p: Prompt, s: SamplingParams) -> None:
+        async def pump(idx: int, p: Prompt, i: int) -> None:
             try:
-                async for out in self._stream(f"{base}-{idx}", p, s, k, reservation, prepared,
+                async for out in self._stream(f"{base}-{idx}", p, i, k, reservation, prepared,
                                               lambda: q.put_nowait((idx, _ACCEPTED))):
                     await q.put((idx, out))
             except Exception as e:  # noqa: BLE001 - forwarded to the consumer (a shutdown: EngineStopped's 503)
@@ -425,11 +421,6 @@ def _engine_errors():
         raise APIError(400, str(e), param=e.param or "prompt") from None
     except EngineStopped as e:
         raise APIError(503, str(e), type_="server_unavailable", code="shutting_down") from None
-
-
-def _fields(sp: SamplingParams) -> dict:
-    from dataclasses import fields
-    return {f.name: getattr(sp, f.name) for f in fields(sp) if f.init}
 
 
 def usage(outs: list[RequestOutput], n: int = 1) -> dict:

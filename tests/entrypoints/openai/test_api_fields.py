@@ -206,13 +206,13 @@ def test_many_stop_strings_are_indexed_off_the_engine_thread(server, reference, 
     stops, streaming too."""
     import threading
 
-    from leapfrog.engine import async_engine
-    real, threads = async_engine.StopStrings, []
-    monkeypatch.setattr(async_engine, "StopStrings",
-                        lambda stops: threads.append(threading.current_thread().name) or real(stops))
+    from leapfrog.engine import engine
     text = ref_out(reference, PROMPT, max_tokens=10).outputs[0].text
     stop = text[len(text) // 2:len(text) // 2 + 2]
     want = ref_out(reference, PROMPT, max_tokens=10, stop=[stop]).outputs[0]
+    real, threads = engine.StopStrings, []
+    monkeypatch.setattr(engine, "StopStrings",
+                        lambda stops: threads.append(threading.current_thread().name) or real(stops))
     r = client(server).completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0, n=2,
                                           stop=[f"zq{i}xv" for i in range(20_000)] + [stop], stream=True,
                                           extra_body={"ignore_eos": True})
