@@ -144,7 +144,7 @@ class Request:
         """Sampling context of the row after output_ids + extra (drafts)."""
         out = self.output_ids + list(extra) if extra else self.output_ids
         return RowSpec(self.params, self.prompt_ids, out, self.stop_ids, self.bad_words, self.grammar,
-                       self.rule_tensors, self.shared_rules)
+                       self.rule_tensors, self.shared_rules, len(self.output_ids))
 
     def completion(self, delta: bool = False) -> CompletionOutput:
         text = self.detok.text if self.detok is not None else ""

@@ -82,7 +82,10 @@ def plain(llama_dir):
 def test_engine_checks_ids_and_impossible_rules(plain):
     for kw, field in [(dict(logit_bias={10_000: 1.0}), "logit_bias"),
                       (dict(allowed_token_ids=[3, 10_000]), "allowed_token_ids"),
-                      (dict(allowed_token_ids=[5], min_tokens=2, stop_token_ids=[5]), "allowed_token_ids")]:
+                      (dict(allowed_token_ids=[5], min_tokens=2, stop_token_ids=[5]), "allowed_token_ids"),
+                      # (stop ids alone covering the vocabulary under min_tokens: refused with ignore_eos too)
+                      (dict(min_tokens=2, ignore_eos=True, stop_token_ids=list(range(plain.engine.vocab_size))),
+                       "whole vocabulary")]:
         with pytest.raises(RequestError, match=field):
             plain.generate("x = 1", SamplingParams(max_tokens=4, **kw), use_tqdm=False)
 
@@ -92,15 +95,18 @@ def test_engine_checks_ids_and_impossible_rules(plain):
        st.floats(-5, 5), max_size=V), st.floats(1.0, 2.0), st.lists(st.integers(0, V - 1), max_size=6),
        st.lists(st.lists(st.integers(0, V - 1), max_size=5), min_size=1, max_size=4))
 def test_rows_with_the_requests_kept_tensors_equal_rows_built_afresh(allowed, bias, rep, prompt, outs):
-    """A request's rule tensors kept in its memo (RuleTensors, built at its first row) give the
-    rows that building them for every row gives, step after step (its output growing)."""
+    """A request's rule tensors kept in its memo (RuleTensors, built at its first row; the params'
+    part shared, its output's counts kept as it grows) give the rows that building them for
+    every row gives, step after step (its output growing, drafts after it)."""
     sp = SamplingParams(temperature=0.7, allowed_token_ids=allowed, logit_bias=bias, repetition_penalty=rep,
-                        presence_penalty=0.5, min_tokens=4)
+                        presence_penalty=0.5, frequency_penalty=0.3, min_tokens=4)
     words = BadWords(((3,), (1, 2), (5, 5, 6)))
     memo: dict = {}
+    shared: dict = {}
     for step in range(3):
         out = [t for o in outs[:step + 1] for t in o]
-        kept = _rows([RowSpec(sp, prompt, out + o, (4, 9), words, memo=memo) for o in outs])
+        kept = _rows([RowSpec(sp, prompt, out + o, (4, 9), words, memo=memo, shared=shared, committed=len(out))
+                      for o in outs])
         fresh = _rows([RowSpec(sp, prompt, out + o, (4, 9), words) for o in outs])
         want = torch.zeros(len(outs), V, dtype=torch.bool)   # (the rule, word by word)
         for i, o in enumerate(outs):
@@ -109,7 +115,7 @@ def test_rows_with_the_requests_kept_tensors_equal_rows_built_afresh(allowed, bi
             want[i, [4, 9]] = len(row) < 4
             want[i] |= ~torch.isin(torch.arange(V), torch.tensor(allowed))
         assert torch.equal(kept.masked, want)
-        assert len(memo) == 1
+        assert len(memo) == len(shared) == 1
         assert torch.equal(kept.masked, fresh.masked)
         assert (kept.bias is None) == (fresh.bias is None)
         if kept.bias is not None:
@@ -130,6 +136,24 @@ def test_a_long_list_of_words_after_one_prefix_is_a_kept_tensor():
         assert rows.masked[1].nonzero().flatten().tolist() == [1] and not rows.masked[2].any()
     (rt,) = memo.values()
     assert len(rt.groups) == 1
+
+def test_a_requests_output_counts_are_kept_as_its_output_grows():
+    """A penalty's output counts are kept per request: each row adds only the tokens committed
+    since the last one (counted afresh for each row, 8k output tokens cost a step of 6 rows
+    11-12 ms at a 128k vocabulary) and its own drafts, which stay out of the kept counts."""
+    sp = SamplingParams(temperature=0.7, frequency_penalty=0.5)
+    memo: dict = {}
+
+    def counts(out, drafts, committed):
+        rows = _rows([RowSpec(sp, [0], out + d, memo=memo, committed=committed) for d in drafts])
+        return rows.penalties[1].tolist()
+
+    assert counts([1, 2, 2], [[3], [4, 4]], 3) == [[0, 1, 2, 1, 0, 0, 0, 0, 0, 0], [0, 1, 2, 0, 2, 0, 0, 0, 0, 0]]
+    (rt,) = memo.values()
+    assert rt.output_counts.n == 3 and rt.output_counts.counts.tolist() == [0, 1, 2, 0, 0, 0, 0, 0, 0, 0]
+    assert counts([1, 2, 2, 4, 5], [[]], 5) == [[0, 1, 2, 0, 1, 1, 0, 0, 0, 0]]
+    assert rt.output_counts.n == 5
+
 
 def test_a_requests_rule_tensors_are_built_once(plain, tokenizer, monkeypatch):
     """allowed_token_ids, logit_bias and a penalty's prompt become tensors once per request, not
