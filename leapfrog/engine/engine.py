@@ -150,11 +150,8 @@ class LLMEngine:
         ckpt = read_checkpoint(config.model)
         self.checkpoint = ckpt
         self.dtype = resolve_dtype(config.dtype, ckpt, self.device)
-        mpe = ckpt.args.max_position_embeddings
-        rope = ckpt.args.rope
-        scaled = ""
-        if rope.rope_type == "linear" and rope.factor > 1:   # positions / factor: the context grows by it (vLLM)
-            mpe, scaled = int(mpe * rope.factor), f" x linear rope factor {rope.factor:g}"
+        mpe = ckpt.args.context_len
+        scaled = "" if mpe == ckpt.args.max_position_embeddings else f" x linear rope factor {ckpt.args.rope.factor:g}"
         if config.max_model_len is not None and config.max_model_len > mpe:
             raise ConfigError(f"max_model_len={config.max_model_len} is larger than the model's context, "
                               f"{mpe} (max_position_embeddings in {ckpt.path / 'config.json'}{scaled}); positions "
@@ -980,7 +977,8 @@ class LLMEngine:
             return False
         drawn = [not r.params.greedy for r in reqs]
         rounds = min(self.config.num_scheduler_steps, self.runner.fits_spec_rounds(cols, any(drawn)),
-                     max(map(_rounds_wanted, reqs)))
+                     max(map(_rounds_wanted, reqs)),
+                     (self.spec_controller.max_model_len - max(cols)) // (g.k + 1))   # (speculative max_model_len)
         if rounds < 2:
             return False
         t0 = time.perf_counter()

@@ -124,6 +124,14 @@ class LlamaArgs:
             )
 
     @property
+    def context_len(self) -> int:
+        """The trained context: max_position_embeddings, times a linear rope's factor (positions are
+        divided by it, so the context grows by it, as vLLM reads it)."""
+        r = self.rope
+        return int(self.max_position_embeddings * r.factor) if r.rope_type == "linear" and r.factor > 1 \
+            else self.max_position_embeddings
+
+    @property
     def q_size(self) -> int:
         return self.num_attention_heads * self.head_dim
 

@@ -84,6 +84,11 @@ class SpeculativeConfig:
     """suffix: see max_spec_factor."""
     min_token_prob: float = 0.1
     """suffix: a node is drafted only if its estimated path probability is at least this."""
+    max_model_len: int | None = None
+    """Drafts only at positions under this (vLLM's speculative max_model_len): a sequence past it
+    decodes without speculation. Default: for draft_model, the smaller of the draft's trained
+    context (max_position_embeddings) and the target's max_model_len, so a short-context draft
+    model is not asked where it never was trained; else the target's max_model_len."""
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SpeculativeConfig:
@@ -150,6 +155,7 @@ class SpeculativeConfig:
             raise ConfigError(f"speculative_config: model {SELF_DRAFT!r} (the target as its own draft) applies to "
                               f"method 'draft_model' only, not {self.method!r}")
         _check(self, "disable_by_batch_size", int, lo=1, optional=True)
+        _check(self, "max_model_len", int, lo=2, optional=True)
         _check(self, "adaptive", bool)
         _check(self, "adaptive_explore_interval", int, lo=2)
         if self.prompt_lookup_min > self.prompt_lookup_max:

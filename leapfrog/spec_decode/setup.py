@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from leapfrog.errors import ConfigError
 from leapfrog.spec_decode.adaptive import SpecController
 from leapfrog.spec_decode.config import SpeculativeConfig
 from leapfrog.spec_decode.proposers import draft_model, eagle, ngram, suffix  # noqa: F401  (register)
@@ -20,4 +21,22 @@ def build_speculation(spec: dict[str, Any] | SpeculativeConfig, engine: Any) -> 
         enforce_eager=engine.config.enforce_eager,
         allow_pickle=engine.config.allow_pickle, checkpoint=engine.checkpoint,
         load_format=engine.config.load_format, seed=engine.config.seed)
-    return PROPOSERS[cfg.method](cfg, info), SpecController(cfg, engine.max_model_len)
+    proposer = PROPOSERS[cfg.method](cfg, info)
+    return proposer, SpecController(cfg, speculative_len(cfg, engine.max_model_len, proposer))
+
+
+def speculative_len(cfg: SpeculativeConfig, max_model_len: int, proposer: Any) -> int:
+    """Where drafting ends (SpeculativeConfig.max_model_len): given, at most the target's
+    max_model_len and the drafter's trained context (``proposer.context_len``, draft models);
+    by default the smaller of the two."""
+    own = getattr(proposer, "context_len", None)
+    limit = min(max_model_len, own) if own is not None else max_model_len
+    if cfg.max_model_len is None:
+        return limit
+    if cfg.max_model_len > max_model_len:
+        raise ConfigError(f"speculative_config.max_model_len={cfg.max_model_len} is larger than the target's "
+                          f"max_model_len, {max_model_len}")
+    if own is not None and cfg.max_model_len > own:
+        raise ConfigError(f"speculative_config.max_model_len={cfg.max_model_len} is larger than the draft model's "
+                          f"context, {own} (max_position_embeddings in its config.json): it was never trained there")
+    return cfg.max_model_len

@@ -29,6 +29,8 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 2}
     ({"prompt_lookup_min": "1"}, r"speculative_config\.prompt_lookup_min='1': must be an integer >= 1"),
     ({"prompt_lookup_max": "5"}, r"speculative_config\.prompt_lookup_max='5': must be an integer >= 1"),
     ({"disable_by_batch_size": "4"}, r"speculative_config\.disable_by_batch_size='4': must be an integer >= 1 \(or null\)"),
+    ({"max_model_len": 1}, r"speculative_config\.max_model_len=1: must be an integer >= 2 \(or null\)"),
+    ({"max_model_len": "64"}, r"speculative_config\.max_model_len='64': must be an integer >= 2"),
     ({"adaptive": "yes"}, r"speculative_config\.adaptive='yes': must be true or false"),
     ({"adaptive": True, "adaptive_explore_interval": 1},
      r"speculative_config\.adaptive_explore_interval=1: must be an integer >= 2"),

@@ -33,6 +33,43 @@ def test_ngram_equal(llama_dir, baseline, k, bs):
     assert llm.get_metrics()["num_draft_tokens"] > 0
 
 
+def test_drafting_ends_at_the_draft_models_context(llama_dir, baseline, tmp_path):
+    """A draft model trained on a shorter context than the target's max_model_len drafts only at
+    positions inside it (vLLM's speculative max_model_len: by default the smaller of the two); a
+    sequence past it decodes without speculation, greedy output unchanged. A max_model_len
+    beyond the draft's context or the target's is refused."""
+    import json
+    import shutil
+    short = tmp_path / "short"
+    shutil.copytree(llama_dir, short)
+    cfg = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 24}))   # (rope: llama3's own)
+    prompts, ref, _ = baseline
+    spec = {"method": "draft_model", "model": str(short), "num_speculative_tokens": 4}
+    llm = LLM(model=str(llama_dir), dtype="float32", max_model_len=256, max_num_seqs=8, speculative_config=spec)
+    assert llm.engine.spec_controller.max_model_len == 24
+    ends = []
+    real = llm.engine.proposer.propose
+    llm.engine.proposer.propose = lambda reqs, ks, **kw: (
+        ends.extend(r.num_computed + k for r, k in zip(reqs, ks) if k) or real(reqs, ks, **kw))
+    some = [0, 1, 3]   # (prompts of 14, 7 and 15 tokens)
+    outs = llm.generate([{"prompt_token_ids": prompts[i]} for i in some],
+                        SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [ref[i] for i in some]
+    assert all(len(prompts[i]) < 16 for i in some)
+    assert 20 <= max(ends) <= 23   # (the last draft's position: under 24)
+    for bad, why in ((25, "draft model's context, 24"), (257, "target's max_model_len, 256")):
+        with pytest.raises(ConfigError, match=why):
+            LLM(model=str(llama_dir), dtype="float32", max_model_len=256,
+                speculative_config={**spec, "max_model_len": bad})
+    with pytest.raises(ConfigError, match="target's max_model_len"):
+        LLM(model=str(llama_dir), dtype="float32", max_model_len=256,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2, "max_model_len": 300})
+    llm = LLM(model=str(llama_dir), dtype="float32", max_model_len=256,
+              speculative_config={**spec, "max_model_len": 12})
+    assert llm.engine.spec_controller.max_model_len == 12
+
+
 @pytest.mark.parametrize("k", [1, 4, 8])
 @pytest.mark.parametrize("bs", [1, 5])
 def test_draft_model_unrelated_equal(llama_dir, draft_dir, baseline, k, bs):
