@@ -29,7 +29,7 @@ from leapfrog.detokenizer import Detokenizer, StopStrings
 from leapfrog.errors import CacheBusy, ConfigError, NotShareable, RequestError
 from leapfrog.kv.manager import KVManager
 from leapfrog.model.compiled import RoundRace, can_compile, make_buckets
-from leapfrog.model.loader import load_model, load_tokenizer, read_checkpoint, resolve_dtype
+from leapfrog.model.loader import check_tokenizer_vocab, load_model, load_tokenizer, read_checkpoint, resolve_dtype
 from leapfrog.model.native_draft import load_native_draft
 from leapfrog.model.native_linear import load_native_linear, set_streaming, would_stream
 from leapfrog.model.native_ops import load_native_ops, row_max
@@ -186,6 +186,8 @@ class LLMEngine:
                 if not config.enforce_eager:
                     self.model.pack_for_inference(pack_layers=False)
             self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or ckpt.path)
+            if self.tokenizer is not None:
+                check_tokenizer_vocab(self.tokenizer, ckpt.args.vocab_size, str(config.tokenizer or ckpt.path))
             self.eos_ids = ckpt.eos_token_ids or (
                 (self.tokenizer.eos_token_id,) if self.tokenizer is not None and self.tokenizer.eos_token_id is not None
                 else ())

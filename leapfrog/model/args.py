@@ -236,10 +236,14 @@ def _parse_rope(cfg: dict[str, Any], source: str) -> RopeConfig:
     low, high = get("low_freq_factor", float, 1.0, minimum=0), get("high_freq_factor", float, 4.0, minimum=0)
     if rope_type == "llama3" and low == high:
         raise CheckpointError(f"{source}: llama3 rope needs low_freq_factor != high_freq_factor (both {low})")
+    factor = get("factor", float, 1.0, minimum=0)
+    if rope_type != "default" and factor < 1:   # (transformers' rope validation asks for >= 1 as well)
+        raise CheckpointError(f"{source}: {rope_type} rope needs factor >= 1 (the context it stretches to is "
+                              f"max_position_embeddings x factor), got {factor:g}")
     return RopeConfig(
         theta=theta,
         rope_type=rope_type,
-        factor=get("factor", float, 1.0, minimum=0),
+        factor=factor,
         low_freq_factor=low,
         high_freq_factor=high,
         # (transformers 5's standardize_rope_params: the rope's own, else config.json's top level;

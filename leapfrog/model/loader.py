@@ -445,6 +445,23 @@ def tokenizer_files(path: Path) -> list[str]:
     return sorted({f.name for pattern in TOKENIZER_FILES for f in path.glob(pattern)})
 
 
+def check_tokenizer_vocab(tokenizer: Any, vocab_size: int, where: str) -> None:
+    """A tokenizer whose own vocabulary (added tokens aside) is larger than the model's, or whose
+    BOS or EOS lies past it, belongs to another model: a CheckpointError at load, not prompts
+    refused (or decoded wrong) one by one. Added tokens past the model's vocabulary are left to
+    the per-request check (some checkpoints list unused ones)."""
+    base = getattr(tokenizer, "vocab_size", None)
+    if isinstance(base, int) and base > vocab_size:
+        raise CheckpointError(f"tokenizer {where} has {base} tokens but the model's vocabulary has {vocab_size} "
+                              "(vocab_size in config.json): it belongs to another model; pass this model's own "
+                              "tokenizer (tokenizer=, CLI --tokenizer)")
+    for attr in ("bos_token_id", "eos_token_id"):   # (the ones the engine adds or stops at)
+        t = getattr(tokenizer, attr, None)
+        if isinstance(t, int) and not 0 <= t < vocab_size:
+            raise CheckpointError(f"tokenizer {where}: its {attr} {t} is outside the model's vocabulary "
+                                  f"(vocab_size {vocab_size} in config.json): it belongs to another model")
+
+
 def load_tokenizer(path: str | os.PathLike):
     """The tokenizer of a local directory or hub id through transformers (fast tokenizer, chat template).
 

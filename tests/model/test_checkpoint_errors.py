@@ -290,6 +290,10 @@ def test_generation_config_without_eos_is_fine(tmp_path, llama_dir):
     ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0}},   # (once filled in
      r"llama3 rope needs low_freq_factor, high_freq_factor in rope_parameters"),   # with guesses)
     ({"rope_parameters": None, "rope_scaling": {"rope_type": "linear"}}, r"linear rope needs factor"),
+    ({"rope_parameters": None, "rope_scaling": {"rope_type": "linear", "factor": 0.5}},
+     r"linear rope needs factor >= 1 .*got 0.5"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 0.25, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0}}, r"llama3 rope needs factor >= 1"),
     ({"rope_parameters": None, "rope_scaling": {"rope_type": ["llama3"]}}, r"field 'rope_scaling.rope_type' must be a string"),
     ({"architectures": "LlamaForCausalLM"}, r"field 'architectures' must be a JSON list, got 'LlamaForCausalLM'"),
     ({"architectures": [7]}, r"field 'architectures\[0\]' must be a string"),
@@ -371,6 +375,22 @@ def test_no_tokenizer_files_says_so_and_how_to_go_on(tmp_path, llama_dir):
     llm = LLM(model=str(d), dtype="float32", tokenizer=str(llama_dir))
     assert llm.generate({"prompt_token_ids": [5, 6, 7]}, GREEDY)[0].outputs[0].token_ids == ids
     assert llm.generate("def f(x):", GREEDY)[0].outputs[0].text is not None
+
+
+def test_a_tokenizer_of_another_model_is_refused_at_load(tmp_path, llama_dir):
+    """A tokenizer with more tokens than the model's vocabulary (a bigger model's), or whose EOS
+    lies past it: a CheckpointError naming both sizes, not prompts refused one by one."""
+    from leapfrog.demo import build_tokenizer, stdlib_sample_text
+    big = build_tokenizer(stdlib_sample_text(60_000), vocab_size=1000)
+    assert big.vocab_size > 320
+    big.save_pretrained(tmp_path / "big")
+    with pytest.raises(CheckpointError, match=rf"has {big.vocab_size} tokens but the model's vocabulary has 320"):
+        LLM(model=str(llama_dir), dtype="float32", tokenizer=str(tmp_path / "big"))
+    small = load_tokenizer(llama_dir)
+    small.add_special_tokens({"eos_token": "<|the-end|>"})   # (id 320: past the model's 320)
+    small.save_pretrained(tmp_path / "eos")
+    with pytest.raises(CheckpointError, match=r"eos_token_id 320 is outside the model's vocabulary"):
+        LLM(model=str(llama_dir), dtype="float32", tokenizer=str(tmp_path / "eos"))
 
 
 def test_only_tokenizer_config_is_reported(tmp_path, llama_dir):
