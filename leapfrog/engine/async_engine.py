@@ -36,7 +36,8 @@ LONG_TEXT_CHARS = 1 << 16
 
 
 def _text_chars(params: SamplingParams) -> int:
-    """How much text ``LLMEngine.prepare(params)`` tokenizes or indexes (which thread it runs on)."""
+    """How much text ``LLMEngine.prepare(params)`` tokenizes or indexes, an id counted as a
+    character (which thread it runs on)."""
     n = 0
     if not isinstance(params, SamplingParams):
         return n
@@ -45,6 +46,9 @@ def _text_chars(params: SamplingParams) -> int:
             n += len(v) if isinstance(v, str) else sum(map(len, v or ()))
         except TypeError:   # (token ids; a wrong type: prepare says why)
             pass
+    for v in (params.stop_token_ids, params.allowed_token_ids, params.logit_bias, params.prediction):
+        if isinstance(v, (list, tuple, dict)):   # (ids are checked there too: 600k take ~0.1 s)
+            n += len(v)
     return n
 
 
@@ -193,15 +197,18 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt: str | None, prompt_ids: list[int] | None,
                        params: SamplingParams | Prepared, num_speculative_tokens: int | None = None,
                        reservation: Reservation | None = None,
-                       on_accepted: Callable[[], None] | None = None, index: int = 0) -> AsyncIterator[RequestOutput]:
+                       on_accepted: Callable[[], None] | None = None, index: int = 0,
+                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
         """Yield cumulative RequestOutputs until finished; leaving early (even before the engine
         accepted the request) aborts the request. ``on_accepted`` is called (on the event loop)
         once the engine has accepted the request, before its first output: a caller running
         several requests as one answer holds its first bytes until every one is accepted.
         ``params``: a SamplingParams, or ``prepare(params)``'s result, shared by one API request's
-        choices and prompts (else prepared here); ``index``: the choice's (``LLMEngine.add_request``)."""
+        choices and prompts (else prepared here); ``index``: the choice's (``LLMEngine.add_request``);
+        ``arrival_time`` (time.monotonic()): when the request arrived, if before this call (its
+        params prepared: TTFT counts it), default now."""
         loop = asyncio.get_running_loop()
-        arrival = time.monotonic()
+        arrival = time.monotonic() if arrival_time is None else arrival_time
         # prepared off the engine's thread (a bad prompt or constraint raises its RequestError here;
         # leaving now leaves nothing in the engine to abort)
         prepared = params if isinstance(params, Prepared) else await self.prepare(params)

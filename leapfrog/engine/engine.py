@@ -167,6 +167,10 @@ class LLMEngine:
             check_shareable(share_target_with, self)
         if share_kv_cache:
             _check_cache_shareable(share_target_with, self)
+        # (the tokenizer before the weights, workers and ops: one of another model is refused at once)
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or ckpt.path)
+        if self.tokenizer is not None:
+            check_tokenizer_vocab(self.tokenizer, ckpt.args.vocab_size, str(config.tokenizer or ckpt.path))
         self._build_ops_ahead(ckpt)
         #: tensor parallelism (parallel/): this rank's group and the worker processes it spawned
         self.tp: Any = None
@@ -185,9 +189,6 @@ class LLMEngine:
                                         load_format=config.load_format, seed=config.seed)
                 if not config.enforce_eager:
                     self.model.pack_for_inference(pack_layers=False)
-            self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or ckpt.path)
-            if self.tokenizer is not None:
-                check_tokenizer_vocab(self.tokenizer, ckpt.args.vocab_size, str(config.tokenizer or ckpt.path))
             self.eos_ids = ckpt.eos_token_ids or (
                 (self.tokenizer.eos_token_id,) if self.tokenizer is not None and self.tokenizer.eos_token_id is not None
                 else ())
@@ -389,7 +390,10 @@ class LLMEngine:
         server prepares on its tokenizer's thread (100k bad words take 9 s to tokenize)."""
         if not isinstance(params, SamplingParams):
             raise RequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        params = dataclasses.replace(params)   # (validated; the requests keep this copy)
+        # validated; the requests keep this copy, with lists of their own (a caller changing its
+        # lists after this would skip the vocabulary checks and leave the rule tensors stale)
+        params = dataclasses.replace(params, **{k: type(v)(v) for k in _LIST_FIELDS
+                                                if isinstance(v := getattr(params, k), (list, tuple, dict))})
         self._check_params(params)
         stop_ids = stop_ids_of(params, self.eos_ids)
         stop_set = frozenset(stop_ids)
@@ -764,8 +768,12 @@ class LLMEngine:
             prefill = getattr(proposer, "prefill", None)
             if prefill is None or (proposer is self.proposer and off):
                 continue   # (no drafting at this batch size for now: it catches up when it drafts again)
-            ran = True
             sub = [reqs[i] for i in idx]
+            if proposer is self.proposer:   # (a prompt past the speculative max_model_len never drafts)
+                sub = [r for r in sub if len(r.prompt_ids) < self.spec_controller.max_model_len - 1]
+                if not sub:
+                    continue
+            ran = True
             try:
                 prefill(sub)
             except Exception:  # noqa: BLE001 - the drafter restarts these requests from scratch
@@ -979,8 +987,7 @@ class LLMEngine:
             return False
         drawn = [not r.params.greedy for r in reqs]
         rounds = min(self.config.num_scheduler_steps, self.runner.fits_spec_rounds(cols, any(drawn)),
-                     max(map(_rounds_wanted, reqs)),
-                     (self.spec_controller.max_model_len - max(cols)) // (g.k + 1))   # (speculative max_model_len)
+                     max(map(_rounds_wanted, reqs)), rounds_under(self.spec_controller.max_model_len, cols, g.k))
         if rounds < 2:
             return False
         t0 = time.perf_counter()
@@ -1328,6 +1335,17 @@ class LLMEngine:
 
     def get_metrics(self) -> dict:
         return self.spec_metrics.to_dict()
+
+
+#: SamplingParams' fields that hold lists (or a dict), copied by ``LLMEngine.prepare``
+_LIST_FIELDS = ("stop", "stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words", "prediction")
+
+
+def rounds_under(limit: int, cols: list[int], k: int) -> int:
+    """How many rounds of k drafts keep every draft at a position under ``limit`` (the speculative
+    max_model_len) for sequences whose newest tokens sit at ``cols``: a round advances a sequence
+    at most k + 1 columns, its drafts k columns past its newest token."""
+    return max(0, (limit - max(cols)) // (k + 1))
 
 
 def _rounds_wanted(req: Request) -> int:

@@ -6,7 +6,8 @@ from typing import Any
 
 from leapfrog.errors import ConfigError
 from leapfrog.spec_decode.adaptive import SpecController
-from leapfrog.spec_decode.config import SpeculativeConfig
+from leapfrog.model.loader import read_checkpoint
+from leapfrog.spec_decode.config import SELF_DRAFT, SpeculativeConfig
 from leapfrog.spec_decode.proposers import draft_model, eagle, ngram, suffix  # noqa: F401  (register)
 from leapfrog.spec_decode.proposers.base import PROPOSERS, TargetInfo
 
@@ -21,15 +22,23 @@ def build_speculation(spec: dict[str, Any] | SpeculativeConfig, engine: Any) -> 
         enforce_eager=engine.config.enforce_eager,
         allow_pickle=engine.config.allow_pickle, checkpoint=engine.checkpoint,
         load_format=engine.config.load_format, seed=engine.config.seed)
-    proposer = PROPOSERS[cfg.method](cfg, info)
-    return proposer, SpecController(cfg, speculative_len(cfg, engine.max_model_len, proposer))
+    limit = speculative_len(cfg, engine.max_model_len, _draft_context(cfg, engine))   # (before loading the draft)
+    return PROPOSERS[cfg.method](cfg, info), SpecController(cfg, limit)
 
 
-def speculative_len(cfg: SpeculativeConfig, max_model_len: int, proposer: Any) -> int:
+def _draft_context(cfg: SpeculativeConfig, engine: Any) -> int | None:
+    """A draft model's trained context (max_position_embeddings x a linear rope factor); None for
+    the other methods (EAGLE heads run at the target's positions)."""
+    if cfg.method != "draft_model":
+        return None
+    ckpt = engine.checkpoint if cfg.model == SELF_DRAFT else read_checkpoint(cfg.model)
+    return None if ckpt is None else ckpt.args.context_len
+
+
+def speculative_len(cfg: SpeculativeConfig, max_model_len: int, own: int | None) -> int:
     """Where drafting ends (SpeculativeConfig.max_model_len): given, at most the target's
-    max_model_len and the drafter's trained context (``proposer.context_len``, draft models);
-    by default the smaller of the two."""
-    own = getattr(proposer, "context_len", None)
+    max_model_len and the drafter's trained context (``own``, draft models); by default the
+    smaller of the two."""
     limit = min(max_model_len, own) if own is not None else max_model_len
     if cfg.max_model_len is None:
         return limit
@@ -38,5 +47,6 @@ def speculative_len(cfg: SpeculativeConfig, max_model_len: int, proposer: Any) -
                           f"max_model_len, {max_model_len}")
     if own is not None and cfg.max_model_len > own:
         raise ConfigError(f"speculative_config.max_model_len={cfg.max_model_len} is larger than the draft model's "
-                          f"context, {own} (max_position_embeddings in its config.json): it was never trained there")
+                          f"context, {own} (max_position_embeddings in its config.json, times a linear rope factor): "
+                          "it was never trained there")
     return cfg.max_model_len

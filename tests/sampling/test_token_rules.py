@@ -190,12 +190,26 @@ def test_one_params_object_is_prepared_once_for_every_prompt_and_choice(plain, t
     (base,) = first.shared_rules.values()   # (built at the first row of any of them)
     tensors = [next(iter(r.rule_tensors.values())) for r in reqs]
     assert all(t.outside is base.outside and t.stops is base.stops for t in tensors)
+    assert len({id(t.output_counts) for t in tensors}) == 6   # (each request's own)
     assert not torch.equal(tensors[0].prompt_seen, tensors[3].prompt_seen)   # (two prompts)
     monkeypatch.undo()
     for j, p in enumerate(prompts):
         for i in range(3):
             one = plain.generate(p, dataclasses.replace(sp, n=1, seed=3 + i), use_tqdm=False)[0]
             assert outs[j].outputs[i].token_ids == one.outputs[0].token_ids
+
+
+def test_prepared_params_keep_lists_of_their_own(plain):
+    """A caller changing its lists after prepare changes nothing the requests use (the checks
+    and the kept rule tensors were made for the lists as they were)."""
+    ids, bias = [5, 6], {7: 1.0}
+    prep = plain.engine.prepare(SamplingParams(temperature=0, max_tokens=2, stop_token_ids=ids, logit_bias=bias,
+                                               allowed_token_ids=[5, 6, 7, 8], stop=["a"]))
+    ids.append(10_000)   # (past the vocabulary)
+    bias[10_000] = 1.0
+    assert prep.params.stop_token_ids == [5, 6] and prep.params.logit_bias == {7: 1.0}
+    out = plain.generate({"prompt_token_ids": [1, 2, 3]}, prep.params, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) >= 1
 
 
 def test_params_prepared_by_another_engine_are_refused(plain, llama_dir):

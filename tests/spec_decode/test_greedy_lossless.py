@@ -48,15 +48,16 @@ def test_drafting_ends_at_the_draft_models_context(llama_dir, baseline, tmp_path
     spec = {"method": "draft_model", "model": str(short), "num_speculative_tokens": 4}
     llm = LLM(model=str(llama_dir), dtype="float32", max_model_len=256, max_num_seqs=8, speculative_config=spec)
     assert llm.engine.spec_controller.max_model_len == 24
-    ends = []
-    real = llm.engine.proposer.propose
+    ends, prefilled = [], []
+    real, real_prefill = llm.engine.proposer.propose, llm.engine.proposer.prefill
     llm.engine.proposer.propose = lambda reqs, ks, **kw: (
         ends.extend(r.num_computed + k for r, k in zip(reqs, ks) if k) or real(reqs, ks, **kw))
-    some = [0, 1, 3]   # (prompts of 14, 7 and 15 tokens)
+    llm.engine.proposer.prefill = lambda reqs: prefilled.extend(len(r.prompt_ids) for r in reqs) or real_prefill(reqs)
+    some = [0, 1, 3, 2]   # (prompts of 14, 7, 15 and 36 tokens: the last never drafts, nor prefills the draft)
     outs = llm.generate([{"prompt_token_ids": prompts[i]} for i in some],
                         SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [ref[i] for i in some]
-    assert all(len(prompts[i]) < 16 for i in some)
+    assert [len(prompts[i]) for i in some] == [14, 7, 15, 36] and sorted(prefilled) == [7, 14, 15]
     assert 20 <= max(ends) <= 23   # (the last draft's position: under 24)
     for bad, why in ((25, "draft model's context, 24"), (257, "target's max_model_len, 256")):
         with pytest.raises(ConfigError, match=why):

@@ -189,3 +189,17 @@ def test_draft_batch_layout():
     d = DraftBatch.from_lists([[1, 2], [], [3]])
     assert d.num_draft == [2, 0, 1] and d.offsets() == [0, 2, 2, 3]
     assert d.lists() == [[1, 2], [], [3]] and d.total == 3
+
+
+def test_rounds_under_keeps_every_draft_under_the_speculative_max_model_len():
+    """Multi-step speculation's rounds (engine._spec_rounds): the most rounds of k drafts whose
+    drafts all sit under the limit, a round advancing a sequence k + 1 columns at most; checked
+    against the rule, round by round."""
+    from leapfrog.engine.engine import rounds_under
+    for limit in range(2, 40):
+        for k in range(1, 6):
+            for cols in ([0], [3, 9], [limit - 1], [limit + 4, 1]):
+                fits = 0
+                while all(c + fits * (k + 1) + k <= limit - 1 for c in cols):
+                    fits += 1
+                assert rounds_under(limit, cols, k) == fits, (limit, k, cols)

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import re
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
@@ -233,11 +234,11 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ running
     async def _stream(self, rid: str, prompt: Prompt, index: int, k: int | None, reservation: Reservation,
-                      prepared: Prepared, on_accepted: Callable[[], None] | None = None
+                      prepared: Prepared, arrival: float, on_accepted: Callable[[], None] | None = None
                       ) -> AsyncIterator[RequestOutput]:
         with _engine_errors():
             async for out in self.engine.generate(rid, prompt.text, prompt.ids, prepared, k, reservation, on_accepted,
-                                                  index):
+                                                  index, arrival):
                 yield out
 
     async def _prepare(self, sp: SamplingParams, reservation: Reservation) -> Prepared:
@@ -273,14 +274,14 @@ class OpenAIServing:
         """Every choice's final output. If ``disconnected`` returns first (the client went away),
         every choice is aborted at once and ClientDisconnected is raised. A choice that failed in
         the engine (finish_reason "error") makes the whole answer a JSON 500."""
-        base = uuid.uuid4().hex
+        base, arrival = uuid.uuid4().hex, time.monotonic()   # (TTFT counts the params' preparing)
         jobs = self._jobs(prompts, sp)
         reservation = self.admit(len(jobs), sp)
         prepared = await self._prepare(sp, reservation)
 
         async def one(idx: int, p: Prompt, i: int) -> RequestOutput:
             last = None
-            async for out in self._stream(f"{base}-{idx}", p, i, k, reservation, prepared):
+            async for out in self._stream(f"{base}-{idx}", p, i, k, reservation, prepared, arrival):
                 last = out
             assert last is not None
             return last
@@ -317,13 +318,13 @@ class OpenAIServing:
         until the engine has accepted every choice: a request refused at the door (its second
         prompt too long for the context) raises its error before the first event, so the answer
         is a JSON 4xx, not a stream that fails after the first prompt's first tokens went out."""
-        base = uuid.uuid4().hex
+        base, arrival = uuid.uuid4().hex, time.monotonic()   # (TTFT counts the params' preparing)
         hold = max((len(s) for s in sp.stop_strings), default=1) - 1
         q: asyncio.Queue = asyncio.Queue()
 
         async def pump(idx: int, p: Prompt, i: int) -> None:
             try:
-                async for out in self._stream(f"{base}-{idx}", p, i, k, reservation, prepared,
+                async for out in self._stream(f"{base}-{idx}", p, i, k, reservation, prepared, arrival,
                                               lambda: q.put_nowait((idx, _ACCEPTED))):
                     await q.put((idx, out))
             except Exception as e:  # noqa: BLE001 - forwarded to the consumer (a shutdown: EngineStopped's 503)

@@ -73,7 +73,6 @@ class DraftModelProposer:
         self.runner = ModelRunner(self.model, target.num_rows, target.max_model_len,
                                   batch_invariant=target.batch_invariant)
         self.vocab_size = target.vocab_size
-        self.context_len = ckpt.args.context_len   # (speculative max_model_len: setup.py speculative_len)
         self.k = cfg.draft_budget  # the most drafts one step asks for (the chain graph's length)
         self.min_confidence = cfg.min_draft_confidence   # greedy chains end below it (draft.chain_length)
         self.chunk = target.max_num_batched_tokens

@@ -97,7 +97,8 @@ def test_a_requests_choices_share_one_prepare_on_the_tokenizer_thread(server, mo
     """The params of a request's prompts x n choices are checked and their lists built once
     (``LLMEngine.prepare``), on the tokenizer's thread: per choice, on the event loop and then
     the engine's thread, a 4 MiB body's 400k stop ids cost ~90 ms a choice (23 s for n = 256)
-    that every other stream waited through. Choice i is the request seeded with seed + i."""
+    that every other stream waited through. Choice i is the request seeded with seed + i. Its
+    100k ids count as 100k characters: the long texts' thread, short prompts not queued behind."""
     import threading
     eng = server.app.state.engine.engine
     real, threads = eng.prepare, []
@@ -107,7 +108,7 @@ def test_a_requests_choices_share_one_prepare_on_the_tokenizer_thread(server, mo
     ids = list(range(20, 40)) * 5_000
     r = c.completions.create(prompt=[PROMPTS[0], PROMPTS[1]], n=3, **kw,
                              extra_body={"ignore_eos": True, "stop_token_ids": ids, "bad_words": ["zqxv"]})
-    assert threads == ["leapfrog-tokenize"], threads
+    assert threads == ["leapfrog-tokenize-long"], threads
     for j, p in enumerate(PROMPTS[:2]):
         for i in range(3):
             one = c.completions.create(prompt=p, n=1, **{**kw, "seed": 5 + i},
