@@ -157,7 +157,6 @@ def _round_calls(llm, batch, sampled=False):
 
 
 @pytest.mark.slow   # (the rounds fixture: 190-240 s of compiling on 2 cores)
-@pytest.mark.xdist_group("rounds")   # (one worker compiles the fixture: .ci/run uses --dist loadgroup)
 def test_speculation_rounds_give_the_target_greedy_output(rounds, base, tokenizer):
     """Greedy output, batched and ragged, with a max_tokens inside a round, equals the target's
     own (one-token eager steps); the rounds graph did the decoding, its rounds accepted all, some
@@ -182,7 +181,6 @@ def test_speculation_rounds_give_the_target_greedy_output(rounds, base, tokenize
 
 
 @pytest.mark.slow   # (the rounds fixture: 190-240 s of compiling on 2 cores)
-@pytest.mark.xdist_group("rounds")   # (one worker compiles the fixture: .ci/run uses --dist loadgroup)
 def test_chained_rounds_equal_rounds_called_one_by_one(rounds):
     """The rounds' lean loop (direct calls whose inputs are built once, only the carried state
     swapped in) gives what calling the graph round by round through ``_serve`` gives, from the
@@ -225,7 +223,6 @@ def test_adaptive_k_runs_rounds_when_it_picks_k(llama_dir, base, tokenizer):
 
 
 @pytest.mark.slow   # (the rounds fixture: 190-240 s of compiling on 2 cores)
-@pytest.mark.xdist_group("rounds")   # (one worker compiles the fixture: .ci/run uses --dist loadgroup)
 def test_stops_and_other_requests_in_speculation_rounds(rounds, base, tokenizer):
     """A stop token or string reached inside a round drops the tokens after it, as one-token steps
     stop; a request with top-k in the batch makes the step run one round (seeded: the eager
@@ -248,7 +245,6 @@ def test_stops_and_other_requests_in_speculation_rounds(rounds, base, tokenizer)
 
 
 @pytest.mark.slow   # (the rounds fixture: 190-240 s of compiling on 2 cores)
-@pytest.mark.xdist_group("rounds")   # (one worker compiles the fixture: .ci/run uses --dist loadgroup)
 def test_sampled_speculation_rounds_draw_the_targets_tokens(rounds, base, tokenizer):
     """Temperature-only sampled requests run in the sampled rounds' graph, alone and batched with a
     greedy one: a seeded request's output is exactly its output without speculation (the target's
