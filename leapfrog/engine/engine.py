@@ -392,7 +392,7 @@ class LLMEngine:
             raise RequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         # validated; the requests keep this copy, with lists of their own (a caller changing its
         # lists after this would skip the vocabulary checks and leave the rule tensors stale)
-        params = dataclasses.replace(params, **{k: type(v)(v) for k in _LIST_FIELDS
+        params = dataclasses.replace(params, **{k: dict(v) if isinstance(v, dict) else list(v) for k in _LIST_FIELDS
                                                 if isinstance(v := getattr(params, k), (list, tuple, dict))})
         self._check_params(params)
         stop_ids = stop_ids_of(params, self.eos_ids)

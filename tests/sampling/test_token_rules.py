@@ -4,6 +4,7 @@ without speculation; the sampled law is the constrained target's)."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import pytest
@@ -202,7 +203,7 @@ def test_one_params_object_is_prepared_once_for_every_prompt_and_choice(plain, t
 def test_prepared_params_keep_lists_of_their_own(plain):
     """A caller changing its lists after prepare changes nothing the requests use (the checks
     and the kept rule tensors were made for the lists as they were)."""
-    ids, bias = [5, 6], {7: 1.0}
+    ids, bias = [5, 6], collections.defaultdict(float, {7: 1.0})   # (a dict of any kind)
     prep = plain.engine.prepare(SamplingParams(temperature=0, max_tokens=2, stop_token_ids=ids, logit_bias=bias,
                                                allowed_token_ids=[5, 6, 7, 8], stop=["a"]))
     ids.append(10_000)   # (past the vocabulary)
