@@ -11,19 +11,31 @@ Every function takes and returns new tensors; masked tokens get -inf.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 
-def apply_token_rules(logits: Tensor, masked: Tensor | None, bias: tuple[Tensor, Tensor, Tensor] | None) -> Tensor:
+@dataclass(frozen=True)
+class LogitBias:
+    """logit_bias of a batch's rows: short ones as entries, long ones as whole rows (the same sums)."""
+    sparse: tuple[Tensor, Tensor, Tensor] | None   # (rows [M], token ids [M], values [M]): one per (row, id)
+    dense: tuple[Tensor, Tensor] | None            # (rows [R], values [R, V]): distinct rows, 0 off the bias
+
+
+def apply_token_rules(logits: Tensor, masked: Tensor | None, bias: LogitBias | None) -> Tensor:
     """logits [N, V]; masked [N, V] bool (tokens that may not come next: outside
-    allowed_token_ids, banned by bad_words, stop tokens under min_tokens) or None; bias
-    (rows [M], token ids [M], values [M]) added to the logits, or None."""
+    allowed_token_ids, banned by bad_words, stop tokens under min_tokens) or None; bias added to
+    the logits, or None. Each biased logit becomes logit + value either way (a dense row adds
+    0.0 elsewhere: the same values, -0.0 aside)."""
     if masked is not None:
         logits = logits.masked_fill(masked, float("-inf"))
-    if bias is not None:
-        rows, ids, values = bias
+    if bias is not None and bias.sparse is not None:
+        rows, ids, values = bias.sparse
         logits = logits.index_put((rows, ids), values, accumulate=True)
+    if bias is not None and bias.dense is not None:
+        logits = logits.index_add(0, *bias.dense)
     return logits
 
 

@@ -90,8 +90,9 @@ class RuleTensors:
     vocabulary, 350 ms for a logit_bias of it, 26 ms for a penalty's 32k-token prompt, 100k
     one-token bad words 0.24 s (stop ids under min_tokens ~0.1 s)."""
     outside: Tensor | None       # [V] bool: not in allowed_token_ids (None: no such list)
-    bias_ids: Tensor | None      # [M] long: logit_bias's tokens (None: no bias)
+    bias_ids: Tensor | None      # [M] long: logit_bias's tokens (None: no bias, or a dense one)
     bias_values: Tensor | None   # [M] float32
+    bias_dense: Tensor | None    # [V] float32: a logit_bias of DENSE_BIAS_SHARE of the vocabulary or more
     prompt_seen: Tensor | None   # [V] bool: in the prompt (None: no penalties)
     never: Tensor | None         # [V] bool: one-token bad words (None: none)
     stops: Tensor | None         # [V] bool: EOS and stop_token_ids, banned under min_tokens (None: no min_tokens)
@@ -119,15 +120,19 @@ class RuleTensors:
     @staticmethod
     def _of_params(spec: "RowSpec", vocab_size: int, device: torch.device | str) -> "RuleTensors":
         params = spec.params
-        bias_ids = bias_values = None
+        bias_ids = bias_values = bias_dense = None
         if params.logit_bias:
             bias_ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=device)
             bias_values = torch.tensor([float(v) for v in params.logit_bias.values()], dtype=torch.float32,
                                        device=device)
+            if len(params.logit_bias) >= DENSE_BIAS_SHARE * vocab_size:   # (ids are unique: a dict's keys)
+                bias_dense = torch.zeros(vocab_size, dtype=torch.float32, device=device).index_put_(
+                    (bias_ids,), bias_values)
+                bias_ids = bias_values = None
         allowed = params.allowed_token_ids
         return RuleTensors(
             outside=_mask(allowed, vocab_size, device, False) if allowed is not None else None,
-            bias_ids=bias_ids, bias_values=bias_values, prompt_seen=None,
+            bias_ids=bias_ids, bias_values=bias_values, bias_dense=bias_dense, prompt_seen=None,
             never=_mask(spec.bad_words.always, vocab_size, device) if spec.bad_words.always else None,
             stops=_mask(spec.stop_ids, vocab_size, device) if params.min_tokens and spec.stop_ids else None)
 
@@ -180,7 +185,7 @@ class RowBatch:
     min_p: Tensor         # [N]
     penalties: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None  # seen, counts, rep, pres, freq
     masked: Tensor | None   # [N, V] bool: allowed_token_ids, bad_words, min_tokens (None: no row masks)
-    bias: tuple[Tensor, Tensor, Tensor] | None   # logit_bias as (rows [M], ids [M], values [M])
+    bias: P.LogitBias | None   # logit_bias's entries (None: no row has any)
     all_greedy: bool
     any_top_k: bool
     any_top_p: bool
@@ -232,6 +237,12 @@ def build_rows(specs: Sequence[RowSpec], vocab_size: int, device: torch.device |
 
 
 _SHORT_GROUP = 64   # bad words' last tokens after one prefix: up to this many, listed per row
+#: a logit_bias of at least this share of the vocabulary is kept as a dense row [V] and added to
+#: its rows whole, else as entries added by one scatter with accumulation, whose cost grows with
+#: the entries (benchmarks/rules_bench.py, 6 rows, 128k vocabulary, a step's rows built and
+#: applied: the whole vocabulary biased 4.4 ms as entries against 0.27 ms dense; 5 % of it 0.28
+#: against 0.33, 8 % 0.42 against 0.23, so the two cross at about 6 %)
+DENSE_BIAS_SHARE = 1 / 16
 
 
 def _token_rules(specs: Sequence[RowSpec], vocab_size: int, device: torch.device | str
@@ -240,6 +251,7 @@ def _token_rules(specs: Sequence[RowSpec], vocab_size: int, device: torch.device
     min_tokens) and logit_bias entries; (None, None) when no row has any."""
     masked = None
     bias: list[tuple[int, Tensor, Tensor]] = []   # (row, ids [M], values [M])
+    dense: list[tuple[int, Tensor]] = []          # (row, values [V])
     for i, s in enumerate(specs):
         p = s.params
         groups = s.bad_words.ending(s.output_ids) if s.bad_words else []
@@ -264,11 +276,17 @@ def _token_rules(specs: Sequence[RowSpec], vocab_size: int, device: torch.device
                     masked[i, rt.group(g, device)] = True
         if p.logit_bias:
             rt = s.rule_tensors(vocab_size, device)
-            bias.append((i, rt.bias_ids, rt.bias_values))
-    if not bias:
+            if rt.bias_dense is not None:
+                dense.append((i, rt.bias_dense))
+            else:
+                bias.append((i, rt.bias_ids, rt.bias_values))
+    if not bias and not dense:
         return masked, None
-    rows = torch.cat([torch.full((len(ids),), i, dtype=torch.long, device=device) for i, ids, _ in bias])
-    return masked, (rows, torch.cat([ids for _, ids, _ in bias]), torch.cat([v for _, _, v in bias]))
+    long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+    return masked, P.LogitBias(
+        sparse=(torch.cat([torch.full((len(ids),), i, dtype=torch.long, device=device) for i, ids, _ in bias]),
+                torch.cat([ids for _, ids, _ in bias]), torch.cat([v for _, _, v in bias])) if bias else None,
+        dense=(long([i for i, _ in dense]), torch.stack([v for _, v in dense])) if dense else None)
 
 
 def penalised_logits(logits: Tensor, rows: RowBatch) -> Tensor:

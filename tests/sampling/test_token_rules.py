@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from unittest import mock
 
 import pytest
 import torch
@@ -91,6 +92,29 @@ def test_engine_checks_ids_and_impossible_rules(plain):
             plain.generate("x = 1", SamplingParams(max_tokens=4, **kw), use_tqdm=False)
 
 
+@pytest.mark.parametrize("share", [0.0, 2.0], ids=["dense", "sparse"])
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.dictionaries(st.integers(0, V - 1), st.floats(-5, 5, width=32), max_size=V), min_size=1,
+                max_size=4), st.lists(st.booleans(), min_size=V, max_size=V))
+def test_a_logit_bias_adds_its_values_kept_dense_or_as_entries(share, biases, masked):
+    """Each row's logit_bias adds its values to its logits, whether kept as a dense row (a bias of
+    DENSE_BIAS_SHARE of the vocabulary or more: 0 makes every one dense) or as entries (2: none),
+    after the masks (a masked token stays -inf)."""
+    allowed = [t for t in range(V) if not masked[t]] or [0]
+    specs = [RowSpec(SamplingParams(temperature=0.7, logit_bias=b or None, allowed_token_ids=allowed), [1], [])
+             for b in biases]
+    logits = torch.randn(len(specs), V, generator=torch.Generator().manual_seed(len(biases)))
+    with mock.patch.object(sampler, "DENSE_BIAS_SHARE", share):
+        rows = _rows(specs)
+    assert rows.bias is None or (rows.bias.dense is None) == (share > 1)
+    want = logits.clone()
+    for i, b in enumerate(biases):
+        for t, v in b.items():
+            want[i, t] += v
+    want[:, [t for t in range(V) if t not in allowed]] = float("-inf")
+    assert torch.equal(sampler.penalised_logits(logits, rows), want)
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.integers(0, V - 1), min_size=1, max_size=V), st.dictionaries(st.integers(0, V - 1),
        st.floats(-5, 5), max_size=V), st.floats(1.0, 2.0), st.lists(st.integers(0, V - 1), max_size=6),
@@ -120,7 +144,9 @@ def test_rows_with_the_requests_kept_tensors_equal_rows_built_afresh(allowed, bi
         assert torch.equal(kept.masked, fresh.masked)
         assert (kept.bias is None) == (fresh.bias is None)
         if kept.bias is not None:
-            assert all(torch.equal(a, b) for a, b in zip(kept.bias, fresh.bias))
+            for part in ("sparse", "dense"):
+                a, b = getattr(kept.bias, part), getattr(fresh.bias, part)
+                assert (a is None) == (b is None) and (a is None or all(map(torch.equal, a, b)))
         assert all(torch.equal(a, b) for a, b in zip(kept.penalties, fresh.penalties))
 
 
