@@ -39,6 +39,9 @@ from leapfrog.entrypoints.openai.serving import (APIError, ClientDisconnected, O
 from leapfrog.outputs import RequestOutput
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
+#: seconds a request's body may go without a byte arriving (as nginx's client_body_timeout, 60 s
+#: there): a client that sends its headers and stalls gets a 408, not a coroutine held open for good
+BODY_TIMEOUT_S = 30.0
 TOKEN_CHARS = 4   # about a token's characters: a token list's size as text, for the long texts' lane
 log = logging.getLogger("leapfrog.server")
 
@@ -58,9 +61,10 @@ def error(status: int, message: str, type_: str = "invalid_request_error", param
 
 class Guard:
     """ASGI middleware at the door: the API key, then the body size, counted while reading (so a
-    ``Transfer-Encoding: chunked`` body cannot bypass the limit). The body is read here in full
-    (at most MAX_BODY_BYTES) and replayed to the app; later ``receive`` calls reach the server,
-    which is how a route learns that its client went away."""
+    ``Transfer-Encoding: chunked`` body cannot bypass the limit), and its pace (each part within
+    BODY_TIMEOUT_S of the last, read here at every request, else 408). The body is read here in
+    full (at most MAX_BODY_BYTES) and replayed to the app; later ``receive`` calls reach the
+    server, which is how a route learns that its client went away."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, max_body: int = MAX_BODY_BYTES) -> None:
         self.app, self.api_key, self.max_body = app, api_key, max_body
@@ -80,7 +84,11 @@ class Guard:
             return await self._too_large(scope, receive, send)
         body, more = bytearray(), True
         while more:
-            msg = await receive()
+            try:
+                msg = await asyncio.wait_for(receive(), BODY_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                return await error(408, f"no part of the request body arrived for {BODY_TIMEOUT_S:g} s",
+                                   code="body_timeout")(scope, receive, send)
             if msg["type"] == "http.disconnect":
                 return
             body += msg.get("body", b"")

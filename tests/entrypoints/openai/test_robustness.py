@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 import time
 
@@ -442,6 +443,29 @@ def test_chunked_body_cannot_bypass_the_limit(server, expected):
         assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
     except httpx.TransportError:
         pass  # the server may answer and close before the client finished sending
+    assert good(server) == expected
+
+
+def test_a_body_that_stalls_gets_408_and_hurts_nobody(server, expected, monkeypatch):
+    """A client that sends its headers and part of its body, then nothing, is answered 408 (JSON)
+    once BODY_TIMEOUT_S pass without a byte; requests meanwhile and after are answered."""
+    from leapfrog.entrypoints.openai import api_server
+    monkeypatch.setattr(api_server, "BODY_TIMEOUT_S", 1.0)
+    with socket.create_connection((server.host, server.port), timeout=20) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"model\": ")
+        t0 = time.time()
+        assert good(server) == expected   # (while the stalled body waits)
+        reply = b""
+        while b"}}" not in reply:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            reply += chunk
+    assert 0.9 < time.time() - t0 < 15
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), reply
+    assert json.loads(body)["error"]["code"] == "body_timeout"
     assert good(server) == expected
 
 
