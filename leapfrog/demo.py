@@ -125,20 +125,33 @@ def demo_disable_by_batch_size(dtype: str = "auto", draft_quantization: str | No
     """Above how many sequences the built-in head stops drafting: 4 where the bf16 target's linears
     run on AMX tiles (``amx_in_use``, which loads the kernel: verifying 8 rows costs 1.26 one-token
     forwards there, against 1.83 on the vdpbf16ps tiles) and where the head drafts in w8a8 on the
-    kernel's AVX2 build (``draft_quantization``, ``demo_draft_quantization``'s), else 3
-    (DEMO_EAGLE3's). Measured on an AMX Xeon (stop 79, ``tree_bench.py --only 2 8 --eagle-depths 7
-    --batch-sizes 1 4 8 16 --temperatures 0 0.7``): the chain of 7 ran 1.49x / 1.26x no speculation
-    at batch 4 (T = 0 / 0.7), 1.23x / 0.94x at 8, 1.01x / 0.65x at 16. On a 2-vCPU AVX2 EPYC with the
-    w8a8 head (stop 118, float32 target, the chain of 5, two ``tree_bench.py`` runs): 1.11x / 1.02x
-    and 1.23x / 1.04x at batch 4 (T = 0 / 0.7), 1.19x / 1.03x at 5 in one run."""
+    kernel's AVX2 build (``draft_quantization``, ``demo_draft_quantization``'s); 5 where the bf16
+    target runs on the vdpbf16ps tiles of a CPU with AVX-VNNI too, no AMX, and the head drafts in
+    w8a8 (AMD Zen 5, whose 512-bit units run at full width: 8 rows cost 1.12-1.16 one-token forwards
+    there);
+    else 3 (DEMO_EAGLE3's: AMD Zen 4, where the chain of 7 ran 1.24x / 1.00x no speculation at
+    batch 4, T = 0 / 0.7, and 1.00x / 0.83x at 8, stop 89). Measured on an AMX Xeon (stop 79,
+    ``tree_bench.py --only 2 8 --eagle-depths 7 --batch-sizes 1 4 8 16 --temperatures 0 0.7``): the
+    chain of 7 ran 1.49x / 1.26x no speculation at batch 4 (T = 0 / 0.7), 1.23x / 0.94x at 8, 1.01x /
+    0.65x at 16. On a 2-vCPU AVX2 EPYC with the w8a8 head (stop 118, float32 target, the chain of 5,
+    two ``tree_bench.py`` runs): 1.11x / 1.02x and 1.23x / 1.04x at batch 4 (T = 0 / 0.7), 1.19x /
+    1.03x at 5 in one run. On a 2-vCPU Zen 5 EPYC (stop 123, the w8a8 chain of 7, two
+    ``tree_bench.py --only 13 --eagle-depths 7 --head-quantization w8a8`` runs): 1.41x / 1.14x and
+    1.38x / 1.16x at batch 4, 1.33x / 1.09x and 1.31x / 1.09x at 5, 1.25x / 1.02x and 1.24x / 1.05x
+    at 6, 1.13x / 0.86x at 8."""
     import torch
 
-    from leapfrog.model.native_linear import amx_in_use, kernel_amx, kernel_isa, native_linear_supported
+    from leapfrog.model.native_linear import (amx_in_use, cpu_flags, kernel_amx, kernel_isa,
+                                              native_linear_supported)
     # (the flags first: elsewhere nothing is loaded here, and the engine builds its ops in parallel)
     on = (dtype in ("auto", "bfloat16", "bf16") and kernel_amx() and native_linear_supported(torch.bfloat16, "cpu")
           and amx_in_use())
     on = on or (draft_quantization == "w8a8" and kernel_isa() == "avx2")
-    return 4 if on else DEMO_EAGLE3["disable_by_batch_size"]
+    flags = cpu_flags()   # (AVX-VNNI beside AVX-512 BF16 without AMX: AMD since Zen 5; an AMX Xeon whose
+    # tiles are not lent verifies on the vdpbf16ps tiles at 1.83 one-token forwards for 8 rows)
+    full_width = (not on and draft_quantization == "w8a8" and dtype in ("auto", "bfloat16", "bf16")
+                  and kernel_isa() == "avx512_bf16" and "avx_vnni" in flags and not any("amx" in f for f in flags))
+    return 4 if on else 5 if full_width else DEMO_EAGLE3["disable_by_batch_size"]
 
 
 def demo_draft_quantization(dtype: str = "auto", device: str = "auto") -> str | None:

@@ -121,6 +121,32 @@ def test_explicit_none_turns_the_built_in_speculation_off(monkeypatch, llama_dir
     assert LLM(model=str(llama_dir)).config.speculative_config is None
 
 
+def test_the_built_in_head_drafts_for_more_sequences_where_verifying_costs_less(monkeypatch):
+    """The built-in head stops drafting above 4 sequences on AMX tiles and with the w8a8 head on
+    AVX2, above 5 with the w8a8 head on an AVX-512 BF16 CPU with AVX-VNNI and no AMX (AMD Zen 5),
+    else above 3 (Zen 4: AVX-512 VNNI alone; an AMX Xeon whose tiles are not lent; a bf16 head)."""
+    import leapfrog.model.native_linear as nl
+
+    def cpu(isa: str, flags: set[str], amx: bool = False) -> None:
+        for name, value in (("kernel_amx", amx), ("amx_in_use", amx), ("native_linear_supported", True),
+                            ("kernel_isa", isa), ("cpu_flags", frozenset(flags))):
+            monkeypatch.setattr(nl, name, lambda *a, value=value: value)
+
+    zen4 = {"avx512_bf16", "avx512_vnni"}
+    cpu("avx512_bf16", zen4 | {"avx_vnni"})                       # Zen 5
+    assert demo.demo_disable_by_batch_size("auto", "w8a8") == 5
+    assert demo.demo_disable_by_batch_size("auto", None) == 3     # (the bf16 head: unmeasured there)
+    assert demo.demo_disable_by_batch_size("float32", "w8a8") == 3
+    cpu("avx512_bf16", zen4)                                      # Zen 4
+    assert demo.demo_disable_by_batch_size("auto", "w8a8") == 3
+    cpu("avx512_bf16", zen4 | {"avx_vnni", "amx_bf16", "amx_int8", "amx_tile"})   # AMX tiles not lent
+    assert demo.demo_disable_by_batch_size("auto", "w8a8") == 3
+    cpu("avx512_bf16", zen4 | {"avx_vnni", "amx_bf16", "amx_int8", "amx_tile"}, amx=True)
+    assert demo.demo_disable_by_batch_size("auto", "w8a8") == 4
+    cpu("avx2", {"avx2", "fma"})
+    assert demo.demo_disable_by_batch_size("auto", "w8a8") == 4
+
+
 def test_the_w8a8_head_only_where_the_engine_runs_on_the_cpu(monkeypatch):
     """On an AMX-INT8 or AVX-512 VNNI host (or an AVX2 one with a float32 target) the built-in head
     drafts in w8a8 on the CPU, but not when the engine runs on a GPU (device "cuda", or "auto" with
