@@ -7,8 +7,9 @@ step, for every row of every request. A request's rule tensors are built once an
 of drafts verified: drafts + 1 rows) whose logit_bias covers ``--bias-share`` of a ``--vocab``
 vocabulary. Contenders, interleaved round by round:
 
-- ``dense``: the bias as the sampler keeps it (a dense row [V] added to the request's rows when it
-  covers ``sampler.DENSE_BIAS_SHARE`` of the vocabulary or more),
+- ``dense``: the bias kept as a dense row [V] added to the request's rows (the sampler keeps it so
+  when it covers ``sampler.DENSE_BIAS_SHARE`` of the vocabulary or more; patched to 0 here, so
+  smaller shares compare too: where the two cross),
 - ``entries``: the same bias as (row, id, value) entries added by one scatter with accumulation
   (what every bias was before; ``DENSE_BIAS_SHARE`` patched above 1).
 
@@ -55,7 +56,7 @@ def main() -> None:
     values = (torch.rand(len(ids), generator=g) * 20 - 10).tolist()
     sp = SamplingParams(temperature=0.7, logit_bias=dict(zip(ids, values)))
     logits = torch.randn(args.rows, args.vocab, generator=g)
-    shares = {"dense": sampler.DENSE_BIAS_SHARE, "entries": 2.0}
+    shares = {"dense": 0.0, "entries": 2.0}   # (DENSE_BIAS_SHARE patched: always dense, never)
     memos = {name: ({}, {}) for name in shares}   # (each contender's kept rule tensors: RowSpec memo, shared)
 
     def specs(name: str) -> list[RowSpec]:

@@ -126,9 +126,10 @@ def demo_disable_by_batch_size(dtype: str = "auto", draft_quantization: str | No
     run on AMX tiles (``amx_in_use``, which loads the kernel: verifying 8 rows costs 1.26 one-token
     forwards there, against 1.83 on the vdpbf16ps tiles) and where the head drafts in w8a8 on the
     kernel's AVX2 build (``draft_quantization``, ``demo_draft_quantization``'s); 5 where the bf16
-    target runs on the vdpbf16ps tiles of a CPU with AVX-VNNI too, no AMX, and the head drafts in
-    w8a8 (AMD Zen 5, whose 512-bit units run at full width: 8 rows cost 1.12-1.16 one-token forwards
-    there);
+    target runs on the vdpbf16ps tiles of an AMD CPU of family 26 or later with AVX-VNNI too, no
+    AMX, and the head drafts in w8a8 (AMD Zen 5, whose server cores run 512-bit units at full width:
+    8 rows cost 1.12-1.16 one-token forwards there; its laptop parts, 256-bit units, are
+    unmeasured);
     else 3 (DEMO_EAGLE3's: AMD Zen 4, where the chain of 7 ran 1.24x / 1.00x no speculation at
     batch 4, T = 0 / 0.7, and 1.00x / 0.83x at 8, stop 89). Measured on an AMX Xeon (stop 79,
     ``tree_bench.py --only 2 8 --eagle-depths 7 --batch-sizes 1 4 8 16 --temperatures 0 0.7``): the
@@ -141,16 +142,19 @@ def demo_disable_by_batch_size(dtype: str = "auto", draft_quantization: str | No
     at 6, 1.13x / 0.86x at 8."""
     import torch
 
-    from leapfrog.model.native_linear import (amx_in_use, cpu_flags, kernel_amx, kernel_isa,
+    from leapfrog.model.native_linear import (amx_in_use, cpu_flags, cpu_vendor_family, kernel_amx, kernel_isa,
                                               native_linear_supported)
     # (the flags first: elsewhere nothing is loaded here, and the engine builds its ops in parallel)
     on = (dtype in ("auto", "bfloat16", "bf16") and kernel_amx() and native_linear_supported(torch.bfloat16, "cpu")
           and amx_in_use())
     on = on or (draft_quantization == "w8a8" and kernel_isa() == "avx2")
-    flags = cpu_flags()   # (AVX-VNNI beside AVX-512 BF16 without AMX: AMD since Zen 5; an AMX Xeon whose
-    # tiles are not lent verifies on the vdpbf16ps tiles at 1.83 one-token forwards for 8 rows)
+    # (an AMD CPU of family 26 or later with AVX-VNNI beside AVX-512 BF16 and no AMX: Zen 5 and
+    # later; an Intel Xeon whose AMX tiles are hidden or not lent verifies on the vdpbf16ps tiles at
+    # 1.83 one-token forwards for 8 rows, so it keeps 3)
+    flags, (vendor, family) = cpu_flags(), cpu_vendor_family()
     full_width = (not on and draft_quantization == "w8a8" and dtype in ("auto", "bfloat16", "bf16")
-                  and kernel_isa() == "avx512_bf16" and "avx_vnni" in flags and not any("amx" in f for f in flags))
+                  and kernel_isa() == "avx512_bf16" and vendor == "AuthenticAMD" and (family or 0) >= 26
+                  and "avx_vnni" in flags and not any("amx" in f for f in flags))
     return 4 if on else 5 if full_width else DEMO_EAGLE3["disable_by_batch_size"]
 
 

@@ -123,25 +123,31 @@ def test_explicit_none_turns_the_built_in_speculation_off(monkeypatch, llama_dir
 
 def test_the_built_in_head_drafts_for_more_sequences_where_verifying_costs_less(monkeypatch):
     """The built-in head stops drafting above 4 sequences on AMX tiles and with the w8a8 head on
-    AVX2, above 5 with the w8a8 head on an AVX-512 BF16 CPU with AVX-VNNI and no AMX (AMD Zen 5),
-    else above 3 (Zen 4: AVX-512 VNNI alone; an AMX Xeon whose tiles are not lent; a bf16 head)."""
+    AVX2, above 5 with the w8a8 head on an AMD CPU of family 26 or later with AVX-512 BF16, AVX-VNNI
+    and no AMX (Zen 5), else above 3 (Zen 4; a Xeon whose AMX is hidden or not lent; a bf16 head)."""
     import leapfrog.model.native_linear as nl
 
-    def cpu(isa: str, flags: set[str], amx: bool = False) -> None:
-        for name, value in (("kernel_amx", amx), ("amx_in_use", amx), ("native_linear_supported", True),
-                            ("kernel_isa", isa), ("cpu_flags", frozenset(flags))):
+    def cpu(isa: str, flags: set[str], amx: bool = False, in_use: bool | None = None,
+            vendor: tuple[str, int] = ("AuthenticAMD", 26)) -> None:
+        for name, value in (("kernel_amx", amx), ("amx_in_use", amx if in_use is None else in_use),
+                            ("native_linear_supported", True), ("kernel_isa", isa),
+                            ("cpu_flags", frozenset(flags)), ("cpu_vendor_family", vendor)):
             monkeypatch.setattr(nl, name, lambda *a, value=value: value)
 
     zen4 = {"avx512_bf16", "avx512_vnni"}
+    amx = {"amx_bf16", "amx_int8", "amx_tile"}
     cpu("avx512_bf16", zen4 | {"avx_vnni"})                       # Zen 5
     assert demo.demo_disable_by_batch_size("auto", "w8a8") == 5
     assert demo.demo_disable_by_batch_size("auto", None) == 3     # (the bf16 head: unmeasured there)
     assert demo.demo_disable_by_batch_size("float32", "w8a8") == 3
-    cpu("avx512_bf16", zen4)                                      # Zen 4
+    cpu("avx512_bf16", zen4, vendor=("AuthenticAMD", 25))         # Zen 4
     assert demo.demo_disable_by_batch_size("auto", "w8a8") == 3
-    cpu("avx512_bf16", zen4 | {"avx_vnni", "amx_bf16", "amx_int8", "amx_tile"})   # AMX tiles not lent
+    intel = ("GenuineIntel", 6)
+    cpu("avx512_bf16", zen4 | {"avx_vnni"}, vendor=intel)         # a Xeon whose AMX the hypervisor hides
     assert demo.demo_disable_by_batch_size("auto", "w8a8") == 3
-    cpu("avx512_bf16", zen4 | {"avx_vnni", "amx_bf16", "amx_int8", "amx_tile"}, amx=True)
+    cpu("avx512_bf16", zen4 | {"avx_vnni"} | amx, amx=True, in_use=False, vendor=intel)   # tiles not lent
+    assert demo.demo_disable_by_batch_size("auto", "w8a8") == 3
+    cpu("avx512_bf16", zen4 | {"avx_vnni"} | amx, amx=True, vendor=intel)
     assert demo.demo_disable_by_batch_size("auto", "w8a8") == 4
     cpu("avx2", {"avx2", "fma"})
     assert demo.demo_disable_by_batch_size("auto", "w8a8") == 4

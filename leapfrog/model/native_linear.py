@@ -1436,6 +1436,20 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(line.split()[2:])
 
 
+@functools.cache
+def cpu_vendor_family() -> tuple[str, int | None]:
+    """The CPU's vendor ("AuthenticAMD", "GenuineIntel", ...) and family number (``/proc/cpuinfo``,
+    read once; ("", None) where it cannot be read)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return "", None
+    field = lambda name: next((ln.split(":", 1)[1].strip() for ln in lines  # noqa: E731
+                               if ln.split(":", 1)[0].strip() == name), "")
+    family = field("cpu family")
+    return field("vendor_id"), int(family) if family.isdigit() else None
+
+
 def kernel_isa() -> str | None:
     """The instruction set the kernel is built for on this CPU (``/proc/cpuinfo``): "avx512_bf16",
     else "avx2" (with FMA), else None; ATEN_CPU_CAPABILITY capping PyTorch's own kernels below

@@ -246,9 +246,9 @@ DENSE_BIAS_SHARE = 1 / 16
 
 
 def _token_rules(specs: Sequence[RowSpec], vocab_size: int, device: torch.device | str
-                 ) -> tuple[Tensor | None, tuple[Tensor, Tensor, Tensor] | None]:
+                 ) -> tuple[Tensor | None, P.LogitBias | None]:
     """Per-row masks (a grammar, allowed_token_ids, bad_words ending here, stop tokens under
-    min_tokens) and logit_bias entries; (None, None) when no row has any."""
+    min_tokens) and logit_bias (entries, dense rows); None for either where no row has any."""
     masked = None
     bias: list[tuple[int, Tensor, Tensor]] = []   # (row, ids [M], values [M])
     dense: list[tuple[int, Tensor]] = []          # (row, values [V])

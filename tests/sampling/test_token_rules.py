@@ -122,7 +122,14 @@ def test_a_logit_bias_adds_its_values_kept_dense_or_as_entries(share, biases, ma
 def test_rows_with_the_requests_kept_tensors_equal_rows_built_afresh(allowed, bias, rep, prompt, outs):
     """A request's rule tensors kept in its memo (RuleTensors, built at its first row; the params'
     part shared, its output's counts kept as it grows) give the rows that building them for
-    every row gives, step after step (its output growing, drafts after it)."""
+    every row gives, step after step (its output growing, drafts after it); its logit_bias kept
+    dense (any bias of this vocabulary of 10) and as entries (DENSE_BIAS_SHARE patched to 2)."""
+    for share in (sampler.DENSE_BIAS_SHARE, 2.0):
+        with mock.patch.object(sampler, "DENSE_BIAS_SHARE", share):
+            _kept_equal_fresh(allowed, bias, rep, prompt, outs)
+
+
+def _kept_equal_fresh(allowed, bias, rep, prompt, outs):
     sp = SamplingParams(temperature=0.7, allowed_token_ids=allowed, logit_bias=bias, repetition_penalty=rep,
                         presence_penalty=0.5, frequency_penalty=0.3, min_tokens=4)
     words = BadWords(((3,), (1, 2), (5, 5, 6)))

@@ -40,7 +40,9 @@ from leapfrog.outputs import RequestOutput
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 #: seconds a request's body may go without a byte arriving (as nginx's client_body_timeout, 60 s
-#: there): a client that sends its headers and stalls gets a 408, not a coroutine held open for good
+#: there): a client that sends its headers and stalls gets a 408 and the connection closes, not a
+#: coroutine held open for good. Per part, no total deadline: an upload that keeps coming is read
+#: (4 MiB at most, MAX_BODY_BYTES)
 BODY_TIMEOUT_S = 30.0
 TOKEN_CHARS = 4   # about a token's characters: a token list's size as text, for the long texts' lane
 log = logging.getLogger("leapfrog.server")
@@ -55,8 +57,9 @@ class ASCIIJSONResponse(JSONResponse):
 
 
 def error(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-          code: str | None = None) -> JSONResponse:
-    return ASCIIJSONResponse(APIError(status, message, type_, param, code).body(), status_code=status)
+          code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    return ASCIIJSONResponse(APIError(status, message, type_, param, code).body(), status_code=status,
+                             headers=headers)
 
 
 class Guard:
@@ -87,8 +90,10 @@ class Guard:
             try:
                 msg = await asyncio.wait_for(receive(), BODY_TIMEOUT_S)
             except asyncio.TimeoutError:
+                # (Connection: close, RFC 9110: the server closes the socket after it; else uvicorn's
+                # keep-alive timer, cancelled by any later byte, could leave it open)
                 return await error(408, f"no part of the request body arrived for {BODY_TIMEOUT_S:g} s",
-                                   code="body_timeout")(scope, receive, send)
+                                   code="body_timeout", headers={"Connection": "close"})(scope, receive, send)
             if msg["type"] == "http.disconnect":
                 return
             body += msg.get("body", b"")

@@ -465,8 +465,30 @@ def test_a_body_that_stalls_gets_408_and_hurts_nobody(server, expected, monkeypa
     assert 0.9 < time.time() - t0 < 15
     head, _, body = reply.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 408"), reply
+    assert b"connection: close" in head.lower()   # (the server closes it: no keep-alive after a 408)
     assert json.loads(body)["error"]["code"] == "body_timeout"
     assert good(server) == expected
+
+
+def test_a_body_that_keeps_coming_slowly_is_read(server, expected, monkeypatch):
+    """The body timeout is per part: a body sent a few bytes at a time, each part well within
+    BODY_TIMEOUT_S but the whole longer than it, is read and answered."""
+    from leapfrog.entrypoints.openai import api_server
+    monkeypatch.setattr(api_server, "BODY_TIMEOUT_S", 1.0)
+    body = json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": 16, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    parts = [body[i:i + len(body) // 5 + 1] for i in range(0, len(body), len(body) // 5 + 1)]
+
+    def slowly():
+        for part in parts:
+            time.sleep(0.4)
+            yield part
+    t0 = time.time()
+    r = httpx.post(server.url + C, content=slowly(), timeout=30,
+                   headers={"content-type": "application/json", "content-length": str(len(body))})
+    assert time.time() - t0 > 1.5   # (longer than the timeout in all)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == expected
 
 
 def test_queue_bound(llama_dir):
