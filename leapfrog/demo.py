@@ -145,14 +145,14 @@ def demo_disable_by_batch_size(dtype: str = "auto", draft_quantization: str | No
     from leapfrog.model.native_linear import (amx_in_use, cpu_flags, cpu_vendor_family, kernel_amx, kernel_isa,
                                               native_linear_supported)
     # (the flags first: elsewhere nothing is loaded here, and the engine builds its ops in parallel)
-    on = (dtype in ("auto", "bfloat16", "bf16") and kernel_amx() and native_linear_supported(torch.bfloat16, "cpu")
-          and amx_in_use())
+    bf16 = dtype in ("auto", "bfloat16", "bf16")
+    on = bf16 and kernel_amx() and native_linear_supported(torch.bfloat16, "cpu") and amx_in_use()
     on = on or (draft_quantization == "w8a8" and kernel_isa() == "avx2")
     # (an AMD CPU of family 26 or later with AVX-VNNI beside AVX-512 BF16 and no AMX: Zen 5 and
     # later; an Intel Xeon whose AMX tiles are hidden or not lent verifies on the vdpbf16ps tiles at
     # 1.83 one-token forwards for 8 rows, so it keeps 3)
     flags, (vendor, family) = cpu_flags(), cpu_vendor_family()
-    full_width = (not on and draft_quantization == "w8a8" and dtype in ("auto", "bfloat16", "bf16")
+    full_width = (not on and draft_quantization == "w8a8" and bf16
                   and kernel_isa() == "avx512_bf16" and vendor == "AuthenticAMD" and (family or 0) >= 26
                   and "avx_vnni" in flags and not any("amx" in f for f in flags))
     return 4 if on else 5 if full_width else DEMO_EAGLE3["disable_by_batch_size"]

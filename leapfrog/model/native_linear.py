@@ -1427,27 +1427,33 @@ _LOCK = threading.Lock()       # one build at a time; callers wait for its resul
 
 
 @functools.cache
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of ``/proc/cpuinfo`` (read once; empty where it cannot be read)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return {}
+    fields: dict[str, str] = {}
+    for ln in lines:
+        name, sep, value = ln.partition(":")
+        if sep:
+            fields.setdefault(name.strip(), value.strip())
+    return fields
+
+
+@functools.cache
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags (``/proc/cpuinfo``, read once; empty where it cannot be read)."""
-    try:
-        line = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
-    except OSError:
-        return frozenset()
-    return frozenset(line.split()[2:])
+    return frozenset(_cpuinfo().get("flags", "").split())
 
 
 @functools.cache
 def cpu_vendor_family() -> tuple[str, int | None]:
     """The CPU's vendor ("AuthenticAMD", "GenuineIntel", ...) and family number (``/proc/cpuinfo``,
     read once; ("", None) where it cannot be read)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return "", None
-    field = lambda name: next((ln.split(":", 1)[1].strip() for ln in lines  # noqa: E731
-                               if ln.split(":", 1)[0].strip() == name), "")
-    family = field("cpu family")
-    return field("vendor_id"), int(family) if family.isdigit() else None
+    info = _cpuinfo()
+    family = info.get("cpu family", "")
+    return info.get("vendor_id", ""), int(family) if family.isdigit() else None
 
 
 def kernel_isa() -> str | None:
